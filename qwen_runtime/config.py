@@ -1,0 +1,314 @@
+"""One :class:`ModelConfig` for every supported family, from ``config.json`` or GGUF metadata.
+
+Field names follow Hugging Face's ``config.json`` so a reader can check them against the source.  The
+``arch`` string is the GGUF architecture name (``qwen2``, ``qwen3``, ``qwen35``), taken from the ``gguf``
+package's constants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, Keys
+
+from .errors import ConfigError, UnsupportedArchitectureError
+
+QWEN2 = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2]
+QWEN3 = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3]
+QWEN35 = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN35]
+SUPPORTED_ARCHS = (QWEN2, QWEN3, QWEN35)
+
+# HF `architectures[0]` (or `model_type` when that is absent) -> GGUF architecture name.
+HF_ARCHITECTURES: dict[str, str] = {
+    "Qwen2ForCausalLM": QWEN2,
+    "Qwen3ForCausalLM": QWEN3,
+    "Qwen3_5ForConditionalGeneration": QWEN35,
+    "Qwen3_5ForCausalLM": QWEN35,
+}
+HF_MODEL_TYPES: dict[str, str] = {"qwen2": QWEN2, "qwen3": QWEN3, "qwen3_5": QWEN35, "qwen3_5_text": QWEN35}
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+# Value-head order of Qwen3.5's linear attention when value heads outnumber key heads: HF groups the value
+# heads of one key head together; llama.cpp's converter tiles them so value head j uses key head j % Hk.
+V_HEAD_GROUPED = "grouped"
+V_HEAD_TILED = "tiled"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Qwen2 / Qwen3 / Qwen3.5 text decoder."""
+
+    arch: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rotary_dim: int
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Qwen3.5)
+    layer_types: tuple[str, ...] = ()
+    full_attention_interval: int = 0
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    mrope_sections: tuple[int, ...] = ()
+    v_head_order: str = V_HEAD_GROUPED
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.num_hidden_layers)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` when the values cannot describe a working model."""
+        positive = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size",
+                    "num_attention_heads", "num_key_value_heads", "head_dim")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"config: num_attention_heads {self.num_attention_heads} is not a multiple "
+                              f"of num_key_value_heads {self.num_key_value_heads}")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ConfigError(f"config: rotary dimension {self.rotary_dim} invalid for head_dim {self.head_dim}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"config: layer_types has {len(self.layer_types)} entries, "
+                              f"expected num_hidden_layers={self.num_hidden_layers}")
+        if self.has_linear_attention:
+            self._validate_linear()
+
+    def _validate_linear(self) -> None:
+        for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_num_key_heads", "linear_num_value_heads"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config: {name} must be positive for linear-attention layers")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError("config: linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.v_head_order not in (V_HEAD_GROUPED, V_HEAD_TILED):
+            raise ConfigError(f"config: unknown v_head_order {self.v_head_order!r}")
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return LINEAR_ATTENTION in self.layer_types
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def is_linear(self, layer: int) -> bool:
+        return self.layer_types[layer] == LINEAR_ATTENTION
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _get(cfg: Mapping[str, Any], key: str, kind: type | tuple[type, ...], source: str,
+         default: Any = ...) -> Any:
+    value = cfg.get(key, default)
+    if value is ...:
+        raise ConfigError(f"{source}: missing field {key!r}")
+    if value is None and default is None:
+        return None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{source}: field {key!r} should be {getattr(kind, '__name__', kind)}, "
+                          f"got {type(value).__name__} {value!r}")
+    return value
+
+
+def hf_arch(cfg: Mapping[str, Any], source: str = "config.json") -> str:
+    """The GGUF architecture name for an HF config, or :class:`UnsupportedArchitectureError`."""
+    archs = cfg.get("architectures") or []
+    if not isinstance(archs, list):
+        raise ConfigError(f"{source}: field 'architectures' should be a list")
+    for name in archs:
+        if name in HF_ARCHITECTURES:
+            return HF_ARCHITECTURES[name]
+    if not archs and cfg.get("model_type") in HF_MODEL_TYPES:
+        return HF_MODEL_TYPES[cfg["model_type"]]
+    named = archs or [cfg.get("model_type")]
+    raise UnsupportedArchitectureError(
+        f"{source}: unsupported architecture {named}; supported: {sorted(HF_ARCHITECTURES)}")
+
+
+def text_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Flatten Qwen3.5's nested ``text_config`` over the top level, as llama.cpp's converter does."""
+    nested = cfg.get("text_config")
+    return {**cfg, **nested} if isinstance(nested, dict) else dict(cfg)
+
+
+def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, float, tuple[int, ...]]:
+    """(rope_theta, partial_rotary_factor, mrope_section) from either the flat or the v5 layout."""
+    params = cfg.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{source}: field 'rope_parameters' should be an object")
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or (scaling.get("rope_type") or scaling.get("type")
+                                            if isinstance(scaling, dict) else None)
+    if rope_type not in (None, "default", "mrope"):
+        raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported")
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise ConfigError(f"{source}: field 'rope_theta' should be a positive number, got {theta!r}")
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    sections = params.get("mrope_section") or (scaling.get("mrope_section") if isinstance(scaling, dict) else None)
+    return float(theta), float(partial), tuple(int(s) for s in sections or ())
+
+
+def _eos_ids(cfg: Mapping[str, Any]) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+
+
+def config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
+    """Build a :class:`ModelConfig` from a parsed HF ``config.json`` (flat or nested)."""
+    arch = hf_arch(raw, source)
+    cfg = text_config(raw)
+    hidden = _get(cfg, "hidden_size", int, source)
+    heads = _get(cfg, "num_attention_heads", int, source)
+    head_dim = _get(cfg, "head_dim", int, source, None) or hidden // max(heads, 1)
+    theta, partial, sections = _rope(cfg, source)
+    layers = _get(cfg, "num_hidden_layers", int, source)
+    default_partial = 0.25 if arch == QWEN35 else 1.0
+    partial = partial if ("partial_rotary_factor" in cfg or "rope_parameters" in cfg) else default_partial
+    fields: dict[str, Any] = dict(
+        arch=arch,
+        hidden_size=hidden,
+        intermediate_size=_get(cfg, "intermediate_size", int, source),
+        num_hidden_layers=layers,
+        vocab_size=_get(cfg, "vocab_size", int, source),
+        num_attention_heads=heads,
+        num_key_value_heads=_get(cfg, "num_key_value_heads", int, source, heads),
+        head_dim=head_dim,
+        rms_norm_eps=_get(cfg, "rms_norm_eps", float, source, 1e-6),
+        rope_theta=theta,
+        max_position_embeddings=_get(cfg, "max_position_embeddings", int, source, 32768),
+        tie_word_embeddings=_get(raw, "tie_word_embeddings", bool, source,
+                                 cfg.get("tie_word_embeddings", False)),
+        rotary_dim=int(head_dim * partial),
+        attention_bias=arch == QWEN2 or bool(cfg.get("attention_bias", False)),
+        qk_norm=arch in (QWEN3, QWEN35),
+        bos_token_id=_get(cfg, "bos_token_id", int, source, None),
+        eos_token_ids=_eos_ids(cfg),
+    )
+    if arch == QWEN35:
+        fields.update(_linear_fields(cfg, layers, source), mrope_sections=sections)
+    return ModelConfig(**fields)
+
+
+def _linear_fields(cfg: Mapping[str, Any], layers: int, source: str) -> dict[str, Any]:
+    interval = _get(cfg, "full_attention_interval", int, source, 4)
+    types = cfg.get("layer_types")
+    if types is None:
+        types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)]
+    if not isinstance(types, list) or any(t not in (FULL_ATTENTION, LINEAR_ATTENTION) for t in types):
+        raise ConfigError(f"{source}: field 'layer_types' should list 'linear_attention'/'full_attention'")
+    return dict(
+        layer_types=tuple(types),
+        full_attention_interval=interval,
+        linear_conv_kernel_dim=_get(cfg, "linear_conv_kernel_dim", int, source),
+        linear_key_head_dim=_get(cfg, "linear_key_head_dim", int, source),
+        linear_value_head_dim=_get(cfg, "linear_value_head_dim", int, source),
+        linear_num_key_heads=_get(cfg, "linear_num_key_heads", int, source),
+        linear_num_value_heads=_get(cfg, "linear_num_value_heads", int, source),
+        v_head_order=V_HEAD_GROUPED,
+    )
+
+
+def gguf_key(template: str, arch: str) -> str:
+    """Expand a ``gguf.Keys`` template such as ``{arch}.block_count``."""
+    return template.format(arch=arch)
+
+
+def _meta(meta: Mapping[str, Any], template: str, arch: str, source: str, default: Any = ...) -> Any:
+    key = gguf_key(template, arch)
+    if key in meta:
+        return meta[key]
+    if default is ...:
+        raise ConfigError(f"{source}: missing metadata key {key!r}")
+    return default
+
+
+def config_from_gguf(meta: Mapping[str, Any], source: str) -> ModelConfig:
+    """Build a :class:`ModelConfig` from GGUF metadata (ours or llama.cpp's)."""
+    arch = meta.get(Keys.General.ARCHITECTURE)
+    if arch not in SUPPORTED_ARCHS:
+        raise UnsupportedArchitectureError(
+            f"{source}: unsupported GGUF architecture {arch!r}; supported: {list(SUPPORTED_ARCHS)}")
+    m = {k: (v.item() if hasattr(v, "item") and getattr(v, "ndim", 1) == 0 else v) for k, v in meta.items()}
+    hidden = int(_meta(m, Keys.LLM.EMBEDDING_LENGTH, arch, source))
+    heads = int(_meta(m, Keys.Attention.HEAD_COUNT, arch, source))
+    head_dim = int(_meta(m, Keys.Attention.KEY_LENGTH, arch, source, hidden // max(heads, 1)))
+    nextn = int(_meta(m, Keys.LLM.NEXTN_PREDICT_LAYERS, arch, source, 0))
+    layers = int(_meta(m, Keys.LLM.BLOCK_COUNT, arch, source)) - nextn
+    tokens = m.get(Keys.Tokenizer.LIST)
+    vocab = int(_meta(m, Keys.LLM.VOCAB_SIZE, arch, source, len(tokens) if tokens is not None else 0))
+    eos = m.get(Keys.Tokenizer.EOS_ID)
+    fields: dict[str, Any] = dict(
+        arch=arch,
+        hidden_size=hidden,
+        intermediate_size=int(_meta(m, Keys.LLM.FEED_FORWARD_LENGTH, arch, source)),
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+        num_attention_heads=heads,
+        num_key_value_heads=int(_meta(m, Keys.Attention.HEAD_COUNT_KV, arch, source, heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(_meta(m, Keys.Attention.LAYERNORM_RMS_EPS, arch, source)),
+        rope_theta=float(_meta(m, Keys.Rope.FREQ_BASE, arch, source, 10000.0)),
+        max_position_embeddings=int(_meta(m, Keys.LLM.CONTEXT_LENGTH, arch, source)),
+        tie_word_embeddings=False,  # decided by the reader from the presence of output.weight
+        rotary_dim=int(_meta(m, Keys.Rope.DIMENSION_COUNT, arch, source, head_dim)),
+        qk_norm=arch in (QWEN3, QWEN35),
+        attention_bias=arch == QWEN2,
+        bos_token_id=int(m[Keys.Tokenizer.BOS_ID]) if Keys.Tokenizer.BOS_ID in m else None,
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+    if arch == QWEN35:
+        fields.update(_linear_fields_gguf(m, arch, layers, source))
+    return ModelConfig(**fields)
+
+
+def _linear_fields_gguf(m: Mapping[str, Any], arch: str, layers: int, source: str) -> dict[str, Any]:
+    interval = int(_meta(m, Keys.LLM.FULL_ATTENTION_INTERVAL, arch, source, 4))
+    state = int(_meta(m, Keys.SSM.STATE_SIZE, arch, source))
+    v_heads = int(_meta(m, Keys.SSM.TIME_STEP_RANK, arch, source))
+    inner = int(_meta(m, Keys.SSM.INNER_SIZE, arch, source))
+    sections = _meta(m, Keys.Rope.DIMENSION_SECTIONS, arch, source, ())
+    return dict(
+        layer_types=tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+                          for i in range(layers)),
+        full_attention_interval=interval,
+        linear_conv_kernel_dim=int(_meta(m, Keys.SSM.CONV_KERNEL, arch, source)),
+        linear_key_head_dim=state,
+        linear_value_head_dim=inner // max(v_heads, 1),
+        linear_num_key_heads=int(_meta(m, Keys.SSM.GROUP_COUNT, arch, source)),
+        linear_num_value_heads=v_heads,
+        mrope_sections=tuple(int(s) for s in sections if int(s)),
+        v_head_order=V_HEAD_TILED,
+    )

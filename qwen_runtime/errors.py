@@ -1,0 +1,56 @@
+"""The exceptions raised by qwen_runtime and qwen_convert.
+
+Every problem with a file or its contents is a :class:`FormatError` (a ``ValueError``) whose message names
+the file, the tensor or key, and what was expected.  CLIs catch :class:`QwenError`, print one line and
+exit with the code in :data:`EXIT_CODES`.
+"""
+
+from __future__ import annotations
+
+
+class QwenError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class FormatError(QwenError, ValueError):
+    """A model file is missing, truncated, corrupt or inconsistent."""
+
+
+class UnsupportedArchitectureError(FormatError):
+    """The model's architecture is not one of the supported Qwen families."""
+
+
+class ConfigError(FormatError):
+    """A config file lacks a field or has one of the wrong type."""
+
+
+class OutputExistsError(QwenError, FileExistsError):
+    """An output already exists and overwriting it was not asked for."""
+
+
+class ResourceLimitError(QwenError, MemoryError):
+    """A request would need more memory than the user allows."""
+
+
+class TemplateError(QwenError, ValueError):
+    """A chat template failed to render (or tried something the sandbox forbids)."""
+
+
+# Exit codes shared by every CLI (documented in README.md).
+EXIT_CODES: dict[type[QwenError], int] = {
+    UnsupportedArchitectureError: 3,
+    ConfigError: 4,
+    FormatError: 2,
+    OutputExistsError: 5,
+    ResourceLimitError: 6,
+    TemplateError: 7,
+    QwenError: 1,
+}
+
+
+def exit_code(err: QwenError) -> int:
+    """The CLI exit code for ``err`` (most specific class wins)."""
+    for cls in type(err).__mro__:
+        if cls in EXIT_CODES:
+            return EXIT_CODES[cls]
+    return 1

@@ -1,0 +1,40 @@
+"""Readers for every on-disk format; each yields a :class:`~qwen_runtime.formats.base.ModelFiles`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import FormatError
+from .base import ModelFiles
+from .gguf_file import open_gguf
+from .hf_dir import open_hf_dir
+from .npy_dir import MANIFEST_NAME, open_npy_dir
+
+__all__ = ["ModelFiles", "detect_format", "open_model_files", "open_gguf", "open_hf_dir", "open_npy_dir"]
+
+
+def detect_format(path: str | Path) -> str:
+    """``"gguf"``, ``"npy"`` or ``"hf"`` for a model path, or :class:`FormatError`."""
+    p = Path(path)
+    if not p.exists():
+        raise FormatError(f"{p}: no such file or directory")
+    if p.is_file():
+        with open(p, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return "gguf"
+        raise FormatError(f"{p}: not a GGUF file (bad magic) and not a model directory")
+    if (p / MANIFEST_NAME).is_file():
+        return "npy"
+    if (p / "config.json").is_file():
+        return "hf"
+    raise FormatError(f"{p}: neither an npy model directory ({MANIFEST_NAME}) nor an HF one (config.json)")
+
+
+def open_model_files(path: str | Path, v_head_order: str | None = None) -> ModelFiles:
+    """Open any supported model path lazily (weights stay memory-mapped)."""
+    fmt = detect_format(path)
+    if fmt == "gguf":
+        return open_gguf(path)
+    if fmt == "npy":
+        return open_npy_dir(path)
+    return open_hf_dir(path, v_head_order=v_head_order)

@@ -1,0 +1,116 @@
+"""Hugging Face model directories: config.json plus one or many safetensors shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..config import V_HEAD_GROUPED, ModelConfig, config_from_hf
+from ..errors import FormatError
+from ..naming import (
+    TRANSFORM_NOTES,
+    TRANSFORMS,
+    TensorPlan,
+    check_tensors,
+    output_shape,
+    plan_tensor,
+    skip_reason,
+    tile_v_heads,
+)
+from ..tensors import QType, StoredTensor, to_float32
+from .base import ModelFiles, contained_path, read_json_file
+from .safetensors import SafetensorsEntry, read_header, read_index
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def shard_entries(directory: Path) -> dict[str, SafetensorsEntry]:
+    """Every tensor of the checkpoint, from the index's shards or the single file."""
+    index_path = directory / INDEX_NAME
+    if index_path.is_file():
+        weight_map = read_index(index_path)
+        shards = sorted(set(weight_map.values()))
+    elif (directory / SINGLE_NAME).is_file():
+        weight_map, shards = None, [SINGLE_NAME]
+    else:
+        found = sorted(p.name for p in directory.glob("*.safetensors"))
+        if not found:
+            raise FormatError(f"{directory}: no {SINGLE_NAME} or {INDEX_NAME}")
+        weight_map, shards = None, found
+    entries: dict[str, SafetensorsEntry] = {}
+    for shard in shards:
+        path = contained_path(directory, shard, f"{INDEX_NAME} shard")
+        if not path.is_file():
+            raise FormatError(f"{path}: shard listed in {INDEX_NAME} is missing")
+        for name, entry in read_header(path)[0].items():
+            if name in entries:
+                raise FormatError(f"{path}: tensor {name!r} also appears in {entries[name].path.name}")
+            entries[name] = entry
+    if weight_map is not None:
+        _check_index(directory, weight_map, entries)
+    return entries
+
+
+def _check_index(directory: Path, weight_map: dict[str, str], entries: dict[str, SafetensorsEntry]) -> None:
+    for name, shard in weight_map.items():
+        if name not in entries:
+            raise FormatError(f"{directory / shard}: tensor {name!r} listed in {INDEX_NAME} is not in any shard")
+        if entries[name].path.name != Path(shard).name:
+            raise FormatError(f"{directory / INDEX_NAME}: tensor {name!r} is in {entries[name].path.name}, "
+                              f"not {shard}")
+
+
+def load_hf_config(directory: Path) -> tuple[dict, ModelConfig]:
+    raw = read_json_file(directory / "config.json")
+    assert raw is not None
+    return raw, config_from_hf(raw, str(directory / "config.json"))
+
+
+def _stored(entry: SafetensorsEntry, plan: TensorPlan, config: ModelConfig) -> StoredTensor:
+    """A canonical tensor backed by a safetensors entry, transformed lazily when needed."""
+    shape = output_shape(plan, entry.shape)
+    note = "; ".join(filter(None, [TRANSFORM_NOTES.get(plan.transform),
+                                   "value heads tiled" if plan.v_axis is not None else ""]))
+    if not plan.transform and plan.v_axis is None:
+        return StoredTensor(plan.name, entry.qtype, shape, entry.path, loader=entry.view)
+    widen = plan.transform in ("neg_exp", "plus_one")
+
+    def load() -> np.ndarray:
+        x = entry.view()
+        x = TRANSFORMS[plan.transform](to_float32(entry.qtype, x) if widen else x)
+        return tile_v_heads(np.asarray(x), plan, config.linear_num_key_heads, config.linear_num_value_heads)
+
+    return StoredTensor(plan.name, QType.F32 if widen else entry.qtype, shape, entry.path, loader=load,
+                        transform=note)
+
+
+def open_hf_dir(path: str | Path, v_head_order: str | None = None) -> ModelFiles:
+    """Open an HF directory; tensors are renamed and transformed to the canonical GGUF vocabulary.
+
+    ``v_head_order`` is ``"grouped"`` (default: HF's order, zero-copy) or ``"tiled"`` (llama.cpp's order,
+    which copies the affected tensors when they are read; used by the converter).
+    """
+    directory = Path(path)
+    raw, config = load_hf_config(directory)
+    order = v_head_order or V_HEAD_GROUPED
+    config = config.replace(v_head_order=order) if config.has_linear_attention else config
+    tensors: dict[str, StoredTensor] = {}
+    skipped: dict[str, str] = {}
+    for hf_name, entry in sorted(shard_entries(directory).items()):
+        reason = skip_reason(hf_name, config)
+        if reason:
+            skipped[hf_name] = reason
+            continue
+        try:
+            plan = plan_tensor(hf_name, entry.shape, config, order)
+        except FormatError as exc:
+            raise FormatError(f"{entry.path}: {exc}") from None
+        if plan.name in tensors:
+            raise FormatError(f"{entry.path}: tensors {hf_name!r} and another both map to {plan.name!r}")
+        tensors[plan.name] = _stored(entry, plan, config)
+    tied = check_tensors(config, tensors, str(directory))
+    if tied and not config.tie_word_embeddings:
+        raise FormatError(f"{directory}: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
+    return ModelFiles(directory, "hf", config, tensors, directory=directory, hf_config=raw, skipped=skipped)

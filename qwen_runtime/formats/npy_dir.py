@@ -1,0 +1,120 @@
+"""Directories of memory-mappable ``.npy`` files written by ``qwen-convert --format npy``.
+
+Layout: one ``<canonical name>.npy`` per tensor, ``manifest.json`` (schema below), the normalised
+``config.json`` and the source's tokenizer files.  Q8_0 tensors are stored as arrays of the structured
+dtype :data:`~qwen_runtime.tensors.Q8_0_DTYPE` (34-byte GGML blocks) so the bytes equal a GGUF's.
+
+``manifest.json``::
+
+    {"format": "qwen-numpy-npy", "version": 1, "architecture": "qwen2", "source": "...",
+     "dtype": "q8_0", "v_head_order": "grouped" | "tiled", "tied_embeddings": true,
+     "tensors": {"token_embd.weight": {"file": "token_embd.weight.npy", "shape": [V, H], "type": "Q8_0",
+                                       "nbytes": 123, "sha256": "..."}, ...}}
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import QWEN35
+from ..errors import FormatError
+from ..naming import check_tensors
+from ..tensors import DENSE_DTYPES, Q8_0_DTYPE, QType, StoredTensor, stored_nbytes, stored_shape
+from .base import ModelFiles, contained_path, read_json_file
+from .hf_dir import load_hf_config
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_NAME = "qwen-numpy-npy"
+FORMAT_VERSION = 1
+
+
+def npy_dtype(qtype: QType) -> np.dtype:
+    """The dtype of the ``.npy`` array holding a tensor of ``qtype``."""
+    return Q8_0_DTYPE if qtype == QType.Q8_0 else DENSE_DTYPES[qtype]
+
+
+def npy_shape(qtype: QType, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The ``.npy`` array shape for a tensor of logical ``shape`` (blocks, for Q8_0)."""
+    if qtype == QType.Q8_0:
+        return (*shape[:-1], stored_shape(qtype, shape)[-1] // Q8_0_DTYPE.itemsize)
+    return shape
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _open_npy(path: Path, name: str, info: dict[str, Any]) -> StoredTensor:
+    try:
+        qtype = QType[info["type"]]
+        shape = tuple(int(s) for s in info["shape"])
+    except (KeyError, TypeError, ValueError):
+        raise FormatError(f"{path}: manifest entry for {name!r} lacks a valid 'type'/'shape'") from None
+    if qtype not in (*DENSE_DTYPES, QType.Q8_0):
+        raise FormatError(f"{path}: tensor {name!r} has unsupported type {qtype.name}")
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise FormatError(f"{path}: cannot read tensor {name!r} ({exc})") from None
+    want_dtype, want_shape = npy_dtype(qtype), npy_shape(qtype, shape)
+    if array.dtype != want_dtype or tuple(array.shape) != want_shape:
+        raise FormatError(f"{path}: tensor {name!r} is {array.dtype}{list(array.shape)}, manifest says "
+                          f"{qtype.name}{list(shape)} ({want_dtype}{list(want_shape)})")
+    if info.get("nbytes") != stored_nbytes(qtype, shape):
+        raise FormatError(f"{path}: tensor {name!r}: manifest nbytes {info.get('nbytes')} disagrees with "
+                          f"{qtype.name}{list(shape)}")
+    if qtype == QType.Q8_0:
+        array = array.view(np.uint8).reshape(stored_shape(qtype, shape))
+    return StoredTensor(name, qtype, shape, path, data=array)
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    manifest = read_json_file(directory / MANIFEST_NAME)
+    assert manifest is not None
+    if manifest.get("format") != FORMAT_NAME:
+        raise FormatError(f"{directory / MANIFEST_NAME}: format is {manifest.get('format')!r}, "
+                          f"expected {FORMAT_NAME!r}")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise FormatError(f"{directory / MANIFEST_NAME}: unsupported version {manifest.get('version')!r}")
+    if not isinstance(manifest.get("tensors"), dict):
+        raise FormatError(f"{directory / MANIFEST_NAME}: 'tensors' must be an object")
+    return manifest
+
+
+def verify_checksums(files: ModelFiles) -> None:
+    """Recompute every tensor file's SHA-256 and compare it with the manifest."""
+    for name, info in files.metadata["tensors"].items():
+        path = files.tensors[name].path
+        if sha256_file(Path(path)) != info.get("sha256"):
+            raise FormatError(f"{path}: tensor {name!r}: checksum does not match {MANIFEST_NAME}")
+
+
+def open_npy_dir(path: str | Path, verify: bool = False) -> ModelFiles:
+    """Open an npy model directory; every tensor is an ``np.load(..., mmap_mode="r")`` view."""
+    directory = Path(path)
+    manifest = read_manifest(directory)
+    raw, config = load_hf_config(directory)
+    if manifest.get("architecture") != config.arch:
+        raise FormatError(f"{directory / MANIFEST_NAME}: architecture {manifest.get('architecture')!r} "
+                          f"disagrees with config.json ({config.arch})")
+    if config.arch == QWEN35:
+        config = config.replace(v_head_order=manifest.get("v_head_order", config.v_head_order))
+    tensors = {}
+    for name, info in manifest["tensors"].items():
+        if not isinstance(info, dict):
+            raise FormatError(f"{directory / MANIFEST_NAME}: entry for {name!r} is not an object")
+        file = contained_path(directory, info.get("file"), f"tensor {name!r}")
+        tensors[name] = _open_npy(file, name, info)
+    check_tensors(config, tensors, str(directory))
+    files = ModelFiles(directory, "npy", config, tensors, directory=directory, metadata=manifest, hf_config=raw)
+    if verify:
+        verify_checksums(files)
+    return files
