@@ -1,0 +1,264 @@
+"""Gated DeltaNet kernels of Qwen3.5's linear-attention layers, in plain numpy (docs §3.4).
+
+Every function works on a whole batch at once and documents its shapes with the letters
+
+    B batch, T tokens, C conv channels (2·Hk·dk + Hv·dv), K conv kernel,
+    Hk key heads, Hv value heads, dk key head dim, dv value head dim, N chunks, L chunk length.
+
+Padding is described by ``valid`` (bool ``[B, T]``, False on padding).  Padded positions contribute
+nothing: the conv skips them (zero input, conv state untouched) and the delta rule sees g = 0, β = 0 there,
+so the recurrent state passes through unchanged.  All arithmetic is float32.
+
+The recurrent state of one value head is ``S ∈ ℝ^(dk×dv)`` (HF's layout ``[B, Hv, dk, dv]``); one step is
+
+    S̄ = exp(g) S;   u = β (v − S̄ᵀk);   S ← S̄ + k uᵀ;   o = Sᵀq
+
+(decay before the read, output read after the update).  :func:`chunked_delta_rule` computes the same thing
+64 tokens at a time with matrix products (the "UT transform" of the DeltaNet papers).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import V_HEAD_GROUPED, V_HEAD_TILED
+
+F32 = np.float32
+L2_EPS = 1e-6  # HF/FLA l2norm epsilon, inside the square root
+CHUNK = 64
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x · σ(x), written with tanh so large |x| cannot overflow."""
+    return x * (F32(0.5) + F32(0.5) * np.tanh(F32(0.5) * x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return F32(0.5) + F32(0.5) * np.tanh(F32(0.5) * x)
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + eˣ) without overflow."""
+    return np.logaddexp(F32(0.0), x).astype(F32, copy=False)
+
+
+# --- convolution -------------------------------------------------------------------------------------------
+
+
+def left_pad_counts(valid: np.ndarray | None, batch: int, length: int) -> np.ndarray:
+    """Padding tokens at the start of each row: int ``[B]``; raises ValueError unless padding is leading."""
+    if valid is None:
+        return np.zeros(batch, dtype=np.intp)
+    valid = np.asarray(valid, dtype=bool)
+    if valid.shape != (batch, length):
+        raise ValueError(f"valid mask has shape {valid.shape}, expected {(batch, length)}")
+    pads = length - valid.sum(axis=1)
+    # left padding means each row is False * pads then True * (T - pads)
+    if not np.array_equal(valid, np.arange(length)[None, :] >= pads[:, None]):
+        raise ValueError("valid mask must describe left padding (False only before the first True of a row)")
+    return pads.astype(np.intp)
+
+
+def causal_conv1d(x: np.ndarray, weight: np.ndarray, state: np.ndarray,
+                  valid: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Causal depthwise conv over time followed by SiLU, carrying the last K−1 raw inputs.
+
+    Args:
+        x: raw projections ``[B, T, C]`` (pre-conv).
+        weight: depthwise kernel ``[C, K]``; tap K−1 multiplies the current token.
+        state: the K−1 raw inputs before ``x`` ``[B, K−1, C]`` (zeros at sequence start).
+        valid: bool ``[B, T]`` with left padding only (None = all valid).
+
+    Returns:
+        (SiLU(conv) ``[B, T, C]`` with zeros on padding, new state ``[B, K−1, C]``).
+    """
+    batch, length, channels = x.shape
+    kernel = weight.shape[1]
+    pads = left_pad_counts(valid, batch, length)
+    # ext[b] = [zeros for padding | state[b] | valid inputs of row b]: the state sits right before the first
+    # valid token, so padding is skipped exactly.
+    ext = np.zeros((batch, kernel - 1 + length, channels), dtype=F32)  # [B, K-1+T, C]
+    ext[:, kernel - 1:] = x
+    if pads.any():
+        ext[np.arange(kernel - 1 + length)[None, :] < (kernel - 1 + pads)[:, None]] = 0.0
+    rows = np.arange(batch)[:, None]
+    ext[rows, pads[:, None] + np.arange(kernel - 1)[None, :]] = state
+    out = ext[:, 0:length] * weight[:, 0]  # [B, T, C]
+    for tap in range(1, kernel):
+        out += ext[:, tap:tap + length] * weight[:, tap]
+    out = silu(out)
+    if pads.any():
+        out[np.arange(length)[None, :] < pads[:, None]] = 0.0
+    return out, ext[:, length:].copy()
+
+
+# --- per-head preparation ------------------------------------------------------------------------------------
+
+
+def l2_normalize(x: np.ndarray, eps: float = L2_EPS) -> np.ndarray:
+    """x / sqrt(Σx² + eps) over the last axis (HF/FLA ``l2norm``)."""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + F32(eps))
+
+
+def expand_key_heads(x: np.ndarray, n_value_heads: int, order: str) -> np.ndarray:
+    """Map key heads onto value heads: ``[B, T, Hk, d] -> [B, T, Hv, d]``.
+
+    ``grouped`` (HF): value head j uses key head j // (Hv/Hk); ``tiled`` (llama.cpp): key head j % Hk.
+    """
+    ratio = n_value_heads // x.shape[2]
+    if ratio == 1:
+        return x
+    if order == V_HEAD_GROUPED:
+        return np.repeat(x, ratio, axis=2)
+    if order == V_HEAD_TILED:
+        return np.tile(x, (1, 1, ratio, 1))
+    raise ValueError(f"unknown value-head order {order!r}")
+
+
+def split_qkv(mixed: np.ndarray, n_key_heads: int, key_dim: int, value_dim: int,
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split conv output ``[B, T, C]`` into q, k ``[B, T, Hk, dk]`` and v ``[B, T, Hv, dv]``."""
+    batch, length, _ = mixed.shape
+    key_width = n_key_heads * key_dim
+    q = mixed[..., :key_width].reshape(batch, length, n_key_heads, key_dim)
+    k = mixed[..., key_width:2 * key_width].reshape(batch, length, n_key_heads, key_dim)
+    v = mixed[..., 2 * key_width:].reshape(batch, length, -1, value_dim)
+    return q, k, v
+
+
+def prepare_qk(q: np.ndarray, k: np.ndarray, n_value_heads: int, order: str) -> tuple[np.ndarray, np.ndarray]:
+    """L2-normalise q and k, scale q by dk^-½ and map them to value heads: ``[B, T, Hk, dk] -> [B, T, Hv, dk]``."""
+    scale = F32(q.shape[-1] ** -0.5)
+    q = l2_normalize(q) * scale
+    k = l2_normalize(k)
+    return expand_key_heads(q, n_value_heads, order), expand_key_heads(k, n_value_heads, order)
+
+
+def gates(b: np.ndarray, a: np.ndarray, ssm_a: np.ndarray, dt_bias: np.ndarray,
+          valid: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """β = σ(b) and log-decay g = ssm_a · softplus(a + dt_bias), both ``[B, T, Hv]``; 0 on padding.
+
+    ``ssm_a`` is already −exp(A_log) (the canonical GGUF tensor), so g ≤ 0.
+    """
+    beta = sigmoid(b.astype(F32, copy=False))
+    g = ssm_a.astype(F32) * softplus(a.astype(F32, copy=False) + dt_bias.astype(F32))
+    if valid is not None:
+        keep = np.asarray(valid, dtype=bool)[..., None]
+        beta, g = np.where(keep, beta, F32(0)), np.where(keep, g, F32(0))
+    return beta, g
+
+
+# --- the delta rule ------------------------------------------------------------------------------------------
+
+
+def recurrent_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                         state: np.ndarray) -> np.ndarray:
+    """Token-by-token gated delta rule, updating ``state`` in place (the decode path).
+
+    Args:
+        q, k: normalised (q also scaled) ``[B, T, H, dk]``; v ``[B, T, H, dv]``; g, beta ``[B, T, H]``.
+        state: float32 ``[B, H, dk, dv]``, updated in place.
+
+    Returns:
+        o ``[B, T, H, dv]``.
+
+    Both reads use the pre-decay state: with S̄ = e^g S, S̄ᵀk = e^g (Sᵀk) and the output after the update is
+    Sₙᵀq = e^g (Sᵀq) + (k·q) u, so one pass reads S and two in-place passes update it.
+    """
+    batch, length, heads, _ = q.shape
+    out = np.empty(v.shape, dtype=F32)  # [B, T, H, dv]
+    for t in range(length):
+        qk = np.stack([q[:, t], k[:, t]], axis=2)  # [B, H, 2, dk]
+        reads = np.matmul(qk, state)  # [B, H, 2, dv]
+        decay = np.exp(g[:, t])[..., None]  # [B, H, 1]
+        u = beta[:, t, :, None] * (v[:, t] - decay * reads[:, :, 1])  # [B, H, dv]
+        qdotk = np.sum(q[:, t] * k[:, t], axis=-1, keepdims=True)  # [B, H, 1]
+        out[:, t] = decay * reads[:, :, 0] + qdotk * u
+        state *= decay[..., None]
+        state += k[:, t, :, :, None] * u[:, :, None, :]
+    return out
+
+
+def _to_chunks(x: np.ndarray, length: int, chunk: int) -> np.ndarray:
+    """``[B, T, H, ...] -> [B, H, N, L, ...]`` with zero padding at the end."""
+    pad = (-length) % chunk
+    x = np.moveaxis(x, 2, 1)  # [B, H, T, ...]
+    if pad:
+        widths = [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)
+        x = np.pad(x, widths)
+    return np.ascontiguousarray(x.reshape(*x.shape[:2], -1, chunk, *x.shape[3:]), dtype=F32)
+
+
+def unit_lower_inverse(strict: np.ndarray) -> np.ndarray:
+    """(I + strict)⁻¹ for strictly lower-triangular ``[..., L, L]`` by forward substitution over rows."""
+    size = strict.shape[-1]
+    inv = -strict  # rows are completed in order; row i only needs rows < i
+    for i in range(1, size):
+        inv[..., i, :i] += np.matmul(inv[..., i:i + 1, :i], inv[..., :i, :i])[..., 0, :]
+    inv += np.eye(size, dtype=F32)
+    return inv
+
+
+def _intra_chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                 ) -> tuple[np.ndarray, ...]:
+    """Everything that does not depend on the incoming state, for all chunks at once.
+
+    Inputs are chunked: q, k ``[B, H, N, L, dk]``, v ``[B, H, N, L, dv]``, g, beta ``[B, H, N, L]``.
+    """
+    chunk = g.shape[-1]
+    gamma = np.cumsum(g, axis=-1)  # [B, H, N, L]
+    lower = np.tril(np.ones((chunk, chunk), dtype=bool))
+    diff = gamma[..., :, None] - gamma[..., None, :]  # [B, H, N, L, L]
+    decay = np.exp(np.where(lower, diff, -np.inf)).astype(F32)  # D_ij = exp(γi − γj), i ≥ j
+    k_beta = k * beta[..., None]
+    strict = np.matmul(k_beta, np.swapaxes(k, -1, -2)) * decay
+    strict *= ~np.eye(chunk, dtype=bool)
+    solve = unit_lower_inverse(strict)  # [B, H, N, L, L]
+    exp_gamma = np.exp(gamma)[..., None]  # [B, H, N, L, 1]
+    u = np.matmul(solve, v * beta[..., None])  # [B, H, N, L, dv]
+    w = np.matmul(solve, k_beta * exp_gamma)  # [B, H, N, L, dk]
+    attn = np.matmul(q, np.swapaxes(k, -1, -2)) * decay  # [B, H, N, L, L]
+    q_decayed = q * exp_gamma
+    k_decayed = k * np.exp(gamma[..., -1:] - gamma)[..., None]
+    chunk_decay = np.exp(gamma[..., -1])[..., None, None]  # [B, H, N, 1, 1]
+    return u, w, attn, q_decayed, k_decayed, chunk_decay
+
+
+def chunked_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                       state: np.ndarray, chunk: int = CHUNK) -> np.ndarray:
+    """The gated delta rule over a whole sequence, ``chunk`` tokens at a time (the prefill path).
+
+    Same arguments and result as :func:`recurrent_delta_rule` (``state`` ``[B, H, dk, dv]`` updated in place).
+    Per chunk with incoming state S (docs §3.4): Vn = U − W S; O = (Q̂ ⊙ e^γ) S + (Q̂K̂ᵀ ⊙ D) Vn;
+    S ← e^(γ_last) S + (K̂ ⊙ e^(γ_last − γ))ᵀ Vn.
+    """
+    batch, length, heads, dv = v.shape
+    qc, kc, vc = (_to_chunks(x, length, chunk) for x in (q, k, v))
+    gc, bc = (_to_chunks(x, length, chunk) for x in (g, beta))
+    u, w, attn, q_decayed, k_decayed, chunk_decay = _intra_chunk(qc, kc, vc, gc, bc)
+    out = np.empty(u.shape, dtype=F32)  # [B, H, N, L, dv]
+    s = state.astype(F32, copy=False)
+    for n in range(u.shape[2]):
+        v_new = u[:, :, n] - np.matmul(w[:, :, n], s)  # [B, H, L, dv]
+        out[:, :, n] = np.matmul(q_decayed[:, :, n], s) + np.matmul(attn[:, :, n], v_new)
+        s = s * chunk_decay[:, :, n] + np.matmul(np.swapaxes(k_decayed[:, :, n], -1, -2), v_new)
+    state[...] = s
+    out = out.reshape(batch, heads, -1, dv)[:, :, :length]
+    return np.ascontiguousarray(np.moveaxis(out, 1, 2))  # [B, T, H, dv]
+
+
+def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+               state: np.ndarray, chunk: int = CHUNK) -> np.ndarray:
+    """Recurrent form for a few tokens (decode), chunked form for longer inputs (prefill)."""
+    if q.shape[1] <= 4:
+        return recurrent_delta_rule(q, k, v, g, beta, state)
+    return chunked_delta_rule(q, k, v, g, beta, state, chunk)
+
+
+# --- output norm ---------------------------------------------------------------------------------------------
+
+
+def gated_rms_norm(o: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """norm(o) ⊙ w ⊙ SiLU(z) per head (no +1): ``[B, T, Hv, dv]`` -> ``[B, T, Hv, dv]``."""
+    inv = F32(1.0) / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + F32(eps))
+    return o * inv * weight.astype(F32) * silu(z.astype(F32, copy=False))
