@@ -1,0 +1,133 @@
+"""Per-layer caches and the batch bookkeeping that every mixer sees.
+
+A model's cache is a :class:`Cache`: one object per layer (made by the layer's mixer, so Qwen3.5's
+linear-attention layers hold a recurrent state where full-attention layers hold a :class:`KVCache`), plus
+per-row bookkeeping shared by all layers.
+
+Batches are left-padded and *slot-aligned*: column ``s`` of every row's KV buffer holds the token fed at
+step ``s`` of the batch, padding included.  ``valid[b, s]`` says whether slot ``s`` of row ``b`` is a real
+token; rotary positions count real tokens only, so each row starts at position 0 at its first real token
+and gives the same result as running it alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+class LayerCache(Protocol):
+    """What the generation loop needs from any per-layer cache."""
+
+    def select(self, rows: np.ndarray) -> None:
+        """Keep only batch rows ``rows`` (in that order), e.g. to drop finished sequences."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache arrays."""
+
+
+@dataclass(frozen=True)
+class BatchState:
+    """What a mixer needs to know about the tokens it is given.
+
+    ``start`` is the cache slot of the first new token (the same for every row); the new tokens occupy slots
+    ``start .. start + T - 1``.  ``key_valid`` covers every slot up to and including the new ones.
+    """
+
+    positions: np.ndarray  # int64 [B, T] rotary position of each new token (0 at a row's first real token)
+    valid: np.ndarray  # bool [B, T] False on padding
+    start: int  # slot of the first new token
+    key_valid: np.ndarray  # bool [B, start + T] which cached + new slots hold real tokens
+
+    @property
+    def batch(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[1]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class KVCache:
+    """Preallocated keys and values of one full-attention layer.  # 2 x [B, kv_heads, max_len, head_dim]"""
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int) -> None:
+        self.keys = np.zeros((batch, kv_heads, max_len, head_dim), np.float32)
+        self.values = np.zeros((batch, kv_heads, max_len, head_dim), np.float32)
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[2]
+
+    def update(self, k: np.ndarray, v: np.ndarray, state: BatchState) -> tuple[np.ndarray, np.ndarray]:
+        """Write the new keys/values at their slots; return views of every slot so far.
+
+        ``k``, ``v``: [B, kv_heads, T, hd] -> 2 x [B, kv_heads, start + T, hd]
+        """
+        self.keys[:, :, state.start:state.end] = k
+        self.values[:, :, state.start:state.end] = v
+        return self.keys[:, :, : state.end], self.values[:, :, : state.end]
+
+    def select(self, rows: np.ndarray) -> None:
+        self.keys = self.keys[rows]
+        self.values = self.values[rows]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+class Cache:
+    """All layers' caches of a batch plus per-row bookkeeping (filled slots, real-token counts)."""
+
+    def __init__(self, layers: list[LayerCache], batch: int, max_len: int) -> None:
+        self.layers = layers
+        self.max_len = max_len
+        self.offset = 0  # slots filled so far (the same for every row)
+        self.valid = np.zeros((batch, max_len), bool)  # [B, max_len]
+        self.lengths = np.zeros(batch, np.int64)  # [B] real tokens so far per row
+
+    @property
+    def batch(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_len - self.offset
+
+    def begin(self, valid: np.ndarray) -> BatchState:
+        """The :class:`BatchState` of the next ``T`` tokens, whose validity is ``valid`` [B, T]."""
+        valid = np.asarray(valid, bool)
+        b, t = valid.shape
+        if b != self.batch:
+            raise ValueError(f"cache holds {self.batch} rows, got a batch of {b}")
+        if t > self.remaining:
+            raise ValueError(f"cache overflow: {t} new tokens but only {self.remaining} of {self.max_len} slots left")
+        positions = self.lengths[:, None] + np.cumsum(valid, axis=1) - 1  # [B, T]
+        start = self.offset
+        self.valid[:, start:start + t] = valid
+        return BatchState(np.maximum(positions, 0), valid, start, self.valid[:, : start + t])
+
+    def commit(self, state: BatchState) -> None:
+        """Advance the bookkeeping once every layer has consumed ``state``."""
+        self.offset = state.end
+        self.lengths += state.valid.sum(axis=1)
+
+    def select(self, rows: np.ndarray) -> None:
+        """Keep only batch rows ``rows`` in every layer (drops finished sequences)."""
+        rows = np.asarray(rows, np.int64)
+        for layer in self.layers:
+            layer.select(rows)
+        self.valid = self.valid[rows]
+        self.lengths = self.lengths[rows]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)

@@ -1,0 +1,19 @@
+"""Decoder models.  Importing a mixer module registers its layer types (see :mod:`.base`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..formats import ModelFiles, open_model_files
+from ..weights import TILE_ELEMENTS
+from . import attention  # noqa: F401  (registers full_attention for qwen2 / qwen3)
+from .base import MIXERS, BatchState, Mixer, WeightStore, register_mixer
+from .transformer import Block, Model
+
+__all__ = ["MIXERS", "BatchState", "Block", "Mixer", "Model", "WeightStore", "build_model", "register_mixer"]
+
+
+def build_model(source: str | Path | ModelFiles, tile_elements: int = TILE_ELEMENTS) -> Model:
+    """Open a model path (HF dir, npy dir or GGUF file) or wrap already-opened files."""
+    files = source if isinstance(source, ModelFiles) else open_model_files(source)
+    return Model(files, WeightStore(files, tile_elements))

@@ -1,0 +1,111 @@
+"""Softmax attention of Qwen2 / Qwen2.5 / DeepSeek-R1-Distill (q/k/v biases) and Qwen3 (per-head q/k RMSNorm).
+
+Math (docs/qwen-architectures.md §3.3): q/k/v projections (+ bias for Qwen2), split into heads, Qwen3's
+RMSNorm over each head's ``head_dim`` (one weight shared by all heads) *before* RoPE, rotate-half RoPE,
+GQA (query head h reads kv head ``h // (nh / nkv)``), causal softmax over every cached slot with
+padding slots masked, then ``o_proj`` (no bias).  The pieces are module functions so other attention
+variants (Qwen3.5's gated attention) can reuse them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import MODEL_TENSOR as T
+
+from ..cache import BatchState, KVCache
+from ..config import FULL_ATTENTION, QWEN2, QWEN3, ModelConfig
+from ..ops import apply_rope, rms_norm, rope_cos_sin, softmax
+from .base import WeightStore, register_mixer
+
+# Upper bound on attention score elements held at once; longer query blocks are processed in tiles.
+SCORE_ELEMENTS = 1 << 22
+
+
+def split_heads(x: np.ndarray, batch: int, heads: int, head_dim: int) -> np.ndarray:
+    """[B * T, heads * hd] -> [B, heads, T, hd]"""
+    return x.reshape(batch, -1, heads, head_dim).transpose(0, 2, 1, 3)
+
+
+def merge_heads(x: np.ndarray) -> np.ndarray:
+    """[B, heads, T, hd] -> [B * T, heads * hd]"""
+    b, h, t, d = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(b * t, h * d)
+
+
+def attention_mask(state: BatchState, q0: int = 0, q1: int | None = None) -> np.ndarray:
+    """Which slots each new token (rows ``q0:q1`` of the block) may attend to.  # -> bool [B, 1, 1, Tq, S]
+
+    Causal in slot order and restricted to real tokens; a token always sees its own slot, so a padding
+    query has one finite score (its output is ignored) instead of a row of ``-inf``.
+    """
+    q1 = state.length if q1 is None else q1
+    slots = np.arange(state.end)  # [S]
+    query_slots = state.start + np.arange(q0, q1)  # [Tq]
+    causal = slots[None, :] <= query_slots[:, None]  # [Tq, S]
+    own = slots[None, :] == query_slots[:, None]
+    mask = (causal[None] & state.key_valid[:, None, :]) | own[None]  # [B, Tq, S]
+    return mask[:, None, None]
+
+
+def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchState) -> np.ndarray:
+    """Scaled dot-product attention with GQA and the batch mask, tiled over queries.
+
+    q: [B, nh, T, hd]; keys/values: [B, nkv, S, hd] -> [B, nh, T, hd]
+    """
+    b, nh, t, hd = q.shape
+    nkv, s = keys.shape[1], keys.shape[2]
+    group = nh // nkv
+    q = q.reshape(b, nkv, group, t, hd) * np.float32(1.0 / np.sqrt(hd))
+    out = np.empty((b, nkv, group, t, hd), np.float32)
+    tile = max(1, SCORE_ELEMENTS // (b * nh * s))
+    kt = keys.transpose(0, 1, 3, 2)  # [B, nkv, hd, S]
+    for q0 in range(0, t, tile):
+        q1 = min(q0 + tile, t)
+        qs = q[:, :, :, q0:q1].reshape(b, nkv, group * (q1 - q0), hd)  # one matmul per kv head
+        scores = (qs @ kt).reshape(b, nkv, group, q1 - q0, s)  # [B, nkv, g, Tq, S]
+        scores = np.where(attention_mask(state, q0, q1), scores, np.float32(-np.inf))
+        probs = softmax(scores).reshape(b, nkv, group * (q1 - q0), s)
+        out[:, :, :, q0:q1] = (probs @ values).reshape(b, nkv, group, q1 - q0, hd)
+    return out.reshape(b, nh, t, hd)
+
+
+@register_mixer(FULL_ATTENTION, QWEN2, QWEN3)
+class Attention:
+    """Qwen2/Qwen3 self-attention with a preallocated KV cache."""
+
+    def __init__(self, config: ModelConfig, layer: int, store: WeightStore) -> None:
+        self.config = config
+        self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.wq, self.wk = store.matrix(T.ATTN_Q, layer), store.matrix(T.ATTN_K, layer)
+        self.wv, self.wo = store.matrix(T.ATTN_V, layer), store.matrix(T.ATTN_OUT, layer)
+        bias = config.attention_bias
+        self.bq = store.vector(T.ATTN_Q, layer, ".bias") if bias else None
+        self.bk = store.vector(T.ATTN_K, layer, ".bias") if bias else None
+        self.bv = store.vector(T.ATTN_V, layer, ".bias") if bias else None
+        self.q_norm = store.vector(T.ATTN_Q_NORM, layer) if config.qk_norm else None
+        self.k_norm = store.vector(T.ATTN_K_NORM, layer) if config.qk_norm else None
+
+    def make_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache(batch, self.n_kv, max_len, self.head_dim)
+
+    def _project(self, x2: np.ndarray, weight, bias: np.ndarray | None, heads: int, batch: int) -> np.ndarray:
+        y = weight.matmul(x2)  # [B * T, heads * hd]
+        if bias is not None:
+            y = y + bias
+        return split_heads(y, batch, heads, self.head_dim)  # [B, heads, T, hd]
+
+    def __call__(self, x: np.ndarray, cache: KVCache, state: BatchState) -> np.ndarray:
+        b, t, h = x.shape
+        x2 = x.reshape(b * t, h)
+        q = self._project(x2, self.wq, self.bq, self.n_heads, b)  # [B, nh, T, hd]
+        k = self._project(x2, self.wk, self.bk, self.n_kv, b)  # [B, nkv, T, hd]
+        v = self._project(x2, self.wv, self.bv, self.n_kv, b)  # [B, nkv, T, hd]
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.config.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, self.config.rms_norm_eps)
+        cos, sin = rope_cos_sin(state.positions, self.config.rotary_dim, self.config.rope_theta)  # [B, T, r/2]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.update(k, v, state)  # [B, nkv, S, hd]
+        out = attend(q, keys, values, state)  # [B, nh, T, hd]
+        return self.wo.matmul(merge_heads(out)).reshape(b, t, h)

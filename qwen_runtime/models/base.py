@@ -1,0 +1,93 @@
+"""The seams every layer kind plugs into: weight access, the mixer interface and the mixer registry.
+
+**Mixer interface.**  A mixer is the token-mixing half of a decoder block (softmax attention, gated
+attention, Gated DeltaNet).  It is built once per layer by a factory registered for its layer type::
+
+    @register_mixer("full_attention", QWEN2, QWEN3)
+    class Attention:
+        def __init__(self, config: ModelConfig, layer: int, store: WeightStore) -> None: ...
+        def make_cache(self, batch: int, max_len: int) -> LayerCache: ...
+        def __call__(self, x, cache, state: BatchState) -> np.ndarray: ...  # [B, T, H] -> [B, T, H]
+
+``x`` is the already-normalised hidden state (``attn_norm`` is applied by the block), ``cache`` is the
+object this mixer's ``make_cache`` returned (it must implement ``select(rows)`` and ``nbytes``), and
+``state`` (:class:`~qwen_runtime.cache.BatchState`) carries per-row rotary positions ``[B, T]``, the
+validity mask ``[B, T]`` (False on left padding: a recurrent mixer must leave its state untouched there),
+the first slot of the new tokens and the validity of every slot so far (for the attention mask).
+The factory is looked up by ``(config.arch, config.layer_types[i])`` and falls back to ``(None, type)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+from gguf import MODEL_TENSOR
+
+from ..cache import BatchState, LayerCache
+from ..config import ModelConfig
+from ..errors import FormatError
+from ..formats import ModelFiles
+from ..naming import tensor_name
+from ..weights import TILE_ELEMENTS, Weight, Workspace, load_vector, make_weight
+
+
+class WeightStore:
+    """Hands out a model's weights by canonical kind: matrices as :class:`Weight`, small tensors as float32."""
+
+    def __init__(self, files: ModelFiles, tile_elements: int = TILE_ELEMENTS) -> None:
+        self.files = files
+        self.workspace = Workspace(tile_elements)
+        self.tile_elements = tile_elements
+        self._matrices: dict[str, Weight] = {}
+
+    def name(self, kind: MODEL_TENSOR, layer: int | None = None, suffix: str = ".weight") -> str:
+        return tensor_name(kind, layer, suffix)
+
+    def has(self, kind: MODEL_TENSOR, layer: int | None = None, suffix: str = ".weight") -> bool:
+        return tensor_name(kind, layer, suffix) in self.files.tensors
+
+    def matrix(self, kind: MODEL_TENSOR, layer: int | None = None) -> Weight:
+        """A ``[out, in]`` weight used in its stored type (the same object for the same name)."""
+        name = tensor_name(kind, layer)
+        if name not in self._matrices:
+            self._matrices[name] = make_weight(self.files.tensor(name), self.workspace, self.tile_elements)
+        return self._matrices[name]
+
+    def vector(self, kind: MODEL_TENSOR, layer: int | None = None, suffix: str = ".weight") -> np.ndarray:
+        """A small tensor (norm, bias, per-head scalars, conv kernel) widened once to float32, logical shape."""
+        return load_vector(self.files.tensor(tensor_name(kind, layer, suffix)))
+
+
+class Mixer(Protocol):
+    """Token mixer of one decoder layer (see the module docstring)."""
+
+    def make_cache(self, batch: int, max_len: int) -> LayerCache: ...
+
+    def __call__(self, x: np.ndarray, cache: LayerCache, state: BatchState) -> np.ndarray: ...
+
+
+MixerFactory = Callable[[ModelConfig, int, WeightStore], Mixer]
+MIXERS: dict[tuple[str | None, str], MixerFactory] = {}
+
+
+def register_mixer(layer_type: str, *archs: str) -> Callable[[MixerFactory], MixerFactory]:
+    """Register a mixer factory for a layer type, for the given architectures (all when none given)."""
+
+    def register(factory: MixerFactory) -> MixerFactory:
+        for arch in archs or (None,):
+            MIXERS[(arch, layer_type)] = factory
+        return factory
+
+    return register
+
+
+def make_mixer(config: ModelConfig, layer: int, store: WeightStore) -> Mixer:
+    """Build the mixer of layer ``layer`` from its ``config.layer_types`` entry."""
+    layer_type = config.layer_types[layer]
+    factory = MIXERS.get((config.arch, layer_type)) or MIXERS.get((None, layer_type))
+    if factory is None:
+        raise FormatError(f"{store.files.path}: no mixer for layer type {layer_type!r} of architecture "
+                          f"{config.arch} (layer {layer})")
+    return factory(config, layer, store)

@@ -1,0 +1,103 @@
+"""The decoder skeleton shared by every family: embedding, pre-norm blocks, final norm, LM head.
+
+Block (docs §3.5): ``h = h + mixer(norm1(h)); h = h + mlp(norm2(h))``.  The mixer of each layer comes
+from the registry in :mod:`.base` by ``config.layer_types``; the second norm is ``ffn_norm`` for qwen2 /
+qwen3 and ``post_attention_norm`` for qwen35 (llama.cpp's naming).  Shapes: B batch, T new tokens,
+H hidden size, I intermediate size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import MODEL_TENSOR as T
+
+from ..cache import BatchState, Cache, LayerCache
+from ..config import QWEN35, ModelConfig
+from ..formats import ModelFiles
+from ..ops import rms_norm, silu
+from .base import Mixer, WeightStore, make_mixer
+
+
+class MLP:
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, layer: int, store: WeightStore) -> None:
+        self.gate, self.up = store.matrix(T.FFN_GATE, layer), store.matrix(T.FFN_UP, layer)
+        self.down = store.matrix(T.FFN_DOWN, layer)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:  # [N, H] -> [N, H]
+        return self.down.matmul(silu(self.gate.matmul(x)) * self.up.matmul(x))  # via [N, I]
+
+
+class Block:
+    """One pre-norm decoder layer around a mixer."""
+
+    def __init__(self, config: ModelConfig, layer: int, store: WeightStore) -> None:
+        self.eps = config.rms_norm_eps
+        self.mixer: Mixer = make_mixer(config, layer, store)
+        self.mixer_norm = store.vector(T.ATTN_NORM, layer)
+        self.mlp_norm = store.vector(T.ATTN_POST_NORM if config.arch == QWEN35 else T.FFN_NORM, layer)
+        self.mlp = MLP(layer, store)
+
+    def __call__(self, h: np.ndarray, cache: LayerCache, state: BatchState) -> np.ndarray:
+        b, t, d = h.shape
+        h = h + self.mixer(rms_norm(h, self.mixer_norm, self.eps), cache, state)  # [B, T, H]
+        return h + self.mlp(rms_norm(h, self.mlp_norm, self.eps).reshape(b * t, d)).reshape(b, t, d)
+
+
+class Model:
+    """A loaded decoder.  ``logits`` is the plain full-sequence path; ``forward`` runs on a cache."""
+
+    def __init__(self, files: ModelFiles, store: WeightStore) -> None:
+        self.files = files
+        self.config = config = files.config
+        self.embed = store.matrix(T.TOKEN_EMBD)
+        self.blocks = [Block(config, i, store) for i in range(config.num_hidden_layers)]
+        self.norm = store.vector(T.OUTPUT_NORM)
+        self.tied = not store.has(T.OUTPUT)
+        self.lm_head = self.embed if self.tied else store.matrix(T.OUTPUT)
+        self._tokenizer = None
+
+    @property
+    def path(self) -> Path:
+        return self.files.path
+
+    def make_cache(self, batch: int, max_len: int) -> Cache:
+        """Empty per-layer caches for ``batch`` rows of up to ``max_len`` slots."""
+        return Cache([blk.mixer.make_cache(batch, max_len) for blk in self.blocks], batch, max_len)
+
+    def forward(self, ids: np.ndarray, cache: Cache, valid: np.ndarray | None = None,
+                last_only: bool = False) -> np.ndarray:
+        """Feed ``T`` more tokens per row through the cache.
+
+        ``ids``: int [B, T]; ``valid``: bool [B, T] (False on left padding, default all True).
+        Returns float32 logits [B, T, V], or [B, V] for the last slot when ``last_only``.
+        """
+        ids = np.asarray(ids, np.int64)
+        if ids.ndim != 2:
+            raise ValueError(f"token ids must be [batch, time], got shape {ids.shape}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
+        valid = np.ones(ids.shape, bool) if valid is None else np.asarray(valid, bool)
+        state = cache.begin(valid)
+        b, t = ids.shape
+        h = self.embed.rows(ids.reshape(-1)).reshape(b, t, -1)  # [B, T, H]
+        for blk, layer_cache in zip(self.blocks, cache.layers, strict=True):
+            h = blk(h, layer_cache, state)
+        cache.commit(state)
+        if last_only:
+            h = h[:, -1:]
+        h = rms_norm(h, self.norm, self.config.rms_norm_eps)
+        logits = self.lm_head.matmul(h.reshape(-1, h.shape[-1])).reshape(b, h.shape[1], -1)  # [B, T|1, V]
+        return logits[:, 0] if last_only else logits
+
+    def logits(self, ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+        """Logits of whole sequences in one pass (no persistent cache).  # int [B, T] -> float32 [B, T, V]
+
+        ``attention_mask`` (1 = real token, 0 = left padding) follows the transformers convention.
+        """
+        ids = np.atleast_2d(np.asarray(ids, np.int64))
+        cache = self.make_cache(ids.shape[0], max(ids.shape[1], 1))
+        return self.forward(ids, cache, None if attention_mask is None else np.asarray(attention_mask, bool))

@@ -1,0 +1,62 @@
+"""Float32 building blocks of the decoder: RMSNorm, rotary embedding, SiLU, softmax.
+
+Every function takes and returns float32 arrays; shapes are written as ``[B, T, ...]`` (batch, time).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis.  # [..., D] -> [..., D]
+
+    The weight is used as stored: Qwen3.5's (1 + w) norms already have the +1 baked into the canonical
+    tensors (see ``naming.py``).
+    """
+    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)  # [..., 1]
+    return x * (1.0 / np.sqrt(var + np.float32(eps))) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """``x * sigmoid(x)``, computed without overflow warnings for large negative x."""
+    with np.errstate(over="ignore"):
+        return x / (np.float32(1.0) + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Numerically stable softmax (rows of ``-inf`` entries must keep at least one finite value)."""
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def rope_inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
+    """``theta ** (-2j / r)`` for ``j < r / 2``, float64 for accurate angles.  # [r/2]"""
+    return 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+
+
+def rope_cos_sin(positions: np.ndarray, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of ``position * inv_freq``.  # [B, T] -> 2 x [B, T, r/2] float32"""
+    angles = positions[..., None].astype(np.float64) * rope_inv_freq(rotary_dim, theta)  # [B, T, r/2]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half (GGML NEOX) rotary embedding on the first ``2 * cos.shape[-1]`` dims of each head.
+
+    Pairs are ``(j, j + r/2)`` inside the rotary slice; dims ``[r, head_dim)`` pass through (partial
+    rotary, Qwen3.5).  ``x``: [B, heads, T, hd]; ``cos``/``sin``: [B, T, r/2].
+    """
+    half = cos.shape[-1]
+    c, s = cos[:, None], sin[:, None]  # [B, 1, T, r/2]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    out = np.empty_like(x)
+    out[..., :half] = x1 * c - x2 * s
+    out[..., half:2 * half] = x2 * c + x1 * s
+    out[..., 2 * half:] = x[..., 2 * half:]
+    return out
