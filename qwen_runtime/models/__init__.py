@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..formats import ModelFiles, open_model_files
 from ..weights import TILE_ELEMENTS
-from . import attention  # noqa: F401  (registers full_attention for qwen2 / qwen3)
+from . import attention, qwen35  # noqa: F401  (register the mixers of each layer type)
 from .base import MIXERS, BatchState, Mixer, WeightStore, register_mixer
 from .transformer import Block, Model
 
