@@ -1,0 +1,187 @@
+"""Prompts as token ids: the model's own chat template, BOS handling and stop tokens.
+
+The template is the model's jinja source (``tokenizer_config.json`` ``chat_template``, ``chat_template.jinja``,
+``chat_template.json`` or GGUF ``tokenizer.chat_template``), rendered the way transformers does: an
+``ImmutableSandboxedEnvironment`` with ``trim_blocks``/``lstrip_blocks`` and the ``loopcontrols`` extension,
+``raise_exception``, ``strftime_now`` and a ``tojson`` filter that keeps non-ASCII text.
+
+BOS: the rendered text is tokenized without adding anything; BOS is prepended only when the model asks for
+it (``add_bos_token``) and the ids do not already start with it, so DeepSeek-R1-Distill's template, which
+writes ``{{bos_token}}`` itself, never yields two.  Stop ids are the union of every eos the model's files
+name, plus ``<|im_end|>`` and ``<|endoftext|>`` when the vocabulary has them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from gguf import Keys
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import FormatError, TemplateError
+from .formats import ModelFiles
+from .tokenizer import Tokenizer
+
+# Turn-end / document-end tokens that always stop generation when the vocabulary has them.
+STOP_TEXTS = ("<|im_end|>", "<|endoftext|>")
+Message = Mapping[str, Any]
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(f"chat template: {message}")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    """A compiled chat template."""
+
+    def __init__(self, source: str) -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template does not compile: {exc}") from None
+        self.source = source
+
+    def render(self, messages: Sequence[Message], **context: Any) -> str:
+        try:
+            return self.template.render(messages=list(messages), **context)
+        except TemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            raise TemplateError(f"chat template failed to render: {type(exc).__name__}: {exc}") from None
+
+
+def _token_text(value: Any) -> str | None:
+    """``bos_token``-style entries are a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> set[int]:
+    if isinstance(value, bool) or value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list):
+        return {int(v) for v in value if isinstance(v, int) and not isinstance(v, bool)}
+    return set()
+
+
+def template_source(files: ModelFiles) -> str | None:
+    """The model's chat template text, wherever its files keep it."""
+    if files.directory is None:
+        value = files.metadata.get(Keys.Tokenizer.CHAT_TEMPLATE)
+        return value if isinstance(value, str) else None
+    tok_config = files.read_json("tokenizer_config.json") or {}
+    value = tok_config.get("chat_template")
+    if isinstance(value, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    if isinstance(value, str):
+        return value
+    jinja_path = files.directory / "chat_template.jinja"
+    if jinja_path.is_file():
+        return jinja_path.read_text(encoding="utf-8")
+    value = (files.read_json("chat_template.json") or {}).get("chat_template")
+    return value if isinstance(value, str) else None
+
+
+@dataclass
+class ChatFormat:
+    """Tokenizer + template + special-token policy of one model."""
+
+    tokenizer: Tokenizer
+    template: ChatTemplate | None
+    bos_token: str | None
+    eos_token: str | None
+    add_bos: bool
+    stop_ids: frozenset[int]
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.tokenizer.token_id(self.bos_token) if self.bos_token else None
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        bos = self.bos_id
+        if self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            return [bos, *ids]
+        return ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt (no template): BOS only when the model asks for it."""
+        return self._with_bos(self.tokenizer.encode(text))
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+               enable_thinking: bool | None = None, **extra: Any) -> str:
+        """The template's text for ``messages`` (``enable_thinking`` is passed only when given)."""
+        if self.template is None:
+            raise TemplateError(f"{self.tokenizer.source}: the model has no chat template")
+        context = dict(add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+                       eos_token=self.eos_token or "", **extra)
+        if enable_thinking is not None:
+            context["enable_thinking"] = enable_thinking
+        return self.template.render(messages, **context)
+
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    enable_thinking: bool | None = None, **extra: Any) -> list[int]:
+        text = self.render(messages, add_generation_prompt, enable_thinking, **extra)
+        return self._with_bos(self.tokenizer.encode(text))
+
+
+def _stop_ids(files: ModelFiles, tokenizer: Tokenizer, eos_token: str | None) -> frozenset[int]:
+    ids = set(files.config.eos_token_ids)
+    ids |= _ids((files.read_json("generation_config.json") or {}).get("eos_token_id"))
+    ids |= _ids((files.hf_config or {}).get("eos_token_id"))
+    for key in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID):
+        ids |= _ids(files.metadata.get(key))
+    for text in (eos_token, *STOP_TEXTS):
+        token_id = tokenizer.token_id(text) if text else None
+        if token_id is not None:
+            ids.add(token_id)
+    return frozenset(i for i in ids if 0 <= i < files.config.vocab_size)
+
+
+def _gguf_token(files: ModelFiles, key: str) -> str | None:
+    tokens, token_id = files.metadata.get(Keys.Tokenizer.LIST), files.metadata.get(key)
+    if isinstance(token_id, int) and isinstance(tokens, list) and 0 <= token_id < len(tokens):
+        return str(tokens[token_id])
+    return None
+
+
+def load_chat_format(files: ModelFiles) -> ChatFormat:
+    """Tokenizer, template and special-token policy from a model's files."""
+    source = template_source(files)
+    template = ChatTemplate(source) if source else None
+    if files.directory is None:
+        tokenizer = Tokenizer.from_gguf_metadata(files.metadata, str(files.path))
+        bos, eos = _gguf_token(files, Keys.Tokenizer.BOS_ID), _gguf_token(files, Keys.Tokenizer.EOS_ID)
+        add_bos = bool(files.metadata.get(Keys.Tokenizer.ADD_BOS, False))
+    else:
+        path = files.directory / "tokenizer.json"
+        if not path.is_file():
+            raise FormatError(f"{path}: file not found (the model directory has no tokenizer)")
+        tokenizer = Tokenizer.from_file(path)
+        tok_config = files.read_json("tokenizer_config.json") or {}
+        bos, eos = _token_text(tok_config.get("bos_token")), _token_text(tok_config.get("eos_token"))
+        add_bos = bool(tok_config.get("add_bos_token", False))
+        if bos is None and files.config.bos_token_id is not None and add_bos:
+            bos = tokenizer.id_to_token(files.config.bos_token_id)
+    return ChatFormat(tokenizer, template, bos, eos, add_bos, _stop_ids(files, tokenizer, eos))

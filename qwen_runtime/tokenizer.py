@@ -1,0 +1,148 @@
+"""Byte-level BPE tokenizers from a model directory's ``tokenizer.json`` or a GGUF's ``tokenizer.ggml.*``.
+
+For GGUF files the tokenizer is rebuilt with the same structure as Qwen's ``tokenizer.json``: NFC
+normaliser, a ``Split`` pre-tokenizer with the regex named by ``tokenizer.ggml.pre`` followed by
+``ByteLevel`` (no regex), a BPE model over the NORMAL tokens, CONTROL tokens as added *special* tokens and
+USER_DEFINED ones as added plain tokens.  UNUSED ``[PADn]`` fillers are left out (they exist as embedding
+rows only and decode to nothing).  Encoding never adds BOS/EOS by itself; :mod:`.chat` decides that.
+
+:class:`StreamDecoder` turns generated ids into text incrementally without ever emitting half of a UTF-8
+character: tokens are mapped to their bytes and fed to an incremental UTF-8 decoder.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from gguf import Keys, TokenType
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from .errors import FormatError
+
+# Qwen2's pre-tokenizer split (llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2; also used by deepseek-r1-qwen).
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5 keeps combining marks on letters (docs §4.5).
+QWEN35_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                  r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_PATTERNS: dict[str, str] = {"qwen2": QWEN2_PATTERN, "deepseek-r1-qwen": QWEN2_PATTERN, "qwen35": QWEN35_PATTERN}
+
+
+@lru_cache(maxsize=1)
+def byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: printable stand-in character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus what generation needs: token bytes and which ids are special."""
+
+    def __init__(self, backend: HFTokenizer, source: str) -> None:
+        self.backend = backend
+        self.source = source
+        added = backend.get_added_tokens_decoder()  # id -> AddedToken
+        self.added: dict[int, str] = {i: t.content for i, t in added.items()}
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        try:
+            return cls(HFTokenizer.from_file(str(path)), str(path))
+        except Exception as exc:  # tokenizers raises plain Exception subclasses for bad files
+            raise FormatError(f"{path}: cannot load tokenizer ({exc})") from None
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any], source: str) -> Tokenizer:
+        return cls(build_gguf_tokenizer(meta, source), source)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text are recognised, nothing is added."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_id(self, text: str) -> int | None:
+        return self.backend.token_to_id(text)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(int(token_id))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (added tokens: their UTF-8 text; unknown ids: nothing)."""
+        token_id = int(token_id)
+        if token_id in self.added:
+            return self.added[token_id].encode("utf-8")
+        text = self.backend.id_to_token(token_id)
+        if text is None:
+            return b""
+        table = byte_decoder()
+        return bytes(table[c] for c in text if c in table)
+
+
+def _meta_list(meta: dict[str, Any], key: str, source: str) -> list:
+    value = meta.get(key)
+    if not isinstance(value, list):
+        raise FormatError(f"{source}: metadata key {key!r} is missing or not an array")
+    return value
+
+
+def build_gguf_tokenizer(meta: dict[str, Any], source: str) -> HFTokenizer:
+    """A ``tokenizers`` BPE tokenizer equivalent to Qwen's tokenizer.json, from GGUF metadata."""
+    kind = meta.get(Keys.Tokenizer.MODEL)
+    if kind != "gpt2":
+        raise FormatError(f"{source}: tokenizer model {kind!r} is not supported (expected byte-level BPE 'gpt2')")
+    pre = meta.get(Keys.Tokenizer.PRE, "qwen2")
+    if pre not in PRE_PATTERNS:
+        raise FormatError(f"{source}: tokenizer pre-tokenizer {pre!r} is not supported; "
+                          f"supported: {sorted(PRE_PATTERNS)}")
+    tokens = [str(t) for t in _meta_list(meta, Keys.Tokenizer.LIST, source)]
+    types = [int(t) for t in meta.get(Keys.Tokenizer.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens)]
+    merges = [tuple(str(m).split(" ", 1)) for m in _meta_list(meta, Keys.Tokenizer.MERGES, source)]
+    if len(types) != len(tokens):
+        raise FormatError(f"{source}: {len(tokens)} tokens but {len(types)} token types")
+    vocab = {t: i for i, (t, k) in enumerate(zip(tokens, types, strict=True)) if k != TokenType.UNUSED}
+    bpe = models.BPE(vocab, merges, ignore_merges=pre == "qwen35")
+    tok = HFTokenizer(bpe)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRE_PATTERNS[pre]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types, strict=True) if k == TokenType.CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, types, strict=True) if k == TokenType.USER_DEFINED])
+    return tok
+
+
+class StreamDecoder:
+    """Incremental detokenizer: ``push(id)`` returns the text completed by that token (maybe '')."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        if self.skip_special and int(token_id) in self.tokenizer.special_ids:
+            return ""
+        return self._utf8.decode(self.tokenizer.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """Whatever is still buffered (an incomplete character becomes U+FFFD)."""
+        return self._utf8.decode(b"", final=True)
