@@ -1,18 +1,32 @@
-"""qwen_runtime: run Qwen2 / Qwen2.5 / DeepSeek-R1-Distill-Qwen / Qwen3 (and Qwen3.5) with numpy alone.
+"""qwen_runtime: run Qwen2 / Qwen2.5 / DeepSeek-R1-Distill-Qwen / Qwen3 / Qwen3.5 with numpy alone.
 
-    from qwen_runtime import load
-    model = load("path/to/model")          # HF dir, npy dir or GGUF file; weights stay memory-mapped
-    logits = model.logits(ids)             # int [B, T] -> float32 [B, T, V]
+    from qwen_runtime import SamplingParams, generate, load
+    model = load("path/to/model")                  # HF dir, npy dir or GGUF file; weights stay memory-mapped
+    logits = model.logits(ids)                     # int [B, T] -> float32 [B, T, V] (reference path)
+    [result] = generate(model, "Hello", chat=True, max_new_tokens=32,
+                        sampling=SamplingParams(temperature=0.7, top_p=0.8), seed=0)
+    for texts in stream(model, ["a", "b"]): ...    # per-step new text of every row
+
+``model.forward(ids, cache, valid)`` is the cached path (``cache = model.make_cache(batch, max_len)``);
+``model.chat_format`` holds the tokenizer, chat template and stop ids.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
+from .chat import ChatFormat
+from .generate import Generation, GenerationConfig, GenerationResult, GenerationStats
 from .models import Model, build_model
+from .sampling import SamplingParams
 from .weights import TILE_ELEMENTS
 
-__all__ = ["Model", "load"]
+__all__ = ["ChatFormat", "Generation", "GenerationConfig", "GenerationResult", "GenerationStats", "Model",
+           "SamplingParams", "encode_prompts", "generate", "load", "stream"]
+
+Prompts = str | Sequence[str] | Sequence[Sequence[int]]
+GREEDY = SamplingParams()
 
 
 def load(path: str | Path, tile_elements: int = TILE_ELEMENTS) -> Model:
@@ -22,3 +36,36 @@ def load(path: str | Path, tile_elements: int = TILE_ELEMENTS) -> Model:
     BF16/F16/Q8_0 matrix are widened to float32 at a time.
     """
     return build_model(path, tile_elements)
+
+
+def encode_prompts(model: Model, prompts: Prompts, chat: bool = False, system: str | None = None,
+                   enable_thinking: bool | None = None) -> list[list[int]]:
+    """Token ids of each prompt: raw text, a user message through the chat template, or ids as given."""
+    items = [prompts] if isinstance(prompts, str) else list(prompts)
+    if items and not isinstance(items[0], str):
+        return [[int(t) for t in p] for p in items]
+    fmt = model.chat_format
+    if not chat:
+        return [fmt.encode_prompt(p) for p in items]
+    head = [{"role": "system", "content": system}] if system is not None else []
+    return [fmt.encode_chat([*head, {"role": "user", "content": p}], enable_thinking=enable_thinking)
+            for p in items]
+
+
+def stream(model: Model, prompts: Prompts, *, chat: bool = False, system: str | None = None,
+           enable_thinking: bool | None = None, max_new_tokens: int = 256,
+           sampling: SamplingParams | Sequence[SamplingParams] = GREEDY, seed: int | None = None,
+           prefill_chunk: int = 256) -> Generation:
+    """Start generating: iterate the result for each step's new text per row, then read ``.results``."""
+    ids = encode_prompts(model, prompts, chat, system, enable_thinking)
+    text_prompts = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(list(prompts)[0], str))
+    fmt = model.chat_format if text_prompts else None
+    stop_ids = fmt.stop_ids if fmt is not None else frozenset()
+    params = sampling if isinstance(sampling, SamplingParams) else tuple(sampling)
+    config = GenerationConfig(max_new_tokens, params, stop_ids, seed, prefill_chunk)
+    return Generation(model, ids, config, fmt.tokenizer if fmt is not None else None)
+
+
+def generate(model: Model, prompts: Prompts, **options) -> list[GenerationResult]:
+    """Generate to the end (same options as :func:`stream`); one result per prompt."""
+    return stream(model, prompts, **options).run()

@@ -28,12 +28,20 @@ class OutputExistsError(QwenError, FileExistsError):
     """An output already exists and overwriting it was not asked for."""
 
 
+class OutputError(QwenError):
+    """An output cannot be written (unwritable location, disk full, ...); the message names the file."""
+
+
 class ResourceLimitError(QwenError, MemoryError):
     """A request would need more memory than the user allows."""
 
 
 class TemplateError(QwenError, ValueError):
     """A chat template failed to render (or tried something the sandbox forbids)."""
+
+
+class ContextOverflowError(QwenError, ValueError):
+    """A prompt plus the requested new tokens does not fit the model's context length."""
 
 
 # Exit codes shared by every CLI (documented in README.md).
@@ -44,6 +52,7 @@ EXIT_CODES: dict[type[QwenError], int] = {
     OutputExistsError: 5,
     ResourceLimitError: 6,
     TemplateError: 7,
+    ContextOverflowError: 8,
     QwenError: 1,
 }
 

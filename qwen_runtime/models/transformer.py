@@ -58,11 +58,20 @@ class Model:
         self.norm = store.vector(T.OUTPUT_NORM)
         self.tied = not store.has(T.OUTPUT)
         self.lm_head = self.embed if self.tied else store.matrix(T.OUTPUT)
-        self._tokenizer = None
+        self._chat_format = None
 
     @property
     def path(self) -> Path:
         return self.files.path
+
+    @property
+    def chat_format(self):  # -> ChatFormat (loaded on first use: numeric work never needs a tokenizer)
+        """Tokenizer, chat template and stop ids from the model's own files."""
+        if self._chat_format is None:
+            from ..chat import load_chat_format
+
+            self._chat_format = load_chat_format(self.files)
+        return self._chat_format
 
     def make_cache(self, batch: int, max_len: int) -> Cache:
         """Empty per-layer caches for ``batch`` rows of up to ``max_len`` slots."""
