@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import qwen_runtime.models.qwen35  # noqa: F401  (registers the qwen35 mixers)
 from qwen_runtime.models import Model, build_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
