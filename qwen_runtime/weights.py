@@ -130,7 +130,8 @@ class TiledWeight(Weight):
         super().__init__(tensor)
         if tensor.qtype not in (QType.BF16, QType.F16, QType.Q8_0):
             raise FormatError(f"{tensor.path}: tensor {tensor.name!r}: no tiled kernel for {tensor.qtype.name}")
-        self.raw = np.asarray(tensor.rows2d())  # [out, stored row length]
+        raw = np.asarray(tensor.rows2d())  # [out, stored row length]
+        self.raw = raw.view(np.uint16) if tensor.qtype == QType.F16 else raw  # F16 is widened from its bits
         self.ws = ws
         self.tile_rows = max(1, min(self.out_features, tile_elements // self.in_features))
         ws.ensure(self.tile_rows * self.in_features)

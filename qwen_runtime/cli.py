@@ -1,0 +1,145 @@
+"""``qwen-run``: generate text with a Qwen model from the command line.
+
+    qwen-run MODEL -p "Once upon a time"            raw prompt, streamed
+    qwen-run MODEL --chat -p "Hi" -p "Bonjour"      chat template applied, a batch of two
+    qwen-run MODEL                                  interactive multi-turn chat (stdin is a terminal)
+
+Errors print one line on stderr and exit with the code of :func:`qwen_runtime.errors.exit_code`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+from . import Generation, Model, SamplingParams, load, stream
+from .errors import QwenError, exit_code
+
+USAGE_ERROR = 2
+
+
+def configure_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qwen-run", description="Generate text with a Qwen model (numpy only).")
+    p.add_argument("model", help="HF model directory, npy model directory or GGUF file")
+    p.add_argument("-p", "--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    p.add_argument("--system", default=None, help="system message (chat mode)")
+    p.add_argument("--no-think", action="store_true", help="Qwen3 chat: pass enable_thinking=false")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stats", action="store_true", help="print speed and memory on stderr")
+    return p
+
+
+def memory_status() -> dict[str, int]:
+    """VmHWM (peak RSS) and RssAnon (anonymous memory) from /proc/self/status, in kB."""
+    values: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                    values[key] = int(rest.split()[0])
+    except OSError:
+        pass
+    return values
+
+
+def print_stats(gen: Generation, out: TextIO) -> None:
+    s, mem = gen.stats, memory_status()
+    out.write(f"prefill: {s.prompt_tokens} tokens in {s.prefill_seconds:.2f} s "
+              f"({s.prefill_tokens_per_second:.1f} tok/s)\n")
+    out.write(f"decode: {s.decoded_tokens} tokens in {s.decode_seconds:.2f} s "
+              f"({s.decode_tokens_per_second:.1f} tok/s)\n")
+    out.write(f"memory: peak RSS {mem.get('VmHWM', 0) / 1024:.1f} MiB, "
+              f"anonymous RSS {mem.get('RssAnon', 0) / 1024:.1f} MiB\n")
+
+
+def run_prompts(model: Model, args: argparse.Namespace, sampling: SamplingParams) -> None:
+    """Generate for the ``-p`` prompts: one is streamed as it comes, a batch is printed row by row."""
+    gen = stream(model, args.prompt, chat=args.chat, system=args.system, enable_thinking=_thinking(args),
+                 max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
+    if len(args.prompt) == 1:
+        for texts in gen:
+            sys.stdout.write(texts[0])
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    else:
+        gen.run()
+        for i, result in enumerate(gen.results):
+            sys.stdout.write(f"--- [{i}] ({result.finish_reason}) ---\n{result.text}\n")
+    if args.stats:
+        print_stats(gen, sys.stderr)
+
+
+def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingParams) -> None:
+    """A multi-turn chat on the terminal; an empty line or EOF ends it."""
+    fmt = model.chat_format
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            sys.stdout.write("\n")
+            return
+        if not line.strip():
+            return
+        messages.append({"role": "user", "content": line})
+        ids = fmt.encode_chat(messages, enable_thinking=_thinking(args))
+        gen = stream(model, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                     use_tokenizer=True)
+        reply = []
+        for texts in gen:
+            reply.append(texts[0])
+            sys.stdout.write(texts[0])
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        if args.stats:
+            print_stats(gen, sys.stderr)
+
+
+def _thinking(args: argparse.Namespace) -> bool | None:
+    return False if args.no_think else None
+
+
+def run(args: argparse.Namespace) -> None:
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty)
+    model = load(args.model)
+    if args.prompt:
+        run_prompts(model, args, sampling)
+    elif sys.stdin.isatty():
+        interactive_chat(model, args, sampling)
+    else:
+        args.prompt = [sys.stdin.read()]
+        run_prompts(model, args, sampling)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = configure_parser().parse_args(argv)
+    try:
+        run(args)
+    except QwenError as exc:
+        sys.stderr.write(f"qwen-run: error: {exc}\n")
+        return exit_code(exc)
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"qwen-run: error: {exc}\n")
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        sys.stderr.write("\n")
+        return 130
+    except Exception as exc:  # a bug, not a user error: still one line, never a traceback
+        sys.stderr.write(f"qwen-run: internal error: {type(exc).__name__}: {exc}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
