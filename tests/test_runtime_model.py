@@ -1,0 +1,130 @@
+"""The numpy decoder against transformers float32 (stored references; live oracle when torch is present).
+
+Every dense family is checked from its HF directory and, once the converter is available, from npy and
+GGUF fp32 copies; fp16 and q8_0 copies are checked against fp32 with tolerances derived from their
+rounding error (see ``test_quantized_types_stay_close_to_fp32``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from runtime_helpers import DENSE_FAMILIES, Converted, fixture_dir, reference
+
+from qwen_runtime import load
+from qwen_runtime.generate import left_pad
+
+TOL = 1e-4
+FORMATS = ("hf", "npy", "gguf")
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Converted:
+    return Converted(tmp_path_factory.mktemp("converted"))
+
+
+@pytest.fixture(scope="module", params=[(n, f) for n in DENSE_FAMILIES for f in FORMATS],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def model_and_ref(request: pytest.FixtureRequest, converted: Converted):
+    name, fmt = request.param
+    return load(converted.get(name, fmt)), reference(name)
+
+
+def greedy_decode(model, prompt: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prefill then ``steps`` greedy cached steps: (ids [steps], logits [steps, V])."""
+    cache = model.make_cache(1, len(prompt) + steps)
+    logits = model.forward(prompt[None], cache, last_only=True)  # [1, V]
+    ids, out = [], []
+    for _ in range(steps):
+        out.append(logits[0])
+        ids.append(int(np.argmax(logits[0])))
+        logits = model.forward(np.array([[ids[-1]]]), cache, last_only=True)
+    return np.array(ids), np.stack(out)
+
+
+def test_logits_match_transformers(model_and_ref) -> None:
+    model, ref = model_and_ref
+    for i in range(3):
+        got = model.logits(ref[f"prompt_{i}"][None])[0]
+        np.testing.assert_allclose(got, ref[f"logits_{i}"], atol=TOL, rtol=0)
+
+
+def test_greedy_cached_decode_matches_transformers(model_and_ref) -> None:
+    model, ref = model_and_ref
+    ids, logits = greedy_decode(model, ref["prompt_0"], len(ref["greedy_ids"]))
+    np.testing.assert_array_equal(ids, ref["greedy_ids"])
+    np.testing.assert_allclose(logits, ref["greedy_logits"], atol=TOL, rtol=0)
+
+
+def test_padded_batch_equals_solo_runs(model_and_ref) -> None:
+    model, ref = model_and_ref
+    prompts = [ref[f"prompt_{i}"] for i in range(3)]  # lengths 5, 11, 17
+    ids, valid = left_pad(prompts)
+    batch = model.logits(ids, valid)
+    for row in range(len(prompts)):
+        np.testing.assert_allclose(batch[row, valid[row]], ref[f"logits_{row}"], atol=TOL, rtol=0)
+    # cached decoding of the batch follows each row's solo greedy path
+    cache = model.make_cache(3, ids.shape[1] + 6)
+    logits = model.forward(ids, cache, valid, last_only=True)
+    tokens = [[] for _ in prompts]
+    for _ in range(6):
+        nxt = logits.argmax(axis=-1)
+        for row in range(3):
+            tokens[row].append(int(nxt[row]))
+        logits = model.forward(nxt[:, None], cache, last_only=True)
+    for row, prompt in enumerate(prompts):
+        np.testing.assert_array_equal(tokens[row], greedy_decode(model, prompt, 6)[0])
+
+
+def test_chunked_prefill_equals_one_shot(model_and_ref) -> None:
+    model, ref = model_and_ref
+    prompt = ref["prompt_2"]
+    cache = model.make_cache(1, len(prompt) + 1)
+    parts = [model.forward(prompt[None, a:b], cache) for a, b in ((0, 3), (3, 4), (4, 12), (12, len(prompt)))]
+    np.testing.assert_allclose(np.concatenate(parts, axis=1)[0], ref["logits_2"], atol=TOL, rtol=0)
+    assert cache.offset == len(prompt) and cache.lengths.tolist() == [len(prompt)]
+
+
+def test_tied_head_reuses_the_embedding(model_and_ref) -> None:
+    model, _ = model_and_ref
+    assert (model.lm_head is model.embed) == model.config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("name", DENSE_FAMILIES)
+@pytest.mark.parametrize("fmt", ["npy", "gguf"])
+def test_quantized_types_stay_close_to_fp32(converted: Converted, name: str, fmt: str) -> None:
+    """fp16 and q8_0 logits stay within a tolerance derived from each type's rounding error.
+
+    fp16 rounds each weight with relative error <= 2**-11; Q8_0 rounds to a step of amax/127 per block of
+    32, i.e. error <= amax/254, about 0.2-0.4 % of a typical weight magnitude.  Through the 2 layers of
+    these fixtures (7 matmuls each, plus the head) the errors add up to roughly 15x the per-matmul relative
+    error, so we allow 2 % of the logit scale for q8_0 and 0.2 % for fp16, and require the top token to
+    match wherever fp32's top-2 margin exceeds that tolerance.
+    """
+    ref = reference(name)
+    prompt = ref["prompt_2"][None]
+    base = load(converted.get(name, "hf")).logits(prompt)[0]
+    scale = float(np.abs(base).max())
+    for dtype, rel in (("fp16", 0.002), ("q8_0", 0.02)):
+        got = load(converted.get(name, fmt, dtype)).logits(prompt)[0]
+        assert float(np.abs(got - base).max()) <= rel * scale, dtype
+        top2 = np.sort(base, axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 2 * rel * scale
+        np.testing.assert_array_equal(got.argmax(-1)[clear], base.argmax(-1)[clear])
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("name", DENSE_FAMILIES)
+def test_live_transformers_oracle_padded_batch(name: str) -> None:
+    pytest.importorskip("torch")
+    from hf_oracle import hf_logits
+
+    path = fixture_dir(name)
+    rng = np.random.default_rng(3)
+    model = load(path)
+    ids = rng.integers(0, model.config.vocab_size, (2, 9))
+    mask = np.ones_like(ids)
+    mask[1, :4] = 0
+    expected = hf_logits(path, ids, mask)
+    got = model.logits(ids, mask)
+    np.testing.assert_allclose(got[mask.astype(bool)], expected[mask.astype(bool)], atol=TOL, rtol=0)
