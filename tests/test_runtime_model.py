@@ -95,17 +95,18 @@ def test_tied_head_reuses_the_embedding(model_and_ref) -> None:
 def test_quantized_types_stay_close_to_fp32(converted: Converted, name: str, fmt: str) -> None:
     """fp16 and q8_0 logits stay within a tolerance derived from each type's rounding error.
 
-    fp16 rounds each weight with relative error <= 2**-11; Q8_0 rounds to a step of amax/127 per block of
-    32, i.e. error <= amax/254, about 0.2-0.4 % of a typical weight magnitude.  Through the 2 layers of
-    these fixtures (7 matmuls each, plus the head) the errors add up to roughly 15x the per-matmul relative
-    error, so we allow 2 % of the logit scale for q8_0 and 0.2 % for fp16, and require the top token to
-    match wherever fp32's top-2 margin exceeds that tolerance.
+    A Q8_0 weight is rounded to a step of amax/127 of its block of 32, so its error is at most 1/254 of the
+    block's largest magnitude; fp16 rounds with relative error at most 2**-11.  A logit goes through about
+    15 matmuls in series in these 2-layer fixtures (q, k, v, o, gate, up, down per layer, plus the head);
+    adding the per-matmul bound linearly gives 15/254 = 5.9 % (q8_0) and 15 * 2**-11 = 0.73 % (fp16) of
+    the logit scale.  Where fp32's top-2 margin exceeds twice that, the top token must match.
+    (Measured on the fixtures: q8_0 2.6-3.6 %, fp16 < 1e-6 since their weights are bf16/fp16 already.)
     """
     ref = reference(name)
     prompt = ref["prompt_2"][None]
     base = load(converted.get(name, "hf")).logits(prompt)[0]
     scale = float(np.abs(base).max())
-    for dtype, rel in (("fp16", 0.002), ("q8_0", 0.02)):
+    for dtype, rel in (("fp16", 15 * 2.0**-11), ("q8_0", 15 / 254)):
         got = load(converted.get(name, fmt, dtype)).logits(prompt)[0]
         assert float(np.abs(got - base).max()) <= rel * scale, dtype
         top2 = np.sort(base, axis=-1)[:, -2:]
