@@ -8,6 +8,7 @@ package's constants.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,13 @@ LINEAR_ATTENTION = "linear_attention"
 # heads of one key head together; llama.cpp's converter tiles them so value head j uses key head j % Hk.
 V_HEAD_GROUPED = "grouped"
 V_HEAD_TILED = "tiled"
+
+# Sanity bounds on untrusted configs: far above any real Qwen model, low enough that nothing sized from a
+# config (layer lists, tensor tables, caches) can be absurd before a file or memory check sees it.
+MAX_LAYERS = 1024
+MAX_DIM = 1 << 20  # hidden/intermediate sizes, head counts and head dims
+MAX_VOCAB = 1 << 22
+MAX_CONTEXT = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -70,17 +78,22 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        check_layer_count(self.num_hidden_layers, "config")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.num_hidden_layers)
         self.validate()
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` when the values cannot describe a working model."""
-        positive = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size",
-                    "num_attention_heads", "num_key_value_heads", "head_dim")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"config: {name} must be positive, got {getattr(self, name)}")
+        bounds = {"hidden_size": MAX_DIM, "intermediate_size": MAX_DIM, "num_hidden_layers": MAX_LAYERS,
+                  "vocab_size": MAX_VOCAB, "num_attention_heads": MAX_DIM, "num_key_value_heads": MAX_DIM,
+                  "head_dim": MAX_DIM, "max_position_embeddings": MAX_CONTEXT}
+        for name, limit in bounds.items():
+            if not 0 < getattr(self, name) <= limit:
+                raise ConfigError(f"config: {name} must be in 1..{limit}, got {getattr(self, name)}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ConfigError(f"config: {name} must be a positive finite number, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"config: num_attention_heads {self.num_attention_heads} is not a multiple "
                               f"of num_key_value_heads {self.num_key_value_heads}")
@@ -95,8 +108,9 @@ class ModelConfig:
     def _validate_linear(self) -> None:
         for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                      "linear_num_key_heads", "linear_num_value_heads"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"config: {name} must be positive for linear-attention layers")
+            if not 0 < getattr(self, name) <= MAX_DIM:
+                raise ConfigError(f"config: {name} must be in 1..{MAX_DIM} for linear-attention layers, "
+                                  f"got {getattr(self, name)}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError("config: linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.v_head_order not in (V_HEAD_GROUPED, V_HEAD_TILED):
@@ -125,6 +139,20 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def check_layer_count(layers: int, source: str) -> None:
+    """Refuse a layer count outside 1..MAX_LAYERS before anything is sized from it."""
+    if not 0 < layers <= MAX_LAYERS:
+        raise ConfigError(f"{source}: num_hidden_layers must be in 1..{MAX_LAYERS}, got {layers}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _get(cfg: Mapping[str, Any], key: str, kind: type | tuple[type, ...], source: str,
          default: Any = ...) -> Any:
     value = cfg.get(key, default)
@@ -146,10 +174,11 @@ def hf_arch(cfg: Mapping[str, Any], source: str = "config.json") -> str:
     if not isinstance(archs, list):
         raise ConfigError(f"{source}: field 'architectures' should be a list")
     for name in archs:
-        if name in HF_ARCHITECTURES:
+        if isinstance(name, str) and name in HF_ARCHITECTURES:
             return HF_ARCHITECTURES[name]
-    if not archs and cfg.get("model_type") in HF_MODEL_TYPES:
-        return HF_MODEL_TYPES[cfg["model_type"]]
+    model_type = cfg.get("model_type")
+    if not archs and isinstance(model_type, str) and model_type in HF_MODEL_TYPES:
+        return HF_MODEL_TYPES[model_type]
     named = archs or [cfg.get("model_type")]
     raise UnsupportedArchitectureError(
         f"{source}: unsupported architecture {named}; supported: {sorted(HF_ARCHITECTURES)}")
@@ -167,23 +196,32 @@ def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, float, tuple[int,
     if not isinstance(params, dict):
         raise ConfigError(f"{source}: field 'rope_parameters' should be an object")
     scaling = cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or (scaling.get("rope_type") or scaling.get("type")
-                                            if isinstance(scaling, dict) else None)
-    if rope_type not in (None, "default", "mrope"):
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"{source}: field 'rope_scaling' should be an object")
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    if rope_type is not None and rope_type not in ("default", "mrope"):
         raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported")
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+    if not _is_number(theta) or theta <= 0:
         raise ConfigError(f"{source}: field 'rope_theta' should be a positive number, got {theta!r}")
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    sections = params.get("mrope_section") or (scaling.get("mrope_section") if isinstance(scaling, dict) else None)
-    return float(theta), float(partial), tuple(int(s) for s in sections or ())
+    if not _is_number(partial) or not 0 < partial <= 1:
+        raise ConfigError(f"{source}: field 'partial_rotary_factor' should be a number in (0, 1], got {partial!r}")
+    sections = params.get("mrope_section") or scaling.get("mrope_section") or []
+    if not isinstance(sections, list) or not all(_is_int(s) and s >= 0 for s in sections):
+        raise ConfigError(f"{source}: field 'mrope_section' should be a list of non-negative integers")
+    return float(theta), float(partial), tuple(sections)
 
 
-def _eos_ids(cfg: Mapping[str, Any]) -> tuple[int, ...]:
+def _eos_ids(cfg: Mapping[str, Any], source: str) -> tuple[int, ...]:
     eos = cfg.get("eos_token_id")
     if eos is None:
         return ()
-    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(_is_int(e) and e >= 0 for e in ids):
+        raise ConfigError(f"{source}: field 'eos_token_id' should be a non-negative integer or a list of them, "
+                          f"got {eos!r}")
+    return tuple(ids)
 
 
 def config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
@@ -195,6 +233,7 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> Model
     head_dim = _get(cfg, "head_dim", int, source, None) or hidden // max(heads, 1)
     theta, partial, sections = _rope(cfg, source)
     layers = _get(cfg, "num_hidden_layers", int, source)
+    check_layer_count(layers, source)
     default_partial = 0.25 if arch == QWEN35 else 1.0
     partial = partial if ("partial_rotary_factor" in cfg or "rope_parameters" in cfg) else default_partial
     fields: dict[str, Any] = dict(
@@ -215,7 +254,7 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> Model
         attention_bias=arch == QWEN2 or bool(cfg.get("attention_bias", False)),
         qk_norm=arch in (QWEN3, QWEN35),
         bos_token_id=_get(cfg, "bos_token_id", int, source, None),
-        eos_token_ids=_eos_ids(cfg),
+        eos_token_ids=_eos_ids(cfg, source),
     )
     if arch == QWEN35:
         fields.update(_linear_fields(cfg, layers, source), mrope_sections=sections)
@@ -224,6 +263,8 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> Model
 
 def _linear_fields(cfg: Mapping[str, Any], layers: int, source: str) -> dict[str, Any]:
     interval = _get(cfg, "full_attention_interval", int, source, 4)
+    if interval <= 0:
+        raise ConfigError(f"{source}: field 'full_attention_interval' must be positive, got {interval}")
     types = cfg.get("layer_types")
     if types is None:
         types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)]
@@ -246,48 +287,69 @@ def gguf_key(template: str, arch: str) -> str:
     return template.format(arch=arch)
 
 
-def _meta(meta: Mapping[str, Any], template: str, arch: str, source: str, default: Any = ...) -> Any:
+def _meta(meta: Mapping[str, Any], template: str, arch: str, source: str, kind: type = int,
+          default: Any = ...) -> Any:
+    """A metadata value of ``kind`` (int, or float which also accepts ints); ConfigError names the key."""
     key = gguf_key(template, arch)
-    if key in meta:
-        return meta[key]
-    if default is ...:
-        raise ConfigError(f"{source}: missing metadata key {key!r}")
-    return default
+    if key not in meta:
+        if default is ...:
+            raise ConfigError(f"{source}: missing metadata key {key!r}")
+        return default
+    value = meta[key]
+    if not (_is_number(value) if kind is float else _is_int(value)):
+        raise ConfigError(f"{source}: metadata key {key!r} should be {kind.__name__}, "
+                          f"got {type(value).__name__} {value!r}")
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(f"{source}: metadata key {key!r} should be finite, got {value!r}")
+    return kind(value)
+
+
+def _token_id(meta: Mapping[str, Any], key: str, source: str) -> int | None:
+    value = meta.get(key)
+    if value is not None and not (_is_int(value) and value >= 0):
+        raise ConfigError(f"{source}: metadata key {key!r} should be a token id, got {value!r}")
+    return value
+
+
+def _vocab_size(m: Mapping[str, Any], arch: str, source: str) -> int:
+    tokens = m.get(Keys.Tokenizer.LIST)
+    if tokens is not None and not isinstance(tokens, list):
+        raise ConfigError(f"{source}: metadata key {Keys.Tokenizer.LIST!r} should be an array")
+    return _meta(m, Keys.LLM.VOCAB_SIZE, arch, source, int, len(tokens) if tokens is not None else 0)
 
 
 def config_from_gguf(meta: Mapping[str, Any], source: str) -> ModelConfig:
     """Build a :class:`ModelConfig` from GGUF metadata (ours or llama.cpp's)."""
     arch = meta.get(Keys.General.ARCHITECTURE)
-    if arch not in SUPPORTED_ARCHS:
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
         raise UnsupportedArchitectureError(
             f"{source}: unsupported GGUF architecture {arch!r}; supported: {list(SUPPORTED_ARCHS)}")
     m = {k: (v.item() if hasattr(v, "item") and getattr(v, "ndim", 1) == 0 else v) for k, v in meta.items()}
-    hidden = int(_meta(m, Keys.LLM.EMBEDDING_LENGTH, arch, source))
-    heads = int(_meta(m, Keys.Attention.HEAD_COUNT, arch, source))
-    head_dim = int(_meta(m, Keys.Attention.KEY_LENGTH, arch, source, hidden // max(heads, 1)))
-    nextn = int(_meta(m, Keys.LLM.NEXTN_PREDICT_LAYERS, arch, source, 0))
-    layers = int(_meta(m, Keys.LLM.BLOCK_COUNT, arch, source)) - nextn
-    tokens = m.get(Keys.Tokenizer.LIST)
-    vocab = int(_meta(m, Keys.LLM.VOCAB_SIZE, arch, source, len(tokens) if tokens is not None else 0))
-    eos = m.get(Keys.Tokenizer.EOS_ID)
+    hidden = _meta(m, Keys.LLM.EMBEDDING_LENGTH, arch, source)
+    heads = _meta(m, Keys.Attention.HEAD_COUNT, arch, source)
+    head_dim = _meta(m, Keys.Attention.KEY_LENGTH, arch, source, int, hidden // max(heads, 1))
+    nextn = _meta(m, Keys.LLM.NEXTN_PREDICT_LAYERS, arch, source, int, 0)
+    layers = _meta(m, Keys.LLM.BLOCK_COUNT, arch, source) - nextn
+    check_layer_count(layers, source)
+    eos = _token_id(m, Keys.Tokenizer.EOS_ID, source)
     fields: dict[str, Any] = dict(
         arch=arch,
         hidden_size=hidden,
-        intermediate_size=int(_meta(m, Keys.LLM.FEED_FORWARD_LENGTH, arch, source)),
+        intermediate_size=_meta(m, Keys.LLM.FEED_FORWARD_LENGTH, arch, source),
         num_hidden_layers=layers,
-        vocab_size=vocab,
+        vocab_size=_vocab_size(m, arch, source),
         num_attention_heads=heads,
-        num_key_value_heads=int(_meta(m, Keys.Attention.HEAD_COUNT_KV, arch, source, heads)),
+        num_key_value_heads=_meta(m, Keys.Attention.HEAD_COUNT_KV, arch, source, int, heads),
         head_dim=head_dim,
-        rms_norm_eps=float(_meta(m, Keys.Attention.LAYERNORM_RMS_EPS, arch, source)),
-        rope_theta=float(_meta(m, Keys.Rope.FREQ_BASE, arch, source, 10000.0)),
-        max_position_embeddings=int(_meta(m, Keys.LLM.CONTEXT_LENGTH, arch, source)),
+        rms_norm_eps=_meta(m, Keys.Attention.LAYERNORM_RMS_EPS, arch, source, float),
+        rope_theta=_meta(m, Keys.Rope.FREQ_BASE, arch, source, float, 10000.0),
+        max_position_embeddings=_meta(m, Keys.LLM.CONTEXT_LENGTH, arch, source),
         tie_word_embeddings=False,  # decided by the reader from the presence of output.weight
-        rotary_dim=int(_meta(m, Keys.Rope.DIMENSION_COUNT, arch, source, head_dim)),
+        rotary_dim=_meta(m, Keys.Rope.DIMENSION_COUNT, arch, source, int, head_dim),
         qk_norm=arch in (QWEN3, QWEN35),
         attention_bias=arch == QWEN2,
-        bos_token_id=int(m[Keys.Tokenizer.BOS_ID]) if Keys.Tokenizer.BOS_ID in m else None,
-        eos_token_ids=(int(eos),) if eos is not None else (),
+        bos_token_id=_token_id(m, Keys.Tokenizer.BOS_ID, source),
+        eos_token_ids=(eos,) if eos is not None else (),
     )
     if arch == QWEN35:
         fields.update(_linear_fields_gguf(m, arch, layers, source))
@@ -295,20 +357,29 @@ def config_from_gguf(meta: Mapping[str, Any], source: str) -> ModelConfig:
 
 
 def _linear_fields_gguf(m: Mapping[str, Any], arch: str, layers: int, source: str) -> dict[str, Any]:
-    interval = int(_meta(m, Keys.LLM.FULL_ATTENTION_INTERVAL, arch, source, 4))
-    state = int(_meta(m, Keys.SSM.STATE_SIZE, arch, source))
-    v_heads = int(_meta(m, Keys.SSM.TIME_STEP_RANK, arch, source))
-    inner = int(_meta(m, Keys.SSM.INNER_SIZE, arch, source))
-    sections = _meta(m, Keys.Rope.DIMENSION_SECTIONS, arch, source, ())
+    interval = _meta(m, Keys.LLM.FULL_ATTENTION_INTERVAL, arch, source, int, 4)
+    if interval <= 0:
+        raise ConfigError(f"{source}: {gguf_key(Keys.LLM.FULL_ATTENTION_INTERVAL, arch)!r} must be positive")
+    v_heads = _meta(m, Keys.SSM.TIME_STEP_RANK, arch, source)
+    inner = _meta(m, Keys.SSM.INNER_SIZE, arch, source)
+    sections = _meta_list(m, Keys.Rope.DIMENSION_SECTIONS, arch, source)
     return dict(
         layer_types=tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
                           for i in range(layers)),
         full_attention_interval=interval,
-        linear_conv_kernel_dim=int(_meta(m, Keys.SSM.CONV_KERNEL, arch, source)),
-        linear_key_head_dim=state,
+        linear_conv_kernel_dim=_meta(m, Keys.SSM.CONV_KERNEL, arch, source),
+        linear_key_head_dim=_meta(m, Keys.SSM.STATE_SIZE, arch, source),
         linear_value_head_dim=inner // max(v_heads, 1),
-        linear_num_key_heads=int(_meta(m, Keys.SSM.GROUP_COUNT, arch, source)),
+        linear_num_key_heads=_meta(m, Keys.SSM.GROUP_COUNT, arch, source),
         linear_num_value_heads=v_heads,
-        mrope_sections=tuple(int(s) for s in sections if int(s)),
+        mrope_sections=tuple(s for s in sections if s),
         v_head_order=V_HEAD_TILED,
     )
+
+
+def _meta_list(m: Mapping[str, Any], template: str, arch: str, source: str) -> list[int]:
+    key = gguf_key(template, arch)
+    value = m.get(key, [])
+    if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
+        raise ConfigError(f"{source}: metadata key {key!r} should be an array of non-negative integers")
+    return value

@@ -1,82 +1,57 @@
-"""GGUF files (ours or llama.cpp's), read through ``gguf.GGUFReader``'s memory map."""
+"""GGUF model files (ours or llama.cpp's), parsed by the validating :mod:`.gguf_parse` reader.
+
+Tensors are zero-copy views of the file's read-only memory map; metadata values are plain Python values
+(strings, ints, floats, bools, lists).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
 
-from ..config import config_from_gguf
+from ..config import ModelConfig, config_from_gguf
 from ..errors import FormatError
-from ..naming import check_tensors
-from ..tensors import DENSE_DTYPES, SUPPORTED_QTYPES, QType, StoredTensor, stored_nbytes, stored_shape
+from ..naming import check_tensors, expected_tensors
+from ..tensors import DENSE_DTYPES, SUPPORTED_QTYPES, QType, StoredTensor, stored_shape
 from .base import ModelFiles
+from .gguf_parse import GGUFLayout, GGUFTensorInfo, parse_gguf, tensor_view
 
 
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """All key/value pairs as Python values (strings decoded, arrays as lists)."""
-    meta: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        value = field.contents()
-        if field.types and field.types[0] == GGUFValueType.STRING and isinstance(value, bytes):
-            value = value.decode("utf-8", errors="replace")
-        meta[name] = value
-    return meta
-
-def _tensor(path: Path, t: Any) -> StoredTensor:
-    name = str(t.name)
-    try:
-        qtype = QType(int(t.tensor_type))
-    except ValueError:
-        raise FormatError(f"{path}: tensor {name!r} has unknown GGML type {int(t.tensor_type)}") from None
-    if qtype not in SUPPORTED_QTYPES:
-        raise FormatError(f"{path}: tensor {name!r} has type {qtype.name}; supported: "
+def _tensor(layout: GGUFLayout, info: GGUFTensorInfo) -> StoredTensor:
+    if info.qtype not in SUPPORTED_QTYPES:
+        raise FormatError(f"{layout.path}: tensor {info.name!r} has type {info.qtype.name}; supported: "
                           f"{[q.name for q in SUPPORTED_QTYPES]}")
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    raw = np.asarray(t.data).reshape(-1).view(np.uint8)
-    if raw.size != stored_nbytes(qtype, shape):
-        raise FormatError(f"{path}: tensor {name!r} has {raw.size} bytes, {qtype.name}{list(shape)} needs "
-                          f"{stored_nbytes(qtype, shape)}")
-    if qtype == QType.Q8_0:
-        data = raw.reshape(stored_shape(qtype, shape))
+    raw = tensor_view(layout, info)
+    if info.qtype == QType.Q8_0:
+        data = raw.reshape(stored_shape(info.qtype, info.shape))
     else:
-        data = raw.view(DENSE_DTYPES[qtype]).reshape(shape)
-    return StoredTensor(name, qtype, shape, path, data=data)
+        data = raw.view(DENSE_DTYPES[info.qtype]).reshape(info.shape)
+    return StoredTensor(info.name, info.qtype, info.shape, layout.path, data=np.asarray(data))
 
-def open_reader(path: Path) -> GGUFReader:
-    """``GGUFReader`` with every failure on a malformed file turned into a :class:`FormatError`."""
-    try:
-        return GGUFReader(path, "r")
-    except FormatError:
-        raise
-    except (ValueError, IndexError, KeyError, OverflowError, TypeError, AssertionError, OSError,
-            MemoryError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path}: not a valid GGUF file ({type(exc).__name__}: {exc})") from None
-
-def open_gguf(path: str | Path) -> ModelFiles:
-    """Open a GGUF model file; tensors are zero-copy views of the file's memory map."""
-
-    path = Path(path)
-    reader = open_reader(path)
-    meta = read_metadata(reader)
-    config = config_from_gguf(meta, str(path))
-    tensors: dict[str, StoredTensor] = {}
-    for t in reader.tensors:
-        stored = _tensor(path, t)
-        if stored.name in tensors:
-            raise FormatError(f"{path}: tensor {stored.name!r} appears twice")
-        tensors[stored.name] = stored
-    n_layers = config.num_hidden_layers
-    tensors = {k: v for k, v in tensors.items() if not _is_nextn(k, n_layers)}
-    tied = check_tensors(config, tensors, str(path))
-    config = config.replace(tie_word_embeddings=tied)
-    return ModelFiles(path, "gguf", config, tensors, metadata=meta)
 
 def _is_nextn(name: str, n_layers: int) -> bool:
     """Tensors of MTP blocks that llama.cpp appends after the decoder layers (``nextn_predict_layers``)."""
     parts = name.split(".")
     return len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= n_layers
+
+
+def check_tensor_count(layout: GGUFLayout, config: ModelConfig) -> None:
+    """The number of decoder tensors must be what the architecture needs (with or without ``output``)."""
+    count = sum(not _is_nextn(t.name, config.num_hidden_layers) for t in layout.tensors)
+    tied = len(expected_tensors(config, tied=True))
+    if count not in (tied, tied + 1):
+        raise FormatError(f"{layout.path}: {count} tensors, but a {config.arch} model of this config has "
+                          f"{tied} ({tied + 1} with a separate output.weight)")
+
+
+def open_gguf(path: str | Path) -> ModelFiles:
+    """Open a GGUF model file; tensors are zero-copy views of the file's memory map."""
+    layout = parse_gguf(path)
+    config = config_from_gguf(layout.metadata, str(layout.path))
+    check_tensor_count(layout, config)
+    tensors = {info.name: _tensor(layout, info) for info in layout.tensors
+               if not _is_nextn(info.name, config.num_hidden_layers)}
+    tied = check_tensors(config, tensors, str(layout.path))
+    config = config.replace(tie_word_embeddings=tied)
+    return ModelFiles(layout.path, "gguf", config, tensors, metadata=dict(layout.metadata))
