@@ -1,0 +1,130 @@
+"""Convert many models to many (format, dtype) combinations, skipping outputs that are already done.
+
+Outputs are named ``<model>-<dtype>.gguf`` and ``<model>-<dtype>/`` inside one directory.  A failed job is
+recorded and the batch goes on; :func:`summary_table` renders the results for the CLI.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from qwen_runtime.errors import QwenError
+from qwen_runtime.formats import open_gguf, open_npy_dir
+
+from .convert import Progress, Verifier, convert, infer_format, path_size
+from .policy import check_dtype, file_type
+
+CONVERTED, SKIPPED, FAILED = "converted", "skipped", "failed"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One output to produce."""
+
+    src: Path
+    out: Path
+    format: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What happened to one job."""
+
+    job: Job
+    status: str  # CONVERTED, SKIPPED or FAILED
+    nbytes: int = 0
+    seconds: float = 0.0
+    message: str = ""
+
+
+def output_name(src: Path, fmt: str, dtype: str) -> str:
+    """``<model>-<dtype>.gguf`` or ``<model>-<dtype>`` (a directory) for source directory ``src``."""
+    stem = f"{src.resolve().name}-{dtype}"
+    return f"{stem}.gguf" if fmt == "gguf" else stem
+
+
+def plan_jobs(sources: Sequence[str | Path], out_dir: str | Path, formats: Sequence[str],
+              dtypes: Sequence[str]) -> list[Job]:
+    """Every (source, format, dtype) combination, in that nesting order."""
+    jobs = []
+    for src in map(Path, sources):
+        for fmt in formats:
+            infer_format("", fmt)
+            for dtype in map(check_dtype, dtypes):
+                jobs.append(Job(src, Path(out_dir) / output_name(src, fmt, dtype), fmt, dtype))
+    return jobs
+
+
+def output_is_complete(job: Job) -> bool:
+    """Whether ``job.out`` opens with our reader and holds ``job.dtype`` (a finished earlier run)."""
+    try:
+        if job.format == "npy":
+            files = open_npy_dir(job.out)
+            return files.metadata.get("dtype") == job.dtype
+        files = open_gguf(job.out)
+        return files.metadata.get("general.file_type") == int(file_type(job.dtype))
+    except QwenError:
+        return False
+
+
+def run_job(job: Job, force: bool = False, verify: Verifier | None = None,
+            progress: Progress | None = None) -> JobResult:
+    """Convert one job, or skip it when a complete output exists; errors become a FAILED result."""
+    started = time.perf_counter()
+    if job.out.exists() and not force:
+        if output_is_complete(job):
+            return JobResult(job, SKIPPED, path_size(job.out), time.perf_counter() - started)
+        return JobResult(job, FAILED, message=f"{job.out}: exists but is not a complete {job.format} "
+                                              f"{job.dtype} output (use --force to overwrite)")
+    try:
+        result = convert(job.src, job.out, job.format, job.dtype, force=force, verify=verify, progress=progress)
+    except QwenError as exc:
+        return JobResult(job, FAILED, seconds=time.perf_counter() - started, message=str(exc))
+    return JobResult(job, CONVERTED, result.nbytes, result.seconds)
+
+
+def run_batch(jobs: Sequence[Job], force: bool = False, verify: Verifier | None = None, workers: int = 1,
+              progress: Progress | None = None,
+              on_done: Callable[[JobResult], None] | None = None) -> list[JobResult]:
+    """Run every job (``workers`` processes in parallel; per-tensor progress only with one worker)."""
+    if workers <= 1:
+        results = []
+        for job in jobs:
+            results.append(run_job(job, force, verify, progress))
+            if on_done is not None:
+                on_done(results[-1])
+        return results
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(run_job, job, force, verify) for job in jobs]
+        results = []
+        for future in futures:
+            results.append(future.result())
+            if on_done is not None:
+                on_done(results[-1])
+        return results
+
+
+def human_size(nbytes: int) -> str:
+    """``1.2 GB`` style (decimal units)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def summary_table(results: Sequence[JobResult]) -> str:
+    """A fixed-width table: output, size, seconds, status (failure reasons below the table)."""
+    width = max([len("output")] + [len(str(r.job.out)) for r in results])
+    lines = [f"{'output':<{width}}  {'size':>10}  {'seconds':>8}  status"]
+    for r in results:
+        size = human_size(r.nbytes) if r.status != FAILED else "-"
+        lines.append(f"{str(r.job.out):<{width}}  {size:>10}  {r.seconds:>8.1f}  {r.status}")
+    lines += [f"{r.job.out}: {r.message}" if not r.message.startswith(str(r.job.out)) else r.message
+              for r in results if r.status == FAILED]
+    return "\n".join(lines)
+

@@ -1,0 +1,168 @@
+"""``qwen-convert`` and ``qwen-inspect``: thin argparse front ends over the library.
+
+Errors are printed as one line (``qwen-convert: error: <file>: <what>``) and mapped to the exit codes of
+:mod:`qwen_runtime.errors`; Ctrl-C exits with 130 and leaves no partial output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from tqdm import tqdm
+
+from qwen_runtime.errors import QwenError, exit_code
+from qwen_runtime.formats import open_model_files
+
+from .batch import FAILED, JobResult, plan_jobs, run_batch, summary_table
+from .convert import FORMATS, convert, infer_format, verify_checksums
+from .inspect import compare, compare_json, compare_table, model_stats, open_pair, stats_json, stats_table
+from .policy import DTYPES, TensorSpec
+
+INTERRUPTED = 130
+
+
+class TqdmProgress:
+    """Two bars on stderr: the whole output (bytes) and the tensor being written."""
+
+    def __init__(self, first_position: int = 0) -> None:
+        self._position = first_position
+        self._bars: list[tqdm] = []
+        self._current = ""
+
+    def start(self, label: str, specs: Sequence[TensorSpec]) -> None:
+        common = dict(unit="B", unit_scale=True, leave=False, dynamic_ncols=True, disable=None)
+        self._bars = [tqdm(total=sum(s.nbytes for s in specs), desc=label, position=self._position, **common),
+                      tqdm(total=0, position=self._position + 1, **common)]
+
+    def advance(self, spec: TensorSpec, nbytes: int) -> None:
+        whole, tensor = self._bars
+        if spec.name != self._current:
+            self._current = spec.name
+            tensor.reset(total=spec.nbytes)
+            tensor.set_description(spec.name)
+        tensor.update(nbytes)
+        whole.update(nbytes)
+
+    def stop(self) -> None:
+        for bar in self._bars:
+            bar.close()
+        self._bars, self._current = [], ""
+
+
+def _csv(value: str, choices: Sequence[str], what: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in choices]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(f"invalid {what} {value!r}; choose from {', '.join(choices)}")
+    return items
+
+
+def convert_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qwen-convert", description="Convert HF Qwen models to npy directories or "
+                                "GGUF files (one model with -o, or every combination with --out-dir).")
+    p.add_argument("sources", nargs="+", metavar="SRC", help="Hugging Face model directory")
+    p.add_argument("-o", "--output", metavar="OUT", help="output path (a .gguf suffix selects GGUF)")
+    p.add_argument("--out-dir", metavar="DIR", help="batch mode: write <model>-<dtype>.gguf / <model>-<dtype>/ here")
+    p.add_argument("--format", type=lambda v: _csv(v, FORMATS, "format"), help="npy or gguf (batch: comma list)")
+    p.add_argument("--dtype", type=lambda v: _csv(v, tuple(DTYPES), "dtype"), default=["fp16"],
+                   help="fp32, fp16 or q8_0 (batch: comma list; default fp16)")
+    p.add_argument("--jobs", type=int, default=1, help="batch mode: conversions run in parallel")
+    p.add_argument("--force", action="store_true", help="overwrite existing outputs")
+    p.add_argument("--verify", action="store_true", help="re-read the output and compare checksums before "
+                   "renaming it into place")
+    p.add_argument("--name", help="general.name of a GGUF (default: the source directory name)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log details (dtype fallbacks, tokenizer)")
+    return p
+
+
+def _run_single(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if len(args.sources) != 1 or len(args.dtype) > 1 or (args.format and len(args.format) > 1):
+        parser.error("-o converts one SRC to one format and dtype; use --out-dir for several")
+    fmt = infer_format(args.output, args.format[0] if args.format else None)
+    result = convert(args.sources[0], args.output, fmt, args.dtype[0], force=args.force, name=args.name,
+                     verify=verify_checksums if args.verify else None, progress=TqdmProgress())
+    print(f"wrote {result.output} ({result.nbytes:,} bytes, {result.format} {result.dtype}, "
+          f"{result.seconds:.1f} s)")
+    return 0
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    jobs = plan_jobs(args.sources, args.out_dir, args.format or ["npy"], args.dtype)
+    overall = tqdm(total=len(jobs), desc="jobs", unit="job", position=0, leave=False, dynamic_ncols=True,
+                   disable=None)
+
+    def done(result: JobResult) -> None:
+        overall.update(1)
+        if result.status == FAILED:
+            tqdm.write(f"qwen-convert: failed: {result.message}", file=sys.stderr)
+
+    progress = TqdmProgress(first_position=1) if args.jobs <= 1 else None
+    try:
+        results = run_batch(jobs, args.force, verify_checksums if args.verify else None, args.jobs, progress, done)
+    finally:
+        overall.close()
+    print(summary_table(results))
+    return 1 if any(r.status == FAILED for r in results) else 0
+
+
+def _guarded(prog: str, main: Callable[[], int]) -> int:
+    """Run ``main``, turning our errors, I/O errors and Ctrl-C into one line and an exit code."""
+    try:
+        return main()
+    except QwenError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return exit_code(exc)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; no partial output was left", file=sys.stderr)
+        return INTERRUPTED
+    except OSError as exc:
+        print(f"{prog}: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+
+
+def convert_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``qwen-convert``."""
+    parser = convert_parser()
+    args = parser.parse_args(argv)
+    if (args.output is None) == (args.out_dir is None):
+        parser.error("give exactly one of -o OUT (one output) and --out-dir DIR (batch)")
+    _logging(args.verbose)
+    if args.output is not None:
+        return _guarded("qwen-convert", lambda: _run_single(args, parser))
+    return _guarded("qwen-convert", lambda: _run_batch(args))
+
+
+def inspect_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qwen-inspect", description="Per-tensor statistics of an HF directory, npy "
+                                "directory or GGUF file; with --compare, the error of B against A.")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--compare", metavar="B", help="report the error of B against PATH (tensors matched by name)")
+    p.add_argument("--filter", metavar="REGEX", help="only tensors whose canonical name matches")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    if args.compare:
+        a, b = open_pair(args.path, args.compare)
+        result = compare(a, b, args.filter)
+        print(json.dumps(compare_json(result), indent=1) if args.json else compare_table(result))
+        return 0
+    stats = model_stats(open_model_files(args.path), args.filter)
+    print(json.dumps(stats_json(stats), indent=1) if args.json else stats_table(stats))
+    return 0
+
+
+def inspect_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``qwen-inspect``."""
+    args = inspect_parser().parse_args(argv)
+    _logging(False)
+    return _guarded("qwen-inspect", lambda: _inspect(args))

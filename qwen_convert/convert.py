@@ -1,0 +1,215 @@
+"""Convert one Hugging Face model directory to an npy directory or a GGUF file, atomically.
+
+The output is written under a temporary name beside the target (``.OUT.tmp-<pid>``) and renamed only
+once complete (and verified, when asked); on any error or interrupt the temporary is removed and an
+existing output is left untouched.  An existing output is replaced only with ``force``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from qwen_runtime.config import V_HEAD_TILED
+from qwen_runtime.errors import FormatError, OutputError, OutputExistsError, QwenError
+from qwen_runtime.formats import detect_format, open_gguf, open_hf_dir, open_npy_dir
+from qwen_runtime.formats.base import ModelFiles
+
+from .gguf_writer import GGUFFileWriter
+from .npy_writer import NpyDirWriter
+from .policy import TensorSpec, check_dtype, plan_outputs
+from .quantize import stream_rows
+
+FORMATS = ("npy", "gguf")
+
+
+class Progress(Protocol):
+    """Receives progress reports; the CLI implements it with tqdm bars."""
+
+    def start(self, label: str, specs: Sequence[TensorSpec]) -> None: ...
+
+    def advance(self, spec: TensorSpec, nbytes: int) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class OutputSink(Protocol):
+    """What :func:`convert` drives: one writer per output format."""
+
+    checksums: dict[str, str]
+
+    def write_tensor(self, spec: TensorSpec, chunks: Iterable[np.ndarray]) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def __enter__(self) -> OutputSink: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What one conversion produced."""
+
+    output: Path
+    format: str
+    dtype: str
+    nbytes: int  # bytes on disk
+    seconds: float
+
+
+def infer_format(out: str | Path, fmt: str | None) -> str:
+    """The output format: given, else ``gguf`` for a ``.gguf`` suffix, else ``npy``."""
+    fmt = fmt or ("gguf" if Path(out).suffix.lower() == ".gguf" else "npy")
+    if fmt not in FORMATS:
+        raise QwenError(f"unknown output format {fmt!r}; choose from {', '.join(FORMATS)}")
+    return fmt
+
+
+def open_source(src: str | Path) -> ModelFiles:
+    """Open an HF model directory for conversion (Qwen3.5 value heads in llama.cpp's tiled order)."""
+    if detect_format(src) != "hf":
+        raise FormatError(f"{src}: conversion needs a Hugging Face model directory (config.json + safetensors)")
+    return open_hf_dir(src, v_head_order=V_HEAD_TILED)
+
+
+def path_size(path: Path) -> int:
+    """Bytes of a file, or of all files in a directory."""
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file or directory tree if it exists."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _replace(tmp: Path, target: Path) -> None:
+    """Move ``tmp`` to ``target``; an existing directory is moved aside first and restored on failure."""
+    if not (target.is_dir() and not target.is_symlink()):
+        os.replace(tmp, target)
+        return
+    aside = target.with_name(f".{target.name}.old-{os.getpid()}")
+    os.replace(target, aside)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        os.replace(aside, target)
+        raise
+    remove_path(aside)
+
+
+def check_output(target: Path, force: bool) -> None:
+    """:class:`OutputExistsError` when ``target`` exists and ``force`` is not set."""
+    if (target.exists() or target.is_symlink()) and not force:
+        raise OutputExistsError(f"{target}: output already exists (use --force to overwrite)")
+
+
+@contextmanager
+def atomic_output(target: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary path beside ``target``; rename it to ``target`` when the block succeeds."""
+    check_output(target, force)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    remove_path(tmp)
+    try:
+        yield tmp
+        check_output(target, force)
+        try:
+            _replace(tmp, target)
+        except OSError as exc:
+            raise OutputError(f"{target}: cannot move the finished output into place ({exc.strerror})") from None
+    except BaseException:
+        remove_path(tmp)
+        raise
+
+
+def open_sink(fmt: str, tmp: Path, files: ModelFiles, dtype: str, specs: Sequence[TensorSpec],
+              name: str) -> OutputSink:
+    """The writer for ``fmt`` writing to ``tmp``."""
+    if fmt == "gguf":
+        return GGUFFileWriter(tmp, files, dtype, specs, name)
+    return NpyDirWriter(tmp, files, dtype)
+
+
+def _write_all(sink: OutputSink, files: ModelFiles, specs: Sequence[TensorSpec], target: Path,
+               progress: Progress | None) -> None:
+    """Stream every tensor into ``sink``; I/O errors name the output and the tensor."""
+    for spec in specs:
+        chunks = stream_rows(files.tensors[spec.name], spec.qtype)
+        if progress is not None:
+            chunks = _reporting(chunks, spec, progress)
+        try:
+            sink.write_tensor(spec, chunks)
+        except OSError as exc:
+            raise OutputError(f"{target}: cannot write tensor {spec.name!r} ({exc.strerror or exc})") from None
+    try:
+        sink.finish()
+    except OSError as exc:
+        raise OutputError(f"{target}: cannot finish writing ({exc.strerror or exc})") from None
+
+
+def _reporting(chunks: Iterable[np.ndarray], spec: TensorSpec, progress: Progress) -> Iterator[np.ndarray]:
+    for chunk in chunks:
+        yield chunk
+        progress.advance(spec, chunk.nbytes)
+
+
+def verify_checksums(path: Path, fmt: str, checksums: dict[str, str]) -> None:
+    """Re-read a written output and compare every tensor's SHA-256 with what was written."""
+    if fmt == "npy":
+        open_npy_dir(path, verify=True)
+        return
+    import hashlib
+
+    files = open_gguf(path)
+    for name, expected in checksums.items():
+        data = np.ascontiguousarray(files.tensor(name).data)
+        if hashlib.sha256(data.data).hexdigest() != expected:
+            raise FormatError(f"{path}: tensor {name!r}: bytes read back differ from those written")
+
+
+Verifier = Callable[[Path, str, dict[str, str]], None]
+
+
+def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str = "fp16", force: bool = False,
+            name: str | None = None, verify: Verifier | None = None,
+            progress: Progress | None = None) -> ConvertResult:
+    """Convert the HF model ``src`` to ``out`` (``fmt`` npy or gguf; ``dtype`` fp32, fp16 or q8_0).
+
+    ``verify`` (e.g. :func:`verify_checksums`) runs on the complete temporary output, before the rename.
+    Raises :class:`OutputExistsError` when ``out`` exists and ``force`` is false, :class:`FormatError`
+    (and subclasses) for bad input and :class:`OutputError` when the output cannot be written.
+    """
+    started = time.perf_counter()
+    target, fmt, dtype = Path(out), infer_format(out, fmt), check_dtype(dtype)
+    check_output(target, force)
+    files = open_source(src)
+    specs = plan_outputs({n: t.shape for n, t in files.tensors.items()}, dtype)
+    if progress is not None:
+        progress.start(target.name, specs)
+    try:
+        with atomic_output(target, force) as tmp:
+            try:
+                sink = open_sink(fmt, tmp, files, dtype, specs, name or files.path.resolve().name)
+            except OSError as exc:
+                raise OutputError(f"{target}: cannot create output ({exc.strerror or exc})") from None
+            with sink:
+                _write_all(sink, files, specs, target, progress)
+            if verify is not None:
+                verify(tmp, fmt, sink.checksums)
+    finally:
+        if progress is not None:
+            progress.stop()
+    return ConvertResult(target, fmt, dtype, path_size(target), time.perf_counter() - started)

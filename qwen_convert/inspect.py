@@ -1,0 +1,291 @@
+"""Per-tensor statistics of a model, and the error of one model against another.
+
+Every statistic streams over row chunks widened to float32 and accumulates in float64 (means and
+variances merged with Chan's parallel formula), so a 500M-element tensor needs a few MB, not 2 GB.
+Works on anything :func:`~qwen_runtime.formats.open_model_files` opens: HF directories, our npy
+directories and GGUF files (ours or llama.cpp's).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qwen_runtime.errors import FormatError
+from qwen_runtime.formats import ModelFiles, detect_format, open_model_files
+from qwen_runtime.tensors import StoredTensor, to_float32
+
+from .quantize import rows_per_chunk
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Statistics of one tensor's values (over finite values; None when there are none)."""
+
+    name: str
+    shape: tuple[int, ...]
+    type: str
+    nbytes: int
+    min: float | None
+    max: float | None
+    mean: float | None
+    std: float | None
+    absmax: float | None
+    nan: int
+    inf: int
+
+
+@dataclass(frozen=True)
+class TensorError:
+    """Error of tensor B against reference A (same canonical name and shape)."""
+
+    name: str
+    shape: tuple[int, ...]
+    type_a: str
+    type_b: str
+    rmse: float
+    max_abs: float
+    snr_db: float  # 10 log10(sum a^2 / sum (b - a)^2); inf when identical
+    cosine: float
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """All per-tensor errors plus the whole-model summary."""
+
+    tensors: list[TensorError]
+    only_a: list[str]
+    only_b: list[str]
+    rmse: float
+    max_abs: float
+    snr_db: float
+    min_cosine: float
+
+
+def float32_chunks(tensor: StoredTensor) -> Iterator[np.ndarray]:
+    """The tensor as float32 ``[rows, n]`` chunks (one reused buffer: consume each before the next)."""
+    source = tensor.rows2d()
+    width = tensor.shape[-1] if tensor.shape else 1
+    step = rows_per_chunk(width)
+    buffer = np.empty((min(step, len(source)), width), np.float32)
+    for start in range(0, len(source), step):
+        rows = source[start:start + step]
+        yield to_float32(tensor.qtype, rows, buffer[: len(rows)])
+
+
+class Moments:
+    """Streaming count / min / max / mean / M2 / abs-max of finite values, plus NaN and Inf counts."""
+
+    def __init__(self) -> None:
+        self.n, self.mean, self.m2 = 0, 0.0, 0.0
+        self.min, self.max, self.absmax = math.inf, -math.inf, 0.0
+        self.nan = self.inf = 0
+
+    def add(self, chunk: np.ndarray) -> None:
+        values = chunk.ravel()
+        finite = np.isfinite(values)
+        if not finite.all():
+            self.nan += int(np.isnan(values).sum())
+            self.inf += int(np.isinf(values).sum())
+            values = values[finite]
+        if values.size == 0:
+            return
+        wide = values.astype(np.float64)
+        n_b, mean_b = wide.size, float(wide.mean())
+        wide -= mean_b
+        m2_b = float(wide @ wide)
+        n = self.n + n_b
+        delta = mean_b - self.mean
+        self.mean += delta * n_b / n
+        self.m2 += m2_b + delta * delta * self.n * n_b / n
+        self.n = n
+        lo, hi = float(values.min()), float(values.max())
+        self.min, self.max = min(self.min, lo), max(self.max, hi)
+        self.absmax = max(self.absmax, abs(lo), abs(hi))
+
+    def stats(self, tensor: StoredTensor) -> TensorStats:
+        some = self.n > 0
+        return TensorStats(tensor.name, tensor.shape, tensor.qtype.name, tensor.nbytes,
+                           self.min if some else None, self.max if some else None,
+                           self.mean if some else None, math.sqrt(self.m2 / self.n) if some else None,
+                           self.absmax if some else None, self.nan, self.inf)
+
+
+def tensor_stats(tensor: StoredTensor) -> TensorStats:
+    """Statistics of one tensor, streamed."""
+    moments = Moments()
+    for chunk in float32_chunks(tensor):
+        moments.add(chunk)
+    return moments.stats(tensor)
+
+
+def selected(files: ModelFiles, pattern: str | None) -> list[str]:
+    """Tensor names matching ``pattern`` (``re.search``), in file order."""
+    try:
+        regex = re.compile(pattern or "")
+    except re.error as exc:
+        raise FormatError(f"invalid --filter regular expression {pattern!r} ({exc})") from None
+    return [name for name in files.tensors if regex.search(name)]
+
+
+def model_stats(files: ModelFiles, pattern: str | None = None) -> list[TensorStats]:
+    """Statistics of every tensor whose name matches ``pattern``."""
+    return [tensor_stats(files.tensors[name]) for name in selected(files, pattern)]
+
+
+def totals(stats: Sequence[TensorStats]) -> dict[str, float]:
+    """Parameters, bytes and bytes per parameter over ``stats``."""
+    params = sum(int(np.prod(s.shape, dtype=np.int64)) for s in stats)
+    nbytes = sum(s.nbytes for s in stats)
+    return {"tensors": len(stats), "parameters": params, "bytes": nbytes,
+            "bytes_per_parameter": nbytes / params if params else 0.0}
+
+
+def open_pair(path_a: str | Path, path_b: str | Path) -> tuple[ModelFiles, ModelFiles]:
+    """Open A and B with the same Qwen3.5 value-head order (an HF side follows the other side's order)."""
+    if detect_format(path_a) == "hf" and detect_format(path_b) != "hf":
+        b = open_model_files(path_b)
+        a = open_model_files(path_a, v_head_order=b.config.v_head_order)
+    else:
+        a = open_model_files(path_a)
+        b = open_model_files(path_b, v_head_order=a.config.v_head_order)
+    c = a.config
+    if (c.has_linear_attention and c.linear_num_value_heads != c.linear_num_key_heads
+            and c.v_head_order != b.config.v_head_order):
+        raise FormatError(f"{path_b}: value heads are {b.config.v_head_order}, {path_a} has them "
+                          f"{c.v_head_order}; cannot compare")
+    return a, b
+
+
+class ErrorSums:
+    """Streaming sums for the error of b against a."""
+
+    def __init__(self) -> None:
+        self.n, self.aa, self.bb, self.ab, self.dd, self.max_abs = 0, 0.0, 0.0, 0.0, 0.0, 0.0
+
+    def add(self, a: np.ndarray, b: np.ndarray) -> None:
+        a64, b64 = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+        self.n += a64.size
+        self.aa += float(a64 @ a64)
+        self.bb += float(b64 @ b64)
+        self.ab += float(a64 @ b64)
+        b64 -= a64
+        self.dd += float(b64 @ b64)
+        if b64.size:
+            self.max_abs = max(self.max_abs, float(np.abs(b64).max()))
+
+    def merge(self, other: ErrorSums) -> None:
+        self.n += other.n
+        self.aa, self.bb, self.ab, self.dd = (self.aa + other.aa, self.bb + other.bb, self.ab + other.ab,
+                                              self.dd + other.dd)
+        self.max_abs = max(self.max_abs, other.max_abs)
+
+    @property
+    def rmse(self) -> float:
+        return math.sqrt(self.dd / self.n) if self.n else 0.0
+
+    @property
+    def snr_db(self) -> float:
+        if self.dd == 0:
+            return math.inf
+        return 10 * math.log10(self.aa / self.dd) if self.aa > 0 else -math.inf
+
+    @property
+    def cosine(self) -> float:
+        if self.aa == 0 or self.bb == 0:
+            return 1.0 if self.aa == self.bb else 0.0
+        return self.ab / math.sqrt(self.aa * self.bb)
+
+
+def tensor_error(a: StoredTensor, b: StoredTensor) -> tuple[TensorError, ErrorSums]:
+    """Error of ``b`` against ``a``, streamed over matching row chunks."""
+    if a.shape != b.shape:
+        raise FormatError(f"{b.path}: tensor {b.name!r} has shape {list(b.shape)}, {a.path} has {list(a.shape)}")
+    sums = ErrorSums()
+    for chunk_a, chunk_b in zip(float32_chunks(a), float32_chunks(b), strict=True):
+        sums.add(chunk_a, chunk_b)
+    row = TensorError(a.name, a.shape, a.qtype.name, b.qtype.name, sums.rmse, sums.max_abs, sums.snr_db,
+                      sums.cosine)
+    return row, sums
+
+
+def compare(a: ModelFiles, b: ModelFiles, pattern: str | None = None) -> Comparison:
+    """Per-tensor and whole-model error of B against reference A, tensors matched by canonical name."""
+    names = selected(a, pattern)
+    total, rows, worst_cosine = ErrorSums(), [], 1.0
+    for name in names:
+        if name in b.tensors:
+            row, sums = tensor_error(a.tensors[name], b.tensors[name])
+            rows.append(row)
+            total.merge(sums)
+            worst_cosine = min(worst_cosine, row.cosine)
+    only_b = sorted(set(selected(b, pattern)) - set(a.tensors))
+    return Comparison(rows, [n for n in names if n not in b.tensors], only_b, total.rmse, total.max_abs,
+                      total.snr_db, worst_cosine)
+
+
+def _num(value: float | None, width: int = 11) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.4g}"
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "[" + ",".join(map(str, shape)) + "]"
+
+
+def stats_table(stats: Sequence[TensorStats]) -> str:
+    """Fixed-width table of :class:`TensorStats` rows followed by the totals."""
+    width = max([4] + [len(s.name) for s in stats])
+    head = (f"{'name':<{width}}  {'shape':<14} {'type':<5} {'bytes':>11} {'min':>11} {'max':>11} {'mean':>11} "
+            f"{'std':>11} {'absmax':>11} {'nan':>6} {'inf':>6}")
+    lines = [head]
+    for s in stats:
+        lines.append(f"{s.name:<{width}}  {_shape(s.shape):<14} {s.type:<5} {s.nbytes:>11} {_num(s.min)} "
+                     f"{_num(s.max)} {_num(s.mean)} {_num(s.std)} {_num(s.absmax)} {s.nan:>6} {s.inf:>6}")
+    t = totals(stats)
+    lines.append(f"total: {t['tensors']} tensors, {t['parameters']:,} parameters, {t['bytes']:,} bytes, "
+                 f"{t['bytes_per_parameter']:.3f} bytes/parameter")
+    return "\n".join(lines)
+
+
+def compare_table(result: Comparison) -> str:
+    """Fixed-width table of per-tensor errors followed by the whole-model summary."""
+    width = max([4] + [len(r.name) for r in result.tensors])
+    lines = [f"{'name':<{width}}  {'shape':<14} {'A':<5} {'B':<5} {'rmse':>11} {'max_abs':>11} {'snr_db':>11} "
+             f"{'cosine':>11}"]
+    for r in result.tensors:
+        lines.append(f"{r.name:<{width}}  {_shape(r.shape):<14} {r.type_a:<5} {r.type_b:<5} {_num(r.rmse)} "
+                     f"{_num(r.max_abs)} {_num(r.snr_db)} {r.cosine:>11.8f}")
+    lines.append(f"model: {len(result.tensors)} tensors compared, rmse {result.rmse:.4g}, max abs error "
+                 f"{result.max_abs:.4g}, snr {result.snr_db:.2f} dB, min cosine {result.min_cosine:.8f}")
+    if result.only_a:
+        lines.append(f"only in A ({len(result.only_a)}): {', '.join(result.only_a)}")
+    if result.only_b:
+        lines.append(f"only in B ({len(result.only_b)}): {', '.join(result.only_b)}")
+    return "\n".join(lines)
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no inf/NaN: write them as strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def stats_json(stats: Sequence[TensorStats]) -> dict[str, Any]:
+    """JSON-ready form of :func:`model_stats` output with totals."""
+    return _finite({"tensors": [asdict(s) for s in stats], "totals": totals(stats)})
+
+
+def compare_json(result: Comparison) -> dict[str, Any]:
+    """JSON-ready form of a :class:`Comparison`."""
+    return _finite(asdict(result))

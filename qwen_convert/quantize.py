@@ -1,0 +1,81 @@
+"""Streaming conversion of a stored tensor to its output type, a few rows at a time.
+
+Each chunk is widened to float32 (``[rows, n]``) and encoded to the output type's stored layout
+(``[rows, row bytes]``), so memory scales with the chunk, never with the tensor.  The Q8_0 kernel gives
+exactly the bytes of ``gguf.quants.quantize`` (llama.cpp's reference) with fewer temporaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from qwen_runtime.errors import FormatError
+from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_BYTES, QType, StoredTensor, stored_shape, to_float32
+
+CHUNK_ELEMENTS = 1 << 20  # float32 elements widened at once (4 MiB)
+
+
+def round_half_away(x: np.ndarray) -> np.ndarray:
+    """Round in place to the nearest integer, halves away from zero (C ``roundf``); ``x`` is float32.
+
+    ``x - trunc(x)`` is exact, so ``trunc(2 * frac)`` is exactly the carry (0 or ±1), as in gguf's ``np_roundf``.
+    """
+    whole = np.trunc(x)
+    np.subtract(x, whole, out=x)
+    np.multiply(x, 2, out=x)
+    np.trunc(x, out=x)
+    np.add(x, whole, out=x)
+    return x
+
+
+def quantize_q8_0(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Q8_0-encode float32 ``[rows, n]`` (n divisible by 32) to bytes ``[rows, n // 32 * 34]``."""
+    rows, n = x.shape
+    blocks = x.reshape(-1, Q8_0_BLOCK)  # [n_blocks, 32]
+    scale = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)  # [n_blocks, 1]
+    inverse = np.zeros_like(scale)
+    np.divide(np.float32(1), scale, out=inverse, where=scale != 0)
+    values = round_half_away(blocks * inverse)
+    if out is None:
+        out = np.empty((rows, n // Q8_0_BLOCK * Q8_0_BYTES), np.uint8)
+    packed = out.reshape(-1, Q8_0_BYTES)
+    packed[:, :2] = scale.astype(np.float16).view(np.uint8)
+    packed[:, 2:] = values.astype(np.int8).view(np.uint8)
+    return out
+
+
+def encode_rows(x: np.ndarray, qtype: QType) -> np.ndarray:
+    """Float32 ``[rows, n]`` -> the stored layout of ``qtype`` for those rows."""
+    if qtype == QType.F32:
+        return x
+    if qtype == QType.F16:
+        return x.astype(np.float16)
+    if qtype == QType.Q8_0:
+        return quantize_q8_0(x)
+    raise FormatError(f"cannot write tensors of type {qtype.name}")
+
+
+def rows_per_chunk(row_length: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(row_length, 1))
+
+
+def stream_rows(tensor: StoredTensor, qtype: QType) -> Iterator[np.ndarray]:
+    """The tensor converted to ``qtype`` as C-contiguous chunks of whole rows (``[rows, row bytes]``).
+
+    Concatenated, the chunks are the bytes of the tensor stored as ``qtype``.  A chunk may reuse the
+    previous chunk's buffer: consume it (write, hash) before asking for the next one.
+    """
+    stored_shape(qtype, tensor.shape)  # refuses a Q8_0 row length that is not a multiple of 32
+    source = tensor.rows2d()  # one memory map for the whole tensor: [rows, stored row length]
+    width = tensor.shape[-1] if tensor.shape else 1
+    step = rows_per_chunk(width)
+    if tensor.qtype == qtype:
+        for start in range(0, len(source), step):
+            yield np.ascontiguousarray(source[start:start + step])
+        return
+    buffer = np.empty((min(step, len(source)), width), np.float32)
+    for start in range(0, len(source), step):
+        rows = source[start:start + step]
+        yield encode_rows(to_float32(tensor.qtype, rows, buffer[: len(rows)]), qtype)
