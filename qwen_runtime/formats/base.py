@@ -46,32 +46,70 @@ class ModelFiles:
         """A JSON file of the model directory (None when absent or when the model is a GGUF file)."""
         if self.directory is None:
             return None
-        return read_json_file(self.directory / name, required=False)
+        return read_json_file(contained_path(self.directory, name, "file"), required=False)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` refusing duplicate keys (which a different parser might resolve differently)."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def parse_json(raw: bytes, source: str) -> Any:
+    """Strict JSON: UTF-8, no duplicate keys, no NaN/Infinity; any problem is a :class:`FormatError`."""
+    def refuse_constant(name: str) -> None:
+        raise ValueError(f"non-standard constant {name}")
+
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=refuse_constant)
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        raise FormatError(f"{source}: invalid JSON ({exc})") from None
+    except RecursionError:
+        raise FormatError(f"{source}: invalid JSON (nested too deeply)") from None
 
 
 def read_json_file(path: Path, required: bool = True, limit: int = 64 << 20) -> dict[str, Any] | None:
     """Parse a JSON object file, raising :class:`FormatError` naming the file on any problem."""
-    if not path.is_file():
-        if required:
-            raise FormatError(f"{path}: file not found")
-        return None
-    if path.stat().st_size > limit:
-        raise FormatError(f"{path}: {path.stat().st_size} bytes is larger than the {limit}-byte limit")
     try:
-        value = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path}: invalid JSON ({exc})") from None
+        if not path.is_file():
+            if required:
+                raise FormatError(f"{path}: file not found")
+            return None
+        size = path.stat().st_size
+        if size > limit:
+            raise FormatError(f"{path}: {size} bytes is larger than the {limit}-byte limit")
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    value = parse_json(raw, str(path))
     if not isinstance(value, dict):
         raise FormatError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
 
 
+def _allowed_roots(root: Path) -> list[Path]:
+    """``root`` plus, for a Hugging Face cache snapshot (``<repo>/snapshots/<rev>``), the repo's ``blobs``
+    directory, where the hub cache points each snapshot file's symlink."""
+    absolute = root.absolute()
+    roots = [root.resolve()]
+    if absolute.parent.name == "snapshots":
+        roots.append((absolute.parent.parent / "blobs").resolve())
+    return roots
+
+
 def contained_path(root: Path, relative: str, what: str) -> Path:
     """``root / relative``, refusing absolute paths, ``..`` and symlinks that leave ``root``."""
-    if not isinstance(relative, str) or not relative or os.path.isabs(relative) or "\\" in relative:
+    if (not isinstance(relative, str) or not relative or os.path.isabs(relative) or "\\" in relative
+            or "\0" in relative):
         raise FormatError(f"{root}: {what} names an invalid path {relative!r}")
-    target = (root / relative).resolve()
-    base = root.resolve()
-    if base != target and base not in target.parents:
+    try:
+        target = (root / relative).resolve()
+    except (OSError, RuntimeError) as exc:  # symlink loops
+        raise FormatError(f"{root}: {what} path {relative!r} cannot be resolved ({exc})") from None
+    if not any(base == target or base in target.parents for base in _allowed_roots(root)):
         raise FormatError(f"{root}: {what} path {relative!r} leaves the model directory")
     return target

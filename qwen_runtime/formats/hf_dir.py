@@ -63,7 +63,7 @@ def _check_index(directory: Path, weight_map: dict[str, str], entries: dict[str,
 
 
 def load_hf_config(directory: Path) -> tuple[dict, ModelConfig]:
-    raw = read_json_file(directory / "config.json")
+    raw = read_json_file(contained_path(directory, "config.json", "config"))
     assert raw is not None
     return raw, config_from_hf(raw, str(directory / "config.json"))
 

@@ -77,7 +77,7 @@ def _open_npy(path: Path, name: str, info: dict[str, Any]) -> StoredTensor:
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
-    manifest = read_json_file(directory / MANIFEST_NAME)
+    manifest = read_json_file(contained_path(directory, MANIFEST_NAME, "manifest"))
     assert manifest is not None
     if manifest.get("format") != FORMAT_NAME:
         raise FormatError(f"{directory / MANIFEST_NAME}: format is {manifest.get('format')!r}, "

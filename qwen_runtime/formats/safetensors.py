@@ -8,7 +8,6 @@ that follows the header), an optional ``"__metadata__"`` object, then the buffer
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ import numpy as np
 
 from ..errors import FormatError
 from ..tensors import DENSE_DTYPES, QType
+from .base import parse_json, read_json_file
 
 # safetensors dtype string -> GGML type of the stored bytes.
 SAFETENSORS_QTYPES: dict[str, QType] = {"F32": QType.F32, "F16": QType.F16, "BF16": QType.BF16}
@@ -57,17 +57,14 @@ def read_header(path: Path) -> tuple[dict[str, SafetensorsEntry], dict[str, str]
             raw = f.read(n)
     except OSError as exc:
         raise FormatError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path}: safetensors header is not valid JSON ({exc})") from None
+    header = parse_json(raw, f"{path}: safetensors header")
     if not isinstance(header, dict):
         raise FormatError(f"{path}: safetensors header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise FormatError(f"{path}: '__metadata__' is not an object")
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise FormatError(f"{path}: '__metadata__' must map strings to strings")
     entries = {name: _entry(path, name, info, 8 + n) for name, info in header.items()}
-    _check_layout(path, entries, size)
+    _check_layout(path, entries, 8 + n, size)
     return entries, meta
 
 
@@ -93,8 +90,9 @@ def _entry(path: Path, name: str, info: object, base: int) -> SafetensorsEntry:
     return SafetensorsEntry(name, path, qtype, tuple(shape), base + offsets[0], base + offsets[1])
 
 
-def _check_layout(path: Path, entries: dict[str, SafetensorsEntry], size: int) -> None:
-    """Every tensor inside the file, and no two tensors sharing bytes."""
+def _check_layout(path: Path, entries: dict[str, SafetensorsEntry], start: int, size: int) -> None:
+    """Every tensor inside the file, no two tensors sharing bytes, and no unindexed bytes (the reference
+    implementation refuses holes too: they would let one file be read differently by different tools)."""
     spans = sorted((e.begin, e.end, e.name) for e in entries.values() if e.end > e.begin)
     for _, end, name in spans:
         if end > size:
@@ -103,12 +101,17 @@ def _check_layout(path: Path, entries: dict[str, SafetensorsEntry], size: int) -
     for (_, end_a, name_a), (begin_b, _, name_b) in zip(spans, spans[1:], strict=False):
         if begin_b < end_a:
             raise FormatError(f"{path}: tensors {name_a!r} and {name_b!r} overlap")
+        if begin_b > end_a:
+            raise FormatError(f"{path}: bytes {end_a}..{begin_b} between tensors {name_a!r} and {name_b!r} "
+                              f"belong to no tensor")
+    covered = (spans[0][0], spans[-1][1]) if spans else (start, start)
+    if covered != (start, size):
+        raise FormatError(f"{path}: tensor data covers bytes {covered[0]}..{covered[1]}, expected the whole "
+                          f"buffer {start}..{size} (truncated, padded or corrupt)")
 
 
 def read_index(path: Path) -> dict[str, str]:
     """``weight_map`` of a ``model.safetensors.index.json``: tensor name -> shard file name."""
-    from .base import read_json_file
-
     index = read_json_file(path)
     weight_map = index.get("weight_map") if index else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
