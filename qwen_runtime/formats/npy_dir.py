@@ -30,6 +30,7 @@ from .hf_dir import load_hf_config
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "qwen-numpy-npy"
 FORMAT_VERSION = 1
+MAX_DIMS = 4
 
 
 def npy_dtype(qtype: QType) -> np.dtype:
@@ -52,28 +53,63 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
+def _entry_type(path: Path, name: str, info: dict[str, Any]) -> tuple[QType, tuple[int, ...]]:
+    """The (type, logical shape) a manifest entry claims, checked for form."""
+    qtype, shape = info.get("type"), info.get("shape")
+    if not isinstance(qtype, str) or qtype not in QType.__members__:
+        raise FormatError(f"{path}: manifest entry for {name!r}: unknown type {qtype!r}")
+    if (not isinstance(shape, list) or not 1 <= len(shape) <= MAX_DIMS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+        raise FormatError(f"{path}: manifest entry for {name!r}: 'shape' should list 1..{MAX_DIMS} positive "
+                          f"integers, got {shape!r}")
+    if QType[qtype] not in (*DENSE_DTYPES, QType.Q8_0):
+        raise FormatError(f"{path}: tensor {name!r} has unsupported type {qtype}")
+    return QType[qtype], tuple(shape)
+
+
+def read_npy_header(path: Path, name: str) -> tuple[np.dtype, tuple[int, ...], int]:
+    """(dtype, shape, data offset) of a C-order ``.npy`` file; never unpickles, never trusts the sizes."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            else:
+                raise FormatError(f"{path}: tensor {name!r}: unsupported .npy version {version}")
+            offset = f.tell()
+    except (OSError, ValueError) as exc:  # ValueError: bad magic or header
+        raise FormatError(f"{path}: tensor {name!r}: not a valid .npy file ({exc})") from None
+    if dtype.hasobject:
+        raise FormatError(f"{path}: tensor {name!r}: object dtype refused (it would need pickle)")
+    if fortran and len(shape) > 1:
+        raise FormatError(f"{path}: tensor {name!r}: Fortran-ordered arrays are not supported")
+    return dtype, tuple(shape), offset
+
+
 def _open_npy(path: Path, name: str, info: dict[str, Any]) -> StoredTensor:
+    qtype, shape = _entry_type(path, name, info)
     try:
-        qtype = QType[info["type"]]
-        shape = tuple(int(s) for s in info["shape"])
-    except (KeyError, TypeError, ValueError):
-        raise FormatError(f"{path}: manifest entry for {name!r} lacks a valid 'type'/'shape'") from None
-    if qtype not in (*DENSE_DTYPES, QType.Q8_0):
-        raise FormatError(f"{path}: tensor {name!r} has unsupported type {qtype.name}")
-    try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise FormatError(f"{path}: cannot read tensor {name!r} ({exc})") from None
+        nbytes = stored_nbytes(qtype, shape)
+    except FormatError as exc:
+        raise FormatError(f"{path}: tensor {name!r}: {exc}") from None
+    if info.get("nbytes") != nbytes:
+        raise FormatError(f"{path}: tensor {name!r}: manifest nbytes {info.get('nbytes')!r} disagrees with "
+                          f"{qtype.name}{list(shape)} ({nbytes} bytes)")
     want_dtype, want_shape = npy_dtype(qtype), npy_shape(qtype, shape)
-    if array.dtype != want_dtype or tuple(array.shape) != want_shape:
-        raise FormatError(f"{path}: tensor {name!r} is {array.dtype}{list(array.shape)}, manifest says "
+    dtype, file_shape, offset = read_npy_header(path, name)
+    if dtype != want_dtype or file_shape != want_shape:
+        raise FormatError(f"{path}: tensor {name!r} is {dtype}{list(file_shape)}, manifest says "
                           f"{qtype.name}{list(shape)} ({want_dtype}{list(want_shape)})")
-    if info.get("nbytes") != stored_nbytes(qtype, shape):
-        raise FormatError(f"{path}: tensor {name!r}: manifest nbytes {info.get('nbytes')} disagrees with "
-                          f"{qtype.name}{list(shape)}")
+    size = path.stat().st_size
+    if size != offset + nbytes:
+        raise FormatError(f"{path}: tensor {name!r}: file has {size} bytes, its header needs exactly "
+                          f"{offset + nbytes} (truncated or trailing data)")
+    array = np.memmap(path, dtype=want_dtype, mode="r", offset=offset, shape=want_shape)
     if qtype == QType.Q8_0:
         array = array.view(np.uint8).reshape(stored_shape(qtype, shape))
-    return StoredTensor(name, qtype, shape, path, data=array)
+    return StoredTensor(name, qtype, shape, path, data=np.asarray(array))
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -93,8 +129,12 @@ def verify_checksums(files: ModelFiles) -> None:
     """Recompute every tensor file's SHA-256 and compare it with the manifest."""
     for name, info in files.metadata["tensors"].items():
         path = files.tensors[name].path
-        if sha256_file(Path(path)) != info.get("sha256"):
-            raise FormatError(f"{path}: tensor {name!r}: checksum does not match {MANIFEST_NAME}")
+        expected = info.get("sha256")
+        if not isinstance(expected, str):
+            raise FormatError(f"{path}: tensor {name!r}: {MANIFEST_NAME} has no 'sha256' to verify against")
+        if sha256_file(Path(path)) != expected:
+            raise FormatError(f"{path}: tensor {name!r}: checksum does not match {MANIFEST_NAME} "
+                              f"(the file changed after it was written)")
 
 
 def open_npy_dir(path: str | Path, verify: bool = False) -> ModelFiles:
@@ -112,6 +152,8 @@ def open_npy_dir(path: str | Path, verify: bool = False) -> ModelFiles:
         if not isinstance(info, dict):
             raise FormatError(f"{directory / MANIFEST_NAME}: entry for {name!r} is not an object")
         file = contained_path(directory, info.get("file"), f"tensor {name!r}")
+        if not file.is_file():
+            raise FormatError(f"{file}: file of tensor {name!r} is missing or not a regular file")
         tensors[name] = _open_npy(file, name, info)
     check_tensors(config, tensors, str(directory))
     files = ModelFiles(directory, "npy", config, tensors, directory=directory, metadata=manifest, hf_config=raw)
