@@ -82,6 +82,10 @@ def run_job(job: Job, force: bool = False, verify: Verifier | None = None,
         return JobResult(job, FAILED, message=f"{job.out}: exists but is not a complete {job.format} "
                                               f"{job.dtype} output (use --force to overwrite)")
     try:
+        job.out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return JobResult(job, FAILED, message=f"{job.out.parent}: cannot create directory ({exc.strerror})")
+    try:
         result = convert(job.src, job.out, job.format, job.dtype, force=force, verify=verify, progress=progress)
     except QwenError as exc:
         return JobResult(job, FAILED, seconds=time.perf_counter() - started, message=str(exc))

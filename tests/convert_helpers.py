@@ -103,3 +103,13 @@ def rewrite_header(path: Path, header: dict) -> None:
     data = path.read_bytes()[8 + n:]
     raw = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def drop_tensor(path: Path, name: str) -> None:
+    """Rewrite a BF16/F16 safetensors file without tensor ``name`` (the other tensors keep their bytes)."""
+    header, n = read_header(path)
+    data = path.read_bytes()[8 + n:]
+    del header[name]
+    shapes = {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    spans = {k: header[k]["data_offsets"] for k in shapes}
+    write_safetensors(path, shapes, lambda k, _: np.frombuffer(data[spans[k][0]:spans[k][1]], np.uint16))
