@@ -1,0 +1,285 @@
+"""Perplexity of a text, and the divergence of a model from a reference model, streamed window by window.
+
+**Method** (HF's strided perplexity, as in llama.cpp's ``llama-perplexity --kl-divergence`` for the
+reference statistics).  The text is tokenized once and cut into windows of ``ctx`` tokens starting every
+``stride`` tokens (the last window ends at the end of the text).  Each window is a fresh context (no
+cache carried over) and scores only the tokens after the end of the previous window, so every token is
+scored at most once: the first window scores tokens ``1 .. ctx-1``; later ones score their last
+``stride`` tokens with at least ``ctx - stride`` tokens of context.  With ``stride == ctx`` the windows do
+not overlap and the first token of each window has no in-window context, so it is not scored.
+
+For each scored token the log-softmax of the logits is taken in float64; the perplexity is
+``exp(mean NLL)``.  Against a reference the per-token ``KL(ref || model) = sum_v p_ref (log p_ref - log
+p_model)`` is reported as mean, median, 99th percentile and max, with top-1 agreement (the two argmaxes
+are equal) and ``Δppl = ppl(model) - ppl(ref)``.
+
+Memory stays bounded: a window is fed through the cached forward path ``chunk`` tokens at a time, so at
+most ``[chunk, V]`` logits exist per model at once; only one float per scored token is kept (its KL).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from itertools import repeat
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import QwenError
+from .models import Model
+
+METHOD = ("sliding window of {ctx} tokens, stride {stride}: each window scores only the tokens after the "
+          "previous window's end (HF strided perplexity); log-softmax in float64")
+DEFAULT_CHUNK = 64
+
+
+class VocabularyMismatchError(QwenError, ValueError):
+    """Two models compared token by token do not share a tokenizer and vocabulary."""
+
+
+@dataclass(frozen=True)
+class Window:
+    """Tokens ``[begin, end)`` are fed; targets ``[first_target, end)`` are scored."""
+
+    begin: int
+    end: int
+    first_target: int
+
+
+@dataclass(frozen=True)
+class ReferenceStats:
+    """How a model's next-token distributions differ from a reference's over the scored tokens."""
+
+    reference: str
+    reference_perplexity: float
+    delta_perplexity: float  # ppl(model) - ppl(reference)
+    kl_mean: float
+    kl_median: float
+    kl_p99: float
+    kl_max: float
+    top1_agreement: float  # fraction of scored tokens where both argmaxes agree
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Perplexity of one model on one text (and its divergence from the reference, when one was given)."""
+
+    model: str
+    tokens: int  # tokens of the text that were evaluated (after --max-tokens)
+    scored: int  # tokens that were scored
+    ctx: int
+    stride: int
+    method: str
+    nll: float  # mean negative log-likelihood, nats per scored token
+    perplexity: float
+    seconds: float
+    vs_reference: ReferenceStats | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_windows(n_tokens: int, ctx: int, stride: int) -> list[Window]:
+    """The windows of the strided method (see the module docstring) over ``n_tokens`` tokens."""
+    if ctx < 2:
+        raise ValueError(f"ctx must be at least 2, got {ctx}")
+    if not 1 <= stride <= ctx:
+        raise ValueError(f"stride must be between 1 and ctx ({ctx}), got {stride}")
+    windows, prev_end = [], 0
+    for begin in range(0, max(n_tokens - 1, 0), stride):
+        end = min(begin + ctx, n_tokens)
+        first = max(prev_end, begin + 1)
+        if first < end:
+            windows.append(Window(begin, end, first))
+        prev_end = end
+        if end == n_tokens:
+            break
+    return windows
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-probabilities over the last axis.  # [N, V] -> [N, V]"""
+    x = logits.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return x
+
+
+def kl_divergence(ref_logp: np.ndarray, logp: np.ndarray) -> np.ndarray:
+    """Per-row KL(ref || model) from float64 log-probabilities.  # [N, V], [N, V] -> [N]"""
+    return (np.exp(ref_logp) * (ref_logp - logp)).sum(axis=-1)
+
+
+def window_log_probs(model: Model, ids: np.ndarray, window: Window,
+                     chunk: int = DEFAULT_CHUNK) -> Iterator[tuple[int, np.ndarray]]:
+    """Yield ``(first target, log-probs [n, V])`` for the window's scored targets, ``chunk`` slots at a time.
+
+    Logits at slot ``s`` predict token ``s + 1``; chunks before the first needed slot run only to fill the
+    cache.
+    """
+    cache = model.make_cache(1, window.end - window.begin)
+    for c0 in range(window.begin, window.end - 1, chunk):
+        c1 = min(c0 + chunk, window.end - 1)
+        logits = model.forward(ids[None, c0:c1], cache)[0]  # [c1 - c0, V]
+        lo = max(c0, window.first_target - 1)
+        if lo < c1:
+            yield lo + 1, log_softmax(logits[lo - c0:])
+
+
+class _Scores:
+    """Running sums of one model's scored tokens (and its per-token KL against the reference)."""
+
+    def __init__(self) -> None:
+        self.nll, self.count, self.agree = 0.0, 0, 0
+        self.kl: list[np.ndarray] = []
+
+    def add(self, logp: np.ndarray, targets: np.ndarray, ref_logp: np.ndarray | None) -> None:
+        self.nll -= float(logp[np.arange(len(targets)), targets].sum())
+        self.count += len(targets)
+        if ref_logp is not None:
+            self.kl.append(kl_divergence(ref_logp, logp))
+            self.agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
+
+
+def check_same_vocabulary(model: Model, reference: Model) -> None:
+    """Raise :class:`VocabularyMismatchError` unless both models share logits size and token map."""
+    va, vb = model.config.vocab_size, reference.config.vocab_size
+    if va != vb:
+        raise VocabularyMismatchError(f"{model.path} has {va} logits per token, reference {reference.path} has "
+                                      f"{vb}; KL divergence needs the same vocabulary")
+    ta = model.chat_format.tokenizer.backend.get_vocab(with_added_tokens=True)
+    tb = reference.chat_format.tokenizer.backend.get_vocab(with_added_tokens=True)
+    if ta != tb:
+        diff = sorted(set(ta.items()) ^ set(tb.items()))[:3]
+        raise VocabularyMismatchError(f"{model.path} and reference {reference.path} have different tokenizers "
+                                      f"({len(ta)} vs {len(tb)} tokens; e.g. {diff})")
+
+
+def encode_text(model: Model, text: str, max_tokens: int | None = None) -> np.ndarray:
+    """The text's token ids as the model reads a raw prompt (BOS only if the model asks), maybe truncated."""
+    ids = model.chat_format.encode_prompt(text)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if len(ids) < 2:
+        raise ValueError(f"the text has {len(ids)} token(s); perplexity needs at least 2")
+    return np.asarray(ids, np.int64)
+
+
+def check_context(models: Sequence[Model], ctx: int) -> None:
+    for m in models:
+        if ctx > m.config.max_position_embeddings:
+            raise ValueError(f"ctx {ctx} exceeds the context length of {m.path} "
+                             f"({m.config.max_position_embeddings})")
+
+
+def _reference_stats(scores: _Scores, ppl: float, ref: _Scores, reference: Model) -> ReferenceStats:
+    kl = np.concatenate(scores.kl) if scores.kl else np.zeros(1)
+    ref_ppl = math.exp(ref.nll / ref.count)
+    return ReferenceStats(str(reference.path), ref_ppl, ppl - ref_ppl, float(kl.mean()), float(np.median(kl)),
+                          float(np.percentile(kl, 99)), float(kl.max()), scores.agree / scores.count)
+
+
+def _result(model: Model, scores: _Scores, ids: np.ndarray, ctx: int, stride: int, seconds: float,
+            ref: _Scores | None, reference: Model | None) -> EvalResult:
+    nll = scores.nll / scores.count
+    ppl = math.exp(nll)
+    vs = _reference_stats(scores, ppl, ref, reference) if ref is not None and reference is not None else None
+    return EvalResult(str(model.path), len(ids), scores.count, ctx, stride,
+                      METHOD.format(ctx=ctx, stride=stride), nll, ppl, seconds, vs)
+
+
+def evaluate_ids(models: Sequence[Model], ids: np.ndarray, ctx: int, stride: int,
+                 reference: Model | None = None, chunk: int = DEFAULT_CHUNK,
+                 progress: Callable[[int], None] | None = None) -> list[EvalResult]:
+    """Score ``ids`` with every model (and the reference) in lockstep, one window chunk at a time.
+
+    The reference runs once per chunk however many models are compared; ``progress`` is called with the
+    number of targets scored after each chunk.
+    """
+    check_context([*models, *([reference] if reference is not None else [])], ctx)
+    for m in models[1:]:
+        check_same_vocabulary(m, models[0])
+    if reference is not None:
+        check_same_vocabulary(models[0], reference)
+    scores = [_Scores() for _ in models]
+    ref_scores = _Scores() if reference is not None else None
+    seconds = [0.0] * len(models)
+    for window in plan_windows(len(ids), ctx, stride):
+        streams = [_timed(window_log_probs(m, ids, window, chunk), seconds, i) for i, m in enumerate(models)]
+        ref_stream = window_log_probs(reference, ids, window, chunk) if reference is not None else repeat(None)
+        for ref_item, *items in zip(ref_stream, *streams, strict=reference is not None):
+            ref_logp = None
+            if ref_item is not None:
+                first, ref_logp = ref_item
+                ref_scores.add(ref_logp, ids[first:first + len(ref_logp)], None)
+            for score, (first, logp) in zip(scores, items, strict=True):
+                score.add(logp, ids[first:first + len(logp)], ref_logp)
+            if progress is not None:
+                progress(len(items[0][1]))
+    return [_result(m, s, ids, ctx, stride, t, ref_scores, reference)
+            for m, s, t in zip(models, scores, seconds, strict=True)]
+
+
+def _timed(stream: Iterator[tuple[int, np.ndarray]], seconds: list[float],
+           slot: int) -> Iterator[tuple[int, np.ndarray]]:
+    """Pass ``stream`` through, adding the time spent producing each item to ``seconds[slot]``."""
+    while True:
+        t0 = time.perf_counter()
+        item = next(stream, None)
+        seconds[slot] += time.perf_counter() - t0
+        if item is None:
+            return
+        yield item
+
+
+def evaluate(models: Sequence[Model], text: str, ctx: int = 512, stride: int = 256,
+             reference: Model | None = None, max_tokens: int | None = None, chunk: int = DEFAULT_CHUNK,
+             progress: Callable[[int], None] | None = None) -> list[EvalResult]:
+    """Perplexity of ``text`` under each model, and divergence from ``reference`` when given.
+
+    The text is tokenized with the first model's tokenizer (the reference must share it; see
+    :func:`check_same_vocabulary`) and cut to ``max_tokens`` tokens.
+    """
+    if not models:
+        raise ValueError("evaluate needs at least one model")
+    ids = encode_text(models[0], text, max_tokens)
+    return evaluate_ids(models, ids, ctx, stride, reference, chunk, progress)
+
+
+def count_targets(n_tokens: int, ctx: int, stride: int) -> int:
+    """How many tokens the strided method scores (for progress bars)."""
+    return sum(w.end - w.first_target for w in plan_windows(n_tokens, ctx, stride))
+
+
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file (``OSError``/``UnicodeDecodeError`` propagate with the file name)."""
+    return Path(path).read_text(encoding="utf-8")
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    """``value`` formatted with ``spec`` (a trailing ``%`` is appended literally), or ``-`` when None."""
+    if value is None:
+        return "-"
+    return format(value, spec.rstrip("%")) + ("%" if spec.endswith("%") else "")
+
+
+def results_table(results: Sequence[EvalResult]) -> str:
+    """Fixed-width table: one row per model (and the reference's perplexity first when there is one)."""
+    width = max([len("model")] + [len(r.model) for r in results])
+    lines = [f"{'model':<{width}}  {'ppl':>10}  {'Δppl':>9}  {'KL mean':>9}  {'KL p99':>9}  {'KL max':>9}  "
+             f"{'top-1':>7}  {'tok/s':>8}"]
+    ref = results[0].vs_reference if results else None
+    if ref is not None:
+        lines.append(f"{ref.reference:<{width}}  {ref.reference_perplexity:>10.4f}  {'(ref)':>9}")
+    for r in results:
+        v = r.vs_reference
+        speed = r.scored / r.seconds if r.seconds else 0.0
+        lines.append(f"{r.model:<{width}}  {r.perplexity:>10.4f}  {_fmt(v and v.delta_perplexity, '+9.4f'):>9}  "
+                     f"{_fmt(v and v.kl_mean, '9.2e'):>9}  {_fmt(v and v.kl_p99, '9.2e'):>9}  "
+                     f"{_fmt(v and v.kl_max, '9.2e'):>9}  {_fmt(v and 100 * v.top1_agreement, '6.2f%'):>7}  "
+                     f"{speed:>8.1f}")
+    return "\n".join(lines)
