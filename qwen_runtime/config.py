@@ -139,10 +139,18 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def check_layer_count(layers: int, source: str) -> None:
+def check_layer_count(layers: int, source: str, name: str = "num_hidden_layers") -> None:
     """Refuse a layer count outside 1..MAX_LAYERS before anything is sized from it."""
     if not 0 < layers <= MAX_LAYERS:
-        raise ConfigError(f"{source}: num_hidden_layers must be in 1..{MAX_LAYERS}, got {layers}")
+        raise ConfigError(f"{source}: {name} must be in 1..{MAX_LAYERS}, got {layers}")
+
+
+def _build(fields: dict[str, Any], source: str) -> ModelConfig:
+    """``ModelConfig(**fields)`` with validation errors naming ``source``."""
+    try:
+        return ModelConfig(**fields)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {str(exc).removeprefix('config: ')}") from None
 
 
 def _is_int(value: Any) -> bool:
@@ -258,7 +266,7 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> Model
     )
     if arch == QWEN35:
         fields.update(_linear_fields(cfg, layers, source), mrope_sections=sections)
-    return ModelConfig(**fields)
+    return _build(fields, source)
 
 
 def _linear_fields(cfg: Mapping[str, Any], layers: int, source: str) -> dict[str, Any]:
@@ -330,7 +338,7 @@ def config_from_gguf(meta: Mapping[str, Any], source: str) -> ModelConfig:
     head_dim = _meta(m, Keys.Attention.KEY_LENGTH, arch, source, int, hidden // max(heads, 1))
     nextn = _meta(m, Keys.LLM.NEXTN_PREDICT_LAYERS, arch, source, int, 0)
     layers = _meta(m, Keys.LLM.BLOCK_COUNT, arch, source) - nextn
-    check_layer_count(layers, source)
+    check_layer_count(layers, source, f"{gguf_key(Keys.LLM.BLOCK_COUNT, arch)!r} - nextn_predict_layers")
     eos = _token_id(m, Keys.Tokenizer.EOS_ID, source)
     fields: dict[str, Any] = dict(
         arch=arch,
@@ -353,7 +361,7 @@ def config_from_gguf(meta: Mapping[str, Any], source: str) -> ModelConfig:
     )
     if arch == QWEN35:
         fields.update(_linear_fields_gguf(m, arch, layers, source))
-    return ModelConfig(**fields)
+    return _build(fields, source)
 
 
 def _linear_fields_gguf(m: Mapping[str, Any], arch: str, layers: int, source: str) -> dict[str, Any]:

@@ -1,0 +1,194 @@
+"""Hostile GGUF files: every malformation is one clear FormatError/ConfigError, found before allocating."""
+
+from __future__ import annotations
+
+import copy
+import struct
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType, GGUFValueType
+from hostile_helpers import RawGGUF, converted, pack_string
+
+from qwen_runtime.errors import ConfigError, FormatError, UnsupportedArchitectureError
+from qwen_runtime.formats import open_gguf
+from qwen_runtime.formats.gguf_parse import parse_gguf
+
+ARCH = "qwen3"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> RawGGUF:
+    return RawGGUF.from_file(converted("qwen3-tiny", tmp_path_factory.mktemp("gguf"), "gguf"))
+
+
+@pytest.fixture
+def raw(base: RawGGUF) -> RawGGUF:
+    return copy.deepcopy(base)
+
+
+def fails(raw: RawGGUF | bytes, tmp_path: Path, *fragments: str, error: type = FormatError) -> str:
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(raw if isinstance(raw, bytes) else raw.pack())
+    with pytest.raises(error) as info:
+        open_gguf(path)
+    message = str(info.value)
+    assert str(path) in message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def minimal(kv_count: int = 1, tensor_count: int = 0) -> bytes:
+    """Magic, version and counts of a GGUF header (the caller appends the rest)."""
+    return b"GGUF" + struct.pack("<IQQ", 3, tensor_count, kv_count)
+
+
+def test_packer_round_trip(raw: RawGGUF, tmp_path: Path) -> None:
+    files = open_gguf(raw.write(tmp_path / "ok.gguf"))
+    assert files.config.arch == ARCH and files.tensors
+
+
+@pytest.mark.parametrize(("magic", "version", "fragment"), [
+    (b"GGUX", 3, "not a GGUF file"), (b"GGUF", 1, "version 1"), (b"GGUF", 4, "version 4"),
+    (b"GGUF", 3 << 24, "big-endian"),
+])
+def test_bad_magic_or_version(raw: RawGGUF, tmp_path: Path, magic: bytes, version: int, fragment: str) -> None:
+    raw.magic, raw.version = magic, version
+    fails(raw, tmp_path, fragment)
+
+
+def test_empty_and_truncated_files(raw: RawGGUF, tmp_path: Path) -> None:
+    fails(b"", tmp_path, "empty file")
+    fails(b"GGUF\x03\x00", tmp_path, "version", "truncated")
+    packed = raw.pack()
+    fails(packed[: len(raw.header()) // 2], tmp_path, "truncated")
+    fails(packed[:-100], tmp_path, "data section", "truncated")
+
+
+HUGE = 1 << 60
+CLAIMS = {
+    "tensor count": minimal(0, HUGE),
+    "kv count": minimal(HUGE),
+    "key length": minimal() + struct.pack("<Q", HUGE),
+    "string value length": minimal() + pack_string("k") + struct.pack("<IQ", GGUFValueType.STRING, HUGE),
+    "numeric array count": minimal() + pack_string("k") + struct.pack("<IIQ", GGUFValueType.ARRAY,
+                                                                      GGUFValueType.UINT64, HUGE),
+    "string array count": minimal() + pack_string("k") + struct.pack("<IIQ", GGUFValueType.ARRAY,
+                                                                     GGUFValueType.STRING, HUGE),
+    "tensor name length": minimal(0, 1) + struct.pack("<Q", HUGE) + bytes(64),
+}
+
+
+@pytest.mark.parametrize("claim", sorted(CLAIMS))
+def test_claims_beyond_the_file_are_refused_before_allocating(claim: str, tmp_path: Path) -> None:
+    path = tmp_path / "claim.gguf"
+    path.write_bytes(CLAIMS[claim] + bytes(256))
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match="cannot fit|needs .* bytes"):
+            parse_gguf(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+@pytest.mark.parametrize(("body", "fragment"), [
+    (pack_string("k") + struct.pack("<I", 99) + bytes(8), "unknown value type 99"),
+    (pack_string("k") + struct.pack("<IIQ", GGUFValueType.ARRAY, GGUFValueType.ARRAY, 1), "nested arrays"),
+    (pack_string(b"\xff\xfe") + struct.pack("<IB", GGUFValueType.UINT8, 1), "not valid UTF-8"),
+    (pack_string("k") + struct.pack("<I", GGUFValueType.STRING) + pack_string(b"\xc3("), "not valid UTF-8"),
+])
+def test_malformed_key_values(body: bytes, fragment: str, tmp_path: Path) -> None:
+    fails(minimal() + body + bytes(64), tmp_path, fragment)
+
+
+def test_duplicate_key(raw: RawGGUF, tmp_path: Path) -> None:
+    raw.kvs.append(raw.kvs[0])
+    fails(raw, tmp_path, repr(raw.kvs[0][0]), "twice")
+
+
+@pytest.mark.parametrize("alignment", [0, 3, 48])
+def test_bad_alignment_key(raw: RawGGUF, tmp_path: Path, alignment: int) -> None:
+    raw.set_kv("general.alignment", GGUFValueType.UINT32, alignment)
+    fails(raw, tmp_path, "general.alignment", "power of two")
+
+
+def test_tensor_offset_out_of_range(raw: RawGGUF, tmp_path: Path) -> None:
+    name, dims, qtype, _ = raw.infos[-1]
+    raw.infos[-1] = (name, dims, qtype, 1 << 40)
+    fails(raw, tmp_path, repr(name), "truncated or corrupt")
+
+
+def test_misaligned_offset(raw: RawGGUF, tmp_path: Path) -> None:
+    name, dims, qtype, offset = raw.infos[1]
+    raw.infos[1] = (name, dims, qtype, offset + 4)
+    fails(raw, tmp_path, repr(name), "not a multiple of the alignment 32")
+
+
+def test_overlapping_tensors(raw: RawGGUF, tmp_path: Path) -> None:
+    name, dims, qtype, _ = raw.infos[1]
+    raw.infos[1] = (name, dims, qtype, raw.infos[0][3])
+    fails(raw, tmp_path, "overlap")
+
+
+@pytest.mark.parametrize(("qtype", "fragment"), [(999, "unknown GGML type 999"),
+                                                 (GGMLQuantizationType.Q4_0, "type Q4_0; supported")])
+def test_unknown_or_unsupported_tensor_type(raw: RawGGUF, tmp_path: Path, qtype: int, fragment: str) -> None:
+    name, dims, _, offset = raw.infos[0]
+    raw.infos[0] = (name, dims, qtype, offset)
+    fails(raw, tmp_path, repr(name), fragment)
+
+
+@pytest.mark.parametrize(("dims", "fragment"), [
+    ((1 << 40, 1 << 40, 1 << 40), "overflow"), ((), "0 dims"), ((1, 1, 1, 1, 1), "5 dims"),
+    ((33, 2), "not a multiple"),
+])
+def test_bad_dims(raw: RawGGUF, tmp_path: Path, dims: tuple[int, ...], fragment: str) -> None:
+    name, _, _, offset = raw.infos[0]
+    raw.infos[0] = (name, dims, GGMLQuantizationType.Q8_0 if dims == (33, 2) else 0, offset)
+    fails(raw, tmp_path, repr(name), fragment)
+
+
+def test_duplicate_tensor_name(raw: RawGGUF, tmp_path: Path) -> None:
+    name, dims, qtype, offset = raw.infos[1]
+    raw.infos[1] = (raw.infos[0][0], dims, qtype, offset)
+    fails(raw, tmp_path, repr(raw.infos[0][0]), "twice")
+
+
+def test_tensor_count_must_match_the_architecture(raw: RawGGUF, tmp_path: Path) -> None:
+    raw.infos.pop()
+    fails(raw, tmp_path, f"a {ARCH} model of this config has")
+
+
+def test_renamed_tensor(raw: RawGGUF, tmp_path: Path) -> None:
+    name, dims, qtype, offset = raw.infos[-1]
+    raw.infos[-1] = ("blk.0.surprise.weight", dims, qtype, offset)
+    fails(raw, tmp_path, repr(name), "is missing")
+
+
+@pytest.mark.parametrize("key", [f"{ARCH}.embedding_length", f"{ARCH}.block_count", f"{ARCH}.context_length"])
+def test_missing_required_key(raw: RawGGUF, tmp_path: Path, key: str) -> None:
+    raw.drop_kv(key)
+    fails(raw, tmp_path, "missing metadata key", repr(key), error=ConfigError)
+
+
+@pytest.mark.parametrize(("key", "vtype", "value", "fragment"), [
+    (f"{ARCH}.block_count", GGUFValueType.STRING, "2", "should be int"),
+    (f"{ARCH}.block_count", GGUFValueType.UINT64, 10**9, "block_count' - nextn_predict_layers must be in"),
+    (f"{ARCH}.attention.layer_norm_rms_epsilon", GGUFValueType.STRING, "x", "should be float"),
+    (f"{ARCH}.rope.freq_base", GGUFValueType.FLOAT32, float("nan"), "finite"),
+    (f"{ARCH}.embedding_length", GGUFValueType.UINT32, 0, "hidden_size must be in"),
+    ("tokenizer.ggml.eos_token_id", GGUFValueType.STRING, "eos", "token id"),
+])
+def test_wrong_typed_or_absurd_key(raw: RawGGUF, tmp_path: Path, key: str, vtype: GGUFValueType, value: object,
+                                   fragment: str) -> None:
+    raw.set_kv(key, vtype, value)
+    fails(raw, tmp_path, fragment, error=ConfigError)
+
+
+def test_unsupported_architecture(raw: RawGGUF, tmp_path: Path) -> None:
+    raw.set_kv("general.architecture", GGUFValueType.STRING, "llama")
+    fails(raw, tmp_path, "'llama'", error=UnsupportedArchitectureError)
