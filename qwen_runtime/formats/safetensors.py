@@ -72,7 +72,7 @@ def _entry(path: Path, name: str, info: object, base: int) -> SafetensorsEntry:
     if not isinstance(info, dict):
         raise FormatError(f"{path}: tensor {name!r}: header entry is not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in SAFETENSORS_QTYPES:
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_QTYPES:
         raise FormatError(f"{path}: tensor {name!r}: unsupported dtype {dtype!r} "
                           f"(expected one of {sorted(SAFETENSORS_QTYPES)})")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
