@@ -44,6 +44,10 @@ class ContextOverflowError(QwenError, ValueError):
     """A prompt plus the requested new tokens does not fit the model's context length."""
 
 
+class VerificationError(QwenError):
+    """A converted model does not match its source (the message names the first failing tensor or key)."""
+
+
 # Exit codes shared by every CLI (documented in README.md).
 EXIT_CODES: dict[type[QwenError], int] = {
     UnsupportedArchitectureError: 3,
@@ -53,6 +57,7 @@ EXIT_CODES: dict[type[QwenError], int] = {
     ResourceLimitError: 6,
     TemplateError: 7,
     ContextOverflowError: 8,
+    VerificationError: 9,
     QwenError: 1,
 }
 
