@@ -1,0 +1,192 @@
+"""The demo: convert a model to every output, measure what quantization costs, and run each output.
+
+Steps (each a library function; ``qwen-demo`` prints their results):
+
+1. :func:`prepare_outputs` converts the source (by default the bundled ``qwen3-stdlib`` model, found with
+   :mod:`importlib.resources`) to npy and GGUF in fp32, fp16 and q8_0 with :mod:`qwen_convert.batch`;
+   outputs that are complete and were made from the same source (``demo-source.json`` records a
+   fingerprint of it) are reused.  Each output is compared with the source by
+   :func:`qwen_convert.inspect.compare`.
+2. :func:`measure_quality` scores the held-out text with the six outputs and the source in lockstep
+   (:func:`qwen_runtime.evaluate.evaluate_ids`): perplexity, KL(source || output), top-1 agreement, Δppl.
+3. :func:`complete_in_fresh_process` generates greedily from each output in a freshly spawned Python
+   process, so its peak RSS (``VmHWM``) is that of loading and running this one output only.
+
+This module drives the converter, so it imports :mod:`qwen_convert` (shipped in the same distribution).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import struct
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from importlib.resources import files as package_files
+from pathlib import Path
+
+from qwen_convert.batch import Job, output_is_complete, plan_jobs
+from qwen_convert.convert import Progress, convert, path_size, verify_checksums
+from qwen_convert.inspect import compare, open_pair
+
+from . import load, stream
+from .errors import QwenError
+from .evaluate import EvalResult, encode_text, evaluate_ids
+
+BUNDLED_MODEL = "qwen3-stdlib"
+HELDOUT_FILE = "heldout.txt"
+DEFAULT_OUT = Path("qwen-demo-out")
+FORMATS = ("npy", "gguf")
+DTYPES = ("fp32", "fp16", "q8_0")
+STAMP_FILE = "demo-source.json"
+REUSED, CONVERTED = "reused", "converted"
+
+
+class MissingAssetError(QwenError, FileNotFoundError):
+    """A file the demo needs (the bundled model, a held-out text) is not there."""
+
+
+@dataclass(frozen=True)
+class DemoOutput:
+    """One converted output and its error against the source (from the inspect compare API)."""
+
+    path: Path
+    format: str
+    dtype: str
+    status: str  # REUSED or CONVERTED
+    nbytes: int  # on disk
+    bytes_per_parameter: float  # tensor bytes / parameters
+    rmse: float
+    snr_db: float
+    min_cosine: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.format} {self.dtype}"
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A greedy completion from one output, measured in its own process."""
+
+    text: str
+    new_tokens: int
+    tokens_per_second: float  # decode forward passes per second
+    load_seconds: float
+    peak_rss_kb: int  # VmHWM of the process (weights are memory-mapped: touched pages count)
+
+
+def bundled_model_path() -> Path:
+    """The HF directory of the model shipped in ``qwen_runtime/assets/``."""
+    path = Path(str(package_files("qwen_runtime").joinpath("assets", BUNDLED_MODEL)))
+    if not (path / "config.json").is_file():
+        raise MissingAssetError(f"{path}: the bundled model is not installed (expected config.json there); "
+                                "pass --model PATH to use another Hugging Face model directory")
+    return path
+
+
+def heldout_text_path(model_dir: Path, text: str | Path | None = None) -> Path:
+    """``text`` when given, else the model's own ``heldout.txt``, else the bundled model's."""
+    if text is not None:
+        return Path(text)
+    if (model_dir / HELDOUT_FILE).is_file():
+        return model_dir / HELDOUT_FILE
+    try:
+        return bundled_model_path() / HELDOUT_FILE
+    except MissingAssetError:
+        raise MissingAssetError(f"{model_dir}: no {HELDOUT_FILE} to evaluate on; pass --text FILE") from None
+
+
+def source_fingerprint(src: Path) -> str:
+    """A digest of the source's config.json and its safetensors names, sizes and headers (cheap, not the data)."""
+    digest = hashlib.sha256((src / "config.json").read_bytes())
+    for path in sorted(src.glob("*.safetensors")):
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            digest.update(f"{path.name}:{path.stat().st_size}:".encode())
+            digest.update(f.read(min(header_len, 100_000_000)))
+    return digest.hexdigest()
+
+
+def _stamp(src: Path) -> dict[str, str]:
+    return {"source": str(src.resolve()), "fingerprint": source_fingerprint(src)}
+
+
+def _stamp_matches(out_dir: Path, src: Path) -> bool:
+    try:
+        return json.loads((out_dir / STAMP_FILE).read_text(encoding="utf-8")) == _stamp(src)
+    except (OSError, ValueError):
+        return False
+
+
+def _convert_job(job: Job, reuse: bool, progress: Progress | None) -> str:
+    """Make ``job.out`` unless a complete output of the same source can be reused; return the status."""
+    if reuse and output_is_complete(job):
+        return REUSED
+    convert(job.src, job.out, job.format, job.dtype, force=True, verify=verify_checksums, progress=progress)
+    return CONVERTED
+
+
+def _describe(job: Job, status: str) -> DemoOutput:
+    source, output = open_pair(job.src, job.out)
+    diff = compare(source, output)
+    params = sum(t.n_elements for t in output.tensors.values())
+    tensor_bytes = sum(t.nbytes for t in output.tensors.values())
+    return DemoOutput(job.out, job.format, job.dtype, status, path_size(job.out), tensor_bytes / params,
+                      diff.rmse, diff.snr_db, diff.min_cosine)
+
+
+def prepare_outputs(src: Path, out_dir: Path, progress: Progress | None = None) -> list[DemoOutput]:
+    """Convert ``src`` to npy and GGUF in fp32, fp16 and q8_0 under ``out_dir`` (reusing finished outputs)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reuse = _stamp_matches(out_dir, src)
+    (out_dir / STAMP_FILE).unlink(missing_ok=True)  # rewritten once every output is done
+    jobs = plan_jobs([src], out_dir, FORMATS, DTYPES)
+    statuses = [_convert_job(job, reuse, progress) for job in jobs]
+    (out_dir / STAMP_FILE).write_text(json.dumps(_stamp(src), indent=1), encoding="utf-8")
+    return [_describe(job, status) for job, status in zip(jobs, statuses, strict=True)]
+
+
+def measure_quality(src: Path, outputs: Sequence[DemoOutput], text: str, eval_tokens: int, ctx: int,
+                    stride: int, progress: Callable[[int], None] | None = None) -> list[EvalResult]:
+    """Perplexity of every output on ``text`` and its divergence from the source (one lockstep pass)."""
+    models = [load(o.path) for o in outputs]
+    reference = load(src)
+    ctx = min(ctx, reference.config.max_position_embeddings)
+    ids = encode_text(reference, text, eval_tokens)
+    return evaluate_ids(models, ids, ctx, min(stride, ctx), reference, progress=progress)
+
+
+def peak_rss_kb() -> int:
+    """VmHWM (peak resident set size) of this process from /proc/self/status, in kB (0 where unavailable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def complete(path: str | Path, prompt: str, max_new_tokens: int) -> Completion:
+    """Load ``path`` and complete ``prompt`` greedily; measured in (and for) the calling process."""
+    t0 = time.perf_counter()
+    model = load(path)
+    model.chat_format  # noqa: B018  (load the tokenizer before timing generation)
+    load_seconds = time.perf_counter() - t0
+    generation = stream(model, prompt, max_new_tokens=max_new_tokens)
+    [result] = generation.run()
+    return Completion(result.text, len(result.token_ids), generation.stats.decode_tokens_per_second,
+                      load_seconds, peak_rss_kb())
+
+
+def complete_in_fresh_process(path: str | Path, prompt: str, max_new_tokens: int) -> Completion:
+    """:func:`complete` in a newly spawned interpreter, so its peak RSS covers this output alone."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(complete, str(path), prompt, max_new_tokens).result()
+
+
