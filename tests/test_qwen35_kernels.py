@@ -71,12 +71,12 @@ def test_padded_row_equals_solo_row() -> None:
     np.testing.assert_allclose(s_pad, s_solo, atol=1e-5)
 
 
-def test_unit_lower_inverse() -> None:
+def test_solve_unit_lower() -> None:
     rng = np.random.default_rng(3)
     strict = np.tril(_rand(rng, 3, 20, 20, scale=0.3), -1)
-    inv = gd.unit_lower_inverse(strict.copy())
-    np.testing.assert_allclose(inv @ (np.eye(20, dtype=F32) + strict), np.broadcast_to(np.eye(20), inv.shape),
-                               atol=1e-5)
+    rhs = _rand(rng, 3, 20, 5)
+    x = gd.solve_unit_lower(strict, rhs)
+    np.testing.assert_allclose((np.eye(20, dtype=F32) + strict) @ x, rhs, atol=1e-5)
 
 
 def _conv_reference(x: np.ndarray, weight: np.ndarray, state: np.ndarray) -> np.ndarray:

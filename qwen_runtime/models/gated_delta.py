@@ -22,19 +22,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import V_HEAD_GROUPED, V_HEAD_TILED
+from ..ops import sigmoid, silu
 
 F32 = np.float32
 L2_EPS = 1e-6  # HF/FLA l2norm epsilon, inside the square root
 CHUNK = 64
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    """x · σ(x), written with tanh so large |x| cannot overflow."""
-    return x * (F32(0.5) + F32(0.5) * np.tanh(F32(0.5) * x))
-
-
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    return F32(0.5) + F32(0.5) * np.tanh(F32(0.5) * x)
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
@@ -189,14 +181,15 @@ def _to_chunks(x: np.ndarray, length: int, chunk: int) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(*x.shape[:2], -1, chunk, *x.shape[3:]), dtype=F32)
 
 
-def unit_lower_inverse(strict: np.ndarray) -> np.ndarray:
-    """(I + strict)⁻¹ for strictly lower-triangular ``[..., L, L]`` by forward substitution over rows."""
-    size = strict.shape[-1]
-    inv = -strict  # rows are completed in order; row i only needs rows < i
-    for i in range(1, size):
-        inv[..., i, :i] += np.matmul(inv[..., i:i + 1, :i], inv[..., :i, :i])[..., 0, :]
-    inv += np.eye(size, dtype=F32)
-    return inv
+def solve_unit_lower(strict: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """X with (I + strict) X = rhs, by forward substitution over rows (no explicit inverse: more accurate).
+
+    strict: strictly lower-triangular ``[..., L, L]``; rhs ``[..., L, D]`` -> ``[..., L, D]``.
+    """
+    x = np.array(rhs, dtype=F32)
+    for i in range(1, strict.shape[-1]):
+        x[..., i, :] -= np.matmul(strict[..., i:i + 1, :i], x[..., :i, :])[..., 0, :]
+    return x
 
 
 def _intra_chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
@@ -213,10 +206,11 @@ def _intra_chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, bet
     k_beta = k * beta[..., None]
     strict = np.matmul(k_beta, np.swapaxes(k, -1, -2)) * decay
     strict *= ~np.eye(chunk, dtype=bool)
-    solve = unit_lower_inverse(strict)  # [B, H, N, L, L]
     exp_gamma = np.exp(gamma)[..., None]  # [B, H, N, L, 1]
-    u = np.matmul(solve, v * beta[..., None])  # [B, H, N, L, dv]
-    w = np.matmul(solve, k_beta * exp_gamma)  # [B, H, N, L, dk]
+    dv = v.shape[-1]
+    # U = T Ṽ and W = T (K̃ ⊙ e^γ) with T = (I + strict)⁻¹, solved together
+    uw = solve_unit_lower(strict, np.concatenate([v * beta[..., None], k_beta * exp_gamma], axis=-1))
+    u, w = uw[..., :dv], uw[..., dv:]  # [B, H, N, L, dv], [B, H, N, L, dk]
     attn = np.matmul(q, np.swapaxes(k, -1, -2)) * decay  # [B, H, N, L, L]
     q_decayed = q * exp_gamma
     k_decayed = k * np.exp(gamma[..., -1:] - gamma)[..., None]
