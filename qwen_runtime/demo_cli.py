@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> None:
     src = args.model or bundled_model_path()
     text_path = heldout_text_path(src, args.text)
     text = read_text(text_path)
-    print(f"qwen-demo: source {src}\n\n1. Outputs in {args.out} (converted with qwen_convert, compared with "
+    print(f"qwen-demo: source {src}\n\n1. Outputs in {args.out} (written by qwen_convert, compared with "
           "qwen_convert.inspect.compare against the source)")
     outputs = prepare_outputs(src, args.out, TqdmProgress())
     print(outputs_table(outputs))
