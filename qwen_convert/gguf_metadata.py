@@ -12,7 +12,6 @@ DeepSeek's ``<｜begin▁of▁sentence｜>``, otherwise ``qwen2``.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,6 @@ from qwen_runtime.errors import ConfigError, FormatError
 from qwen_runtime.formats.base import read_json_file
 
 from .policy import file_type
-
-logger = logging.getLogger(__name__)
 
 U32, F32, I32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.INT32
 ALL = ("qwen2", "qwen3", "qwen35")
