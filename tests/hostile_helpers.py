@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import struct
 from dataclasses import dataclass
@@ -9,8 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
+from qwen_runtime.formats import ModelFiles
 from qwen_runtime.formats.gguf_parse import SCALAR_FORMATS
 from qwen_runtime.formats.npy_dir import read_npy_header
 
@@ -47,7 +53,7 @@ def pack_value(vtype: gguf.GGUFValueType, value: Any, etype: gguf.GGUFValueType 
     return struct.pack(SCALAR_FORMATS[vtype], value)
 
 
-@dataclass
+@dataclass(repr=False)
 class RawGGUF:
     """A GGUF file as editable parts; :meth:`pack` writes exactly what the fields say (right or wrong)."""
 
@@ -59,6 +65,9 @@ class RawGGUF:
     alignment: int = 32
     tensor_count: int | None = None
     kv_count: int | None = None
+
+    def __repr__(self) -> str:
+        return f"RawGGUF({len(self.kvs)} keys, {len(self.infos)} tensors, {len(self.data)} data bytes)"
 
     @classmethod
     def from_file(cls, path: Path) -> RawGGUF:
@@ -104,3 +113,60 @@ class RawGGUF:
 def npy_header_length(path: Path) -> int:
     """Bytes before the array data of a ``.npy`` file."""
     return read_npy_header(path, path.stem)[2]
+
+
+# --- fuzzing -------------------------------------------------------------------------------------------------
+# CI runs a few hundred examples per test; QWEN_FUZZ_EXAMPLES=10000 is the documented long run (README).
+FUZZ_EXAMPLES = int(os.environ.get("QWEN_FUZZ_EXAMPLES", "150"))
+FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+INFLATED = (0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**62, 2**63 - 1, 2**63, 2**64 - 1)
+MUTATIONS = ("flip", "byte", "truncate", "inflate64", "inflate32", "insert", "delete", "number")
+
+
+@st.composite
+def mutated(draw: st.DrawFn, data: bytes, focus: int) -> bytes:
+    """``data`` after 1-4 random mutations, positions mostly within the first ``focus`` bytes (the header):
+    bit flips, byte overwrites, truncation, length-field inflation (u64/u32 writes of extreme values),
+    insertions, deletions and decimal numbers (JSON) replaced by extreme values."""
+    buf = bytearray(data)
+    for _ in range(draw(st.integers(1, 4))):
+        if not buf:
+            break
+        kind = draw(st.sampled_from(MUTATIONS))
+        end = min(focus, len(buf)) if draw(st.integers(0, 9)) else len(buf)
+        pos = draw(st.integers(0, max(end - 1, 0)))
+        if kind == "flip":
+            buf[pos] ^= 1 << draw(st.integers(0, 7))
+        elif kind == "byte":
+            buf[pos] = draw(st.integers(0, 255))
+        elif kind == "truncate":
+            del buf[pos:]
+        elif kind in ("inflate64", "inflate32"):
+            width = 8 if kind == "inflate64" else 4
+            value = draw(st.sampled_from(INFLATED) | st.integers(0, 2**64 - 1)) % (1 << (8 * width))
+            buf[pos:pos + width] = value.to_bytes(width, "little")
+        elif kind == "insert":
+            buf[pos:pos] = draw(st.binary(min_size=1, max_size=16))
+        elif kind == "delete":
+            del buf[pos:pos + draw(st.integers(1, 16))]
+        else:
+            buf = _replace_number(draw, buf, end)
+    return bytes(buf)
+
+
+def _replace_number(draw: st.DrawFn, buf: bytearray, end: int) -> bytearray:
+    numbers = list(re.finditer(rb"-?\d+", bytes(buf[:end])))
+    if not numbers:
+        return buf
+    match = draw(st.sampled_from(numbers))
+    value = draw(st.sampled_from(INFLATED) | st.integers(-2**70, 2**70))
+    return buf[:match.start()] + str(value).encode() + buf[match.end():]
+
+
+def touch(files: ModelFiles) -> None:
+    """Read the first and last element of every tensor: a view past the end of a file would crash here."""
+    for tensor in files.tensors.values():
+        data = np.asarray(tensor.data).reshape(-1)
+        if data.size:
+            _ = data[0], data[-1]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from tokenize import TokenError
 from typing import Any
 
 import numpy as np
@@ -79,7 +80,8 @@ def read_npy_header(path: Path, name: str) -> tuple[np.dtype, tuple[int, ...], i
             else:
                 raise FormatError(f"{path}: tensor {name!r}: unsupported .npy version {version}")
             offset = f.tell()
-    except (OSError, ValueError) as exc:  # ValueError: bad magic or header
+    except (OSError, ValueError, SyntaxError, TokenError, TypeError, RecursionError) as exc:
+        # numpy parses the header dict with tokenize + ast.literal_eval: a corrupt one raises any of these
         raise FormatError(f"{path}: tensor {name!r}: not a valid .npy file ({exc})") from None
     if dtype.hasobject:
         raise FormatError(f"{path}: tensor {name!r}: object dtype refused (it would need pickle)")
