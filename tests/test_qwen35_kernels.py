@@ -75,7 +75,7 @@ def test_solve_unit_lower() -> None:
     rng = np.random.default_rng(3)
     strict = np.tril(_rand(rng, 3, 20, 20, scale=0.3), -1)
     rhs = _rand(rng, 3, 20, 5)
-    x = gd.solve_unit_lower(strict, rhs)
+    x = gd.solve_unit_lower(strict, rhs.copy())
     np.testing.assert_allclose((np.eye(20, dtype=F32) + strict) @ x, rhs, atol=1e-5)
 
 

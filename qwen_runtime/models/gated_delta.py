@@ -34,6 +34,15 @@ def softplus(x: np.ndarray) -> np.ndarray:
     return np.logaddexp(F32(0.0), x).astype(F32, copy=False)
 
 
+def silu_inplace(x: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+    """x ← x · σ(x) using ``tmp`` (same shape) as scratch; no other allocation."""
+    np.negative(x, out=tmp)
+    with np.errstate(over="ignore"):  # exp(-x) = inf for x << 0 gives x / inf = -0, the right limit
+        np.exp(tmp, out=tmp)
+    tmp += F32(1.0)
+    return np.divide(x, tmp, out=x)
+
+
 # --- convolution -------------------------------------------------------------------------------------------
 
 
@@ -75,10 +84,13 @@ def causal_conv1d(x: np.ndarray, weight: np.ndarray, state: np.ndarray,
         ext[np.arange(kernel - 1 + length)[None, :] < (kernel - 1 + pads)[:, None]] = 0.0
     rows = np.arange(batch)[:, None]
     ext[rows, pads[:, None] + np.arange(kernel - 1)[None, :]] = state
-    out = ext[:, 0:length] * weight[:, 0]  # [B, T, C]
+    taps = np.ascontiguousarray(weight.T, dtype=F32)  # [K, C]
+    # in-place arithmetic: fresh temporaries of this size cost page faults that outweigh the arithmetic
+    out = np.multiply(ext[:, 0:length], taps[0])  # [B, T, C]
+    tmp = np.empty_like(out)
     for tap in range(1, kernel):
-        out += ext[:, tap:tap + length] * weight[:, tap]
-    out = silu(out)
+        out += np.multiply(ext[:, tap:tap + length], taps[tap], out=tmp)
+    silu_inplace(out, tmp)
     if pads.any():
         out[np.arange(length)[None, :] < pads[:, None]] = 0.0
     return out, ext[:, length:].copy()
@@ -172,50 +184,56 @@ def recurrent_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndar
 
 
 def _to_chunks(x: np.ndarray, length: int, chunk: int) -> np.ndarray:
-    """``[B, T, H, ...] -> [B, H, N, L, ...]`` with zero padding at the end."""
-    pad = (-length) % chunk
-    x = np.moveaxis(x, 2, 1)  # [B, H, T, ...]
-    if pad:
-        widths = [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)
-        x = np.pad(x, widths)
-    return np.ascontiguousarray(x.reshape(*x.shape[:2], -1, chunk, *x.shape[3:]), dtype=F32)
+    """A fresh ``[B, H, N, L, ...]`` float32 copy of ``[B, T, H, ...]``, zero-padded at the end."""
+    batch, _, heads, *rest = x.shape
+    n_chunks = -(-length // chunk)
+    out = np.empty((batch, heads, n_chunks * chunk, *rest), dtype=F32)  # [B, H, N*L, ...]
+    out[:, :, :length] = np.moveaxis(x, 2, 1)
+    out[:, :, length:] = 0.0
+    return out.reshape(batch, heads, n_chunks, chunk, *rest)
 
 
 def solve_unit_lower(strict: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-    """X with (I + strict) X = rhs, by forward substitution over rows (no explicit inverse: more accurate).
+    """Solve (I + strict) X = rhs in place by forward substitution over rows (no explicit inverse).
 
-    strict: strictly lower-triangular ``[..., L, L]``; rhs ``[..., L, D]`` -> ``[..., L, D]``.
+    strict: strictly lower-triangular ``[..., L, L]``; rhs ``[..., L, D]`` float32, overwritten by X.
     """
-    x = np.array(rhs, dtype=F32)
     for i in range(1, strict.shape[-1]):
-        x[..., i, :] -= np.matmul(strict[..., i:i + 1, :i], x[..., :i, :])[..., 0, :]
-    return x
+        rhs[..., i, :] -= np.matmul(strict[..., i:i + 1, :i], rhs[..., :i, :])[..., 0, :]
+    return rhs
 
 
 def _intra_chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
                  ) -> tuple[np.ndarray, ...]:
     """Everything that does not depend on the incoming state, for all chunks at once.
 
-    Inputs are chunked: q, k ``[B, H, N, L, dk]``, v ``[B, H, N, L, dv]``, g, beta ``[B, H, N, L]``.
+    Inputs are chunked copies (``q`` and ``k`` are overwritten): q, k ``[B, H, N, L, dk]``, v ``[B, H, N, L, dv]``,
+    g, beta ``[B, H, N, L]``.  Returns U, W, the masked intra-chunk scores, Q̂ ⊙ e^γ, K̂ ⊙ e^(γ_last − γ) and
+    e^(γ_last).  Work happens in place where possible: fresh temporaries of these sizes cost page faults.
     """
-    chunk = g.shape[-1]
+    chunk, dv = g.shape[-1], v.shape[-1]
     gamma = np.cumsum(g, axis=-1)  # [B, H, N, L]
-    lower = np.tril(np.ones((chunk, chunk), dtype=bool))
-    diff = gamma[..., :, None] - gamma[..., None, :]  # [B, H, N, L, L]
-    decay = np.exp(np.where(lower, diff, -np.inf)).astype(F32)  # D_ij = exp(γi − γj), i ≥ j
-    k_beta = k * beta[..., None]
-    strict = np.matmul(k_beta, np.swapaxes(k, -1, -2)) * decay
-    strict *= ~np.eye(chunk, dtype=bool)
+    decay = gamma[..., :, None] - gamma[..., None, :]  # [B, H, N, L, L]
+    upper_i, upper_j = np.triu_indices(chunk, 1)
+    decay[..., upper_i, upper_j] = -np.inf  # masked before exp: γi − γj > 0 there could overflow
+    np.exp(decay, out=decay)  # D_ij = exp(γi − γj) for i ≥ j, else 0
     exp_gamma = np.exp(gamma)[..., None]  # [B, H, N, L, 1]
-    dv = v.shape[-1]
-    # U = T Ṽ and W = T (K̃ ⊙ e^γ) with T = (I + strict)⁻¹, solved together
-    uw = solve_unit_lower(strict, np.concatenate([v * beta[..., None], k_beta * exp_gamma], axis=-1))
-    u, w = uw[..., :dv], uw[..., dv:]  # [B, H, N, L, dv], [B, H, N, L, dk]
-    attn = np.matmul(q, np.swapaxes(k, -1, -2)) * decay  # [B, H, N, L, L]
-    q_decayed = q * exp_gamma
-    k_decayed = k * np.exp(gamma[..., -1:] - gamma)[..., None]
+    # right-hand sides [Ṽ | K̃ ⊙ e^γ] of U = T Ṽ and W = T (K̃ ⊙ e^γ), T = (I + strict_lower(K̃K̂ᵀ ⊙ D))⁻¹
+    uw = np.empty((*v.shape[:-1], dv + k.shape[-1]), dtype=F32)  # [B, H, N, L, dv + dk]
+    np.multiply(v, beta[..., None], out=uw[..., :dv])
+    k_beta = np.multiply(k, beta[..., None], out=uw[..., dv:])
+    strict = np.matmul(k_beta, np.swapaxes(k, -1, -2))  # [B, H, N, L, L]
+    strict *= decay
+    diag = np.arange(chunk)
+    strict[..., diag, diag] = 0.0
+    k_beta *= exp_gamma
+    solve_unit_lower(strict, uw)
+    attn = np.matmul(q, np.swapaxes(k, -1, -2))  # [B, H, N, L, L]
+    attn *= decay
+    q *= exp_gamma
+    k *= np.exp(gamma[..., -1:] - gamma)[..., None]
     chunk_decay = np.exp(gamma[..., -1])[..., None, None]  # [B, H, N, 1, 1]
-    return u, w, attn, q_decayed, k_decayed, chunk_decay
+    return uw[..., :dv], uw[..., dv:], attn, q, k, chunk_decay
 
 
 def chunked_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
