@@ -42,8 +42,11 @@ def test_chunked_equals_recurrent(seed: int, b: int, t: int, hk: int, ratio: int
     valid[0, : min(n_pad, t)] = False  # padding positions: g = 0, beta = 0 leave the state untouched
     g, beta = np.where(valid[..., None], g, 0), np.where(valid[..., None], beta, 0)
     s_rec, s_chunk = state.copy(), state.copy()
+    inputs = [x.copy() for x in (q, k, v, g, beta)]
     o_rec = gd.recurrent_delta_rule(q, k, v, g, beta, s_rec)
     o_chunk = gd.chunked_delta_rule(q, k, v, g, beta, s_chunk, chunk=chunk)
+    for before, after in zip(inputs, (q, k, v, g, beta), strict=True):
+        np.testing.assert_array_equal(after, before)  # only the state is updated in place
     np.testing.assert_allclose(o_chunk, o_rec, atol=1e-5, rtol=0)
     np.testing.assert_allclose(s_chunk, s_rec, atol=1e-5, rtol=0)
 
