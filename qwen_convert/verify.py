@@ -1,0 +1,625 @@
+"""Semantic verification: prove a converted model (our npy directory, or any GGUF) matches its HF source.
+
+A conversion can finish cleanly and still be wrong: a (1 + w) norm offset applied twice, value heads in the
+wrong order, a metadata key missing, a tensor dropped.  :func:`verify_against` checks, against the Hugging
+Face source directory:
+
+1. **Tensors.**  Each output tensor's recorded transform is undone (``ssm_a`` -> ``log(-ssm_a)``, ``-1`` on
+   the (1 + w) norms, the conv squeeze), its value heads are matched to the source's through the recorded
+   permutation (an index map, so it is exact), and the result is compared with the source tensor row chunk by
+   row chunk (memory bounded by the chunk).  Every source tensor must be converted or skipped for a stated
+   reason (:func:`qwen_runtime.naming.skip_reason`), and every output tensor must come from one.
+2. **Metadata.**  GGUF: every key of the converter's table (:data:`qwen_convert.gguf_metadata.MODEL_KEYS`)
+   against ``config.json`` (an absent key passes only where llama.cpp's default is the right value), plus the
+   tokenizer keys against the tokenizer files.  npy: the manifest and the copied config/tokenizer files.
+3. **Behaviour** (:mod:`qwen_convert.probe`): next-token distributions of source and output on a probe.
+
+Per-element bounds on ``e = |undo(output) - source|`` (the output's storage type, then the transform):
+
+* F32: ``e == 0`` (bf16/f16/f32 sources widen to float32 exactly).
+* F16 / BF16: ``e <= ulp/2`` of the stored value (round to nearest).
+* Q8_0: ``e <= d/2 + 127·|fp16(d) - d|`` per 32-block, ``d = amax/127`` of the source block: half a step
+  from rounding ``x/d``, plus the fp16 rounding of the scale that every ``|q| <= 127`` multiplies (and 1e-4·d
+  for ``x·(1/d)`` computed in float32, as ggml does).
+* (1 + w) norms: ``e <= eps_src·|output|`` on top: llama.cpp adds the 1 to the source-dtype torch tensor
+  (bf16: eps = 2^-7) before upcasting.  A +1 applied twice or not at all is off by exactly 1.
+* ``ssm_a = -exp(A_log)`` is undone as ``log(-ssm_a)`` in float64.  A relative error r of the stored exp
+  becomes an *absolute* error ``log(1 + r) ≈ r`` in A_log (d log y = dy / y), so the bound is absolute:
+  ``2·eps_src`` (float32 exp is within 2 ulp; measured max 1.7·2^-23 over [-8, 4]) plus half an ulp of
+  A_log for the final float32 rounding — about one float32 ulp at |A_log| ≈ 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import Keys
+
+from qwen_runtime.config import V_HEAD_GROUPED, V_HEAD_TILED, ModelConfig, gguf_key
+from qwen_runtime.errors import FormatError, VerificationError
+from qwen_runtime.formats import detect_format, open_hf_dir
+from qwen_runtime.formats.base import TOKENIZER_FILES, ModelFiles, contained_path
+from qwen_runtime.formats.gguf_parse import parse_gguf, tensor_view
+from qwen_runtime.formats.hf_dir import shard_entries
+from qwen_runtime.formats.npy_dir import read_manifest
+from qwen_runtime.formats.safetensors import SafetensorsEntry
+from qwen_runtime.naming import (
+    INVERSE_TRANSFORMS,
+    TRANSFORM_NOTES,
+    TensorPlan,
+    output_shape,
+    plan_tensor,
+    skip_reason,
+    tile_v_heads,
+)
+from qwen_runtime.tensors import DENSE_DTYPES, Q8_0_BLOCK, QType, StoredTensor, stored_shape, to_float32
+
+from .gguf_metadata import MODEL_KEYS, special_vocab, token_table, tokenizer_pre
+from .policy import DTYPES
+from .quantize import rows_per_chunk
+
+# Spacing of 1.0 in each source dtype: the precision a converter may compute a transform in.
+SOURCE_EPS = {QType.F32: 2.0**-23, QType.F16: 2.0**-10, QType.BF16: 2.0**-7}
+VALUE_TRANSFORMS = ("neg_exp", "plus_one")  # the others (squeeze) only change the shape
+Q8_0_ROUNDING_SLACK = 1e-4  # x * (1/d) in float32 may round to the other side of a .5 by ~127 * 2^-22 steps
+# GGUF keys llama.cpp does not require: when absent, it uses these defaults (as config_from_gguf does).
+LLAMA_DEFAULTS = {
+    Keys.Attention.KEY_LENGTH: lambda c: c.hidden_size // c.num_attention_heads,
+    Keys.Attention.VALUE_LENGTH: lambda c: c.hidden_size // c.num_attention_heads,
+    Keys.Rope.DIMENSION_COUNT: lambda c: c.head_dim,
+    Keys.Rope.FREQ_BASE: lambda c: 10000.0,
+    Keys.LLM.FULL_ATTENTION_INTERVAL: lambda c: 4,
+}
+SPECIAL_ID_KEYS = {"bos": Keys.Tokenizer.BOS_ID, "eos": Keys.Tokenizer.EOS_ID, "pad": Keys.Tokenizer.PAD_ID,
+                   "unk": Keys.Tokenizer.UNK_ID, "sep": Keys.Tokenizer.SEP_ID}
+ADD_TOKEN_KEYS = {"bos": Keys.Tokenizer.ADD_BOS, "eos": Keys.Tokenizer.ADD_EOS}
+FILE_TYPE_DTYPES = {int(ftype): name for name, (_, ftype) in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """One output tensor compared with its source tensor."""
+
+    name: str  # canonical name in the output
+    source: str  # HF name
+    type: str  # stored type in the output
+    transform: str  # what was undone before comparing
+    max_error: float  # max |undo(output) - source|
+    max_bound: float  # the largest per-element bound
+    violations: int  # elements outside their bound
+    ok: bool
+    cause: str = ""
+
+
+@dataclass(frozen=True)
+class MetadataCheck:
+    """One metadata key (or manifest field) against what the source says it must be."""
+
+    key: str
+    expected: Any
+    actual: Any
+    ok: bool
+    note: str = ""
+
+
+@dataclass
+class VerifyReport:
+    """Everything :func:`verify_against` found; ``ok`` only when every check passed."""
+
+    output: Path
+    source: Path
+    format: str
+    dtype: str | None
+    tensors: list[TensorCheck] = field(default_factory=list)
+    metadata: list[MetadataCheck] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # source tensor -> why it is not in the output
+    problems: list[str] = field(default_factory=list)  # accounting: missing / unexpected / unmapped tensors
+    behaviour: Any = None  # qwen_convert.probe.BehaviourCheck, when run
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures()
+
+    def failures(self) -> list[str]:
+        """Every failure, one line each: accounting, then tensors (file order), metadata, behaviour."""
+        lines = list(self.problems)
+        lines += [f"tensor {t.name!r} (from {t.source}): {t.cause}" for t in self.tensors if not t.ok]
+        lines += [f"metadata {m.key!r}: {m.note}" for m in self.metadata if not m.ok]
+        if self.behaviour is not None and not self.behaviour.ok:
+            lines.append(f"behaviour: {self.behaviour.failure}")
+        return lines
+
+    def raise_for_failure(self) -> None:
+        """:class:`VerificationError` naming the first failure (and how many there are) unless ``ok``."""
+        failures = self.failures()
+        if failures:
+            more = f" (and {len(failures) - 1} more failures)" if len(failures) > 1 else ""
+            raise VerificationError(f"{self.output}: verification against {self.source} failed: "
+                                    f"{failures[0]}{more}")
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """A source tensor and how the converter turns it into its canonical tensor."""
+
+    entry: SafetensorsEntry
+    plan: TensorPlan
+
+
+@dataclass
+class OutputModel:
+    """A converted model opened leniently: whatever tensors it has, its metadata, its value-head order."""
+
+    path: Path
+    format: str
+    tensors: dict[str, StoredTensor]
+    metadata: dict[str, Any]  # GGUF key/values, or the npy manifest
+    v_head_order: str
+    dtype: str | None
+
+
+# ---------------------------------------------------------------------------------------------- opening
+
+
+def open_output(path: str | Path, n_layers: int) -> OutputModel:
+    """Open an npy directory or GGUF file without requiring the tensor set to be complete (that is checked
+    here, with better messages); MTP blocks llama.cpp appends after ``n_layers`` are left out."""
+    path = Path(path)
+    fmt = detect_format(path)
+    if fmt == "gguf":
+        return _open_gguf_output(path, n_layers)
+    if fmt == "npy":
+        return _open_npy_output(path)
+    raise FormatError(f"{path}: a Hugging Face directory is a source, not a converted output")
+
+
+def _open_gguf_output(path: Path, n_layers: int) -> OutputModel:
+    layout = parse_gguf(path)
+    meta = dict(layout.metadata)
+    arch = meta.get(Keys.General.ARCHITECTURE, "")
+    nextn = meta.get(gguf_key(Keys.LLM.NEXTN_PREDICT_LAYERS, arch), 0)
+    tensors = {}
+    for info in layout.tensors:
+        if nextn and _layer_of(info.name) is not None and _layer_of(info.name) >= n_layers:
+            continue
+        raw = tensor_view(layout, info)
+        data = (raw.reshape(stored_shape(info.qtype, info.shape)) if info.qtype not in DENSE_DTYPES
+                else raw.view(DENSE_DTYPES[info.qtype]).reshape(info.shape))
+        tensors[info.name] = StoredTensor(info.name, info.qtype, info.shape, path, data=data)
+    dtype = FILE_TYPE_DTYPES.get(meta.get(Keys.General.FILE_TYPE, -1))
+    return OutputModel(path, "gguf", tensors, meta, V_HEAD_TILED, dtype)
+
+
+def _open_npy_output(directory: Path) -> OutputModel:
+    manifest = read_manifest(directory)
+    tensors = {}
+    for name, info in manifest["tensors"].items():
+        if not isinstance(info, dict) or not isinstance(info.get("type"), str) or info["type"] not in QType.__members__:
+            raise FormatError(f"{directory}: manifest entry for {name!r} lacks a valid 'type'")
+        qtype, shape = QType[info["type"]], tuple(int(s) for s in info.get("shape", ()))
+        array = np.load(contained_path(directory, info.get("file"), f"tensor {name!r}"), mmap_mode="r",
+                        allow_pickle=False)
+        data = array.view(np.uint8).reshape(stored_shape(qtype, shape)) if qtype == QType.Q8_0 else array
+        tensors[name] = StoredTensor(name, qtype, shape, directory, data=data)
+    order = manifest.get("v_head_order", V_HEAD_GROUPED)
+    return OutputModel(directory, "npy", tensors, manifest, order, manifest.get("dtype"))
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else None
+
+
+def plan_sources(directory: Path, config: ModelConfig,
+                 v_head_order: str) -> tuple[dict[str, SourceTensor], dict[str, str], list[str]]:
+    """(canonical name -> source tensor, skipped source tensor -> reason, problems) for the HF directory."""
+    planned: dict[str, SourceTensor] = {}
+    skipped: dict[str, str] = {}
+    problems: list[str] = []
+    for hf_name, entry in sorted(shard_entries(directory).items()):
+        reason = skip_reason(hf_name, config)
+        if reason:
+            skipped[hf_name] = reason
+            continue
+        try:
+            plan = plan_tensor(hf_name, entry.shape, config, v_head_order)
+        except FormatError as exc:
+            problems.append(f"source tensor {hf_name!r} is neither converted nor skipped for a reason ({exc})")
+            continue
+        planned[plan.name] = SourceTensor(entry, plan)
+    return planned, skipped, problems
+
+
+# ---------------------------------------------------------------------------------------------- tensors
+
+
+class ErrorStats:
+    """Streaming error of ``undone`` against ``source``: bound violations, maxima, and the sums that tell an
+    offset (``undone = source + c``) or a scale (``undone = k·source``) apart from noise."""
+
+    def __init__(self) -> None:
+        self.n = self.violations = 0
+        self.max_error = self.max_bound = 0.0
+        self.first_bad: tuple[int, int] | None = None  # (row, column) of the first violation
+        self.sum_d = self.sum_dd = self.sum_os = self.sum_ss = self.sum_oo = 0.0
+
+    def add(self, undone: np.ndarray, source: np.ndarray, bound: np.ndarray, row0: int) -> None:
+        o, s = undone.astype(np.float64), source.astype(np.float64)  # [rows, n]
+        d = o - s
+        err = np.abs(d)
+        bad = ~(err <= bound)  # NaN counts as a violation
+        if bad.any() and self.first_bad is None:
+            r, c = np.argwhere(bad)[0]
+            self.first_bad = (row0 + int(r), int(c))
+        self.violations += int(bad.sum())
+        finite = np.isfinite(d)
+        d, o, s = d[finite], o[finite], s[finite]
+        self.n += d.size
+        self.max_error = max(self.max_error, float(err.max(initial=0.0)) if finite.all() else math.inf)
+        self.max_bound = max(self.max_bound, float(np.max(bound, initial=0.0)))
+        self.sum_d += float(d.sum())
+        self.sum_dd += float(d @ d)
+        self.sum_os += float(o @ s)
+        self.sum_ss += float(s @ s)
+        self.sum_oo += float(o @ o)
+
+    def offset(self) -> float | None:
+        """The constant c when every difference is (nearly) the same non-zero c."""
+        if not self.n:
+            return None
+        mean = self.sum_d / self.n
+        std = math.sqrt(max(self.sum_dd / self.n - mean * mean, 0.0))
+        return mean if abs(mean) > 0 and std <= 0.01 * abs(mean) else None
+
+    def scale(self) -> float | None:
+        """The least-squares k of ``undone ≈ k·source`` when it differs from 1 beyond its own noise."""
+        if not self.n or self.sum_ss == 0:
+            return None
+        k = self.sum_os / self.sum_ss
+        residual = max(self.sum_oo - 2 * k * self.sum_os + k * k * self.sum_ss, 0.0)
+        noise = math.sqrt(residual / self.sum_ss)  # relative rms of what k does not explain
+        return k if abs(k - 1) > 5 * noise / math.sqrt(self.n) + 1e-6 and noise < 0.5 * abs(k - 1) + 0.01 else None
+
+
+def value_order(plan: TensorPlan, n: int, config: ModelConfig) -> np.ndarray | None:
+    """Source index of each output index along the value-head axis (None when nothing is reordered)."""
+    if plan.v_axis is None:
+        return None
+    flat = dataclasses.replace(plan, v_axis=0)
+    return tile_v_heads(np.arange(n), flat, config.linear_num_key_heads, config.linear_num_value_heads)
+
+
+def aligned_source(entry: SafetensorsEntry, plan: TensorPlan, out_shape: tuple[int, ...],
+                   config: ModelConfig) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, float32 rows) of the source in the output's row layout, chunk by chunk."""
+    width = out_shape[-1]
+    view = entry.view().reshape(-1, width)  # [C,1,K] conv -> [C,K]; 1-D -> [1, n]
+    permuted_columns = plan.v_axis is not None and plan.v_axis == len(out_shape) - 1
+    order = value_order(plan, width if permuted_columns else len(view), config)
+    step = rows_per_chunk(width)
+    for start in range(0, len(view), step):
+        stop = min(start + step, len(view))
+        if order is None:
+            rows = view[start:stop]
+        elif permuted_columns:
+            rows = view[start:stop][:, order]
+        else:
+            rows = view[order[start:stop]]
+        yield start, to_float32(entry.qtype, np.ascontiguousarray(rows))
+
+
+def storage_bound(qtype: QType, stored: np.ndarray, source: np.ndarray) -> np.ndarray:
+    """Per-element bound of the output's storage rounding (module docstring), float64 ``[rows, n]``."""
+    if qtype == QType.F32:
+        return np.zeros(stored.shape)
+    if qtype == QType.F16:
+        return np.spacing(np.abs(stored).astype(np.float16)).astype(np.float64) / 2
+    if qtype == QType.BF16:
+        return np.spacing(np.abs(stored)).astype(np.float64) * 2.0**16 / 2
+    if qtype == QType.Q8_0:
+        blocks = source.reshape(-1, Q8_0_BLOCK)
+        d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)  # [n_blocks, 1], as the quantizer
+        d16 = d.astype(np.float16).astype(np.float64)
+        d = d.astype(np.float64)
+        bound = d * (0.5 + Q8_0_ROUNDING_SLACK) + 127 * np.abs(d16 - d)
+        return np.broadcast_to(bound, blocks.shape).reshape(source.shape)
+    raise FormatError(f"cannot verify tensors stored as {qtype.name}")
+
+
+def transform_bound(plan: TensorPlan, stored: np.ndarray, undone: np.ndarray, base: np.ndarray,
+                    source_qtype: QType) -> np.ndarray:
+    """Widen the storage bound by the rounding of the converter's transform (module docstring)."""
+    eps = SOURCE_EPS.get(source_qtype, SOURCE_EPS[QType.F32])
+    if plan.transform == "plus_one":
+        return base + eps * np.abs(stored.astype(np.float64))
+    if plan.transform == "neg_exp":
+        with np.errstate(divide="ignore", invalid="ignore"):
+            relative = np.where(stored != 0, base / np.abs(stored.astype(np.float64)), np.inf)
+        return relative + 2 * eps + np.spacing(np.abs(undone)).astype(np.float64) / 2
+    return base
+
+
+def compare_tensor(out: StoredTensor, src: SourceTensor, config: ModelConfig) -> ErrorStats:
+    """Stream ``out`` against its source with ``src.plan`` undone; returns the accumulated error."""
+    stats = ErrorStats()
+    stored_rows = out.rows2d()
+    # Value transforms are undone on the output; the squeeze only reshapes, so the source is read as [C, K].
+    inverse = INVERSE_TRANSFORMS[src.plan.transform if src.plan.transform in VALUE_TRANSFORMS else ""]
+    for start, source in aligned_source(src.entry, src.plan, out.shape, config):
+        stored = to_float32(out.qtype, stored_rows[start:start + len(source)])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            undone = inverse(stored)
+        base = storage_bound(out.qtype, stored, source)
+        bound = transform_bound(src.plan, stored, undone, base, src.entry.qtype)
+        stats.add(undone, source, bound, start)
+    return stats
+
+
+def check_tensor(out: StoredTensor, src: SourceTensor, config: ModelConfig, order: str) -> TensorCheck:
+    """Compare one output tensor with its source; a failure carries its most likely cause."""
+    plan = src.plan
+    notes = "; ".join(filter(None, [TRANSFORM_NOTES.get(plan.transform, ""),
+                                    "value heads tiled" if plan.v_axis is not None else ""]))
+    expected = output_shape(plan, src.entry.shape)
+    if out.shape != expected:
+        return TensorCheck(out.name, plan.source, out.qtype.name, notes, math.inf, 0.0, 0, False,
+                           f"shape {list(out.shape)}, expected {list(expected)} from the source")
+    stats = compare_tensor(out, src, config)
+    ok = stats.violations == 0
+    cause = "" if ok else diagnose(out, src, config, order, stats)
+    return TensorCheck(out.name, plan.source, out.qtype.name, notes, stats.max_error, stats.max_bound,
+                       stats.violations, ok, cause)
+
+
+def diagnose(out: StoredTensor, src: SourceTensor, config: ModelConfig, order: str, stats: ErrorStats) -> str:
+    """The most specific explanation of a failed comparison."""
+    plan = src.plan
+    other = V_HEAD_GROUPED if order == V_HEAD_TILED else V_HEAD_TILED
+    alternative = plan_tensor(plan.source, src.entry.shape, config, other)
+    if alternative.v_axis != plan.v_axis and not compare_tensor(out, SourceTensor(src.entry, alternative),
+                                                               config).violations:
+        return (f"value heads are in {other} order, but the output declares {order} "
+                f"(Hv={config.linear_num_value_heads} > Hk={config.linear_num_key_heads})")
+    if plan.transform in VALUE_TRANSFORMS:
+        untransformed = dataclasses.replace(plan, transform="")
+        if not compare_tensor(out, SourceTensor(src.entry, untransformed), config).violations:
+            return f"stored without the transform ({TRANSFORM_NOTES[plan.transform]})"
+    return _numeric_cause(plan, stats)
+
+
+def _numeric_cause(plan: TensorPlan, stats: ErrorStats) -> str:
+    where = f" (first at row {stats.first_bad[0]}, column {stats.first_bad[1]})" if stats.first_bad else ""
+    offset, scale = stats.offset(), stats.scale()
+    if offset is not None:
+        hint = ""
+        if abs(offset - 1) < 1e-3:
+            hint = (": the (1 + w) norm offset is applied twice" if plan.transform == "plus_one"
+                    else ": +1 added to a tensor that takes none")
+        elif abs(offset + 1) < 1e-3 and plan.transform == "plus_one":
+            hint = ": the (1 + w) norm offset is missing"
+        return f"every value is off by {offset:+.6g}{hint}"
+    if scale is not None:
+        return f"values are scaled by x{scale:.6g} relative to the source"
+    if not math.isfinite(stats.max_error):
+        return f"non-finite values where the source is finite{where}"
+    return (f"{stats.violations} values outside the bound: max |error| {stats.max_error:.4g}, "
+            f"largest bound {stats.max_bound:.4g}{where}")
+
+
+def check_tensors(output: OutputModel, planned: dict[str, SourceTensor], config: ModelConfig,
+                  report: VerifyReport) -> None:
+    """Every output tensor against its source; every planned source tensor present in the output."""
+    for name, tensor in output.tensors.items():
+        if name not in planned:
+            report.problems.append(f"unexpected tensor {name!r}: no source tensor maps to it")
+            continue
+        report.tensors.append(check_tensor(tensor, planned[name], config, output.v_head_order))
+    for name, src in planned.items():
+        if name not in output.tensors:
+            report.problems.append(f"missing tensor {name!r} (source {src.plan.source!r} was not converted)")
+
+
+# ---------------------------------------------------------------------------------------------- metadata
+
+
+def _same(expected: Any, actual: Any) -> bool:
+    if isinstance(expected, float) or isinstance(actual, float):
+        return (isinstance(actual, (int, float)) and not isinstance(actual, bool)
+                and np.float32(expected) == np.float32(actual))
+    return expected == actual
+
+
+def _key_check(key: str, expected: Any, meta: dict[str, Any], default: Any = ...) -> MetadataCheck:
+    if key not in meta:
+        if default is not ... and _same(expected, default):
+            return MetadataCheck(key, expected, None, True, f"absent; llama.cpp's default {default!r} is right")
+        return MetadataCheck(key, expected, None, False, f"missing (source says {_short(expected)})")
+    actual = meta[key]
+    if _same(expected, actual):
+        return MetadataCheck(key, expected, actual, True)
+    return MetadataCheck(key, expected, actual, False, f"is {_short(actual)}, the source says {_short(expected)}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def gguf_model_checks(meta: dict[str, Any], config: ModelConfig) -> list[MetadataCheck]:
+    """The converter's key table against the source config (block_count net of appended MTP blocks)."""
+    arch = config.arch
+    checks = [_key_check(Keys.General.ARCHITECTURE, arch, meta)]
+    meta = dict(meta)
+    block_key = gguf_key(Keys.LLM.BLOCK_COUNT, arch)
+    nextn = meta.get(gguf_key(Keys.LLM.NEXTN_PREDICT_LAYERS, arch), 0)
+    if block_key in meta and isinstance(meta[block_key], int) and isinstance(nextn, int):
+        meta[block_key] -= nextn
+    for template, _, value, archs in MODEL_KEYS:
+        if arch in archs:
+            default = LLAMA_DEFAULTS[template](config) if template in LLAMA_DEFAULTS else ...
+            checks.append(_key_check(gguf_key(template, arch), value(config), meta, default))
+    return checks
+
+
+def gguf_tokenizer_checks(meta: dict[str, Any], files: ModelFiles) -> list[MetadataCheck]:
+    """Tokenizer keys against tokenizer.json / tokenizer_config.json (the same rules the converters use)."""
+    directory, config = files.directory, files.config
+    assert directory is not None
+    tokenizer_json = files.read_json("tokenizer.json")
+    if tokenizer_json is None:
+        return [MetadataCheck("tokenizer.json", "present", None, False, "the source has no tokenizer.json")]
+    tokens, _ = token_table(tokenizer_json, config.vocab_size, directory / "tokenizer.json")
+    checks = [_key_check(Keys.Tokenizer.MODEL, "gpt2", meta),
+              _key_check(Keys.Tokenizer.PRE, tokenizer_pre(config, files.read_json("tokenizer_config.json") or {}),
+                         meta),
+              _token_list_check(tokens, meta.get(Keys.Tokenizer.LIST))]
+    special = special_vocab(directory, config.vocab_size)
+    for kind, token_id in special.special_token_ids.items():
+        if kind in SPECIAL_ID_KEYS:
+            checks.append(_key_check(SPECIAL_ID_KEYS[kind], token_id, meta))
+    for kind, flag in special.add_special_token.items():
+        if kind in ADD_TOKEN_KEYS:
+            checks.append(_key_check(ADD_TOKEN_KEYS[kind], flag, meta))
+    if special.chat_template is not None:
+        checks.append(_key_check(Keys.Tokenizer.CHAT_TEMPLATE, special.chat_template, meta))
+    return checks
+
+
+def _token_list_check(expected: list[str], actual: Any) -> MetadataCheck:
+    key = Keys.Tokenizer.LIST
+    summary = f"{len(expected)} tokens"
+    if not isinstance(actual, list):
+        return MetadataCheck(key, summary, None, False, "missing")
+    if len(actual) != len(expected):
+        return MetadataCheck(key, summary, f"{len(actual)} tokens", False,
+                             f"has {len(actual)} tokens, config.json vocab_size is {len(expected)}")
+    first = next((i for i, (a, b) in enumerate(zip(expected, actual, strict=True)) if a != b), None)
+    if first is not None:
+        return MetadataCheck(key, summary, summary, False,
+                             f"token {first} is {actual[first]!r}, tokenizer.json has {expected[first]!r}")
+    return MetadataCheck(key, summary, summary, True)
+
+
+def npy_checks(output: OutputModel, files: ModelFiles) -> list[MetadataCheck]:
+    """Manifest fields, the copied config.json and tokenizer files against the source directory."""
+    manifest, config = output.metadata, files.config
+    checks = [_key_check("architecture", config.arch, manifest),
+              _key_check("tied_embeddings", config.tie_word_embeddings, manifest)]
+    for name, allowed in (("dtype", tuple(DTYPES)), ("v_head_order", (V_HEAD_GROUPED, V_HEAD_TILED))):
+        value = manifest.get(name)
+        checks.append(MetadataCheck(name, allowed, value, value in allowed,
+                                    "" if value in allowed else f"is {value!r}, expected one of {list(allowed)}"))
+    for name in ("config.json", *TOKENIZER_FILES):
+        checks += _copied_file_check(files, output.path, name)
+    return checks
+
+
+def _copied_file_check(files: ModelFiles, out_dir: Path, name: str) -> list[MetadataCheck]:
+    assert files.directory is not None
+    source = files.directory / name
+    if not source.is_file():
+        return []
+    copy = out_dir / name
+    if not copy.is_file():
+        return [MetadataCheck(name, "copied", None, False, "missing from the output directory")]
+    if name == "config.json":
+        same = json.loads(copy.read_text(encoding="utf-8")) == files.hf_config
+    else:
+        same = copy.read_bytes() == source.read_bytes()
+    return [MetadataCheck(name, "copied", "copied", same, "" if same else "differs from the source's")]
+
+
+def check_metadata(output: OutputModel, files: ModelFiles) -> list[MetadataCheck]:
+    """Every metadata key or manifest field the architecture needs, consistent with the source."""
+    if output.format == "npy":
+        return npy_checks(output, files)
+    return gguf_model_checks(output.metadata, files.config) + gguf_tokenizer_checks(output.metadata, files)
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+
+
+def verify_against(output_path: str | Path, source_dir: str | Path, behaviour: bool = True) -> VerifyReport:
+    """Verify a converted model against its HF source: tensors, accounting, metadata and (``behaviour``)
+    next-token distributions on a probe.  Never raises for a mismatch: read :attr:`VerifyReport.ok` /
+    :meth:`VerifyReport.failures`, or call :meth:`VerifyReport.raise_for_failure`."""
+    source = open_hf_dir(source_dir)
+    config = source.config
+    output = open_output(output_path, config.num_hidden_layers)
+    report = VerifyReport(Path(output_path), Path(source_dir), output.format, output.dtype)
+    order = output.v_head_order if output.v_head_order in (V_HEAD_GROUPED, V_HEAD_TILED) else V_HEAD_GROUPED
+    planned, report.skipped, report.problems = plan_sources(Path(source_dir), config.replace(v_head_order=order),
+                                                            order)
+    check_tensors(output, planned, config.replace(v_head_order=order), report)
+    report.metadata = check_metadata(output, source)
+    if behaviour:
+        from .probe import behaviour_check
+
+        report.behaviour = behaviour_check(source, output.path, output.dtype)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- rendering
+
+
+def skipped_summary(skipped: dict[str, str]) -> str:
+    """``12 vision tower (text weights only); 1 tied to the token embedding``."""
+    return "; ".join(f"{n} {reason}" for reason, n in Counter(skipped.values()).most_common())
+
+
+def report_summary(report: VerifyReport) -> str:
+    """A few lines: what was checked and the verdict (the CLIs print this)."""
+    failed_t = sum(not t.ok for t in report.tensors)
+    failed_m = sum(not m.ok for m in report.metadata)
+    lines = [f"verify {report.output} against {report.source} ({report.format}, {report.dtype or '?'})",
+             f"  tensors:   {len(report.tensors)} compared, {failed_t} failed, {len(report.problems)} accounting "
+             f"problems; skipped source tensors: {skipped_summary(report.skipped) or 'none'}",
+             f"  metadata:  {len(report.metadata)} keys checked, {failed_m} failed"]
+    if report.behaviour is not None:
+        lines.append(f"  behaviour: {report.behaviour.summary()}")
+    failures = report.failures()
+    lines.append("  result:    verified" if not failures else f"  result:    FAILED ({len(failures)} failures)")
+    lines += [f"  - {line}" for line in failures[:10]]
+    if len(failures) > 10:
+        lines.append(f"  - ... {len(failures) - 10} more")
+    return "\n".join(lines)
+
+
+def report_table(report: VerifyReport) -> str:
+    """Per-tensor table (name, type, transform, max error, bound, status) followed by the summary."""
+    width = max([4] + [len(t.name) for t in report.tensors])
+    lines = [f"{'name':<{width}}  {'type':<5} {'max_error':>10} {'max_bound':>10}  status  transform"]
+    for t in report.tensors:
+        lines.append(f"{t.name:<{width}}  {t.type:<5} {t.max_error:>10.3g} {t.max_bound:>10.3g}  "
+                     f"{'ok' if t.ok else 'FAILED':<6}  {t.transform}")
+    return "\n".join(lines + [report_summary(report)])
+
+
+def report_json(report: VerifyReport) -> dict[str, Any]:
+    """JSON-ready form of a report (non-finite floats as strings)."""
+    data = {"output": str(report.output), "source": str(report.source), "format": report.format,
+            "dtype": report.dtype, "ok": report.ok, "failures": report.failures(),
+            "tensors": [asdict(t) for t in report.tensors], "metadata": [asdict(m) for m in report.metadata],
+            "skipped": report.skipped, "problems": report.problems,
+            "behaviour": asdict(report.behaviour) if report.behaviour is not None else None}
+    return _finite(data)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)
