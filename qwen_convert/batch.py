@@ -18,7 +18,7 @@ from qwen_runtime.formats import open_gguf, open_npy_dir
 from .convert import Progress, Verifier, convert, infer_format, path_size
 from .policy import check_dtype, file_type
 
-CONVERTED, SKIPPED, FAILED = "converted", "skipped", "failed"
+CONVERTED, SKIPPED, FAILED, VERIFIED = "converted", "skipped", "failed", "verified"
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class JobResult:
     """What happened to one job."""
 
     job: Job
-    status: str  # CONVERTED, SKIPPED or FAILED
+    status: str  # CONVERTED, VERIFIED (converted and verified against the source), SKIPPED or FAILED
     nbytes: int = 0
     seconds: float = 0.0
     message: str = ""
@@ -72,9 +72,13 @@ def output_is_complete(job: Job) -> bool:
         return False
 
 
-def run_job(job: Job, force: bool = False, verify: Verifier | None = None,
+VerifierFactory = Callable[[Job], Verifier]  # e.g. qwen_convert.verify.BatchVerifier
+
+
+def run_job(job: Job, force: bool = False, verify: VerifierFactory | None = None,
             progress: Progress | None = None) -> JobResult:
-    """Convert one job, or skip it when a complete output exists; errors become a FAILED result."""
+    """Convert one job, or skip it when a complete output exists; errors (a failed verification too) become
+    a FAILED result.  ``verify(job)`` checks the output before it is renamed into place."""
     started = time.perf_counter()
     if job.out.exists() and not force:
         if output_is_complete(job):
@@ -86,13 +90,14 @@ def run_job(job: Job, force: bool = False, verify: Verifier | None = None,
     except OSError as exc:
         return JobResult(job, FAILED, message=f"{job.out.parent}: cannot create directory ({exc.strerror})")
     try:
-        result = convert(job.src, job.out, job.format, job.dtype, force=force, verify=verify, progress=progress)
+        result = convert(job.src, job.out, job.format, job.dtype, force=force,
+                         verify=verify(job) if verify is not None else None, progress=progress)
     except QwenError as exc:
         return JobResult(job, FAILED, seconds=time.perf_counter() - started, message=str(exc))
-    return JobResult(job, CONVERTED, result.nbytes, result.seconds)
+    return JobResult(job, VERIFIED if verify is not None else CONVERTED, result.nbytes, result.seconds)
 
 
-def run_batch(jobs: Sequence[Job], force: bool = False, verify: Verifier | None = None, workers: int = 1,
+def run_batch(jobs: Sequence[Job], force: bool = False, verify: VerifierFactory | None = None, workers: int = 1,
               progress: Progress | None = None,
               on_done: Callable[[JobResult], None] | None = None) -> list[JobResult]:
     """Run every job (``workers`` processes in parallel; per-tensor progress only with one worker)."""

@@ -18,9 +18,10 @@ from qwen_runtime.errors import QwenError, exit_code
 from qwen_runtime.formats import open_model_files
 
 from .batch import FAILED, JobResult, plan_jobs, run_batch, summary_table
-from .convert import FORMATS, convert, infer_format, verify_checksums
+from .convert import FORMATS, convert, infer_format
 from .inspect import compare, compare_json, compare_table, model_stats, open_pair, stats_json, stats_table
 from .policy import DTYPES, TensorSpec
+from .verify import BatchVerifier, ConversionVerifier, report_json, report_summary, report_table, verify_against
 
 INTERRUPTED = 130
 
@@ -72,8 +73,11 @@ def convert_parser() -> argparse.ArgumentParser:
                    help="fp32, fp16 or q8_0 (batch: comma list; default fp16)")
     p.add_argument("--jobs", type=int, default=1, help="batch mode: conversions run in parallel")
     p.add_argument("--force", action="store_true", help="overwrite existing outputs")
-    p.add_argument("--verify", action="store_true", help="re-read the output and compare checksums before "
-                   "renaming it into place")
+    p.add_argument("--verify", action="store_true", help="before renaming the output into place, re-read its "
+                   "checksums and verify it against the source (every tensor within its rounding bound, metadata, "
+                   "probe KL); a failed output is removed and the exit code is non-zero")
+    p.add_argument("--keep-failed", action="store_true", help="with --verify: keep a failed output as "
+                   "<name>.FAILED-VERIFY")
     p.add_argument("--name", help="general.name of a GGUF (default: the source directory name)")
     p.add_argument("-v", "--verbose", action="store_true", help="log details (dtype fallbacks, tokenizer)")
     return p
@@ -83,8 +87,13 @@ def _run_single(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if len(args.sources) != 1 or len(args.dtype) > 1 or (args.format and len(args.format) > 1):
         parser.error("-o converts one SRC to one format and dtype; use --out-dir for several")
     fmt = infer_format(args.output, args.format[0] if args.format else None)
-    result = convert(args.sources[0], args.output, fmt, args.dtype[0], force=args.force, name=args.name,
-                     verify=verify_checksums if args.verify else None, progress=TqdmProgress())
+    verifier = ConversionVerifier(args.sources[0], args.output, args.keep_failed) if args.verify else None
+    try:
+        result = convert(args.sources[0], args.output, fmt, args.dtype[0], force=args.force, name=args.name,
+                         verify=verifier, progress=TqdmProgress())
+    finally:
+        if verifier is not None and verifier.report is not None:
+            print(report_summary(verifier.report))
     print(f"wrote {result.output} ({result.nbytes:,} bytes, {result.format} {result.dtype}, "
           f"{result.seconds:.1f} s)")
     return 0
@@ -102,7 +111,8 @@ def _run_batch(args: argparse.Namespace) -> int:
 
     progress = TqdmProgress(first_position=1) if args.jobs <= 1 else None
     try:
-        results = run_batch(jobs, args.force, verify_checksums if args.verify else None, args.jobs, progress, done)
+        verify = BatchVerifier(args.keep_failed) if args.verify else None
+        results = run_batch(jobs, args.force, verify, args.jobs, progress, done)
     finally:
         overall.close()
     print(summary_table(results))
@@ -147,10 +157,17 @@ def inspect_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", metavar="B", help="report the error of B against PATH (tensors matched by name)")
     p.add_argument("--filter", metavar="REGEX", help="only tensors whose canonical name matches")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--verify-against", metavar="SRC", help="verify PATH (npy directory or GGUF) against its HF "
+                   "source SRC: tensors, metadata and probe KL; exit code 9 when it fails")
     return p
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    if args.verify_against:
+        report = verify_against(args.path, args.verify_against)
+        print(json.dumps(report_json(report), indent=1) if args.json else report_table(report))
+        report.raise_for_failure()
+        return 0
     if args.compare:
         a, b = open_pair(args.path, args.compare)
         result = compare(a, b, args.filter)

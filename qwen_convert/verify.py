@@ -623,3 +623,57 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return repr(value)
+
+
+# ---------------------------------------------------------------------------------------------- converter hook
+
+FAILED_SUFFIX = ".FAILED-VERIFY"
+
+
+def failed_path(target: Path) -> Path:
+    """Where ``--keep-failed`` keeps an output that failed verification: ``<name>.FAILED-VERIFY``."""
+    return target.with_name(target.name + FAILED_SUFFIX)
+
+
+class ConversionVerifier:
+    """The converter's ``--verify`` for one output: re-read the checksums, then :func:`verify_against` the
+    source, on the temporary output before it is renamed into place.  On failure the temporary output is
+    removed by the converter, or kept as ``<target>.FAILED-VERIFY`` with ``keep_failed``, and
+    :class:`VerificationError` names the first failure.  ``report`` holds the last report."""
+
+    def __init__(self, source: str | Path, target: str | Path, keep_failed: bool = False,
+                 behaviour: bool = True) -> None:
+        self.source, self.target = Path(source), Path(target)
+        self.keep_failed, self.behaviour = keep_failed, behaviour
+        self.report: VerifyReport | None = None
+
+    def __call__(self, tmp: Path, fmt: str, checksums: dict[str, str]) -> None:
+        from .convert import remove_path, verify_checksums
+
+        verify_checksums(tmp, fmt, checksums)
+        report = verify_against(tmp, self.source, self.behaviour)
+        report.output = self.target
+        self.report = report
+        if report.ok:
+            return
+        fate = "output removed"
+        if self.keep_failed:
+            kept = failed_path(self.target)
+            remove_path(kept)
+            tmp.rename(kept)
+            fate = f"kept as {kept}"
+        failures = report.failures()
+        more = f" (and {len(failures) - 1} more failures)" if len(failures) > 1 else ""
+        raise VerificationError(f"{self.target}: verification against {self.source} failed: {failures[0]}{more}; "
+                                f"{fate}")
+
+
+@dataclass(frozen=True)
+class BatchVerifier:
+    """Makes the :class:`ConversionVerifier` of each batch job (picklable for worker processes)."""
+
+    keep_failed: bool = False
+    behaviour: bool = True
+
+    def __call__(self, job: Any) -> ConversionVerifier:  # job: qwen_convert.batch.Job
+        return ConversionVerifier(job.src, job.out, self.keep_failed, self.behaviour)
