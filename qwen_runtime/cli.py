@@ -16,6 +16,7 @@ from typing import TextIO
 
 from . import Generation, Model, SamplingParams, load, stream
 from .errors import QwenError, exit_code
+from .limits import parse_memory_size
 
 USAGE_ERROR = 2
 
@@ -34,6 +35,8 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-memory", type=parse_memory_size, default=None, metavar="SIZE",
+                   help="memory allowed for cache and activations, e.g. 2G (default: 80%% of MemAvailable)")
     p.add_argument("--stats", action="store_true", help="print speed and memory on stderr")
     return p
 
@@ -65,7 +68,7 @@ def print_stats(gen: Generation, out: TextIO) -> None:
 def run_prompts(model: Model, args: argparse.Namespace, sampling: SamplingParams) -> None:
     """Generate for the ``-p`` prompts: one is streamed as it comes, a batch is printed row by row."""
     gen = stream(model, args.prompt, chat=args.chat, system=args.system, enable_thinking=_thinking(args),
-                 max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
+                 max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, max_memory=args.max_memory)
     if len(args.prompt) == 1:
         for texts in gen:
             sys.stdout.write(texts[0])
@@ -94,7 +97,7 @@ def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingP
         messages.append({"role": "user", "content": line})
         ids = fmt.encode_chat(messages, enable_thinking=_thinking(args))
         gen = stream(model, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-                     use_tokenizer=True)
+                     use_tokenizer=True, max_memory=args.max_memory)
         reply = []
         for texts in gen:
             reply.append(texts[0])

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import ContextOverflowError
+from .limits import check_memory, generation_bytes
 from .models import Model
 from .sampling import SamplingParams, sample
 from .tokenizer import StreamDecoder, Tokenizer
@@ -31,6 +32,7 @@ class GenerationConfig:
     stop_ids: frozenset[int] = frozenset()
     seed: int | None = None
     prefill_chunk: int = 256
+    max_memory: int | None = None  # bytes for cache + activations (None: qwen_runtime.limits default)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -101,6 +103,9 @@ class Generation:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         check_context(model, prompts, config.max_new_tokens)
+        longest = max(len(p) for p in prompts) + config.max_new_tokens
+        check_memory(generation_bytes(model.config, len(prompts), longest, config.prefill_chunk), config.max_memory,
+                     f"generating {len(prompts)} rows of up to {longest} tokens")
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.results = [GenerationResult([int(t) for t in p]) for p in prompts]
         self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
@@ -122,7 +127,7 @@ class Generation:
         params = cfg.params_for(len(self.results))
         ids, valid = left_pad([r.prompt_ids for r in self.results])
         t0 = time.perf_counter()
-        cache = model.make_cache(ids.shape[0], ids.shape[1] + cfg.max_new_tokens)
+        cache = model.make_cache(ids.shape[0], ids.shape[1] + cfg.max_new_tokens, cfg.max_memory)
         for c0 in range(0, ids.shape[1], cfg.prefill_chunk):
             c1 = c0 + cfg.prefill_chunk
             logits = model.forward(ids[:, c0:c1], cache, valid[:, c0:c1], last_only=True)  # [B, V]

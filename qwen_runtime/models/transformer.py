@@ -16,6 +16,7 @@ from gguf import MODEL_TENSOR as T
 from ..cache import BatchState, Cache, LayerCache
 from ..config import QWEN35, ModelConfig
 from ..formats import ModelFiles
+from ..limits import check_memory, kv_cache_bytes
 from ..ops import rms_norm, silu
 from .base import Mixer, WeightStore, make_mixer
 
@@ -73,8 +74,14 @@ class Model:
             self._chat_format = load_chat_format(self.files)
         return self._chat_format
 
-    def make_cache(self, batch: int, max_len: int) -> Cache:
-        """Empty per-layer caches for ``batch`` rows of up to ``max_len`` slots."""
+    def make_cache(self, batch: int, max_len: int, max_memory: int | None = None) -> Cache:
+        """Empty per-layer caches for ``batch`` rows of up to ``max_len`` slots.
+
+        Raises :class:`ResourceLimitError` first when they would exceed ``max_memory`` bytes (default: see
+        :func:`qwen_runtime.limits.default_memory_limit`).
+        """
+        check_memory(kv_cache_bytes(self.config, batch, max_len), max_memory,
+                     f"a cache of {batch} rows x {max_len} tokens")
         return Cache([blk.mixer.make_cache(batch, max_len) for blk in self.blocks], batch, max_len)
 
     def forward(self, ids: np.ndarray, cache: Cache, valid: np.ndarray | None = None,

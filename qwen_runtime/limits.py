@@ -1,0 +1,91 @@
+"""Memory limits: what a generation will allocate, checked against what the user allows before allocating.
+
+The budget is ``--max-memory`` (``max_memory=`` in the API) or, by default, 80 % of the kernel's
+``MemAvailable``.  Weights are memory-mapped (the page cache holds them), so only the cache and the
+activations count.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .config import ModelConfig
+from .errors import ResourceLimitError
+
+F32 = 4  # bytes per float32
+DEFAULT_FRACTION = 0.8  # of MemAvailable
+FALLBACK_LIMIT = 4 << 30  # when /proc/meminfo cannot be read
+SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def kv_cache_bytes(config: ModelConfig, batch: int, max_len: int) -> int:
+    """Bytes of a model's cache for ``batch`` rows of ``max_len`` slots (as ``Model.make_cache`` builds it):
+    float32 keys and values of full-attention layers, conv and delta states of linear-attention layers,
+    and the per-slot validity mask."""
+    c = config
+    full = 2 * batch * c.num_key_value_heads * max_len * c.head_dim * F32
+    linear = batch * ((c.linear_conv_kernel_dim - 1) * c.linear_conv_dim
+                      + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim) * F32
+    n_linear = sum(c.is_linear(i) for i in range(c.num_hidden_layers))
+    return (c.num_hidden_layers - n_linear) * full + n_linear * linear + batch * max_len
+
+
+def activation_bytes(config: ModelConfig, batch: int, max_len: int, chunk: int) -> int:
+    """An upper estimate of the float32 activations of one prefill chunk: hidden states and projections,
+    the MLP, attention scores over every slot, and the last-position logits."""
+    c, t = config, min(chunk, max_len)
+    widest = max(c.hidden_size, c.num_attention_heads * c.head_dim * 2, c.linear_conv_dim)
+    hidden = 4 * batch * t * widest
+    mlp = 3 * batch * t * c.intermediate_size
+    scores = 2 * batch * c.num_attention_heads * t * max_len
+    return (hidden + mlp + scores + batch * c.vocab_size) * F32
+
+
+def generation_bytes(config: ModelConfig, batch: int, max_len: int, chunk: int) -> int:
+    """Cache plus activations of a generation of ``batch`` rows up to ``max_len`` tokens."""
+    return kv_cache_bytes(config, batch, max_len) + activation_bytes(config, batch, max_len, chunk)
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def default_memory_limit() -> int:
+    """80 % of the available memory, or 4 GiB when it cannot be read."""
+    available = available_memory()
+    return int(available * DEFAULT_FRACTION) if available else FALLBACK_LIMIT
+
+
+def format_bytes(n: int) -> str:
+    units = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+    unit, size = next((u, s) for u, s in units if n >= s or s == 1)
+    return f"{n / size:.1f} {unit}"
+
+
+def parse_memory_size(text: str) -> int:
+    """``"512M"``, ``"4G"``, ``"1.5G"`` or a plain byte count -> bytes (binary units); ValueError otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"invalid memory size {text!r} (expected e.g. 512M, 4G or a byte count)")
+    value = int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return value
+
+
+def check_memory(required: int, allowed: int | None, what: str) -> None:
+    """Raise :class:`ResourceLimitError` when ``required`` bytes exceed ``allowed`` (default: the limit of
+    :func:`default_memory_limit`)."""
+    limit = default_memory_limit() if allowed is None else allowed
+    if required > limit:
+        raise ResourceLimitError(f"{what} needs about {format_bytes(required)}, more than the "
+                                 f"{format_bytes(limit)} allowed (--max-memory); use a smaller batch, "
+                                 f"prompt or --max-new-tokens")
