@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from . import load
 from .errors import QwenError, exit_code
-from .evaluate import DEFAULT_CHUNK, count_targets, encode_text, evaluate_ids, read_text, results_table
+from .evaluate import count_targets, encode_text, evaluate_ids, read_text, results_table
 
 USAGE_ERROR = 2
 DEFAULT_CTX = 512
@@ -39,8 +39,8 @@ def configure_parser() -> argparse.ArgumentParser:
                    "or the model's context length when smaller)")
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: ctx/2)")
     p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the text")
-    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="tokens per forward pass inside a window "
-                   "(bounds memory: chunk x vocab logits per model)")
+    p.add_argument("--chunk", type=int, default=None, help="tokens per forward pass inside a window; bounds "
+                   "memory to a few chunk x vocab float64 arrays (default: about 4M logits, 8 to 64 tokens)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 

@@ -34,7 +34,13 @@ from .models import Model
 
 METHOD = ("sliding window of {ctx} tokens, stride {stride}: each window scores only the tokens after the "
           "previous window's end (HF strided perplexity); log-softmax in float64")
-DEFAULT_CHUNK = 64
+CHUNK_ELEMENTS = 1 << 22  # logits per model per chunk (32 MiB in float64): ~27 tokens of a 152k vocabulary
+MAX_CHUNK = 64
+
+
+def default_chunk(vocab_size: int) -> int:
+    """Tokens per forward pass inside a window: about CHUNK_ELEMENTS logits, between 8 and MAX_CHUNK tokens."""
+    return max(8, min(MAX_CHUNK, CHUNK_ELEMENTS // max(vocab_size, 1)))
 
 
 class VocabularyMismatchError(QwenError, ValueError):
@@ -105,17 +111,31 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     """float64 log-probabilities over the last axis.  # [N, V] -> [N, V]"""
     x = logits.astype(np.float64)
     x -= x.max(axis=-1, keepdims=True)
-    x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))  # the exp temporary is freed at once
     return x
 
 
-def kl_divergence(ref_logp: np.ndarray, logp: np.ndarray) -> np.ndarray:
+def kl_divergence(ref_logp: np.ndarray, logp: np.ndarray, ref_probs: np.ndarray | None = None) -> np.ndarray:
     """Per-row KL(ref || model) from float64 log-probabilities.  # [N, V], [N, V] -> [N]"""
-    return (np.exp(ref_logp) * (ref_logp - logp)).sum(axis=-1)
+    probs = np.exp(ref_logp) if ref_probs is None else ref_probs
+    return np.einsum("nv,nv->n", probs, ref_logp - logp)
+
+
+@dataclass(frozen=True)
+class ReferenceChunk:
+    """The reference's distributions over one chunk of scored targets, shared by every compared model."""
+
+    logp: np.ndarray  # float64 [N, V]
+    probs: np.ndarray  # float64 [N, V]
+    top1: np.ndarray  # int [N]
+
+    @classmethod
+    def of(cls, logp: np.ndarray) -> ReferenceChunk:
+        return cls(logp, np.exp(logp), logp.argmax(-1))
 
 
 def window_log_probs(model: Model, ids: np.ndarray, window: Window,
-                     chunk: int = DEFAULT_CHUNK) -> Iterator[tuple[int, np.ndarray]]:
+                     chunk: int) -> Iterator[tuple[int, np.ndarray]]:
     """Yield ``(first target, log-probs [n, V])`` for the window's scored targets, ``chunk`` slots at a time.
 
     Logits at slot ``s`` predict token ``s + 1``; chunks before the first needed slot run only to fill the
@@ -137,26 +157,27 @@ class _Scores:
         self.nll, self.count, self.agree = 0.0, 0, 0
         self.kl: list[np.ndarray] = []
 
-    def add(self, logp: np.ndarray, targets: np.ndarray, ref_logp: np.ndarray | None) -> None:
+    def add(self, logp: np.ndarray, targets: np.ndarray, ref: ReferenceChunk | None) -> None:
         self.nll -= float(logp[np.arange(len(targets)), targets].sum())
         self.count += len(targets)
-        if ref_logp is not None:
-            self.kl.append(kl_divergence(ref_logp, logp))
-            self.agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
+        if ref is not None:
+            self.kl.append(kl_divergence(ref.logp, logp, ref.probs))
+            self.agree += int((ref.top1 == logp.argmax(-1)).sum())
 
 
-def check_same_vocabulary(model: Model, reference: Model) -> None:
-    """Raise :class:`VocabularyMismatchError` unless both models share logits size and token map."""
-    va, vb = model.config.vocab_size, reference.config.vocab_size
-    if va != vb:
-        raise VocabularyMismatchError(f"{model.path} has {va} logits per token, reference {reference.path} has "
-                                      f"{vb}; KL divergence needs the same vocabulary")
-    ta = model.chat_format.tokenizer.backend.get_vocab(with_added_tokens=True)
-    tb = reference.chat_format.tokenizer.backend.get_vocab(with_added_tokens=True)
-    if ta != tb:
-        diff = sorted(set(ta.items()) ^ set(tb.items()))[:3]
-        raise VocabularyMismatchError(f"{model.path} and reference {reference.path} have different tokenizers "
-                                      f"({len(ta)} vs {len(tb)} tokens; e.g. {diff})")
+def check_same_vocabulary(models: Sequence[Model], reference: Model) -> None:
+    """Raise :class:`VocabularyMismatchError` unless every model shares the reference's logits and tokens."""
+    want = reference.chat_format.tokenizer.backend.get_vocab(with_added_tokens=True)
+    for model in models:
+        va, vb = model.config.vocab_size, reference.config.vocab_size
+        if va != vb:
+            raise VocabularyMismatchError(f"{model.path} has {va} logits per token, {reference.path} has {vb}; "
+                                          "comparing them token by token needs the same vocabulary")
+        got = model.chat_format.tokenizer.backend.get_vocab(with_added_tokens=True)
+        if got != want:
+            diff = sorted(set(got.items()) ^ set(want.items()))[:3]
+            raise VocabularyMismatchError(f"{model.path} and {reference.path} have different tokenizers "
+                                          f"({len(got)} vs {len(want)} tokens; e.g. {diff})")
 
 
 def encode_text(model: Model, text: str, max_tokens: int | None = None) -> np.ndarray:
@@ -193,18 +214,20 @@ def _result(model: Model, scores: _Scores, ids: np.ndarray, ctx: int, stride: in
 
 
 def evaluate_ids(models: Sequence[Model], ids: np.ndarray, ctx: int, stride: int,
-                 reference: Model | None = None, chunk: int = DEFAULT_CHUNK,
+                 reference: Model | None = None, chunk: int | None = None,
                  progress: Callable[[int], None] | None = None) -> list[EvalResult]:
     """Score ``ids`` with every model (and the reference) in lockstep, one window chunk at a time.
 
     The reference runs once per chunk however many models are compared; ``progress`` is called with the
-    number of targets scored after each chunk.
+    number of targets scored after each chunk.  ``chunk`` defaults to :func:`default_chunk`.
     """
     check_context([*models, *([reference] if reference is not None else [])], ctx)
-    for m in models[1:]:
-        check_same_vocabulary(m, models[0])
+    chunk = chunk or default_chunk(models[0].config.vocab_size)
+    if chunk < 1:
+        raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
+    check_same_vocabulary(models[1:], models[0])
     if reference is not None:
-        check_same_vocabulary(models[0], reference)
+        check_same_vocabulary(models[:1], reference)
     scores = [_Scores() for _ in models]
     ref_scores = _Scores() if reference is not None else None
     seconds = [0.0] * len(models)
@@ -212,12 +235,13 @@ def evaluate_ids(models: Sequence[Model], ids: np.ndarray, ctx: int, stride: int
         streams = [_timed(window_log_probs(m, ids, window, chunk), seconds, i) for i, m in enumerate(models)]
         ref_stream = window_log_probs(reference, ids, window, chunk) if reference is not None else repeat(None)
         for ref_item, *items in zip(ref_stream, *streams, strict=reference is not None):
-            ref_logp = None
+            ref = None
             if ref_item is not None:
                 first, ref_logp = ref_item
                 ref_scores.add(ref_logp, ids[first:first + len(ref_logp)], None)
+                ref = ReferenceChunk.of(ref_logp)
             for score, (first, logp) in zip(scores, items, strict=True):
-                score.add(logp, ids[first:first + len(logp)], ref_logp)
+                score.add(logp, ids[first:first + len(logp)], ref)
             if progress is not None:
                 progress(len(items[0][1]))
     return [_result(m, s, ids, ctx, stride, t, ref_scores, reference)
@@ -237,7 +261,7 @@ def _timed(stream: Iterator[tuple[int, np.ndarray]], seconds: list[float],
 
 
 def evaluate(models: Sequence[Model], text: str, ctx: int = 512, stride: int = 256,
-             reference: Model | None = None, max_tokens: int | None = None, chunk: int = DEFAULT_CHUNK,
+             reference: Model | None = None, max_tokens: int | None = None, chunk: int | None = None,
              progress: Callable[[int], None] | None = None) -> list[EvalResult]:
     """Perplexity of ``text`` under each model, and divergence from ``reference`` when given.
 
