@@ -1,0 +1,267 @@
+"""Semantic verification: correct conversions pass; deliberately broken ones fail, naming the cause."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from convert_helpers import ALL_FIXTURES, fixture
+
+from qwen_convert.cli import convert_main, inspect_main
+from qwen_convert.convert import convert
+from qwen_convert.verify import FAILED_SUFFIX, report_json, verify_against
+from qwen_runtime.config import V_HEAD_GROUPED
+from qwen_runtime.errors import EXIT_CODES, VerificationError
+from qwen_runtime.formats import open_hf_dir
+from qwen_runtime.formats.gguf_parse import parse_gguf
+from qwen_runtime.formats.hf_dir import shard_entries
+from qwen_runtime.tensors import Q8_0_DTYPE, to_float32
+
+convert_module = importlib.import_module("qwen_convert.convert")
+DTYPES = ("fp32", "fp16", "q8_0")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str, str], Path]:
+    """Conversions of the fixtures, made once per module."""
+    root = tmp_path_factory.mktemp("verify")
+    cache: dict[tuple[str, str, str], Path] = {}
+
+    def get(name: str, fmt: str, dtype: str) -> Path:
+        if (name, fmt, dtype) not in cache:
+            out = root / (f"{name}-{dtype}" + (".gguf" if fmt == "gguf" else ""))
+            cache[name, fmt, dtype] = convert(fixture(name), out, fmt, dtype).output
+        return cache[name, fmt, dtype]
+
+    return get
+
+
+def copy_of(path: Path, tmp_path: Path) -> Path:
+    target = tmp_path / path.name
+    if path.is_dir():
+        shutil.copytree(path, target)
+    else:
+        shutil.copyfile(path, target)
+    return target
+
+
+def gguf_tensor_bytes(path: Path, name: str) -> np.memmap:
+    """A writable map of one tensor's bytes in a GGUF file."""
+    info = next(t for t in parse_gguf(path).tensors if t.name == name)
+    return np.memmap(path, dtype=np.uint8, mode="r+", offset=info.offset, shape=(info.nbytes,))
+
+
+def edit_f32(path: Path, name: str, edit: Callable[[np.ndarray], np.ndarray]) -> None:
+    data = gguf_tensor_bytes(path, name)
+    values = data.view(np.float32)
+    values[:] = edit(values.copy())
+    data.flush()
+
+
+def set_gguf_float(path: Path, key: str, value: float) -> None:
+    """Overwrite a FLOAT32 metadata value in place (the key string, u32 type 6, then 4 bytes)."""
+    raw = bytearray(path.read_bytes())
+    encoded = struct.pack("<Q", len(key)) + key.encode()
+    at = raw.index(encoded) + len(encoded)
+    assert struct.unpack_from("<I", raw, at)[0] == 6
+    raw[at + 4:at + 8] = struct.pack("<f", value)
+    path.write_bytes(bytes(raw))
+
+
+def first_failure(path: Path, source: str, behaviour: bool = False) -> str:
+    report = verify_against(path, fixture(source), behaviour=behaviour)
+    assert not report.ok
+    return report.failures()[0]
+
+
+# --- correct conversions pass ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ALL_FIXTURES)
+def test_correct_gguf_of_every_family_and_type_verifies(converted, name: str, dtype: str) -> None:
+    report = verify_against(converted(name, "gguf", dtype), fixture(name))
+    assert report.ok, report.failures()
+    assert report.tensors and all(t.ok for t in report.tensors)
+    assert report.behaviour is not None and report.behaviour.positions > 10
+    if dtype == "fp32":
+        assert report.behaviour.max_kl <= 1e-6 and report.behaviour.top1_agreement == 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["qwen2-tiny", "qwen35-tiny-gqa"])
+def test_correct_npy_output_verifies(converted, name: str, dtype: str) -> None:
+    report = verify_against(converted(name, "npy", dtype), fixture(name), behaviour=dtype == "q8_0")
+    assert report.ok, report.failures()
+    assert {m.key for m in report.metadata} >= {"architecture", "config.json", "tokenizer.json"}
+
+
+def test_fp32_is_exact_and_q8_0_within_its_block_bound(converted) -> None:
+    exact = verify_against(converted("qwen3-tiny", "gguf", "fp32"), fixture("qwen3-tiny"), behaviour=False)
+    assert all(t.max_error == 0 for t in exact.tensors)
+    quantized = verify_against(converted("qwen3-tiny", "gguf", "q8_0"), fixture("qwen3-tiny"), behaviour=False)
+    matrices = [t for t in quantized.tensors if t.type == "Q8_0"]
+    assert matrices and all(0 < t.max_error <= t.max_bound for t in matrices)
+
+
+def test_skipped_source_tensors_are_accounted_for_with_reasons(converted) -> None:
+    report = verify_against(converted("qwen35-vl-tiny", "gguf", "fp16"), fixture("qwen35-vl-tiny"),
+                            behaviour=False)
+    reasons = set(report.skipped.values())
+    assert any("vision" in r for r in reasons) and any("multi-token" in r for r in reasons)
+    assert report.ok and not report.problems
+    assert json.dumps(report_json(report))  # JSON-ready
+
+
+def test_npy_in_hf_value_head_order_verifies(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(convert_module, "open_source", lambda src: open_hf_dir(src, v_head_order=V_HEAD_GROUPED))
+    out = convert(fixture("qwen35-tiny-gqa"), tmp_path / "grouped", "npy", "fp32").output
+    assert json.loads((out / "manifest.json").read_text())["v_head_order"] == V_HEAD_GROUPED
+    assert verify_against(out, fixture("qwen35-tiny-gqa"), behaviour=False).ok
+
+
+# --- broken conversions fail, naming the cause ---------------------------------------------------------------
+
+def test_norm_offset_applied_twice_is_caught(converted, tmp_path: Path) -> None:
+    bad = copy_of(converted("qwen35-tiny", "gguf", "fp32"), tmp_path)
+    edit_f32(bad, "blk.1.attn_norm.weight", lambda w: w + 1)
+    report = verify_against(bad, fixture("qwen35-tiny"))
+    failures = report.failures()
+    assert "'blk.1.attn_norm.weight'" in failures[0] and "(1 + w) norm offset is applied twice" in failures[0]
+    assert not report.behaviour.ok
+    assert "first divergence at layer 1 (blk.1.*)" in report.behaviour.failure
+
+
+def test_value_heads_in_the_wrong_order_are_caught(tmp_path: Path, monkeypatch) -> None:
+    # The bug of GGUFs made before llama.cpp tiled the value heads: HF's grouped order under a tiled file.
+    monkeypatch.setattr(convert_module, "open_source", lambda src: open_hf_dir(src, v_head_order=V_HEAD_GROUPED))
+    out = convert(fixture("qwen35-tiny-gqa"), tmp_path / "grouped.gguf", "gguf", "fp32").output
+    report = verify_against(out, fixture("qwen35-tiny-gqa"))
+    failed = [t for t in report.tensors if not t.ok]
+    assert failed and all("value heads are in grouped order, but the output declares tiled" in t.cause
+                          for t in failed)
+    assert {t.name.split(".", 2)[2] for t in failed} >= {"attn_qkv.weight", "ssm_out.weight", "ssm_a"}
+    assert report.behaviour.mean_kl > 0.1
+
+
+def test_missing_tensor_is_caught(converted, tmp_path: Path) -> None:
+    bad = copy_of(converted("qwen2-tiny", "npy", "fp16"), tmp_path)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    del manifest["tensors"]["blk.0.ffn_up.weight"]
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    (bad / "blk.0.ffn_up.weight.npy").unlink()
+    report = verify_against(bad, fixture("qwen2-tiny"))
+    assert report.failures()[0] == ("missing tensor 'blk.0.ffn_up.weight' (source "
+                                    "'model.layers.0.mlp.up_proj.weight' was not converted)")
+    assert "does not load" in report.behaviour.failure
+
+
+def test_dropped_lm_head_is_caught(tmp_path: Path, monkeypatch) -> None:
+    plan = convert_module.plan_outputs
+    monkeypatch.setattr(convert_module, "plan_outputs",
+                        lambda shapes, dtype: [s for s in plan(shapes, dtype) if s.name != "output.weight"])
+    out = convert(fixture("deepseek-tiny"), tmp_path / "no-head.gguf", "gguf", "fp16").output
+    assert first_failure(out, "deepseek-tiny").startswith("missing tensor 'output.weight' (source 'lm_head.weight'")
+
+
+def test_wrong_rope_base_in_metadata_is_caught(converted, tmp_path: Path) -> None:
+    bad = copy_of(converted("qwen3-tiny", "gguf", "fp16"), tmp_path)
+    set_gguf_float(bad, "qwen3.rope.freq_base", 10000.0)
+    assert first_failure(bad, "qwen3-tiny") == ("metadata 'qwen3.rope.freq_base': is 10000.0, the source says "
+                                                "1000000.0")
+
+
+def test_scaled_tensor_is_caught(converted, tmp_path: Path) -> None:
+    bad = copy_of(converted("qwen3-tiny", "gguf", "fp32"), tmp_path)
+    edit_f32(bad, "blk.1.ffn_up.weight", lambda w: w * np.float32(1.01))
+    failure = first_failure(bad, "qwen3-tiny")
+    assert "'blk.1.ffn_up.weight'" in failure and "values are scaled by x1.01 relative to the source" in failure
+
+
+def test_scaled_q8_0_tensor_is_caught(converted, tmp_path: Path) -> None:
+    bad = copy_of(converted("qwen3-tiny", "gguf", "q8_0"), tmp_path)
+    blocks = gguf_tensor_bytes(bad, "blk.0.ffn_down.weight").view(Q8_0_DTYPE)
+    blocks["d"] = (blocks["d"].astype(np.float32) * 1.01).astype(np.float16)
+    blocks.flush()
+    failure = first_failure(bad, "qwen3-tiny")
+    assert "'blk.0.ffn_down.weight'" in failure and "scaled by x1.01" in failure
+
+
+def test_ssm_a_without_its_transform_is_caught(converted, tmp_path: Path) -> None:
+    bad = copy_of(converted("qwen35-tiny", "gguf", "fp32"), tmp_path)
+    a_log = shard_entries(fixture("qwen35-tiny"))["model.layers.0.linear_attn.A_log"]
+    edit_f32(bad, "blk.0.ssm_a", lambda _: to_float32(a_log.qtype, a_log.view()))
+    failure = first_failure(bad, "qwen35-tiny")
+    assert "'blk.0.ssm_a'" in failure and "stored without the transform (A_log -> -exp(A_log))" in failure
+
+
+def test_report_raises_verification_error_with_exit_code(converted, tmp_path: Path) -> None:
+    bad = copy_of(converted("qwen3-tiny", "gguf", "fp32"), tmp_path)
+    edit_f32(bad, "output_norm.weight", lambda w: w * np.float32(1.5))
+    with pytest.raises(VerificationError, match="'output_norm.weight'.*scaled by x1.5") as info:
+        verify_against(bad, fixture("qwen3-tiny"), behaviour=False).raise_for_failure()
+    assert EXIT_CODES[type(info.value)] == 9
+
+
+# --- command line ----------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def broken_norms(monkeypatch) -> None:
+    """Make the converter bake +2 instead of +1 into the (1 + w) norms (the verifier undoes +1)."""
+    from qwen_runtime import naming
+
+    monkeypatch.setitem(naming.TRANSFORMS, "plus_one", lambda x: x.astype(np.float32) + np.float32(2.0))
+
+
+def test_convert_verify_removes_a_failed_output(capsys, tmp_path: Path, broken_norms) -> None:
+    out = tmp_path / "bad.gguf"
+    code = convert_main([str(fixture("qwen35-tiny")), "-o", str(out), "--dtype", "fp32", "--verify"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 9 and not out.exists() and not list(tmp_path.iterdir())
+    assert "result:    FAILED" in stdout
+    assert "(1 + w) norm offset is applied twice" in stderr and "output removed" in stderr
+
+
+def test_convert_verify_keep_failed_keeps_a_marked_output(capsys, tmp_path: Path, broken_norms) -> None:
+    out = tmp_path / "bad"
+    code = convert_main([str(fixture("qwen35-tiny")), "-o", str(out), "--dtype", "fp16", "--verify",
+                         "--keep-failed"])
+    assert code == 9 and not out.exists()
+    kept = tmp_path / f"bad{FAILED_SUFFIX}"
+    assert (kept / "manifest.json").is_file()
+    assert f"kept as {kept}" in capsys.readouterr().err
+
+
+def test_batch_verify_marks_each_job(capsys, tmp_path: Path) -> None:
+    code = convert_main([str(fixture("qwen3-tiny")), "--out-dir", str(tmp_path), "--format", "npy,gguf",
+                         "--dtype", "q8_0", "--verify"])
+    table = capsys.readouterr().out
+    assert code == 0 and table.count("verified") == 2
+
+
+def test_batch_verify_failure_is_reported_and_exits_non_zero(capsys, tmp_path: Path, broken_norms) -> None:
+    code = convert_main([str(fixture("qwen2-tiny")), str(fixture("qwen35-tiny")), "--out-dir", str(tmp_path),
+                         "--format", "gguf", "--dtype", "fp32", "--verify", "--keep-failed"])
+    table = capsys.readouterr().out
+    assert code == 1
+    lines = {line.split()[0]: line.split()[-1] for line in table.splitlines()[1:3]}
+    assert lines == {str(tmp_path / "qwen2-tiny-fp32.gguf"): "verified",
+                     str(tmp_path / "qwen35-tiny-fp32.gguf"): "failed"}
+    assert (tmp_path / f"qwen35-tiny-fp32.gguf{FAILED_SUFFIX}").is_file()
+    assert "verification against" in table
+
+
+def test_inspect_verify_against(capsys, converted, tmp_path: Path) -> None:
+    good = converted("qwen3-tiny", "gguf", "q8_0")
+    assert inspect_main([str(good), "--verify-against", str(fixture("qwen3-tiny"))]) == 0
+    assert "result:    verified" in capsys.readouterr().out
+    bad = copy_of(good, tmp_path)
+    set_gguf_float(bad, "qwen3.rope.freq_base", 10000.0)
+    assert inspect_main([str(bad), "--verify-against", str(fixture("qwen3-tiny")), "--json"]) == 9
+    out, err = capsys.readouterr()
+    assert json.loads(out)["ok"] is False and "qwen3.rope.freq_base" in err
