@@ -3,7 +3,9 @@
 The template is the model's jinja source (``tokenizer_config.json`` ``chat_template``, ``chat_template.jinja``,
 ``chat_template.json`` or GGUF ``tokenizer.chat_template``), rendered the way transformers does: an
 ``ImmutableSandboxedEnvironment`` with ``trim_blocks``/``lstrip_blocks`` and the ``loopcontrols`` extension,
-``raise_exception``, ``strftime_now`` and a ``tojson`` filter that keeps non-ASCII text.
+``raise_exception``, ``strftime_now`` and a ``tojson`` filter that keeps non-ASCII text.  Templates come with
+downloaded models, so the environment is :class:`~qwen_runtime.sandbox.BoundedEnvironment`, which also caps
+steps, value sizes and output length.
 
 BOS: the rendered text is tokenized without adding anything; BOS is prepended only when the model asks for
 it (``add_bos_token``) and the ids do not already start with it, so DeepSeek-R1-Distill's template, which
@@ -21,10 +23,10 @@ from typing import Any
 
 import jinja2
 from gguf import Keys
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import FormatError, TemplateError
 from .formats import ModelFiles
+from .sandbox import BoundedEnvironment
 from .tokenizer import Tokenizer
 
 # Turn-end / document-end tokens that always stop generation when the vocabulary has them.
@@ -49,22 +51,24 @@ class ChatTemplate:
     """A compiled chat template."""
 
     def __init__(self, source: str) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson
+        env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = env.bounded_callable(_tojson)
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template does not compile: {exc}") from None
-        self.source = source
+        except RecursionError:
+            raise TemplateError("chat template does not compile: nested too deeply") from None
+        self.env, self.source = env, source
 
     def render(self, messages: Sequence[Message], **context: Any) -> str:
         try:
-            return self.template.render(messages=list(messages), **context)
+            return self.env.render_bounded(lambda: self.template.generate(messages=list(messages), **context))
         except TemplateError:
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError,
+                RecursionError) as exc:
             raise TemplateError(f"chat template failed to render: {type(exc).__name__}: {exc}") from None
 
 

@@ -1,0 +1,107 @@
+"""Hostile chat templates: no file access, no code, no hang, no huge allocation; every failure a TemplateError.
+Real templates (fixtures and published Qwen/DeepSeek ones) render exactly as in jinja's plain sandbox."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from hostile_helpers import FIXTURES
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from qwen_runtime.chat import ChatTemplate, _raise_exception, _strftime_now, _tojson
+from qwen_runtime.errors import TemplateError
+
+MODEL_CONFIGS = Path("/work/shared/data/model-configs")
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ü"},
+            {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello"}, {"role": "user", "content": "2+2?"}]
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "adds",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+HOSTILE = {
+    "class mro": "{{ ''.__class__.__mro__ }}",
+    "subclasses": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "cycler globals": "{{ cycler.__init__.__globals__ }}",
+    "joiner globals": "{{ joiner.__init__.__globals__.os }}",
+    "lipsum globals": "{{ lipsum.__globals__['os'].popen('id').read() }}",
+    "namespace init": "{{ namespace.__init__.__globals__ }}",
+    "self": "{{ self.__init__.__globals__ }}",
+    "open": "{{ open('/etc/passwd').read() }}",
+    "import": "{% import 'os' as os %}{{ os.system('id') }}",
+    "include": "{% include '/etc/passwd' %}",
+    "extends": "{% extends '/etc/passwd' %}",
+    "mutate input": "{{ messages.append(1) }}",
+    "huge range": "{% for x in range(10**9) %}{{ x }}{% endfor %}",
+    "nested loops": "{% for a in range(10000) %}{% for b in range(10000) %}{% endfor %}{% endfor %}",
+    "loop over a built string": "{% set s = 'a' * 1000 %}{% for a in s %}{% for b in s %}{% for c in s %}"
+                                "{% endfor %}{% endfor %}{% endfor %}",
+    "string repetition": "{{ 'a' * 10**9 }}",
+    "string doubling": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                       "{% endfor %}{{ ns.s|length }}",
+    "list doubling": "{% set ns = namespace(s=[1]) %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+                     "{% endfor %}",
+    "power": "{{ 10 ** 10 ** 9 }}",
+    "center": "{{ 'x'|center(10**9) }}",
+    "indent": "{{ 'x\ny'|indent(10**9) }}",
+    "percent width": "{{ '%999999999d' % 1 }}",
+    "format filter width": "{{ '%999999999d'|format(1) }}",
+    "str.format width": "{{ '{:>999999999}'.format(1) }}",
+    "tojson indent": "{{ messages|tojson(indent=10**9) }}",
+    "recursion": "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+    "output flood": "{% for i in range(10000) %}{{ 'x' * 1000 }}{% endfor %}",
+    "division by zero": "{{ 1 / 0 }}",
+    "raise_exception": "{{ raise_exception('no system messages') }}",
+    "syntax error": "{% for %}",
+    "deep nesting": "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_template_is_a_template_error(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    started = time.perf_counter()
+    with pytest.raises(TemplateError) as info:
+        ChatTemplate(HOSTILE[name]).render(MESSAGES)
+    assert time.perf_counter() - started < 10
+    assert "root:" not in str(info.value)  # nothing of /etc/passwd leaked into the message
+    assert not list(tmp_path.iterdir())
+
+
+def test_private_attributes_through_str_format_render_nothing() -> None:
+    assert ChatTemplate("[{{ '{0.__class__}'.format('') }}]").render([]) == "[]"
+
+
+def sandbox_render(source: str, **context: object) -> str:
+    """The template rendered in jinja's plain immutable sandbox, configured like ChatTemplate."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    return env.from_string(source).render(**context)
+
+
+def real_templates() -> dict[str, str]:
+    found = {}
+    for path in [*FIXTURES.glob("*/tokenizer_config.json"), *MODEL_CONFIGS.glob("*/tokenizer_config.json"),
+                 *MODEL_CONFIGS.glob("_upstream-copies/*tokenizer_config*.json")]:
+        template = json.loads(path.read_text()).get("chat_template")
+        if isinstance(template, str):
+            found[f"{path.parent.name}/{path.name}"] = template
+    for path in [*MODEL_CONFIGS.glob("_upstream-copies/*.jinja"), *FIXTURES.glob("*/chat_template.jinja")]:
+        found[path.name] = path.read_text()
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(real_templates()))
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_real_templates_render_as_in_the_plain_sandbox(name: str, tools: list | None) -> None:
+    source = real_templates()[name]
+    context = dict(add_generation_prompt=True, bos_token="<s>", eos_token="</s>", tools=tools)
+    assert ChatTemplate(source).render(MESSAGES, **context) == sandbox_render(source, messages=MESSAGES, **context)
+
+
+def test_budget_resets_between_renders() -> None:
+    template = ChatTemplate("{% for i in range(9000) %}{% for j in range(10) %}{% endfor %}{% endfor %}ok")
+    for _ in range(3):
+        assert template.render([]) == "ok"
