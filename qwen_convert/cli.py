@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from tqdm import tqdm
 
 from qwen_runtime.errors import QwenError, exit_code
-from qwen_runtime.formats import open_model_files
+from qwen_runtime.formats import open_model_files, verify_model_files
 
 from .batch import FAILED, JobResult, plan_jobs, run_batch, summary_table
 from .convert import FORMATS, convert, infer_format
@@ -157,12 +157,17 @@ def inspect_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", metavar="B", help="report the error of B against PATH (tensors matched by name)")
     p.add_argument("--filter", metavar="REGEX", help="only tensors whose canonical name matches")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--verify", action="store_true", help="check PATH's integrity on its own: npy checksums, GGUF "
+                   "structure (alignment, bounds, type sizes), the architecture's tensor set; exit code 2 on failure")
     p.add_argument("--verify-against", metavar="SRC", help="verify PATH (npy directory or GGUF) against its HF "
                    "source SRC: tensors, metadata and probe KL; exit code 9 when it fails")
     return p
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    if args.verify:
+        print(verify_model_files(args.path)[1])
+        return 0
     if args.verify_against:
         report = verify_against(args.path, args.verify_against)
         print(json.dumps(report_json(report), indent=1) if args.json else report_table(report))

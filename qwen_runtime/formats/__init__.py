@@ -10,7 +10,8 @@ from .gguf_file import open_gguf
 from .hf_dir import open_hf_dir
 from .npy_dir import MANIFEST_NAME, open_npy_dir
 
-__all__ = ["ModelFiles", "detect_format", "open_model_files", "open_gguf", "open_hf_dir", "open_npy_dir"]
+__all__ = ["ModelFiles", "detect_format", "open_model_files", "open_gguf", "open_hf_dir", "open_npy_dir",
+           "verify_model_files"]
 
 
 def detect_format(path: str | Path) -> str:
@@ -38,3 +39,22 @@ def open_model_files(path: str | Path, v_head_order: str | None = None) -> Model
     if fmt == "npy":
         return open_npy_dir(path)
     return open_hf_dir(path, v_head_order=v_head_order)
+
+
+def verify_model_files(path: str | Path) -> tuple[ModelFiles, str]:
+    """Open a model with every integrity check; return it and a one-line account of what was checked.
+
+    Every reader already checks structure on open (header bounds, alignment, type sizes, overlaps, the
+    architecture's tensor names and shapes); an npy directory also has each file's SHA-256 recomputed and
+    compared with its manifest.  Any failure is a :class:`FormatError`.
+    """
+    fmt = detect_format(path)
+    files = open_npy_dir(path, verify=True) if fmt == "npy" else open_model_files(path)
+    checks = {
+        "npy": "manifest, .npy headers, sizes, SHA-256 checksums",
+        "gguf": "header, metadata, alignment, offsets and bounds, type sizes",
+        "hf": "config, safetensors headers, offsets and bounds, shard index",
+    }[fmt]
+    summary = (f"{files.path}: OK ({fmt}, {files.config.arch}, {len(files.tensors)} tensors; checked {checks}, "
+               f"architecture tensor set and shapes)")
+    return files, summary
