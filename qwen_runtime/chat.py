@@ -26,6 +26,7 @@ from gguf import Keys
 
 from .errors import FormatError, TemplateError
 from .formats import ModelFiles
+from .formats.base import read_text_file
 from .sandbox import BoundedEnvironment
 from .tokenizer import Tokenizer
 
@@ -101,9 +102,9 @@ def template_source(files: ModelFiles) -> str | None:
         value = named.get("default")
     if isinstance(value, str):
         return value
-    jinja_path = files.directory / "chat_template.jinja"
+    jinja_path = files.file("chat_template.jinja")
     if jinja_path.is_file():
-        return jinja_path.read_text(encoding="utf-8")
+        return read_text_file(jinja_path)
     value = (files.read_json("chat_template.json") or {}).get("chat_template")
     return value if isinstance(value, str) else None
 
@@ -179,7 +180,7 @@ def load_chat_format(files: ModelFiles) -> ChatFormat:
         bos, eos = _gguf_token(files, Keys.Tokenizer.BOS_ID), _gguf_token(files, Keys.Tokenizer.EOS_ID)
         add_bos = bool(files.metadata.get(Keys.Tokenizer.ADD_BOS, False))
     else:
-        path = files.directory / "tokenizer.json"
+        path = files.file("tokenizer.json")
         if not path.is_file():
             raise FormatError(f"{path}: file not found (the model directory has no tokenizer)")
         tokenizer = Tokenizer.from_file(path)

@@ -106,16 +106,23 @@ def build_gguf_tokenizer(meta: dict[str, Any], source: str) -> HFTokenizer:
     if kind != "gpt2":
         raise FormatError(f"{source}: tokenizer model {kind!r} is not supported (expected byte-level BPE 'gpt2')")
     pre = meta.get(Keys.Tokenizer.PRE, "qwen2")
-    if pre not in PRE_PATTERNS:
+    if not isinstance(pre, str) or pre not in PRE_PATTERNS:
         raise FormatError(f"{source}: tokenizer pre-tokenizer {pre!r} is not supported; "
                           f"supported: {sorted(PRE_PATTERNS)}")
     tokens = [str(t) for t in _meta_list(meta, Keys.Tokenizer.LIST, source)]
-    types = [int(t) for t in meta.get(Keys.Tokenizer.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens)]
+    types = meta.get(Keys.Tokenizer.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens)
+    if not isinstance(types, list) or not all(isinstance(t, int) for t in types):
+        raise FormatError(f"{source}: metadata key {Keys.Tokenizer.TOKEN_TYPE!r} should be an array of integers")
     merges = [tuple(str(m).split(" ", 1)) for m in _meta_list(meta, Keys.Tokenizer.MERGES, source)]
     if len(types) != len(tokens):
         raise FormatError(f"{source}: {len(tokens)} tokens but {len(types)} token types")
+    if any(len(m) != 2 for m in merges):
+        raise FormatError(f"{source}: metadata key {Keys.Tokenizer.MERGES!r} has an entry without a space")
     vocab = {t: i for i, (t, k) in enumerate(zip(tokens, types, strict=True)) if k != TokenType.UNUSED}
-    bpe = models.BPE(vocab, merges, ignore_merges=pre == "qwen35")
+    try:
+        bpe = models.BPE(vocab, merges, ignore_merges=pre == "qwen35")
+    except Exception as exc:  # tokenizers raises plain Exception for inconsistent vocab/merges
+        raise FormatError(f"{source}: invalid tokenizer vocabulary or merges ({exc})") from None
     tok = HFTokenizer(bpe)
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([

@@ -12,7 +12,8 @@ from hostile_helpers import FUZZ, RawGGUF, converted, mutated, touch
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from qwen_runtime.errors import FormatError
+from qwen_runtime.chat import load_chat_format
+from qwen_runtime.errors import FormatError, TemplateError
 from qwen_runtime.formats import open_gguf
 
 SOURCES = (("qwen3-tiny", "fp32"), ("qwen35-tiny", "q8_0"))
@@ -38,6 +39,10 @@ def open_or_refuse(path: Path, data: bytes) -> None:
         return
     event("accepted")
     touch(files)
+    try:
+        load_chat_format(files)  # tokenizer and chat template from the (mutated) metadata
+    except (FormatError, TemplateError) as exc:
+        event(f"tokenizer/template refused: {type(exc).__name__}")
 
 
 @FUZZ

@@ -11,7 +11,8 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFValueType
 from hostile_helpers import RawGGUF, converted, pack_string
 
-from qwen_runtime.errors import ConfigError, FormatError, UnsupportedArchitectureError
+from qwen_runtime.chat import load_chat_format
+from qwen_runtime.errors import ConfigError, FormatError, TemplateError, UnsupportedArchitectureError
 from qwen_runtime.formats import open_gguf
 from qwen_runtime.formats.gguf_parse import parse_gguf
 
@@ -192,3 +193,25 @@ def test_wrong_typed_or_absurd_key(raw: RawGGUF, tmp_path: Path, key: str, vtype
 def test_unsupported_architecture(raw: RawGGUF, tmp_path: Path) -> None:
     raw.set_kv("general.architecture", GGUFValueType.STRING, "llama")
     fails(raw, tmp_path, "'llama'", error=UnsupportedArchitectureError)
+
+
+@pytest.mark.parametrize(("key", "vtype", "value", "etype", "fragment"), [
+    ("tokenizer.ggml.pre", GGUFValueType.ARRAY, [1], GGUFValueType.INT32, "pre-tokenizer"),
+    ("tokenizer.ggml.token_type", GGUFValueType.ARRAY, ["x"], GGUFValueType.STRING, "array of integers"),
+    ("tokenizer.ggml.merges", GGUFValueType.ARRAY, ["nospace"], GGUFValueType.STRING, "without a space"),
+    ("tokenizer.ggml.merges", GGUFValueType.ARRAY, ["zz9 qq8"], GGUFValueType.STRING, "merges"),
+    ("tokenizer.ggml.tokens", GGUFValueType.STRING, "abc", None, "tokenizer.ggml.tokens"),
+])
+def test_hostile_tokenizer_metadata(raw: RawGGUF, tmp_path: Path, key: str, vtype: GGUFValueType, value: object,
+                                    etype: GGUFValueType | None, fragment: str) -> None:
+    raw.set_kv(key, vtype, value, etype)
+    path = raw.write(tmp_path / "tok.gguf")
+    with pytest.raises(FormatError, match=fragment):
+        load_chat_format(open_gguf(path))
+
+
+def test_hostile_chat_template_in_metadata(raw: RawGGUF, tmp_path: Path) -> None:
+    raw.set_kv("tokenizer.chat_template", GGUFValueType.STRING, "{{ cycler.__init__.__globals__ }}")
+    fmt = load_chat_format(open_gguf(raw.write(tmp_path / "tpl.gguf")))
+    with pytest.raises(TemplateError):
+        fmt.render([{"role": "user", "content": "hi"}])

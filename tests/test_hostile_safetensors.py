@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hostile_helpers import copy_fixture
 
+from qwen_runtime.chat import load_chat_format
 from qwen_runtime.errors import ConfigError, FormatError, UnsupportedArchitectureError
 from qwen_runtime.formats import open_hf_dir
 from qwen_runtime.formats.safetensors import read_header
@@ -169,6 +170,26 @@ def test_config_symlink_leaving_the_directory(sharded: Path, tmp_path: Path) -> 
     (sharded / "config.json").rename(outside)
     os.symlink(outside, sharded / "config.json")
     fails(sharded, "leaves the model directory")
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_tokenizer_file_symlink_leaving_the_directory(tmp_path: Path, name: str) -> None:
+    directory = copy_fixture("qwen3-tiny", tmp_path)
+    outside = tmp_path / name
+    (directory / name).rename(outside)
+    os.symlink(outside, directory / name)
+    with pytest.raises(FormatError, match="leaves the model directory"):
+        load_chat_format(open_hf_dir(directory))
+
+
+def test_chat_template_jinja_symlink_leaving_the_directory(tmp_path: Path) -> None:
+    directory = copy_fixture("qwen3-tiny", tmp_path)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    os.symlink("/etc/hostname", directory / "chat_template.jinja")
+    with pytest.raises(FormatError, match="leaves the model directory"):
+        load_chat_format(open_hf_dir(directory))
 
 
 def test_hf_cache_snapshot_symlinks_into_blobs_are_allowed(tmp_path: Path) -> None:

@@ -46,7 +46,13 @@ class ModelFiles:
         """A JSON file of the model directory (None when absent or when the model is a GGUF file)."""
         if self.directory is None:
             return None
-        return read_json_file(contained_path(self.directory, name, "file"), required=False)
+        return read_json_file(self.file(name), required=False)
+
+    def file(self, name: str) -> Path:
+        """A file of the model directory, refused when it (or a symlink) leads outside the directory."""
+        if self.directory is None:
+            raise FormatError(f"{self.path}: a {self.format} model has no directory of files")
+        return contained_path(self.directory, name, "file")
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -72,20 +78,32 @@ def parse_json(raw: bytes, source: str) -> Any:
         raise FormatError(f"{source}: invalid JSON (nested too deeply)") from None
 
 
-def read_json_file(path: Path, required: bool = True, limit: int = 64 << 20) -> dict[str, Any] | None:
-    """Parse a JSON object file, raising :class:`FormatError` naming the file on any problem."""
+def read_file_bytes(path: Path, limit: int = 64 << 20) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes, or :class:`FormatError` naming it."""
     try:
         if not path.is_file():
-            if required:
-                raise FormatError(f"{path}: file not found")
-            return None
+            raise FormatError(f"{path}: file not found")
         size = path.stat().st_size
         if size > limit:
             raise FormatError(f"{path}: {size} bytes is larger than the {limit}-byte limit")
-        raw = path.read_bytes()
+        return path.read_bytes()
     except OSError as exc:
         raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    value = parse_json(raw, str(path))
+
+
+def read_text_file(path: Path, limit: int = 64 << 20) -> str:
+    """A UTF-8 text file (see :func:`read_file_bytes`)."""
+    try:
+        return read_file_bytes(path, limit).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"{path}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def read_json_file(path: Path, required: bool = True, limit: int = 64 << 20) -> dict[str, Any] | None:
+    """Parse a JSON object file, raising :class:`FormatError` naming the file on any problem."""
+    if not required and not path.is_file():
+        return None
+    value = parse_json(read_file_bytes(path, limit), str(path))
     if not isinstance(value, dict):
         raise FormatError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
