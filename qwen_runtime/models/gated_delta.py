@@ -26,7 +26,8 @@ from ..ops import sigmoid, silu
 
 F32 = np.float32
 L2_EPS = 1e-6  # HF/FLA l2norm epsilon, inside the square root
-CHUNK = 64
+CHUNK = 64  # chunk length of the chunked form (HF's and FLA's)
+RECURRENT_MAX_TOKENS = 4  # up to this many tokens the per-token recurrence is cheaper than one chunk
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
@@ -261,10 +262,14 @@ def chunked_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarra
 
 def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
                state: np.ndarray, chunk: int = CHUNK) -> np.ndarray:
-    """Recurrent form for a few tokens (decode), chunked form for longer inputs (prefill)."""
-    if q.shape[1] <= 4:
+    """Recurrent form for a few tokens (decode), chunked form for longer inputs (prefill).
+
+    Inputs shorter than ``chunk`` use the smallest power-of-two chunk that holds them, not a padded 64.
+    """
+    length = q.shape[1]
+    if length <= RECURRENT_MAX_TOKENS:
         return recurrent_delta_rule(q, k, v, g, beta, state)
-    return chunked_delta_rule(q, k, v, g, beta, state, chunk)
+    return chunked_delta_rule(q, k, v, g, beta, state, min(chunk, 1 << (length - 1).bit_length()))
 
 
 # --- output norm ---------------------------------------------------------------------------------------------
