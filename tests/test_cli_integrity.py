@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -80,3 +81,9 @@ def test_run_on_a_hostile_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str
     hostile.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (1 << 60).to_bytes(8, "little") + bytes(16))
     assert run_main([str(hostile), "-p", "hi"]) == EXIT_CODES[FormatError]
     assert "tensor count" in one_error_line(capsys, "qwen-run")
+
+
+def test_readme_documents_every_exit_code() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    documented = {int(m) for m in re.findall(r"^\| (\d+) \|", readme, re.MULTILINE)}
+    assert set(EXIT_CODES.values()) <= documented
