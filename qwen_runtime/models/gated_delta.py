@@ -19,6 +19,10 @@ The recurrent state of one value head is ``S ∈ ℝ^(dk×dv)`` (HF's layout ``[
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
+
 import numpy as np
 
 from ..config import V_HEAD_GROUPED, V_HEAD_TILED
@@ -28,11 +32,22 @@ F32 = np.float32
 L2_EPS = 1e-6  # HF/FLA l2norm epsilon, inside the square root
 CHUNK = 64  # chunk length of the chunked form (HF's and FLA's)
 RECURRENT_MAX_TOKENS = 4  # up to this many tokens the per-token recurrence is cheaper than one chunk
+# Decays below e^-60 (1e-26) are flushed to exactly 0: they are negligible next to the O(1) terms they are added
+# to, and left alone they become float32 subnormals, on which every later product runs ~100x slower.  Strong
+# decays (g of -10 per token summed over a chunk) produce them all the time.
+LOG_DECAY_FLOOR = F32(-60.0)
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
     """log(1 + eˣ) without overflow."""
     return np.logaddexp(F32(0.0), x).astype(F32, copy=False)
+
+
+def decay_exp(log_decay: np.ndarray) -> np.ndarray:
+    """exp of log-decays (≤ 0) into a fresh array, with values under e^LOG_DECAY_FLOOR flushed to 0."""
+    out = np.exp(log_decay, dtype=F32)
+    out[log_decay < LOG_DECAY_FLOOR] = 0.0
+    return out
 
 
 def silu_inplace(x: np.ndarray, tmp: np.ndarray) -> np.ndarray:
@@ -175,7 +190,7 @@ def recurrent_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndar
     for t in range(length):
         qk = np.stack([q[:, t], k[:, t]], axis=2)  # [B, H, 2, dk]
         reads = np.matmul(qk, state)  # [B, H, 2, dv]
-        decay = np.exp(g[:, t])[..., None]  # [B, H, 1]
+        decay = decay_exp(g[:, t])[..., None]  # [B, H, 1]
         u = beta[:, t, :, None] * (v[:, t] - decay * reads[:, :, 1])  # [B, H, dv]
         qdotk = np.sum(q[:, t] * k[:, t], axis=-1, keepdims=True)  # [B, H, 1]
         out[:, t] = decay * reads[:, :, 0] + qdotk * u
@@ -217,8 +232,9 @@ def _intra_chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, bet
     decay = gamma[..., :, None] - gamma[..., None, :]  # [B, H, N, L, L]
     upper_i, upper_j = np.triu_indices(chunk, 1)
     decay[..., upper_i, upper_j] = -np.inf  # masked before exp: γi − γj > 0 there could overflow
+    decay[decay < LOG_DECAY_FLOOR] = -np.inf
     np.exp(decay, out=decay)  # D_ij = exp(γi − γj) for i ≥ j, else 0
-    exp_gamma = np.exp(gamma)[..., None]  # [B, H, N, L, 1]
+    exp_gamma = decay_exp(gamma)[..., None]  # [B, H, N, L, 1]
     # right-hand sides [Ṽ | K̃ ⊙ e^γ] of U = T Ṽ and W = T (K̃ ⊙ e^γ), T = (I + strict_lower(K̃K̂ᵀ ⊙ D))⁻¹
     uw = np.empty((*v.shape[:-1], dv + k.shape[-1]), dtype=F32)  # [B, H, N, L, dv + dk]
     np.multiply(v, beta[..., None], out=uw[..., :dv])
@@ -232,8 +248,8 @@ def _intra_chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, bet
     attn = np.matmul(q, np.swapaxes(k, -1, -2))  # [B, H, N, L, L]
     attn *= decay
     q *= exp_gamma
-    k *= np.exp(gamma[..., -1:] - gamma)[..., None]
-    chunk_decay = np.exp(gamma[..., -1])[..., None, None]  # [B, H, N, 1, 1]
+    k *= decay_exp(gamma[..., -1:] - gamma)[..., None]
+    chunk_decay = decay_exp(gamma[..., -1])[..., None, None]  # [B, H, N, 1, 1]
     return uw[..., :dv], uw[..., dv:], attn, q, k, chunk_decay
 
 
@@ -260,6 +276,31 @@ def chunked_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarra
     return np.ascontiguousarray(np.moveaxis(out, 1, 2))  # [B, T, H, dv]
 
 
+@functools.lru_cache(maxsize=1)
+def _blas_controller():  # -> threadpoolctl.ThreadpoolController | None
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return None
+    blas = ThreadpoolController().select(user_api="blas")
+    return blas if blas.lib_controllers else None
+
+
+@contextlib.contextmanager
+def single_threaded_blas() -> Iterator[None]:
+    """BLAS on one thread inside the block (restored after; a no-op without threadpoolctl).
+
+    The delta rule is thousands of small matrix products; a multi-threaded BLAS synchronises its threads on each
+    one, which made a 128-token chunked prefill 10-20x slower on 2 shared vCPUs (0.6-10 s instead of 0.04 s).
+    """
+    blas = _blas_controller()
+    if blas is None:
+        yield
+        return
+    with blas.limit(limits=1):
+        yield
+
+
 def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
                state: np.ndarray, chunk: int = CHUNK) -> np.ndarray:
     """Recurrent form for a few tokens (decode), chunked form for longer inputs (prefill).
@@ -267,9 +308,10 @@ def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta:
     Inputs shorter than ``chunk`` use the smallest power-of-two chunk that holds them, not a padded 64.
     """
     length = q.shape[1]
-    if length <= RECURRENT_MAX_TOKENS:
-        return recurrent_delta_rule(q, k, v, g, beta, state)
-    return chunked_delta_rule(q, k, v, g, beta, state, min(chunk, 1 << (length - 1).bit_length()))
+    with single_threaded_blas():
+        if length <= RECURRENT_MAX_TOKENS:
+            return recurrent_delta_rule(q, k, v, g, beta, state)
+        return chunked_delta_rule(q, k, v, g, beta, state, min(chunk, 1 << (length - 1).bit_length()))
 
 
 # --- output norm ---------------------------------------------------------------------------------------------
