@@ -215,3 +215,17 @@ def test_gated_norm_matches_transformers(hf) -> None:
         norm.weight.copy_(torch.from_numpy(w))
         want = norm(torch.from_numpy(o), torch.from_numpy(z)).numpy()
     np.testing.assert_allclose(gd.gated_rms_norm(o, z, w, 1e-6), want, atol=1e-5)
+
+
+def test_strong_decay_has_no_subnormals() -> None:
+    """Log-decays of -40 per token sum to -2500 over a chunk: flushed to 0, never float32 subnormals."""
+    rng = np.random.default_rng(10)
+    q, k, v, _, beta, state = _inputs(rng, 1, 70, 2, 2, 8, 8)
+    g = np.full(beta.shape, -40.0, F32)
+    s_rec, s_chunk = state.copy(), state.copy()
+    o_rec = gd.recurrent_delta_rule(q, k, v, g, beta, s_rec)
+    o_chunk = gd.chunked_delta_rule(q, k, v, g, beta, s_chunk)
+    np.testing.assert_allclose(o_chunk, o_rec, atol=1e-5)
+    np.testing.assert_allclose(s_chunk, s_rec, atol=1e-5)
+    for x in (o_chunk, s_chunk, gd.decay_exp(np.array([-50.0, -61.0, -1000.0], F32))):
+        assert not np.any((x != 0) & (np.abs(x) < np.finfo(F32).tiny))
