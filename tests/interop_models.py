@@ -140,6 +140,14 @@ def deepseek_tokenizer(tokenizer: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def only_listed_added_tokens(tokenizer: dict[str, Any], tokenizer_config: dict[str, Any]) -> dict[str, Any]:
+    """Keep the added tokens tokenizer_config.json lists, as in the released model (Qwen2.5 has 22, not 26)."""
+    listed = tokenizer_config.get("added_tokens_decoder")
+    if not listed:
+        return tokenizer
+    return {**tokenizer, "added_tokens": [a for a in tokenizer["added_tokens"] if str(a["id"]) in listed]}
+
+
 def _flat_config(arch: str, model_type: str, base: str, **fields: Any) -> dict[str, Any]:
     cfg = _read_json(MODEL_CONFIGS_DIR / base / "config.json")
     cfg.update(architectures=[arch], model_type=model_type, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
@@ -250,8 +258,10 @@ def build_model(model: InteropModel, out: Path) -> Path:
     tokenizer = _read_json(TOKENIZERS_DIR / model.tokenizer / "tokenizer.json")
     if model.edit_tokenizer is not None:
         tokenizer = model.edit_tokenizer(tokenizer)
+    tokenizer_config = model.tokenizer_config()
+    tokenizer = only_listed_added_tokens(tokenizer, tokenizer_config)
     (target / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
-    _write_json(target / "tokenizer_config.json", model.tokenizer_config())
+    _write_json(target / "tokenizer_config.json", tokenizer_config)
     _write_json(target / "generation_config.json", model.generation_config())
     _write_json(target / "config.json", model.config)
     write_weights(model.config, target / "model.safetensors", model.is_qwen35)
