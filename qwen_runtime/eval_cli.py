@@ -40,7 +40,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: ctx/2)")
     p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the text")
     p.add_argument("--chunk", type=int, default=None, help="tokens per forward pass inside a window; bounds "
-                   "memory to a few chunk x vocab float64 arrays (default: about 4M logits, 8 to 64 tokens)")
+                   "memory to a few chunk x vocab float64 arrays (default: about 4M logits, 8 to 256 tokens)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
