@@ -1,0 +1,397 @@
+"""Benchmark qwen_runtime and qwen-convert against llama.cpp, in one run, on full-size random-weight models.
+
+    python scripts/bench.py [--quick] [--models qwen2.5-0.5b,...] [--dtypes fp32,fp16,q8_0] [--repeat 3]
+                            [--cache-dir ~/.cache/qwen-numpy-bench] [--tokenizers ../shared/data/tokenizers]
+
+1. Builds (once, cached) bf16 checkpoints with the shapes of Qwen2.5-0.5B, Qwen3-0.6B and Qwen3.5-0.8B.
+2. Converts each to GGUF fp32 / fp16 / q8_0 with ``qwen-convert`` and with llama.cpp's ``convert_hf_to_gguf.py``
+   (from the installed llama-cpp-python's sdist, fetched with ``pip download`` into the cache), measuring
+   wall time and peak RSS of each converter process.
+3. Runs every measurement in a fresh process (``bench_worker.py``), for our runtime and llama.cpp on *our*
+   GGUF with the same thread count, interleaved, ``--repeat`` times: a 128-token prompt + 128 greedy tokens,
+   8 such prompts at once (ours), and decoding after a 2,048-token prompt.
+4. Prints medians and ours/llama.cpp ratios and writes everything (with every sample) to a JSON file.
+
+For stable numbers run it alone on the machine; ratios within one run are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench_models import MODELS, build_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().with_name("bench_worker.py")
+SHARED = REPO.parent / "shared" / "data"
+DTYPES = ("fp32", "fp16", "q8_0")
+LLAMA_OUTTYPES = {"fp32": "f32", "fp16": "f16", "q8_0": "q8_0"}
+LLAMA_DIST = "llama-cpp-python"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Token counts of one run."""
+
+    prompt: int = 128
+    new: int = 128
+    batch: int = 8
+    batch_new: int = 32
+    context: int = 2048
+    context_new: int = 32
+
+
+QUICK = Plan(prompt=64, new=32, batch=8, batch_new=8, context=512, context_new=8)
+
+
+# ------------------------------------------------------------------------------------------- processes
+
+def run_measured(cmd: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, float, str]:
+    """Run ``cmd``; return (wall seconds, peak RSS MiB of that process, stdout).  Raises on failure.
+
+    The child is reaped with ``os.wait4`` so its own peak RSS is known (``RUSAGE_CHILDREN`` is a running max).
+    """
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{err.read()[-3000:]}")
+        return wall, usage.ru_maxrss / 1024, out.read()
+
+
+def bench_env(threads: int) -> dict[str, str]:
+    """The environment of every measured process: ``threads`` BLAS/OpenMP threads."""
+    env = dict(os.environ)
+    env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
+    return env
+
+
+# ------------------------------------------------------------------------------------------- converters
+
+def llama_version() -> str | None:
+    try:
+        import importlib.metadata
+
+        return importlib.metadata.version(LLAMA_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def llama_converter(cache: Path, version: str) -> Path:
+    """``convert_hf_to_gguf.py`` of llama-cpp-python ``version``'s vendored llama.cpp (sdist fetched once)."""
+    root = cache / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    script = root / "convert_hf_to_gguf.py"
+    if script.is_file():
+        return script
+    sdist = cache / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.is_file():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                        f"{LLAMA_DIST}=={version}", "-d", str(cache)], check=True)
+    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+    wanted = tuple(prefix + part for part in ("convert_hf_to_gguf.py", "conversion/", "gguf-py/"))
+    with tarfile.open(sdist) as tar:
+        tar.extractall(cache, members=[m for m in tar.getmembers() if m.name.startswith(wanted)], filter="data")
+    return script
+
+
+def convert_ours(src: Path, out: Path, dtype: str, env: dict[str, str]) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "qwen_convert", str(src), "-o", str(out), "--dtype", dtype, "--force"]
+    wall, rss, _ = run_measured(cmd, env)
+    return {"wall_s": wall, "peak_rss_mib": rss, "file_gb": out.stat().st_size / 1e9}
+
+
+def convert_llama(script: Path, src: Path, out: Path, dtype: str, env: dict[str, str]) -> dict[str, float]:
+    cmd = [sys.executable, str(script), str(src), "--outtype", LLAMA_OUTTYPES[dtype], "--outfile", str(out)]
+    if "qwen3.5" in src.name and "--no-mtp" in script.read_text(encoding="utf-8"):
+        cmd.append("--no-mtp")
+    try:
+        wall, rss, _ = run_measured(cmd, env)
+        return {"wall_s": wall, "peak_rss_mib": rss, "file_gb": out.stat().st_size / 1e9}
+    finally:
+        out.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------- measurements
+
+def measure(engine: str, gguf: Path, prompt: int, new: int, batch: int, env: dict[str, str],
+            threads: int) -> dict[str, float]:
+    cmd = [sys.executable, str(WORKER), engine, str(gguf), "--prompt", str(prompt), "--new", str(new),
+           "--batch", str(batch), "--threads", str(threads)]
+    return json.loads(run_measured(cmd, env)[2].strip().splitlines()[-1])
+
+
+def runtime_round(gguf: Path, plan: Plan, llama: bool, env: dict[str, str], threads: int) -> dict[str, dict]:
+    """One repetition of every runtime measurement of one file, ours and llama.cpp interleaved.
+
+    Keys: ``ours``/``llama`` (prompt + decode), ``ours_batch`` (``plan.batch`` rows), ``*_context`` (long prompt).
+    """
+    jobs = {"ours": ("ours", plan.prompt, plan.new, 1), "llama": ("llama", plan.prompt, plan.new, 1),
+            "ours_batch": ("ours", plan.prompt, plan.batch_new, plan.batch),
+            "ours_context": ("ours", plan.context, plan.context_new, 1),
+            "llama_context": ("llama", plan.context, plan.context_new, 1)}
+    results = {}
+    for name, (engine, prompt, new, batch) in jobs.items():
+        if engine == "ours" or llama:
+            results[name] = measure(engine, gguf, prompt, new, batch, env, threads)
+    return results
+
+
+def cache_mib(config: dict[str, Any], slots: int, batch: int = 1) -> float:
+    """Our runtime's cache for ``slots`` tokens: float32 K/V of full-attention layers + Qwen3.5's recurrent state."""
+    hd = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+    full = types.count("full_attention")
+    total = full * 2 * config["num_key_value_heads"] * hd * slots * 4
+    if "linear_num_value_heads" in config:
+        conv = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"] + \
+            config["linear_num_value_heads"] * config["linear_value_head_dim"]
+        state = config["linear_num_value_heads"] * config["linear_key_head_dim"] * config["linear_value_head_dim"]
+        total += (len(types) - full) * (state + conv * (config["linear_conv_kernel_dim"] - 1)) * 4
+    return total * batch / 2**20
+
+
+# ------------------------------------------------------------------------------------------- summary
+
+def median(samples: list[dict[str, float]], key: str) -> float:
+    values = [s[key] for s in samples if key in s]
+    return statistics.median(values) if values else float("nan")
+
+
+def medians(samples: list[dict[str, float]]) -> dict[str, float]:
+    return {key: median(samples, key) for key in samples[0]} if samples else {}
+
+
+def summarize(raw: dict[str, dict[str, dict[str, list[dict]]]]) -> dict[str, dict[str, dict[str, dict]]]:
+    """raw[model][dtype][measurement] = samples  ->  the same nesting with medians."""
+    return {m: {d: {k: medians(v) for k, v in per.items()} for d, per in dtypes.items()} for m, dtypes in raw.items()}
+
+
+NAN = float("nan")
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b and b == b else NAN
+
+
+def fmt(x: float, digits: int = 1) -> str:
+    return "—" if x != x else f"{x:.{digits}f}"
+
+
+def pair(ours: dict, peer: dict, key: str, digits: int = 1, with_ratio: bool = True) -> str:
+    """``ours / peer (ratio)`` of one metric."""
+    x, y = ours.get(key, NAN), peer.get(key, NAN)
+    text = f"{fmt(x, digits)} / {fmt(y, digits)}"
+    return f"{text} ({fmt(ratio(x, y), 2)})" if with_ratio else text
+
+
+def runtime_row(model: str, dtype: str, m: dict[str, dict]) -> str:
+    o, ll = m.get("ours", {}), m.get("llama", {})
+    ob, oc, lc = m.get("ours_batch", {}), m.get("ours_context", {}), m.get("llama_context", {})
+    batch, single, context = (d.get("decode_tps", NAN) for d in (ob, ll, oc))
+    cells = [model, dtype, pair(o, ll, "prefill_tps"), pair(o, ll, "decode_tps"),
+             f"{fmt(batch)} ({fmt(ratio(batch, single), 2)})",
+             f"{pair(oc, lc, 'decode_tps', with_ratio=False)} ({fmt(ratio(context, o.get('decode_tps', NAN)), 2)})",
+             pair(o, ll, "ttft_s", 2, False), pair(o, ll, "load_s", 2, False), pair(o, ll, "VmHWM", 0),
+             pair(o, ll, "RssAnon", 0, False)]
+    return "| " + " | ".join(cells) + " |"
+
+
+def runtime_table(summary: dict, plan: Plan) -> list[str]:
+    head = ["model", "type", f"prefill({plan.prompt}) tok/s ours / llama (×)",
+            f"decode({plan.new}) tok/s ours / llama (×)",
+            f"batch-{plan.batch} agg. tok/s ours (× llama 1-stream)",
+            f"decode @{plan.context} ours / llama (ours × own decode)", "TTFT s ours / llama",
+            "load s ours / llama", "peak RSS MiB ours / llama (×)", "anon MiB ours / llama"]
+    rows = [runtime_row(model, dtype, m) for model, dtypes in summary.items() for dtype, m in dtypes.items()]
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows]
+
+
+def conversion_table(summary: dict) -> list[str]:
+    head = ["model", "type", "GGUF GB", "wall s ours / llama (×)", "peak RSS MiB ours / llama (×)"]
+    rows = [f"| {model} | {dtype} | {fmt(m['ours'].get('file_gb', NAN), 2)} "
+            f"| {pair(m['ours'], m.get('llama', {}), 'wall_s')} "
+            f"| {pair(m['ours'], m.get('llama', {}), 'peak_rss_mib', 0)} |"
+            for model, dtypes in summary.items() for dtype, m in dtypes.items()]
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows]
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    value: float
+    goal: float
+
+    @property
+    def met(self) -> bool:
+        return self.value >= self.goal if self.goal > 0 else self.value <= -self.goal
+
+    def line(self) -> str:
+        bound = f">= {self.goal:g}" if self.goal > 0 else f"<= {-self.goal:g}"
+        return f"{'met   ' if self.met else 'MISSED'} {self.name}: {fmt(self.value, 2)} (goal {bound})"
+
+
+def _metric(runs: dict, dtype: str, name: str, key: str) -> float:
+    return runs.get(dtype, {}).get(name, {}).get(key, NAN)
+
+
+def targets(runs: dict, conversions: dict, config: dict[str, Any], plan: Plan) -> list[Target]:
+    """The issue's targets for one model (``runs``/``conversions``: that model's medians by dtype)."""
+    def r(dtype: str, key: str, a: str = "ours", b: str = "llama") -> float:
+        return ratio(_metric(runs, dtype, a, key), _metric(runs, dtype, b, key))
+
+    out = [Target("fp32 decode / llama f32", r("fp32", "decode_tps"), 0.95),
+           Target("fp32 prefill / llama f32", r("fp32", "prefill_tps"), 1.0),
+           Target("q8_0 decode / llama q8_0", r("q8_0", "decode_tps"), 0.25),
+           Target("q8_0 prefill / llama q8_0", r("q8_0", "prefill_tps"), 0.6),
+           Target("fp16 decode / our q8_0 decode", ratio(_metric(runs, "fp16", "ours", "decode_tps"),
+                                                          _metric(runs, "q8_0", "ours", "decode_tps")), 1.0),
+           Target("q8_0 batch aggregate / llama q8_0 decode", r("q8_0", "decode_tps", "ours_batch"), 1.0)]
+    kv = cache_mib(config, plan.prompt + plan.new)
+    for dtype in runs:
+        out += [Target(f"{dtype} decode @{plan.context} / our decode @{plan.prompt}",
+                       r(dtype, "decode_tps", "ours_context", "ours"), 0.7),
+                Target(f"{dtype} peak RSS / llama", r(dtype, "VmHWM"), -1.1),
+                Target(f"{dtype} anonymous MiB (150 + {kv:.0f} cache)", _metric(runs, dtype, "ours", "RssAnon"),
+                       -(150 + kv))]
+    q8 = conversions.get("q8_0", {})
+    if "llama" in q8:
+        out += [Target("q8_0 conversion wall / llama converter",
+                       ratio(q8["ours"]["wall_s"], q8["llama"]["wall_s"]), -0.5),
+                Target("q8_0 conversion peak RSS / llama converter",
+                       ratio(q8["ours"]["peak_rss_mib"], q8["llama"]["peak_rss_mib"]), -0.3)]
+    return out
+
+
+# ------------------------------------------------------------------------------------------- machine
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import numpy as np
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    info: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu,
+                            "cores": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PHYS_PAGES") *
+                                                                          os.sysconf("SC_PAGE_SIZE") / 2**30, 1),
+                            "python": platform.python_version(), "numpy": np.__version__,
+                            "llama_cpp_python": llama_version(), "loadavg": os.getloadavg(),
+                            "openblas_env": {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS")}}
+    try:
+        from threadpoolctl import threadpool_info
+
+        info["blas"] = [{k: d.get(k) for k in ("internal_api", "version", "architecture", "num_threads")}
+                        for d in threadpool_info()]
+    except ImportError:
+        info["blas"] = "threadpoolctl not installed"
+    return info
+
+
+# ------------------------------------------------------------------------------------------- main
+
+def configure_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="qwen-numpy vs llama.cpp: conversion and runtime, one run.")
+    p.add_argument("--quick", action="store_true", help="Qwen2.5-0.5B shape, q8_0 only, fewer tokens, 1 repeat")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--dtypes", default=",".join(DTYPES), help="comma list of fp32, fp16, q8_0")
+    p.add_argument("--repeat", type=int, default=3, help="repetitions of every measurement (medians reported)")
+    p.add_argument("--threads", type=int, default=2, help="threads of both runtimes")
+    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "qwen-numpy-bench")
+    p.add_argument("--tokenizers", type=Path, default=SHARED / "tokenizers")
+    p.add_argument("--configs", type=Path, default=SHARED / "model-configs")
+    p.add_argument("--json", type=Path, default=None, help="results file (default: CACHE_DIR/bench-<date>.json)")
+    p.add_argument("--no-llama", action="store_true", help="measure our runtime and converter only")
+    return p
+
+
+def log(text: str) -> None:
+    sys.stderr.write(f"[bench {time.strftime('%H:%M:%S')}] {text}\n")
+    sys.stderr.flush()
+
+
+def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Plan, script: Path | None,
+                env: dict[str, str]) -> tuple[dict, dict]:
+    """Conversions and runtime samples of one checkpoint: (conversion[dtype][tool], runtime[dtype][measurement])."""
+    conversions: dict[str, dict[str, list]] = {}
+    runtime: dict[str, dict[str, list]] = {}
+    for dtype in dtypes:
+        gguf = args.cache_dir / "gguf" / f"{src.name}-{dtype}.gguf"
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        conv = conversions.setdefault(dtype, {"ours": [], "llama": []} if script else {"ours": []})
+        for rep in range(args.repeat):
+            log(f"{src.name} {dtype}: conversion {rep + 1}/{args.repeat}")
+            conv["ours"].append(convert_ours(src, gguf, dtype, env))
+            if script is not None:
+                conv["llama"].append(convert_llama(script, src, args.cache_dir / "llama-out.gguf", dtype, env))
+        for rep in range(args.repeat):
+            log(f"{src.name} {dtype}: runtime {rep + 1}/{args.repeat}")
+            for name, sample in runtime_round(gguf, plan, script is not None, env, args.threads).items():
+                runtime.setdefault(dtype, {}).setdefault(name, []).append(sample)
+    return conversions, runtime
+
+
+def report(results: dict[str, Any], plan: Plan) -> list[str]:
+    conv, runs = summarize(results["conversion"]), summarize(results["runtime"])
+    results["medians"] = {"conversion": conv, "runtime": runs}
+    lines = [f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores, "
+             f"numpy {results['machine']['numpy']}, llama-cpp-python {results['machine']['llama_cpp_python']}, "
+             f"{results['machine']['date']}; medians of {results['repeat']} runs", "",
+             *runtime_table(runs, plan), "", *conversion_table(conv), ""]
+    for model in runs:
+        found = [t for t in targets(runs[model], conv.get(model, {}), results["configs"][model], plan)
+                 if t.value == t.value]  # NaN: not measured in this run (--quick, --dtypes, --no-llama)
+        results.setdefault("targets", {})[model] = [{"name": t.name, "value": t.value, "goal": t.goal, "met": t.met}
+                                                     for t in found]
+        lines += [f"Targets, {model}:", *(f"  {t.line()}" for t in found), ""]
+    return lines
+
+
+def run(args: argparse.Namespace) -> None:
+    plan = QUICK if args.quick else Plan()
+    names = ["qwen2.5-0.5b"] if args.quick else args.models.split(",")
+    dtypes = ["q8_0"] if args.quick else args.dtypes.split(",")
+    args.repeat = 1 if args.quick and args.repeat == 3 else args.repeat
+    env = bench_env(args.threads)
+    version = None if args.no_llama else llama_version()
+    script = llama_converter(args.cache_dir, version) if version else None
+    results: dict[str, Any] = {"machine": machine(), "plan": plan.__dict__, "repeat": args.repeat,
+                               "conversion": {}, "runtime": {}, "configs": {}}
+    out = args.json or args.cache_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    for name in names:
+        log(f"{name}: checkpoint")
+        src = build_checkpoint(MODELS[name], args.cache_dir / "hf", args.tokenizers, args.configs)
+        results["configs"][name] = json.loads((src / "config.json").read_text())
+        results["conversion"][name], results["runtime"][name] = bench_model(src, dtypes, args, plan, script, env)
+        out.write_text(json.dumps(results, indent=1))
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    sys.stdout.write("\n".join(report(results, plan)) + "\n")
+    out.write_text(json.dumps(results, indent=1))
+    log(f"results written to {out}")
+
+
+def main() -> None:
+    args = configure_parser().parse_args()
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""One benchmark measurement in a fresh process; prints one JSON object on stdout's last line.
+
+    python scripts/bench_worker.py ENGINE MODEL_FILE --prompt N --new N [--batch B] [--threads 2]
+
+ENGINE is ``ours`` (qwen_runtime) or ``llama`` (llama-cpp-python).  It loads the model, prefills ``--batch``
+prompts of ``--prompt`` tokens and greedily decodes ``--new`` tokens per row, and reports load time, time
+to first token, prefill tokens/s and (aggregate) decode tokens/s.  Prompts are seeded random token ids
+(the same for both engines) and decoding never stops early, so both engines do exactly the same work.
+Memory comes from /proc/self/status at the end: VmHWM (peak RSS), RssAnon and RssFile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+FIRST_ID, LAST_ID = 1000, 100000  # ordinary BPE tokens in every Qwen vocabulary
+
+
+def prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(FIRST_ID, LAST_ID, (batch, length)).tolist()
+
+
+def memory_kib() -> dict[str, int]:
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmHWM", "RssAnon", "RssFile"):
+                values[key] = int(rest.split()[0])
+    return values
+
+
+def run_ours(path: str, batch: int, prompt: int, new: int) -> dict[str, float]:
+    import qwen_runtime
+
+    t0 = time.perf_counter()
+    model = qwen_runtime.load(path)
+    loaded = time.perf_counter()
+    gen = qwen_runtime.stream(model, prompts(batch, prompt), max_new_tokens=new, use_tokenizer=False)
+    next(iter(gen))
+    first = time.perf_counter()
+    gen.run()
+    s = gen.stats
+    return {"load_s": loaded - t0, "ttft_s": first - loaded, "prefill_tps": s.prefill_tokens_per_second,
+            "decode_tps": s.decode_tokens_per_second}
+
+
+def run_llama(path: str, batch: int, prompt: int, new: int, threads: int) -> dict[str, float]:
+    import llama_cpp
+
+    if batch != 1:
+        raise SystemExit("llama: only single-stream measurements")
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(path, n_ctx=prompt + new, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                          verbose=False)
+    loaded = time.perf_counter()
+    n_vocab = llm.n_vocab()
+    ids = prompts(1, prompt)[0]
+
+    def next_token() -> int:
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+        return int(np.argmax(logits))
+
+    llm.eval(ids)
+    token = next_token()
+    first = time.perf_counter()
+    for _ in range(new - 1):
+        llm.eval([token])
+        token = next_token()
+    done = time.perf_counter()
+    return {"load_s": loaded - t0, "ttft_s": first - loaded, "prefill_tps": prompt / (first - loaded),
+            "decode_tps": (new - 1) / (done - first)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("engine", choices=("ours", "llama"))
+    p.add_argument("model")
+    p.add_argument("--prompt", type=int, required=True)
+    p.add_argument("--new", type=int, required=True)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    if args.engine == "ours":
+        result = run_ours(args.model, args.batch, args.prompt, args.new)
+    else:
+        result = run_llama(args.model, args.batch, args.prompt, args.new, args.threads)
+    result.update({k: v / 1024 for k, v in memory_kib().items()})  # MiB
+    sys.stdout.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
