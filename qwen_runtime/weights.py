@@ -14,13 +14,21 @@ tests compare the fast paths against.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
 import numpy as np
 
 from .errors import FormatError
-from .tensors import Q8_0_BLOCK, Q8_0_DTYPE, QType, StoredTensor
+from .tensors import Q8_0_BLOCK, Q8_0_BYTES, Q8_0_DTYPE, QType, StoredTensor
 
 # Elements per widened tile: 1 MiB of float32 stays in a core's L2 cache between widening and BLAS.
 TILE_ELEMENTS = 1 << 18
+# Activation rows up to which tiles are spread over the thread pool with single-threaded BLAS (decode and
+# batch decode); longer inputs (prefill) run tiles in turn and let BLAS use every thread on each product.
+POOL_ROWS = 8
 
 _F16_EXP_MASK = np.uint16(0x7C00)
 _F16_ABS_MASK = np.uint16(0x7FFF)
@@ -28,30 +36,104 @@ _F16_SIGN_MASK = np.uint16(0x8000)
 _F32_EXP_MASK = np.uint32(0x7F800000)
 _F16_TO_F32_SCALE = np.float32(2.0**112)  # rebias the fp16 exponent (15) to float32's (127)
 _F16_OVERFLOW = np.float32(65536.0)  # only fp16 inf/nan land at or above this after rebiasing
+_F32_SIGN_AND_LOW = np.int32(-0x70000001)  # 0x8FFFFFFF: clears bits 28-30 that sign extension filled
+_F16_PRESCALE_LIMIT = np.float32(2.0**15)  # |x| * 2**112 stays finite below this
 
 
-class Workspace:
-    """Reusable scratch buffers for widening tiles (one per model; not shared between threads)."""
+class Scratch:
+    """Buffers of one thread: a float32 tile (room for Q8_0's 34 values per block) and fp16 temporaries."""
 
-    def __init__(self, elements: int = TILE_ELEMENTS) -> None:
-        self.f32 = np.empty(elements, np.float32)
+    def __init__(self, elements: int) -> None:
+        self.f32 = np.empty(elements // Q8_0_BLOCK * Q8_0_BYTES + Q8_0_BYTES, np.float32)
         self.u16 = np.empty(elements, np.uint16)
         self.u32 = np.empty(elements, np.uint32)
 
+    @property
+    def nbytes(self) -> int:
+        return self.f32.nbytes + self.u16.nbytes + self.u32.nbytes
+
+
+class Workspace:
+    """Scratch buffers and the tile thread pool of one model.
+
+    ``threads`` workers (default: the CPUs this process may use) each own a :class:`Scratch`.  Short inputs
+    (at most ``POOL_ROWS`` activation rows) spread their tiles over the workers while BLAS is held to one
+    thread (numpy releases the GIL in casts, ufuncs and BLAS, so the workers really run in parallel); longer
+    inputs run tiles in turn with BLAS on every thread.  BLAS threads are switched through threadpoolctl;
+    without it the pool stays unused.
+    """
+
+    def __init__(self, elements: int = TILE_ELEMENTS, threads: int | None = None) -> None:
+        self.elements = elements
+        self.threads = max(1, threads or len(os.sched_getaffinity(0)))
+        self.scratch = [Scratch(elements) for _ in range(self.threads)]
+        self._pool: ThreadPoolExecutor | None = None
+        self._blas = _blas_controller() if self.threads > 1 else None
+        self._blas_default = self._blas.info()[0]["num_threads"] if self._blas else 0
+        self._blas_now = self._blas_default
+
+    @property
+    def f32(self) -> np.ndarray:
+        """The calling thread's float32 tile buffer."""
+        return self.scratch[0].f32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.scratch)
+
     def ensure(self, elements: int) -> None:
-        if elements > self.f32.size:
-            self.__init__(elements)  # type: ignore[misc]
+        if elements > self.elements:
+            self.elements = elements
+            self.scratch = [Scratch(elements) for _ in range(self.threads)]
+
+    def _set_blas_threads(self, n: int) -> None:
+        if self._blas is not None and n != self._blas_now:
+            self._blas.limit(limits=n)
+            self._blas_now = n
+
+    def run(self, tasks: Sequence[Callable[[Scratch], None]], parallel: bool) -> None:
+        """Run every task, each with a scratch of its thread; spread over the pool when ``parallel``."""
+        if not parallel or self._blas is None or len(tasks) < 2:
+            self._set_blas_threads(self._blas_default)
+            for task in tasks:
+                task(self.scratch[0])
+            return
+        self._set_blas_threads(1)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="qwen-tiles")
+        groups = [tasks[i::self.threads] for i in range(self.threads)]
+        futures = [self._pool.submit(_run_group, group, scratch)
+                   for group, scratch in zip(groups[1:], self.scratch[1:], strict=True)]
+        _run_group(groups[0], self.scratch[0])
+        for future in futures:
+            future.result()
 
 
-def f16_bits_to_f32(bits: np.ndarray, out: np.ndarray, ws: Workspace) -> np.ndarray:
+def _run_group(tasks: Sequence[Callable[[Scratch], None]], scratch: Scratch) -> None:
+    for task in tasks:
+        task(scratch)
+
+
+def _blas_controller():  # -> threadpoolctl.ThreadpoolController | None
+    """The BLAS libraries loaded by numpy, or None without threadpoolctl (the pool then stays unused)."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return None
+    blas = ThreadpoolController().select(user_api="blas")
+    return blas if blas.lib_controllers else None
+
+
+def f16_bits_to_f32(bits: np.ndarray, out: np.ndarray, ws: Workspace | Scratch) -> np.ndarray:
     """Exact float16 -> float32 by bit manipulation (numpy's own f16 cast is not vectorised here).
 
     The 15 magnitude bits shifted left by 13 form a float32 whose exponent is biased by 15 instead of 127;
     multiplying by 2**112 fixes the bias for normal and subnormal values alike.  Inf/NaN (exponent 31)
     come out >= 65536 and get the float32 all-ones exponent; then the sign bit is copied over.
     """
+    scratch = ws.scratch[0] if isinstance(ws, Workspace) else ws
     n = bits.size
-    tmp16, tmp32 = ws.u16[:n].reshape(bits.shape), ws.u32[:n].reshape(bits.shape)
+    tmp16, tmp32 = scratch.u16[:n].reshape(bits.shape), scratch.u32[:n].reshape(bits.shape)
     out32 = out.view(np.uint32)
     np.bitwise_and(bits, _F16_ABS_MASK, out=tmp16)
     np.left_shift(tmp16, 13, out=out32, dtype=np.uint32)
@@ -65,12 +147,55 @@ def f16_bits_to_f32(bits: np.ndarray, out: np.ndarray, ws: Workspace) -> np.ndar
     return out
 
 
+def f16_bits_to_prescaled(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Finite float16 -> float32 divided by 2**112, exactly, in two passes (no multiply).
+
+    Sign-extending the int16 bits to int32 and shifting left by 13 puts the sign at bit 31, the exponent
+    (still biased by 15) and mantissa in place, and copies of the sign in bits 28-30, which the mask clears.
+    Multiplying the activations by 2**112 instead of the weights gives exactly the same products.  Only
+    for tiles without inf/NaN (exponent 31), which would come out finite here.
+    """
+    out32 = out.view(np.int32)
+    np.left_shift(bits.view(np.int16), 13, out=out32, dtype=np.int32)
+    np.bitwise_and(out32, _F32_SIGN_AND_LOW, out=out32)
+    return out
+
+
 def q8_0_to_f32(raw: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Decode Q8_0 rows ``[R, nb * 34]`` (uint8) into ``out`` float32 ``[R, nb * 32]``."""
+    """Decode Q8_0 rows ``[R, nb * 34]`` (uint8) into ``out`` float32 ``[R, nb * 32]`` (the reference)."""
     blocks = raw.view(Q8_0_DTYPE)  # [R, nb] of (d: f16, qs: 32 x i8)
     scale = blocks["d"].astype(np.float32)[..., None]  # [R, nb, 1] (1/32 of the elements: a plain cast is fine)
     np.multiply(blocks["qs"], scale, out=out.reshape(*blocks.shape, Q8_0_BLOCK))
     return out
+
+
+def q8_0_activations(x: np.ndarray) -> np.ndarray:
+    """Activations laid out like Q8_0 bytes: ``[N, nb * 32] -> [nb, 34, N]``, zeros where the scale bytes sit."""
+    n, width = x.shape
+    nb = width // Q8_0_BLOCK
+    out = np.zeros((nb, Q8_0_BYTES, n), np.float32)
+    out[:, Q8_0_BYTES - Q8_0_BLOCK:] = x.T.reshape(nb, Q8_0_BLOCK, n)
+    return out
+
+
+def q8_0_product(raw: np.ndarray, xq: np.ndarray, scratch: Scratch, out: np.ndarray) -> np.ndarray:
+    """``out = dequantize(raw) @ x`` for Q8_0 rows ``raw`` [R, nb * 34] and ``xq = q8_0_activations(x)``.
+
+    Every byte of the rows, scales included, is cast to float32 in one contiguous pass (the fast cast; the
+    strided 32-of-34 view is several times slower); the scale bytes meet the zeros of ``xq``.  For a few
+    activation rows the per-block dot products come from one BLAS call per block column and the scales are
+    applied to those [R, nb] sums; for many rows the tile is scaled in place and multiplied once.
+    Equal to the reference up to float32 rounding (the scale is applied to block sums).  # -> [R, N]
+    """
+    rows, nb, n = len(raw), xq.shape[0], xq.shape[2]
+    tile = scratch.f32[: raw.size].reshape(rows, nb, Q8_0_BYTES)
+    np.copyto(tile.reshape(raw.shape), raw.view(np.int8), casting="unsafe")
+    scale = raw.reshape(rows, nb, Q8_0_BYTES)[:, :, :2].view(np.float16)[..., 0].astype(np.float32)  # [R, nb]
+    if n <= POOL_ROWS:
+        sums = np.matmul(tile.transpose(1, 0, 2), xq)  # [nb, R, N]
+        return np.einsum("brn,rb->rn", sums, scale, out=out)
+    tile *= scale[..., None]
+    return np.matmul(tile.reshape(rows, -1), xq.reshape(-1, n), out=out)
 
 
 def bf16_bits_to_f32(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -124,7 +249,7 @@ class F32Weight(Weight):
 
 
 class TiledWeight(Weight):
-    """BF16 / F16 / Q8_0 weights, widened ``tile_rows`` rows at a time into the shared workspace."""
+    """BF16 / F16 / Q8_0 weights, multiplied ``tile_rows`` rows at a time from the workspace's scratch tiles."""
 
     def __init__(self, tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> None:
         super().__init__(tensor)
@@ -135,25 +260,50 @@ class TiledWeight(Weight):
         self.ws = ws
         self.tile_rows = max(1, min(self.out_features, tile_elements // self.in_features))
         ws.ensure(self.tile_rows * self.in_features)
+        self._finite: dict[int, bool] = {}  # F16: tile start -> no inf/NaN in it (checked on first use)
 
-    def widen(self, raw_rows: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Decode stored rows ``[R, stored]`` into ``out`` float32 ``[R, in]``."""
+    def widen(self, raw_rows: np.ndarray, out: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
+        """Decode stored rows ``[R, stored]`` into ``out`` float32 ``[R, in]`` exactly (the reference)."""
         if self.qtype == QType.Q8_0:
             return q8_0_to_f32(raw_rows, out)
         if self.qtype == QType.BF16:
             return bf16_bits_to_f32(raw_rows, out)
-        return f16_bits_to_f32(raw_rows, out, self.ws)
+        return f16_bits_to_f32(raw_rows, out, scratch or self.ws)
+
+    def tile_tasks(self, x: np.ndarray, yt: np.ndarray) -> list[Callable[[Scratch], None]]:
+        """One task per tile, together filling ``yt`` [out, N] with ``W @ x.T``."""
+        xk = self._activations(x)
+        return [partial(self._tile_product, r0, min(r0 + self.tile_rows, self.out_features), xk, yt)
+                for r0 in range(0, self.out_features, self.tile_rows)]
+
+    def _activations(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """``x`` in the layout the kernel multiplies: (plain or Q8_0-shaped, F16's prescaled copy or None)."""
+        if self.qtype == QType.Q8_0:
+            return q8_0_activations(x), None
+        xt = x.T  # [in, N]
+        if self.qtype == QType.F16 and x.size and np.abs(x).max() < _F16_PRESCALE_LIMIT:
+            return xt, xt * _F16_TO_F32_SCALE
+        return xt, None
+
+    def _tile_product(self, r0: int, r1: int, xk: tuple[np.ndarray, np.ndarray | None], yt: np.ndarray,
+                      scratch: Scratch) -> None:
+        raw, (x, prescaled) = self.raw[r0:r1], xk
+        if self.qtype == QType.Q8_0:
+            q8_0_product(raw, x, scratch, yt[r0:r1])
+            return
+        tile = scratch.f32[: raw.size].reshape(raw.shape)
+        if prescaled is not None and self._tile_is_finite(r0, raw):
+            np.matmul(f16_bits_to_prescaled(raw, tile), prescaled, out=yt[r0:r1])
+        else:
+            np.matmul(self.widen(raw, tile, scratch), x, out=yt[r0:r1])
+
+    def _tile_is_finite(self, r0: int, raw: np.ndarray) -> bool:
+        if r0 not in self._finite:
+            self._finite[r0] = not np.any(np.bitwise_and(raw, _F16_EXP_MASK) == _F16_EXP_MASK)
+        return self._finite[r0]
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
-        n = x.shape[0]
-        yt = np.empty((self.out_features, n), np.float32)  # [out, N]: each tile writes contiguous rows
-        xt = x.T  # [in, N]
-        for r0 in range(0, self.out_features, self.tile_rows):
-            r1 = min(r0 + self.tile_rows, self.out_features)
-            tile = self.ws.f32[: (r1 - r0) * self.in_features].reshape(r1 - r0, self.in_features)
-            self.widen(self.raw[r0:r1], tile)
-            np.matmul(tile, xt, out=yt[r0:r1])
-        return yt.T if n == 1 else np.ascontiguousarray(yt.T)
+        return matmul_many([self], x)[0]
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids).reshape(-1)
@@ -161,6 +311,27 @@ class TiledWeight(Weight):
         if self.qtype == QType.F16:
             self.ws.ensure(out.size)
         return self.widen(self.raw[ids], out)
+
+
+def matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
+    """``[w.matmul(x) for w in weights]``; the tiles of all tiled weights go through the pool in one run.
+
+    Fusing projections that share their input (q/k/v, gate/up) balances the pool over every row of them
+    and pays its dispatch once.  # [N, in] -> [[N, out_i], ...]
+    """
+    tiled = [w for w in weights if isinstance(w, TiledWeight)]
+    outputs: dict[int, np.ndarray] = {}
+    tasks: list[Callable[[Scratch], None]] = []
+    for w in tiled:
+        outputs[id(w)] = np.empty((w.out_features, x.shape[0]), np.float32)  # [out, N]: tiles write rows
+        tasks += w.tile_tasks(x, outputs[id(w)])
+    if tiled:
+        tiled[0].ws.run(tasks, parallel=x.shape[0] <= POOL_ROWS)
+    results = []
+    for w in weights:
+        yt = outputs.get(id(w))
+        results.append(w.matmul(x) if yt is None else yt.T if x.shape[0] == 1 else np.ascontiguousarray(yt.T))
+    return results
 
 
 def make_weight(tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> Weight:

@@ -7,7 +7,19 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from qwen_runtime.tensors import QType, StoredTensor
-from qwen_runtime.weights import F32Weight, TiledWeight, Workspace, f16_bits_to_f32, make_weight
+from qwen_runtime.weights import (
+    F32Weight,
+    Scratch,
+    TiledWeight,
+    Workspace,
+    f16_bits_to_f32,
+    f16_bits_to_prescaled,
+    make_weight,
+    matmul_many,
+    q8_0_activations,
+    q8_0_product,
+    q8_0_to_f32,
+)
 
 
 def stored(qtype: QType, w: np.ndarray) -> StoredTensor:
@@ -60,4 +72,57 @@ def test_tiled_weight_keeps_no_float32_copy() -> None:
     ws = Workspace(1024)
     weight = make_weight(stored(QType.Q8_0, w), ws, tile_elements=1024)
     weight.matmul(np.ones((1, 64), np.float32))
-    assert ws.f32.size == 1024  # the only float32 scratch is one tile
+    # the only float32 scratch is one tile per pool thread (in Q8_0's 34-values-per-block layout)
+    assert all(s.f32.size <= 1024 // 32 * 34 + 34 for s in ws.scratch)
+
+
+def test_f16_prescaled_widening_is_exact_for_every_finite_bit_pattern() -> None:
+    bits = np.arange(1 << 16, dtype=np.uint16).reshape(256, 256)
+    finite = (bits & 0x7C00) != 0x7C00
+    out = f16_bits_to_prescaled(bits, np.empty(bits.shape, np.float32))
+    expected = bits.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal((out * np.float32(2.0**112))[finite], expected[finite])  # incl. -0, subnormals
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 9, 40])
+def test_q8_0_product_matches_reference_dequantization(n: int) -> None:
+    rng = np.random.default_rng(3)
+    w = rng.normal(0, 0.05, (37, 128)).astype(np.float32)
+    raw = quants.quantize(w, GGMLQuantizationType.Q8_0)
+    x = rng.normal(0, 1, (n, 128)).astype(np.float32)
+    ref = q8_0_to_f32(raw, np.empty(w.shape, np.float32)) @ x.T  # [37, n]
+    got = q8_0_product(raw, q8_0_activations(x), Scratch(raw.size), np.empty((37, n), np.float32))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)  # the scale multiplies block sums: rounding only
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e5])  # 1e5: activations too large to prescale, the exact path runs
+def test_f16_tiles_with_inf_or_large_activations_match_reference(scale: float) -> None:
+    rng = np.random.default_rng(4)
+    w = rng.normal(0, 0.05, (40, 64)).astype(np.float32)
+    w[25, 3] = np.inf  # only the tile of rows 20-39 holds a special value
+    weight = make_weight(stored(QType.F16, w), Workspace(20 * 64), tile_elements=20 * 64)
+    x = rng.normal(0, scale, (2, 64)).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        ref = x @ weight.to_float32().T
+        got = weight.matmul(x)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("qtype", [QType.F16, QType.BF16, QType.Q8_0])
+@pytest.mark.parametrize("n", [1, 4, 20])
+def test_pool_gives_exactly_the_serial_result(qtype: QType, n: int) -> None:
+    rng = np.random.default_rng(5)
+    w, x = rng.normal(0, 0.05, (300, 96)).astype(np.float32), rng.normal(0, 1, (n, 96)).astype(np.float32)
+    serial = make_weight(stored(qtype, w), Workspace(32 * 96, threads=1), tile_elements=32 * 96)
+    pooled = make_weight(stored(qtype, w), Workspace(32 * 96, threads=2), tile_elements=32 * 96)
+    np.testing.assert_array_equal(pooled.matmul(x), serial.matmul(x))
+
+
+def test_matmul_many_equals_separate_products() -> None:
+    rng = np.random.default_rng(6)
+    ws = Workspace(16 * 64, threads=2)
+    weights = [make_weight(stored(qtype, rng.normal(0, 0.05, (rows, 64)).astype(np.float32)), ws, 16 * 64)
+               for qtype, rows in ((QType.Q8_0, 50), (QType.F32, 20), (QType.F16, 33))]
+    x = rng.normal(0, 1, (3, 64)).astype(np.float32)
+    for fused, alone in zip(matmul_many(weights, x), [w.matmul(x) for w in weights], strict=True):
+        np.testing.assert_array_equal(fused, alone)
