@@ -138,16 +138,16 @@ def window_log_probs(model: Model, ids: np.ndarray, window: Window,
                      chunk: int) -> Iterator[tuple[int, np.ndarray]]:
     """Yield ``(first target, log-probs [n, V])`` for the window's scored targets, ``chunk`` slots at a time.
 
-    Logits at slot ``s`` predict token ``s + 1``; chunks before the first needed slot run only to fill the
-    cache.
+    Logits at slot ``s`` predict token ``s + 1``.  The context slots before the first scored target only fill
+    the cache (``last_only``: no full-vocabulary logits are computed for them).
     """
     cache = model.make_cache(1, window.end - window.begin)
-    for c0 in range(window.begin, window.end - 1, chunk):
+    lo = window.first_target - 1
+    for c0 in range(window.begin, lo, chunk):
+        model.forward(ids[None, c0:min(c0 + chunk, lo)], cache, last_only=True)
+    for c0 in range(lo, window.end - 1, chunk):
         c1 = min(c0 + chunk, window.end - 1)
-        logits = model.forward(ids[None, c0:c1], cache)[0]  # [c1 - c0, V]
-        lo = max(c0, window.first_target - 1)
-        if lo < c1:
-            yield lo + 1, log_softmax(logits[lo - c0:])
+        yield c0 + 1, log_softmax(model.forward(ids[None, c0:c1], cache)[0])  # [c1 - c0, V]
 
 
 class _Scores:
