@@ -17,6 +17,7 @@ from gguf import MODEL_TENSOR as T
 from ..cache import BatchState, KVCache
 from ..config import FULL_ATTENTION, LINEAR_ATTENTION, QWEN35, ModelConfig
 from ..ops import apply_rope, rms_norm, rope_cos_sin, sigmoid
+from ..weights import matmul_many
 from . import gated_delta as gd
 from .attention import attend, merge_heads, split_heads
 from .base import WeightStore, register_mixer
@@ -43,12 +44,12 @@ class GatedAttention:
     def __call__(self, x: np.ndarray, cache: KVCache, state: BatchState) -> np.ndarray:
         b, t, h = x.shape
         eps, hd = self.config.rms_norm_eps, self.head_dim
-        x2 = x.reshape(b * t, h)
-        q_gate = self.wq.matmul(x2).reshape(b, t, self.n_heads, 2 * hd)  # [B, T, nh, 2hd]
+        q_gate, k, v = matmul_many([self.wq, self.wk, self.wv], x.reshape(b * t, h))
+        q_gate = q_gate.reshape(b, t, self.n_heads, 2 * hd)  # [B, T, nh, 2hd]
         q = rms_norm(q_gate[..., :hd], self.q_norm, eps).transpose(0, 2, 1, 3)  # [B, nh, T, hd]
         gate = q_gate[..., hd:].reshape(b * t, self.n_heads * hd)  # [B*T, nh*hd]
-        k = rms_norm(split_heads(self.wk.matmul(x2), b, self.n_kv, hd), self.k_norm, eps)  # [B, nkv, T, hd]
-        v = split_heads(self.wv.matmul(x2), b, self.n_kv, hd)  # [B, nkv, T, hd]
+        k = rms_norm(split_heads(k, b, self.n_kv, hd), self.k_norm, eps)  # [B, nkv, T, hd]
+        v = split_heads(v, b, self.n_kv, hd)  # [B, nkv, T, hd]
         cos, sin = rope_cos_sin(state.positions, self.config.rotary_dim, self.config.rope_theta)  # [B, T, r/2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.update(k, v, state)  # [B, nkv, S, hd]
@@ -96,14 +97,12 @@ class GatedDeltaNet:
         b, t, h = x.shape
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         valid = None if state.valid.all() else state.valid  # [B, T]
-        x2 = x.reshape(b * t, h)
-        mixed, cache.conv = gd.causal_conv1d(self.w_qkv.matmul(x2).reshape(b, t, -1), self.conv, cache.conv,
-                                             valid)  # [B, T, C]
+        projections = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x.reshape(b * t, h))
+        mixed, z, b_gate, a_gate = (p.reshape(b, t, -1) for p in projections)  # [B, T, C | Hv*dv | Hv | Hv]
+        mixed, cache.conv = gd.causal_conv1d(mixed, self.conv, cache.conv, valid)  # [B, T, C]
         q, k, v = gd.split_qkv(mixed, c.linear_num_key_heads, c.linear_key_head_dim, dv)
         q, k = gd.prepare_qk(q, k, hv, c.v_head_order)  # [B, T, Hv, dk]
-        beta, g = gd.gates(self.w_beta.matmul(x2).reshape(b, t, hv), self.w_alpha.matmul(x2).reshape(b, t, hv),
-                           self.ssm_a, self.dt_bias, valid)  # [B, T, Hv]
+        beta, g = gd.gates(b_gate, a_gate, self.ssm_a, self.dt_bias, valid)  # [B, T, Hv]
         o = gd.delta_rule(q, k, v, g, beta, cache.state)  # [B, T, Hv, dv]
-        z = self.w_z.matmul(x2).reshape(b, t, hv, dv)
-        o = gd.gated_rms_norm(o, z, self.norm, c.rms_norm_eps)
+        o = gd.gated_rms_norm(o, z.reshape(b, t, hv, dv), self.norm, c.rms_norm_eps)
         return self.w_out.matmul(o.reshape(b * t, hv * dv)).reshape(b, t, h)
