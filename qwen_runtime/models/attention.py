@@ -15,6 +15,7 @@ from gguf import MODEL_TENSOR as T
 from ..cache import BatchState, KVCache
 from ..config import FULL_ATTENTION, QWEN2, QWEN3, ModelConfig
 from ..ops import apply_rope, rms_norm, rope_cos_sin, softmax
+from ..weights import matmul_many
 from .base import WeightStore, register_mixer
 
 # Upper bound on attention score elements held at once; longer query blocks are processed in tiles.
@@ -89,18 +90,18 @@ class Attention:
     def make_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(batch, self.n_kv, max_len, self.head_dim)
 
-    def _project(self, x2: np.ndarray, weight, bias: np.ndarray | None, heads: int, batch: int) -> np.ndarray:
-        y = weight.matmul(x2)  # [B * T, heads * hd]
+    def _heads(self, y: np.ndarray, bias: np.ndarray | None, heads: int, batch: int) -> np.ndarray:
+        """A projection plus its bias, split into heads.  # [B * T, heads * hd] -> [B, heads, T, hd]"""
         if bias is not None:
             y = y + bias
-        return split_heads(y, batch, heads, self.head_dim)  # [B, heads, T, hd]
+        return split_heads(y, batch, heads, self.head_dim)
 
     def __call__(self, x: np.ndarray, cache: KVCache, state: BatchState) -> np.ndarray:
         b, t, h = x.shape
-        x2 = x.reshape(b * t, h)
-        q = self._project(x2, self.wq, self.bq, self.n_heads, b)  # [B, nh, T, hd]
-        k = self._project(x2, self.wk, self.bk, self.n_kv, b)  # [B, nkv, T, hd]
-        v = self._project(x2, self.wv, self.bv, self.n_kv, b)  # [B, nkv, T, hd]
+        yq, yk, yv = matmul_many([self.wq, self.wk, self.wv], x.reshape(b * t, h))  # tiles of all three at once
+        q = self._heads(yq, self.bq, self.n_heads, b)  # [B, nh, T, hd]
+        k = self._heads(yk, self.bk, self.n_kv, b)  # [B, nkv, T, hd]
+        v = self._heads(yv, self.bv, self.n_kv, b)  # [B, nkv, T, hd]
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, self.config.rms_norm_eps)
             k = rms_norm(k, self.k_norm, self.config.rms_norm_eps)

@@ -18,6 +18,7 @@ from ..config import QWEN35, ModelConfig
 from ..formats import ModelFiles
 from ..limits import check_memory, kv_cache_bytes
 from ..ops import rms_norm, silu
+from ..weights import matmul_many
 from .base import Mixer, WeightStore, make_mixer
 
 
@@ -29,7 +30,8 @@ class MLP:
         self.down = store.matrix(T.FFN_DOWN, layer)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:  # [N, H] -> [N, H]
-        return self.down.matmul(silu(self.gate.matmul(x)) * self.up.matmul(x))  # via [N, I]
+        gate, up = matmul_many([self.gate, self.up], x)  # 2 x [N, I], tiles of both in one pass
+        return self.down.matmul(silu(gate) * up)
 
 
 class Block:
