@@ -28,7 +28,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -309,9 +309,10 @@ def machine() -> dict[str, Any]:
 
 def configure_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="qwen-numpy vs llama.cpp: conversion and runtime, one run.")
-    p.add_argument("--quick", action="store_true", help="Qwen2.5-0.5B shape, q8_0 only, fewer tokens, 1 repeat")
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
-    p.add_argument("--dtypes", default=",".join(DTYPES), help="comma list of fp32, fp16, q8_0")
+    p.add_argument("--quick", action="store_true", help="fewer tokens, 1 repeat; Qwen2.5-0.5B shape and q8_0 "
+                   "unless --models / --dtypes are given")
+    p.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all; --quick: the first)")
+    p.add_argument("--dtypes", help="comma list of fp32, fp16, q8_0 (default: all; --quick: q8_0)")
     p.add_argument("--repeat", type=int, default=3, help="repetitions of every measurement (medians reported)")
     p.add_argument("--threads", type=int, default=2, help="threads of both runtimes")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "qwen-numpy-bench")
@@ -319,6 +320,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", type=Path, default=SHARED / "model-configs")
     p.add_argument("--json", type=Path, default=None, help="results file (default: CACHE_DIR/bench-<date>.json)")
     p.add_argument("--no-llama", action="store_true", help="measure our runtime and converter only")
+    p.add_argument("--report", type=Path, metavar="JSON", help="only print the tables of an earlier results file")
     return p
 
 
@@ -328,10 +330,9 @@ def log(text: str) -> None:
 
 
 def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Plan, script: Path | None,
-                env: dict[str, str]) -> tuple[dict, dict]:
-    """Conversions and runtime samples of one checkpoint: (conversion[dtype][tool], runtime[dtype][measurement])."""
-    conversions: dict[str, dict[str, list]] = {}
-    runtime: dict[str, dict[str, list]] = {}
+                env: dict[str, str], conversions: dict[str, dict[str, list]],
+                runtime: dict[str, dict[str, list]], save: Callable[[], None]) -> None:
+    """Fill conversion[dtype][tool] and runtime[dtype][measurement] samples of one checkpoint; ``save`` after each."""
     for dtype in dtypes:
         gguf = args.cache_dir / "gguf" / f"{src.name}-{dtype}.gguf"
         gguf.parent.mkdir(parents=True, exist_ok=True)
@@ -345,7 +346,7 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
             log(f"{src.name} {dtype}: runtime {rep + 1}/{args.repeat}")
             for name, sample in runtime_round(gguf, plan, script is not None, env, args.threads).items():
                 runtime.setdefault(dtype, {}).setdefault(name, []).append(sample)
-    return conversions, runtime
+            save()
 
 
 def report(results: dict[str, Any], plan: Plan) -> list[str]:
@@ -366,8 +367,8 @@ def report(results: dict[str, Any], plan: Plan) -> list[str]:
 
 def run(args: argparse.Namespace) -> None:
     plan = QUICK if args.quick else Plan()
-    names = ["qwen2.5-0.5b"] if args.quick else args.models.split(",")
-    dtypes = ["q8_0"] if args.quick else args.dtypes.split(",")
+    names = args.models.split(",") if args.models else list(MODELS)[:1] if args.quick else list(MODELS)
+    dtypes = args.dtypes.split(",") if args.dtypes else ["q8_0"] if args.quick else list(DTYPES)
     args.repeat = 1 if args.quick and args.repeat == 3 else args.repeat
     env = bench_env(args.threads)
     version = None if args.no_llama else llama_version()
@@ -379,8 +380,8 @@ def run(args: argparse.Namespace) -> None:
         log(f"{name}: checkpoint")
         src = build_checkpoint(MODELS[name], args.cache_dir / "hf", args.tokenizers, args.configs)
         results["configs"][name] = json.loads((src / "config.json").read_text())
-        results["conversion"][name], results["runtime"][name] = bench_model(src, dtypes, args, plan, script, env)
-        out.write_text(json.dumps(results, indent=1))
+        bench_model(src, dtypes, args, plan, script, env, results["conversion"].setdefault(name, {}),
+                    results["runtime"].setdefault(name, {}), lambda: out.write_text(json.dumps(results, indent=1)))
     results["machine"]["loadavg_end"] = os.getloadavg()
     sys.stdout.write("\n".join(report(results, plan)) + "\n")
     out.write_text(json.dumps(results, indent=1))
@@ -389,6 +390,10 @@ def run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = configure_parser().parse_args()
+    if args.report:
+        results = json.loads(args.report.read_text())
+        sys.stdout.write("\n".join(report(results, Plan(**results["plan"]))) + "\n")
+        return
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     run(args)
 
