@@ -7,8 +7,9 @@ import struct
 import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from hostile_helpers import RawGGUF, converted, pack_string
 
 from qwen_runtime.chat import load_chat_format
@@ -215,3 +216,14 @@ def test_hostile_chat_template_in_metadata(raw: RawGGUF, tmp_path: Path) -> None
     fmt = load_chat_format(open_gguf(raw.write(tmp_path / "tpl.gguf")))
     with pytest.raises(TemplateError):
         fmt.render([{"role": "user", "content": "hi"}])
+
+
+def test_same_metadata_and_tensors_as_gguf_reader(tmp_path_factory: pytest.TempPathFactory) -> None:
+    path = converted("qwen35-tiny", tmp_path_factory.mktemp("gguf-compat"), "gguf", "q8_0")
+    reader = GGUFReader(path)
+    files = open_gguf(path)
+    assert files.metadata == {n: f.contents() for n, f in reader.fields.items() if not n.startswith("GGUF.")}
+    for t in reader.tensors:
+        data = files.tensors[t.name].data
+        assert not data.flags.owndata and not data.flags.writeable  # a view of the read-only map
+        assert data.tobytes() == np.asarray(t.data).tobytes()
