@@ -73,6 +73,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         self.steps_left = MAX_STEPS
         self.globals["range"] = self._range
         self.filters = {name: self.bounded_callable(f) for name, f in self.filters.items()}
+        self.filters["format"] = self.bounded_callable(_checked_format(self.filters["format"]))
 
     def step(self) -> None:
         self.steps_left -= 1
@@ -95,8 +96,6 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         for value in (*args, *kwargs.values()):
             if isinstance(value, int) and _too_big(value):
                 raise _refuse(f"integer argument {value} larger than {MAX_LENGTH}")
-            if isinstance(value, str) and HUGE_FORMAT_WIDTH.search(value):
-                raise _refuse("a format width of 7 or more digits")
 
     @staticmethod
     def _range(*args: int) -> range:
@@ -134,6 +133,16 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
                 raise _refuse(f"output longer than {MAX_OUTPUT} characters")
             parts.append(part)
         return "".join(parts)
+
+
+def _checked_format(format_filter: Callable[..., str]) -> Callable[..., str]:
+    """The ``format`` filter (``fmt % args``), refusing huge widths in ``fmt``."""
+    @functools.wraps(format_filter)
+    def checked(value: Any, *args: Any, **kwargs: Any) -> str:
+        if isinstance(value, str) and HUGE_FORMAT_WIDTH.search(value):
+            raise _refuse("a format width of 7 or more digits")
+        return format_filter(value, *args, **kwargs)
+    return checked
 
 
 def _product_too_big(left: Any, right: Any) -> bool:

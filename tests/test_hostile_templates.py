@@ -101,6 +101,12 @@ def test_real_templates_render_as_in_the_plain_sandbox(name: str, tools: list | 
     assert ChatTemplate(source).render(MESSAGES, **context) == sandbox_render(source, messages=MESSAGES, **context)
 
 
+def test_message_text_that_looks_like_a_format_width_is_only_text() -> None:
+    source = real_templates()["qwen3-tiny/tokenizer_config.json"]
+    messages = [{"role": "user", "content": "order {id 12345678} costs %1234567d"}]
+    assert "order {id 12345678} costs %1234567d" in ChatTemplate(source).render(messages)
+
+
 def test_budget_resets_between_renders() -> None:
     template = ChatTemplate("{% for i in range(9000) %}{% for j in range(10) %}{% endfor %}{% endfor %}ok")
     for _ in range(3):
