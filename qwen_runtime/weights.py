@@ -26,9 +26,9 @@ from .tensors import Q8_0_BLOCK, Q8_0_BYTES, Q8_0_DTYPE, QType, StoredTensor
 
 # Elements per widened tile: 1 MiB of float32 stays in a core's L2 cache between widening and BLAS.
 TILE_ELEMENTS = 1 << 18
-# Activation rows up to which tiles are spread over the thread pool with single-threaded BLAS (decode and
-# batch decode); longer inputs (prefill) run tiles in turn and let BLAS use every thread on each product.
-POOL_ROWS = 8
+# Activation rows up to which Q8_0 tiles are multiplied per block column (decode, batch decode); above it the
+# tile is scaled in place and multiplied once (prefill).
+BLOCK_SUM_ROWS = 8
 
 _F16_EXP_MASK = np.uint16(0x7C00)
 _F16_ABS_MASK = np.uint16(0x7FFF)
@@ -56,11 +56,12 @@ class Scratch:
 class Workspace:
     """Scratch buffers and the tile thread pool of one model.
 
-    ``threads`` workers (default: the CPUs this process may use) each own a :class:`Scratch`.  Short inputs
-    (at most ``POOL_ROWS`` activation rows) spread their tiles over the workers while BLAS is held to one
-    thread (numpy releases the GIL in casts, ufuncs and BLAS, so the workers really run in parallel); longer
-    inputs run tiles in turn with BLAS on every thread.  BLAS threads are switched through threadpoolctl;
-    without it the pool stays unused.
+    ``threads`` workers (default: the CPUs this process may use) each own a :class:`Scratch` and take every
+    ``threads``-th tile, with BLAS held to one thread (numpy releases the GIL in casts, ufuncs and BLAS, so
+    the workers really run in parallel; two-thread BLAS inside each tile product would oversubscribe the
+    cores).  After a long input (prefill) BLAS gets its threads back for the rest of the forward pass
+    (attention); during decoding it stays at one thread, so the decode loop does not switch it every call.
+    BLAS threads are switched through threadpoolctl; without it tiles run in turn on the calling thread.
     """
 
     def __init__(self, elements: int = TILE_ELEMENTS, threads: int | None = None) -> None:
@@ -91,10 +92,9 @@ class Workspace:
             self._blas.limit(limits=n)
             self._blas_now = n
 
-    def run(self, tasks: Sequence[Callable[[Scratch], None]], parallel: bool) -> None:
-        """Run every task, each with a scratch of its thread; spread over the pool when ``parallel``."""
-        if not parallel or self._blas is None or len(tasks) < 2:
-            self._set_blas_threads(self._blas_default)
+    def run(self, tasks: Sequence[Callable[[Scratch], None]], long_input: bool) -> None:
+        """Run every task with a scratch of its thread, spread over the pool (see the class docstring)."""
+        if self._blas is None or len(tasks) < 2:
             for task in tasks:
                 task(self.scratch[0])
             return
@@ -104,9 +104,13 @@ class Workspace:
         groups = [tasks[i::self.threads] for i in range(self.threads)]
         futures = [self._pool.submit(_run_group, group, scratch)
                    for group, scratch in zip(groups[1:], self.scratch[1:], strict=True)]
-        _run_group(groups[0], self.scratch[0])
-        for future in futures:
-            future.result()
+        try:
+            _run_group(groups[0], self.scratch[0])
+        finally:
+            for future in futures:
+                future.result()
+        if long_input:
+            self._set_blas_threads(self._blas_default)
 
 
 def _run_group(tasks: Sequence[Callable[[Scratch], None]], scratch: Scratch) -> None:
@@ -191,7 +195,7 @@ def q8_0_product(raw: np.ndarray, xq: np.ndarray, scratch: Scratch, out: np.ndar
     tile = scratch.f32[: raw.size].reshape(rows, nb, Q8_0_BYTES)
     np.copyto(tile.reshape(raw.shape), raw.view(np.int8), casting="unsafe")
     scale = raw.reshape(rows, nb, Q8_0_BYTES)[:, :, :2].view(np.float16)[..., 0].astype(np.float32)  # [R, nb]
-    if n <= POOL_ROWS:
+    if n <= BLOCK_SUM_ROWS:
         sums = np.matmul(tile.transpose(1, 0, 2), xq)  # [nb, R, N]
         return np.einsum("brn,rb->rn", sums, scale, out=out)
     tile *= scale[..., None]
@@ -326,7 +330,7 @@ def matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
         outputs[id(w)] = np.empty((w.out_features, x.shape[0]), np.float32)  # [out, N]: tiles write rows
         tasks += w.tile_tasks(x, outputs[id(w)])
     if tiled:
-        tiled[0].ws.run(tasks, parallel=x.shape[0] <= POOL_ROWS)
+        tiled[0].ws.run(tasks, long_input=x.shape[0] > BLOCK_SUM_ROWS)
     results = []
     for w in weights:
         yt = outputs.get(id(w))
