@@ -222,6 +222,10 @@ class Weight:
     def qtype(self) -> QType:
         return self.tensor.qtype
 
+    def tile_tasks(self, x: np.ndarray, yt: np.ndarray) -> list[Callable[[Scratch], None]]:
+        """Independent tasks that together fill ``yt`` [out, N] with ``W @ x.T`` (run by the workspace)."""
+        raise NotImplementedError
+
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """``x @ W.T``.  # [N, in] -> [N, out]"""
         raise NotImplementedError
@@ -239,17 +243,28 @@ class Weight:
 
 
 class F32Weight(Weight):
-    """Float32 weights used in place: BLAS reads the memory-mapped rows directly."""
+    """Float32 weights used in place: BLAS reads the memory-mapped rows directly, one row block per worker."""
 
-    def __init__(self, tensor: StoredTensor) -> None:
+    def __init__(self, tensor: StoredTensor, ws: Workspace) -> None:
         super().__init__(tensor)
         self.w = np.asarray(tensor.data)  # [out, in] view of the memory map
+        self.ws = ws
+
+    def tile_tasks(self, x: np.ndarray, yt: np.ndarray) -> list[Callable[[Scratch], None]]:
+        """One task per worker, together filling ``yt`` [out, N] with ``W @ x.T`` (no copy of W)."""
+        step = -(-self.out_features // self.ws.threads)
+        return [partial(_rows_product, self.w[r0:r0 + step], x.T, yt[r0:r0 + step])
+                for r0 in range(0, self.out_features, step)]
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
-        return np.matmul(x, self.w.T)
+        return matmul_many([self], x)[0]
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         return np.asarray(self.w[ids], dtype=np.float32)
+
+
+def _rows_product(w: np.ndarray, xt: np.ndarray, out: np.ndarray, scratch: Scratch) -> None:
+    np.matmul(w, xt, out=out)
 
 
 class TiledWeight(Weight):
@@ -318,30 +333,22 @@ class TiledWeight(Weight):
 
 
 def matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
-    """``[w.matmul(x) for w in weights]``; the tiles of all tiled weights go through the pool in one run.
+    """``[w.matmul(x) for w in weights]``, the tiles of all of them through the pool in one run.
 
     Fusing projections that share their input (q/k/v, gate/up) balances the pool over every row of them
-    and pays its dispatch once.  # [N, in] -> [[N, out_i], ...]
+    and pays its dispatch once.  All weights must share one workspace.  # [N, in] -> [[N, out_i], ...]
     """
-    tiled = [w for w in weights if isinstance(w, TiledWeight)]
-    outputs: dict[int, np.ndarray] = {}
-    tasks: list[Callable[[Scratch], None]] = []
-    for w in tiled:
-        outputs[id(w)] = np.empty((w.out_features, x.shape[0]), np.float32)  # [out, N]: tiles write rows
-        tasks += w.tile_tasks(x, outputs[id(w)])
-    if tiled:
-        tiled[0].ws.run(tasks, long_input=x.shape[0] > BLOCK_SUM_ROWS)
-    results = []
-    for w in weights:
-        yt = outputs.get(id(w))
-        results.append(w.matmul(x) if yt is None else yt.T if x.shape[0] == 1 else np.ascontiguousarray(yt.T))
-    return results
+    outputs = [np.empty((w.out_features, x.shape[0]), np.float32) for w in weights]  # [out, N]: tasks fill rows
+    tasks = [task for w, yt in zip(weights, outputs, strict=True) for task in w.tile_tasks(x, yt)]
+    if weights:
+        weights[0].ws.run(tasks, long_input=x.shape[0] > BLOCK_SUM_ROWS)
+    return [yt.T if x.shape[0] == 1 else np.ascontiguousarray(yt.T) for yt in outputs]
 
 
 def make_weight(tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> Weight:
     """The weight kind for a stored matrix."""
     if tensor.qtype == QType.F32:
-        return F32Weight(tensor)
+        return F32Weight(tensor, ws)
     return TiledWeight(tensor, ws, tile_elements)
 
 

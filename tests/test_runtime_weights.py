@@ -108,14 +108,17 @@ def test_f16_tiles_with_inf_or_large_activations_match_reference(scale: float) -
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("qtype", [QType.F16, QType.BF16, QType.Q8_0])
+@pytest.mark.parametrize("qtype", [QType.F32, QType.F16, QType.BF16, QType.Q8_0])
 @pytest.mark.parametrize("n", [1, 4, 20])
-def test_pool_gives_exactly_the_serial_result(qtype: QType, n: int) -> None:
+def test_pool_gives_the_serial_result(qtype: QType, n: int) -> None:
     rng = np.random.default_rng(5)
     w, x = rng.normal(0, 0.05, (300, 96)).astype(np.float32), rng.normal(0, 1, (n, 96)).astype(np.float32)
     serial = make_weight(stored(qtype, w), Workspace(32 * 96, threads=1), tile_elements=32 * 96)
     pooled = make_weight(stored(qtype, w), Workspace(32 * 96, threads=2), tile_elements=32 * 96)
-    np.testing.assert_array_equal(pooled.matmul(x), serial.matmul(x))
+    if qtype == QType.F32:  # split into row blocks, BLAS may sum in another order: float32 rounding
+        np.testing.assert_allclose(pooled.matmul(x), serial.matmul(x), rtol=1e-6, atol=1e-6)
+    else:  # the same tiles, only on other threads: bit for bit
+        np.testing.assert_array_equal(pooled.matmul(x), serial.matmul(x))
 
 
 def test_matmul_many_equals_separate_products() -> None:
