@@ -18,6 +18,7 @@ from qwen_runtime.weights import (
     matmul_many,
     q8_0_activations,
     q8_0_product,
+    q8_0_scales,
     q8_0_to_f32,
 )
 
@@ -82,6 +83,14 @@ def test_f16_prescaled_widening_is_exact_for_every_finite_bit_pattern() -> None:
     out = f16_bits_to_prescaled(bits, np.empty(bits.shape, np.float32))
     expected = bits.view(np.float16).astype(np.float32)
     np.testing.assert_array_equal((out * np.float32(2.0**112))[finite], expected[finite])  # incl. -0, subnormals
+
+
+def test_q8_0_scales_are_exact_for_every_bit_pattern() -> None:
+    bits = np.arange(1 << 16, dtype=np.uint16).reshape(256, 256)
+    expected = bits.view(np.float16).astype(np.float32)
+    finite = np.r_[0:124, 128:252]  # rows of every finite pattern, positive and negative
+    np.testing.assert_array_equal(q8_0_scales(bits[finite]), expected[finite])
+    np.testing.assert_array_equal(q8_0_scales(bits[124:128]), expected[124:128])  # inf/NaN: numpy's own cast
 
 
 @pytest.mark.parametrize("n", [1, 3, 8, 9, 40])
