@@ -244,7 +244,7 @@ def values_equal(a: Any, b: Any) -> bool:
         return isinstance(a, (int, float)) and isinstance(b, (int, float)) and (
             np.float32(a) == np.float32(b) or (math.isnan(a) and math.isnan(b)))
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b, strict=True))
+        return a == b or (len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b, strict=True)))
     return type(a) is type(b) and a == b
 
 

@@ -52,13 +52,17 @@ MIXED_TEXT = ("Hello, world! It's 2026 and we're testing 3.14159.\n今天天气�
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "你好! What is 2+2? 🎉"}]
 GREEDY_STEPS = 8
 
-# Relative logit bounds (max |llama.cpp - ours| / max |logit|) for the same file.  fp32: both compute in
-# float32 (llama.cpp's KV cache is set to F32).  For F16/Q8_0 weights both sides use identical stored weights,
-# but llama.cpp's CPU kernels round the *activations* too before each matmul: to F16 for F16 weights
-# (relative 2^-11 per element) and to Q8_0 blocks for Q8_0 weights (up to 1/254 of the block max).  With
-# 7-10 matmuls on the path to a logit and random-sign accumulation, measured errors are ~1e-3 (fp16) and
-# ~1e-2 (q8_0) of max |logit|; the bounds leave a 3-5x margin.
-LOGIT_BOUNDS = {"fp32": 1e-3, "fp16": 5e-3, "q8_0": 3e-2}
+# Bounds on max |llama.cpp - ours| / max |logit| for the same file.  fp32: both compute in float32 (llama.cpp's
+# KV cache is set to F32); measured <= 1.5e-5.  F16/Q8_0 files hold identical weights on both sides, but
+# llama.cpp's CPU kernels also round the *activations* before each matmul: to F16 for F16 weights (2^-11
+# relative per element) and to Q8_0 blocks for Q8_0 weights (up to 1/254 of each 32-block's max).
+# fp16: measured 1e-3 (Qwen2/3) and 9e-3 (Qwen3.5, whose gated-delta recurrence amplifies perturbations);
+# bound 2e-2.  q8_0: 8-bit activation blocks are a perturbation of the same kind and size as the 8-bit weight
+# blocks, so the difference is bounded by a small multiple of the q8_0 file's own error against
+# transformers (measured: Qwen2/3 2-3 % vs own error 4 %; tiny random Qwen3.5 22 % vs own error 28 %):
+# bound 2 x that error, plus 1 %.
+LOGIT_BOUNDS = {"fp32": 1e-3, "fp16": 2e-2}
+Q8_0_ERROR_FACTOR, Q8_0_FLOOR = 2.0, 1e-2
 HF_FP32_ABS = 1e-4  # llama.cpp's fp32 file in our runtime vs transformers (same bound as our own files)
 
 # general.* keys that only describe the file (name, size label, ...) are not compared.
@@ -227,14 +231,23 @@ def test_our_gguf_in_llama_cpp(conversions: Conversions, interop_dirs: dict[str,
         # 4. logits and greedy continuation vs our runtime on the same file
         ids = llm.tokenize(MIXED_TEXT)
         ours = our_logits(ours_path, ids)
-        assert relative_error(llm.logits(ids), ours) <= LOGIT_BOUNDS[dtype]
-        check_greedy(llm, ours_path, ids, dtype)
+        bound = logit_bound(dtype, ours, model_dir, ids)
+        assert relative_error(llm.logits(ids), ours) <= bound
+        check_greedy(llm, ours_path, ids, dtype, bound)
     finally:
         llm.close()
         reference.close()
 
 
-def check_greedy(llm: li.LlamaModel, path: Path, ids: list[int], dtype: str) -> None:
+def logit_bound(dtype: str, ours: np.ndarray, model_dir: Path, ids: list[int]) -> float:
+    """Relative bound of llama.cpp vs our runtime on the same file (see LOGIT_BOUNDS)."""
+    if dtype in LOGIT_BOUNDS:
+        return LOGIT_BOUNDS[dtype]
+    own_error = relative_error(ours, hf_logits(model_dir, np.asarray(ids))[0])
+    return Q8_0_ERROR_FACTOR * own_error + Q8_0_FLOOR
+
+
+def check_greedy(llm: li.LlamaModel, path: Path, ids: list[int], dtype: str, bound: float) -> None:
     """llama.cpp's greedy tokens (through its cache) are our argmax, or a near-tie within the logit bound."""
     theirs = llm.greedy(ids, GREEDY_STEPS)
     logits = our_logits(path, ids + theirs[:-1])[len(ids) - 1:]
@@ -242,7 +255,7 @@ def check_greedy(llm: li.LlamaModel, path: Path, ids: list[int], dtype: str) -> 
     if dtype == "fp32":
         assert theirs == ours_argmax
         return
-    slack = 2 * LOGIT_BOUNDS[dtype] * float(np.abs(logits).max())
+    slack = 2 * bound * float(np.abs(logits).max())
     for step, (token, row) in enumerate(zip(theirs, logits, strict=True)):
         assert row[token] >= row.max() - slack, f"step {step}: llama.cpp chose {token}, ours {int(row.argmax())}"
 
