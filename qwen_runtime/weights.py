@@ -66,7 +66,7 @@ class Workspace:
 
     def __init__(self, elements: int = TILE_ELEMENTS, threads: int | None = None) -> None:
         self.elements = elements
-        self.threads = max(1, threads or len(os.sched_getaffinity(0)))
+        self.threads = max(1, threads or _usable_cpus())
         self.scratch = [Scratch(elements) for _ in range(self.threads)]
         self._pool: ThreadPoolExecutor | None = None
         self._blas = _blas_controller() if self.threads > 1 else None
@@ -111,6 +111,12 @@ class Workspace:
                 future.result()
         if long_input:
             self._set_blas_threads(self._blas_default)
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _run_group(tasks: Sequence[Callable[[Scratch], None]], scratch: Scratch) -> None:
