@@ -14,7 +14,6 @@ tests compare the fast paths against.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -56,22 +55,25 @@ class Scratch:
 class Workspace:
     """Scratch buffers and the tile thread pool of one model.
 
-    ``threads`` workers (default: the CPUs this process may use) each own a :class:`Scratch` and take every
-    ``threads``-th tile, with BLAS held to one thread (numpy releases the GIL in casts, ufuncs and BLAS, so
-    the workers really run in parallel; two-thread BLAS inside each tile product would oversubscribe the
-    cores).  After a long input (prefill) BLAS gets its threads back for the rest of the forward pass
-    (attention); during decoding it stays at one thread, so the decode loop does not switch it every call.
+    ``threads`` workers (default: BLAS's own thread count, i.e. ``OPENBLAS_NUM_THREADS`` or the CPUs) each own
+    a :class:`Scratch` and take every ``threads``-th tile, with BLAS held to one thread (numpy releases the GIL
+    in casts, ufuncs and BLAS, so the workers really run in parallel; two-thread BLAS inside each tile product
+    would oversubscribe the cores).  After a long input (prefill) BLAS gets its threads back for the rest of
+    the forward pass (attention); during decoding it stays at one thread, so the decode loop does not switch it
+    every call.
     BLAS threads are switched through threadpoolctl; without it tiles run in turn on the calling thread.
     """
 
     def __init__(self, elements: int = TILE_ELEMENTS, threads: int | None = None) -> None:
         self.elements = elements
-        self.threads = max(1, threads or _usable_cpus())
+        self._blas = _blas_controller()
+        self._blas_default = self._blas.info()[0]["num_threads"] if self._blas else 1
+        self._blas_now = self._blas_default
+        self.threads = max(1, threads or self._blas_default)
+        if self.threads == 1:
+            self._blas = None
         self.scratch = [Scratch(elements) for _ in range(self.threads)]
         self._pool: ThreadPoolExecutor | None = None
-        self._blas = _blas_controller() if self.threads > 1 else None
-        self._blas_default = self._blas.info()[0]["num_threads"] if self._blas else 0
-        self._blas_now = self._blas_default
 
     @property
     def f32(self) -> np.ndarray:
@@ -111,12 +113,6 @@ class Workspace:
                 future.result()
         if long_input:
             self._set_blas_threads(self._blas_default)
-
-
-def _usable_cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _run_group(tasks: Sequence[Callable[[Scratch], None]], scratch: Scratch) -> None:
