@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from shared_data import MODEL_CONFIGS  # noqa: F401  (re-exported for the runtime tests)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DENSE_FAMILIES = ("qwen2-tiny", "qwen3-tiny", "deepseek-tiny")
-MODEL_CONFIGS = Path("/work/shared/data/model-configs")
 
 
 def fixture_dir(name: str) -> Path:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from hostile_helpers import FIXTURES
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from shared_data import MODEL_CONFIGS
 
 from qwen_runtime.chat import ChatTemplate, _raise_exception, _strftime_now, _tojson
 from qwen_runtime.errors import TemplateError
 
-MODEL_CONFIGS = Path("/work/shared/data/model-configs")
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ü"},
             {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello"}, {"role": "user", "content": "2+2?"}]
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "adds",

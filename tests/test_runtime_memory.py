@@ -9,13 +9,14 @@ growth must stay far below the size of the weights.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from runtime_helpers import convert, converter_available
+from runtime_helpers import FIXTURES, convert, converter_available
 from safetensors.numpy import save_file
 
 ALLOWED_GROWTH_MB = 24  # tile buffer, activations, logits, KV cache of this small run, allocator slack
@@ -65,6 +66,8 @@ def write_random_hf(path: Path, dtype: str) -> int:
         tensors[name] = x.astype(np.float16) if dtype == "fp16" else x
     path.mkdir()
     save_file(tensors, str(path / "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # GGUF output needs a tokenizer
+        shutil.copy(FIXTURES / "qwen2-tiny" / name, path / name)
     (path / "config.json").write_text(json.dumps(CONFIG))
     return sum(t.nbytes for t in tensors.values())
 

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 from runtime_helpers import MODEL_CONFIGS, fixture_dir
+from shared_data import TOKENIZERS
 
 from qwen_runtime.chat import ChatFormat, ChatTemplate, _token_text, load_chat_format
 from qwen_runtime.errors import TemplateError
 from qwen_runtime.formats import open_model_files
 from qwen_runtime.tokenizer import StreamDecoder, Tokenizer
 
-REAL_TOKENIZER = Path("/work/shared/data/tokenizers/qwen2_qwen3/tokenizer.json")
+REAL_TOKENIZER = TOKENIZERS / "qwen2_qwen3" / "tokenizer.json"
 TEXTS = ("Hello world! The quick brown fox's 12345 jumps\r\n  over\tthe lazy dog.",
          "日本語のテキスト、中文句子，한국어 문장 🎉🙂👍🏽 naïve café",
          "def f(x):\n    return x ** 2  # comment\n\n\n<|im_start|>user\nhi<|im_end|>",
