@@ -10,11 +10,11 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from qwen_runtime.errors import QwenError, exit_code
+from qwen_runtime.cli_support import run_guarded
 from qwen_runtime.formats import open_model_files, verify_model_files
 
 from .batch import FAILED, JobResult, plan_jobs, run_batch, summary_table
@@ -22,8 +22,6 @@ from .convert import FORMATS, convert, infer_format
 from .inspect import compare, compare_json, compare_table, model_stats, open_pair, stats_json, stats_table
 from .policy import DTYPES, TensorSpec
 from .verify import BatchVerifier, ConversionVerifier, report_json, report_summary, report_table, verify_against
-
-INTERRUPTED = 130
 
 
 class TqdmProgress:
@@ -119,21 +117,6 @@ def _run_batch(args: argparse.Namespace) -> int:
     return 1 if any(r.status == FAILED for r in results) else 0
 
 
-def _guarded(prog: str, main: Callable[[], int]) -> int:
-    """Run ``main``, turning our errors, I/O errors and Ctrl-C into one line and an exit code."""
-    try:
-        return main()
-    except QwenError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return exit_code(exc)
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted; no partial output was left", file=sys.stderr)
-        return INTERRUPTED
-    except OSError as exc:
-        print(f"{prog}: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
-
-
 def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
 
@@ -146,8 +129,8 @@ def convert_main(argv: Sequence[str] | None = None) -> int:
         parser.error("give exactly one of -o OUT (one output) and --out-dir DIR (batch)")
     _logging(args.verbose)
     if args.output is not None:
-        return _guarded("qwen-convert", lambda: _run_single(args, parser))
-    return _guarded("qwen-convert", lambda: _run_batch(args))
+        return run_guarded("qwen-convert", lambda: _run_single(args, parser))
+    return run_guarded("qwen-convert", lambda: _run_batch(args))
 
 
 def inspect_parser() -> argparse.ArgumentParser:
@@ -187,4 +170,4 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``qwen-inspect``."""
     args = inspect_parser().parse_args(argv)
     _logging(False)
-    return _guarded("qwen-inspect", lambda: _inspect(args))
+    return run_guarded("qwen-inspect", lambda: _inspect(args))

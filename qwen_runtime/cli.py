@@ -15,10 +15,8 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from . import Generation, Model, SamplingParams, load, stream
-from .errors import QwenError, exit_code
+from .cli_support import run_guarded
 from .limits import parse_memory_size
-
-USAGE_ERROR = 2
 
 
 def configure_parser() -> argparse.ArgumentParser:
@@ -127,21 +125,7 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = configure_parser().parse_args(argv)
-    try:
-        run(args)
-    except QwenError as exc:
-        sys.stderr.write(f"qwen-run: error: {exc}\n")
-        return exit_code(exc)
-    except (ValueError, OSError) as exc:
-        sys.stderr.write(f"qwen-run: error: {exc}\n")
-        return USAGE_ERROR
-    except KeyboardInterrupt:
-        sys.stderr.write("\n")
-        return 130
-    except Exception as exc:  # a bug, not a user error: still one line, never a traceback
-        sys.stderr.write(f"qwen-run: internal error: {type(exc).__name__}: {exc}\n")
-        return 1
-    return 0
+    return run_guarded("qwen-run", lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from qwen_convert.batch import human_size
 from qwen_convert.cli import TqdmProgress
 
+from .cli_support import run_guarded
 from .demo import (
     DEFAULT_OUT,
     Completion,
@@ -29,10 +30,7 @@ from .demo import (
     measure_quality,
     prepare_outputs,
 )
-from .errors import QwenError, exit_code
 from .evaluate import METHOD, EvalResult, count_targets, read_text
-
-USAGE_ERROR = 2
 
 
 def configure_parser() -> argparse.ArgumentParser:
@@ -108,18 +106,7 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``qwen-demo``."""
     args = configure_parser().parse_args(argv)
-    try:
-        run(args)
-    except QwenError as exc:
-        sys.stderr.write(f"qwen-demo: error: {exc}\n")
-        return exit_code(exc)
-    except (ValueError, OSError) as exc:
-        sys.stderr.write(f"qwen-demo: error: {exc}\n")
-        return USAGE_ERROR
-    except KeyboardInterrupt:
-        sys.stderr.write("\n")
-        return 130
-    return 0
+    return run_guarded("qwen-demo", lambda: run(args))
 
 
 if __name__ == "__main__":

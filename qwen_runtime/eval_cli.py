@@ -16,10 +16,9 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from . import load
-from .errors import QwenError, exit_code
+from .cli_support import run_guarded
 from .evaluate import count_targets, encode_text, evaluate_ids, read_text, results_table
 
-USAGE_ERROR = 2
 DEFAULT_CTX = 512
 METHOD_HELP = ("Method: the text is tokenized once (BOS only if the model adds one to raw prompts) and cut into "
                "windows of --ctx tokens starting every --stride tokens; each window is run from an empty "
@@ -65,18 +64,7 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``qwen-eval``."""
     args = configure_parser().parse_args(argv)
-    try:
-        run(args)
-    except QwenError as exc:
-        sys.stderr.write(f"qwen-eval: error: {exc}\n")
-        return exit_code(exc)
-    except (ValueError, OSError) as exc:
-        sys.stderr.write(f"qwen-eval: error: {exc}\n")
-        return USAGE_ERROR
-    except KeyboardInterrupt:
-        sys.stderr.write("\n")
-        return 130
-    return 0
+    return run_guarded("qwen-eval", lambda: run(args))
 
 
 if __name__ == "__main__":

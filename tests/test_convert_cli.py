@@ -16,7 +16,8 @@ import pytest
 from convert_helpers import drop_tensor, fixture, read_header, rewrite_header, write_qwen2
 
 from qwen_convert import gguf_writer, npy_writer
-from qwen_convert.cli import INTERRUPTED, convert_main
+from qwen_convert.cli import convert_main
+from qwen_runtime.cli_support import INTERRUPTED
 from qwen_runtime.formats import open_model_files
 
 

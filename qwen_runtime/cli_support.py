@@ -1,0 +1,34 @@
+"""What every command-line entry point shares: turning failures into one line and an exit code."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from .errors import QwenError, exit_code
+
+USAGE_ERROR = 2  # an invalid option value (argparse uses the same code for bad usage)
+INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
+MISSING_FILE = 2  # the same code as FormatError: an input file is missing
+
+
+def run_guarded(prog: str, main: Callable[[], int | None]) -> int:
+    """Run ``main`` and return its exit code; errors become one line on stderr, never a traceback."""
+    try:
+        return main() or 0
+    except QwenError as exc:
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        return exit_code(exc)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"\n{prog}: interrupted; no partial output was left\n")
+        return INTERRUPTED
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        sys.stderr.write(f"{prog}: error: {where}{exc.strerror or exc}\n")
+        return MISSING_FILE if isinstance(exc, FileNotFoundError) else 1
+    except ValueError as exc:
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        return USAGE_ERROR
+    except Exception as exc:  # a bug, not a user error: still one line, never a traceback
+        sys.stderr.write(f"{prog}: internal error: {type(exc).__name__}: {exc}\n")
+        return 1
