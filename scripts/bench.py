@@ -341,7 +341,8 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
             log(f"{src.name} {dtype}: conversion {rep + 1}/{args.repeat}")
             conv["ours"].append(convert_ours(src, gguf, dtype, env))
             if script is not None:
-                conv["llama"].append(convert_llama(script, src, args.cache_dir / "llama-out.gguf", dtype, env))
+                scratch = args.cache_dir / f"llama-out-{os.getpid()}.gguf"  # deleted after measuring
+                conv["llama"].append(convert_llama(script, src, scratch, dtype, env))
         for rep in range(args.repeat):
             log(f"{src.name} {dtype}: runtime {rep + 1}/{args.repeat}")
             for name, sample in runtime_round(gguf, plan, script is not None, env, args.threads).items():
