@@ -47,7 +47,9 @@ MODEL_KEYS: tuple[tuple[str, GGUFValueType, Callable[[ModelConfig], Any], tuple[
     (Keys.Attention.VALUE_LENGTH, U32, lambda c: c.head_dim, WITH_HEAD_DIM),
     (Keys.Attention.LAYERNORM_RMS_EPS, F32, lambda c: c.rms_norm_eps, ALL),
     (Keys.Rope.FREQ_BASE, F32, lambda c: c.rope_theta, ALL),
-    (Keys.Rope.DIMENSION_COUNT, U32, lambda c: c.rotary_dim, ALL),
+    # llama.cpp defaults the rotary width to the head size, right for qwen2/qwen3; its converter writes it
+    # only where it differs (qwen35's partial rotary), and so do we.
+    (Keys.Rope.DIMENSION_COUNT, U32, lambda c: c.rotary_dim, ("qwen35",)),
     (Keys.Rope.DIMENSION_SECTIONS, I32, _rope_sections, ("qwen35",)),
     (Keys.SSM.CONV_KERNEL, U32, lambda c: c.linear_conv_kernel_dim, ("qwen35",)),
     (Keys.SSM.STATE_SIZE, U32, lambda c: c.linear_key_head_dim, ("qwen35",)),

@@ -114,14 +114,14 @@ def test_gguf_metadata_keys_and_types(converted, name: str) -> None:
         f"{arch}.feed_forward_length": (U32, c.intermediate_size),
         f"{arch}.attention.head_count": (U32, c.num_attention_heads),
         f"{arch}.attention.head_count_kv": (U32, c.num_key_value_heads),
-        f"{arch}.rope.dimension_count": (U32, c.rotary_dim),
         Keys.Tokenizer.MODEL: (GGUFValueType.STRING, "gpt2"),
     }
     if arch != "qwen2":
         expected |= {f"{arch}.attention.key_length": (U32, c.head_dim),
                      f"{arch}.attention.value_length": (U32, c.head_dim)}
     if arch == "qwen35":
-        expected |= {f"{arch}.ssm.conv_kernel": (U32, c.linear_conv_kernel_dim),
+        expected |= {f"{arch}.rope.dimension_count": (U32, c.rotary_dim),
+                     f"{arch}.ssm.conv_kernel": (U32, c.linear_conv_kernel_dim),
                      f"{arch}.ssm.state_size": (U32, c.linear_key_head_dim),
                      f"{arch}.ssm.group_count": (U32, c.linear_num_key_heads),
                      f"{arch}.ssm.time_step_rank": (U32, c.linear_num_value_heads),

@@ -77,9 +77,6 @@ KNOWN_DIFFS: tuple[tuple[str, str], ...] = (
      "llama.cpp's vendored gguf-py reads add_bos/add_eos = false from the ByteLevel post-processor; gguf 0.19 "
      "(our dependency) leaves them unset when tokenizer_config.json lacks add_*_token; absent means false for "
      "llama.cpp's BPE vocab"),
-    (r"key:qwen[23]\.rope\.dimension_count = ours (16|32), llama\.cpp '<absent>'",
-     "qwen-numpy writes rope.dimension_count for every architecture; for qwen2/qwen3 it equals head_dim, "
-     "llama.cpp's default when the key is absent"),
     (r"key:qwen35\.attention\.recurrent_layers = ours '<absent>', llama\.cpp \[True, True, True, False\]",
      "newer llama.cpp also writes the per-layer recurrent flags from config.json layer_types (gguf 0.19 has "
      "no such key); llama.cpp derives the same flags from full_attention_interval when it is absent"),
