@@ -32,6 +32,10 @@ from .demo import (
 )
 from .evaluate import METHOD, EvalResult, count_targets, read_text
 
+# The bundled 4M-parameter model needs context: after a bare "def " (a lone space token, followed by a digit
+# in most of its training data) greedy decoding prints zeros; mid-signature it writes Python-looking code.
+DEFAULT_PROMPT = "class Reader:\n    def __init__(self"
+
 
 def configure_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen-demo", description="Convert a model (default: the bundled "
@@ -43,7 +47,8 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, default=None, help="HF model directory to use instead of the bundled one")
     p.add_argument("--text", type=Path, default=None, help="text to evaluate on (default: the model's "
                    "heldout.txt, else the bundled model's)")
-    p.add_argument("--prompt", default="def ", help="prompt completed by every output (default: 'def ')")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT,
+                   help=f"prompt completed by every output (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--eval-tokens", type=int, default=2048, help="tokens of the text to score (default: 2048)")
     p.add_argument("--ctx", type=int, default=256, help="perplexity window (default 256, the bundled model's "
