@@ -200,7 +200,8 @@ def q8_0_product(raw: np.ndarray, xq: np.ndarray, scratch: Scratch, out: np.ndar
     strided 32-of-34 view is several times slower); the scale bytes meet the zeros of ``xq``.  For a few
     activation rows the per-block dot products come from one BLAS call per block column and the scales are
     applied to those [R, nb] sums; for many rows the tile is scaled in place and multiplied once.
-    Equal to the reference up to float32 rounding (the scale is applied to block sums).  # -> [R, N]
+    Equal to the reference up to float32 rounding (the scale is applied to block sums).  ``out`` is ``[N, R]``
+    (a column block of the layer's output, any leading stride).  # -> out
     """
     rows, nb, n = len(raw), xq.shape[0], xq.shape[2]
     tile = scratch.f32[: raw.size].reshape(rows, nb, Q8_0_BYTES)
@@ -208,9 +209,9 @@ def q8_0_product(raw: np.ndarray, xq: np.ndarray, scratch: Scratch, out: np.ndar
     scale = q8_0_scales(raw.reshape(rows, nb, Q8_0_BYTES)[:, :, :2].view(np.uint16)[..., 0])  # [R, nb]
     if n <= BLOCK_SUM_ROWS:
         sums = np.matmul(tile.transpose(1, 0, 2), xq)  # [nb, R, N]
-        return np.einsum("brn,rb->rn", sums, scale, out=out)
+        return np.einsum("brn,rb->nr", sums, scale, out=out)
     tile *= scale[..., None]
-    return np.matmul(tile.reshape(rows, -1), xq.reshape(-1, n), out=out)
+    return np.matmul(xq.reshape(-1, n).T, tile.reshape(rows, -1).T, out=out)
 
 
 def bf16_bits_to_f32(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -233,8 +234,8 @@ class Weight:
     def qtype(self) -> QType:
         return self.tensor.qtype
 
-    def tile_tasks(self, x: np.ndarray, yt: np.ndarray) -> list[Callable[[Scratch], None]]:
-        """Independent tasks that together fill ``yt`` [out, N] with ``W @ x.T`` (run by the workspace)."""
+    def tile_tasks(self, x: np.ndarray, y: np.ndarray) -> list[Callable[[Scratch], None]]:
+        """Independent tasks that together fill ``y`` [N, out] with ``x @ W.T`` (run by the workspace)."""
         raise NotImplementedError
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
@@ -261,10 +262,10 @@ class F32Weight(Weight):
         self.w = np.asarray(tensor.data)  # [out, in] view of the memory map
         self.ws = ws
 
-    def tile_tasks(self, x: np.ndarray, yt: np.ndarray) -> list[Callable[[Scratch], None]]:
-        """One task per worker, together filling ``yt`` [out, N] with ``W @ x.T`` (no copy of W)."""
+    def tile_tasks(self, x: np.ndarray, y: np.ndarray) -> list[Callable[[Scratch], None]]:
+        """One task per worker, together filling ``y`` [N, out] with ``x @ W.T`` (no copy of W)."""
         step = -(-self.out_features // self.ws.threads)
-        return [partial(_rows_product, self.w[r0:r0 + step], x.T, yt[r0:r0 + step])
+        return [partial(_rows_product, self.w[r0:r0 + step], x, y[:, r0:r0 + step])
                 for r0 in range(0, self.out_features, step)]
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
@@ -274,8 +275,8 @@ class F32Weight(Weight):
         return np.asarray(self.w[ids], dtype=np.float32)
 
 
-def _rows_product(w: np.ndarray, xt: np.ndarray, out: np.ndarray, scratch: Scratch) -> None:
-    np.matmul(w, xt, out=out)
+def _rows_product(w: np.ndarray, x: np.ndarray, out: np.ndarray, scratch: Scratch) -> None:
+    np.matmul(x, w.T, out=out)
 
 
 class TiledWeight(Weight):
@@ -300,32 +301,31 @@ class TiledWeight(Weight):
             return bf16_bits_to_f32(raw_rows, out)
         return f16_bits_to_f32(raw_rows, out, scratch or self.ws)
 
-    def tile_tasks(self, x: np.ndarray, yt: np.ndarray) -> list[Callable[[Scratch], None]]:
-        """One task per tile, together filling ``yt`` [out, N] with ``W @ x.T``."""
+    def tile_tasks(self, x: np.ndarray, y: np.ndarray) -> list[Callable[[Scratch], None]]:
+        """One task per tile, together filling ``y`` [N, out] with ``x @ W.T``."""
         xk = self._activations(x)
-        return [partial(self._tile_product, r0, min(r0 + self.tile_rows, self.out_features), xk, yt)
+        return [partial(self._tile_product, r0, min(r0 + self.tile_rows, self.out_features), xk, y)
                 for r0 in range(0, self.out_features, self.tile_rows)]
 
     def _activations(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """``x`` in the layout the kernel multiplies: (plain or Q8_0-shaped, F16's prescaled copy or None)."""
         if self.qtype == QType.Q8_0:
             return q8_0_activations(x), None
-        xt = x.T  # [in, N]
         if self.qtype == QType.F16 and x.size and np.abs(x).max() < _F16_PRESCALE_LIMIT:
-            return xt, xt * _F16_TO_F32_SCALE
-        return xt, None
+            return x, x * _F16_TO_F32_SCALE
+        return x, None
 
-    def _tile_product(self, r0: int, r1: int, xk: tuple[np.ndarray, np.ndarray | None], yt: np.ndarray,
+    def _tile_product(self, r0: int, r1: int, xk: tuple[np.ndarray, np.ndarray | None], y: np.ndarray,
                       scratch: Scratch) -> None:
-        raw, (x, prescaled) = self.raw[r0:r1], xk
+        raw, (x, prescaled), out = self.raw[r0:r1], xk, y[:, r0:r1]
         if self.qtype == QType.Q8_0:
-            q8_0_product(raw, x, scratch, yt[r0:r1])
+            q8_0_product(raw, x, scratch, out)
             return
         tile = scratch.f32[: raw.size].reshape(raw.shape)
         if prescaled is not None and self._tile_is_finite(r0, raw):
-            np.matmul(f16_bits_to_prescaled(raw, tile), prescaled, out=yt[r0:r1])
+            np.matmul(prescaled, f16_bits_to_prescaled(raw, tile).T, out=out)
         else:
-            np.matmul(self.widen(raw, tile, scratch), x, out=yt[r0:r1])
+            np.matmul(x, self.widen(raw, tile, scratch).T, out=out)
 
     def _tile_is_finite(self, r0: int, raw: np.ndarray) -> bool:
         if r0 not in self._finite:
@@ -349,11 +349,11 @@ def matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
     Fusing projections that share their input (q/k/v, gate/up) balances the pool over every row of them
     and pays its dispatch once.  All weights must share one workspace.  # [N, in] -> [[N, out_i], ...]
     """
-    outputs = [np.empty((w.out_features, x.shape[0]), np.float32) for w in weights]  # [out, N]: tasks fill rows
-    tasks = [task for w, yt in zip(weights, outputs, strict=True) for task in w.tile_tasks(x, yt)]
+    outputs = [np.empty((x.shape[0], w.out_features), np.float32) for w in weights]  # tasks fill column blocks
+    tasks = [task for w, y in zip(weights, outputs, strict=True) for task in w.tile_tasks(x, y)]
     if weights:
         weights[0].ws.run(tasks, long_input=x.shape[0] > BLOCK_SUM_ROWS)
-    return [yt.T if x.shape[0] == 1 else np.ascontiguousarray(yt.T) for yt in outputs]
+    return outputs
 
 
 def make_weight(tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> Weight:

@@ -100,8 +100,8 @@ def test_q8_0_product_matches_reference_dequantization(n: int) -> None:
     raw = quants.quantize(w, GGMLQuantizationType.Q8_0)
     x = rng.normal(0, 1, (n, 128)).astype(np.float32)
     ref = q8_0_to_f32(raw, np.empty(w.shape, np.float32)) @ x.T  # [37, n]
-    got = q8_0_product(raw, q8_0_activations(x), Scratch(raw.size), np.empty((37, n), np.float32))
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)  # the scale multiplies block sums: rounding only
+    got = q8_0_product(raw, q8_0_activations(x), Scratch(raw.size), np.empty((n, 37), np.float32))
+    np.testing.assert_allclose(got, ref.T, rtol=1e-5, atol=1e-5)  # the scale multiplies block sums: rounding only
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e5])  # 1e5: activations too large to prescale, the exact path runs
