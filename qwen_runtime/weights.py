@@ -14,6 +14,7 @@ tests compare the fast paths against.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -66,7 +67,7 @@ class Workspace:
 
     def __init__(self, elements: int = TILE_ELEMENTS, threads: int | None = None) -> None:
         self.elements = elements
-        self._blas = _blas_controller()
+        self._blas = blas_controller()
         self._blas_default = self._blas.info()[0]["num_threads"] if self._blas else 1
         self._blas_now = self._blas_default
         self.threads = max(1, threads or self._blas_default)
@@ -120,7 +121,8 @@ def _run_group(tasks: Sequence[Callable[[Scratch], None]], scratch: Scratch) -> 
         task(scratch)
 
 
-def _blas_controller():  # -> threadpoolctl.ThreadpoolController | None
+@functools.lru_cache(maxsize=1)
+def blas_controller():  # -> threadpoolctl.ThreadpoolController | None
     """The BLAS libraries loaded by numpy, or None without threadpoolctl (the pool then stays unused)."""
     try:
         from threadpoolctl import ThreadpoolController

@@ -20,13 +20,13 @@ The recurrent state of one value head is ``S ∈ ℝ^(dk×dv)`` (HF's layout ``[
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import numpy as np
 
 from ..config import V_HEAD_GROUPED, V_HEAD_TILED
 from ..ops import sigmoid, silu
+from ..weights import blas_controller
 
 F32 = np.float32
 L2_EPS = 1e-6  # HF/FLA l2norm epsilon, inside the square root
@@ -276,16 +276,6 @@ def chunked_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarra
     return np.ascontiguousarray(np.moveaxis(out, 1, 2))  # [B, T, H, dv]
 
 
-@functools.lru_cache(maxsize=1)
-def _blas_controller():  # -> threadpoolctl.ThreadpoolController | None
-    try:
-        from threadpoolctl import ThreadpoolController
-    except ImportError:
-        return None
-    blas = ThreadpoolController().select(user_api="blas")
-    return blas if blas.lib_controllers else None
-
-
 @contextlib.contextmanager
 def single_threaded_blas() -> Iterator[None]:
     """BLAS on one thread inside the block (restored after; a no-op without threadpoolctl).
@@ -293,7 +283,7 @@ def single_threaded_blas() -> Iterator[None]:
     The delta rule is thousands of small matrix products; a multi-threaded BLAS synchronises its threads on each
     one, which made a 128-token chunked prefill 10-20x slower on 2 shared vCPUs (0.6-10 s instead of 0.04 s).
     """
-    blas = _blas_controller()
+    blas = blas_controller()
     if blas is None:
         yield
         return
