@@ -23,6 +23,7 @@ from qwen_runtime.tensors import DENSE_DTYPES, stored_shape
 
 from .gguf_metadata import add_model_metadata, add_tokenizer_metadata
 from .policy import TensorSpec
+from .quantize import write_chunks
 
 # numpy dtype of the elements of a metadata array, for the integer arrays we pack in bulk.
 _INT_ARRAY_DTYPES = {GGUFValueType.INT32: np.dtype("<i4"), GGUFValueType.UINT32: np.dtype("<u4")}
@@ -57,11 +58,8 @@ class StreamingGGUFWriter(GGUFWriter):
         name = next(iter(self.tensors[0]))
         info = self.tensors[0].pop(name)
         self.write_padding(fout, fout.tell())
-        digest, written = hashlib.sha256(), 0
-        for chunk in chunks:
-            fout.write(chunk.data)
-            digest.update(chunk.data)
-            written += chunk.nbytes
+        digest = hashlib.sha256()
+        written = write_chunks(fout, chunks, digest)
         if written != info.nbytes:
             raise ValueError(f"tensor {name!r}: wrote {written} bytes, its info says {info.nbytes}")
         self.write_padding(fout, written)

@@ -22,6 +22,7 @@ from qwen_runtime.formats.base import TOKENIZER_FILES, ModelFiles
 from qwen_runtime.formats.npy_dir import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, npy_dtype, npy_shape
 
 from .policy import TensorSpec
+from .quantize import write_chunks
 
 
 def npy_header(spec: TensorSpec) -> bytes:
@@ -49,15 +50,12 @@ class NpyDirWriter:
     def write_tensor(self, spec: TensorSpec, chunks: Iterable[np.ndarray]) -> None:
         """Write ``<name>.npy`` from C-contiguous chunks of the stored bytes."""
         file = f"{spec.name}.npy"
-        digest, written = hashlib.sha256(), 0
+        digest = hashlib.sha256()
         with open(self.path / file, "wb") as f:
             header = npy_header(spec)
             f.write(header)
             digest.update(header)
-            for chunk in chunks:
-                f.write(chunk.data)
-                digest.update(chunk.data)
-                written += chunk.nbytes
+            written = write_chunks(f, chunks, digest)
         if written != spec.nbytes:
             raise ValueError(f"tensor {spec.name!r}: wrote {written} bytes, expected {spec.nbytes}")
         self.checksums[spec.name] = digest.hexdigest()

@@ -8,7 +8,8 @@ exactly the bytes of ``gguf.quants.quantize`` (llama.cpp's reference) with fewer
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import BinaryIO
 
 import numpy as np
 
@@ -92,3 +93,13 @@ def release_pages(view: np.ndarray) -> None:
     mapping = getattr(view, "_mmap", None)  # set on np.memmap and views of one
     if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
         mapping.madvise(mmap.MADV_DONTNEED)
+
+
+def write_chunks(f: BinaryIO, chunks: Iterable[np.ndarray], digest) -> int:  # digest: hashlib hash object
+    """Write encoded chunks to ``f``, feeding them to ``digest``; return the bytes written."""
+    written = 0
+    for chunk in chunks:
+        f.write(chunk.data)
+        digest.update(chunk.data)
+        written += chunk.nbytes
+    return written

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from convert_helpers import qwen2_shapes
 from runtime_helpers import FIXTURES, convert, converter_available
 from safetensors.numpy import save_file
 
@@ -50,16 +51,7 @@ CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_
 def write_random_hf(path: Path, dtype: str) -> int:
     """A Qwen2-shaped HF directory with random weights; returns the bytes of weights written."""
     rng = np.random.default_rng(0)
-    h, i, v, kv = 512, 1536, 32000, 128
-    shapes = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,)}
-    for layer in range(4):
-        p = f"model.layers.{layer}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (h, h), p + "self_attn.q_proj.bias": (h,),
-                   p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
-                   p + "self_attn.o_proj.weight": (h, h), p + "mlp.gate_proj.weight": (i, h),
-                   p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}
+    shapes = qwen2_shapes(CONFIG) | {"lm_head.weight": (CONFIG["vocab_size"], CONFIG["hidden_size"])}
     tensors = {}
     for name, shape in shapes.items():
         x = rng.standard_normal(shape, np.float32) * np.float32(0.02)
