@@ -24,6 +24,16 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x / (np.float32(1.0) + np.exp(-x))
 
 
+def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``silu(gate) * up`` (SwiGLU) with one temporary; ``out`` may be ``gate``.  # [..., I] -> [..., I]"""
+    denom = np.negative(gate)
+    with np.errstate(over="ignore"):
+        np.exp(denom, out=denom)
+    denom += np.float32(1.0)
+    out = np.divide(gate, denom, out=out)
+    return np.multiply(out, up, out=out)
+
+
 def sigmoid(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))

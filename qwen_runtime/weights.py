@@ -15,6 +15,7 @@ tests compare the fast paths against.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -22,6 +23,7 @@ from functools import partial
 import numpy as np
 
 from .errors import FormatError
+from .ops import silu_mul
 from .tensors import Q8_0_BLOCK, Q8_0_BYTES, Q8_0_DTYPE, QType, StoredTensor
 
 # Elements per widened tile: 1 MiB of float32 stays in a core's L2 cache between widening and BLAS.
@@ -41,36 +43,39 @@ _F16_PRESCALE_LIMIT = np.float32(2.0**15)  # |x| * 2**112 stays finite below thi
 
 
 class Scratch:
-    """Buffers of one thread: a float32 tile (room for Q8_0's 34 values per block) and fp16 temporaries."""
+    """Buffers of one thread: a float32 tile (room for Q8_0's 34 values per block), fp16 temporaries and
+    Q8_0's widened block scales and per-block sums of a few activation rows."""
 
     def __init__(self, elements: int) -> None:
         self.f32 = np.empty(elements // Q8_0_BLOCK * Q8_0_BYTES + Q8_0_BYTES, np.float32)
         self.u16 = np.empty(elements, np.uint16)
         self.u32 = np.empty(elements, np.uint32)
+        self.sums = np.empty((elements // Q8_0_BLOCK + 1) * BLOCK_SUM_ROWS, np.float32)
+        self.scales = np.empty(elements // Q8_0_BLOCK + 1, np.float32)
 
     @property
     def nbytes(self) -> int:
-        return self.f32.nbytes + self.u16.nbytes + self.u32.nbytes
+        return self.f32.nbytes + self.u16.nbytes + self.u32.nbytes + self.sums.nbytes + self.scales.nbytes
 
 
 class Workspace:
     """Scratch buffers and the tile thread pool of one model.
 
     ``threads`` workers (default: BLAS's own thread count, i.e. ``OPENBLAS_NUM_THREADS`` or the CPUs) each own
-    a :class:`Scratch` and take every ``threads``-th tile, with BLAS held to one thread (numpy releases the GIL
-    in casts, ufuncs and BLAS, so the workers really run in parallel; two-thread BLAS inside each tile product
-    would oversubscribe the cores).  After a long input (prefill) BLAS gets its threads back for the rest of
-    the forward pass (attention); during decoding it stays at one thread, so the decode loop does not switch it
-    every call.
-    BLAS threads are switched through threadpoolctl; without it tiles run in turn on the calling thread.
+    a :class:`Scratch` and claim tasks one by one until none is left, so uneven tasks balance themselves.
+    From the first pooled run on, BLAS is held to one thread for good: numpy releases the GIL in casts, ufuncs
+    and BLAS, so the workers really run in parallel, and BLAS threads of their own would oversubscribe the
+    cores; worse, OpenBLAS's idle threads spin after every multi-threaded call and steal the cores from the
+    pool (prefill ran at half speed while BLAS got its threads back between projections).  Everything
+    parallel in a forward pass goes through :meth:`run`.
+    BLAS threads are set through threadpoolctl; without it tasks run in turn on the calling thread.
     """
 
     def __init__(self, elements: int = TILE_ELEMENTS, threads: int | None = None) -> None:
         self.elements = elements
         self._blas = blas_controller()
-        self._blas_default = self._blas.info()[0]["num_threads"] if self._blas else 1
-        self._blas_now = self._blas_default
-        self.threads = max(1, threads or self._blas_default)
+        self._blas_single = False
+        self.threads = max(1, threads or (self._blas.info()[0]["num_threads"] if self._blas else 1))
         if self.threads == 1:
             self._blas = None
         self.scratch = [Scratch(elements) for _ in range(self.threads)]
@@ -90,35 +95,30 @@ class Workspace:
             self.elements = elements
             self.scratch = [Scratch(elements) for _ in range(self.threads)]
 
-    def _set_blas_threads(self, n: int) -> None:
-        if self._blas is not None and n != self._blas_now:
-            self._blas.limit(limits=n)
-            self._blas_now = n
-
-    def run(self, tasks: Sequence[Callable[[Scratch], None]], long_input: bool) -> None:
+    def run(self, tasks: Sequence[Callable[[Scratch], None]]) -> None:
         """Run every task with a scratch of its thread, spread over the pool (see the class docstring)."""
         if self._blas is None or len(tasks) < 2:
             for task in tasks:
                 task(self.scratch[0])
             return
-        self._set_blas_threads(1)
+        if not self._blas_single:
+            self._blas.limit(limits=1)
+            self._blas_single = True
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="qwen-tiles")
-        groups = [tasks[i::self.threads] for i in range(self.threads)]
-        futures = [self._pool.submit(_run_group, group, scratch)
-                   for group, scratch in zip(groups[1:], self.scratch[1:], strict=True)]
+        claim = itertools.count().__next__  # shared task index: each worker takes the next unclaimed task
+        futures = [self._pool.submit(_run_claimed, tasks, claim, scratch) for scratch in self.scratch[1:]]
         try:
-            _run_group(groups[0], self.scratch[0])
+            _run_claimed(tasks, claim, self.scratch[0])
         finally:
             for future in futures:
                 future.result()
-        if long_input:
-            self._set_blas_threads(self._blas_default)
 
 
-def _run_group(tasks: Sequence[Callable[[Scratch], None]], scratch: Scratch) -> None:
-    for task in tasks:
-        task(scratch)
+def _run_claimed(tasks: Sequence[Callable[[Scratch], None]], claim: Callable[[], int], scratch: Scratch) -> None:
+    """Run tasks in the order they are claimed until none is left (``claim`` is atomic under the GIL)."""
+    while (i := claim()) < len(tasks):
+        tasks[i](scratch)
 
 
 @functools.lru_cache(maxsize=1)
@@ -195,24 +195,32 @@ def q8_0_scales(bits: np.ndarray) -> np.ndarray:
     return np.multiply(out, _F16_TO_F32_SCALE, out=out)
 
 
-def q8_0_product(raw: np.ndarray, xq: np.ndarray, scratch: Scratch, out: np.ndarray) -> np.ndarray:
-    """``out = dequantize(raw) @ x`` for Q8_0 rows ``raw`` [R, nb * 34] and ``xq = q8_0_activations(x)``.
+def q8_0_row_scales(raw: np.ndarray) -> np.ndarray:
+    """The float32 block scales of Q8_0 rows.  # [R, nb * 34] uint8 -> [R, nb]"""
+    rows = raw.shape[0]
+    return q8_0_scales(raw.reshape(rows, -1, Q8_0_BYTES)[:, :, :2].view(np.uint16)[..., 0])
+
+
+def q8_0_product(raw: np.ndarray, scales: np.ndarray, xq: np.ndarray, scratch: Scratch,
+                 out: np.ndarray) -> np.ndarray:
+    """``out = dequantize(raw) @ x`` for Q8_0 rows ``raw`` [R, nb * 34], their float32 ``scales`` [R, nb] (any
+    strides) and ``xq = q8_0_activations(x)``.
 
     Every byte of the rows, scales included, is cast to float32 in one contiguous pass (the fast cast; the
     strided 32-of-34 view is several times slower); the scale bytes meet the zeros of ``xq``.  For a few
-    activation rows the per-block dot products come from one BLAS call per block column and the scales are
-    applied to those [R, nb] sums; for many rows the tile is scaled in place and multiplied once.
+    activation rows (decode) one batched BLAS call gives the per-block dot products ``[nb, R, N]``, which are
+    scaled and summed over the blocks; for many rows the tile is scaled in place and multiplied once.
     Equal to the reference up to float32 rounding (the scale is applied to block sums).  ``out`` is ``[N, R]``
     (a column block of the layer's output, any leading stride).  # -> out
     """
     rows, nb, n = len(raw), xq.shape[0], xq.shape[2]
     tile = scratch.f32[: raw.size].reshape(rows, nb, Q8_0_BYTES)
     np.copyto(tile.reshape(raw.shape), raw.view(np.int8), casting="unsafe")
-    scale = q8_0_scales(raw.reshape(rows, nb, Q8_0_BYTES)[:, :, :2].view(np.uint16)[..., 0])  # [R, nb]
     if n <= BLOCK_SUM_ROWS:
-        sums = np.matmul(tile.transpose(1, 0, 2), xq)  # [nb, R, N]
-        return np.einsum("brn,rb->nr", sums, scale, out=out)
-    tile *= scale[..., None]
+        sums = np.matmul(tile.transpose(1, 0, 2), xq, out=scratch.sums[: nb * rows * n].reshape(nb, rows, n))
+        np.multiply(sums, scales.T[:, :, None], out=sums)
+        return np.add.reduce(sums, axis=0, out=out.T).T
+    tile *= scales[:, :, None]
     return np.matmul(xq.reshape(-1, n).T, tile.reshape(rows, -1).T, out=out)
 
 
@@ -222,27 +230,49 @@ def bf16_bits_to_f32(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-class Weight:
-    """A stored ``[out, in]`` matrix that multiplies float32 activations."""
+def balanced_rows(rows: int, max_rows: int, threads: int) -> int:
+    """Rows per tile: at most ``max_rows`` (at least 1), in a number of tiles that is a multiple of ``threads``
+    when there are enough rows, so the pool's threads get equal work."""
+    tiles = -(-rows // max(1, max_rows))
+    tiles = min(rows, -(-tiles // threads) * threads)
+    return -(-rows // tiles)
 
-    def __init__(self, tensor: StoredTensor) -> None:
+
+class Weight:
+    """A stored ``[out, in]`` matrix that multiplies float32 activations, one block of rows per pool task."""
+
+    def __init__(self, tensor: StoredTensor, ws: Workspace) -> None:
         if len(tensor.shape) != 2:
             raise FormatError(f"{tensor.path}: tensor {tensor.name!r} should be a matrix, got shape {tensor.shape}")
         self.name = tensor.name
         self.tensor = tensor
+        self.ws = ws
         self.out_features, self.in_features = tensor.shape
 
     @property
     def qtype(self) -> QType:
         return self.tensor.qtype
 
+    def blocks(self) -> list[tuple[int, int]]:
+        """The row ranges ``[r0, r1)`` multiplied as one task each."""
+        raise NotImplementedError
+
+    def prepare(self, x: np.ndarray) -> object:
+        """``x`` [N, in] in the layout :meth:`block_product` multiplies (once per call, shared by all blocks)."""
+        return x
+
+    def block_product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
+        """``out = x @ W[r0:r1].T`` for ``xk = prepare(x)``; ``out`` is [N, r1 - r0], any leading stride."""
+        raise NotImplementedError
+
     def tile_tasks(self, x: np.ndarray, y: np.ndarray) -> list[Callable[[Scratch], None]]:
         """Independent tasks that together fill ``y`` [N, out] with ``x @ W.T`` (run by the workspace)."""
-        raise NotImplementedError
+        xk = self.prepare(x)
+        return [partial(self.block_product, r0, r1, xk, y[:, r0:r1]) for r0, r1 in self.blocks()]
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """``x @ W.T``.  # [N, in] -> [N, out]"""
-        raise NotImplementedError
+        return matmul_many([self], x)[0]
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows ``ids`` of W as float32 (embedding lookup).  # [N] -> [N, in]"""
@@ -260,40 +290,43 @@ class F32Weight(Weight):
     """Float32 weights used in place: BLAS reads the memory-mapped rows directly, one row block per worker."""
 
     def __init__(self, tensor: StoredTensor, ws: Workspace) -> None:
-        super().__init__(tensor)
+        super().__init__(tensor, ws)
         self.w = np.asarray(tensor.data)  # [out, in] view of the memory map
-        self.ws = ws
 
-    def tile_tasks(self, x: np.ndarray, y: np.ndarray) -> list[Callable[[Scratch], None]]:
-        """One task per worker, together filling ``y`` [N, out] with ``x @ W.T`` (no copy of W)."""
+    def blocks(self) -> list[tuple[int, int]]:
         step = -(-self.out_features // self.ws.threads)
-        return [partial(_rows_product, self.w[r0:r0 + step], x, y[:, r0:r0 + step])
-                for r0 in range(0, self.out_features, step)]
+        return [(r0, min(r0 + step, self.out_features)) for r0 in range(0, self.out_features, step)]
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        return matmul_many([self], x)[0]
+    def block_product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
+        np.matmul(xk, self.w[r0:r1].T, out=out)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         return np.asarray(self.w[ids], dtype=np.float32)
 
 
-def _rows_product(w: np.ndarray, x: np.ndarray, out: np.ndarray, scratch: Scratch) -> None:
-    np.matmul(x, w.T, out=out)
-
-
 class TiledWeight(Weight):
-    """BF16 / F16 / Q8_0 weights, multiplied ``tile_rows`` rows at a time from the workspace's scratch tiles."""
+    """BF16 / F16 / Q8_0 weights, multiplied ``tile_rows`` rows at a time from the workspace's scratch tiles.
+
+    Q8_0 block scales are gathered once per tile, on its first use, into a contiguous ``[nb, out]`` array of
+    fp16 bits (1/17 of the stored bytes); F16 tiles are checked for inf/NaN once.
+    """
 
     def __init__(self, tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> None:
-        super().__init__(tensor)
+        super().__init__(tensor, ws)
         if tensor.qtype not in (QType.BF16, QType.F16, QType.Q8_0):
             raise FormatError(f"{tensor.path}: tensor {tensor.name!r}: no tiled kernel for {tensor.qtype.name}")
         raw = np.asarray(tensor.rows2d())  # [out, stored row length]
         self.raw = raw.view(np.uint16) if tensor.qtype == QType.F16 else raw  # F16 is widened from its bits
-        self.ws = ws
-        self.tile_rows = max(1, min(self.out_features, tile_elements // self.in_features))
+        self.tile_rows = balanced_rows(self.out_features, tile_elements // self.in_features, ws.threads)
         ws.ensure(self.tile_rows * self.in_features)
         self._finite: dict[int, bool] = {}  # F16: tile start -> no inf/NaN in it (checked on first use)
+        self._scales_finite: dict[int, bool] = {}  # Q8_0: tile start -> its scales are gathered and finite
+        self._scale_bits: np.ndarray | None = None  # Q8_0: [nb, out] fp16 bits, gathered tile by tile
+        if tensor.qtype == QType.Q8_0:
+            self._scale_bits = np.empty((self.in_features // Q8_0_BLOCK, self.out_features), np.uint16)
+
+    def blocks(self) -> list[tuple[int, int]]:
+        return [(r0, min(r0 + self.tile_rows, self.out_features)) for r0 in range(0, self.out_features, self.tile_rows)]
 
     def widen(self, raw_rows: np.ndarray, out: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
         """Decode stored rows ``[R, stored]`` into ``out`` float32 ``[R, in]`` exactly (the reference)."""
@@ -303,13 +336,7 @@ class TiledWeight(Weight):
             return bf16_bits_to_f32(raw_rows, out)
         return f16_bits_to_f32(raw_rows, out, scratch or self.ws)
 
-    def tile_tasks(self, x: np.ndarray, y: np.ndarray) -> list[Callable[[Scratch], None]]:
-        """One task per tile, together filling ``y`` [N, out] with ``x @ W.T``."""
-        xk = self._activations(x)
-        return [partial(self._tile_product, r0, min(r0 + self.tile_rows, self.out_features), xk, y)
-                for r0 in range(0, self.out_features, self.tile_rows)]
-
-    def _activations(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    def prepare(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """``x`` in the layout the kernel multiplies: (plain or Q8_0-shaped, F16's prescaled copy or None)."""
         if self.qtype == QType.Q8_0:
             return q8_0_activations(x), None
@@ -317,11 +344,10 @@ class TiledWeight(Weight):
             return x, x * _F16_TO_F32_SCALE
         return x, None
 
-    def _tile_product(self, r0: int, r1: int, xk: tuple[np.ndarray, np.ndarray | None], y: np.ndarray,
-                      scratch: Scratch) -> None:
-        raw, (x, prescaled), out = self.raw[r0:r1], xk, y[:, r0:r1]
+    def block_product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
+        raw, (x, prescaled) = self.raw[r0:r1], xk
         if self.qtype == QType.Q8_0:
-            q8_0_product(raw, x, scratch, out)
+            q8_0_product(raw, self._tile_scales(r0, r1, scratch), x, scratch, out)
             return
         tile = scratch.f32[: raw.size].reshape(raw.shape)
         if prescaled is not None and self._tile_is_finite(r0, raw):
@@ -329,13 +355,27 @@ class TiledWeight(Weight):
         else:
             np.matmul(x, self.widen(raw, tile, scratch).T, out=out)
 
+    def _tile_scales(self, r0: int, r1: int, scratch: Scratch) -> np.ndarray:
+        """Q8_0 scales of rows ``r0:r1`` as float32.  # -> [R, nb] (a transposed view of scratch)
+
+        The fp16 bits are gathered into ``[nb, out]`` on the tile's first use (1/17 of the stored bytes) and
+        widened per call in two exact passes plus the 2**112 rebias; a tile with an inf/NaN scale (a broken
+        tensor) keeps numpy's own cast.
+        """
+        bits = self._scale_bits[:, r0:r1]  # [nb, R]
+        if r0 not in self._scales_finite:
+            bits[...] = self.raw[r0:r1].reshape(r1 - r0, -1, Q8_0_BYTES)[:, :, :2].view(np.uint16)[..., 0].T
+            self._scales_finite[r0] = not np.any(np.bitwise_and(bits, _F16_EXP_MASK) == _F16_EXP_MASK)
+        if not self._scales_finite[r0]:
+            return bits.view(np.float16).astype(np.float32).T
+        scales = scratch.scales[: bits.size].reshape(bits.shape)
+        f16_bits_to_prescaled(bits, scales)
+        return np.multiply(scales, _F16_TO_F32_SCALE, out=scales).T
+
     def _tile_is_finite(self, r0: int, raw: np.ndarray) -> bool:
         if r0 not in self._finite:
             self._finite[r0] = not np.any(np.bitwise_and(raw, _F16_EXP_MASK) == _F16_EXP_MASK)
         return self._finite[r0]
-
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        return matmul_many([self], x)[0]
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids).reshape(-1)
@@ -354,8 +394,31 @@ def matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
     outputs = [np.empty((x.shape[0], w.out_features), np.float32) for w in weights]  # tasks fill column blocks
     tasks = [task for w, y in zip(weights, outputs, strict=True) for task in w.tile_tasks(x, y)]
     if weights:
-        weights[0].ws.run(tasks, long_input=x.shape[0] > BLOCK_SUM_ROWS)
+        weights[0].ws.run(tasks)
     return outputs
+
+
+def gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
+    """``silu(x @ gate.T) * (x @ up.T)`` (SwiGLU), each row block of both products and its activation in one
+    task, so the activation runs on every pool thread while the block is still in cache.
+
+    Weights of different kinds or tilings fall back to :func:`matmul_many`.  # [N, in] -> [N, out]
+    """
+    if gate.blocks() != up.blocks() or type(gate) is not type(up):
+        g, u = matmul_many([gate, up], x)
+        return silu_mul(g, u, out=g)
+    out = np.empty((x.shape[0], gate.out_features), np.float32)
+    xg, xu = gate.prepare(x), up.prepare(x)
+    gate.ws.run([partial(_gated_block, gate, up, r0, r1, xg, xu, out[:, r0:r1]) for r0, r1 in gate.blocks()])
+    return out
+
+
+def _gated_block(gate: Weight, up: Weight, r0: int, r1: int, xg: object, xu: object, out: np.ndarray,
+                 scratch: Scratch) -> None:
+    gate.block_product(r0, r1, xg, out, scratch)
+    u = np.empty(out.shape, np.float32)  # [N, R]
+    up.block_product(r0, r1, xu, u, scratch)
+    silu_mul(out, u, out=out)
 
 
 def make_weight(tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> Weight:

@@ -14,10 +14,12 @@ from qwen_runtime.weights import (
     Workspace,
     f16_bits_to_f32,
     f16_bits_to_prescaled,
+    gated_matmul,
     make_weight,
     matmul_many,
     q8_0_activations,
     q8_0_product,
+    q8_0_row_scales,
     q8_0_scales,
     q8_0_to_f32,
 )
@@ -100,7 +102,7 @@ def test_q8_0_product_matches_reference_dequantization(n: int) -> None:
     raw = quants.quantize(w, GGMLQuantizationType.Q8_0)
     x = rng.normal(0, 1, (n, 128)).astype(np.float32)
     ref = q8_0_to_f32(raw, np.empty(w.shape, np.float32)) @ x.T  # [37, n]
-    got = q8_0_product(raw, q8_0_activations(x), Scratch(raw.size), np.empty((n, 37), np.float32))
+    got = q8_0_product(raw, q8_0_row_scales(raw), q8_0_activations(x), Scratch(raw.size), np.empty((n, 37), np.float32))
     np.testing.assert_allclose(got, ref.T, rtol=1e-5, atol=1e-5)  # the scale multiplies block sums: rounding only
 
 
@@ -138,3 +140,35 @@ def test_matmul_many_equals_separate_products() -> None:
     x = rng.normal(0, 1, (3, 64)).astype(np.float32)
     for fused, alone in zip(matmul_many(weights, x), [w.matmul(x) for w in weights], strict=True):
         np.testing.assert_array_equal(fused, alone)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("qtypes", [(QType.F32, QType.F32), (QType.F16, QType.F16), (QType.Q8_0, QType.Q8_0),
+                                    (QType.Q8_0, QType.BF16)])  # the last: mixed kinds take the fallback
+@pytest.mark.parametrize("n", [1, 6, 20])
+def test_gated_matmul_matches_reference(threads: int, qtypes: tuple[QType, QType], n: int) -> None:
+    rng = np.random.default_rng(7)
+    ws = Workspace(16 * 64, threads=threads)
+    gate, up = (make_weight(stored(q, rng.normal(0, 0.3, (70, 64)).astype(np.float32)), ws, 16 * 64) for q in qtypes)
+    x = rng.normal(0, 1, (n, 64)).astype(np.float32)
+    g, u = x @ gate.to_float32().T, x @ up.to_float32().T
+    ref = g / (1 + np.exp(-g)) * u
+    np.testing.assert_allclose(gated_matmul(gate, up, x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_q8_0_scales_cached_per_tile_are_exact_with_zero_subnormal_and_inf_scales() -> None:
+    rng = np.random.default_rng(8)
+    w = rng.normal(0, 0.05, (40, 64)).astype(np.float32)
+    w[3] = 0.0  # zero scales
+    w[5] *= 1e-4  # subnormal fp16 scales
+    raw = quants.quantize(w, GGMLQuantizationType.Q8_0)
+    raw.reshape(40, 2, 34)[30, 1, :2].view(np.uint16)[0] = 0x7C00  # an inf scale in the tile of rows 20-39
+    weight = make_weight(StoredTensor("w", QType.Q8_0, w.shape, "mem", data=raw), Workspace(20 * 64), 20 * 64)
+    x = rng.normal(0, 1, (2, 64)).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref, got = x @ weight.to_float32().T, weight.matmul(x)
+        again = weight.matmul(x)  # scales now come from the per-tile cache
+    np.testing.assert_allclose(got[:, :20], ref[:, :20], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[:, [20, 29, 31, 39]], ref[:, [20, 29, 31, 39]], rtol=1e-5, atol=1e-6)
+    assert not np.isfinite(got[:, 30]).any() and not np.isfinite(ref[:, 30]).any()
+    np.testing.assert_array_equal(again, got)

@@ -9,13 +9,15 @@ variants (Qwen3.5's gated attention) can reuse them.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 from gguf import MODEL_TENSOR as T
 
 from ..cache import BatchState, KVCache
 from ..config import FULL_ATTENTION, QWEN2, QWEN3, ModelConfig
 from ..ops import apply_rope, rms_norm, rope_cos_sin, softmax
-from ..weights import matmul_many
+from ..weights import Workspace, matmul_many
 from .base import WeightStore, register_mixer
 
 # Upper bound on attention score elements held at once; longer query blocks are processed in tiles.
@@ -48,26 +50,39 @@ def attention_mask(state: BatchState, q0: int = 0, q1: int | None = None) -> np.
     return mask[:, None, None]
 
 
-def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchState) -> np.ndarray:
-    """Scaled dot-product attention with GQA and the batch mask, tiled over queries.
+def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchState,
+           ws: Workspace | None = None) -> np.ndarray:
+    """Scaled dot-product attention with GQA and the batch mask, one pool task per kv head.
 
     q: [B, nh, T, hd]; keys/values: [B, nkv, S, hd] -> [B, nh, T, hd]
     """
     b, nh, t, hd = q.shape
-    nkv, s = keys.shape[1], keys.shape[2]
-    group = nh // nkv
-    q = q.reshape(b, nkv, group, t, hd) * np.float32(1.0 / np.sqrt(hd))
-    out = np.empty((b, nkv, group, t, hd), np.float32)
-    tile = max(1, SCORE_ELEMENTS // (b * nh * s))
-    kt = keys.transpose(0, 1, 3, 2)  # [B, nkv, hd, S]
+    nkv = keys.shape[1]
+    q = q.reshape(b, nkv, nh // nkv, t, hd) * np.float32(1.0 / np.sqrt(hd))
+    out = np.empty(q.shape, np.float32)
+    tasks = [partial(_attend_kv_head, q[:, h], keys[:, h], values[:, h], state, out[:, h]) for h in range(nkv)]
+    if ws is None:
+        for task in tasks:
+            task(None)
+    else:
+        ws.run(tasks)
+    return out.reshape(b, nh, t, hd)
+
+
+def _attend_kv_head(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchState, out: np.ndarray,
+                    scratch: object) -> None:
+    """The query heads of one kv head, tiled over queries.  q/out: [B, g, T, hd]; keys/values: [B, S, hd]"""
+    b, group, t, hd = q.shape
+    s = keys.shape[1]
+    tile = max(1, SCORE_ELEMENTS // (b * group * s))
+    kt = keys.transpose(0, 2, 1)  # [B, hd, S]
     for q0 in range(0, t, tile):
         q1 = min(q0 + tile, t)
-        qs = q[:, :, :, q0:q1].reshape(b, nkv, group * (q1 - q0), hd)  # one matmul per kv head
-        scores = (qs @ kt).reshape(b, nkv, group, q1 - q0, s)  # [B, nkv, g, Tq, S]
-        scores = np.where(attention_mask(state, q0, q1), scores, np.float32(-np.inf))
-        probs = softmax(scores).reshape(b, nkv, group * (q1 - q0), s)
-        out[:, :, :, q0:q1] = (probs @ values).reshape(b, nkv, group, q1 - q0, hd)
-    return out.reshape(b, nh, t, hd)
+        qs = q[:, :, q0:q1].reshape(b, group * (q1 - q0), hd)  # every query head of the group in one matmul
+        scores = (qs @ kt).reshape(b, group, q1 - q0, s)  # [B, g, Tq, S]
+        scores = np.where(attention_mask(state, q0, q1)[:, 0], scores, np.float32(-np.inf))
+        probs = softmax(scores).reshape(b, group * (q1 - q0), s)
+        out[:, :, q0:q1] = (probs @ values).reshape(b, group, q1 - q0, hd)
 
 
 @register_mixer(FULL_ATTENTION, QWEN2, QWEN3)
@@ -78,6 +93,7 @@ class Attention:
         self.config = config
         self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.ws = store.workspace
         self.wq, self.wk = store.matrix(T.ATTN_Q, layer), store.matrix(T.ATTN_K, layer)
         self.wv, self.wo = store.matrix(T.ATTN_V, layer), store.matrix(T.ATTN_OUT, layer)
         bias = config.attention_bias
@@ -108,5 +124,5 @@ class Attention:
         cos, sin = rope_cos_sin(state.positions, self.config.rotary_dim, self.config.rope_theta)  # [B, T, r/2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.update(k, v, state)  # [B, nkv, S, hd]
-        out = attend(q, keys, values, state)  # [B, nh, T, hd]
+        out = attend(q, keys, values, state, self.ws)  # [B, nh, T, hd]
         return self.wo.matmul(merge_heads(out)).reshape(b, t, h)

@@ -34,6 +34,7 @@ class GatedAttention:
     def __init__(self, config: ModelConfig, layer: int, store: WeightStore) -> None:
         self.config = config
         self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.ws = store.workspace
         self.wq, self.wk = store.matrix(T.ATTN_Q, layer), store.matrix(T.ATTN_K, layer)
         self.wv, self.wo = store.matrix(T.ATTN_V, layer), store.matrix(T.ATTN_OUT, layer)
         self.q_norm, self.k_norm = store.vector(T.ATTN_Q_NORM, layer), store.vector(T.ATTN_K_NORM, layer)
@@ -53,7 +54,7 @@ class GatedAttention:
         cos, sin = rope_cos_sin(state.positions, self.config.rotary_dim, self.config.rope_theta)  # [B, T, r/2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.update(k, v, state)  # [B, nkv, S, hd]
-        out = merge_heads(attend(q, keys, values, state)) * sigmoid(gate)  # [B*T, nh*hd]
+        out = merge_heads(attend(q, keys, values, state, self.ws)) * sigmoid(gate)  # [B*T, nh*hd]
         return self.wo.matmul(out).reshape(b, t, h)
 
 

@@ -17,8 +17,8 @@ from ..cache import BatchState, Cache, LayerCache
 from ..config import QWEN35, ModelConfig
 from ..formats import ModelFiles
 from ..limits import check_memory, kv_cache_bytes
-from ..ops import rms_norm, silu
-from ..weights import matmul_many
+from ..ops import rms_norm
+from ..weights import gated_matmul
 from .base import Mixer, WeightStore, make_mixer
 
 
@@ -30,8 +30,7 @@ class MLP:
         self.down = store.matrix(T.FFN_DOWN, layer)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:  # [N, H] -> [N, H]
-        gate, up = matmul_many([self.gate, self.up], x)  # 2 x [N, I], tiles of both in one pass
-        return self.down.matmul(silu(gate) * up)
+        return self.down.matmul(gated_matmul(self.gate, self.up, x))  # [N, I] in between
 
 
 class Block:

@@ -1,0 +1,49 @@
+"""Pooled attention (one task per kv head) against a plain per-head softmax reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qwen_runtime.cache import BatchState
+from qwen_runtime.models import attention
+from qwen_runtime.weights import Workspace
+
+
+def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_valid: np.ndarray, start: int) -> np.ndarray:
+    """Loop over rows, heads and queries: causal over slots, padding slots masked, own slot always seen."""
+    b, nh, t, hd = q.shape
+    group = nh // keys.shape[1]
+    out = np.zeros_like(q)
+    for r in range(b):
+        for h in range(nh):
+            for i in range(t):
+                slot = start + i
+                seen = [s for s in range(slot + 1) if key_valid[r, s] or s == slot]
+                k, v = keys[r, h // group, seen], values[r, h // group, seen]
+                scores = k @ q[r, h, i] / np.sqrt(hd)
+                p = np.exp(scores - scores.max())
+                out[r, h, i] = p / p.sum() @ v
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("start, t", [(0, 9), (9, 1)])  # prefill and one decode step
+@pytest.mark.parametrize("score_elements", [1 << 22, 40])  # 40: queries tiled one or two at a time
+def test_attend_matches_reference(monkeypatch: pytest.MonkeyPatch, threads: int, start: int, t: int,
+                                  score_elements: int) -> None:
+    monkeypatch.setattr(attention, "SCORE_ELEMENTS", score_elements)
+    rng = np.random.default_rng(0)
+    b, nh, nkv, hd, s = 2, 6, 2, 8, start + t
+    q = rng.normal(0, 1, (b, nh, t, hd)).astype(np.float32)
+    keys, values = (rng.normal(0, 1, (b, nkv, s, hd)).astype(np.float32) for _ in range(2))
+    key_valid = np.ones((b, s), bool)
+    key_valid[1, :3] = False  # row 1 is left-padded by three slots
+    positions = np.arange(start, s)[None].repeat(b, 0)
+    state = BatchState(positions=positions, valid=key_valid[:, start:], start=start, key_valid=key_valid)
+    got = attention.attend(q, keys, values, state, Workspace(threads=threads))
+    expected = reference(q, keys, values, key_valid, start)
+    rows = key_valid[:, start:]  # outputs of padding queries are ignored by the model
+    np.testing.assert_allclose(got.transpose(0, 2, 1, 3)[rows], expected.transpose(0, 2, 1, 3)[rows],
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got, attention.attend(q, keys, values, state))  # pool == serial, bit for bit
