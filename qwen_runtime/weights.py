@@ -27,7 +27,7 @@ from .ops import silu_mul
 from .tensors import Q8_0_BLOCK, Q8_0_BYTES, Q8_0_DTYPE, QType, StoredTensor
 
 # Elements per widened tile: 1 MiB of float32 stays in a core's L2 cache between widening and BLAS.
-TILE_ELEMENTS = 1 << 18
+TILE_ELEMENTS = 1 << 20
 # Activation rows up to which Q8_0 tiles are multiplied per block column (decode, batch decode); above it the
 # tile is scaled in place and multiplied once (prefill).
 BLOCK_SUM_ROWS = 8
@@ -218,8 +218,7 @@ def q8_0_product(raw: np.ndarray, scales: np.ndarray, xq: np.ndarray, scratch: S
     np.copyto(tile.reshape(raw.shape), raw.view(np.int8), casting="unsafe")
     if n <= BLOCK_SUM_ROWS:
         sums = np.matmul(tile.transpose(1, 0, 2), xq, out=scratch.sums[: nb * rows * n].reshape(nb, rows, n))
-        np.multiply(sums, scales.T[:, :, None], out=sums)
-        return np.add.reduce(sums, axis=0, out=out.T).T
+        return np.einsum("brn,rb->nr", sums, scales, out=out)
     tile *= scales[:, :, None]
     return np.matmul(xq.reshape(-1, n).T, tile.reshape(rows, -1).T, out=out)
 

@@ -22,6 +22,9 @@ from .base import WeightStore, register_mixer
 
 # Upper bound on attention score elements held at once; longer query blocks are processed in tiles.
 SCORE_ELEMENTS = 1 << 22
+# Attention with fewer score elements than this runs on the calling thread (decode steps): handing the GIL
+# back and forth between pool threads would cost more than the work.
+POOL_SCORES = 1 << 16
 
 
 def split_heads(x: np.ndarray, batch: int, heads: int, head_dim: int) -> np.ndarray:
@@ -52,7 +55,7 @@ def attention_mask(state: BatchState, q0: int = 0, q1: int | None = None) -> np.
 
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchState,
            ws: Workspace | None = None) -> np.ndarray:
-    """Scaled dot-product attention with GQA and the batch mask, one pool task per kv head.
+    """Scaled dot-product attention with GQA and the batch mask, one pool task per kv head (when it pays).
 
     q: [B, nh, T, hd]; keys/values: [B, nkv, S, hd] -> [B, nh, T, hd]
     """
@@ -61,7 +64,7 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchStat
     q = q.reshape(b, nkv, nh // nkv, t, hd) * np.float32(1.0 / np.sqrt(hd))
     out = np.empty(q.shape, np.float32)
     tasks = [partial(_attend_kv_head, q[:, h], keys[:, h], values[:, h], state, out[:, h]) for h in range(nkv)]
-    if ws is None:
+    if ws is None or b * nh * t * keys.shape[2] < POOL_SCORES:  # too little work to pay for the pool
         for task in tasks:
             task(None)
     else:
