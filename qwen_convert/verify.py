@@ -48,7 +48,7 @@ from qwen_runtime.errors import FormatError, VerificationError
 from qwen_runtime.formats import detect_format, open_hf_dir
 from qwen_runtime.formats.base import TOKENIZER_FILES, ModelFiles, contained_path
 from qwen_runtime.formats.gguf_parse import parse_gguf, tensor_view
-from qwen_runtime.formats.hf_dir import shard_entries
+from qwen_runtime.formats.hf_dir import plan_entries
 from qwen_runtime.formats.npy_dir import read_manifest
 from qwen_runtime.formats.safetensors import SafetensorsEntry
 from qwen_runtime.naming import (
@@ -57,7 +57,6 @@ from qwen_runtime.naming import (
     TensorPlan,
     output_shape,
     plan_tensor,
-    skip_reason,
     tile_v_heads,
 )
 from qwen_runtime.tensors import DENSE_DTYPES, Q8_0_BLOCK, QType, StoredTensor, stored_shape, to_float32
@@ -224,17 +223,14 @@ def plan_sources(directory: Path, config: ModelConfig,
     planned: dict[str, SourceTensor] = {}
     skipped: dict[str, str] = {}
     problems: list[str] = []
-    for hf_name, entry in sorted(shard_entries(directory).items()):
-        reason = skip_reason(hf_name, config)
-        if reason:
-            skipped[hf_name] = reason
-            continue
-        try:
-            plan = plan_tensor(hf_name, entry.shape, config, v_head_order)
-        except FormatError as exc:
-            problems.append(f"source tensor {hf_name!r} is neither converted nor skipped for a reason ({exc})")
-            continue
-        planned[plan.name] = SourceTensor(entry, plan)
+    for source in plan_entries(directory, config, v_head_order):
+        if source.error is not None:
+            problems.append(f"source tensor {source.hf_name!r} is neither converted nor skipped for a reason "
+                            f"({source.error})")
+        elif source.plan is None:
+            skipped[source.hf_name] = source.skipped
+        else:
+            planned[source.plan.name] = SourceTensor(source.entry, source.plan)
     return planned, skipped, problems
 
 

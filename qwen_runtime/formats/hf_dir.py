@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +70,34 @@ def load_hf_config(directory: Path) -> tuple[dict, ModelConfig]:
     return raw, config_from_hf(raw, str(directory / "config.json"))
 
 
+@dataclass(frozen=True)
+class SourcePlan:
+    """One source tensor of an HF directory and its fate: exactly one of ``plan`` (what it becomes),
+    ``skipped`` (why it is left out) or ``error`` (why it cannot be planned) is set."""
+
+    hf_name: str
+    entry: SafetensorsEntry
+    plan: TensorPlan | None = None
+    skipped: str = ""
+    error: FormatError | None = None
+
+
+def plan_entries(directory: Path, config: ModelConfig, v_head_order: str) -> Iterator[SourcePlan]:
+    """Every tensor of the checkpoint in name order, planned, skipped or unplannable; callers decide whether
+    an unplannable tensor is fatal (the reader) or a finding (verification)."""
+    for hf_name, entry in sorted(shard_entries(directory).items()):
+        reason = skip_reason(hf_name, config)
+        if reason:
+            yield SourcePlan(hf_name, entry, skipped=reason)
+            continue
+        try:
+            plan = plan_tensor(hf_name, entry.shape, config, v_head_order)
+        except FormatError as exc:
+            yield SourcePlan(hf_name, entry, error=exc)
+            continue
+        yield SourcePlan(hf_name, entry, plan=plan)
+
+
 def _stored(entry: SafetensorsEntry, plan: TensorPlan, config: ModelConfig) -> StoredTensor:
     """A canonical tensor backed by a safetensors entry, transformed lazily when needed."""
     shape = output_shape(plan, entry.shape)
@@ -98,18 +128,17 @@ def open_hf_dir(path: str | Path, v_head_order: str | None = None) -> ModelFiles
     config = config.replace(v_head_order=order) if config.has_linear_attention else config
     tensors: dict[str, StoredTensor] = {}
     skipped: dict[str, str] = {}
-    for hf_name, entry in sorted(shard_entries(directory).items()):
-        reason = skip_reason(hf_name, config)
-        if reason:
-            skipped[hf_name] = reason
+    for source in plan_entries(directory, config, order):
+        if source.error is not None:
+            raise FormatError(f"{source.entry.path}: {source.error}") from None
+        if source.plan is None:
+            skipped[source.hf_name] = source.skipped
             continue
-        try:
-            plan = plan_tensor(hf_name, entry.shape, config, order)
-        except FormatError as exc:
-            raise FormatError(f"{entry.path}: {exc}") from None
+        plan = source.plan
         if plan.name in tensors:
-            raise FormatError(f"{entry.path}: tensors {hf_name!r} and another both map to {plan.name!r}")
-        tensors[plan.name] = _stored(entry, plan, config)
+            raise FormatError(f"{source.entry.path}: tensors {source.hf_name!r} and another both map to "
+                              f"{plan.name!r}")
+        tensors[plan.name] = _stored(source.entry, plan, config)
     tied = check_tensors(config, tensors, str(directory))
     if tied and not config.tie_word_embeddings:
         raise FormatError(f"{directory}: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
