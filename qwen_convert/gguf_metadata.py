@@ -3,7 +3,8 @@
 Keys come from ``gguf.Keys``; the model keys live in one table, :data:`MODEL_KEYS`.  The tokenizer follows
 llama.cpp's converter: the token list comes from ``tokenizer.json`` (padded to ``vocab_size`` with
 ``[PAD{id}]`` UNUSED tokens), merges, special ids, add_bos/add_eos and the chat template come from
-``gguf.SpecialVocab`` (tokenizer_config.json wins over config.json).
+``gguf.SpecialVocab`` (tokenizer_config.json wins over config.json).  tokenizer.json is parsed once: SpecialVocab
+reads a stand-in directory whose tokenizer.json leaves out the vocabulary and merges (:func:`special_vocab`).
 
 ``tokenizer.ggml.pre`` rule (llama.cpp decides by hashing the tokenizer; we decide from the files):
 ``qwen35`` for the qwen35 architecture, ``deepseek-r1-qwen`` when tokenizer_config.json's ``bos_token`` is
@@ -12,6 +13,8 @@ DeepSeek's ``<｜begin▁of▁sentence｜>``, otherwise ``qwen2``.
 
 from __future__ import annotations
 
+import json
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,6 +61,8 @@ MODEL_KEYS: tuple[tuple[str, GGUFValueType, Callable[[ModelConfig], Any], tuple[
     (Keys.SSM.INNER_SIZE, U32, lambda c: c.linear_value_dim, ("qwen35",)),
     (Keys.LLM.FULL_ATTENTION_INTERVAL, U32, lambda c: c.full_attention_interval, ("qwen35",)),
 )
+TOKENIZER_JSON = "tokenizer.json"
+MERGE_SPACE = chr(ord(" ") + 256)  # "Ġ": byte-level BPE's stand-in for a space, as SpecialVocab writes it
 DEEPSEEK_BOS = "<｜begin▁of▁sentence｜>"
 PRE_QWEN2, PRE_DEEPSEEK, PRE_QWEN35 = "qwen2", "deepseek-r1-qwen", "qwen35"
 
@@ -130,17 +135,54 @@ def token_table(tokenizer: dict[str, Any], vocab_size: int, source: Path) -> tup
     return texts, kinds
 
 
-def special_vocab(directory: Path, vocab_size: int) -> SpecialVocab:
-    """llama.cpp's reader of merges, special ids, add_bos/add_eos and the chat template."""
+def bpe_merges(tokenizer: dict[str, Any], source: Path) -> list[str]:
+    """``model.merges`` of a parsed tokenizer.json (one :func:`token_table` accepted) as GGUF's ``"a b"``
+    strings (SpecialVocab's rule: the ``[a, b]`` pairs of transformers >= 4.45 are joined with their own spaces
+    encoded as U+0120)."""
+    merges = tokenizer["model"].get("merges")
+    if not isinstance(merges, list) or not merges:
+        return []
+    if isinstance(merges[0], str):
+        return merges
+    if isinstance(merges[0], list) and len(merges[0]) == 2 and isinstance(merges[0][0], str):
+        return [" ".join(part.replace(" ", MERGE_SPACE) for part in pair) for pair in merges]
+    raise FormatError(f"{source}: 'model.merges' is neither a list of strings nor a list of string pairs")
+
+
+def _stand_in_directory(directory: Path, tokenizer: dict[str, Any], stand_in: Path) -> Path:
+    """``stand_in`` filled with links to every file of ``directory`` but tokenizer.json, which is written
+    without its ``model`` (vocabulary and merges, nearly all of its size)."""
+    for path in directory.iterdir():
+        if path.name != TOKENIZER_JSON:
+            (stand_in / path.name).symlink_to(path.absolute())
+    slim = {**tokenizer, "model": {}}
+    (stand_in / TOKENIZER_JSON).write_text(json.dumps(slim), encoding="utf-8")
+    return stand_in
+
+
+def special_vocab(directory: Path, tokenizer: dict[str, Any], vocab_size: int) -> SpecialVocab:
+    """llama.cpp's reader of merges, special ids, add_bos/add_eos and the chat template, for a directory whose
+    tokenizer.json is already parsed (``tokenizer``).
+
+    SpecialVocab parses tokenizer.json itself, vocabulary included (80-90 MB of peak RSS for Qwen's 150k-250k
+    tokens), so it reads a stand-in directory instead (:func:`_stand_in_directory`) and the merges come from
+    ``tokenizer``; without merges there, SpecialVocab looks for merges.txt, as it would in ``directory``.
+    """
+    merges = bpe_merges(tokenizer, directory / TOKENIZER_JSON)
     try:
-        return SpecialVocab(directory, load_merges=True, n_vocab=vocab_size)
+        with tempfile.TemporaryDirectory(prefix="qwen-special-vocab-") as tmp:
+            stand_in = _stand_in_directory(directory, tokenizer, Path(tmp))
+            special = SpecialVocab(stand_in, load_merges=not merges, n_vocab=vocab_size)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise FormatError(f"{directory}: cannot read the tokenizer files ({exc})") from None
+    if merges:
+        special.merges = merges
+    return special
 
 
 def add_tokenizer_metadata(writer: GGUFWriter, directory: Path, config: ModelConfig) -> None:
     """Every ``tokenizer.*`` key of §4.5 from the model directory's tokenizer files."""
-    tokenizer_path = directory / "tokenizer.json"
+    tokenizer_path = directory / TOKENIZER_JSON
     tokenizer = read_json_file(tokenizer_path)
     tokenizer_config = read_json_file(directory / "tokenizer_config.json", required=False) or {}
     tokens, types = token_table(tokenizer, config.vocab_size, tokenizer_path)
@@ -148,7 +190,7 @@ def add_tokenizer_metadata(writer: GGUFWriter, directory: Path, config: ModelCon
     writer.add_tokenizer_pre(tokenizer_pre(config, tokenizer_config))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    special = special_vocab(directory, config.vocab_size)
+    special = special_vocab(directory, tokenizer, config.vocab_size)
     if not special.merges:
         raise FormatError(f"{tokenizer_path}: no BPE merges found")
     special.add_to_gguf(writer, quiet=True)

@@ -477,7 +477,7 @@ def gguf_tokenizer_checks(meta: dict[str, Any], files: ModelFiles) -> list[Metad
               _key_check(Keys.Tokenizer.PRE, tokenizer_pre(config, files.read_json("tokenizer_config.json") or {}),
                          meta),
               _token_list_check(tokens, meta.get(Keys.Tokenizer.LIST))]
-    special = special_vocab(directory, config.vocab_size)
+    special = special_vocab(directory, tokenizer_json, config.vocab_size)
     for kind, token_id in special.special_token_ids.items():
         if kind in SPECIAL_ID_KEYS:
             checks.append(_key_check(SPECIAL_ID_KEYS[kind], token_id, meta))

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from convert_helpers import ALL_FIXTURES, fixture
-from gguf import GGUFReader, GGUFValueType, Keys, LlamaFileType, TokenType, quants
+from gguf import GGUFReader, GGUFValueType, Keys, LlamaFileType, SpecialVocab, TokenType, quants
 
 from qwen_convert.convert import convert, verify_checksums
+from qwen_convert.gguf_metadata import special_vocab
 from qwen_convert.policy import tensor_qtype
 from qwen_runtime.config import V_HEAD_TILED, config_from_hf
 from qwen_runtime.formats import open_hf_dir, open_model_files
@@ -169,3 +171,54 @@ def test_tokenizer_config_ids_win_over_config_json(converted) -> None:
     assert fields[Keys.Tokenizer.PAD_ID][1] == ids["<|endoftext|>"]
     assert fields[Keys.Tokenizer.BOS_ID][1] == json.loads((fixture("qwen2-tiny") / "config.json").read_text())[
         "bos_token_id"]  # tokenizer_config has no bos: config.json fills the gap
+
+
+def _vocab_fields(special: SpecialVocab) -> tuple:
+    return (special.merges, special.special_token_ids, special.add_special_token, special.chat_template)
+
+
+def _tokenizer_variant(tmp_path: Path, name: str, edit) -> Path:
+    """A copy of a fixture's tokenizer files (and config.json) with ``edit(directory, tokenizer)`` applied."""
+    directory = tmp_path / name
+    directory.mkdir()
+    for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(fixture(name) / file, directory / file)
+    tokenizer = json.loads((directory / "tokenizer.json").read_text())
+    edit(directory, tokenizer)
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return directory
+
+
+def _jinja_template_and_string_merges(directory: Path, tokenizer: dict) -> None:
+    tokenizer["model"]["merges"] = [" ".join(pair) for pair in tokenizer["model"]["merges"]]
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "chat_template.jinja").write_text(config.pop("chat_template"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _merges_txt_only(directory: Path, tokenizer: dict) -> None:
+    lines = [" ".join(pair) for pair in tokenizer["model"]["merges"]]
+    (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(lines) + "\n")
+    tokenizer["model"]["merges"] = []
+
+
+def _merges_with_spaces(directory: Path, tokenizer: dict) -> None:
+    tokenizer["model"]["merges"][:2] = [["a b", "c"], [" ", "d "]]
+
+
+@pytest.mark.parametrize("edit", [None, _jinja_template_and_string_merges, _merges_txt_only, _merges_with_spaces])
+@pytest.mark.parametrize("name", ALL_FIXTURES)
+def test_special_vocab_matches_gguf_reading_the_directory(tmp_path: Path, name: str, edit) -> None:
+    directory = fixture(name) if edit is None else _tokenizer_variant(tmp_path, name, edit)
+    tokenizer = json.loads((directory / "tokenizer.json").read_text())
+    vocab_size = open_hf_dir(fixture(name)).config.vocab_size
+    reference = SpecialVocab(directory, load_merges=True, n_vocab=vocab_size)
+    assert _vocab_fields(special_vocab(directory, tokenizer, vocab_size)) == _vocab_fields(reference)
+
+
+def test_special_vocab_does_not_parse_tokenizer_json_again(tmp_path: Path) -> None:
+    directory = _tokenizer_variant(tmp_path, "qwen3-tiny", lambda directory, tokenizer: None)
+    tokenizer = json.loads((directory / "tokenizer.json").read_text())
+    expected = _vocab_fields(SpecialVocab(directory, load_merges=True, n_vocab=512))
+    (directory / "tokenizer.json").write_text("not JSON")
+    assert _vocab_fields(special_vocab(directory, tokenizer, 512)) == expected
