@@ -3,9 +3,13 @@
 A :class:`Weight` is a ``[out, in]`` matrix as stored in the model file (memory-mapped, never copied whole):
 
 * :class:`F32Weight` multiplies straight from the memory map (BLAS reads the mapped pages).
-* :class:`TiledWeight` (BF16, F16, Q8_0) widens ``tile_rows`` rows at a time into one float32 buffer
-  shared by every weight of a model (a :class:`Workspace`) and BLAS-multiplies the tile.  No float32 copy
-  of a whole matrix ever exists, so anonymous memory stays at one tile per model.
+* :class:`TiledWeight` (BF16, F16, Q8_0) widens ``tile_rows`` rows at a time into a float32 buffer of the
+  pool thread doing it (a :class:`Workspace` holds one per thread, shared by every weight of a model) and
+  BLAS-multiplies the tile.  No float32 copy of a whole matrix ever exists: anonymous memory stays at one
+  tile per thread, plus Q8_0's block scales gathered into a contiguous array (1/17 of the stored bytes).
+
+:func:`matmul_many` runs the tiles of projections sharing an input (q/k/v) as one pool run;
+:func:`gated_matmul` also applies SwiGLU's activation inside each gate/up task.
 
 ``rows(ids)`` is the embedding lookup: it decodes only the rows asked for.  A tied ``lm_head`` is the very
 same object as the token embedding.  Every kind keeps ``to_float32()`` as the plain reference that the
@@ -26,7 +30,8 @@ from .errors import FormatError
 from .ops import silu_mul
 from .tensors import Q8_0_BLOCK, Q8_0_BYTES, Q8_0_DTYPE, QType, StoredTensor
 
-# Elements per widened tile: 1 MiB of float32 stays in a core's L2 cache between widening and BLAS.
+# Elements per widened tile (4 MiB of float32, in L3): big enough that the few numpy calls per tile, each a GIL
+# hand-off between pool threads, are cheap next to the work (1 MiB tiles decoded Q8_0 a third slower).
 TILE_ELEMENTS = 1 << 20
 # Activation rows up to which Q8_0 tiles are multiplied per block column (decode, batch decode); above it the
 # tile is scaled in place and multiplied once (prefill).
@@ -208,8 +213,8 @@ def q8_0_product(raw: np.ndarray, scales: np.ndarray, xq: np.ndarray, scratch: S
 
     Every byte of the rows, scales included, is cast to float32 in one contiguous pass (the fast cast; the
     strided 32-of-34 view is several times slower); the scale bytes meet the zeros of ``xq``.  For a few
-    activation rows (decode) one batched BLAS call gives the per-block dot products ``[nb, R, N]``, which are
-    scaled and summed over the blocks; for many rows the tile is scaled in place and multiplied once.
+    activation rows (decode) one batched BLAS call gives the per-block dot products ``[nb, R, N]``, and one
+    einsum scales and sums them over the blocks; for many rows the tile is scaled in place and multiplied once.
     Equal to the reference up to float32 rounding (the scale is applied to block sums).  ``out`` is ``[N, R]``
     (a column block of the layer's output, any leading stride).  # -> out
     """
