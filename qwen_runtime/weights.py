@@ -183,11 +183,10 @@ def q8_0_to_f32(raw: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 
 def q8_0_activations(x: np.ndarray) -> np.ndarray:
-    """Activations laid out like Q8_0 bytes: ``[N, nb * 32] -> [nb, 34, N]``, zeros where the scale bytes sit."""
+    """Activations laid out like Q8_0 bytes: ``[N, nb * 32] -> [N, nb, 34]``, zeros where the scale bytes sit."""
     n, width = x.shape
-    nb = width // Q8_0_BLOCK
-    out = np.zeros((nb, Q8_0_BYTES, n), np.float32)
-    out[:, Q8_0_BYTES - Q8_0_BLOCK:] = x.T.reshape(nb, Q8_0_BLOCK, n)
+    out = np.zeros((n, width // Q8_0_BLOCK, Q8_0_BYTES), np.float32)
+    out[:, :, Q8_0_BYTES - Q8_0_BLOCK:] = x.reshape(n, -1, Q8_0_BLOCK)
     return out
 
 
@@ -208,24 +207,26 @@ def q8_0_row_scales(raw: np.ndarray) -> np.ndarray:
 
 def q8_0_product(raw: np.ndarray, scales: np.ndarray, xq: np.ndarray, scratch: Scratch,
                  out: np.ndarray) -> np.ndarray:
-    """``out = dequantize(raw) @ x`` for Q8_0 rows ``raw`` [R, nb * 34], their float32 ``scales`` [R, nb] (any
-    strides) and ``xq = q8_0_activations(x)``.
+    """``out = x @ dequantize(raw).T`` for Q8_0 rows ``raw`` [R, nb * 34], their float32 ``scales`` [nb, R]
+    (any strides) and ``xq = q8_0_activations(x)`` [N, nb, 34].
 
     Every byte of the rows, scales included, is cast to float32 in one contiguous pass (the fast cast; the
     strided 32-of-34 view is several times slower); the scale bytes meet the zeros of ``xq``.  For a few
-    activation rows (decode) one batched BLAS call gives the per-block dot products ``[nb, R, N]``, and one
-    einsum scales and sums them over the blocks; for many rows the tile is scaled in place and multiplied once.
-    Equal to the reference up to float32 rounding (the scale is applied to block sums).  ``out`` is ``[N, R]``
-    (a column block of the layer's output, any leading stride).  # -> out
+    activation rows (decode) one batched BLAS call gives the per-block dot products ``[nb, N, R]``, which are
+    scaled and summed over the blocks with R innermost; for many rows the tile is scaled in place and
+    multiplied once.  Equal to the reference up to float32 rounding (the scale is applied to block sums).
+    ``out`` is ``[N, R]`` (a column block of the layer's output, any leading stride).  # -> out
     """
-    rows, nb, n = len(raw), xq.shape[0], xq.shape[2]
+    rows, n, nb = len(raw), xq.shape[0], xq.shape[1]
     tile = scratch.f32[: raw.size].reshape(rows, nb, Q8_0_BYTES)
     np.copyto(tile.reshape(raw.shape), raw.view(np.int8), casting="unsafe")
     if n <= BLOCK_SUM_ROWS:
-        sums = np.matmul(tile.transpose(1, 0, 2), xq, out=scratch.sums[: nb * rows * n].reshape(nb, rows, n))
-        return np.einsum("brn,rb->nr", sums, scales, out=out)
-    tile *= scales[:, :, None]
-    return np.matmul(xq.reshape(-1, n).T, tile.reshape(rows, -1).T, out=out)
+        sums = scratch.sums[: nb * n * rows].reshape(nb, n, rows)
+        np.matmul(xq.transpose(1, 0, 2), tile.transpose(1, 2, 0), out=sums)  # [nb, N, 34] @ [nb, 34, R]
+        np.multiply(sums, scales[:, None, :], out=sums)
+        return np.add.reduce(sums, axis=0, out=out)
+    tile *= scales.T[:, :, None]
+    return np.matmul(xq.reshape(n, -1), tile.reshape(rows, -1).T, out=out)
 
 
 def bf16_bits_to_f32(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -265,13 +266,23 @@ class Weight:
         """``x`` [N, in] in the layout :meth:`block_product` multiplies (once per call, shared by all blocks)."""
         return x
 
+    def prepared(self, x: np.ndarray, cache: dict[QType, object]) -> object:
+        """:meth:`prepare` of ``x``, computed once per stored type in ``cache``."""
+        if self.qtype not in cache:
+            cache[self.qtype] = self.prepare(x)
+        return cache[self.qtype]
+
     def block_product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
         """``out = x @ W[r0:r1].T`` for ``xk = prepare(x)``; ``out`` is [N, r1 - r0], any leading stride."""
         raise NotImplementedError
 
-    def tile_tasks(self, x: np.ndarray, y: np.ndarray) -> list[Callable[[Scratch], None]]:
-        """Independent tasks that together fill ``y`` [N, out] with ``x @ W.T`` (run by the workspace)."""
-        xk = self.prepare(x)
+    def tile_tasks(self, x: np.ndarray, y: np.ndarray,
+                   prepared: dict[QType, object] | None = None) -> list[Callable[[Scratch], None]]:
+        """Independent tasks that together fill ``y`` [N, out] with ``x @ W.T`` (run by the workspace).
+
+        ``prepared`` shares :meth:`prepare`'s result of ``x`` between weights of one type (q/k/v, gate/up).
+        """
+        xk = self.prepared(x, {} if prepared is None else prepared)
         return [partial(self.block_product, r0, r1, xk, y[:, r0:r1]) for r0, r1 in self.blocks()]
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
@@ -360,7 +371,7 @@ class TiledWeight(Weight):
             np.matmul(x, self.widen(raw, tile, scratch).T, out=out)
 
     def _tile_scales(self, r0: int, r1: int, scratch: Scratch) -> np.ndarray:
-        """Q8_0 scales of rows ``r0:r1`` as float32.  # -> [R, nb] (a transposed view of scratch)
+        """Q8_0 scales of rows ``r0:r1`` as float32.  # -> [nb, R]
 
         The fp16 bits are gathered into ``[nb, out]`` on the tile's first use (1/17 of the stored bytes) and
         widened per call in two exact passes plus the 2**112 rebias; a tile with an inf/NaN scale (a broken
@@ -371,10 +382,10 @@ class TiledWeight(Weight):
             bits[...] = self.raw[r0:r1].reshape(r1 - r0, -1, Q8_0_BYTES)[:, :, :2].view(np.uint16)[..., 0].T
             self._scales_finite[r0] = not np.any(np.bitwise_and(bits, _F16_EXP_MASK) == _F16_EXP_MASK)
         if not self._scales_finite[r0]:
-            return bits.view(np.float16).astype(np.float32).T
+            return bits.view(np.float16).astype(np.float32)
         scales = scratch.scales[: bits.size].reshape(bits.shape)
         f16_bits_to_prescaled(bits, scales)
-        return np.multiply(scales, _F16_TO_F32_SCALE, out=scales).T
+        return np.multiply(scales, _F16_TO_F32_SCALE, out=scales)
 
     def _tile_is_finite(self, r0: int, raw: np.ndarray) -> bool:
         if r0 not in self._finite:
@@ -396,7 +407,8 @@ def matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
     and pays its dispatch once.  All weights must share one workspace.  # [N, in] -> [[N, out_i], ...]
     """
     outputs = [np.empty((x.shape[0], w.out_features), np.float32) for w in weights]  # tasks fill column blocks
-    tasks = [task for w, y in zip(weights, outputs, strict=True) for task in w.tile_tasks(x, y)]
+    prepared: dict[QType, object] = {}
+    tasks = [task for w, y in zip(weights, outputs, strict=True) for task in w.tile_tasks(x, y, prepared)]
     if weights:
         weights[0].ws.run(tasks)
     return outputs
@@ -412,7 +424,8 @@ def gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
         g, u = matmul_many([gate, up], x)
         return silu_mul(g, u, out=g)
     out = np.empty((x.shape[0], gate.out_features), np.float32)
-    xg, xu = gate.prepare(x), up.prepare(x)
+    prepared: dict[QType, object] = {}
+    xg, xu = gate.prepared(x, prepared), up.prepared(x, prepared)
     gate.ws.run([partial(_gated_block, gate, up, r0, r1, xg, xu, out[:, r0:r1]) for r0, r1 in gate.blocks()])
     return out
 

@@ -102,7 +102,8 @@ def test_q8_0_product_matches_reference_dequantization(n: int) -> None:
     raw = quants.quantize(w, GGMLQuantizationType.Q8_0)
     x = rng.normal(0, 1, (n, 128)).astype(np.float32)
     ref = q8_0_to_f32(raw, np.empty(w.shape, np.float32)) @ x.T  # [37, n]
-    got = q8_0_product(raw, q8_0_row_scales(raw), q8_0_activations(x), Scratch(raw.size), np.empty((n, 37), np.float32))
+    out = np.empty((n, 37), np.float32)
+    got = q8_0_product(raw, q8_0_row_scales(raw).T, q8_0_activations(x), Scratch(raw.size), out)
     np.testing.assert_allclose(got, ref.T, rtol=1e-5, atol=1e-5)  # the scale multiplies block sums: rounding only
 
 
