@@ -6,7 +6,8 @@ ENGINE is ``ours`` (qwen_runtime) or ``llama`` (llama-cpp-python).  It loads the
 prompts of ``--prompt`` tokens and greedily decodes ``--new`` tokens per row, and reports load time, time
 to first token, prefill tokens/s and (aggregate) decode tokens/s.  Prompts are seeded random token ids
 (the same for both engines) and decoding never stops early, so both engines do exactly the same work.
-Memory comes from /proc/self/status at the end: VmHWM (peak RSS), RssAnon and RssFile.
+Memory comes from /proc/self/status after the last token, while the model is still loaded: VmHWM (peak RSS),
+RssAnon and RssFile.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ def prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
     return rng.integers(FIRST_ID, LAST_ID, (batch, length)).tolist()
 
 
-def memory_kib() -> dict[str, int]:
+def memory_mib() -> dict[str, float]:
+    """Peak RSS and the anonymous / file-backed resident memory now, in MiB (sampled while the model lives)."""
     values = {}
     with open("/proc/self/status") as f:
         for line in f:
             key, _, rest = line.partition(":")
             if key in ("VmHWM", "RssAnon", "RssFile"):
-                values[key] = int(rest.split()[0])
+                values[key] = int(rest.split()[0]) / 1024
     return values
 
 
@@ -48,7 +50,7 @@ def run_ours(path: str, batch: int, prompt: int, new: int) -> dict[str, float]:
     gen.run()
     s = gen.stats
     return {"load_s": loaded - t0, "ttft_s": first - loaded, "prefill_tps": s.prefill_tokens_per_second,
-            "decode_tps": s.decode_tokens_per_second}
+            "decode_tps": s.decode_tokens_per_second, **memory_mib()}
 
 
 def run_llama(path: str, batch: int, prompt: int, new: int, threads: int) -> dict[str, float]:
@@ -75,7 +77,7 @@ def run_llama(path: str, batch: int, prompt: int, new: int, threads: int) -> dic
         token = next_token()
     done = time.perf_counter()
     return {"load_s": loaded - t0, "ttft_s": first - loaded, "prefill_tps": prompt / (first - loaded),
-            "decode_tps": (new - 1) / (done - first)}
+            "decode_tps": (new - 1) / (done - first), **memory_mib()}
 
 
 def main() -> None:
@@ -91,7 +93,6 @@ def main() -> None:
         result = run_ours(args.model, args.batch, args.prompt, args.new)
     else:
         result = run_llama(args.model, args.batch, args.prompt, args.new, args.threads)
-    result.update({k: v / 1024 for k, v in memory_kib().items()})  # MiB
     sys.stdout.write(json.dumps(result) + "\n")
 
 
