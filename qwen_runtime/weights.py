@@ -6,7 +6,7 @@ A :class:`Weight` is a ``[out, in]`` matrix as stored in the model file (memory-
 * :class:`TiledWeight` (BF16, F16, Q8_0) widens ``tile_rows`` rows at a time into a float32 buffer of the
   pool thread doing it (a :class:`Workspace` holds one per thread, shared by every weight of a model) and
   BLAS-multiplies the tile.  No float32 copy of a whole matrix ever exists: anonymous memory stays at one
-  tile per thread, plus Q8_0's block scales gathered into a contiguous array (1/17 of the stored bytes).
+  tile per thread, plus Q8_0's block scales widened to float32 (2/17 of the stored bytes).
 
 :func:`matmul_many` runs the tiles of projections sharing an input (q/k/v) as one pool run;
 :func:`gated_matmul` also applies SwiGLU's activation inside each gate/up task.
@@ -49,18 +49,17 @@ _F16_PRESCALE_LIMIT = np.float32(2.0**15)  # |x| * 2**112 stays finite below thi
 
 class Scratch:
     """Buffers of one thread: a float32 tile (room for Q8_0's 34 values per block), fp16 temporaries and
-    Q8_0's widened block scales and per-block sums of a few activation rows."""
+    Q8_0's per-block sums of a few activation rows."""
 
     def __init__(self, elements: int) -> None:
         self.f32 = np.empty(elements // Q8_0_BLOCK * Q8_0_BYTES + Q8_0_BYTES, np.float32)
         self.u16 = np.empty(elements, np.uint16)
         self.u32 = np.empty(elements, np.uint32)
         self.sums = np.empty((elements // Q8_0_BLOCK + 1) * BLOCK_SUM_ROWS, np.float32)
-        self.scales = np.empty(elements // Q8_0_BLOCK + 1, np.float32)
 
     @property
     def nbytes(self) -> int:
-        return self.f32.nbytes + self.u16.nbytes + self.u32.nbytes + self.sums.nbytes + self.scales.nbytes
+        return self.f32.nbytes + self.u16.nbytes + self.u32.nbytes + self.sums.nbytes
 
 
 class Workspace:
@@ -322,8 +321,9 @@ class F32Weight(Weight):
 class TiledWeight(Weight):
     """BF16 / F16 / Q8_0 weights, multiplied ``tile_rows`` rows at a time from the workspace's scratch tiles.
 
-    Q8_0 block scales are gathered once per tile, on its first use, into a contiguous ``[nb, out]`` array of
-    fp16 bits (1/17 of the stored bytes); F16 tiles are checked for inf/NaN once.
+    Q8_0 block scales are widened once per tile, on its first use, into a contiguous float32 ``[nb, out]``
+    array (2/17 of the stored bytes: widening them on every call cost a fifth of the decode time); F16 tiles
+    are checked for inf/NaN once.
     """
 
     def __init__(self, tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> None:
@@ -335,10 +335,10 @@ class TiledWeight(Weight):
         self.tile_rows = balanced_rows(self.out_features, tile_elements // self.in_features, ws.threads)
         ws.ensure(self.tile_rows * self.in_features)
         self._finite: dict[int, bool] = {}  # F16: tile start -> no inf/NaN in it (checked on first use)
-        self._scales_finite: dict[int, bool] = {}  # Q8_0: tile start -> its scales are gathered and finite
-        self._scale_bits: np.ndarray | None = None  # Q8_0: [nb, out] fp16 bits, gathered tile by tile
+        self._scaled: set[int] = set()  # Q8_0: tile starts whose scales are in _scales
+        self._scales: np.ndarray | None = None  # Q8_0: [nb, out] float32, filled tile by tile
         if tensor.qtype == QType.Q8_0:
-            self._scale_bits = np.empty((self.in_features // Q8_0_BLOCK, self.out_features), np.uint16)
+            self._scales = np.empty((self.in_features // Q8_0_BLOCK, self.out_features), np.float32)
 
     def blocks(self) -> list[tuple[int, int]]:
         return [(r0, min(r0 + self.tile_rows, self.out_features)) for r0 in range(0, self.out_features, self.tile_rows)]
@@ -362,7 +362,7 @@ class TiledWeight(Weight):
     def block_product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
         raw, (x, prescaled) = self.raw[r0:r1], xk
         if self.qtype == QType.Q8_0:
-            q8_0_product(raw, self._tile_scales(r0, r1, scratch), x, scratch, out)
+            q8_0_product(raw, self._tile_scales(r0, r1), x, scratch, out)
             return
         tile = scratch.f32[: raw.size].reshape(raw.shape)
         if prescaled is not None and self._tile_is_finite(r0, raw):
@@ -370,22 +370,13 @@ class TiledWeight(Weight):
         else:
             np.matmul(x, self.widen(raw, tile, scratch).T, out=out)
 
-    def _tile_scales(self, r0: int, r1: int, scratch: Scratch) -> np.ndarray:
-        """Q8_0 scales of rows ``r0:r1`` as float32.  # -> [nb, R]
-
-        The fp16 bits are gathered into ``[nb, out]`` on the tile's first use (1/17 of the stored bytes) and
-        widened per call in two exact passes plus the 2**112 rebias; a tile with an inf/NaN scale (a broken
-        tensor) keeps numpy's own cast.
-        """
-        bits = self._scale_bits[:, r0:r1]  # [nb, R]
-        if r0 not in self._scales_finite:
-            bits[...] = self.raw[r0:r1].reshape(r1 - r0, -1, Q8_0_BYTES)[:, :, :2].view(np.uint16)[..., 0].T
-            self._scales_finite[r0] = not np.any(np.bitwise_and(bits, _F16_EXP_MASK) == _F16_EXP_MASK)
-        if not self._scales_finite[r0]:
-            return bits.view(np.float16).astype(np.float32)
-        scales = scratch.scales[: bits.size].reshape(bits.shape)
-        f16_bits_to_prescaled(bits, scales)
-        return np.multiply(scales, _F16_TO_F32_SCALE, out=scales)
+    def _tile_scales(self, r0: int, r1: int) -> np.ndarray:
+        """Q8_0 scales of rows ``r0:r1`` as float32, widened on the tile's first use.  # -> [nb, R]"""
+        scales = self._scales[:, r0:r1]
+        if r0 not in self._scaled:
+            scales[...] = q8_0_row_scales(self.raw[r0:r1]).T
+            self._scaled.add(r0)
+        return scales
 
     def _tile_is_finite(self, r0: int, raw: np.ndarray) -> bool:
         if r0 not in self._finite:
