@@ -35,7 +35,7 @@ import dataclasses
 import json
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -492,7 +492,7 @@ def gguf_tokenizer_checks(meta: dict[str, Any], files: ModelFiles) -> list[Metad
 def _token_list_check(expected: list[str], actual: Any) -> MetadataCheck:
     key = Keys.Tokenizer.LIST
     summary = f"{len(expected)} tokens"
-    if not isinstance(actual, list):
+    if not isinstance(actual, Sequence) or isinstance(actual, str):
         return MetadataCheck(key, summary, None, False, "missing")
     if len(actual) != len(expected):
         return MetadataCheck(key, summary, f"{len(actual)} tokens", False,

@@ -166,7 +166,8 @@ def _stop_ids(files: ModelFiles, tokenizer: Tokenizer, eos_token: str | None) ->
 
 def _gguf_token(files: ModelFiles, key: str) -> str | None:
     tokens, token_id = files.metadata.get(Keys.Tokenizer.LIST), files.metadata.get(key)
-    if isinstance(token_id, int) and isinstance(tokens, list) and 0 <= token_id < len(tokens):
+    if (isinstance(token_id, int) and isinstance(tokens, Sequence) and not isinstance(tokens, str)
+            and 0 <= token_id < len(tokens)):
         return str(tokens[token_id])
     return None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -321,7 +321,7 @@ def _token_id(meta: Mapping[str, Any], key: str, source: str) -> int | None:
 
 def _vocab_size(m: Mapping[str, Any], arch: str, source: str) -> int:
     tokens = m.get(Keys.Tokenizer.LIST)
-    if tokens is not None and not isinstance(tokens, list):
+    if tokens is not None and (not isinstance(tokens, Sequence) or isinstance(tokens, str)):
         raise ConfigError(f"{source}: metadata key {Keys.Tokenizer.LIST!r} should be an array")
     return _meta(m, Keys.LLM.VOCAB_SIZE, arch, source, int, len(tokens) if tokens is not None else 0)
 

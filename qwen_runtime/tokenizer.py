@@ -93,9 +93,10 @@ class Tokenizer:
         return bytes(table[c] for c in text if c in table)
 
 
-def _meta_list(meta: dict[str, Any], key: str, source: str) -> list:
+def _meta_list(meta: dict[str, Any], key: str, source: str) -> Sequence[Any]:
+    """An array value: a list of numbers, or GGUF strings still in the file map (read once, here)."""
     value = meta.get(key)
-    if not isinstance(value, list):
+    if not isinstance(value, Sequence) or isinstance(value, str):
         raise FormatError(f"{source}: metadata key {key!r} is missing or not an array")
     return value
 

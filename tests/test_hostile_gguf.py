@@ -15,7 +15,7 @@ from hostile_helpers import RawGGUF, converted, pack_string
 from qwen_runtime.chat import load_chat_format
 from qwen_runtime.errors import ConfigError, FormatError, TemplateError, UnsupportedArchitectureError
 from qwen_runtime.formats import open_gguf
-from qwen_runtime.formats.gguf_parse import parse_gguf
+from qwen_runtime.formats.gguf_parse import GGUFStrings, parse_gguf
 
 ARCH = "qwen3"
 
@@ -105,6 +105,60 @@ def test_claims_beyond_the_file_are_refused_before_allocating(claim: str, tmp_pa
 ])
 def test_malformed_key_values(body: bytes, fragment: str, tmp_path: Path) -> None:
     fails(minimal() + body + bytes(64), tmp_path, fragment)
+
+
+def string_array(elements: list[bytes]) -> bytes:
+    """A one-key GGUF with no tensors whose key 'k' is a string array of ``elements``."""
+    return (minimal() + pack_string("k") + struct.pack("<IIQ", GGUFValueType.ARRAY, GGUFValueType.STRING,
+                                                       len(elements)) + b"".join(map(pack_string, elements)))
+
+
+@pytest.mark.parametrize(("elements", "bad"), [
+    ([b"a", b"\xc3", b"\xa9b"], 1),  # together "\xc3\xa9" would be a valid "é": each element is checked alone
+    ([b"\xc3\xa9", b"ok\x80"], 1),
+    ([b"\xed\xa0\x80"], 0),  # a UTF-16 surrogate
+    ([b"", "ü".encode(), b"x", b"\xe4\xb8"], 3),
+])
+def test_invalid_utf8_in_a_string_array_names_the_element(elements: list[bytes], bad: int, tmp_path: Path) -> None:
+    with pytest.raises(UnicodeDecodeError) as expected:
+        elements[bad].decode("utf-8")
+    reason = f"{expected.value.reason} at byte {expected.value.start}"
+    fails(string_array(elements) + bytes(64), tmp_path, f"element {bad} of 'k' is not valid UTF-8 ({reason})")
+
+
+@pytest.mark.parametrize(("cut", "fragment"), [
+    (1, "element 1 of 'k' needs 2 bytes at offset"), (5, "length of element 1 of 'k' needs 8 bytes at offset"),
+])
+def test_truncated_string_array(cut: int, fragment: str, tmp_path: Path) -> None:
+    fails(string_array([b"x" * 20, b"yz"])[:-cut], tmp_path, fragment, "truncated or corrupt")
+
+
+def test_string_arrays_are_read_from_the_map(tmp_path: Path) -> None:
+    elements = ["", "a", "é", "ĠĠ ĠĠ", "<|im_end|>", "中文"]
+    path = tmp_path / "strings.gguf"
+    path.write_bytes(string_array([e.encode() for e in elements]))
+    value = parse_gguf(path).metadata["k"]
+    assert isinstance(value, GGUFStrings) and value == elements and elements == value and value != elements[:-1]
+    assert len(value) == 6 and list(value) == elements and value[2] == "é" and value[-1] == "中文"
+    assert value[1:5] == elements[1:5] and value[::-2] == elements[::-2] and "é" in value
+    assert value == parse_gguf(path).metadata["k"]
+    for index in (6, -7):
+        with pytest.raises(IndexError):
+            value[index]
+
+
+def test_string_arrays_cost_no_str_per_element(tmp_path: Path) -> None:
+    n = 100_000
+    path = tmp_path / "vocab.gguf"
+    path.write_bytes(string_array([f"tok{i}".encode() for i in range(n)]))
+    tracemalloc.start()
+    try:
+        layout = parse_gguf(path)
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert layout.metadata["k"][-1] == f"tok{n - 1}"
+    assert kept < 12 * n  # int64 offsets; a list of str would keep ~60 bytes per element
 
 
 def test_duplicate_key(raw: RawGGUF, tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """GGUF model files (ours or llama.cpp's), parsed by the validating :mod:`.gguf_parse` reader.
 
 Tensors are zero-copy views of the file's read-only memory map; metadata values are plain Python values
-(strings, ints, floats, bools, lists).
+(strings, ints, floats, bools, lists of numbers), except string arrays, which stay in the map as
+:class:`~.gguf_parse.GGUFStrings` (the token and merge lists would otherwise cost ~30 MB of ``str``).
 """
 
 from __future__ import annotations

@@ -13,10 +13,14 @@ docs/qwen-architectures.md §4.1):
 
 from __future__ import annotations
 
+import operator
 import struct
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType, Keys
@@ -35,6 +39,69 @@ SCALAR_FORMATS: dict[GGUFValueType, str] = {
 STRING_MIN_BYTES = 8  # the u64 length of an empty string
 KV_MIN_BYTES = STRING_MIN_BYTES + 4 + 1  # key, value type, smallest value
 TENSOR_INFO_MIN_BYTES = STRING_MIN_BYTES + 4 + 8 + 4 + 8  # name, n_dims, one dim, type, offset
+ITER_CHUNK = 4096  # offsets turned into Python ints at a time while iterating a string array
+
+
+class GGUFStrings(Sequence[str]):
+    """A GGUF string array left in the file map; an element is decoded from its UTF-8 bytes when read.
+
+    Token and merge lists hold 150k-250k strings: as ``str`` objects they would cost ~30 MB for the life of
+    the model, here 8 bytes each.  ``buf`` is the uint8 map of the whole file; ``offsets`` [n + 1] int64:
+    ``offsets[i]`` is the file offset of element ``i``'s u64 length, ``offsets[n]`` the end of the array, so
+    element ``i`` is the bytes ``offsets[i] + 8 .. offsets[i + 1]``.  The parser has checked every bound and
+    every element's UTF-8.  Slices are lists; a ``GGUFStrings`` equals a list of the same strings, or another
+    ``GGUFStrings`` of the same strings.
+    """
+
+    __slots__ = ("_view", "_offsets")
+
+    def __init__(self, buf: np.ndarray, offsets: np.ndarray) -> None:
+        self._view = memoryview(buf)  # slicing a memoryview costs far less than slicing an np.memmap
+        self._offsets = offsets
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self._element(i) for i in range(*index.indices(len(self)))]
+        i = operator.index(index)
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"string array index {i} out of range for {n} elements")
+        return self._element(i % n)
+
+    def __iter__(self) -> Iterator[str]:
+        for start in range(0, len(self), ITER_CHUNK):
+            bounds = self._offsets[start:start + ITER_CHUNK + 1].tolist()
+            base = bounds[0]
+            raw = self._view[base:bounds[-1]].tobytes()  # slices of bytes decode faster than of a memoryview
+            for begin, end in pairwise(bounds):
+                yield raw[begin - base + STRING_MIN_BYTES:end - base].decode("utf-8")
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, GGUFStrings):  # same strings <=> same length-prefixed bytes
+            return len(self) == len(other) and self._raw() == other._raw()
+        if isinstance(other, list):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        more = ", ..." if len(self) > 3 else ""
+        return f"GGUFStrings([{', '.join(map(repr, self[:3]))}{more}], len={len(self)})"
+
+    def _element(self, i: int) -> str:
+        begin, end = self._offsets[i:i + 2].tolist()
+        return str(self._view[begin + STRING_MIN_BYTES:end], "utf-8")
+
+    def _raw(self) -> memoryview:
+        return self._view[int(self._offsets[0]):int(self._offsets[-1])]
 
 
 @dataclass(frozen=True)
@@ -54,7 +121,7 @@ class GGUFLayout:
 
     path: Path
     version: int
-    metadata: dict[str, Any]
+    metadata: dict[str, Any]  # str, int, float, bool; arrays: list of numbers or GGUFStrings
     tensors: tuple[GGUFTensorInfo, ...]
     alignment: int
     data_offset: int  # absolute offset of the data section
@@ -86,34 +153,56 @@ class _Cursor:
     def string(self, what: str) -> str:
         length = self.scalar("<Q", f"length of {what}")
         self.need(length, what)
-        raw = bytes(self.buf[self.pos:self.pos + length])
+        raw = self.buf[self.pos:self.pos + length]
         self.pos += length
+        return self.text(raw, what)
+
+    def text(self, raw: np.ndarray | memoryview, what: str) -> str:
         try:
-            return raw.decode("utf-8")
+            return str(raw, "utf-8")
         except UnicodeDecodeError as exc:
             raise FormatError(f"{self.path}: {what} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
 
-    def strings(self, n: int, what: str) -> list[str]:
-        """``n`` strings in a row: :meth:`string`'s checks in one tight loop (token lists hold ~250k strings)."""
-        view, pos, size, out = memoryview(self.buf), self.pos, self.size, []
-        length_at = struct.Struct("<Q").unpack_from
+    def strings(self, n: int, what: str) -> GGUFStrings:
+        """``n`` strings in a row with :meth:`string`'s checks, left in the map (token lists hold ~250k)."""
+        view, pos, size, offsets = memoryview(self.buf), self.pos, self.size, array("q")
+        length_at, add = struct.Struct("<Q").unpack_from, offsets.append
         for i in range(n):
-            if pos + STRING_MIN_BYTES > size:
+            add(pos)
+            try:
+                (length,) = length_at(view, pos)
+            except struct.error:  # fewer than 8 bytes left
                 self.pos = pos
                 self.need(STRING_MIN_BYTES, f"length of element {i} of {what}")
-            (length,) = length_at(view, pos)
-            pos += STRING_MIN_BYTES
-            if length > size - pos:
-                self.pos = pos
+            pos += STRING_MIN_BYTES + length
+            if pos > size:
+                self.pos = pos - length
                 self.need(length, f"element {i} of {what}")
-            try:
-                out.append(str(view[pos:pos + length], "utf-8"))
-            except UnicodeDecodeError as exc:
-                raise FormatError(f"{self.path}: element {i} of {what} is not valid UTF-8 ({exc.reason} at byte "
-                                  f"{exc.start})") from None
-            pos += length
+        add(pos)
         self.pos = pos
-        return out
+        bounds = np.frombuffer(offsets, dtype=np.int64)
+        bounds.flags.writeable = False
+        self.check_utf8(bounds, what)
+        return GGUFStrings(self.buf, bounds)
+
+    def check_utf8(self, bounds: np.ndarray, what: str) -> None:
+        """Every element of a string array (``bounds`` as in :class:`GGUFStrings`) is valid UTF-8.
+
+        One decode of a copy of the array whose u64 lengths are overwritten with ASCII spaces: no multi-byte
+        sequence spans an ASCII byte, so the copy decodes iff every element does, and its first error lies
+        in the first bad element, which is then decoded alone for :meth:`text`'s message.
+        """
+        heads = bounds[:-1] - bounds[0]  # [n] where each length sits in the copy
+        region = np.array(self.buf[bounds[0]:bounds[-1]])
+        for k in range(STRING_MIN_BYTES):
+            region[heads + k] = ord(" ")
+        try:
+            str(region, "utf-8")
+        except UnicodeDecodeError as exc:
+            i = int(np.searchsorted(heads, exc.start, side="right")) - 1
+            begin, end = bounds[i:i + 2].tolist()
+            self.text(self.buf[begin + STRING_MIN_BYTES:end], f"element {i} of {what}")
+            raise  # unreachable: element i holds the first error, so text() raised
 
     def count(self, min_bytes: int, what: str) -> int:
         """A u64 element count, refused when even minimal elements could not fit in the rest of the file."""
@@ -139,7 +228,7 @@ def _value(cur: _Cursor, vtype: GGUFValueType, key: str) -> Any:
     return cur.scalar(SCALAR_FORMATS[vtype], f"value of {key!r}")
 
 
-def _array(cur: _Cursor, key: str) -> list[Any]:
+def _array(cur: _Cursor, key: str) -> list[Any] | GGUFStrings:
     etype = cur.value_type(f"array {key!r}")
     if etype == GGUFValueType.ARRAY:
         raise FormatError(f"{cur.path}: key {key!r}: nested arrays are not supported")
