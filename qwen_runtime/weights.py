@@ -2,7 +2,8 @@
 
 A :class:`Weight` is a ``[out, in]`` matrix as stored in the model file (memory-mapped, never copied whole):
 
-* :class:`F32Weight` multiplies straight from the memory map (BLAS reads the mapped pages).
+* :class:`F32Weight` multiplies straight from the memory map (BLAS reads the mapped pages), a block of rows
+  per task.
 * :class:`TiledWeight` (BF16, F16, Q8_0) widens ``tile_rows`` rows at a time into a float32 buffer of the
   pool thread doing it (a :class:`Workspace` holds one per thread, shared by every weight of a model) and
   BLAS-multiplies the tile.  No float32 copy of a whole matrix ever exists: anonymous memory stays at one
@@ -301,14 +302,19 @@ class Weight:
 
 
 class F32Weight(Weight):
-    """Float32 weights used in place: BLAS reads the memory-mapped rows directly, one row block per worker."""
+    """Float32 weights used in place: BLAS reads the memory-mapped rows directly, in blocks of about a tile.
 
-    def __init__(self, tensor: StoredTensor, ws: Workspace) -> None:
+    Several blocks per matrix, not one per worker: a pool thread wakes up late (tens of microseconds on a
+    VM), and with two blocks the calling thread had claimed both before it woke, decoding on one core.
+    """
+
+    def __init__(self, tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> None:
         super().__init__(tensor, ws)
         self.w = np.asarray(tensor.data)  # [out, in] view of the memory map
+        self.block_rows = balanced_rows(self.out_features, tile_elements // self.in_features, ws.threads)
 
     def blocks(self) -> list[tuple[int, int]]:
-        step = -(-self.out_features // self.ws.threads)
+        step = self.block_rows
         return [(r0, min(r0 + step, self.out_features)) for r0 in range(0, self.out_features, step)]
 
     def block_product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
@@ -432,7 +438,7 @@ def _gated_block(gate: Weight, up: Weight, r0: int, r1: int, xg: object, xu: obj
 def make_weight(tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> Weight:
     """The weight kind for a stored matrix."""
     if tensor.qtype == QType.F32:
-        return F32Weight(tensor, ws)
+        return F32Weight(tensor, ws, tile_elements)
     return TiledWeight(tensor, ws, tile_elements)
 
 

@@ -28,12 +28,12 @@ def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_valid: np
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("start, t", [(0, 9), (9, 1)])  # prefill and one decode step
+@pytest.mark.parametrize("start, t", [(0, 9), (9, 1), (6, 3)])  # prefill, one decode step, a chunk after a cache
 @pytest.mark.parametrize("score_elements", [1 << 22, 40])  # 40: queries tiled one or two at a time
 def test_attend_matches_reference(monkeypatch: pytest.MonkeyPatch, threads: int, start: int, t: int,
                                   score_elements: int) -> None:
     monkeypatch.setattr(attention, "SCORE_ELEMENTS", score_elements)
-    monkeypatch.setattr(attention, "POOL_SCORES", 0)  # the pool even for these few scores
+    monkeypatch.setattr(attention, "POOL_WORK", 0)  # the pool even for these few scores
     rng = np.random.default_rng(0)
     b, nh, nkv, hd, s = 2, 6, 2, 8, start + t
     q = rng.normal(0, 1, (b, nh, t, hd)).astype(np.float32)

@@ -22,9 +22,14 @@ from .base import WeightStore, register_mixer
 
 # Upper bound on attention score elements held at once; longer query blocks are processed in tiles.
 SCORE_ELEMENTS = 1 << 22
-# Attention with fewer score elements than this runs on the calling thread (decode steps): handing the GIL
-# back and forth between pool threads would cost more than the work.
-POOL_SCORES = 1 << 16
+# Query rows per kv head up to which scores and outputs are one matrix-vector product per query (decode):
+# BLAS reads the cached keys/values at full bandwidth there, while a [S, hd] x [hd, 2] GEMM ran 3x slower.
+GEMV_ROWS = 4
+# Attention of several new tokens with at least this many multiply-adds (scores x head_dim) splits its kv heads
+# over the pool (prefill).  A decode step stays on the calling thread: its matrix-vector products are bound by
+# memory bandwidth, and the pool's wake-up and GIL hand-offs cost more than a second core gives (measured
+# at 2,048 cached tokens too).
+POOL_WORK = 1 << 21
 
 
 def split_heads(x: np.ndarray, batch: int, heads: int, head_dim: int) -> np.ndarray:
@@ -55,7 +60,7 @@ def attention_mask(state: BatchState, q0: int = 0, q1: int | None = None) -> np.
 
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchState,
            ws: Workspace | None = None) -> np.ndarray:
-    """Scaled dot-product attention with GQA and the batch mask, one pool task per kv head (when it pays).
+    """Scaled dot-product attention with GQA and the batch mask; the kv heads split over the pool when it pays.
 
     q: [B, nh, T, hd]; keys/values: [B, nkv, S, hd] -> [B, nh, T, hd]
     """
@@ -63,29 +68,35 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchStat
     nkv = keys.shape[1]
     q = q.reshape(b, nkv, nh // nkv, t, hd) * np.float32(1.0 / np.sqrt(hd))
     out = np.empty(q.shape, np.float32)
-    tasks = [partial(_attend_kv_head, q[:, h], keys[:, h], values[:, h], state, out[:, h]) for h in range(nkv)]
-    if ws is None or b * nh * t * keys.shape[2] < POOL_SCORES:  # too little work to pay for the pool
-        for task in tasks:
-            task(None)
+    if ws is None or ws.threads == 1 or nkv == 1 or t == 1 or b * nh * t * keys.shape[2] * hd < POOL_WORK:
+        _attend_heads(q, keys, values, state, out, None)  # too little work to pay for the pool
     else:
-        ws.run(tasks)
+        step = -(-nkv // ws.threads)
+        ws.run([partial(_attend_heads, q[:, h:h + step], keys[:, h:h + step], values[:, h:h + step], state,
+                        out[:, h:h + step]) for h in range(0, nkv, step)])
     return out.reshape(b, nh, t, hd)
 
 
-def _attend_kv_head(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchState, out: np.ndarray,
-                    scratch: object) -> None:
-    """The query heads of one kv head, tiled over queries.  q/out: [B, g, T, hd]; keys/values: [B, S, hd]"""
-    b, group, t, hd = q.shape
-    s = keys.shape[1]
-    tile = max(1, SCORE_ELEMENTS // (b * group * s))
-    kt = keys.transpose(0, 2, 1)  # [B, hd, S]
+def _attend_heads(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchState, out: np.ndarray,
+                  scratch: object) -> None:
+    """Some kv heads and their query heads, tiled over queries (a pool task, or all heads on one thread).
+
+    q/out: [B, kv, g, T, hd]; keys/values: [B, kv, S, hd]
+    """
+    b, kv, group, t, hd = q.shape
+    s = keys.shape[2]
+    tile = max(1, SCORE_ELEMENTS // (b * kv * group * s))
+    kt = keys.transpose(0, 1, 3, 2)  # [B, kv, hd, S]
     for q0 in range(0, t, tile):
         q1 = min(q0 + tile, t)
-        qs = q[:, :, q0:q1].reshape(b, group * (q1 - q0), hd)  # every query head of the group in one matmul
-        scores = (qs @ kt).reshape(b, group, q1 - q0, s)  # [B, g, Tq, S]
-        scores = np.where(attention_mask(state, q0, q1)[:, 0], scores, np.float32(-np.inf))
-        probs = softmax(scores).reshape(b, group * (q1 - q0), s)
-        out[:, :, q0:q1] = (probs @ values).reshape(b, group, q1 - q0, hd)
+        rows = group * (q1 - q0)
+        qs = q[:, :, :, q0:q1].reshape(b, kv, rows, hd)  # all query heads of a kv head: one matmul
+        few = rows <= GEMV_ROWS
+        scores = np.matmul(keys[:, :, None], qs[..., None])[..., 0] if few else qs @ kt  # [B, kv, rows, S]
+        scores = np.where(attention_mask(state, q0, q1), scores.reshape(b, kv, group, q1 - q0, s), -np.inf)
+        probs = softmax(scores.astype(np.float32, copy=False)).reshape(b, kv, rows, s)
+        o = np.matmul(probs[..., None, :], values[:, :, None])[..., 0, :] if few else probs @ values
+        out[:, :, :, q0:q1] = o.reshape(b, kv, group, q1 - q0, hd)
 
 
 @register_mixer(FULL_ATTENTION, QWEN2, QWEN3)
