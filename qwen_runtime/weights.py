@@ -4,7 +4,7 @@ A :class:`Weight` is a ``[out, in]`` matrix as stored in the model file (memory-
 
 * :class:`F32Weight` multiplies straight from the memory map (BLAS reads the mapped pages), a block of rows
   per task.
-* :class:`TiledWeight` (BF16, F16, Q8_0) widens ``tile_rows`` rows at a time into a float32 buffer of the
+* :class:`TiledWeight` (BF16, F16, Q8_0) widens ``block_rows`` rows at a time into a float32 buffer of the
   pool thread doing it (a :class:`Workspace` holds one per thread, shared by every weight of a model) and
   BLAS-multiplies the tile.  No float32 copy of a whole matrix ever exists: anonymous memory stays at one
   tile per thread, plus Q8_0's block scales widened to float32 (2/17 of the stored bytes).
@@ -246,21 +246,23 @@ def balanced_rows(rows: int, max_rows: int, threads: int) -> int:
 class Weight:
     """A stored ``[out, in]`` matrix that multiplies float32 activations, one block of rows per pool task."""
 
-    def __init__(self, tensor: StoredTensor, ws: Workspace) -> None:
+    def __init__(self, tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> None:
         if len(tensor.shape) != 2:
             raise FormatError(f"{tensor.path}: tensor {tensor.name!r} should be a matrix, got shape {tensor.shape}")
         self.name = tensor.name
         self.tensor = tensor
         self.ws = ws
         self.out_features, self.in_features = tensor.shape
+        self.block_rows = balanced_rows(self.out_features, tile_elements // self.in_features, ws.threads)
 
     @property
     def qtype(self) -> QType:
         return self.tensor.qtype
 
     def blocks(self) -> list[tuple[int, int]]:
-        """The row ranges ``[r0, r1)`` multiplied as one task each."""
-        raise NotImplementedError
+        """The row ranges ``[r0, r1)`` multiplied as one task each (about a tile's elements)."""
+        step = self.block_rows
+        return [(r0, min(r0 + step, self.out_features)) for r0 in range(0, self.out_features, step)]
 
     def prepare(self, x: np.ndarray) -> object:
         """``x`` [N, in] in the layout :meth:`block_product` multiplies (once per call, shared by all blocks)."""
@@ -309,13 +311,8 @@ class F32Weight(Weight):
     """
 
     def __init__(self, tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> None:
-        super().__init__(tensor, ws)
+        super().__init__(tensor, ws, tile_elements)
         self.w = np.asarray(tensor.data)  # [out, in] view of the memory map
-        self.block_rows = balanced_rows(self.out_features, tile_elements // self.in_features, ws.threads)
-
-    def blocks(self) -> list[tuple[int, int]]:
-        step = self.block_rows
-        return [(r0, min(r0 + step, self.out_features)) for r0 in range(0, self.out_features, step)]
 
     def block_product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
         np.matmul(xk, self.w[r0:r1].T, out=out)
@@ -325,7 +322,7 @@ class F32Weight(Weight):
 
 
 class TiledWeight(Weight):
-    """BF16 / F16 / Q8_0 weights, multiplied ``tile_rows`` rows at a time from the workspace's scratch tiles.
+    """BF16 / F16 / Q8_0 weights, multiplied ``block_rows`` rows at a time from the workspace's scratch tiles.
 
     Q8_0 block scales are widened once per tile, on its first use, into a contiguous float32 ``[nb, out]``
     array (2/17 of the stored bytes: widening them on every call cost a fifth of the decode time); F16 tiles
@@ -333,21 +330,17 @@ class TiledWeight(Weight):
     """
 
     def __init__(self, tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> None:
-        super().__init__(tensor, ws)
+        super().__init__(tensor, ws, tile_elements)
         if tensor.qtype not in (QType.BF16, QType.F16, QType.Q8_0):
             raise FormatError(f"{tensor.path}: tensor {tensor.name!r}: no tiled kernel for {tensor.qtype.name}")
         raw = np.asarray(tensor.rows2d())  # [out, stored row length]
         self.raw = raw.view(np.uint16) if tensor.qtype == QType.F16 else raw  # F16 is widened from its bits
-        self.tile_rows = balanced_rows(self.out_features, tile_elements // self.in_features, ws.threads)
-        ws.ensure(self.tile_rows * self.in_features)
+        ws.ensure(self.block_rows * self.in_features)
         self._finite: dict[int, bool] = {}  # F16: tile start -> no inf/NaN in it (checked on first use)
         self._scaled: set[int] = set()  # Q8_0: tile starts whose scales are in _scales
         self._scales: np.ndarray | None = None  # Q8_0: [nb, out] float32, filled tile by tile
         if tensor.qtype == QType.Q8_0:
             self._scales = np.empty((self.in_features // Q8_0_BLOCK, self.out_features), np.float32)
-
-    def blocks(self) -> list[tuple[int, int]]:
-        return [(r0, min(r0 + self.tile_rows, self.out_features)) for r0 in range(0, self.out_features, self.tile_rows)]
 
     def widen(self, raw_rows: np.ndarray, out: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
         """Decode stored rows ``[R, stored]`` into ``out`` float32 ``[R, in]`` exactly (the reference)."""
@@ -415,9 +408,10 @@ def gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
     """``silu(x @ gate.T) * (x @ up.T)`` (SwiGLU), each row block of both products and its activation in one
     task, so the activation runs on every pool thread while the block is still in cache.
 
-    Weights of different kinds or tilings fall back to :func:`matmul_many`.  # [N, in] -> [N, out]
+    Each weight multiplies its block in its own kind; weights split into different blocks (different tile
+    sizes) fall back to :func:`matmul_many`.  # [N, in] -> [N, out]
     """
-    if gate.blocks() != up.blocks() or type(gate) is not type(up):
+    if gate.blocks() != up.blocks():
         g, u = matmul_many([gate, up], x)
         return silu_mul(g, u, out=g)
     out = np.empty((x.shape[0], gate.out_features), np.float32)

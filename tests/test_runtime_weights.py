@@ -145,7 +145,7 @@ def test_matmul_many_equals_separate_products() -> None:
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("qtypes", [(QType.F32, QType.F32), (QType.F16, QType.F16), (QType.Q8_0, QType.Q8_0),
-                                    (QType.Q8_0, QType.BF16)])  # the last: mixed kinds take the fallback
+                                    (QType.Q8_0, QType.BF16), (QType.F32, QType.F16)])  # mixed kinds share tasks
 @pytest.mark.parametrize("n", [1, 6, 20])
 def test_gated_matmul_matches_reference(threads: int, qtypes: tuple[QType, QType], n: int) -> None:
     rng = np.random.default_rng(7)
@@ -173,3 +173,14 @@ def test_q8_0_scales_cached_per_tile_are_exact_with_zero_subnormal_and_inf_scale
     np.testing.assert_allclose(got[:, [20, 29, 31, 39]], ref[:, [20, 29, 31, 39]], rtol=1e-5, atol=1e-6)
     assert not np.isfinite(got[:, 30]).any() and not np.isfinite(ref[:, 30]).any()
     np.testing.assert_array_equal(again, got)
+
+
+def test_gated_matmul_with_different_blocks_falls_back_to_separate_products() -> None:
+    rng = np.random.default_rng(9)
+    ws = Workspace(16 * 64, threads=2)
+    gate = make_weight(stored(QType.Q8_0, rng.normal(0, 0.3, (70, 64)).astype(np.float32)), ws, 16 * 64)
+    up = make_weight(stored(QType.F16, rng.normal(0, 0.3, (70, 64)).astype(np.float32)), ws, 8 * 64)
+    assert gate.blocks() != up.blocks()
+    x = rng.normal(0, 1, (3, 64)).astype(np.float32)
+    g, u = x @ gate.to_float32().T, x @ up.to_float32().T
+    np.testing.assert_allclose(gated_matmul(gate, up, x), g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
