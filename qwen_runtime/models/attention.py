@@ -93,8 +93,9 @@ def _attend_heads(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: Ba
         qs = q[:, :, :, q0:q1].reshape(b, kv, rows, hd)  # all query heads of a kv head: one matmul
         few = rows <= GEMV_ROWS
         scores = np.matmul(keys[:, :, None], qs[..., None])[..., 0] if few else qs @ kt  # [B, kv, rows, S]
-        scores = np.where(attention_mask(state, q0, q1), scores.reshape(b, kv, group, q1 - q0, s), -np.inf)
-        probs = softmax(scores.astype(np.float32, copy=False)).reshape(b, kv, rows, s)
+        scores = np.where(attention_mask(state, q0, q1), scores.reshape(b, kv, group, q1 - q0, s),
+                          np.float32(-np.inf))
+        probs = softmax(scores).reshape(b, kv, rows, s)
         o = np.matmul(probs[..., None, :], values[:, :, None])[..., 0, :] if few else probs @ values
         out[:, :, :, q0:q1] = o.reshape(b, kv, group, q1 - q0, hd)
 
