@@ -35,7 +35,7 @@ import dataclasses
 import json
 import math
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 from gguf import Keys
 
-from qwen_runtime.config import V_HEAD_GROUPED, V_HEAD_TILED, ModelConfig, gguf_key
+from qwen_runtime.config import V_HEAD_GROUPED, V_HEAD_TILED, ModelConfig, gguf_key, is_metadata_array
 from qwen_runtime.errors import FormatError, VerificationError
 from qwen_runtime.formats import detect_format, open_hf_dir
 from qwen_runtime.formats.base import TOKENIZER_FILES, ModelFiles, contained_path
@@ -492,7 +492,7 @@ def gguf_tokenizer_checks(meta: dict[str, Any], files: ModelFiles) -> list[Metad
 def _token_list_check(expected: list[str], actual: Any) -> MetadataCheck:
     key = Keys.Tokenizer.LIST
     summary = f"{len(expected)} tokens"
-    if not isinstance(actual, Sequence) or isinstance(actual, str):
+    if not is_metadata_array(actual):
         return MetadataCheck(key, summary, None, False, "missing")
     if len(actual) != len(expected):
         return MetadataCheck(key, summary, f"{len(actual)} tokens", False,

@@ -24,6 +24,7 @@ from typing import Any
 import jinja2
 from gguf import Keys
 
+from .config import is_metadata_array
 from .errors import FormatError, TemplateError
 from .formats import ModelFiles
 from .formats.base import read_text_file
@@ -166,8 +167,7 @@ def _stop_ids(files: ModelFiles, tokenizer: Tokenizer, eos_token: str | None) ->
 
 def _gguf_token(files: ModelFiles, key: str) -> str | None:
     tokens, token_id = files.metadata.get(Keys.Tokenizer.LIST), files.metadata.get(key)
-    if (isinstance(token_id, int) and isinstance(tokens, Sequence) and not isinstance(tokens, str)
-            and 0 <= token_id < len(tokens)):
+    if isinstance(token_id, int) and is_metadata_array(tokens) and 0 <= token_id < len(tokens):
         return str(tokens[token_id])
     return None
 

@@ -319,9 +319,14 @@ def _token_id(meta: Mapping[str, Any], key: str, source: str) -> int | None:
     return value
 
 
+def is_metadata_array(value: Any) -> bool:
+    """Whether a GGUF metadata value is an array: a list of numbers or the parser's ``GGUFStrings``."""
+    return isinstance(value, Sequence) and not isinstance(value, str)
+
+
 def _vocab_size(m: Mapping[str, Any], arch: str, source: str) -> int:
     tokens = m.get(Keys.Tokenizer.LIST)
-    if tokens is not None and (not isinstance(tokens, Sequence) or isinstance(tokens, str)):
+    if tokens is not None and not is_metadata_array(tokens):
         raise ConfigError(f"{source}: metadata key {Keys.Tokenizer.LIST!r} should be an array")
     return _meta(m, Keys.LLM.VOCAB_SIZE, arch, source, int, len(tokens) if tokens is not None else 0)
 

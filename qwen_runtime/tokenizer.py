@@ -22,6 +22,7 @@ from gguf import Keys, TokenType
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from .config import is_metadata_array
 from .errors import FormatError
 
 # Qwen2's pre-tokenizer split (llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2; also used by deepseek-r1-qwen).
@@ -96,7 +97,7 @@ class Tokenizer:
 def _meta_list(meta: dict[str, Any], key: str, source: str) -> Sequence[Any]:
     """An array value: a list of numbers, or GGUF strings still in the file map (read once, here)."""
     value = meta.get(key)
-    if not isinstance(value, Sequence) or isinstance(value, str):
+    if not is_metadata_array(value):
         raise FormatError(f"{source}: metadata key {key!r} is missing or not an array")
     return value
 
