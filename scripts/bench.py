@@ -25,7 +25,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -36,11 +35,12 @@ from typing import Any
 from bench_models import MODELS, build_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+import llama_interop  # noqa: E402  (the tests' harness: fetching llama.cpp's converter, its --outtype names)
+
 WORKER = Path(__file__).resolve().with_name("bench_worker.py")
 SHARED = REPO.parent / "shared" / "data"
 DTYPES = ("fp32", "fp16", "q8_0")
-LLAMA_OUTTYPES = {"fp32": "f32", "fp16": "f16", "q8_0": "q8_0"}
-LLAMA_DIST = "llama-cpp-python"
 
 
 @dataclass(frozen=True)
@@ -87,32 +87,6 @@ def bench_env(threads: int) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------------- converters
 
-def llama_version() -> str | None:
-    try:
-        import importlib.metadata
-
-        return importlib.metadata.version(LLAMA_DIST)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def llama_converter(cache: Path, version: str) -> Path:
-    """``convert_hf_to_gguf.py`` of llama-cpp-python ``version``'s vendored llama.cpp (sdist fetched once)."""
-    root = cache / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
-    script = root / "convert_hf_to_gguf.py"
-    if script.is_file():
-        return script
-    sdist = cache / f"llama_cpp_python-{version}.tar.gz"
-    if not sdist.is_file():
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                        f"{LLAMA_DIST}=={version}", "-d", str(cache)], check=True)
-    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
-    wanted = tuple(prefix + part for part in ("convert_hf_to_gguf.py", "conversion/", "gguf-py/"))
-    with tarfile.open(sdist) as tar:
-        tar.extractall(cache, members=[m for m in tar.getmembers() if m.name.startswith(wanted)], filter="data")
-    return script
-
-
 def convert_ours(src: Path, out: Path, dtype: str, env: dict[str, str]) -> dict[str, float]:
     cmd = [sys.executable, "-m", "qwen_convert", str(src), "-o", str(out), "--dtype", dtype, "--force"]
     wall, rss, _ = run_measured(cmd, env)
@@ -120,8 +94,8 @@ def convert_ours(src: Path, out: Path, dtype: str, env: dict[str, str]) -> dict[
 
 
 def convert_llama(script: Path, src: Path, out: Path, dtype: str, env: dict[str, str]) -> dict[str, float]:
-    cmd = [sys.executable, str(script), str(src), "--outtype", LLAMA_OUTTYPES[dtype], "--outfile", str(out)]
-    if "qwen3.5" in src.name and "--no-mtp" in script.read_text(encoding="utf-8"):
+    cmd = [sys.executable, str(script), str(src), "--outtype", llama_interop.OUTTYPES[dtype], "--outfile", str(out)]
+    if "qwen3.5" in src.name and llama_interop.supports_flag(script, "--no-mtp"):
         cmd.append("--no-mtp")
     try:
         wall, rss, _ = run_measured(cmd, env)
@@ -293,7 +267,7 @@ def machine() -> dict[str, Any]:
                             "cores": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PHYS_PAGES") *
                                                                           os.sysconf("SC_PAGE_SIZE") / 2**30, 1),
                             "python": platform.python_version(), "numpy": np.__version__,
-                            "llama_cpp_python": llama_version(), "loadavg": os.getloadavg(),
+                            "llama_cpp_python": llama_interop.installed_version(), "loadavg": os.getloadavg(),
                             "openblas_env": {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS")}}
     try:
         from threadpoolctl import threadpool_info
@@ -372,8 +346,8 @@ def run(args: argparse.Namespace) -> None:
     dtypes = args.dtypes.split(",") if args.dtypes else ["q8_0"] if args.quick else list(DTYPES)
     args.repeat = 1 if args.quick and args.repeat == 3 else args.repeat
     env = bench_env(args.threads)
-    version = None if args.no_llama else llama_version()
-    script = llama_converter(args.cache_dir, version) if version else None
+    version = None if args.no_llama else llama_interop.installed_version()
+    script = llama_interop.converter_script(args.cache_dir) if version else None
     results: dict[str, Any] = {"machine": machine(), "plan": plan.__dict__, "repeat": args.repeat,
                                "conversion": {}, "runtime": {}, "configs": {}}
     out = args.json or args.cache_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
