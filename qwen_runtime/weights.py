@@ -4,10 +4,10 @@ A :class:`Weight` is a ``[out, in]`` matrix as stored in the model file (memory-
 
 * :class:`F32Weight` multiplies straight from the memory map (BLAS reads the mapped pages), a block of rows
   per task.
-* :class:`TiledWeight` (BF16, F16, Q8_0) widens ``block_rows`` rows at a time into a float32 buffer of the
-  pool thread doing it (a :class:`Workspace` holds one per thread, shared by every weight of a model) and
-  BLAS-multiplies the tile.  No float32 copy of a whole matrix ever exists: anonymous memory stays at one
-  tile per thread, plus Q8_0's block scales widened to float32 (2/17 of the stored bytes).
+* :class:`TiledWeight` (BF16, F16, Q8_0) widens ``block_rows`` rows at a time into a float32 scratch buffer
+  of the pool thread doing it (:mod:`.pool`: a :class:`Workspace` keeps one per thread, shared by every
+  weight of a model) and BLAS-multiplies the tile.  No float32 copy of a whole matrix ever exists: anonymous
+  memory stays at one tile per thread, plus Q8_0's block scales widened to float32 (2/17 of the stored bytes).
 
 :func:`matmul_many` runs the tiles of projections sharing an input (q/k/v) as one pool run;
 :func:`gated_matmul` also applies SwiGLU's activation inside each gate/up task.
@@ -19,16 +19,14 @@ tests compare the fast paths against.
 
 from __future__ import annotations
 
-import functools
-import itertools
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
 
 from .errors import FormatError
 from .ops import silu_mul
+from .pool import Scratch, Workspace
 from .tensors import Q8_0_BLOCK, Q8_0_BYTES, Q8_0_DTYPE, QType, StoredTensor
 
 # Elements per widened tile (4 MiB of float32, in L3): big enough that the few numpy calls per tile, each a GIL
@@ -48,105 +46,14 @@ _F32_SIGN_AND_LOW = np.int32(-0x70000001)  # 0x8FFFFFFF: clears bits 28-30 that 
 _F16_PRESCALE_LIMIT = np.float32(2.0**15)  # |x| * 2**112 stays finite below this
 
 
-class Scratch:
-    """Buffers of one thread: a float32 tile (room for Q8_0's 34 values per block), fp16 temporaries and
-    Q8_0's per-block sums of a few activation rows."""
-
-    def __init__(self, elements: int) -> None:
-        self.f32 = np.empty(elements // Q8_0_BLOCK * Q8_0_BYTES + Q8_0_BYTES, np.float32)
-        self.u16 = np.empty(elements, np.uint16)
-        self.u32 = np.empty(elements, np.uint32)
-        self.sums = np.empty((elements // Q8_0_BLOCK + 1) * BLOCK_SUM_ROWS, np.float32)
-
-    @property
-    def nbytes(self) -> int:
-        return self.f32.nbytes + self.u16.nbytes + self.u32.nbytes + self.sums.nbytes
-
-
-class Workspace:
-    """Scratch buffers and the tile thread pool of one model.
-
-    ``threads`` workers (default: BLAS's own thread count, i.e. ``OPENBLAS_NUM_THREADS`` or the CPUs) each own
-    a :class:`Scratch` and claim tasks one by one until none is left, so uneven tasks balance themselves.
-    From the first pooled run on, BLAS is held to one thread for good: numpy releases the GIL in casts, ufuncs
-    and BLAS, so the workers really run in parallel, and BLAS threads of their own would oversubscribe the
-    cores; worse, OpenBLAS's idle threads spin after every multi-threaded call and steal the cores from the
-    pool (prefill ran at half speed while BLAS got its threads back between projections).  Everything
-    parallel in a forward pass goes through :meth:`run`.
-    BLAS threads are set through threadpoolctl; without it tasks run in turn on the calling thread.
-    """
-
-    def __init__(self, elements: int = TILE_ELEMENTS, threads: int | None = None) -> None:
-        self.elements = elements
-        self._blas = blas_controller()
-        self._blas_single = False
-        self.threads = max(1, threads or (self._blas.info()[0]["num_threads"] if self._blas else 1))
-        if self.threads == 1:
-            self._blas = None
-        self.scratch = [Scratch(elements) for _ in range(self.threads)]
-        self._pool: ThreadPoolExecutor | None = None
-
-    @property
-    def f32(self) -> np.ndarray:
-        """The calling thread's float32 tile buffer."""
-        return self.scratch[0].f32
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.scratch)
-
-    def ensure(self, elements: int) -> None:
-        if elements > self.elements:
-            self.elements = elements
-            self.scratch = [Scratch(elements) for _ in range(self.threads)]
-
-    def run(self, tasks: Sequence[Callable[[Scratch], None]]) -> None:
-        """Run every task with a scratch of its thread, spread over the pool (see the class docstring)."""
-        if self._blas is None or len(tasks) < 2:
-            for task in tasks:
-                task(self.scratch[0])
-            return
-        if not self._blas_single:
-            self._blas.limit(limits=1)
-            self._blas_single = True
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="qwen-tiles")
-        claim = itertools.count().__next__  # shared task index: each worker takes the next unclaimed task
-        futures = [self._pool.submit(_run_claimed, tasks, claim, scratch) for scratch in self.scratch[1:]]
-        try:
-            _run_claimed(tasks, claim, self.scratch[0])
-        finally:
-            for future in futures:
-                future.result()
-
-
-def _run_claimed(tasks: Sequence[Callable[[Scratch], None]], claim: Callable[[], int], scratch: Scratch) -> None:
-    """Run tasks in the order they are claimed until none is left (``claim`` is atomic under the GIL)."""
-    while (i := claim()) < len(tasks):
-        tasks[i](scratch)
-
-
-@functools.lru_cache(maxsize=1)
-def blas_controller():  # -> threadpoolctl.ThreadpoolController | None
-    """The BLAS libraries loaded by numpy, or None without threadpoolctl (the pool then stays unused)."""
-    try:
-        from threadpoolctl import ThreadpoolController
-    except ImportError:
-        return None
-    blas = ThreadpoolController().select(user_api="blas")
-    return blas if blas.lib_controllers else None
-
-
-def f16_bits_to_f32(bits: np.ndarray, out: np.ndarray, ws: Workspace | Scratch) -> np.ndarray:
+def f16_bits_to_f32(bits: np.ndarray, out: np.ndarray, scratch: Scratch) -> np.ndarray:
     """Exact float16 -> float32 by bit manipulation (numpy's own f16 cast is not vectorised here).
 
     The 15 magnitude bits shifted left by 13 form a float32 whose exponent is biased by 15 instead of 127;
     multiplying by 2**112 fixes the bias for normal and subnormal values alike.  Inf/NaN (exponent 31)
     come out >= 65536 and get the float32 all-ones exponent; then the sign bit is copied over.
     """
-    scratch = ws.scratch[0] if isinstance(ws, Workspace) else ws
-    n = bits.size
-    tmp16, tmp32 = scratch.u16[:n].reshape(bits.shape), scratch.u32[:n].reshape(bits.shape)
+    tmp16, tmp32 = scratch.array("f16 bits", bits.shape, np.uint16), scratch.array("f16 sign", bits.shape, np.uint32)
     out32 = out.view(np.uint32)
     np.bitwise_and(bits, _F16_ABS_MASK, out=tmp16)
     np.left_shift(tmp16, 13, out=out32, dtype=np.uint32)
@@ -218,10 +125,10 @@ def q8_0_product(raw: np.ndarray, scales: np.ndarray, xq: np.ndarray, scratch: S
     ``out`` is ``[N, R]`` (a column block of the layer's output, any leading stride).  # -> out
     """
     rows, n, nb = len(raw), xq.shape[0], xq.shape[1]
-    tile = scratch.f32[: raw.size].reshape(rows, nb, Q8_0_BYTES)
+    tile = scratch.array("tile", (rows, nb, Q8_0_BYTES))
     np.copyto(tile.reshape(raw.shape), raw.view(np.int8), casting="unsafe")
     if n <= BLOCK_SUM_ROWS:
-        sums = scratch.sums[: nb * n * rows].reshape(nb, n, rows)
+        sums = scratch.array("block sums", (nb, n, rows))
         np.matmul(xq.transpose(1, 0, 2), tile.transpose(1, 2, 0), out=sums)  # [nb, N, 34] @ [nb, 34, R]
         np.multiply(sums, scales[:, None, :], out=sums)
         return np.add.reduce(sums, axis=0, out=out)
@@ -335,7 +242,6 @@ class TiledWeight(Weight):
             raise FormatError(f"{tensor.path}: tensor {tensor.name!r}: no tiled kernel for {tensor.qtype.name}")
         raw = np.asarray(tensor.rows2d())  # [out, stored row length]
         self.raw = raw.view(np.uint16) if tensor.qtype == QType.F16 else raw  # F16 is widened from its bits
-        ws.ensure(self.block_rows * self.in_features)
         self._finite: dict[int, bool] = {}  # F16: tile start -> no inf/NaN in it (checked on first use)
         self._scaled: set[int] = set()  # Q8_0: tile starts whose scales are in _scales
         self._scales: np.ndarray | None = None  # Q8_0: [nb, out] float32, filled tile by tile
@@ -348,7 +254,7 @@ class TiledWeight(Weight):
             return q8_0_to_f32(raw_rows, out)
         if self.qtype == QType.BF16:
             return bf16_bits_to_f32(raw_rows, out)
-        return f16_bits_to_f32(raw_rows, out, scratch or self.ws)
+        return f16_bits_to_f32(raw_rows, out, scratch or self.ws.scratch[0])
 
     def prepare(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """``x`` in the layout the kernel multiplies: (plain or Q8_0-shaped, F16's prescaled copy or None)."""
@@ -363,7 +269,7 @@ class TiledWeight(Weight):
         if self.qtype == QType.Q8_0:
             q8_0_product(raw, self._tile_scales(r0, r1), x, scratch, out)
             return
-        tile = scratch.f32[: raw.size].reshape(raw.shape)
+        tile = scratch.array("tile", raw.shape)
         if prescaled is not None and self._tile_is_finite(r0, raw):
             np.matmul(prescaled, f16_bits_to_prescaled(raw, tile).T, out=out)
         else:
@@ -384,10 +290,7 @@ class TiledWeight(Weight):
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids).reshape(-1)
-        out = np.empty((ids.size, self.in_features), np.float32)
-        if self.qtype == QType.F16:
-            self.ws.ensure(out.size)
-        return self.widen(self.raw[ids], out)
+        return self.widen(self.raw[ids], np.empty((ids.size, self.in_features), np.float32))
 
 
 def matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:

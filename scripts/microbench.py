@@ -19,8 +19,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, quants
 from threadpoolctl import threadpool_limits
 
+from qwen_runtime.pool import Workspace
 from qwen_runtime.tensors import QType, StoredTensor
-from qwen_runtime.weights import Workspace, make_weight
+from qwen_runtime.weights import make_weight
 
 QWEN25_WEIGHTS = 494e6
 

@@ -7,7 +7,7 @@ import pytest
 
 from qwen_runtime.cache import BatchState
 from qwen_runtime.models import attention
-from qwen_runtime.weights import Workspace
+from qwen_runtime.pool import Workspace
 
 
 def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_valid: np.ndarray, start: int) -> np.ndarray:

@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
+from qwen_runtime.pool import Scratch, Workspace
 from qwen_runtime.tensors import QType, StoredTensor
 from qwen_runtime.weights import (
     F32Weight,
-    Scratch,
     TiledWeight,
-    Workspace,
     f16_bits_to_f32,
     f16_bits_to_prescaled,
     gated_matmul,
@@ -40,7 +39,7 @@ def stored(qtype: QType, w: np.ndarray) -> StoredTensor:
 def test_f16_widening_is_exact_for_every_bit_pattern() -> None:
     bits = np.arange(1 << 16, dtype=np.uint16).reshape(256, 256)
     out = np.empty(bits.shape, np.float32)
-    f16_bits_to_f32(bits, out, Workspace(bits.size))
+    f16_bits_to_f32(bits, out, Scratch())
     expected = bits.view(np.float16).astype(np.float32)
     nan = np.isnan(expected)
     assert np.array_equal(np.isnan(out), nan)
@@ -54,7 +53,7 @@ def test_matmul_matches_reference(qtype: QType, n: int) -> None:
     w = rng.normal(0, 0.05, (100, 96)).astype(np.float32)
     x = rng.normal(0, 1, (n, 96)).astype(np.float32)
     # 13 rows per tile: several tiles plus a ragged last one
-    weight = make_weight(stored(qtype, w), Workspace(13 * 96), tile_elements=13 * 96)
+    weight = make_weight(stored(qtype, w), Workspace(), tile_elements=13 * 96)
     assert isinstance(weight, F32Weight if qtype == QType.F32 else TiledWeight)
     ref = x @ weight.to_float32().T
     got = weight.matmul(x)
@@ -72,11 +71,11 @@ def test_rows_decode_only_requested_rows_exactly(qtype: QType) -> None:
 
 def test_tiled_weight_keeps_no_float32_copy() -> None:
     w = np.random.default_rng(2).normal(0, 0.05, (4096, 64)).astype(np.float32)
-    ws = Workspace(1024)
+    ws = Workspace()
     weight = make_weight(stored(QType.Q8_0, w), ws, tile_elements=1024)
     weight.matmul(np.ones((1, 64), np.float32))
     # the only float32 scratch is one tile per pool thread (in Q8_0's 34-values-per-block layout)
-    assert all(s.f32.size <= 1024 // 32 * 34 + 34 for s in ws.scratch)
+    assert all(s.sizes().get("tile", 0) <= 1024 // 32 * 34 for s in ws.scratch)
 
 
 def test_f16_prescaled_widening_is_exact_for_every_finite_bit_pattern() -> None:
@@ -103,7 +102,7 @@ def test_q8_0_product_matches_reference_dequantization(n: int) -> None:
     x = rng.normal(0, 1, (n, 128)).astype(np.float32)
     ref = q8_0_to_f32(raw, np.empty(w.shape, np.float32)) @ x.T  # [37, n]
     out = np.empty((n, 37), np.float32)
-    got = q8_0_product(raw, q8_0_row_scales(raw).T, q8_0_activations(x), Scratch(raw.size), out)
+    got = q8_0_product(raw, q8_0_row_scales(raw).T, q8_0_activations(x), Scratch(), out)
     np.testing.assert_allclose(got, ref.T, rtol=1e-5, atol=1e-5)  # the scale multiplies block sums: rounding only
 
 
@@ -112,7 +111,7 @@ def test_f16_tiles_with_inf_or_large_activations_match_reference(scale: float) -
     rng = np.random.default_rng(4)
     w = rng.normal(0, 0.05, (40, 64)).astype(np.float32)
     w[25, 3] = np.inf  # only the tile of rows 20-39 holds a special value
-    weight = make_weight(stored(QType.F16, w), Workspace(20 * 64), tile_elements=20 * 64)
+    weight = make_weight(stored(QType.F16, w), Workspace(), tile_elements=20 * 64)
     x = rng.normal(0, scale, (2, 64)).astype(np.float32)
     with np.errstate(invalid="ignore"):
         ref = x @ weight.to_float32().T
@@ -125,8 +124,8 @@ def test_f16_tiles_with_inf_or_large_activations_match_reference(scale: float) -
 def test_pool_gives_the_serial_result(qtype: QType, n: int) -> None:
     rng = np.random.default_rng(5)
     w, x = rng.normal(0, 0.05, (300, 96)).astype(np.float32), rng.normal(0, 1, (n, 96)).astype(np.float32)
-    serial = make_weight(stored(qtype, w), Workspace(32 * 96, threads=1), tile_elements=32 * 96)
-    pooled = make_weight(stored(qtype, w), Workspace(32 * 96, threads=2), tile_elements=32 * 96)
+    serial = make_weight(stored(qtype, w), Workspace(threads=1), tile_elements=32 * 96)
+    pooled = make_weight(stored(qtype, w), Workspace(threads=2), tile_elements=32 * 96)
     if qtype == QType.F32:  # split into row blocks, BLAS may sum in another order: float32 rounding
         np.testing.assert_allclose(pooled.matmul(x), serial.matmul(x), rtol=1e-6, atol=1e-6)
     else:  # the same tiles, only on other threads: bit for bit
@@ -135,7 +134,7 @@ def test_pool_gives_the_serial_result(qtype: QType, n: int) -> None:
 
 def test_matmul_many_equals_separate_products() -> None:
     rng = np.random.default_rng(6)
-    ws = Workspace(16 * 64, threads=2)
+    ws = Workspace(threads=2)
     weights = [make_weight(stored(qtype, rng.normal(0, 0.05, (rows, 64)).astype(np.float32)), ws, 16 * 64)
                for qtype, rows in ((QType.Q8_0, 50), (QType.F32, 20), (QType.F16, 33))]
     x = rng.normal(0, 1, (3, 64)).astype(np.float32)
@@ -149,7 +148,7 @@ def test_matmul_many_equals_separate_products() -> None:
 @pytest.mark.parametrize("n", [1, 6, 20])
 def test_gated_matmul_matches_reference(threads: int, qtypes: tuple[QType, QType], n: int) -> None:
     rng = np.random.default_rng(7)
-    ws = Workspace(16 * 64, threads=threads)
+    ws = Workspace(threads=threads)
     gate, up = (make_weight(stored(q, rng.normal(0, 0.3, (70, 64)).astype(np.float32)), ws, 16 * 64) for q in qtypes)
     x = rng.normal(0, 1, (n, 64)).astype(np.float32)
     g, u = x @ gate.to_float32().T, x @ up.to_float32().T
@@ -164,7 +163,7 @@ def test_q8_0_scales_cached_per_tile_are_exact_with_zero_subnormal_and_inf_scale
     w[5] *= 1e-4  # subnormal fp16 scales
     raw = quants.quantize(w, GGMLQuantizationType.Q8_0)
     raw.reshape(40, 2, 34)[30, 1, :2].view(np.uint16)[0] = 0x7C00  # an inf scale in the tile of rows 20-39
-    weight = make_weight(StoredTensor("w", QType.Q8_0, w.shape, "mem", data=raw), Workspace(20 * 64), 20 * 64)
+    weight = make_weight(StoredTensor("w", QType.Q8_0, w.shape, "mem", data=raw), Workspace(), 20 * 64)
     x = rng.normal(0, 1, (2, 64)).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         ref, got = x @ weight.to_float32().T, weight.matmul(x)
@@ -177,7 +176,7 @@ def test_q8_0_scales_cached_per_tile_are_exact_with_zero_subnormal_and_inf_scale
 
 def test_gated_matmul_with_different_blocks_falls_back_to_separate_products() -> None:
     rng = np.random.default_rng(9)
-    ws = Workspace(16 * 64, threads=2)
+    ws = Workspace(threads=2)
     gate = make_weight(stored(QType.Q8_0, rng.normal(0, 0.3, (70, 64)).astype(np.float32)), ws, 16 * 64)
     up = make_weight(stored(QType.F16, rng.normal(0, 0.3, (70, 64)).astype(np.float32)), ws, 8 * 64)
     assert gate.blocks() != up.blocks()

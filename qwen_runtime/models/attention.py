@@ -17,7 +17,8 @@ from gguf import MODEL_TENSOR as T
 from ..cache import BatchState, KVCache
 from ..config import FULL_ATTENTION, QWEN2, QWEN3, ModelConfig
 from ..ops import apply_rope, rms_norm, rope_cos_sin, softmax
-from ..weights import Workspace, matmul_many
+from ..pool import Workspace
+from ..weights import matmul_many
 from .base import WeightStore, register_mixer
 
 # Upper bound on attention score elements held at once; longer query blocks are processed in tiles.

@@ -30,7 +30,8 @@ from ..config import ModelConfig
 from ..errors import FormatError
 from ..formats import ModelFiles
 from ..naming import tensor_name
-from ..weights import TILE_ELEMENTS, Weight, Workspace, load_vector, make_weight
+from ..pool import Workspace
+from ..weights import TILE_ELEMENTS, Weight, load_vector, make_weight
 
 
 class WeightStore:
@@ -38,7 +39,7 @@ class WeightStore:
 
     def __init__(self, files: ModelFiles, tile_elements: int = TILE_ELEMENTS) -> None:
         self.files = files
-        self.workspace = Workspace(tile_elements)
+        self.workspace = Workspace()
         self.tile_elements = tile_elements
         self._matrices: dict[str, Weight] = {}
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..config import V_HEAD_GROUPED, V_HEAD_TILED
 from ..ops import sigmoid, silu
-from ..weights import blas_controller
+from ..pool import blas_controller
 
 F32 = np.float32
 L2_EPS = 1e-6  # HF/FLA l2norm epsilon, inside the square root
