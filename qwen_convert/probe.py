@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qwen_runtime.chat import ChatFormat
+from qwen_runtime.chat import ChatFormat, chat_format
 from qwen_runtime.config import QWEN35
 from qwen_runtime.errors import QwenError
 from qwen_runtime.evaluate import kl_divergence, log_softmax
@@ -118,23 +118,10 @@ def top1_margin(logits: np.ndarray) -> np.ndarray:
     return top2[:, 1] - top2[:, 0]
 
 
-def hidden_states(model: Model, ids: list[int]) -> list[np.ndarray]:
-    """Residual stream after the embedding and after every block, for one sequence.  # [T] -> (L+1) x [T, H]"""
-    x = np.asarray([ids], np.int64)
-    cache = model.make_cache(1, len(ids))
-    state = cache.begin(np.ones(x.shape, bool))
-    h = model.embed.rows(x.reshape(-1)).reshape(1, len(ids), -1)  # [1, T, H]
-    states = [h[0]]
-    for block, layer_cache in zip(model.blocks, cache.layers, strict=True):
-        h = block(h, layer_cache, state)
-        states.append(h[0])
-    return states
-
-
 def first_divergence(source: Model, output: Model, ids: list[int], tolerance: float) -> str:
     """Where the two models part: the first residual stream (embedding, block i) off by > ``tolerance``."""
     errors = []
-    for i, (a, b) in enumerate(zip(hidden_states(source, ids), hidden_states(output, ids), strict=True)):
+    for i, (a, b) in enumerate(zip(source.hidden_states([ids]), output.hidden_states([ids]), strict=True)):
         error = float(np.linalg.norm(b - a) / max(float(np.linalg.norm(a)), 1e-30))
         errors.append(error)
         if error > tolerance:
@@ -146,7 +133,7 @@ def first_divergence(source: Model, output: Model, ids: list[int], tolerance: fl
 
 def _tokenizer_failure(source_ids: list[list[int]], output: Model) -> str | None:
     try:
-        output_ids = probe_ids(output.chat_format)
+        output_ids = probe_ids(chat_format(output))
     except QwenError as exc:
         return f"the output's tokenizer or chat template fails ({exc})"
     for k, (a, b) in enumerate(zip(source_ids, output_ids, strict=False)):
@@ -167,7 +154,7 @@ def behaviour_check(source: ModelFiles, output_path: Path, dtype: str | None) ->
     except QwenError as exc:
         return BehaviourCheck(name, limits, failures=(f"the output does not load with qwen_runtime ({exc})",))
     reference = build_model(source)
-    ids = probe_ids(reference.chat_format)
+    ids = probe_ids(chat_format(reference))
     failures = [f for f in [_tokenizer_failure(ids, output)] if f]
     kl, agree, flips = [], [], 0
     for probe in ids:

@@ -8,7 +8,7 @@
     for texts in stream(model, ["a", "b"]): ...    # per-step new text of every row
 
 ``model.forward(ids, cache, valid)`` is the cached path (``cache = model.make_cache(batch, max_len)``);
-``model.chat_format`` holds the tokenizer, chat template and stop ids.
+``chat_format(model)`` holds the tokenizer, chat template and stop ids (loaded on first use).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .chat import ChatFormat
+from .chat import ChatFormat, chat_format
 from .generate import Generation, GenerationConfig, GenerationResult, GenerationStats
 from .models import Model, build_model
 from .sampling import SamplingParams
 from .weights import TILE_ELEMENTS
 
 __all__ = ["ChatFormat", "Generation", "GenerationConfig", "GenerationResult", "GenerationStats", "Model",
-           "SamplingParams", "encode_prompts", "generate", "load", "stream"]
+           "SamplingParams", "chat_format", "encode_prompts", "generate", "load", "stream"]
 
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 GREEDY = SamplingParams()
@@ -44,7 +44,7 @@ def encode_prompts(model: Model, prompts: Prompts, chat: bool = False, system: s
     items = [prompts] if isinstance(prompts, str) else list(prompts)
     if items and not isinstance(items[0], str):
         return [[int(t) for t in p] for p in items]
-    fmt = model.chat_format
+    fmt = chat_format(model)
     if not chat:
         return [fmt.encode_prompt(p) for p in items]
     head = [{"role": "system", "content": system}] if system is not None else []
@@ -67,7 +67,7 @@ def stream(model: Model, prompts: Prompts, *, chat: bool = False, system: str | 
     ids = encode_prompts(model, prompts, chat, system, enable_thinking)
     if use_tokenizer is None:
         use_tokenizer = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(list(prompts)[0], str))
-    fmt = model.chat_format if use_tokenizer else None
+    fmt = chat_format(model) if use_tokenizer else None
     stop_ids = fmt.stop_ids if fmt is not None else frozenset()
     params = sampling if isinstance(sampling, SamplingParams) else tuple(sampling)
     config = GenerationConfig(max_new_tokens, params, stop_ids, seed, prefill_chunk, max_memory)

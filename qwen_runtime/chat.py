@@ -19,7 +19,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from weakref import WeakKeyDictionary
 
 import jinja2
 from gguf import Keys
@@ -30,6 +31,9 @@ from .formats import ModelFiles
 from .formats.base import read_text_file
 from .sandbox import BoundedEnvironment
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .models import Model
 
 # Turn-end / document-end tokens that always stop generation when the vocabulary has them.
 STOP_TEXTS = ("<|im_end|>", "<|endoftext|>")
@@ -191,3 +195,17 @@ def load_chat_format(files: ModelFiles) -> ChatFormat:
         if bos is None and files.config.bos_token_id is not None and add_bos:
             bos = tokenizer.id_to_token(files.config.bos_token_id)
     return ChatFormat(tokenizer, template, bos, eos, add_bos, _stop_ids(files, tokenizer, eos))
+
+
+_LOADED: WeakKeyDictionary[Model, ChatFormat] = WeakKeyDictionary()
+
+
+def chat_format(model: Model) -> ChatFormat:
+    """The chat format of ``model``'s files, loaded on first use and kept as long as the model.
+
+    The model itself knows no tokenizer (numeric work never needs one); this is where text meets it.
+    """
+    fmt = _LOADED.get(model)
+    if fmt is None:
+        fmt = _LOADED[model] = load_chat_format(model.files)
+    return fmt

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from . import Generation, Model, SamplingParams, load, stream
+from . import Generation, Model, SamplingParams, chat_format, load, stream
 from .cli_support import run_guarded
 from .limits import parse_memory_size
 
@@ -82,7 +82,7 @@ def run_prompts(model: Model, args: argparse.Namespace, sampling: SamplingParams
 
 def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingParams) -> None:
     """A multi-turn chat on the terminal; an empty line or EOF ends it."""
-    fmt = model.chat_format
+    fmt = chat_format(model)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     while True:
         try:

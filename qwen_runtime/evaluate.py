@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from .chat import chat_format
 from .errors import QwenError
 from .models import Model
 
@@ -167,13 +168,13 @@ class _Scores:
 
 def check_same_vocabulary(models: Sequence[Model], reference: Model) -> None:
     """Raise :class:`VocabularyMismatchError` unless every model shares the reference's logits and tokens."""
-    want = reference.chat_format.tokenizer.backend.get_vocab(with_added_tokens=True)
+    want = chat_format(reference).tokenizer.backend.get_vocab(with_added_tokens=True)
     for model in models:
         va, vb = model.config.vocab_size, reference.config.vocab_size
         if va != vb:
             raise VocabularyMismatchError(f"{model.path} has {va} logits per token, {reference.path} has {vb}; "
                                           "comparing them token by token needs the same vocabulary")
-        got = model.chat_format.tokenizer.backend.get_vocab(with_added_tokens=True)
+        got = chat_format(model).tokenizer.backend.get_vocab(with_added_tokens=True)
         if got != want:
             diff = sorted(set(got.items()) ^ set(want.items()))[:3]
             raise VocabularyMismatchError(f"{model.path} and {reference.path} have different tokenizers "
@@ -182,7 +183,7 @@ def check_same_vocabulary(models: Sequence[Model], reference: Model) -> None:
 
 def encode_text(model: Model, text: str, max_tokens: int | None = None) -> np.ndarray:
     """The text's token ids as the model reads a raw prompt (BOS only if the model asks), maybe truncated."""
-    ids = model.chat_format.encode_prompt(text)
+    ids = chat_format(model).encode_prompt(text)
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if len(ids) < 2:

@@ -32,11 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import llama_interop  # fetching llama.cpp's converter, its --outtype names (shared with the interop tests)
 from bench_models import MODELS, build_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-import llama_interop  # noqa: E402  (the tests' harness: fetching llama.cpp's converter, its --outtype names)
 
 WORKER = Path(__file__).resolve().with_name("bench_worker.py")
 SHARED = REPO.parent / "shared" / "data"

@@ -64,7 +64,6 @@ import io
 import json
 import math
 import shutil
-import sys
 import sysconfig
 import warnings
 import zipfile
@@ -74,6 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import hf_oracle  # the transformers oracle the tests use too (scripts/hf_oracle.py)
 import numpy as np
 import torch
 import transformers
@@ -692,15 +692,6 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], out: Path, shards: int) ->
 # ----------------------------------------------------------------------------------------------- reference
 
 
-def load_oracle() -> Any:
-    sys.path.insert(0, str(REPO_ROOT / "tests"))
-    try:
-        import hf_oracle
-    finally:
-        sys.path.pop(0)
-    return hf_oracle
-
-
 def prompt_ids(tokenizer: Tokenizer, fixture: Fixture) -> list[np.ndarray]:
     prompts = []
     for text, length in zip((*PROMPT_TEXTS_COMMON, fixture.chat_prompt), PROMPT_LENGTHS, strict=True):
@@ -804,11 +795,10 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     base = train_base_tokenizer()
-    oracle = load_oracle()
     args.out.mkdir(parents=True, exist_ok=True)
     for fixture in FIXTURES:
         if args.only is None or fixture.name in args.only:
-            make_fixture(fixture, base, args.out, args.configs, oracle)
+            make_fixture(fixture, base, args.out, args.configs, hf_oracle)
 
 
 if __name__ == "__main__":

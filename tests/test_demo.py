@@ -11,7 +11,7 @@ import pytest
 from runtime_helpers import fixture_dir
 
 import qwen_runtime
-from qwen_runtime.demo import (
+from qwen_convert.demo import (
     CONVERTED,
     REUSED,
     STAMP_FILE,
@@ -22,7 +22,7 @@ from qwen_runtime.demo import (
     heldout_text_path,
     prepare_outputs,
 )
-from qwen_runtime.demo_cli import main as demo_main
+from qwen_convert.demo_cli import main as demo_main
 
 TEXT = Path(textwrap.__file__)
 

@@ -102,10 +102,7 @@ def dtypes_where(tensors: dict[str, dict[str, Any]], predicate: Any) -> set[str]
 
 
 def oracle_module() -> Any:
-    try:
-        return importlib.import_module("hf_oracle")
-    except ImportError:
-        return importlib.import_module("tests.hf_oracle")
+    return importlib.import_module("hf_oracle")
 
 
 # ----------------------------------------------------------------------------------------------- structure

@@ -38,6 +38,7 @@ from tokenizers import Tokenizer  # noqa: E402
 import qwen_runtime  # noqa: E402
 from qwen_convert.cli import inspect_main  # noqa: E402
 from qwen_convert.convert import convert  # noqa: E402
+from qwen_runtime import chat_format  # noqa: E402
 
 if not interop_models.tokenizers_available():
     pytest.skip(f"real tokenizers not found at {interop_models.TOKENIZERS_DIR} (../shared/data/tokenizers "
@@ -219,7 +220,7 @@ def test_our_gguf_in_llama_cpp(conversions: Conversions, interop_dirs: dict[str,
         assert not [w for w in llm.load_log.warnings() if "key" in w.lower() or "missing" in w.lower()]
         # 2. tokenization equals tokenizers on the source tokenizer.json
         model_dir = interop_dirs[family]
-        chat_text = runtime_model(ours_path).chat_format.render(CHAT)
+        chat_text = chat_format(runtime_model(ours_path)).render(CHAT)
         for text in (MIXED_TEXT, chat_text):
             assert llm.tokenize(text) == source_ids(model_dir, text)
         # 3. chat template: same string, same rendering
@@ -272,7 +273,7 @@ def test_llama_cpp_gguf_in_our_runtime(conversions: Conversions, interop_dirs: d
         # As tight as our own file of this dtype (same stored weights up to the ssm_a last bits).
         ours_error = float(np.abs(our_logits(conversions.ours(family, dtype), ids) - reference).max())
         assert error <= ours_error + HF_FP32_ABS
-    assert runtime_model(theirs_path).chat_format.encode_prompt(MIXED_TEXT) == ids
+    assert chat_format(runtime_model(theirs_path)).encode_prompt(MIXED_TEXT) == ids
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen_runtime import generate, load
+from qwen_runtime import chat_format, generate, load
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -17,14 +17,14 @@ def model(request: pytest.FixtureRequest):
 
 
 def test_stop_ids_are_im_end_and_endoftext(model) -> None:
-    fmt = model.chat_format
+    fmt = chat_format(model)
     wanted = {fmt.tokenizer.token_id("<|im_end|>"), fmt.tokenizer.token_id("<|endoftext|>")}
     assert None not in wanted
     assert wanted <= set(fmt.stop_ids)
 
 
 def test_chat_template_comes_from_the_model(model) -> None:
-    text = model.chat_format.render([{"role": "user", "content": "hi"}], enable_thinking=False)
+    text = chat_format(model).render([{"role": "user", "content": "hi"}], enable_thinking=False)
     assert text.startswith("<|im_start|>user\nhi<|im_end|>\n")
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 

@@ -160,7 +160,7 @@ def test_cache_select_keeps_rows(model: Model) -> None:
 @pytest.mark.oracle
 def test_long_prompt_matches_live_transformers(name: str, model: Model) -> None:
     pytest.importorskip("torch")
-    from tests.hf_oracle import hf_logits
+    from hf_oracle import hf_logits
 
     prompt = random_prompt(model, 140, seed=5)  # three DeltaNet chunks of 64
     # 140 tokens sit at the float32 noise floor of these fixtures on both sides (see SELF_ATOL): allow twice ATOL
@@ -171,7 +171,7 @@ def test_long_prompt_matches_live_transformers(name: str, model: Model) -> None:
 @pytest.mark.oracle
 def test_padded_batch_matches_live_transformers(name: str, model: Model) -> None:
     pytest.importorskip("torch")
-    from tests.hf_oracle import hf_logits
+    from hf_oracle import hf_logits
 
     ids, valid = left_pad([random_prompt(model, n, seed=n) for n in (12, 3, 7)])
     want = hf_logits(FIXTURES / name, ids, valid.astype(np.int64))

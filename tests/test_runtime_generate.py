@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from runtime_helpers import fixture_dir
 
-from qwen_runtime import GenerationConfig, SamplingParams, generate, load, stream
+from qwen_runtime import GenerationConfig, SamplingParams, chat_format, generate, load, stream
 from qwen_runtime.cli import main
 from qwen_runtime.errors import ContextOverflowError
 from qwen_runtime.generate import Generation
@@ -27,7 +27,7 @@ def run_ids(model, prompts, steps, stop=frozenset()):
 
 
 def test_batch_equals_solo_and_finished_rows_stop(model) -> None:
-    prompts = [model.chat_format.encode_prompt(p) for p in PROMPTS]
+    prompts = [chat_format(model).encode_prompt(p) for p in PROMPTS]
     solo = [run_ids(model, [p], 8)[0].token_ids for p in prompts]
     stop = frozenset({solo[1][2]})  # row 1 stops early at its third token
     batch = run_ids(model, prompts, 8, stop)
@@ -44,8 +44,8 @@ def test_stream_text_adds_up_to_results(model) -> None:
     assert len(steps) <= 6 and all(len(s) == 3 for s in steps)
     for row, result in enumerate(gen.results):
         assert "".join(s[row] for s in steps) == result.text
-        assert result.text == model.chat_format.tokenizer.decode(
-            [t for t in result.token_ids if t not in model.chat_format.stop_ids])
+        assert result.text == chat_format(model).tokenizer.decode(
+            [t for t in result.token_ids if t not in chat_format(model).stop_ids])
     assert gen.stats.prompt_tokens == sum(len(r.prompt_ids) for r in gen.results)
     assert gen.stats.prefill_seconds > 0 and gen.stats.decoded_tokens > 0
 
@@ -59,7 +59,7 @@ def test_same_seed_same_text(model) -> None:
 
 def test_chat_prompts_use_the_template(model) -> None:
     [result] = generate(model, "hi", chat=True, system="Be brief.", max_new_tokens=2)
-    text = model.chat_format.tokenizer.decode(result.prompt_ids, skip_special=False)
+    text = chat_format(model).tokenizer.decode(result.prompt_ids, skip_special=False)
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>") and text.endswith("<|im_start|>assistant\n")
 
 

@@ -60,20 +60,10 @@ class Model:
         self.norm = store.vector(T.OUTPUT_NORM)
         self.tied = not store.has(T.OUTPUT)
         self.lm_head = self.embed if self.tied else store.matrix(T.OUTPUT)
-        self._chat_format = None
 
     @property
     def path(self) -> Path:
         return self.files.path
-
-    @property
-    def chat_format(self):  # -> ChatFormat (loaded on first use: numeric work never needs a tokenizer)
-        """Tokenizer, chat template and stop ids from the model's own files."""
-        if self._chat_format is None:
-            from ..chat import load_chat_format
-
-            self._chat_format = load_chat_format(self.files)
-        return self._chat_format
 
     def make_cache(self, batch: int, max_len: int, max_memory: int | None = None) -> Cache:
         """Empty per-layer caches for ``batch`` rows of up to ``max_len`` slots.
@@ -92,6 +82,30 @@ class Model:
         ``ids``: int [B, T]; ``valid``: bool [B, T] (False on left padding, default all True).
         Returns float32 logits [B, T, V], or [B, V] for the last slot when ``last_only``.
         """
+        h = self._residual(ids, cache, valid)  # [B, T, H]
+        b = h.shape[0]
+        if last_only:
+            h = h[:, -1:]
+        h = rms_norm(h, self.norm, self.config.rms_norm_eps)
+        logits = self.lm_head.matmul(h.reshape(-1, h.shape[-1])).reshape(b, h.shape[1], -1)  # [B, T|1, V]
+        return logits[:, 0] if last_only else logits
+
+    def hidden_states(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Residual stream after the embedding and after every block, of whole sequences (no persistent cache).
+
+        int [B, T] -> (L + 1) x float32 [B, T, H]; ``forward`` would go on with the final norm and the LM head.
+        """
+        ids = np.atleast_2d(np.asarray(ids, np.int64))
+        states: list[np.ndarray] = []
+        self._residual(ids, self.make_cache(ids.shape[0], max(ids.shape[1], 1)), None, states)
+        return states
+
+    def _residual(self, ids: np.ndarray, cache: Cache, valid: np.ndarray | None,
+                  states: list[np.ndarray] | None = None) -> np.ndarray:
+        """Embedding and every block on the cache (appending each residual stream to ``states`` when given).
+
+        int [B, T] -> float32 [B, T, H]
+        """
         ids = np.asarray(ids, np.int64)
         if ids.ndim != 2:
             raise ValueError(f"token ids must be [batch, time], got shape {ids.shape}")
@@ -101,14 +115,14 @@ class Model:
         state = cache.begin(valid)
         b, t = ids.shape
         h = self.embed.rows(ids.reshape(-1)).reshape(b, t, -1)  # [B, T, H]
+        if states is not None:
+            states.append(h)
         for blk, layer_cache in zip(self.blocks, cache.layers, strict=True):
             h = blk(h, layer_cache, state)
+            if states is not None:
+                states.append(h)
         cache.commit(state)
-        if last_only:
-            h = h[:, -1:]
-        h = rms_norm(h, self.norm, self.config.rms_norm_eps)
-        logits = self.lm_head.matmul(h.reshape(-1, h.shape[-1])).reshape(b, h.shape[1], -1)  # [B, T|1, V]
-        return logits[:, 0] if last_only else logits
+        return h
 
     def logits(self, ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
         """Logits of whole sequences in one pass (no persistent cache).  # int [B, T] -> float32 [B, T, V]

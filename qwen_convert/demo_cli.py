@@ -16,10 +16,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qwen_convert.batch import human_size
-from qwen_convert.cli import TqdmProgress
+from qwen_runtime.cli_support import run_guarded
+from qwen_runtime.evaluate import METHOD, EvalResult, count_targets, read_text
 
-from .cli_support import run_guarded
+from .batch import human_size
+from .cli import TqdmProgress
 from .demo import (
     DEFAULT_OUT,
     Completion,
@@ -30,7 +31,6 @@ from .demo import (
     measure_quality,
     prepare_outputs,
 )
-from .evaluate import METHOD, EvalResult, count_targets, read_text
 
 # The bundled 4M-parameter model needs context: after a bare "def " (a lone space token, followed by a digit
 # in most of its training data) greedy decoding prints zeros; mid-signature it writes Python-looking code.

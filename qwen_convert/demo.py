@@ -12,7 +12,8 @@ Steps (each a library function; ``qwen-demo`` prints their results):
 3. :func:`complete_in_fresh_process` generates greedily from each output in a freshly spawned Python
    process, so its peak RSS (``VmHWM``) is that of loading and running this one output only.
 
-This module drives the converter, so it imports :mod:`qwen_convert` (shipped in the same distribution).
+The demo drives both halves of the project, so it lives in :mod:`qwen_convert`, which may import
+:mod:`qwen_runtime` (never the reverse).
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ from dataclasses import dataclass
 from importlib.resources import files as package_files
 from pathlib import Path
 
-from qwen_convert.batch import Job, output_is_complete, plan_jobs
-from qwen_convert.convert import Progress, convert, path_size, verify_checksums
-from qwen_convert.inspect import compare, open_pair
+from qwen_runtime import chat_format, load, stream
+from qwen_runtime.errors import QwenError
+from qwen_runtime.evaluate import EvalResult, encode_text, evaluate_ids
 
-from . import load, stream
-from .errors import QwenError
-from .evaluate import EvalResult, encode_text, evaluate_ids
+from .batch import Job, output_is_complete, plan_jobs
+from .convert import Progress, convert, path_size, verify_checksums
+from .inspect import compare, open_pair
 
 BUNDLED_MODEL = "qwen3-stdlib"
 HELDOUT_FILE = "heldout.txt"
@@ -176,7 +177,7 @@ def complete(path: str | Path, prompt: str, max_new_tokens: int) -> Completion:
     """Load ``path`` and complete ``prompt`` greedily; measured in (and for) the calling process."""
     t0 = time.perf_counter()
     model = load(path)
-    model.chat_format  # noqa: B018  (load the tokenizer before timing generation)
+    chat_format(model)  # load the tokenizer before timing generation
     load_seconds = time.perf_counter() - t0
     generation = stream(model, prompt, max_new_tokens=max_new_tokens)
     [result] = generation.run()
