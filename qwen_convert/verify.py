@@ -59,7 +59,8 @@ from qwen_runtime.naming import (
     plan_tensor,
     tile_v_heads,
 )
-from qwen_runtime.tensors import DENSE_DTYPES, Q8_0_BLOCK, QType, StoredTensor, stored_shape, to_float32
+from qwen_runtime.quants import CODECS
+from qwen_runtime.tensors import Q8_0_BLOCK, QType, StoredTensor, stored_shape, stored_view, to_float32
 
 from .gguf_metadata import MODEL_KEYS, special_vocab, token_table, tokenizer_pre
 from .policy import DTYPES
@@ -189,9 +190,10 @@ def _open_gguf_output(path: Path, n_layers: int) -> OutputModel:
     for info in layout.tensors:
         if nextn and _layer_of(info.name) is not None and _layer_of(info.name) >= n_layers:
             continue
-        raw = tensor_view(layout, info)
-        data = (raw.reshape(stored_shape(info.qtype, info.shape)) if info.qtype not in DENSE_DTYPES
-                else raw.view(DENSE_DTYPES[info.qtype]).reshape(info.shape))
+        try:
+            data = stored_view(info.qtype, tensor_view(layout, info), info.shape)
+        except FormatError as exc:
+            raise FormatError(f"{path}: tensor {info.name!r}: {exc}") from None
         tensors[info.name] = StoredTensor(info.name, info.qtype, info.shape, path, data=data)
     dtype = FILE_TYPE_DTYPES.get(meta.get(Keys.General.FILE_TYPE, -1))
     return OutputModel(path, "gguf", tensors, meta, V_HEAD_TILED, dtype)
@@ -206,7 +208,8 @@ def _open_npy_output(directory: Path) -> OutputModel:
         qtype, shape = QType[info["type"]], tuple(int(s) for s in info.get("shape", ()))
         array = np.load(contained_path(directory, info.get("file"), f"tensor {name!r}"), mmap_mode="r",
                         allow_pickle=False)
-        data = array.view(np.uint8).reshape(stored_shape(qtype, shape)) if qtype == QType.Q8_0 else array
+        quantized = qtype in CODECS and CODECS[qtype].quantized
+        data = array.view(np.uint8).reshape(stored_shape(qtype, shape)) if quantized else array
         tensors[name] = StoredTensor(name, qtype, shape, directory, data=data)
     order = manifest.get("v_head_order", V_HEAD_GROUPED)
     return OutputModel(directory, "npy", tensors, manifest, order, manifest.get("dtype"))

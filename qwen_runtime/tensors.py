@@ -6,7 +6,11 @@ Layouts of :attr:`StoredTensor.data` by type:
 
 * F32 / F16: ``float32`` / ``float16`` array of the logical shape.
 * BF16: ``uint16`` array of the logical shape (numpy has no bfloat16).
-* Q8_0: ``uint8`` array ``[*shape[:-1], shape[-1] // 32 * 34]``: GGML blocks of an fp16 scale then 32 int8.
+* quantized types (Q8_0, Q4_0, ..., Q6_K, IQ4_XS): ``uint8`` array ``[*shape[:-1], shape[-1] // block * type
+  size]``, the GGML blocks of each row.
+
+How each type is decoded lives in :mod:`qwen_runtime.quants` (one codec per type); the names below are
+that package's, kept here for the readers and writers that deal in stored tensors.
 """
 
 from __future__ import annotations
@@ -15,73 +19,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .errors import FormatError
+from .quants import CODECS, DENSE_TYPES, READ_TYPES, QType, codec, stored_nbytes, stored_shape, to_float32
+from .quants.q8_0 import Q8_0_BLOCK, Q8_0_BYTES
 
-QType = GGMLQuantizationType
-Q8_0_BLOCK, Q8_0_BYTES = GGML_QUANT_SIZES[QType.Q8_0]  # values per block, bytes per block
+__all__ = ["DENSE_DTYPES", "Q8_0_BLOCK", "Q8_0_BYTES", "Q8_0_DTYPE", "QType", "SUPPORTED_QTYPES", "StoredTensor",
+           "stored_nbytes", "stored_shape", "stored_view", "to_float32"]
+
 # The numpy view of one Q8_0 block, used for .npy files so npy and GGUF hold the same bytes.
-Q8_0_DTYPE = np.dtype([("d", "<f2"), ("qs", "i1", (Q8_0_BLOCK,))])
-assert Q8_0_DTYPE.itemsize == Q8_0_BYTES
-
+Q8_0_DTYPE = CODECS[QType.Q8_0].npy_dtype
 # numpy dtype of the array view for each unquantized type.
-DENSE_DTYPES: dict[QType, np.dtype] = {
-    QType.F32: np.dtype("<f4"),
-    QType.F16: np.dtype("<f2"),
-    QType.BF16: np.dtype("<u2"),
-}
-SUPPORTED_QTYPES = (*DENSE_DTYPES, QType.Q8_0)
+DENSE_DTYPES: dict[QType, np.dtype] = {q: CODECS[q].npy_dtype for q in DENSE_TYPES}
+SUPPORTED_QTYPES = READ_TYPES
 
 
-def stored_shape(qtype: QType, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Shape of the array view that holds a tensor of logical ``shape`` stored as ``qtype``."""
+def stored_view(qtype: QType, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The array view (layout above) of a tensor's raw bytes ``raw`` (uint8, exactly its stored size)."""
     if qtype in DENSE_DTYPES:
-        return shape
-    if qtype == QType.Q8_0:
-        if not shape or shape[-1] % Q8_0_BLOCK:
-            raise FormatError(f"Q8_0 needs a row length divisible by {Q8_0_BLOCK}, got shape {shape}")
-        return (*shape[:-1], shape[-1] // Q8_0_BLOCK * Q8_0_BYTES)
-    raise FormatError(f"unsupported tensor type {qtype!r}")
-
-
-def stored_nbytes(qtype: QType, shape: tuple[int, ...]) -> int:
-    """Bytes needed to store a tensor of logical ``shape`` as ``qtype``."""
-    itemsize = DENSE_DTYPES[qtype].itemsize if qtype in DENSE_DTYPES else 1
-    return int(np.prod(stored_shape(qtype, shape), dtype=np.int64)) * itemsize
-
-
-def bf16_to_f32(raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Widen bfloat16 bits (``uint16``) to float32 by placing them in the high half of each word."""
-    out = np.empty(raw.shape, np.float32) if out is None else out
-    np.left_shift(raw, 16, out=out.view(np.uint32), dtype=np.uint32)
-    return out
-
-
-def dequantize_q8_0(raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Decode Q8_0 bytes ``[..., nb * 34]`` to float32 ``[..., nb * 32]``."""
-    lead = raw.shape[:-1]
-    blocks = np.ascontiguousarray(raw).reshape(-1, Q8_0_BYTES)  # [n_blocks, 34]
-    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [n_blocks, 1]
-    qs = blocks[:, 2:].view(np.int8)  # [n_blocks, 32]
-    if out is None:
-        out = np.empty((*lead, raw.shape[-1] // Q8_0_BYTES * Q8_0_BLOCK), np.float32)
-    np.multiply(qs, scale, out=out.reshape(-1, Q8_0_BLOCK))
-    return out
-
-
-def to_float32(qtype: QType, raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Widen a stored view of any supported type to float32 (``out`` reused when given)."""
-    if qtype == QType.Q8_0:
-        return dequantize_q8_0(raw, out)
-    if qtype == QType.BF16:
-        return bf16_to_f32(raw, out)
-    if qtype in (QType.F32, QType.F16):
-        if out is None:
-            return np.asarray(raw, dtype=np.float32)
-        np.copyto(out, raw, casting="same_kind")
-        return out
-    raise FormatError(f"unsupported tensor type {qtype!r}")
+        return raw.view(DENSE_DTYPES[qtype]).reshape(shape)
+    return raw.reshape(codec(qtype).stored_shape(shape))
 
 
 class StoredTensor:

@@ -18,7 +18,7 @@ RUNTIME, CONVERTER = "qwen_runtime", "qwen_convert"
 # later one.  Keys are module paths relative to the package ("formats" covers the subpackage).
 RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("facts: errors, config, tensor names, stored types, small kernels, the thread pool",
-     ("errors", "config", "naming", "tensors", "ops", "pool", "cache", "limits")),
+     ("errors", "config", "naming", "tensors", "quants", "ops", "pool", "cache", "limits")),
     ("formats: reading model files", ("formats",)),
     ("weights: multiplying stored tensors", ("weights",)),
     ("models: the forward pass", ("models",)),

@@ -191,7 +191,7 @@ def test_overlapping_tensors(raw: RawGGUF, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("qtype", "fragment"), [(999, "unknown GGML type 999"),
-                                                 (GGMLQuantizationType.Q4_0, "type Q4_0; supported")])
+                                                 (GGMLQuantizationType.MXFP4, "type MXFP4; supported")])
 def test_unknown_or_unsupported_tensor_type(raw: RawGGUF, tmp_path: Path, qtype: int, fragment: str) -> None:
     name, dims, _, offset = raw.infos[0]
     raw.infos[0] = (name, dims, qtype, offset)

@@ -7,21 +7,11 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from qwen_runtime.pool import Scratch, Workspace
+from qwen_runtime.quants import CODECS
+from qwen_runtime.quants.base import f16_bits_to_f32, f16_bits_to_prescaled, f16_scales
+from qwen_runtime.quants.q8_0 import q8_0_activations, q8_0_product, q8_0_row_scales
 from qwen_runtime.tensors import QType, StoredTensor
-from qwen_runtime.weights import (
-    F32Weight,
-    TiledWeight,
-    f16_bits_to_f32,
-    f16_bits_to_prescaled,
-    gated_matmul,
-    make_weight,
-    matmul_many,
-    q8_0_activations,
-    q8_0_product,
-    q8_0_row_scales,
-    q8_0_scales,
-    q8_0_to_f32,
-)
+from qwen_runtime.weights import F32Weight, TiledWeight, gated_matmul, make_weight, matmul_many
 
 
 def stored(qtype: QType, w: np.ndarray) -> StoredTensor:
@@ -86,12 +76,12 @@ def test_f16_prescaled_widening_is_exact_for_every_finite_bit_pattern() -> None:
     np.testing.assert_array_equal((out * np.float32(2.0**112))[finite], expected[finite])  # incl. -0, subnormals
 
 
-def test_q8_0_scales_are_exact_for_every_bit_pattern() -> None:
+def test_f16_scales_are_exact_for_every_bit_pattern() -> None:
     bits = np.arange(1 << 16, dtype=np.uint16).reshape(256, 256)
     expected = bits.view(np.float16).astype(np.float32)
     finite = np.r_[0:124, 128:252]  # rows of every finite pattern, positive and negative
-    np.testing.assert_array_equal(q8_0_scales(bits[finite]), expected[finite])
-    np.testing.assert_array_equal(q8_0_scales(bits[124:128]), expected[124:128])  # inf/NaN: numpy's own cast
+    np.testing.assert_array_equal(f16_scales(bits[finite]), expected[finite])
+    np.testing.assert_array_equal(f16_scales(bits[124:128]), expected[124:128])  # inf/NaN: numpy's own cast
 
 
 @pytest.mark.parametrize("n", [1, 3, 8, 9, 40])
@@ -100,7 +90,7 @@ def test_q8_0_product_matches_reference_dequantization(n: int) -> None:
     w = rng.normal(0, 0.05, (37, 128)).astype(np.float32)
     raw = quants.quantize(w, GGMLQuantizationType.Q8_0)
     x = rng.normal(0, 1, (n, 128)).astype(np.float32)
-    ref = q8_0_to_f32(raw, np.empty(w.shape, np.float32)) @ x.T  # [37, n]
+    ref = CODECS[QType.Q8_0].reference(raw) @ x.T  # [37, n]
     out = np.empty((n, 37), np.float32)
     got = q8_0_product(raw, q8_0_row_scales(raw).T, q8_0_activations(x), Scratch(), out)
     np.testing.assert_allclose(got, ref.T, rtol=1e-5, atol=1e-5)  # the scale multiplies block sums: rounding only

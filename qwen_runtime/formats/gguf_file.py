@@ -14,7 +14,7 @@ import numpy as np
 from ..config import ModelConfig, config_from_gguf
 from ..errors import FormatError
 from ..naming import check_tensors, expected_tensors
-from ..tensors import DENSE_DTYPES, SUPPORTED_QTYPES, QType, StoredTensor, stored_shape
+from ..tensors import SUPPORTED_QTYPES, StoredTensor, stored_view
 from .base import ModelFiles
 from .gguf_parse import GGUFLayout, GGUFTensorInfo, parse_gguf, tensor_view
 
@@ -23,11 +23,7 @@ def _tensor(layout: GGUFLayout, info: GGUFTensorInfo) -> StoredTensor:
     if info.qtype not in SUPPORTED_QTYPES:
         raise FormatError(f"{layout.path}: tensor {info.name!r} has type {info.qtype.name}; supported: "
                           f"{[q.name for q in SUPPORTED_QTYPES]}")
-    raw = tensor_view(layout, info)
-    if info.qtype == QType.Q8_0:
-        data = raw.reshape(stored_shape(info.qtype, info.shape))
-    else:
-        data = raw.view(DENSE_DTYPES[info.qtype]).reshape(info.shape)
+    data = stored_view(info.qtype, tensor_view(layout, info), info.shape)
     return StoredTensor(info.name, info.qtype, info.shape, layout.path, data=np.asarray(data))
 
 

@@ -1,8 +1,9 @@
 """Directories of memory-mappable ``.npy`` files written by ``qwen-convert --format npy``.
 
 Layout: one ``<canonical name>.npy`` per tensor, ``manifest.json`` (schema below), the normalised
-``config.json`` and the source's tokenizer files.  Q8_0 tensors are stored as arrays of the structured
-dtype :data:`~qwen_runtime.tensors.Q8_0_DTYPE` (34-byte GGML blocks) so the bytes equal a GGUF's.
+``config.json`` and the source's tokenizer files.  Quantized tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are stored
+as arrays of their type's structured block dtype (``Codec.npy_dtype``, e.g. 34-byte Q8_0 blocks of an fp16
+``d`` and 32 int8 ``qs``), one row of blocks per tensor row, so the bytes equal a GGUF's.
 
 ``manifest.json``::
 
@@ -24,7 +25,8 @@ import numpy as np
 from ..config import QWEN35
 from ..errors import FormatError
 from ..naming import check_tensors
-from ..tensors import DENSE_DTYPES, Q8_0_DTYPE, QType, StoredTensor, stored_nbytes, stored_shape
+from ..quants import CODECS
+from ..tensors import QType, StoredTensor, stored_nbytes, stored_shape
 from .base import ModelFiles, contained_path, read_json_file
 from .hf_dir import load_hf_config
 
@@ -32,17 +34,19 @@ MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "qwen-numpy-npy"
 FORMAT_VERSION = 1
 MAX_DIMS = 4
+# The types an npy directory may hold: those with a block dtype.
+NPY_TYPES = tuple(q for q, c in CODECS.items() if c.npy_dtype is not None)
 
 
 def npy_dtype(qtype: QType) -> np.dtype:
     """The dtype of the ``.npy`` array holding a tensor of ``qtype``."""
-    return Q8_0_DTYPE if qtype == QType.Q8_0 else DENSE_DTYPES[qtype]
+    return CODECS[qtype].npy_dtype
 
 
 def npy_shape(qtype: QType, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The ``.npy`` array shape for a tensor of logical ``shape`` (blocks, for Q8_0)."""
-    if qtype == QType.Q8_0:
-        return (*shape[:-1], stored_shape(qtype, shape)[-1] // Q8_0_DTYPE.itemsize)
+    """The ``.npy`` array shape for a tensor of logical ``shape`` (blocks, for quantized types)."""
+    if CODECS[qtype].quantized:
+        return (*shape[:-1], stored_shape(qtype, shape)[-1] // npy_dtype(qtype).itemsize)
     return shape
 
 
@@ -63,7 +67,7 @@ def _entry_type(path: Path, name: str, info: dict[str, Any]) -> tuple[QType, tup
             or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
         raise FormatError(f"{path}: manifest entry for {name!r}: 'shape' should list 1..{MAX_DIMS} positive "
                           f"integers, got {shape!r}")
-    if QType[qtype] not in (*DENSE_DTYPES, QType.Q8_0):
+    if QType[qtype] not in NPY_TYPES:
         raise FormatError(f"{path}: tensor {name!r} has unsupported type {qtype}")
     return QType[qtype], tuple(shape)
 
@@ -109,7 +113,7 @@ def _open_npy(path: Path, name: str, info: dict[str, Any]) -> StoredTensor:
         raise FormatError(f"{path}: tensor {name!r}: file has {size} bytes, its header needs exactly "
                           f"{offset + nbytes} (truncated or trailing data)")
     array = np.memmap(path, dtype=want_dtype, mode="r", offset=offset, shape=want_shape)
-    if qtype == QType.Q8_0:
+    if CODECS[qtype].quantized:
         array = array.view(np.uint8).reshape(stored_shape(qtype, shape))
     return StoredTensor(name, qtype, shape, path, data=np.asarray(array))
 

@@ -1,0 +1,165 @@
+"""The fast path shared by the 4-, 5- and 6-bit types: decode a tile "field-major", then scale block sums.
+
+A tile of ``R`` stored rows holds ``R * nb`` blocks of ``type_size`` bytes.  One strided copy turns it
+field-major, ``fields[byte, block, row]`` (``[type_size, nb, R]``), so that every later step is a few numpy
+passes over long contiguous rows whatever the block layout:
+
+1. :meth:`BlockCodec.ints` writes each value's integer part to ``ints[element, block, row]``
+   (``[block_size, nb, R]`` int8), and one cast makes the float32 tile;
+2. :meth:`BlockCodec.scales` gives each sub-block of ``sub`` values its float32 ``scale`` and, for types with a
+   minimum, ``offset`` (``[J, nb, R]``, J = block_size / sub), so that value = scale * int + offset, computed in
+   the same float32 operations as ``gguf.quants`` (the decode is bit-exact);
+3. for a few activation rows (decode) one batched BLAS call gives every sub-block's dot product
+   ``[J, nb, N, R]`` (R contiguous: BLAS's fast layout), which is scaled and summed, plus
+   ``sum(x over the sub-block) @ offset``; for many rows the tile is scaled in place and multiplied once.
+
+Nothing outlives a call but the thread's scratch buffers: no per-matrix cache, so the anonymous memory of
+these types is a tile per thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..pool import Scratch
+from .base import BLOCK_SUM_ROWS, Codec, f16_bits_to_f32
+
+SHIFTS_2BIT = np.array([0, 2, 4, 6], np.uint8)
+SHIFTS_1BIT = np.arange(8, dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """Activations ``x`` [N, n] laid out for one block type (only what N needs is computed).
+
+    ``sums_x`` [J, nb, N, W] (sub-block major, for block sums) and ``sub_sums`` [N, J * nb] (each sub-block's
+    sum, for offsets) when N <= BLOCK_SUM_ROWS, else ``field_x`` [N, block * nb] (element-major, ``x`` permuted
+    like the tile's rows)."""
+
+    sums_x: np.ndarray | None
+    sub_sums: np.ndarray | None
+    field_x: np.ndarray | None
+
+
+class BlockCodec(Codec):
+    """A block type decoded field-major (module docstring).  Subclasses set ``sub``, ``has_offset`` and
+    ``subtracts`` and implement :meth:`reference`, :meth:`ints` and :meth:`scales`."""
+
+    sub: int  # values per scale (sub-block)
+    has_offset = False
+    subtracts = False  # value = scale * int - offset (K-quant minimums) instead of + offset
+
+    @property
+    def n_sub(self) -> int:
+        return self.block_size // self.sub
+
+    def ints(self, fields: np.ndarray, out: np.ndarray, scratch: Scratch) -> None:
+        """Integer parts ``out`` int8 [block_size, nb, R] from ``fields`` uint8 [type_size, nb, R]."""
+        raise NotImplementedError
+
+    def scales(self, fields: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray | None]:
+        """(scale, offset or None), float32 [J, nb, R] each, from ``fields`` [type_size, nb, R]."""
+        raise NotImplementedError
+
+    # -- shared machinery -------------------------------------------------------------------------------
+
+    def field_major(self, raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+        """``raw`` [R, nb * type_size] -> ``fields`` [type_size, nb, R] (one strided copy)."""
+        rows = raw.shape[0]
+        nb = raw.shape[1] // self.type_size
+        fields = scratch.array("fields", (self.type_size, nb, rows), np.uint8)
+        np.copyto(fields, raw.reshape(rows, nb, self.type_size).transpose(2, 1, 0))
+        return fields
+
+    def int_tile(self, fields: np.ndarray, scratch: Scratch) -> np.ndarray:
+        """The float32 tile of integer parts ``[block_size, nb, R]``."""
+        shape = (self.block_size, *fields.shape[1:])
+        ints = scratch.array("ints", shape, np.int8)
+        self.ints(fields, ints, scratch)
+        tile = scratch.array("tile", shape)
+        np.copyto(tile, ints, casting="unsafe")
+        return tile
+
+    def scaled_tile(self, raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+        """The decoded tile, field-major: float32 ``[block_size, nb, R]``."""
+        fields = self.field_major(raw, scratch)
+        tile = self.int_tile(fields, scratch)
+        scale, offset = self.scales(fields, scratch)
+        by_sub = tile.reshape(self.n_sub, self.sub, *tile.shape[1:])  # [J, W, nb, R]
+        np.multiply(by_sub, scale[:, None], out=by_sub)
+        if offset is not None:
+            (np.subtract if self.subtracts else np.add)(by_sub, offset[:, None], out=by_sub)
+        return tile
+
+    def decode(self, raw: np.ndarray, out: np.ndarray, scratch: Scratch) -> np.ndarray:
+        tile = self.scaled_tile(raw, scratch)  # [block, nb, R]
+        np.copyto(out.reshape(len(raw), -1, self.block_size), tile.transpose(2, 1, 0))
+        return out
+
+    def f16_row(self, fields: np.ndarray, byte: int, name: str, scratch: Scratch) -> np.ndarray:
+        """The float16 field at ``byte`` of every block as float32 ``[nb, R]``, exactly."""
+        bits = scratch.array(name + " bits", fields.shape[1:], np.uint16)
+        np.left_shift(fields[byte + 1], 8, out=bits, dtype=np.uint16)
+        np.bitwise_or(bits, fields[byte], out=bits)
+        return f16_bits_to_f32(bits, scratch.array(name, fields.shape[1:]), scratch)
+
+    def prepare(self, x: np.ndarray) -> BlockActivations:
+        n = x.shape[0]
+        blocks = x.reshape(n, -1, self.n_sub, self.sub)  # [N, nb, J, W]
+        if n <= BLOCK_SUM_ROWS:
+            sums_x = np.ascontiguousarray(blocks.transpose(2, 1, 0, 3))  # [J, nb, N, W]
+            sub_sums = None
+            if self.has_offset:
+                sub_sums = np.ascontiguousarray(blocks.sum(axis=3, dtype=np.float32).transpose(0, 2, 1)).reshape(n, -1)
+            return BlockActivations(sums_x, sub_sums, None)
+        field_x = np.ascontiguousarray(x.reshape(n, -1, self.block_size).transpose(0, 2, 1)).reshape(n, -1)
+        return BlockActivations(None, None, field_x)
+
+    def product(self, raw: np.ndarray, xk: BlockActivations, out: np.ndarray, scratch: Scratch) -> np.ndarray:
+        """``out = x @ dequantize(raw).T`` for ``raw`` [R, nb * type_size]; ``out`` [N, R], any leading stride."""
+        if xk.sums_x is None:
+            tile = self.scaled_tile(raw, scratch)
+            return np.matmul(xk.field_x, tile.reshape(-1, len(raw)), out=out)  # [N, block*nb] @ [block*nb, R]
+        fields = self.field_major(raw, scratch)
+        tile = self.int_tile(fields, scratch)
+        scale, offset = self.scales(fields, scratch)
+        n_sub, nb, n, rows = self.n_sub, fields.shape[1], xk.sums_x.shape[2], len(raw)
+        sums = scratch.array("block sums", (n_sub, nb, n, rows))
+        by_sub = tile.reshape(n_sub, self.sub, nb, rows).transpose(0, 2, 1, 3)  # [J, nb, W, R]
+        np.matmul(xk.sums_x, by_sub, out=sums)  # [J, nb, N, W] @ [J, nb, W, R]
+        np.multiply(sums, scale[:, :, None, :], out=sums)
+        np.add.reduce(sums.reshape(n_sub * nb, n, rows), axis=0, out=out)
+        if offset is not None:
+            correction = xk.sub_sums @ offset.reshape(n_sub * nb, rows)  # [N, R]
+            (np.subtract if self.subtracts else np.add)(out, correction, out=out)
+        return out
+
+    def kernel(self, raw: np.ndarray) -> BlockKernel:
+        return BlockKernel(self, raw)
+
+
+class BlockKernel:
+    """A matrix of one :class:`BlockCodec` type: stateless, everything is decoded per tile."""
+
+    def __init__(self, codec: BlockCodec, raw: np.ndarray) -> None:
+        self.codec, self.raw = codec, raw
+
+    def prepare(self, x: np.ndarray) -> BlockActivations:
+        return self.codec.prepare(x)
+
+    def product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
+        self.codec.product(self.raw[r0:r1], xk, out, scratch)
+
+
+def nibbles(packed: np.ndarray, low: np.ndarray, high: np.ndarray) -> None:
+    """Split bytes into their low and high 4 bits (uint8 arrays of one shape)."""
+    np.bitwise_and(packed, 15, out=low)
+    np.right_shift(packed, 4, out=high)
+
+
+def bit_planes(packed: np.ndarray, out: np.ndarray) -> None:
+    """Bit ``i`` of each byte of ``packed`` [K, ...] into ``out`` [K, 8, ...] (0 or 1)."""
+    np.right_shift(packed[:, None], SHIFTS_1BIT.reshape(1, 8, *[1] * (packed.ndim - 1)), out=out)
+    np.bitwise_and(out, 1, out=out)

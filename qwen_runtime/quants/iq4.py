@@ -1,0 +1,86 @@
+"""The non-linear 4-bit types: each 4-bit index selects one of 16 fixed int8 levels (``IQ4_LEVELS``).
+
+======  =====  =========================================================  ======================
+type    bytes  layout                                                     value
+======  =====  =========================================================  ======================
+IQ4_NL  18     d, qs[16] (as Q4_0: low nibbles first)                     d * level[q]
+IQ4_XS  136    d, scales_h (uint16), scales_l[4], qs[128]                 (d * (ls_j - 32)) * level[q]
+======  =====  =========================================================  ======================
+
+IQ4_XS has 8 sub-blocks of 32: ``ls_j`` is nibble ``j % 2`` of ``scales_l[j // 2]`` plus bits ``2j, 2j+1`` of
+``scales_h`` as bits 4-5; value ``32j + 16n + l`` is nibble ``n`` of ``qs[16j + l]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..pool import Scratch
+from .base import QType, f16_field
+from .blocks import BlockCodec, nibbles
+
+# The 16 levels of llama.cpp's kvalues_iq4nl (a fixed part of the format).
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+
+
+def _levels(indices: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = IQ4_LEVELS[indices[i]]`` for 4-bit ``indices`` (uint8) into int8 ``out``."""
+    np.take(IQ4_LEVELS, indices, out=out)
+
+
+class IQ4_NL(BlockCodec):
+    qtype = QType.IQ4_NL
+    sub = 32
+
+    def reference(self, raw: np.ndarray) -> np.ndarray:
+        blocks = raw.reshape(-1, self.type_size)
+        qs = blocks[:, 2:18]
+        q = IQ4_LEVELS[np.concatenate([qs & 15, qs >> 4], axis=1)].astype(np.float32)  # [n, 32]
+        return (f16_field(blocks[:, 0:2])[:, None] * q).reshape(*raw.shape[:-1], -1)
+
+    def ints(self, fields: np.ndarray, out: np.ndarray, scratch: Scratch) -> None:
+        index = scratch.array("indices", out.shape, np.uint8)
+        nibbles(fields[2:18], index[:16], index[16:])
+        _levels(index, out)
+
+    def scales(self, fields: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray | None]:
+        return self.f16_row(fields, 0, "d", scratch)[None], None
+
+
+class IQ4_XS(BlockCodec):
+    qtype = QType.IQ4_XS
+    sub = 32
+
+    def reference(self, raw: np.ndarray) -> np.ndarray:
+        blocks = raw.reshape(-1, self.type_size)
+        d = f16_field(blocks[:, 0:2])[:, None]
+        high = blocks[:, 2:4].copy().view("<u2").astype(np.int32)  # [n, 1]
+        low = blocks[:, 4:8].astype(np.int32)
+        j = np.arange(8)
+        ls = ((low[:, j // 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)  # [n, 8]
+        dl = (d * (ls - 32).astype(np.float32))[:, :, None]
+        qs = blocks[:, 8:136].reshape(-1, 8, 1, 16)
+        q = IQ4_LEVELS[np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)].astype(np.float32)
+        return (dl * q).reshape(*raw.shape[:-1], -1)
+
+    def ints(self, fields: np.ndarray, out: np.ndarray, scratch: Scratch) -> None:
+        rest = fields.shape[1:]
+        index = scratch.array("indices", out.shape, np.uint8)
+        by_sub = index.reshape(8, 2, 16, *rest)
+        nibbles(fields[8:136].reshape(8, 16, *rest), by_sub[:, 0], by_sub[:, 1])
+        _levels(index, out)
+
+    def scales(self, fields: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray | None]:
+        rest = fields.shape[1:]
+        ls = scratch.array("scale bits", (8, *rest), np.uint8)
+        pairs = ls.reshape(4, 2, *rest)
+        nibbles(fields[4:8], pairs[:, 0], pairs[:, 1])
+        high = scratch.array("scale high bits", (2, 4, *rest), np.uint8)  # [byte of scales_h, pair in it]
+        np.right_shift(fields[2:4][:, None], np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1, 1), out=high)
+        np.bitwise_and(high, 3, out=high)
+        np.left_shift(high, 4, out=high)
+        np.bitwise_or(ls, high.reshape(ls.shape), out=ls)
+        np.subtract(ls, 32, out=ls)
+        scale = scratch.array("scale", ls.shape)
+        np.multiply(self.f16_row(fields, 0, "d", scratch), ls.view(np.int8), out=scale)
+        return scale, None
