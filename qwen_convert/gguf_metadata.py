@@ -1,70 +1,37 @@
 """Every GGUF key/value we write: the model table (§4.2) and the tokenizer (§4.5) of docs/qwen-architectures.md.
 
-Keys come from ``gguf.Keys``; the model keys live in one table, :data:`MODEL_KEYS`.  The tokenizer follows
+Keys come from ``gguf.Keys``; the model keys live in one table, :data:`qwen_runtime.gguf_keys.MODEL_KEYS`, which
+the reader and verify use too.  The tokenizer follows
 llama.cpp's converter: the token list comes from ``tokenizer.json`` (padded to ``vocab_size`` with
 ``[PAD{id}]`` UNUSED tokens), merges, special ids, add_bos/add_eos and the chat template come from
 ``gguf.SpecialVocab`` (tokenizer_config.json wins over config.json).  tokenizer.json is parsed once: SpecialVocab
 reads a stand-in directory whose tokenizer.json leaves out the vocabulary and merges (:func:`special_vocab`).
 
-``tokenizer.ggml.pre`` rule (llama.cpp decides by hashing the tokenizer; we decide from the files):
-``qwen35`` for the qwen35 architecture, ``deepseek-r1-qwen`` when tokenizer_config.json's ``bos_token`` is
-DeepSeek's ``<｜begin▁of▁sentence｜>``, otherwise ``qwen2``.
+``tokenizer.ggml.pre`` rule (llama.cpp decides by hashing the tokenizer; we decide from the files, by the
+architecture's ``tokenizer_pre`` in :mod:`qwen_runtime.archs`): ``qwen35`` for the qwen35 architecture,
+``deepseek-r1-qwen`` for qwen2 when tokenizer_config.json's ``bos_token`` is DeepSeek's
+``<｜begin▁of▁sentence｜>``, otherwise ``qwen2``.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gguf import GGML_QUANT_VERSION, GGUFValueType, GGUFWriter, Keys, SpecialVocab, TokenType
+from gguf import GGML_QUANT_VERSION, GGUFValueType, GGUFWriter, SpecialVocab, TokenType
 
-from qwen_runtime.config import FULL_ATTENTION, LINEAR_ATTENTION, QWEN2, QWEN35, ModelConfig, gguf_key
+from qwen_runtime.archs import layer_types_from_interval
+from qwen_runtime.config import ModelConfig
 from qwen_runtime.errors import ConfigError, FormatError
 from qwen_runtime.formats.base import read_json_file
+from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key
 
 from .policy import file_type
 
-U32, F32, I32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.INT32
-ALL = ("qwen2", "qwen3", "qwen35")
-WITH_HEAD_DIM = ("qwen3", "qwen35")
-
-
-def _rope_sections(c: ModelConfig) -> list[int]:
-    """IMROPE sections padded to 4; without mrope_section every rotary slot uses the text position."""
-    sections = list(c.mrope_sections) or [c.rotary_dim // 2]
-    return (sections + [0, 0, 0, 0])[:4]
-
-
-# (key template, GGUF type, value from the config, architectures that get the key)
-MODEL_KEYS: tuple[tuple[str, GGUFValueType, Callable[[ModelConfig], Any], tuple[str, ...]], ...] = (
-    (Keys.LLM.BLOCK_COUNT, U32, lambda c: c.num_hidden_layers, ALL),
-    (Keys.LLM.CONTEXT_LENGTH, U32, lambda c: c.max_position_embeddings, ALL),
-    (Keys.LLM.EMBEDDING_LENGTH, U32, lambda c: c.hidden_size, ALL),
-    (Keys.LLM.FEED_FORWARD_LENGTH, U32, lambda c: c.intermediate_size, ALL),
-    (Keys.Attention.HEAD_COUNT, U32, lambda c: c.num_attention_heads, ALL),
-    (Keys.Attention.HEAD_COUNT_KV, U32, lambda c: c.num_key_value_heads, ALL),
-    (Keys.Attention.KEY_LENGTH, U32, lambda c: c.head_dim, WITH_HEAD_DIM),
-    (Keys.Attention.VALUE_LENGTH, U32, lambda c: c.head_dim, WITH_HEAD_DIM),
-    (Keys.Attention.LAYERNORM_RMS_EPS, F32, lambda c: c.rms_norm_eps, ALL),
-    (Keys.Rope.FREQ_BASE, F32, lambda c: c.rope_theta, ALL),
-    # llama.cpp defaults the rotary width to the head size, right for qwen2/qwen3; its converter writes it
-    # only where it differs (qwen35's partial rotary), and so do we.
-    (Keys.Rope.DIMENSION_COUNT, U32, lambda c: c.rotary_dim, ("qwen35",)),
-    (Keys.Rope.DIMENSION_SECTIONS, I32, _rope_sections, ("qwen35",)),
-    (Keys.SSM.CONV_KERNEL, U32, lambda c: c.linear_conv_kernel_dim, ("qwen35",)),
-    (Keys.SSM.STATE_SIZE, U32, lambda c: c.linear_key_head_dim, ("qwen35",)),
-    (Keys.SSM.GROUP_COUNT, U32, lambda c: c.linear_num_key_heads, ("qwen35",)),
-    (Keys.SSM.TIME_STEP_RANK, U32, lambda c: c.linear_num_value_heads, ("qwen35",)),
-    (Keys.SSM.INNER_SIZE, U32, lambda c: c.linear_value_dim, ("qwen35",)),
-    (Keys.LLM.FULL_ATTENTION_INTERVAL, U32, lambda c: c.full_attention_interval, ("qwen35",)),
-)
 TOKENIZER_JSON = "tokenizer.json"
 MERGE_SPACE = chr(ord(" ") + 256)  # "Ġ": byte-level BPE's stand-in for a space, as SpecialVocab writes it
-DEEPSEEK_BOS = "<｜begin▁of▁sentence｜>"
-PRE_QWEN2, PRE_DEEPSEEK, PRE_QWEN35 = "qwen2", "deepseek-r1-qwen", "qwen35"
 
 
 def add_model_metadata(writer: GGUFWriter, config: ModelConfig, dtype: str, name: str) -> None:
@@ -74,22 +41,18 @@ def add_model_metadata(writer: GGUFWriter, config: ModelConfig, dtype: str, name
     writer.add_name(name)
     writer.add_file_type(int(file_type(dtype)))
     writer.add_quantization_version(GGML_QUANT_VERSION)
-    for template, vtype, value, archs in MODEL_KEYS:
-        if config.arch in archs:
-            got = value(config)
-            sub_type = vtype if isinstance(got, list) else None
-            writer.add_key_value(gguf_key(template, config.arch), got, GGUFValueType.ARRAY if sub_type else vtype,
-                                 sub_type=sub_type)
+    for row in MODEL_KEYS:
+        if row.written_for(config.arch):
+            value_type, sub_type = (GGUFValueType.ARRAY, row.type) if row.array else (row.type, None)
+            writer.add_key_value(gguf_key(row.key, config.arch), row.value(config), value_type, sub_type=sub_type)
 
 
 def check_representable(config: ModelConfig) -> None:
     """GGUF has no per-layer type list: llama.cpp derives it from full_attention_interval."""
-    if config.arch != QWEN35:
+    if not config.spec.hybrid:
         return
     interval = config.full_attention_interval
-    derived = tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
-                    for i in range(config.num_hidden_layers))
-    if derived != config.layer_types:
+    if layer_types_from_interval(config.num_hidden_layers, interval) != config.layer_types:
         raise ConfigError(f"config: layer_types {list(config.layer_types)} do not follow full_attention_interval "
                           f"{interval}, which is all a GGUF file can express")
 
@@ -103,11 +66,7 @@ def _token_text(entry: Any) -> str | None:
 
 def tokenizer_pre(config: ModelConfig, tokenizer_config: dict[str, Any]) -> str:
     """``tokenizer.ggml.pre`` for the model (rule in the module docstring)."""
-    if config.arch == QWEN35:
-        return PRE_QWEN35
-    if config.arch == QWEN2 and _token_text(tokenizer_config.get("bos_token")) == DEEPSEEK_BOS:
-        return PRE_DEEPSEEK
-    return PRE_QWEN2
+    return config.spec.pre_tokenizer(_token_text(tokenizer_config.get("bos_token")))
 
 
 def looks_special(text: str) -> bool:

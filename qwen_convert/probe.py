@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qwen_runtime.archs import ARCHS
 from qwen_runtime.chat import ChatFormat, chat_format
-from qwen_runtime.config import QWEN35
 from qwen_runtime.errors import QwenError
 from qwen_runtime.evaluate import kl_divergence, log_softmax
 from qwen_runtime.formats import ModelFiles
@@ -64,16 +64,15 @@ THRESHOLDS: dict[str, Thresholds] = {
     "fp16": Thresholds(mean_kl=1e-4, max_kl=1e-3, margin=0.05, hidden=1e-3),
     "q8_0": Thresholds(mean_kl=1e-2, max_kl=1e-1, margin=0.5, hidden=5e-2),
 }
-QWEN35_KL_FACTOR, QWEN35_MARGIN_FACTOR = 20.0, 5.0  # Gated DeltaNet amplification (module docstring)
 
 
 def thresholds(dtype: str, arch: str) -> Thresholds:
     """The limits for an output ``dtype`` of architecture ``arch``."""
-    limits = THRESHOLDS[dtype]
-    if arch != QWEN35 or dtype == "fp32":
+    limits, spec = THRESHOLDS[dtype], ARCHS[arch]
+    if dtype == "fp32":
         return limits
-    return Thresholds(limits.mean_kl * QWEN35_KL_FACTOR, limits.max_kl * QWEN35_KL_FACTOR,
-                      limits.margin * QWEN35_MARGIN_FACTOR, limits.hidden * QWEN35_MARGIN_FACTOR)
+    kl, margin = spec.probe_kl_factor, spec.probe_margin_factor
+    return Thresholds(limits.mean_kl * kl, limits.max_kl * kl, limits.margin * margin, limits.hidden * margin)
 
 
 @dataclass(frozen=True)

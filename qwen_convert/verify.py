@@ -9,8 +9,9 @@ Face source directory:
    permutation (an index map, so it is exact), and the result is compared with the source tensor row chunk by
    row chunk (memory bounded by the chunk).  Every source tensor must be converted or skipped for a stated
    reason (:func:`qwen_runtime.naming.skip_reason`), and every output tensor must come from one.
-2. **Metadata.**  GGUF: every key of the converter's table (:data:`qwen_convert.gguf_metadata.MODEL_KEYS`)
-   against ``config.json`` (an absent key passes only where llama.cpp's default is the right value), plus the
+2. **Metadata.**  GGUF: every key of the model table (:data:`qwen_runtime.gguf_keys.MODEL_KEYS`) that llama.cpp
+   reads for the architecture against ``config.json`` (an absent key passes only where llama.cpp's default is
+   the right value), plus the
    tokenizer keys against the tokenizer files.  npy: the manifest and the copied config/tokenizer files.
 3. **Behaviour** (:mod:`qwen_convert.probe`): next-token distributions of source and output on a probe.
 
@@ -43,7 +44,8 @@ from typing import Any
 import numpy as np
 from gguf import Keys
 
-from qwen_runtime.config import V_HEAD_GROUPED, V_HEAD_TILED, ModelConfig, gguf_key, is_metadata_array
+from qwen_runtime.archs import NEG_EXP, NO_TRANSFORM, PLUS_ONE, V_HEAD_GROUPED, V_HEAD_TILED, VALUE_TRANSFORMS
+from qwen_runtime.config import ModelConfig, is_metadata_array
 from qwen_runtime.errors import FormatError, VerificationError
 from qwen_runtime.formats import detect_format, open_hf_dir
 from qwen_runtime.formats.base import TOKENIZER_FILES, ModelFiles, contained_path
@@ -51,6 +53,7 @@ from qwen_runtime.formats.gguf_parse import parse_gguf, tensor_view
 from qwen_runtime.formats.hf_dir import plan_entries
 from qwen_runtime.formats.npy_dir import read_manifest
 from qwen_runtime.formats.safetensors import SafetensorsEntry
+from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key
 from qwen_runtime.naming import (
     INVERSE_TRANSFORMS,
     TRANSFORM_NOTES,
@@ -62,22 +65,13 @@ from qwen_runtime.naming import (
 from qwen_runtime.quants import CODECS
 from qwen_runtime.tensors import Q8_0_BLOCK, QType, StoredTensor, stored_shape, stored_view, to_float32
 
-from .gguf_metadata import MODEL_KEYS, special_vocab, token_table, tokenizer_pre
+from .gguf_metadata import special_vocab, token_table, tokenizer_pre
 from .policy import DTYPES
 from .quantize import rows_per_chunk
 
 # Spacing of 1.0 in each source dtype: the precision a converter may compute a transform in.
 SOURCE_EPS = {QType.F32: 2.0**-23, QType.F16: 2.0**-10, QType.BF16: 2.0**-7}
-VALUE_TRANSFORMS = ("neg_exp", "plus_one")  # the others (squeeze) only change the shape
 Q8_0_ROUNDING_SLACK = 1e-4  # x * (1/d) in float32 may round to the other side of a .5 by ~127 * 2^-22 steps
-# GGUF keys llama.cpp does not require: when absent, it uses these defaults (as config_from_gguf does).
-LLAMA_DEFAULTS = {
-    Keys.Attention.KEY_LENGTH: lambda c: c.hidden_size // c.num_attention_heads,
-    Keys.Attention.VALUE_LENGTH: lambda c: c.hidden_size // c.num_attention_heads,
-    Keys.Rope.DIMENSION_COUNT: lambda c: c.head_dim,
-    Keys.Rope.FREQ_BASE: lambda c: 10000.0,
-    Keys.LLM.FULL_ATTENTION_INTERVAL: lambda c: 4,
-}
 SPECIAL_ID_KEYS = {"bos": Keys.Tokenizer.BOS_ID, "eos": Keys.Tokenizer.EOS_ID, "pad": Keys.Tokenizer.PAD_ID,
                    "unk": Keys.Tokenizer.UNK_ID, "sep": Keys.Tokenizer.SEP_ID}
 ADD_TOKEN_KEYS = {"bos": Keys.Tokenizer.ADD_BOS, "eos": Keys.Tokenizer.ADD_EOS}
@@ -337,9 +331,9 @@ def transform_bound(plan: TensorPlan, stored: np.ndarray, undone: np.ndarray, ba
                     source_qtype: QType) -> np.ndarray:
     """Widen the storage bound by the rounding of the converter's transform (module docstring)."""
     eps = SOURCE_EPS.get(source_qtype, SOURCE_EPS[QType.F32])
-    if plan.transform == "plus_one":
+    if plan.transform == PLUS_ONE:
         return base + eps * np.abs(stored.astype(np.float64))
-    if plan.transform == "neg_exp":
+    if plan.transform == NEG_EXP:
         with np.errstate(divide="ignore", invalid="ignore"):
             relative = np.where(stored != 0, base / np.abs(stored.astype(np.float64)), np.inf)
         return relative + 2 * eps + np.spacing(np.abs(undone)).astype(np.float64) / 2
@@ -351,7 +345,7 @@ def compare_tensor(out: StoredTensor, src: SourceTensor, config: ModelConfig) ->
     stats = ErrorStats()
     stored_rows = out.rows2d()
     # Value transforms are undone on the output; the squeeze only reshapes, so the source is read as [C, K].
-    inverse = INVERSE_TRANSFORMS[src.plan.transform if src.plan.transform in VALUE_TRANSFORMS else ""]
+    inverse = INVERSE_TRANSFORMS[src.plan.transform if src.plan.transform in VALUE_TRANSFORMS else NO_TRANSFORM]
     for start, source in aligned_source(src.entry, src.plan, out.shape, config):
         stored = to_float32(out.qtype, stored_rows[start:start + len(source)])
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -400,9 +394,9 @@ def _numeric_cause(plan: TensorPlan, stats: ErrorStats) -> str:
     if offset is not None:
         hint = ""
         if abs(offset - 1) < 1e-3:
-            hint = (": the (1 + w) norm offset is applied twice" if plan.transform == "plus_one"
+            hint = (": the (1 + w) norm offset is applied twice" if plan.transform == PLUS_ONE
                     else ": +1 added to a tensor that takes none")
-        elif abs(offset + 1) < 1e-3 and plan.transform == "plus_one":
+        elif abs(offset + 1) < 1e-3 and plan.transform == PLUS_ONE:
             hint = ": the (1 + w) norm offset is missing"
         return f"every value is off by {offset:+.6g}{hint}"
     if scale is not None:
@@ -453,7 +447,11 @@ def _short(value: Any) -> str:
 
 
 def gguf_model_checks(meta: dict[str, Any], config: ModelConfig) -> list[MetadataCheck]:
-    """The converter's key table against the source config (block_count net of appended MTP blocks)."""
+    """Every key of the model table that llama.cpp reads for the architecture, against the source config.
+
+    An absent key passes where llama.cpp's default is the source's value; block_count is net of appended MTP
+    blocks.
+    """
     arch = config.arch
     checks = [_key_check(Keys.General.ARCHITECTURE, arch, meta)]
     meta = dict(meta)
@@ -461,10 +459,11 @@ def gguf_model_checks(meta: dict[str, Any], config: ModelConfig) -> list[Metadat
     nextn = meta.get(gguf_key(Keys.LLM.NEXTN_PREDICT_LAYERS, arch), 0)
     if block_key in meta and isinstance(meta[block_key], int) and isinstance(nextn, int):
         meta[block_key] -= nextn
-    for template, _, value, archs in MODEL_KEYS:
-        if arch in archs:
-            default = LLAMA_DEFAULTS[template](config) if template in LLAMA_DEFAULTS else ...
-            checks.append(_key_check(gguf_key(template, arch), value(config), meta, default))
+    fields = asdict(config)
+    for row in MODEL_KEYS:
+        if arch in row.archs:
+            default = row.default(fields, meta) if row.default is not None else ...
+            checks.append(_key_check(gguf_key(row.key, arch), row.value(config), meta, default))
     return checks
 
 

@@ -1,8 +1,8 @@
 """One :class:`ModelConfig` for every supported family, from ``config.json`` or GGUF metadata.
 
 Field names follow Hugging Face's ``config.json`` so a reader can check them against the source.  The
-``arch`` string is the GGUF architecture name (``qwen2``, ``qwen3``, ``qwen35``), taken from the ``gguf``
-package's constants.
+``arch`` string is the GGUF architecture name (``qwen2``, ``qwen3``, ``qwen35``); what differs between the
+architectures is in :mod:`qwen_runtime.archs`, the GGUF keys in :mod:`qwen_runtime.gguf_keys`.
 """
 
 from __future__ import annotations
@@ -13,30 +13,24 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, Keys
+from gguf import GGUFValueType, Keys
 
+from .archs import (
+    ARCHS,
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    SUPPORTED_ARCHS,
+    V_HEAD_GROUPED,
+    V_HEAD_TILED,
+    ArchSpec,
+    layer_types_from_interval,
+)
 from .errors import ConfigError, UnsupportedArchitectureError
+from .gguf_keys import MODEL_KEYS, gguf_key
 
-QWEN2 = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2]
-QWEN3 = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3]
-QWEN35 = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN35]
-SUPPORTED_ARCHS = (QWEN2, QWEN3, QWEN35)
-
-# HF `architectures[0]` (or `model_type` when that is absent) -> GGUF architecture name.
-HF_ARCHITECTURES: dict[str, str] = {
-    "Qwen2ForCausalLM": QWEN2,
-    "Qwen3ForCausalLM": QWEN3,
-    "Qwen3_5ForConditionalGeneration": QWEN35,
-    "Qwen3_5ForCausalLM": QWEN35,
-}
-HF_MODEL_TYPES: dict[str, str] = {"qwen2": QWEN2, "qwen3": QWEN3, "qwen3_5": QWEN35, "qwen3_5_text": QWEN35}
-
-FULL_ATTENTION = "full_attention"
-LINEAR_ATTENTION = "linear_attention"
-# Value-head order of Qwen3.5's linear attention when value heads outnumber key heads: HF groups the value
-# heads of one key head together; llama.cpp's converter tiles them so value head j uses key head j % Hk.
-V_HEAD_GROUPED = "grouped"
-V_HEAD_TILED = "tiled"
+# HF `architectures` entry (or `model_type` when that is absent) -> GGUF architecture name.
+HF_ARCHITECTURES: dict[str, str] = {hf: spec.name for spec in ARCHS.values() for hf in spec.hf_architectures}
+HF_MODEL_TYPES: dict[str, str] = {hf: spec.name for spec in ARCHS.values() for hf in spec.hf_model_types}
 
 # Sanity bounds on untrusted configs: far above any real Qwen model, low enough that nothing sized from a
 # config (layer lists, tensor tables, caches) can be absurd before a file or memory check sees it.
@@ -115,6 +109,11 @@ class ModelConfig:
             raise ConfigError("config: linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.v_head_order not in (V_HEAD_GROUPED, V_HEAD_TILED):
             raise ConfigError(f"config: unknown v_head_order {self.v_head_order!r}")
+
+    @property
+    def spec(self) -> ArchSpec:
+        """What this architecture does differently (:mod:`qwen_runtime.archs`)."""
+        return ARCHS[self.arch]
 
     @property
     def has_linear_attention(self) -> bool:
@@ -242,8 +241,8 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> Model
     theta, partial, sections = _rope(cfg, source)
     layers = _get(cfg, "num_hidden_layers", int, source)
     check_layer_count(layers, source)
-    default_partial = 0.25 if arch == QWEN35 else 1.0
-    partial = partial if ("partial_rotary_factor" in cfg or "rope_parameters" in cfg) else default_partial
+    spec = ARCHS[arch]
+    partial = partial if ("partial_rotary_factor" in cfg or "rope_parameters" in cfg) else spec.partial_rotary_factor
     fields: dict[str, Any] = dict(
         arch=arch,
         hidden_size=hidden,
@@ -259,12 +258,12 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> Model
         tie_word_embeddings=_get(raw, "tie_word_embeddings", bool, source,
                                  cfg.get("tie_word_embeddings", False)),
         rotary_dim=int(head_dim * partial),
-        attention_bias=arch == QWEN2 or bool(cfg.get("attention_bias", False)),
-        qk_norm=arch in (QWEN3, QWEN35),
+        attention_bias=spec.attention_bias or bool(cfg.get("attention_bias", False)),
+        qk_norm=spec.qk_norm,
         bos_token_id=_get(cfg, "bos_token_id", int, source, None),
         eos_token_ids=_eos_ids(cfg, source),
     )
-    if arch == QWEN35:
+    if spec.hybrid:
         fields.update(_linear_fields(cfg, layers, source), mrope_sections=sections)
     return _build(fields, source)
 
@@ -275,7 +274,7 @@ def _linear_fields(cfg: Mapping[str, Any], layers: int, source: str) -> dict[str
         raise ConfigError(f"{source}: field 'full_attention_interval' must be positive, got {interval}")
     types = cfg.get("layer_types")
     if types is None:
-        types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)]
+        types = list(layer_types_from_interval(layers, interval))
     if not isinstance(types, list) or any(t not in (FULL_ATTENTION, LINEAR_ATTENTION) for t in types):
         raise ConfigError(f"{source}: field 'layer_types' should list 'linear_attention'/'full_attention'")
     return dict(
@@ -290,26 +289,42 @@ def _linear_fields(cfg: Mapping[str, Any], layers: int, source: str) -> dict[str
     )
 
 
-def gguf_key(template: str, arch: str) -> str:
-    """Expand a ``gguf.Keys`` template such as ``{arch}.block_count``."""
-    return template.format(arch=arch)
-
-
-def _meta(meta: Mapping[str, Any], template: str, arch: str, source: str, kind: type = int,
-          default: Any = ...) -> Any:
-    """A metadata value of ``kind`` (int, or float which also accepts ints); ConfigError names the key."""
-    key = gguf_key(template, arch)
-    if key not in meta:
-        if default is ...:
-            raise ConfigError(f"{source}: missing metadata key {key!r}")
-        return default
+def _meta_value(meta: Mapping[str, Any], key: str, source: str, value_type: GGUFValueType,
+                array: bool = False) -> Any:
+    """The value stored under ``key``, of ``value_type`` (the elements', for an array); ConfigError names the key."""
     value = meta[key]
-    if not (_is_number(value) if kind is float else _is_int(value)):
-        raise ConfigError(f"{source}: metadata key {key!r} should be {kind.__name__}, "
-                          f"got {type(value).__name__} {value!r}")
-    if kind is float and not math.isfinite(value):
-        raise ConfigError(f"{source}: metadata key {key!r} should be finite, got {value!r}")
-    return kind(value)
+    if array:
+        if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
+            raise ConfigError(f"{source}: metadata key {key!r} should be an array of non-negative integers")
+        return value
+    if value_type == GGUFValueType.FLOAT32:
+        if not _is_number(value):
+            raise ConfigError(f"{source}: metadata key {key!r} should be float, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{source}: metadata key {key!r} should be finite, got {value!r}")
+        return float(value)
+    if not _is_int(value):
+        raise ConfigError(f"{source}: metadata key {key!r} should be int, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _model_keys(meta: Mapping[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """The ModelConfig fields that the table of :mod:`qwen_runtime.gguf_keys` gives for ``arch``."""
+    fields: dict[str, Any] = {}
+    for row in MODEL_KEYS:
+        key = gguf_key(row.key, arch)
+        if arch not in row.archs or (row.field in fields and key not in meta):
+            continue
+        if key in meta:
+            value = row.field_value(_meta_value(meta, key, source, row.type, row.array), fields)
+        elif row.default is not None:
+            value = row.default(fields, meta)
+        else:
+            raise ConfigError(f"{source}: missing metadata key {key!r}")
+        if fields.setdefault(row.field, value) != value:
+            raise ConfigError(f"{source}: metadata key {key!r} = {value!r} disagrees with {fields[row.field]!r} "
+                              f"given for {row.field} by an earlier key")
+    return fields
 
 
 def _token_id(meta: Mapping[str, Any], key: str, source: str) -> int | None:
@@ -324,13 +339,6 @@ def is_metadata_array(value: Any) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, str)
 
 
-def _vocab_size(m: Mapping[str, Any], arch: str, source: str) -> int:
-    tokens = m.get(Keys.Tokenizer.LIST)
-    if tokens is not None and not is_metadata_array(tokens):
-        raise ConfigError(f"{source}: metadata key {Keys.Tokenizer.LIST!r} should be an array")
-    return _meta(m, Keys.LLM.VOCAB_SIZE, arch, source, int, len(tokens) if tokens is not None else 0)
-
-
 def config_from_gguf(meta: Mapping[str, Any], source: str) -> ModelConfig:
     """Build a :class:`ModelConfig` from GGUF metadata (ours or llama.cpp's)."""
     arch = meta.get(Keys.General.ARCHITECTURE)
@@ -338,61 +346,29 @@ def config_from_gguf(meta: Mapping[str, Any], source: str) -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"{source}: unsupported GGUF architecture {arch!r}; supported: {list(SUPPORTED_ARCHS)}")
     m = {k: (v.item() if hasattr(v, "item") and getattr(v, "ndim", 1) == 0 else v) for k, v in meta.items()}
-    hidden = _meta(m, Keys.LLM.EMBEDDING_LENGTH, arch, source)
-    heads = _meta(m, Keys.Attention.HEAD_COUNT, arch, source)
-    head_dim = _meta(m, Keys.Attention.KEY_LENGTH, arch, source, int, hidden // max(heads, 1))
-    nextn = _meta(m, Keys.LLM.NEXTN_PREDICT_LAYERS, arch, source, int, 0)
-    layers = _meta(m, Keys.LLM.BLOCK_COUNT, arch, source) - nextn
-    check_layer_count(layers, source, f"{gguf_key(Keys.LLM.BLOCK_COUNT, arch)!r} - nextn_predict_layers")
+    tokens = m.get(Keys.Tokenizer.LIST)
+    if tokens is not None and not is_metadata_array(tokens):
+        raise ConfigError(f"{source}: metadata key {Keys.Tokenizer.LIST!r} should be an array")
+    fields = _model_keys(m, arch, source)
+    nextn_key = gguf_key(Keys.LLM.NEXTN_PREDICT_LAYERS, arch)
+    nextn = _meta_value(m, nextn_key, source, GGUFValueType.UINT32) if nextn_key in m else 0  # MTP blocks
+    fields["num_hidden_layers"] -= nextn
+    check_layer_count(fields["num_hidden_layers"], source,
+                      f"{gguf_key(Keys.LLM.BLOCK_COUNT, arch)!r} - nextn_predict_layers")
+    spec = ARCHS[arch]
     eos = _token_id(m, Keys.Tokenizer.EOS_ID, source)
-    fields: dict[str, Any] = dict(
+    fields.update(
         arch=arch,
-        hidden_size=hidden,
-        intermediate_size=_meta(m, Keys.LLM.FEED_FORWARD_LENGTH, arch, source),
-        num_hidden_layers=layers,
-        vocab_size=_vocab_size(m, arch, source),
-        num_attention_heads=heads,
-        num_key_value_heads=_meta(m, Keys.Attention.HEAD_COUNT_KV, arch, source, int, heads),
-        head_dim=head_dim,
-        rms_norm_eps=_meta(m, Keys.Attention.LAYERNORM_RMS_EPS, arch, source, float),
-        rope_theta=_meta(m, Keys.Rope.FREQ_BASE, arch, source, float, 10000.0),
-        max_position_embeddings=_meta(m, Keys.LLM.CONTEXT_LENGTH, arch, source),
         tie_word_embeddings=False,  # decided by the reader from the presence of output.weight
-        rotary_dim=_meta(m, Keys.Rope.DIMENSION_COUNT, arch, source, int, head_dim),
-        qk_norm=arch in (QWEN3, QWEN35),
-        attention_bias=arch == QWEN2,
+        qk_norm=spec.qk_norm,
+        attention_bias=spec.attention_bias,
         bos_token_id=_token_id(m, Keys.Tokenizer.BOS_ID, source),
         eos_token_ids=(eos,) if eos is not None else (),
     )
-    if arch == QWEN35:
-        fields.update(_linear_fields_gguf(m, arch, layers, source))
+    if spec.hybrid:
+        interval = fields["full_attention_interval"]
+        if interval <= 0:
+            raise ConfigError(f"{source}: {gguf_key(Keys.LLM.FULL_ATTENTION_INTERVAL, arch)!r} must be positive")
+        fields.setdefault("layer_types", layer_types_from_interval(fields["num_hidden_layers"], interval))
+        fields["v_head_order"] = V_HEAD_TILED
     return _build(fields, source)
-
-
-def _linear_fields_gguf(m: Mapping[str, Any], arch: str, layers: int, source: str) -> dict[str, Any]:
-    interval = _meta(m, Keys.LLM.FULL_ATTENTION_INTERVAL, arch, source, int, 4)
-    if interval <= 0:
-        raise ConfigError(f"{source}: {gguf_key(Keys.LLM.FULL_ATTENTION_INTERVAL, arch)!r} must be positive")
-    v_heads = _meta(m, Keys.SSM.TIME_STEP_RANK, arch, source)
-    inner = _meta(m, Keys.SSM.INNER_SIZE, arch, source)
-    sections = _meta_list(m, Keys.Rope.DIMENSION_SECTIONS, arch, source)
-    return dict(
-        layer_types=tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
-                          for i in range(layers)),
-        full_attention_interval=interval,
-        linear_conv_kernel_dim=_meta(m, Keys.SSM.CONV_KERNEL, arch, source),
-        linear_key_head_dim=_meta(m, Keys.SSM.STATE_SIZE, arch, source),
-        linear_value_head_dim=inner // max(v_heads, 1),
-        linear_num_key_heads=_meta(m, Keys.SSM.GROUP_COUNT, arch, source),
-        linear_num_value_heads=v_heads,
-        mrope_sections=tuple(s for s in sections if s),
-        v_head_order=V_HEAD_TILED,
-    )
-
-
-def _meta_list(m: Mapping[str, Any], template: str, arch: str, source: str) -> list[int]:
-    key = gguf_key(template, arch)
-    value = m.get(key, [])
-    if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
-        raise ConfigError(f"{source}: metadata key {key!r} should be an array of non-negative integers")
-    return value

@@ -1,7 +1,8 @@
 """The one place that maps Hugging Face tensors to canonical GGUF tensors, with llama.cpp's transforms.
 
 Names come from the ``gguf`` package's :class:`TensorNameMap`.  Transforms follow llama.cpp's
-``convert_hf_to_gguf.py`` for Qwen3.5 (see docs/qwen-architectures.md §4.4):
+``convert_hf_to_gguf.py``; which tensors get them is each architecture's ``transforms`` in
+:mod:`qwen_runtime.archs`.  For Qwen3.5 (see docs/qwen-architectures.md §4.4):
 
 * ``A_log`` -> ``ssm_a = -exp(A_log)``;
 * ``dt_bias`` -> ``ssm_dt.bias`` (values unchanged);
@@ -19,7 +20,8 @@ from functools import lru_cache
 import numpy as np
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, TensorNameMap, get_tensor_name_map
 
-from .config import QWEN35, V_HEAD_TILED, ModelConfig
+from .archs import NEG_EXP, NO_TRANSFORM, PLUS_ONE, SQUEEZE, V_HEAD_TILED
+from .config import ModelConfig
 from .errors import FormatError
 
 ARCH_BY_NAME: dict[str, MODEL_ARCH] = {name: arch for arch, name in MODEL_ARCH_NAMES.items()}
@@ -39,7 +41,7 @@ class TensorPlan:
 
     source: str  # HF name in the checkpoint
     name: str  # canonical GGUF name
-    transform: str  # "" | "neg_exp" | "squeeze" | "plus_one"
+    transform: str  # one of qwen_runtime.archs' transforms (NO_TRANSFORM, NEG_EXP, SQUEEZE, PLUS_ONE)
     v_axis: int | None = None  # axis holding value heads to reorder, if any
     v_offset: int = 0  # first row/column of the value part along v_axis
     v_unit: int = 1  # rows per value head along v_axis (dv, or 1 for per-head scalars)
@@ -77,16 +79,11 @@ def plan_tensor(hf_name: str, shape: tuple[int, ...], config: ModelConfig, v_hea
     name = name_map(config.arch, config.num_hidden_layers).get_name(key, try_suffixes=(".weight", ".bias"))
     if name is None:
         raise FormatError(f"tensor {hf_name!r} has no GGUF mapping for architecture {config.arch}")
-    transform = ""
-    if config.arch == QWEN35:
-        if key.endswith(".A_log"):
-            transform = "neg_exp"
-        elif key.endswith(".conv1d.weight") and len(shape) == 3:
-            transform = "squeeze"
-        elif key.endswith("norm.weight") and not key.endswith("linear_attn.norm.weight"):
-            transform = "plus_one"
+    transform = config.spec.transform(key)
+    if transform == SQUEEZE and len(shape) != 3:
+        transform = NO_TRANSFORM
     plan = TensorPlan(hf_name, name, transform)
-    if config.arch == QWEN35 and v_head_order == V_HEAD_TILED and config.has_linear_attention:
+    if v_head_order == V_HEAD_TILED and config.has_linear_attention:
         plan = _with_v_reorder(plan, key, config)
     return plan
 
@@ -127,26 +124,26 @@ def tile_v_heads(x: np.ndarray, plan: TensorPlan, n_key_heads: int, n_value_head
 
 
 TRANSFORMS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "": lambda x: x,
-    "neg_exp": lambda x: -np.exp(x.astype(np.float32)),
-    "squeeze": lambda x: x.reshape(x.shape[0], x.shape[-1]),
-    "plus_one": lambda x: x.astype(np.float32) + np.float32(1.0),
+    NO_TRANSFORM: lambda x: x,
+    NEG_EXP: lambda x: -np.exp(x.astype(np.float32)),
+    SQUEEZE: lambda x: x.reshape(x.shape[0], x.shape[-1]),
+    PLUS_ONE: lambda x: x.astype(np.float32) + np.float32(1.0),
 }
 INVERSE_TRANSFORMS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "": lambda x: x,
-    "neg_exp": lambda x: np.log(-x.astype(np.float64)).astype(np.float32),
-    "squeeze": lambda x: x.reshape(x.shape[0], 1, x.shape[-1]),
-    "plus_one": lambda x: x.astype(np.float32) - np.float32(1.0),
+    NO_TRANSFORM: lambda x: x,
+    NEG_EXP: lambda x: np.log(-x.astype(np.float64)).astype(np.float32),
+    SQUEEZE: lambda x: x.reshape(x.shape[0], 1, x.shape[-1]),
+    PLUS_ONE: lambda x: x.astype(np.float32) - np.float32(1.0),
 }
 TRANSFORM_NOTES = {
-    "neg_exp": "A_log -> -exp(A_log)",
-    "squeeze": "conv1d [C,1,K] -> [C,K]",
-    "plus_one": "(1 + w) norm baked to w + 1",
+    NEG_EXP: "A_log -> -exp(A_log)",
+    SQUEEZE: "conv1d [C,1,K] -> [C,K]",
+    PLUS_ONE: "(1 + w) norm baked to w + 1",
 }
 
 
 def output_shape(plan: TensorPlan, shape: tuple[int, ...]) -> tuple[int, ...]:
-    return (shape[0], shape[-1]) if plan.transform == "squeeze" else shape
+    return (shape[0], shape[-1]) if plan.transform == SQUEEZE else shape
 
 
 def tensor_name(kind: MODEL_TENSOR, layer: int | None = None, suffix: str = ".weight") -> str:
@@ -164,10 +161,9 @@ def expected_tensors(config: ModelConfig, tied: bool) -> dict[str, tuple[int, ..
     if not tied:
         shapes[tensor_name(T.OUTPUT)] = (c.vocab_size, c.hidden_size)
     for i in range(c.num_hidden_layers):
-        post_norm = T.ATTN_POST_NORM if c.arch == QWEN35 else T.FFN_NORM
         shapes |= {
             tensor_name(T.ATTN_NORM, i): (c.hidden_size,),
-            tensor_name(post_norm, i): (c.hidden_size,),
+            tensor_name(c.spec.mlp_norm, i): (c.hidden_size,),
             tensor_name(T.FFN_GATE, i): (c.intermediate_size, c.hidden_size),
             tensor_name(T.FFN_UP, i): (c.intermediate_size, c.hidden_size),
             tensor_name(T.FFN_DOWN, i): (c.hidden_size, c.intermediate_size),
@@ -178,7 +174,7 @@ def expected_tensors(config: ModelConfig, tied: bool) -> dict[str, tuple[int, ..
 
 def _attention_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     T = MODEL_TENSOR
-    q_rows = c.num_attention_heads * c.head_dim * (2 if c.arch == QWEN35 else 1)
+    q_rows = c.num_attention_heads * c.head_dim * (2 if c.spec.gated_attention else 1)
     kv_rows = c.num_key_value_heads * c.head_dim
     shapes = {
         tensor_name(T.ATTN_Q, i): (q_rows, c.hidden_size),

@@ -22,6 +22,7 @@ from gguf import Keys, TokenType
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from .archs import PRE_DEEPSEEK_R1_QWEN, PRE_QWEN2, PRE_QWEN35
 from .config import is_metadata_array
 from .errors import FormatError
 
@@ -31,7 +32,8 @@ QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
 # Qwen3.5 keeps combining marks on letters (docs §4.5).
 QWEN35_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
                   r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_PATTERNS: dict[str, str] = {"qwen2": QWEN2_PATTERN, "deepseek-r1-qwen": QWEN2_PATTERN, "qwen35": QWEN35_PATTERN}
+PRE_PATTERNS: dict[str, str] = {PRE_QWEN2: QWEN2_PATTERN, PRE_DEEPSEEK_R1_QWEN: QWEN2_PATTERN,
+                                PRE_QWEN35: QWEN35_PATTERN}
 
 
 @lru_cache(maxsize=1)

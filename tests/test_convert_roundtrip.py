@@ -14,7 +14,8 @@ from gguf import GGUFReader, GGUFValueType, Keys, LlamaFileType, SpecialVocab, T
 from qwen_convert.convert import convert, verify_checksums
 from qwen_convert.gguf_metadata import special_vocab
 from qwen_convert.policy import tensor_qtype
-from qwen_runtime.config import V_HEAD_TILED, config_from_hf
+from qwen_runtime.archs import V_HEAD_TILED
+from qwen_runtime.config import config_from_hf
 from qwen_runtime.formats import open_hf_dir, open_model_files
 from qwen_runtime.formats.base import TOKENIZER_FILES
 from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_DTYPE, QType

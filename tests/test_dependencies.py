@@ -17,8 +17,8 @@ RUNTIME, CONVERTER = "qwen_runtime", "qwen_convert"
 # Layers of qwen_runtime, lowest first: a module may import its own layer and the layers before it, never a
 # later one.  Keys are module paths relative to the package ("formats" covers the subpackage).
 RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("facts: errors, config, tensor names, stored types, small kernels, the thread pool",
-     ("errors", "config", "naming", "tensors", "quants", "ops", "pool", "cache", "limits")),
+    ("facts: errors, architectures, GGUF keys, config, tensor names, stored types, small kernels, the thread pool",
+     ("errors", "archs", "gguf_keys", "config", "naming", "tensors", "quants", "ops", "pool", "cache", "limits")),
     ("formats: reading model files", ("formats",)),
     ("weights: multiplying stored tensors", ("weights",)),
     ("models: the forward pass", ("models",)),

@@ -21,7 +21,7 @@ import pytest
 from runtime_helpers import Converted, reference
 
 from qwen_runtime import load
-from qwen_runtime.config import V_HEAD_TILED
+from qwen_runtime.archs import V_HEAD_TILED
 from qwen_runtime.formats import ModelFiles, open_model_files
 from qwen_runtime.models import Model, WeightStore
 from qwen_runtime.tensors import QType, StoredTensor

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qwen_runtime.config import V_HEAD_GROUPED, V_HEAD_TILED
+from qwen_runtime.archs import V_HEAD_GROUPED, V_HEAD_TILED
 from qwen_runtime.models import gated_delta as gd
 
 F32 = np.float32

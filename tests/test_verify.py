@@ -16,7 +16,7 @@ from convert_helpers import ALL_FIXTURES, fixture
 from qwen_convert.cli import convert_main, inspect_main
 from qwen_convert.convert import convert
 from qwen_convert.verify import FAILED_SUFFIX, report_json, verify_against
-from qwen_runtime.config import V_HEAD_GROUPED
+from qwen_runtime.archs import V_HEAD_GROUPED
 from qwen_runtime.errors import EXIT_CODES, VerificationError
 from qwen_runtime.formats import open_hf_dir
 from qwen_runtime.formats.gguf_parse import parse_gguf

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import V_HEAD_GROUPED, ModelConfig, config_from_hf
+from ..archs import V_HEAD_GROUPED, VALUE_TRANSFORMS
+from ..config import ModelConfig, config_from_hf
 from ..errors import FormatError
 from ..naming import (
     TRANSFORM_NOTES,
@@ -105,7 +106,7 @@ def _stored(entry: SafetensorsEntry, plan: TensorPlan, config: ModelConfig) -> S
                                    "value heads tiled" if plan.v_axis is not None else ""]))
     if not plan.transform and plan.v_axis is None:
         return StoredTensor(plan.name, entry.qtype, shape, entry.path, loader=entry.view)
-    widen = plan.transform in ("neg_exp", "plus_one")
+    widen = plan.transform in VALUE_TRANSFORMS
 
     def load() -> np.ndarray:
         x = entry.view()

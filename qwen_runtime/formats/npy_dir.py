@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from ..config import QWEN35
 from ..errors import FormatError
 from ..naming import check_tensors
 from ..quants import CODECS
@@ -151,7 +150,7 @@ def open_npy_dir(path: str | Path, verify: bool = False) -> ModelFiles:
     if manifest.get("architecture") != config.arch:
         raise FormatError(f"{directory / MANIFEST_NAME}: architecture {manifest.get('architecture')!r} "
                           f"disagrees with config.json ({config.arch})")
-    if config.arch == QWEN35:
+    if config.spec.hybrid:
         config = config.replace(v_head_order=manifest.get("v_head_order", config.v_head_order))
     tensors = {}
     for name, info in manifest["tensors"].items():

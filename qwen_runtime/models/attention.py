@@ -14,8 +14,9 @@ from functools import partial
 import numpy as np
 from gguf import MODEL_TENSOR as T
 
+from ..archs import FULL_ATTENTION, QWEN2, QWEN3
 from ..cache import BatchState, KVCache
-from ..config import FULL_ATTENTION, QWEN2, QWEN3, ModelConfig
+from ..config import ModelConfig
 from ..ops import apply_rope, rms_norm, rope_cos_sin, softmax
 from ..pool import Workspace
 from ..weights import matmul_many

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..config import V_HEAD_GROUPED, V_HEAD_TILED
+from ..archs import V_HEAD_GROUPED, V_HEAD_TILED
 from ..ops import sigmoid, silu
 from ..pool import blas_controller
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import numpy as np
 from gguf import MODEL_TENSOR as T
 
+from ..archs import FULL_ATTENTION, LINEAR_ATTENTION, QWEN35
 from ..cache import BatchState, KVCache
-from ..config import FULL_ATTENTION, LINEAR_ATTENTION, QWEN35, ModelConfig
+from ..config import ModelConfig
 from ..ops import apply_rope, rms_norm, rope_cos_sin, sigmoid
 from ..weights import matmul_many
 from . import gated_delta as gd

@@ -14,7 +14,7 @@ import numpy as np
 from gguf import MODEL_TENSOR as T
 
 from ..cache import BatchState, Cache, LayerCache
-from ..config import QWEN35, ModelConfig
+from ..config import ModelConfig
 from ..formats import ModelFiles
 from ..limits import check_memory, kv_cache_bytes
 from ..ops import rms_norm
@@ -40,7 +40,7 @@ class Block:
         self.eps = config.rms_norm_eps
         self.mixer: Mixer = make_mixer(config, layer, store)
         self.mixer_norm = store.vector(T.ATTN_NORM, layer)
-        self.mlp_norm = store.vector(T.ATTN_POST_NORM if config.arch == QWEN35 else T.FFN_NORM, layer)
+        self.mlp_norm = store.vector(config.spec.mlp_norm, layer)
         self.mlp = MLP(layer, store)
 
     def __call__(self, h: np.ndarray, cache: LayerCache, state: BatchState) -> np.ndarray:

@@ -1,0 +1,100 @@
+"""The GGUF keys of a model's hyper-parameters: one table for the reader, the writer and verify (docs §4.2).
+
+Each :class:`ModelKey` says which :class:`~qwen_runtime.config.ModelConfig` field a key carries, its GGUF
+type, the architectures whose files carry it (llama.cpp reads it for them), where llama.cpp's converter
+writes it, and llama.cpp's value when it is absent.  :func:`qwen_runtime.config.config_from_gguf` reads the
+keys, ``qwen_convert.gguf_metadata`` writes them and ``qwen_convert.verify`` checks them against the
+source.  Key names are ``gguf.Keys`` templates, expanded per architecture by :func:`gguf_key`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gguf import GGUFValueType, Keys
+
+from .archs import QWEN2, QWEN3, QWEN35
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+
+U32, F32, I32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.INT32
+ALL = (QWEN2, QWEN3, QWEN35)
+Fields = Mapping[str, Any]  # ModelConfig fields by name (those read so far, for the reader)
+# A default is called with the fields and the file's metadata (the vocabulary size defaults to the token count).
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    """One GGUF metadata key of the model table."""
+
+    key: str  # gguf.Keys template, e.g. "{arch}.block_count"
+    type: GGUFValueType  # of the value, or of each element of an array
+    field: str  # the ModelConfig field it carries
+    archs: tuple[str, ...]  # architectures whose files carry it (llama.cpp reads it for them)
+    default: Callable[[Fields, Mapping[str, Any]], Any] | None = None  # llama.cpp's value when absent; None: required
+    written: tuple[str, ...] | None = None  # where llama.cpp's converter (and ours) writes it; None: every arch
+    encode: Callable[[ModelConfig], Any] | None = None  # the stored value, when not the field itself
+    decode: Callable[[Any, Fields], Any] | None = None  # the field from the stored value, when not the value itself
+    array: bool = False
+
+    def written_for(self, arch: str) -> bool:
+        return arch in (self.archs if self.written is None else self.written)
+
+    def value(self, config: ModelConfig) -> Any:
+        """The value a file of ``config`` stores under this key."""
+        return self.encode(config) if self.encode else getattr(config, self.field)
+
+    def field_value(self, stored: Any, fields: Fields) -> Any:
+        """The config field's value from the stored value (and the fields read before it)."""
+        return self.decode(stored, fields) if self.decode else stored
+
+
+def gguf_key(template: str, arch: str) -> str:
+    """Expand a ``gguf.Keys`` template such as ``{arch}.block_count``."""
+    return template.format(arch=arch)
+
+
+def _rope_sections(c: ModelConfig) -> list[int]:
+    """IMROPE sections padded to 4; without mrope_section every rotary slot uses the text position."""
+    sections = list(c.mrope_sections) or [c.rotary_dim // 2]
+    return (sections + [0, 0, 0, 0])[:4]
+
+
+def _head_size(fields: Fields, meta: Mapping[str, Any]) -> int:
+    return fields["hidden_size"] // max(fields["num_attention_heads"], 1)
+
+
+def _token_count(fields: Fields, meta: Mapping[str, Any]) -> int:
+    tokens = meta.get(Keys.Tokenizer.LIST)
+    return len(tokens) if tokens is not None else 0
+
+
+# In reading order: a default or a decode may use the fields of the rows above it.
+MODEL_KEYS: tuple[ModelKey, ...] = (
+    ModelKey(Keys.LLM.BLOCK_COUNT, U32, "num_hidden_layers", ALL),
+    ModelKey(Keys.LLM.CONTEXT_LENGTH, U32, "max_position_embeddings", ALL),
+    ModelKey(Keys.LLM.EMBEDDING_LENGTH, U32, "hidden_size", ALL),
+    ModelKey(Keys.LLM.FEED_FORWARD_LENGTH, U32, "intermediate_size", ALL),
+    ModelKey(Keys.LLM.VOCAB_SIZE, U32, "vocab_size", ALL, _token_count, written=()),
+    ModelKey(Keys.Attention.HEAD_COUNT, U32, "num_attention_heads", ALL),
+    ModelKey(Keys.Attention.HEAD_COUNT_KV, U32, "num_key_value_heads", ALL, lambda f, m: f["num_attention_heads"]),
+    ModelKey(Keys.Attention.KEY_LENGTH, U32, "head_dim", ALL, _head_size, written=(QWEN3, QWEN35)),
+    ModelKey(Keys.Attention.VALUE_LENGTH, U32, "head_dim", ALL, _head_size, written=(QWEN3, QWEN35)),
+    ModelKey(Keys.Attention.LAYERNORM_RMS_EPS, F32, "rms_norm_eps", ALL),
+    ModelKey(Keys.Rope.FREQ_BASE, F32, "rope_theta", ALL, lambda f, m: 10000.0),
+    # llama.cpp defaults the rotary width to the head size, right for qwen2/qwen3; its converter writes it
+    # only where it differs (qwen35's partial rotary), and so do we.
+    ModelKey(Keys.Rope.DIMENSION_COUNT, U32, "rotary_dim", ALL, lambda f, m: f["head_dim"], written=(QWEN35,)),
+    ModelKey(Keys.Rope.DIMENSION_SECTIONS, I32, "mrope_sections", (QWEN35,), lambda f, m: (),
+             encode=_rope_sections, decode=lambda v, f: tuple(s for s in v if s), array=True),
+    ModelKey(Keys.SSM.CONV_KERNEL, U32, "linear_conv_kernel_dim", (QWEN35,)),
+    ModelKey(Keys.SSM.STATE_SIZE, U32, "linear_key_head_dim", (QWEN35,)),
+    ModelKey(Keys.SSM.GROUP_COUNT, U32, "linear_num_key_heads", (QWEN35,)),
+    ModelKey(Keys.SSM.TIME_STEP_RANK, U32, "linear_num_value_heads", (QWEN35,)),
+    ModelKey(Keys.SSM.INNER_SIZE, U32, "linear_value_head_dim", (QWEN35,), encode=lambda c: c.linear_value_dim,
+             decode=lambda v, f: v // max(f["linear_num_value_heads"], 1)),
+    ModelKey(Keys.LLM.FULL_ATTENTION_INTERVAL, U32, "full_attention_interval", (QWEN35,), lambda f, m: 4),
+)

@@ -1,0 +1,56 @@
+"""The per-architecture specs and the GGUF key table that the reader, the writer and verify share."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import pytest
+from runtime_helpers import fixture_dir
+
+from qwen_runtime.archs import ARCHS, FULL_ATTENTION, LINEAR_ATTENTION, layer_types_from_interval
+from qwen_runtime.config import HF_ARCHITECTURES, ModelConfig, config_from_gguf, hf_arch
+from qwen_runtime.formats import open_model_files
+from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key
+
+FIXTURES = ("qwen2-tiny", "deepseek-tiny", "qwen3-tiny", "qwen35-tiny", "qwen35-tiny-gqa")
+
+
+def gguf_key_templates() -> set[str]:
+    groups = [getattr(gguf.Keys, name) for name in dir(gguf.Keys) if not name.startswith("_")]
+    return {getattr(g, k) for g in groups for k in dir(g) if not k.startswith("_") and isinstance(getattr(g, k), str)}
+
+
+def test_keys_are_the_gguf_package_constants_and_fields_are_config_fields() -> None:
+    templates, fields = gguf_key_templates(), {f.name for f in dataclasses.fields(ModelConfig)}
+    for row in MODEL_KEYS:
+        assert row.key in templates, row.key
+        assert row.field in fields, row.field
+        assert set(row.written or ()) <= set(row.archs) <= set(ARCHS), row.key
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_what_the_writer_stores_the_reader_reads_back(name: str) -> None:
+    """Through the table alone: every key written for the architecture, then config_from_gguf."""
+    config = open_model_files(fixture_dir(name)).config
+    meta = {gguf.Keys.General.ARCHITECTURE: config.arch, gguf.Keys.Tokenizer.LIST: ["t"] * config.vocab_size}
+    meta |= {gguf_key(row.key, config.arch): row.value(config) for row in MODEL_KEYS if row.written_for(config.arch)}
+    read = config_from_gguf(meta, name)
+    for row in MODEL_KEYS:
+        if config.arch in row.archs:
+            assert getattr(read, row.field) == getattr(config, row.field), row.key
+    assert read.layer_types == config.layer_types
+
+
+def test_every_hf_architecture_maps_to_its_spec() -> None:
+    for spec in ARCHS.values():
+        for hf in spec.hf_architectures:
+            assert HF_ARCHITECTURES[hf] == spec.name == hf_arch({"architectures": [hf]})
+        for model_type in spec.hf_model_types:
+            assert hf_arch({"model_type": model_type}) == spec.name
+
+
+def test_layer_types_from_the_interval() -> None:
+    assert layer_types_from_interval(8, 4) == (LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,) + (LINEAR_ATTENTION,) * 3 + (
+        FULL_ATTENTION,)
+    assert layer_types_from_interval(2, 1) == (FULL_ATTENTION, FULL_ATTENTION)
