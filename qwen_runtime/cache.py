@@ -8,6 +8,11 @@ Batches are left-padded and *slot-aligned*: column ``s`` of every row's KV buffe
 step ``s`` of the batch, padding included.  ``valid[b, s]`` says whether slot ``s`` of row ``b`` is a real
 token; rotary positions count real tokens only, so each row starts at position 0 at its first real token
 and gives the same result as running it alone.
+
+A *ragged* batch (``BatchState.lengths`` set, used by servers that let rows join and leave a running batch)
+has no padding at all: each row keeps its own slots from 0, writes its new tokens after its own
+``lengths[b]`` tokens and attends over exactly those slots, computed as if the row were alone
+(:meth:`BatchState.row`), so its results do not depend on the other rows.
 """
 
 from __future__ import annotations
@@ -23,6 +28,15 @@ class LayerCache(Protocol):
 
     def select(self, rows: np.ndarray) -> None:
         """Keep only batch rows ``rows`` (in that order), e.g. to drop finished sequences."""
+
+    def view(self, rows: slice) -> LayerCache:
+        """A cache of the same kind over rows ``rows`` that shares this one's memory (writes go through)."""
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Make row ``dst`` hold what row ``src`` holds after ``length`` tokens."""
+
+    def clear_row(self, row: int) -> None:
+        """Make row ``row`` ready for a new sequence (slots past a row's length are never read)."""
 
     @property
     def nbytes(self) -> int:
@@ -41,6 +55,7 @@ class BatchState:
     valid: np.ndarray  # bool [B, T] False on padding
     start: int  # slot of the first new token
     key_valid: np.ndarray  # bool [B, start + T] which cached + new slots hold real tokens
+    lengths: np.ndarray | None = None  # ragged batch: int [B] tokens each row holds before the new ones
 
     @property
     def batch(self) -> int:
@@ -53,6 +68,11 @@ class BatchState:
     @property
     def end(self) -> int:
         return self.start + self.length
+
+    def row(self, b: int) -> BatchState:
+        """Row ``b`` of a ragged batch as a one-row state: its new tokens after its own slots, all real."""
+        start = int(self.lengths[b])
+        return BatchState(self.positions[b:b + 1], self.valid[b:b + 1], start, np.ones((1, start + self.length), bool))
 
 
 class KVCache:
@@ -69,8 +89,14 @@ class KVCache:
     def update(self, k: np.ndarray, v: np.ndarray, state: BatchState) -> tuple[np.ndarray, np.ndarray]:
         """Write the new keys/values at their slots; return views of every slot so far.
 
-        ``k``, ``v``: [B, kv_heads, T, hd] -> 2 x [B, kv_heads, start + T, hd]
+        ``k``, ``v``: [B, kv_heads, T, hd] -> 2 x [B, kv_heads, start + T, hd] (ragged batches: each row after
+        its own tokens, and the whole buffers are returned: row ``b`` is valid up to ``state.row(b).end``)
         """
+        if state.lengths is not None:
+            for b, start in enumerate(state.lengths.tolist()):
+                self.keys[b, :, start:start + state.length] = k[b]
+                self.values[b, :, start:start + state.length] = v[b]
+            return self.keys, self.values
         self.keys[:, :, state.start:state.end] = k
         self.values[:, :, state.start:state.end] = v
         return self.keys[:, :, : state.end], self.values[:, :, : state.end]
@@ -78,6 +104,18 @@ class KVCache:
     def select(self, rows: np.ndarray) -> None:
         self.keys = self.keys[rows]
         self.values = self.values[rows]
+
+    def view(self, rows: slice) -> KVCache:
+        out = KVCache.__new__(KVCache)
+        out.keys, out.values = self.keys[rows], self.values[rows]
+        return out
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        self.keys[dst, :, :length] = self.keys[src, :, :length]
+        self.values[dst, :, :length] = self.values[src, :, :length]
+
+    def clear_row(self, row: int) -> None:
+        pass  # keys and values are only read up to the tokens a row holds
 
     @property
     def nbytes(self) -> int:

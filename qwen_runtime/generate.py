@@ -136,7 +136,8 @@ class Generation:
         t1 = time.perf_counter()
         for step in range(cfg.max_new_tokens):
             seen = [np.asarray(self.results[r].prompt_ids + self.results[r].token_ids, np.int64) for r in live]
-            tokens = sample(logits, [params[r] for r in live], seen, rng)  # [B_live]
+            outputs = [np.asarray(self.results[r].token_ids, np.int64) for r in live]
+            tokens = sample(logits, [params[r] for r in live], seen, rng, outputs)  # [B_live]
             texts, keep = self._record(live, tokens, last=step == cfg.max_new_tokens - 1)
             yield texts
             if not keep:

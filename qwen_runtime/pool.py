@@ -14,9 +14,10 @@ buffers without touching this module.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -70,6 +71,17 @@ class Workspace:
             self._blas = None
         self.scratch = [Scratch() for _ in range(self.threads)]
         self._pool: ThreadPoolExecutor | None = None
+        self.row_invariant = False  # inside rowwise(): see there
+
+    @contextlib.contextmanager
+    def rowwise(self) -> Iterator[None]:
+        """Inside the block, weights multiply each activation row on its own, so that a row's result does not
+        depend on the other rows of the batch (see :mod:`qwen_runtime.weights`); for serving."""
+        previous, self.row_invariant = self.row_invariant, True
+        try:
+            yield
+        finally:
+            self.row_invariant = previous
 
     @property
     def nbytes(self) -> int:

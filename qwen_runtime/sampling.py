@@ -1,8 +1,10 @@
-"""Choosing the next token: repetition penalty, temperature, top-k, top-p, min-p (transformers semantics).
+"""Choosing the next token: penalties, temperature, top-k, top-p, min-p (transformers / OpenAI semantics).
 
-Order follows transformers' logits processors: repetition penalty on the raw logits, then temperature,
-top-k, top-p and min-p.  ``temperature == 0`` is greedy (argmax after the penalty).  Randomness comes only
-from the ``np.random.Generator`` passed in, so the same seed gives the same tokens.
+Order follows transformers' logits processors: the penalties on the raw logits, then temperature, top-k,
+top-p and min-p.  The repetition penalty (transformers) covers the prompt and the output; the presence and
+frequency penalties (OpenAI's API) cover the output only and subtract ``presence`` once and ``frequency``
+per occurrence from a token's logit.  ``temperature == 0`` is greedy (argmax after the penalties).
+Randomness comes only from the ``np.random.Generator`` passed in, so the same seed gives the same tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p (1 = off)
     min_p: float = 0.0  # drop tokens less likely than min_p * p(most likely token) (0 = off)
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output (1 = off)
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # subtracted from a token's logit per occurrence in the output
 
     def __post_init__(self) -> None:
         checks = (
@@ -37,6 +41,8 @@ class SamplingParams:
             ("min_p", self.min_p, 0 <= self.min_p <= 1, "in [0, 1]"),
             ("repetition_penalty", self.repetition_penalty,
              math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "a finite number > 0"),
+            ("presence_penalty", self.presence_penalty, -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
         )
         for name, value, ok, expected in checks:
             if not ok:
@@ -56,6 +62,28 @@ def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: floa
     scores = out[ids]
     out[ids] = np.where(scores > 0, scores / np.float32(penalty), scores * np.float32(penalty))
     return out
+
+
+def apply_presence_frequency(logits: np.ndarray, output: np.ndarray, presence: float,
+                             frequency: float) -> np.ndarray:
+    """Subtract ``presence`` once and ``frequency`` per occurrence for every token of ``output``.  # [V] -> [V]"""
+    if (presence == 0.0 and frequency == 0.0) or output.size == 0:
+        return logits
+    ids, counts = np.unique(output, return_counts=True)
+    out = logits.copy()
+    out[ids] -= (np.float32(presence) + np.float32(frequency) * counts.astype(np.float32))
+    return out
+
+
+def penalized(logits: np.ndarray, params: SamplingParams, seen: np.ndarray | None = None,
+              output: np.ndarray | None = None) -> np.ndarray:
+    """The logits after the repetition (``seen``: prompt and output) and presence/frequency (``output``)
+    penalties.  # [V] -> float32 [V]"""
+    logits = np.asarray(logits, np.float32)
+    logits = apply_repetition_penalty(logits, np.asarray(seen if seen is not None else [], np.int64),
+                                      params.repetition_penalty)
+    return apply_presence_frequency(logits, np.asarray(output if output is not None else [], np.int64),
+                                    params.presence_penalty, params.frequency_penalty)
 
 
 def apply_top_k(logits: np.ndarray, k: int) -> np.ndarray:
@@ -92,14 +120,13 @@ def apply_min_p(logits: np.ndarray, min_p: float) -> np.ndarray:
     return np.where(logits >= logits.max() + np.float32(math.log(min_p)), logits, NEG_INF)
 
 
-def filtered_probs(logits: np.ndarray, params: SamplingParams, seen: np.ndarray | None = None) -> np.ndarray:
-    """The distribution a token is drawn from, after penalty, temperature and filters.  # [V] -> f64 [V]
+def filtered_probs(logits: np.ndarray, params: SamplingParams, seen: np.ndarray | None = None,
+                   output: np.ndarray | None = None) -> np.ndarray:
+    """The distribution a token is drawn from, after penalties, temperature and filters.  # [V] -> f64 [V]
 
     For greedy parameters this is one-hot on the argmax.
     """
-    logits = np.asarray(logits, np.float32)
-    logits = apply_repetition_penalty(logits, np.asarray(seen if seen is not None else [], np.int64),
-                                      params.repetition_penalty)
+    logits = penalized(logits, params, seen, output)
     if params.greedy:
         probs = np.zeros(logits.shape, np.float64)
         probs[int(np.argmax(logits))] = 1.0
@@ -116,14 +143,22 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 
 def sample(logits: np.ndarray, params: Sequence[SamplingParams], seen: Sequence[np.ndarray],
-           rng: np.random.Generator) -> np.ndarray:
-    """Next token of every row.  # logits [B, V], one params and one history per row -> int64 [B]"""
-    if len(params) != logits.shape[0] or len(seen) != logits.shape[0]:
-        raise ValueError("sample: need one SamplingParams and one history per batch row")
-    out = np.empty(logits.shape[0], np.int64)
-    for row, (p, history) in enumerate(zip(params, seen, strict=True)):
+           rng: np.random.Generator | Sequence[np.random.Generator],
+           outputs: Sequence[np.ndarray] | None = None) -> np.ndarray:
+    """Next token of every row.  # logits [B, V], one params and one history per row -> int64 [B]
+
+    ``seen`` is each row's prompt and output (repetition penalty), ``outputs`` its output alone (presence and
+    frequency penalties; default: none).  ``rng`` is shared by the rows or one per row.
+    """
+    b = logits.shape[0]
+    outputs = [None] * b if outputs is None else outputs
+    rngs = [rng] * b if isinstance(rng, np.random.Generator) else rng
+    if len(params) != b or len(seen) != b or len(outputs) != b or len(rngs) != b:
+        raise ValueError("sample: need one SamplingParams, history, output and generator per batch row")
+    out = np.empty(b, np.int64)
+    for row, (p, history, output, gen) in enumerate(zip(params, seen, outputs, rngs, strict=True)):
         if p.greedy:
-            out[row] = int(np.argmax(apply_repetition_penalty(logits[row], history, p.repetition_penalty)))
+            out[row] = int(np.argmax(penalized(logits[row], p, history, output)))
         else:
-            out[row] = draw(filtered_probs(logits[row], p, history), rng)
+            out[row] = draw(filtered_probs(logits[row], p, history, output), gen)
     return out

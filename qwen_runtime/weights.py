@@ -13,6 +13,13 @@ A :class:`Weight` is a ``[out, in]`` matrix as stored in the model file (memory-
 :func:`matmul_many` runs the tiles of projections sharing an input (q/k/v) as one pool run;
 :func:`gated_matmul` also applies SwiGLU's activation inside each gate/up task.
 
+**Row-invariant products.**  BLAS sums a row's product in an order that depends on how many rows there are
+and where the row sits among them (GEMV for one row, GEMM kernels unrolled by position for several), so a
+row's result changes in its last bits with the batch around it.  Inside :meth:`Workspace.rowwise` every
+weight decodes each tile once (its codec's exact decoder) and multiplies it by one activation row at a time,
+one and the same matrix-vector product whatever the batch: a server gives a request the same tokens alone
+or among others.
+
 ``rows(ids)`` is the embedding lookup: it decodes only the rows asked for.  A tied ``lm_head`` is the very
 same object as the token embedding.  Every kind keeps ``to_float32()`` as the plain reference that the
 tests compare the fast paths against.
@@ -116,7 +123,10 @@ class F32Weight(Weight):
         self.w = np.asarray(tensor.data)  # [out, in] view of the memory map
 
     def block_product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
-        np.matmul(xk, self.w[r0:r1].T, out=out)
+        if self.ws.row_invariant:
+            row_products(xk, self.w[r0:r1], out)
+        else:
+            np.matmul(xk, self.w[r0:r1].T, out=out)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         return np.asarray(self.w[ids], dtype=np.float32)
@@ -136,15 +146,29 @@ class TiledWeight(Weight):
         self.kernel: TileKernel = self.codec.kernel(self.raw)
 
     def prepare(self, x: np.ndarray) -> object:
-        return self.kernel.prepare(x)
+        return x if self.ws.row_invariant else self.kernel.prepare(x)
 
     def block_product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
-        self.kernel.product(r0, r1, xk, out, scratch)
+        if self.ws.row_invariant:
+            raw = self.raw[r0:r1]
+            tile = self.codec.decode(raw, scratch.array("rowwise tile", (len(raw), self.in_features)), scratch)
+            row_products(xk, tile, out)
+        else:
+            self.kernel.product(r0, r1, xk, out, scratch)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids).reshape(-1)
         out = np.empty((ids.size, self.in_features), np.float32)
         return self.codec.decode(np.ascontiguousarray(self.raw[ids]), out, self.ws.scratch[0])
+
+
+def row_products(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    """``out = x @ w.T`` one activation row at a time (the same matrix-vector product for any number of rows).
+
+    # x [N, in], w [R, in] float32 -> out [N, R]
+    """
+    for i in range(len(x)):
+        np.matmul(x[i:i + 1], w.T, out=out[i:i + 1])
 
 
 def matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:

@@ -65,7 +65,17 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchStat
     """Scaled dot-product attention with GQA and the batch mask; the kv heads split over the pool when it pays.
 
     q: [B, nh, T, hd]; keys/values: [B, nkv, S, hd] -> [B, nh, T, hd]
+
+    A ragged batch (``state.lengths``) is attended row by row, each over exactly its own slots, so a row's
+    result is bit-identical whatever the other rows hold or how many there are.
     """
+    if state.lengths is not None:
+        out = np.empty(q.shape, np.float32)
+        for row in range(q.shape[0]):
+            own = state.row(row)
+            out[row:row + 1] = attend(q[row:row + 1], keys[row:row + 1, :, :own.end], values[row:row + 1, :, :own.end],
+                                      own, ws)
+        return out
     b, nh, t, hd = q.shape
     nkv = keys.shape[1]
     q = q.reshape(b, nkv, nh // nkv, t, hd) * np.float32(1.0 / np.sqrt(hd))

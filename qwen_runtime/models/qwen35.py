@@ -72,6 +72,19 @@ class LinearAttentionCache:
         self.conv = self.conv[rows]
         self.state = self.state[rows]
 
+    def view(self, rows: slice) -> LinearAttentionCache:
+        out = LinearAttentionCache.__new__(LinearAttentionCache)
+        out.conv, out.state = self.conv[rows], self.state[rows]
+        return out
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        self.conv[dst] = self.conv[src]
+        self.state[dst] = self.state[src]
+
+    def clear_row(self, row: int) -> None:
+        self.conv[row] = 0.0
+        self.state[row] = 0.0
+
     @property
     def nbytes(self) -> int:
         return self.conv.nbytes + self.state.nbytes
@@ -101,7 +114,8 @@ class GatedDeltaNet:
         valid = None if state.valid.all() else state.valid  # [B, T]
         projections = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x.reshape(b * t, h))
         mixed, z, b_gate, a_gate = (p.reshape(b, t, -1) for p in projections)  # [B, T, C | Hv*dv | Hv | Hv]
-        mixed, cache.conv = gd.causal_conv1d(mixed, self.conv, cache.conv, valid)  # [B, T, C]
+        mixed, conv = gd.causal_conv1d(mixed, self.conv, cache.conv, valid)  # [B, T, C]
+        cache.conv[...] = conv  # in place: the cache may be a view of a larger one
         q, k, v = gd.split_qkv(mixed, c.linear_num_key_heads, c.linear_key_head_dim, dv)
         q, k = gd.prepare_qk(q, k, hv, c.v_head_order)  # [B, T, Hv, dk]
         beta, g = gd.gates(b_gate, a_gate, self.ssm_a, self.dt_bias, valid)  # [B, T, Hv]

@@ -1,0 +1,55 @@
+"""Row-invariant products and ragged attention: a row's numbers do not depend on the batch around it.
+
+BLAS does not promise that (GEMV for one row, GEMM kernels unrolled by position for several), so plain
+products differ in the last bits with the batch; inside ``Workspace.rowwise()`` they must not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_runtime_weights import stored
+
+from qwen_runtime.cache import BatchState
+from qwen_runtime.models.attention import attend
+from qwen_runtime.tensors import QType
+from qwen_runtime.weights import Workspace, gated_matmul, make_weight, matmul_many
+
+
+@pytest.mark.parametrize("qtype", [QType.F32, QType.F16, QType.BF16, QType.Q8_0])
+@pytest.mark.parametrize("n", [2, 9, 16])
+def test_rowwise_products_equal_each_row_alone(qtype: QType, n: int) -> None:
+    rng = np.random.default_rng(1)
+    w = rng.normal(0, 0.05, (200, 128)).astype(np.float32)
+    x = rng.normal(0, 1, (n, 128)).astype(np.float32)
+    ws = Workspace(50 * 128, threads=2)
+    weight, up = (make_weight(stored(qtype, m), ws, tile_elements=50 * 128) for m in (w, w[::-1].copy()))
+    alone = np.concatenate([weight.matmul(x[i:i + 1]) for i in range(n)])
+    gated_alone = np.concatenate([gated_matmul(weight, up, x[i:i + 1]) for i in range(n)])
+    with ws.rowwise():
+        together = weight.matmul(x)
+        fused = matmul_many([weight, up], x)[0]
+        gated = gated_matmul(weight, up, x)
+    assert np.array_equal(together, alone) and np.array_equal(fused, alone)
+    assert np.array_equal(gated, gated_alone)
+    assert not ws.row_invariant  # the mode ends with the block
+    np.testing.assert_allclose(weight.matmul(x), alone, rtol=1e-5, atol=1e-5)  # plain products: close, not equal
+
+
+def test_ragged_attention_equals_each_row_alone() -> None:
+    """Rows holding 3, 11 and 7 tokens attend over exactly their own slots, as if each were alone."""
+    rng = np.random.default_rng(2)
+    lengths, t, heads, kv, hd, cap = np.array([3, 11, 7]), 2, 4, 2, 16, 20
+    q = rng.normal(size=(3, heads, t, hd)).astype(np.float32)
+    keys = rng.normal(size=(3, kv, cap, hd)).astype(np.float32)
+    values = rng.normal(size=(3, kv, cap, hd)).astype(np.float32)
+    valid = np.ones((3, t), bool)
+    state = BatchState(lengths[:, None] + np.arange(t), valid, 0, valid, lengths)
+    got = attend(q, keys, values, state)
+    for b, length in enumerate(lengths.tolist()):
+        end = length + t
+        alone = BatchState(state.positions[b:b + 1], valid[b:b + 1], length, np.ones((1, end), bool))
+        expected = attend(q[b:b + 1], keys[b:b + 1, :, :end], values[b:b + 1, :, :end], alone)
+        assert np.array_equal(got[b:b + 1], expected)
+    keys[0, :, 5:] = np.nan  # slots past a row's tokens are never read
+    assert np.isfinite(attend(q, keys, values, state)[0]).all()
