@@ -22,19 +22,20 @@ def test_rowwise_products_equal_each_row_alone(qtype: QType, n: int) -> None:
     rng = np.random.default_rng(1)
     w = rng.normal(0, 0.05, (200, 128)).astype(np.float32)
     x = rng.normal(0, 1, (n, 128)).astype(np.float32)
-    ws = Workspace(50 * 128, threads=2)
+    ws = Workspace(threads=2)
     weight, up = (make_weight(stored(qtype, m), ws, tile_elements=50 * 128) for m in (w, w[::-1].copy()))
-    alone = np.concatenate([weight.matmul(x[i:i + 1]) for i in range(n)])
-    gated_alone = np.concatenate([gated_matmul(weight, up, x[i:i + 1]) for i in range(n)])
     with ws.rowwise():
+        alone = np.concatenate([weight.matmul(x[i:i + 1]) for i in range(n)])
+        gated_alone = np.concatenate([gated_matmul(weight, up, x[i:i + 1]) for i in range(n)])
         together = weight.matmul(x)
         fused = matmul_many([weight, up], x)[0]
         gated = gated_matmul(weight, up, x)
     assert np.array_equal(together, alone) and np.array_equal(fused, alone)
     assert np.array_equal(gated, gated_alone)
     assert not ws.row_invariant  # the mode ends with the block
-    np.testing.assert_allclose(weight.matmul(x), alone, rtol=1e-5, atol=1e-5)  # plain products: close, not equal
-
+    reference = x @ weight.to_float32().T
+    np.testing.assert_allclose(together, reference, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(weight.matmul(x), reference, rtol=1e-5, atol=1e-5)
 
 def test_ragged_attention_equals_each_row_alone() -> None:
     """Rows holding 3, 11 and 7 tokens attend over exactly their own slots, as if each were alone."""

@@ -1,0 +1,536 @@
+"""The HTTP face of the engine: OpenAI's chat and text completion endpoints as a Starlette (ASGI) app.
+
+    app = create_app("qwen2.5-0.5b-q8_0.gguf", max_batch=8)     # any ASGI server runs it (uvicorn, Ray Serve)
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``,
+``POST /tokenize``, ``POST /detokenize``.  Requests are checked (:mod:`.protocol`), rendered with the model's
+own chat template, handed to the :class:`~qwen_serve.engine.Engine` (which runs on a thread of its own) and
+answered as one JSON object or as server-sent events in OpenAI's chunk format.  Every error, including
+unknown routes and bugs, is OpenAI's ``{"error": {...}}`` shape; none stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+import qwen_runtime
+from qwen_runtime.chat import ChatFormat, chat_format
+from qwen_runtime.errors import TemplateError
+from qwen_runtime.models import Model
+
+from .engine import Delta, Done, Engine, Event, Failed, Finished, Job, QueueFullError, RequestTooLargeError
+from .outputs import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN, MessageParser, prompt_opens_thinking
+from .protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    GenerationFields,
+    bad,
+    chat_messages,
+    chat_request,
+    chat_tools,
+    completion_request,
+    get_bool,
+    parse_json,
+    template_kwargs,
+)
+
+log = logging.getLogger("qwen_serve")
+
+MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused with 413
+DEFAULT_MAX_TOKENS = 4096  # chat requests without max_tokens: at most this many (and what the context leaves)
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+RETRY_AFTER_SECONDS = 2
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def model_chat_format(model: Model) -> ChatFormat:
+    """The model's tokenizer, template and stop ids."""
+    return chat_format(model)
+
+
+def generation_defaults(model: Model) -> dict[str, float]:
+    """Sampling defaults from the model's ``generation_config.json`` (what its authors recommend)."""
+    config = model.files.read_json("generation_config.json") or {}
+    return {k: float(v) for k, v in config.items()
+            if k in SAMPLING_DEFAULT_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+@dataclass
+class ServerState:
+    """What every handler needs: the engine, the model's text side and the server's settings."""
+
+    engine: Engine
+    fmt: ChatFormat
+    model_name: str
+    defaults: dict[str, float]
+    api_key: str | None
+    max_body_bytes: int
+    created: int
+
+    @property
+    def context(self) -> int:
+        return self.engine.context
+
+
+def create_app(model: str | Path | Model, *, model_name: str | None = None, max_batch: int = 8,
+               max_queue: int = 64, max_memory: int | None = None, api_key: str | None = None,
+               prefill_chunk: int = 128, max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+    """An ASGI app serving ``model`` (a path or a loaded :class:`Model`); its engine starts with the app.
+
+    ``model_name`` is the name clients pass as ``model`` (default: the file or directory name).
+    """
+    if not isinstance(model, Model):
+        model = qwen_runtime.load(model)
+    fmt = model_chat_format(model)
+    text_ids = frozenset(i for t in (THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE)
+                         if (i := fmt.tokenizer.token_id(t)) is not None)
+    engine = Engine(model, fmt.tokenizer, fmt.stop_ids, max_batch=max_batch, max_queue=max_queue,
+                    max_memory=max_memory, prefill_chunk=prefill_chunk, text_ids=text_ids)
+    name = model_name or (model.path.stem if model.path.is_file() else model.path.name)
+    state = ServerState(engine, fmt, name, generation_defaults(model), api_key, max_body_bytes, int(time.time()))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    routes = [
+        Route("/v1/chat/completions", _handler(state, chat_completions), methods=["POST"]),
+        Route("/v1/completions", _handler(state, completions), methods=["POST"]),
+        Route("/v1/models", _handler(state, list_models, has_body=False), methods=["GET"]),
+        Route("/health", _handler(state, health, has_body=False, auth=False), methods=["GET"]),
+        Route("/tokenize", _handler(state, tokenize), methods=["POST"]),
+        Route("/detokenize", _handler(state, detokenize), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+    app.state.server = state
+    return app
+
+
+# --- plumbing ---------------------------------------------------------------------------------------------
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    return error_response(APIError(exc.status_code, str(exc.detail), None, codes.get(exc.status_code)))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error")
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error",
+                                   "server_error"))
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past ``limit`` bytes (checked while reading, not only the header)."""
+    declared = request.headers.get("content-length")
+    too_large = APIError(413, f"the request body is larger than {limit} bytes", None, "request_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_api_key(state: ServerState, request: Request) -> None:
+    if state.api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+        message = "missing API key (send Authorization: Bearer KEY)" if not header else "incorrect API key provided"
+        raise APIError(401, message, None, "invalid_api_key")
+
+
+Handler = Callable[[ServerState, Request, dict[str, Any]], Any]
+
+
+def _handler(state: ServerState, handler: Handler, has_body: bool = True, auth: bool = True):
+    async def endpoint(request: Request) -> Response:
+        try:
+            if auth:
+                check_api_key(state, request)
+            body = parse_json(await read_body(request, state.max_body_bytes)) if has_body else {}
+            return await handler(state, request, body)
+        except APIError as err:
+            return error_response(err)
+
+    return endpoint
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+                       "model", "model_not_found")
+
+
+def check_context(state: ServerState, prompt_tokens: int, max_tokens: int | None, param: str) -> int:
+    """``max_tokens`` (defaulted from what the context leaves), or 400 ``context_length_exceeded``."""
+    room = state.context - prompt_tokens
+    if max_tokens is None and room >= 1:
+        return min(room, DEFAULT_MAX_TOKENS)
+    if max_tokens is None or prompt_tokens + max_tokens > state.context:
+        asked = f" + {max_tokens} max_tokens" if max_tokens is not None else ""
+        raise APIError(400, f"this model's maximum context length is {state.context} tokens; the request has "
+                       f"{prompt_tokens} prompt tokens{asked}", param, "context_length_exceeded")
+    return max_tokens
+
+
+class JobChannel:
+    """A job's events, moved from the engine thread to the event loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def emit(self, event: Event) -> None:  # engine thread
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    async def events(self, job: Job) -> AsyncIterator[Event]:
+        """Every event of the job up to :class:`Done`; raises APIError on :class:`Failed`."""
+        while True:
+            event = await self.queue.get()
+            if isinstance(event, Failed):
+                raise APIError(500, event.message, None, "internal_error", "server_error")
+            yield event
+            if isinstance(event, Done):
+                return
+
+
+def submit(state: ServerState, prompt_ids: list[int], fields: GenerationFields, max_tokens: int,
+           logprobs: int | None) -> tuple[Job, JobChannel]:
+    channel = JobChannel()
+    job = Job(prompt_ids, max_tokens, fields.sampling, channel.emit, n=fields.n, seed=fields.seed,
+              stop=fields.stop, logprobs=logprobs)
+    try:
+        state.engine.submit(job)
+    except QueueFullError as exc:
+        raise APIError(503, f"the server is busy ({exc}); retry later", None, "server_overloaded", "server_error",
+                       {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except RequestTooLargeError as exc:
+        raise APIError(400, str(exc), "n" if "n=" in str(exc) else "max_tokens", "request_too_large") from None
+    return job, channel
+
+
+async def until_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so only a disconnect can arrive)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(request: Request, job: Job, channel: JobChannel) -> list[Event]:
+    """All events of a non-streamed job; cancels it if the client disconnects first."""
+
+    async def gather() -> list[Event]:
+        return [event async for event in channel.events(job)]
+
+    work = asyncio.ensure_future(gather())
+    gone = asyncio.ensure_future(until_disconnect(request))
+    try:
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            job.cancel()
+            work.cancel()
+    if work.cancelled():
+        raise APIError(499, "client disconnected", None, "client_disconnected")
+    return work.result()
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+def usage(done: Done) -> dict[str, int]:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+
+def token_text(state: ServerState, token_id: int) -> tuple[str, list[int]]:
+    raw = state.fmt.tokenizer.token_bytes(token_id)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def chat_logprobs(state: ServerState, delta: Delta) -> list[dict[str, Any]]:
+    items = []
+    for lp in delta.logprobs:
+        text, raw = token_text(state, lp.token_id)
+        top = []
+        for token_id, value in lp.top:
+            t, b = token_text(state, token_id)
+            top.append({"token": t, "logprob": value, "bytes": b})
+        items.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+    return items
+
+
+# --- chat -------------------------------------------------------------------------------------------------
+
+
+def render_chat(state: ServerState, req: ChatRequest) -> tuple[list[int], str]:
+    kwargs = dict(req.template_kwargs)
+    enable_thinking = kwargs.pop("enable_thinking", None)
+    if req.tools is not None:
+        kwargs["tools"] = req.tools
+    try:
+        text = state.fmt.render(req.messages, True, enable_thinking, **kwargs)
+    except TemplateError as exc:
+        raise APIError(400, f"the chat template failed on these messages: {exc}", "messages",
+                       "template_error") from None
+    return state.fmt.encode_prompt(text), text
+
+
+class ChatChoice:
+    """One choice's message as it is produced."""
+
+    def __init__(self, prompt: str, tools: bool, reasoning: bool) -> None:
+        self.parser = MessageParser(reasoning, prompt_opens_thinking(prompt), tools)
+        self.reasoning, self.content = [], []
+        self.logprobs: list[dict[str, Any]] = []
+        self.tool_calls = []
+        self.finish: str | None = None
+
+    def push(self, text: str) -> tuple[str, str]:
+        r, c = self.parser.push(text)
+        self.reasoning.append(r)
+        self.content.append(c)
+        return r, c
+
+    def end(self, reason: str) -> tuple[str, str]:
+        r, c, calls = self.parser.finish()
+        self.reasoning.append(r)
+        self.content.append(c)
+        self.tool_calls = calls
+        self.finish = "tool_calls" if calls and reason == "stop" else reason
+        return r, c
+
+    def message(self) -> dict[str, Any]:
+        content = "".join(self.content)
+        msg: dict[str, Any] = {"role": "assistant", "content": content or (None if self.tool_calls else "")}
+        reasoning = "".join(self.reasoning)
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = [call.as_dict() for call in self.tool_calls]
+        return msg
+
+
+async def chat_completions(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
+    req = chat_request(body, state.defaults, state.engine.max_batch)
+    check_model(state, req.fields.model)
+    prompt_ids, prompt = render_chat(state, req)
+    max_tokens = check_context(state, len(prompt_ids), req.fields.max_tokens, "messages")
+    job, channel = submit(state, prompt_ids, req.fields, max_tokens, req.logprobs)
+    reasoning = THINK_OPEN in prompt or THINK_OPEN in (state.fmt.template.source if state.fmt.template else "")
+    choices = [ChatChoice(prompt, req.tools is not None, reasoning) for _ in range(req.fields.n)]
+    head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": state.model_name}
+    if req.fields.stream:
+        return StreamingResponse(stream_chat(state, req, job, channel, choices, head), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    done = None
+    for event in await collect(request, job, channel):
+        if isinstance(event, Delta):
+            choices[event.choice].push(event.text)
+            if req.logprobs is not None:
+                choices[event.choice].logprobs.extend(chat_logprobs(state, event))
+        elif isinstance(event, Finished):
+            choices[event.choice].end(event.reason)
+        elif isinstance(event, Done):
+            done = event
+    out = [{"index": i, "message": c.message(),
+            "logprobs": {"content": c.logprobs} if req.logprobs is not None else None,
+            "finish_reason": c.finish} for i, c in enumerate(choices)]
+    return JSONResponse({**head, "object": "chat.completion", "choices": out, "usage": usage(done),
+                         "system_fingerprint": None})
+
+
+async def stream_chat(state: ServerState, req: ChatRequest, job: Job, channel: JobChannel,
+                      choices: list[ChatChoice], head: dict[str, Any]) -> AsyncIterator[bytes]:
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        return sse({**head, "object": "chat.completion.chunk", "system_fingerprint": None,
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+
+    def parts(reasoning: str, content: str) -> dict[str, Any]:
+        delta = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        return delta
+
+    try:
+        for i in range(len(choices)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for event in channel.events(job):
+            if isinstance(event, Delta):
+                delta = parts(*choices[event.choice].push(event.text))
+                logprobs = {"content": chat_logprobs(state, event)} if req.logprobs is not None else None
+                if delta or logprobs:
+                    yield chunk(event.choice, delta, logprobs=logprobs)
+            elif isinstance(event, Finished):
+                c = choices[event.choice]
+                delta = parts(*c.end(event.reason))
+                if c.tool_calls:
+                    delta["tool_calls"] = [call.as_dict(k) for k, call in enumerate(c.tool_calls)]
+                yield chunk(event.choice, delta, c.finish)
+            elif isinstance(event, Done) and req.fields.include_usage:
+                yield sse({**head, "object": "chat.completion.chunk", "system_fingerprint": None, "choices": [],
+                           "usage": usage(event)})
+        yield sse("[DONE]")
+    except APIError as err:
+        yield sse(err.body())
+        yield sse("[DONE]")
+    finally:
+        job.cancel()  # a no-op when it ended; frees its rows when the client went away
+
+
+# --- completions ------------------------------------------------------------------------------------------
+
+
+def completion_logprobs(state: ServerState, deltas: list[Delta]) -> dict[str, Any]:
+    tokens, values, tops, offsets, offset = [], [], [], [], 0
+    for delta in deltas:
+        for lp in delta.logprobs:
+            text = token_text(state, lp.token_id)[0]
+            tokens.append(text)
+            values.append(lp.logprob)
+            tops.append({token_text(state, t)[0]: v for t, v in lp.top} if lp.top else None)
+            offsets.append(offset)
+            offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def completions(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
+    req: CompletionRequest = completion_request(body, state.defaults, state.engine.max_batch,
+                                                state.engine.model.config.vocab_size)
+    check_model(state, req.fields.model)
+    ids = req.prompt if isinstance(req.prompt, list) else state.fmt.encode_prompt(req.prompt)
+    if not ids:
+        raise bad("prompt", "the prompt has no tokens")
+    max_tokens = req.fields.max_tokens or COMPLETION_MAX_TOKENS
+    max_tokens = check_context(state, len(ids), max_tokens, "prompt")
+    job, channel = submit(state, ids, req.fields, max_tokens, req.logprobs)
+    head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
+            "model": state.model_name}
+    if req.fields.stream:
+        return StreamingResponse(stream_completion(state, req, job, channel, head), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    texts, deltas = [[] for _ in range(req.fields.n)], [[] for _ in range(req.fields.n)]
+    finish: list[str | None] = [None] * req.fields.n
+    done = None
+    for event in await collect(request, job, channel):
+        if isinstance(event, Delta):
+            texts[event.choice].append(event.text)
+            deltas[event.choice].append(event)
+        elif isinstance(event, Finished):
+            finish[event.choice] = event.reason
+        elif isinstance(event, Done):
+            done = event
+    out = [{"index": i, "text": "".join(texts[i]),
+            "logprobs": completion_logprobs(state, deltas[i]) if req.logprobs is not None else None,
+            "finish_reason": finish[i]} for i in range(req.fields.n)]
+    return JSONResponse({**head, "choices": out, "usage": usage(done), "system_fingerprint": None})
+
+
+async def stream_completion(state: ServerState, req: CompletionRequest, job: Job, channel: JobChannel,
+                            head: dict[str, Any]) -> AsyncIterator[bytes]:
+    try:
+        async for event in channel.events(job):
+            if isinstance(event, Delta):
+                logprobs = completion_logprobs(state, [event]) if req.logprobs is not None else None
+                yield sse({**head, "choices": [{"index": event.choice, "text": event.text, "logprobs": logprobs,
+                                                "finish_reason": None}]})
+            elif isinstance(event, Finished):
+                yield sse({**head, "choices": [{"index": event.choice, "text": "", "logprobs": None,
+                                                "finish_reason": event.reason}]})
+            elif isinstance(event, Done) and req.fields.include_usage:
+                yield sse({**head, "choices": [], "usage": usage(event)})
+        yield sse("[DONE]")
+    except APIError as err:
+        yield sse(err.body())
+        yield sse("[DONE]")
+    finally:
+        job.cancel()
+
+
+# --- the small endpoints ----------------------------------------------------------------------------------
+
+
+async def list_models(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
+    return JSONResponse({"object": "list", "data": [
+        {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "qwen-numpy",
+         "max_model_len": state.context}]})
+
+
+async def health(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
+    engine = state.engine
+    if engine.error is not None:
+        return JSONResponse({"status": "error", "error": engine.error}, status_code=500)
+    return JSONResponse({"status": "ok", "model": state.model_name, **engine.status()})
+
+
+async def tokenize(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
+    check_model(state, body.get("model") if isinstance(body.get("model"), str) else None)
+    if "messages" in body:
+        kwargs = template_kwargs(body)
+        enable_thinking = kwargs.pop("enable_thinking", None)
+        tools = chat_tools(body)
+        if tools is not None:
+            kwargs["tools"] = tools
+        try:
+            text = state.fmt.render(chat_messages(body), get_bool(body, "add_generation_prompt", True),
+                                    enable_thinking, **kwargs)
+        except TemplateError as exc:
+            raise APIError(400, f"the chat template failed on these messages: {exc}", "messages",
+                           "template_error") from None
+        ids = state.fmt.encode_prompt(text)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad("prompt", "expected a string (or send messages)", "missing" if prompt is None else "invalid_type")
+        ids = state.fmt.encode_prompt(prompt) if get_bool(body, "add_special_tokens", True) \
+            else state.fmt.tokenizer.encode(prompt)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.context})
+
+
+async def detokenize(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
+    check_model(state, body.get("model") if isinstance(body.get("model"), str) else None)
+    tokens = body.get("tokens")
+    vocab = state.engine.model.config.vocab_size
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad("tokens", "expected a list of token ids", "missing" if tokens is None else "invalid_type")
+    if not all(0 <= t < vocab for t in tokens):
+        raise bad("tokens", f"token ids must be in [0, {vocab})")
+    return JSONResponse({"prompt": state.fmt.tokenizer.decode(tokens, skip_special=False)})

@@ -1,0 +1,427 @@
+"""Continuous batching: one thread owns the model and runs every request's rows in one decode batch.
+
+The loop alternates one prefill chunk of the oldest admitted request with one decode step of every running
+row, so a new prompt joins the batch after its chunks without stalling the others for more than one chunk
+at a time.  A request's ``n`` choices share its prefill (the row is copied) and then run as ``n`` rows.
+Rows leave the batch when they stop (a stop token, a stop string, ``max_tokens``, a cancelled request) and
+the last row moves into their place, so the batch stays rows ``0 .. B-1`` of the :class:`SlotCache`.
+
+**Batch invariance.**  A row's numbers never depend on the rows beside it: the cache is ragged (each row
+attends over exactly its own tokens, :mod:`qwen_runtime.cache`), decode products are row-invariant
+(:meth:`qwen_runtime.weights.Workspace.rowwise`), prompts are prefilled in a row of their own with the same
+chunking, and every choice samples from its own random generator (seeded from the request's ``seed``).
+So a request's tokens are identical whether it runs alone or among others.
+
+Admission: a request waits in a bounded queue until there are rows for its ``n`` choices and the memory
+for their tokens (prompt + ``max_tokens`` each) fits the limit next to the running ones.  The HTTP layer
+talks to the engine only through :meth:`Engine.submit`, :meth:`Job.cancel` and the events a job emits (called
+on the engine thread; the HTTP layer hands them to its event loop).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from qwen_runtime.limits import activation_bytes, default_memory_limit, format_bytes, kv_cache_bytes
+from qwen_runtime.models import Model
+from qwen_runtime.sampling import SamplingParams, sample
+from qwen_runtime.tokenizer import StreamDecoder, Tokenizer
+
+from .slots import SlotCache
+
+log = logging.getLogger("qwen_serve")
+
+STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+MAX_TOP_LOGPROBS = 20
+
+
+class QueueFullError(Exception):
+    """Every row is busy and the waiting queue is full: the client should retry later."""
+
+
+class RequestTooLargeError(ValueError):
+    """A request could never run: more choices than rows, or more memory than the limit allows."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (raw logits) and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one choice: its tokens this step and the text they completed (stop strings removed)."""
+
+    choice: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A choice ended (``reason``: ``stop`` or ``length``)."""
+
+    choice: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """Every choice of the job ended: the usage numbers."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The job failed inside the engine (a bug, never a client error): the message says why."""
+
+    message: str
+
+
+Event = Delta | Finished | Done | Failed
+
+
+@dataclass
+class Job:
+    """One request: a prompt, ``n`` choices, and where its events go (called on the engine thread)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    emit: Callable[[Event], None]
+    n: int = 1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the k most likely
+    cancelled: bool = False
+    completion_tokens: int = 0  # sampled so far over all choices
+    submitted: float = field(default_factory=time.monotonic)
+
+    def cancel(self) -> None:
+        """Stop the job: its rows leave the batch at the next step (safe from any thread)."""
+        self.cancelled = True
+
+
+class StopStrings:
+    """Text that is released only once it cannot be the start of a stop string."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add generated text; return the text safe to release and whether a stop string was reached."""
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Row:
+    """One choice of a job while it runs: its tokens, text state and random generator."""
+
+    def __init__(self, job: Job, choice: int, tokenizer: Tokenizer, hidden_ids: frozenset[int]) -> None:
+        self.job, self.choice = job, choice
+        self.tokens: list[int] = []
+        self.decoder = StreamDecoder(tokenizer, skip_special=False)
+        self.hidden_ids = hidden_ids
+        self.stops = StopStrings(job.stop)
+        seed = None if job.seed is None else [job.seed, choice]
+        self.rng = np.random.default_rng(seed)
+        self.finish: str | None = None
+
+    @property
+    def last(self) -> int:
+        return self.tokens[-1]
+
+
+class Engine:
+    """Owns a model and serves :class:`Job` s with continuous batching on a thread of its own.
+
+    ``max_batch`` rows run at once, ``max_queue`` jobs wait beyond them; ``max_memory`` bounds the cache
+    and activations (default: :func:`qwen_runtime.limits.default_memory_limit`); prompts are prefilled
+    ``prefill_chunk`` tokens at a time; ``stop_ids`` end a choice; special tokens other than ``text_ids``
+    produce no text.
+    """
+
+    def __init__(self, model: Model, tokenizer: Tokenizer, stop_ids: frozenset[int], *, max_batch: int = 8,
+                 max_queue: int = 64, max_memory: int | None = None, prefill_chunk: int = 128,
+                 text_ids: frozenset[int] = frozenset()) -> None:
+        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
+            raise ValueError("max_batch and prefill_chunk must be >= 1 and max_queue >= 0")
+        self.model, self.tokenizer, self.stop_ids = model, tokenizer, frozenset(stop_ids)
+        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.context = model.config.max_position_embeddings
+        self.hidden_ids = frozenset(tokenizer.special_ids) - frozenset(text_ids)
+        cfg = model.config
+        self.row_bytes = kv_cache_bytes(cfg, 1, 0)  # recurrent state (and nothing else) of one row
+        self.token_bytes = kv_cache_bytes(cfg, 1, 1) - self.row_bytes  # keys and values of one token
+        limit = default_memory_limit() if max_memory is None else max_memory
+        self.activations = activation_bytes(cfg, max_batch, 1, 1) + activation_bytes(cfg, 1, self.context,
+                                                                                     prefill_chunk)
+        self.memory_limit = limit
+        self.slots = SlotCache(model, max_batch, self.context)
+        self.ws = model.lm_head.ws
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._rows: list[Row] = []
+        self._prefill: tuple[Job, int] | None = None  # the job being prefilled and how many tokens are done
+        self._reserved: dict[int, int] = {}  # id(job) -> bytes reserved for its rows
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0  # decode steps run so far
+        self.peak_rows = 0  # the most rows one decode step ran
+        self.error: str | None = None  # set if the loop itself died (a bug)
+
+    # --- the HTTP side ----------------------------------------------------------------------------------
+
+    def job_bytes(self, prompt_tokens: int, max_tokens: int, n: int) -> int:
+        """Memory a job's rows hold at most: recurrent state plus keys and values of every token."""
+        return n * (self.row_bytes + self.token_bytes * (prompt_tokens + max_tokens))
+
+    def submit(self, job: Job) -> None:
+        """Queue a job (it starts as soon as rows and memory allow).
+
+        Raises :class:`RequestTooLargeError` for a job that could never run and :class:`QueueFullError` when
+        the queue is full.
+        """
+        if job.n > self.max_batch:
+            raise RequestTooLargeError(f"n={job.n} is more than the server's {self.max_batch} batch rows")
+        need = self.job_bytes(len(job.prompt_ids), job.max_tokens, job.n)
+        if need + self.activations > self.memory_limit:
+            raise RequestTooLargeError(
+                f"the request needs about {format_bytes(need)} of cache, more than the server's memory limit of "
+                f"{format_bytes(self.memory_limit)} allows; use a shorter prompt, fewer choices or max_tokens")
+        with self._cond:
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"{self.max_batch} rows busy and {len(self._waiting)} requests waiting")
+            self._waiting.append(job)
+            self._cond.notify()
+        self.start()
+
+    def status(self) -> dict[str, object]:
+        with self._cond:
+            return {"running_rows": len(self._rows), "waiting": len(self._waiting),
+                    "prefilling": self._prefill is not None, "max_batch": self.max_batch,
+                    "decode_steps": self.steps, "peak_rows": self.peak_rows,
+                    "reserved_bytes": sum(self._reserved.values()), "memory_limit_bytes": self.memory_limit}
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = False
+                self._thread = threading.Thread(target=self._loop, name="qwen-serve-engine", daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        """End the loop (running jobs are cancelled) and wait for the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    # --- the engine thread ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._waiting or self._rows or self._prefill):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    self._admit()
+                self._drop_cancelled()
+                if self._prefill is not None:
+                    self._guarded(self._prefill_step, [self._prefill[0]])
+                if self._rows:
+                    self._guarded(self._decode_step, list({id(r.job): r.job for r in self._rows}.values()))
+        except Exception as exc:  # a bug in the loop itself: report it on /health, fail everyone
+            log.exception("engine loop died")
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._abandon_all()
+
+    def _guarded(self, step: Callable[[], None], jobs: list[Job]) -> None:
+        """Run a step; if it raises (a bug), fail the jobs it touched and clear their rows, keep serving."""
+        try:
+            step()
+        except Exception as exc:
+            log.exception("engine step failed")
+            for job in jobs:
+                self._fail(job, f"internal error: {type(exc).__name__}: {exc}")
+
+    def _admit(self) -> None:
+        """Start prefilling the oldest waiting job if rows and memory allow (called under the lock)."""
+        if any(job.cancelled for job in self._waiting):
+            self._waiting = collections.deque(job for job in self._waiting if not job.cancelled)
+        if self._prefill is not None or not self._waiting:
+            return
+        job = self._waiting[0]
+        need = self.job_bytes(len(job.prompt_ids), job.max_tokens, job.n)
+        if len(self._rows) + job.n > self.max_batch or \
+                sum(self._reserved.values()) + need + self.activations > self.memory_limit:
+            return
+        self._waiting.popleft()
+        self._reserved[id(job)] = need
+        self.slots.reset(len(self._rows))
+        self._prefill = (job, 0)
+
+    def _prefill_step(self) -> None:
+        job, done = self._prefill
+        slot = len(self._rows)
+        chunk = job.prompt_ids[done:done + self.prefill_chunk]
+        logits = self.model.forward(np.asarray([chunk], np.int64), self.slots.rows(slot, slot + 1),
+                                    last_only=True)  # [1, V]
+        done += len(chunk)
+        if done < len(job.prompt_ids):
+            self._prefill = (job, done)
+            return
+        self._prefill = None
+        rows = [Row(job, i, self.tokenizer, self.hidden_ids) for i in range(job.n)]
+        for i in range(1, job.n):
+            self.slots.copy(slot, slot + i)
+        self._rows.extend(rows)
+        self._advance(rows, np.repeat(logits, job.n, axis=0))
+
+    def _decode_step(self) -> None:
+        tokens = np.asarray([[row.last] for row in self._rows], np.int64)  # [B, 1]
+        with self.ws.rowwise():
+            logits = self.model.forward(tokens, self.slots.rows(0, len(self._rows)), last_only=True)  # [B, V]
+        self.steps += 1
+        self.peak_rows = max(self.peak_rows, len(tokens))
+        self._advance(list(self._rows), logits)
+
+    def _advance(self, rows: list[Row], logits: np.ndarray) -> None:
+        """Sample each row's next token from its logits [B, V], emit what it adds, retire finished rows."""
+        seen = [np.asarray(r.job.prompt_ids + r.tokens, np.int64) for r in rows]
+        outputs = [np.asarray(r.tokens, np.int64) for r in rows]
+        tokens = sample(logits, [r.job.sampling for r in rows], seen, [r.rng for r in rows], outputs)
+        for row, token, row_logits in zip(rows, tokens.tolist(), logits, strict=True):
+            self._record(row, token, row_logits)
+        self._retire()
+
+    def _record(self, row: Row, token: int, logits: np.ndarray) -> None:
+        row.tokens.append(token)
+        job = row.job
+        job.completion_tokens += 1
+        logprobs = (token_logprobs(logits, token, job.logprobs),) if job.logprobs is not None else ()
+        stopped = token in self.stop_ids
+        text = "" if stopped or token in self.hidden_ids else row.decoder.push(token)
+        full = len(row.tokens) >= job.max_tokens or len(job.prompt_ids) + len(row.tokens) >= self.context
+        if stopped or full:
+            text += row.decoder.flush()
+        out, hit = row.stops.push(text)
+        if hit:
+            row.finish = STOP
+        elif stopped or full:
+            out += row.stops.flush()
+            row.finish = STOP if stopped else LENGTH
+        if out or logprobs or row.finish:
+            job.emit(Delta(row.choice, out, (token,), logprobs))
+        if row.finish:
+            job.emit(Finished(row.choice, row.finish))
+
+    def _retire(self) -> None:
+        """Drop finished rows (the last row moves into each hole) and finish jobs with no rows left."""
+        before, i = len(self._rows), 0
+        while i < len(self._rows):
+            row = self._rows[i]
+            if row.finish is None:
+                i += 1
+                continue
+            last = len(self._rows) - 1
+            self.slots.move(last, i)
+            self._rows[i] = self._rows[last]
+            self._rows.pop()
+            if not any(r.job is row.job for r in self._rows):
+                self._complete(row.job)
+        if self._prefill is not None:  # the prompt being prefilled keeps the row right after the running ones
+            self.slots.move(before, len(self._rows))
+
+    def _complete(self, job: Job) -> None:
+        self._reserved.pop(id(job), None)
+        if not job.cancelled:
+            job.emit(Done(len(job.prompt_ids), job.completion_tokens))
+
+    def _drop_cancelled(self) -> None:
+        if self._prefill is not None and self._prefill[0].cancelled:
+            self._reserved.pop(id(self._prefill[0]), None)
+            self._prefill = None
+        for row in self._rows:
+            if row.job.cancelled:
+                row.finish = CANCELLED
+        self._retire()
+
+    def _fail(self, job: Job, message: str) -> None:
+        if self._prefill is not None and self._prefill[0] is job:
+            self._prefill = None
+        for row in self._rows:
+            if row.job is job:
+                row.finish = CANCELLED
+        job.cancel()
+        self._retire()
+        self._reserved.pop(id(job), None)
+        job.emit(Failed(message))
+
+    def _abandon_all(self) -> None:
+        with self._cond:
+            jobs = list(self._waiting) + [r.job for r in self._rows] + ([self._prefill[0]] if self._prefill else [])
+            self._waiting.clear()
+        for job in {id(j): j for j in jobs}.values():
+            if not job.cancelled:
+                job.cancel()
+                job.emit(Failed(self.error or "the server is shutting down"))
+        self._rows, self._prefill = [], None
+        self._reserved.clear()
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """Log-probabilities of the raw logits [V] (float64): the sampled token's and the ``top`` best."""
+    x = logits.astype(np.float64)
+    m = x.max()
+    logz = m + np.log(np.exp(x - m).sum())
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        k = min(top, x.size)
+        ids = np.argpartition(-x, k - 1)[:k]
+        ids = ids[np.argsort(-x[ids], kind="stable")]
+        best = tuple((int(i), float(x[i] - logz)) for i in ids)
+    return TokenLogprob(int(token), float(x[token] - logz), best)
+
+
+__all__ = ["CANCELLED", "LENGTH", "STOP", "Delta", "Done", "Engine", "Event", "Failed", "Finished", "Job",
+           "QueueFullError", "RequestTooLargeError", "TokenLogprob"]

@@ -1,0 +1,173 @@
+"""Turning a choice's generated text into OpenAI's message parts: reasoning, content and tool calls.
+
+**Reasoning.**  Qwen3, Qwen3.5 and DeepSeek-R1-Distill think inside ``<think> ... </think>`` before they
+answer.  The part inside is ``reasoning_content``, the rest ``content``.  A model whose prompt already ends
+in an open ``<think>`` (R1-Distill's and Qwen3.5's templates write it) starts inside the block; otherwise a
+block counts only at the very start of the output.  Text is released as soon as it cannot be part of a
+marker, so reasoning streams as it is produced; whitespace around the markers is dropped.
+
+**Tool calls.**  Qwen writes ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Qwen2.5,
+Qwen3) or ``<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>``
+(Qwen3.5).  When the request offered tools, content from the first ``<tool_call>`` on is held back and parsed
+when the choice ends; calls that parse become ``tool_calls`` (finish reason ``tool_calls``), anything that
+does not parse is returned as content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
+XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def prompt_opens_thinking(prompt: str) -> bool:
+    """Whether a rendered chat prompt ends inside an unclosed ``<think>`` block."""
+    return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+    def as_dict(self, index: int | None = None) -> dict[str, Any]:
+        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+def parse_tool_call(block: str) -> ToolCall | None:
+    """One ``<tool_call>`` block's inside as a call (JSON or Qwen3.5's XML form), or None."""
+    block = block.strip()
+    call_id = f"call_{secrets.token_hex(12)}"
+    try:
+        value = json.loads(block)
+    except ValueError:
+        value = None
+    if isinstance(value, dict) and isinstance(value.get("name"), str):
+        arguments = value.get("arguments", value.get("parameters", {}))
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        return ToolCall(call_id, value["name"], text)
+    match = XML_FUNCTION.search(block)
+    if match is None:
+        return None
+    arguments = {}
+    for name, raw in XML_PARAMETER.findall(match.group(2)):
+        try:
+            arguments[name.strip()] = json.loads(raw)
+        except ValueError:
+            arguments[name.strip()] = raw
+    return ToolCall(call_id, match.group(1).strip(), json.dumps(arguments, ensure_ascii=False))
+
+
+class MessageParser:
+    """Splits one choice's streamed text into reasoning, content and tool calls.
+
+    ``push(text)`` returns ``(reasoning, content)`` deltas ready to send; ``finish()`` returns the last deltas
+    and the tool calls found.
+    """
+
+    def __init__(self, reasoning: bool, in_think: bool, tools: bool) -> None:
+        self.reasoning, self.tools = reasoning, tools
+        self.state = "think" if (reasoning and in_think) else ("start" if reasoning else "content")
+        self.buffer = ""  # text not yet classified (a marker may be starting)
+        self.held_ws = ""  # whitespace at the end of the reasoning, sent only if more reasoning follows
+        self.reasoning_started = False
+        self.content_started = False
+        self.tool_text: str | None = None  # content from the first <tool_call> on
+
+    def push(self, text: str) -> tuple[str, str]:
+        self.buffer += text
+        return self._drain(final=False)
+
+    def finish(self) -> tuple[str, str, list[ToolCall]]:
+        reasoning, content = self._drain(final=True)
+        calls: list[ToolCall] = []
+        if self.tool_text is not None:
+            rest = self.tool_text
+            for match in TOOL_BLOCK.finditer(self.tool_text):
+                call = parse_tool_call(match.group(1))
+                if call is None:
+                    calls = []
+                    break
+                calls.append(call)
+            if calls:
+                rest = TOOL_BLOCK.sub("", self.tool_text).strip()
+            content += self._content(rest) if rest else ""
+        return reasoning, content, calls
+
+    def _drain(self, final: bool) -> tuple[str, str]:
+        reasoning, content = "", ""
+        while self.buffer:
+            if self.state == "start":  # only whitespace so far: a <think> may still open
+                stripped = self.buffer.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    self.buffer, self.state = stripped[len(THINK_OPEN):], "think"
+                elif THINK_OPEN.startswith(stripped) and not final:
+                    break
+                else:
+                    self.state = "content"
+            elif self.state == "think":
+                end = self.buffer.find(THINK_CLOSE)
+                if end >= 0:
+                    reasoning += self._reasoning(self.buffer[:end], closing=True)
+                    self.buffer, self.state = self.buffer[end + len(THINK_CLOSE):], "content"
+                    continue
+                keep = 0 if final else _partial_suffix(self.buffer, THINK_CLOSE)
+                cut = len(self.buffer) - keep
+                reasoning += self._reasoning(self.buffer[:cut], closing=final)
+                self.buffer = self.buffer[cut:]
+                break
+            else:
+                content += self._take_content(final)
+                break
+        return reasoning, content
+
+    def _reasoning(self, text: str, closing: bool) -> str:
+        """Reasoning text with its leading and (once the block ends) trailing whitespace dropped."""
+        text = self.held_ws + text
+        self.held_ws = ""
+        if not self.reasoning_started:
+            text = text.lstrip()
+            self.reasoning_started = bool(text)
+        if closing:
+            return text.rstrip()
+        body = text.rstrip()
+        self.held_ws = text[len(body):]
+        return body
+
+    def _take_content(self, final: bool) -> str:
+        text, self.buffer = self.buffer, ""
+        if self.tool_text is not None:
+            self.tool_text += text
+            return ""
+        if self.tools:
+            start = text.find(TOOL_OPEN)
+            if start >= 0:
+                self.tool_text = text[start:]
+                return self._content(text[:start])
+            keep = 0 if final else _partial_suffix(text, TOOL_OPEN)
+            text, self.buffer = text[:len(text) - keep], text[len(text) - keep:]
+        return self._content(text)
+
+    def _content(self, text: str) -> str:
+        if not self.content_started:
+            text = text.lstrip() if self.state == "content" and self.reasoning_started else text
+            self.content_started = bool(text)
+        return text
