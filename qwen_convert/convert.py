@@ -166,7 +166,7 @@ def _reporting(chunks: Iterable[np.ndarray], spec: TensorSpec, progress: Progres
         progress.advance(spec, chunk.nbytes)
 
 
-def verify_checksums(path: Path, fmt: str, checksums: dict[str, str]) -> None:
+def verify_written_checksums(path: Path, fmt: str, checksums: dict[str, str]) -> None:
     """Re-read a written output and compare every tensor's SHA-256 with what was written."""
     if fmt == "npy":
         open_npy_dir(path, verify=True)
@@ -188,7 +188,7 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str
             progress: Progress | None = None) -> ConvertResult:
     """Convert the HF model ``src`` to ``out`` (``fmt`` npy or gguf; ``dtype`` fp32, fp16 or q8_0).
 
-    ``verify`` (e.g. :func:`verify_checksums`) runs on the complete temporary output, before the rename.
+    ``verify`` (e.g. :func:`verify_written_checksums`) runs on the complete temporary output, before the rename.
     Raises :class:`OutputExistsError` when ``out`` exists and ``force`` is false, :class:`FormatError`
     (and subclasses) for bad input and :class:`OutputError` when the output cannot be written.
     """

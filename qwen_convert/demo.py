@@ -34,7 +34,7 @@ from qwen_runtime.errors import QwenError
 from qwen_runtime.evaluate import EvalResult, encode_text, evaluate_ids
 
 from .batch import Job, output_is_complete, plan_jobs
-from .convert import Progress, convert, path_size, verify_checksums
+from .convert import Progress, convert, path_size, verify_written_checksums
 from .inspect import compare, open_pair
 
 BUNDLED_MODEL = "qwen3-stdlib"
@@ -127,7 +127,7 @@ def _convert_job(job: Job, reuse: bool, progress: Progress | None) -> str:
     """Make ``job.out`` unless a complete output of the same source can be reused; return the status."""
     if reuse and output_is_complete(job):
         return REUSED
-    convert(job.src, job.out, job.format, job.dtype, force=True, verify=verify_checksums, progress=progress)
+    convert(job.src, job.out, job.format, job.dtype, force=True, verify=verify_written_checksums, progress=progress)
     return CONVERTED
 
 

@@ -1,7 +1,7 @@
 """An npy model directory (schema in :mod:`qwen_runtime.formats.npy_dir`), written one tensor at a time.
 
 Each ``<name>.npy`` gets its header first, then its rows as they are converted; the SHA-256 in the
-manifest (of the whole file, as ``verify_checksums`` recomputes it) is computed while streaming.  The
+manifest (of the whole file, as ``verify_manifest_checksums`` recomputes it) is computed while streaming.  The
 manifest, ``config.json`` and the tokenizer files are written last.
 """
 

@@ -407,7 +407,7 @@ def _numeric_cause(plan: TensorPlan, stats: ErrorStats) -> str:
             f"largest bound {stats.max_bound:.4g}{where}")
 
 
-def check_tensors(output: OutputModel, planned: dict[str, SourceTensor], config: ModelConfig,
+def compare_tensors(output: OutputModel, planned: dict[str, SourceTensor], config: ModelConfig,
                   report: VerifyReport) -> None:
     """Every output tensor against its source; every planned source tensor present in the output."""
     for name, tensor in output.tensors.items():
@@ -556,7 +556,7 @@ def verify_against(output_path: str | Path, source_dir: str | Path, behaviour: b
     order = output.v_head_order if output.v_head_order in (V_HEAD_GROUPED, V_HEAD_TILED) else V_HEAD_GROUPED
     planned, report.skipped, report.problems = plan_sources(Path(source_dir), config.replace(v_head_order=order),
                                                             order)
-    check_tensors(output, planned, config.replace(v_head_order=order), report)
+    compare_tensors(output, planned, config.replace(v_head_order=order), report)
     report.metadata = check_metadata(output, source)
     if behaviour:
         from .probe import behaviour_check
@@ -646,9 +646,9 @@ class ConversionVerifier:
         self.report: VerifyReport | None = None
 
     def __call__(self, tmp: Path, fmt: str, checksums: dict[str, str]) -> None:
-        from .convert import remove_path, verify_checksums
+        from .convert import remove_path, verify_written_checksums
 
-        verify_checksums(tmp, fmt, checksums)
+        verify_written_checksums(tmp, fmt, checksums)
         report = verify_against(tmp, self.source, self.behaviour)
         report.output = self.target
         self.report = report

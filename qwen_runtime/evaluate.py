@@ -191,7 +191,7 @@ def encode_text(model: Model, text: str, max_tokens: int | None = None) -> np.nd
     return np.asarray(ids, np.int64)
 
 
-def check_context(models: Sequence[Model], ctx: int) -> None:
+def check_window_fits(models: Sequence[Model], ctx: int) -> None:
     for m in models:
         if ctx > m.config.max_position_embeddings:
             raise ValueError(f"ctx {ctx} exceeds the context length of {m.path} "
@@ -222,7 +222,7 @@ def evaluate_ids(models: Sequence[Model], ids: np.ndarray, ctx: int, stride: int
     The reference runs once per chunk however many models are compared; ``progress`` is called with the
     number of targets scored after each chunk.  ``chunk`` defaults to :func:`default_chunk`.
     """
-    check_context([*models, *([reference] if reference is not None else [])], ctx)
+    check_window_fits([*models, *([reference] if reference is not None else [])], ctx)
     chunk = chunk or default_chunk(models[0].config.vocab_size)
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")

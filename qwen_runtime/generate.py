@@ -87,7 +87,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndar
     return ids, valid
 
 
-def check_context(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+def check_prompt_fits(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
     limit = model.config.max_position_embeddings
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > limit:
@@ -102,7 +102,7 @@ class Generation:
                  tokenizer: Tokenizer | None = None) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        check_context(model, prompts, config.max_new_tokens)
+        check_prompt_fits(model, prompts, config.max_new_tokens)
         longest = max(len(p) for p in prompts) + config.max_new_tokens
         check_memory(generation_bytes(model.config, len(prompts), longest, config.prefill_chunk), config.max_memory,
                      f"generating {len(prompts)} rows of up to {longest} tokens")

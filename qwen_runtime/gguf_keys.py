@@ -20,7 +20,7 @@ from .archs import QWEN2, QWEN3, QWEN35
 if TYPE_CHECKING:
     from .config import ModelConfig
 
-U32, F32, I32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.INT32
+UINT32, FLOAT32, INT32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.INT32
 ALL = (QWEN2, QWEN3, QWEN35)
 Fields = Mapping[str, Any]  # ModelConfig fields by name (those read so far, for the reader)
 # A default is called with the fields and the file's metadata (the vocabulary size defaults to the token count).
@@ -74,27 +74,27 @@ def _token_count(fields: Fields, meta: Mapping[str, Any]) -> int:
 
 # In reading order: a default or a decode may use the fields of the rows above it.
 MODEL_KEYS: tuple[ModelKey, ...] = (
-    ModelKey(Keys.LLM.BLOCK_COUNT, U32, "num_hidden_layers", ALL),
-    ModelKey(Keys.LLM.CONTEXT_LENGTH, U32, "max_position_embeddings", ALL),
-    ModelKey(Keys.LLM.EMBEDDING_LENGTH, U32, "hidden_size", ALL),
-    ModelKey(Keys.LLM.FEED_FORWARD_LENGTH, U32, "intermediate_size", ALL),
-    ModelKey(Keys.LLM.VOCAB_SIZE, U32, "vocab_size", ALL, _token_count, written=()),
-    ModelKey(Keys.Attention.HEAD_COUNT, U32, "num_attention_heads", ALL),
-    ModelKey(Keys.Attention.HEAD_COUNT_KV, U32, "num_key_value_heads", ALL, lambda f, m: f["num_attention_heads"]),
-    ModelKey(Keys.Attention.KEY_LENGTH, U32, "head_dim", ALL, _head_size, written=(QWEN3, QWEN35)),
-    ModelKey(Keys.Attention.VALUE_LENGTH, U32, "head_dim", ALL, _head_size, written=(QWEN3, QWEN35)),
-    ModelKey(Keys.Attention.LAYERNORM_RMS_EPS, F32, "rms_norm_eps", ALL),
-    ModelKey(Keys.Rope.FREQ_BASE, F32, "rope_theta", ALL, lambda f, m: 10000.0),
+    ModelKey(Keys.LLM.BLOCK_COUNT, UINT32, "num_hidden_layers", ALL),
+    ModelKey(Keys.LLM.CONTEXT_LENGTH, UINT32, "max_position_embeddings", ALL),
+    ModelKey(Keys.LLM.EMBEDDING_LENGTH, UINT32, "hidden_size", ALL),
+    ModelKey(Keys.LLM.FEED_FORWARD_LENGTH, UINT32, "intermediate_size", ALL),
+    ModelKey(Keys.LLM.VOCAB_SIZE, UINT32, "vocab_size", ALL, _token_count, written=()),
+    ModelKey(Keys.Attention.HEAD_COUNT, UINT32, "num_attention_heads", ALL),
+    ModelKey(Keys.Attention.HEAD_COUNT_KV, UINT32, "num_key_value_heads", ALL, lambda f, m: f["num_attention_heads"]),
+    ModelKey(Keys.Attention.KEY_LENGTH, UINT32, "head_dim", ALL, _head_size, written=(QWEN3, QWEN35)),
+    ModelKey(Keys.Attention.VALUE_LENGTH, UINT32, "head_dim", ALL, _head_size, written=(QWEN3, QWEN35)),
+    ModelKey(Keys.Attention.LAYERNORM_RMS_EPS, FLOAT32, "rms_norm_eps", ALL),
+    ModelKey(Keys.Rope.FREQ_BASE, FLOAT32, "rope_theta", ALL, lambda f, m: 10000.0),
     # llama.cpp defaults the rotary width to the head size, right for qwen2/qwen3; its converter writes it
     # only where it differs (qwen35's partial rotary), and so do we.
-    ModelKey(Keys.Rope.DIMENSION_COUNT, U32, "rotary_dim", ALL, lambda f, m: f["head_dim"], written=(QWEN35,)),
-    ModelKey(Keys.Rope.DIMENSION_SECTIONS, I32, "mrope_sections", (QWEN35,), lambda f, m: (),
+    ModelKey(Keys.Rope.DIMENSION_COUNT, UINT32, "rotary_dim", ALL, lambda f, m: f["head_dim"], written=(QWEN35,)),
+    ModelKey(Keys.Rope.DIMENSION_SECTIONS, INT32, "mrope_sections", (QWEN35,), lambda f, m: (),
              encode=_rope_sections, decode=lambda v, f: tuple(s for s in v if s), array=True),
-    ModelKey(Keys.SSM.CONV_KERNEL, U32, "linear_conv_kernel_dim", (QWEN35,)),
-    ModelKey(Keys.SSM.STATE_SIZE, U32, "linear_key_head_dim", (QWEN35,)),
-    ModelKey(Keys.SSM.GROUP_COUNT, U32, "linear_num_key_heads", (QWEN35,)),
-    ModelKey(Keys.SSM.TIME_STEP_RANK, U32, "linear_num_value_heads", (QWEN35,)),
-    ModelKey(Keys.SSM.INNER_SIZE, U32, "linear_value_head_dim", (QWEN35,), encode=lambda c: c.linear_value_dim,
+    ModelKey(Keys.SSM.CONV_KERNEL, UINT32, "linear_conv_kernel_dim", (QWEN35,)),
+    ModelKey(Keys.SSM.STATE_SIZE, UINT32, "linear_key_head_dim", (QWEN35,)),
+    ModelKey(Keys.SSM.GROUP_COUNT, UINT32, "linear_num_key_heads", (QWEN35,)),
+    ModelKey(Keys.SSM.TIME_STEP_RANK, UINT32, "linear_num_value_heads", (QWEN35,)),
+    ModelKey(Keys.SSM.INNER_SIZE, UINT32, "linear_value_head_dim", (QWEN35,), encode=lambda c: c.linear_value_dim,
              decode=lambda v, f: v // max(f["linear_num_value_heads"], 1)),
-    ModelKey(Keys.LLM.FULL_ATTENTION_INTERVAL, U32, "full_attention_interval", (QWEN35,), lambda f, m: 4),
+    ModelKey(Keys.LLM.FULL_ATTENTION_INTERVAL, UINT32, "full_attention_interval", (QWEN35,), lambda f, m: 4),
 )

@@ -12,7 +12,7 @@ import re
 from .config import ModelConfig
 from .errors import ResourceLimitError
 
-F32 = 4  # bytes per float32
+FLOAT32_BYTES = 4
 DEFAULT_FRACTION = 0.8  # of MemAvailable
 FALLBACK_LIMIT = 4 << 30  # when /proc/meminfo cannot be read
 SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -23,9 +23,9 @@ def kv_cache_bytes(config: ModelConfig, batch: int, max_len: int) -> int:
     float32 keys and values of full-attention layers, conv and delta states of linear-attention layers,
     and the per-slot validity mask."""
     c = config
-    full = 2 * batch * c.num_key_value_heads * max_len * c.head_dim * F32
+    full = 2 * batch * c.num_key_value_heads * max_len * c.head_dim * FLOAT32_BYTES
     linear = batch * ((c.linear_conv_kernel_dim - 1) * c.linear_conv_dim
-                      + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim) * F32
+                      + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim) * FLOAT32_BYTES
     n_linear = sum(c.is_linear(i) for i in range(c.num_hidden_layers))
     return (c.num_hidden_layers - n_linear) * full + n_linear * linear + batch * max_len
 
@@ -38,7 +38,7 @@ def activation_bytes(config: ModelConfig, batch: int, max_len: int, chunk: int) 
     hidden = 4 * batch * t * widest
     mlp = 3 * batch * t * c.intermediate_size
     scores = 2 * batch * c.num_attention_heads * t * max_len
-    return (hidden + mlp + scores + batch * c.vocab_size) * F32
+    return (hidden + mlp + scores + batch * c.vocab_size) * FLOAT32_BYTES
 
 
 def generation_bytes(config: ModelConfig, batch: int, max_len: int, chunk: int) -> int:

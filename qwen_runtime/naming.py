@@ -153,59 +153,60 @@ def tensor_name(kind: MODEL_TENSOR, layer: int | None = None, suffix: str = ".we
 
 def expected_tensors(config: ModelConfig, tied: bool) -> dict[str, tuple[int, ...]]:
     """Every canonical tensor a model of ``config`` must have, with its numpy shape."""
-    c, T = config, MODEL_TENSOR
+    c = config
     shapes: dict[str, tuple[int, ...]] = {
-        tensor_name(T.TOKEN_EMBD): (c.vocab_size, c.hidden_size),
-        tensor_name(T.OUTPUT_NORM): (c.hidden_size,),
+        tensor_name(MODEL_TENSOR.TOKEN_EMBD): (c.vocab_size, c.hidden_size),
+        tensor_name(MODEL_TENSOR.OUTPUT_NORM): (c.hidden_size,),
     }
     if not tied:
-        shapes[tensor_name(T.OUTPUT)] = (c.vocab_size, c.hidden_size)
+        shapes[tensor_name(MODEL_TENSOR.OUTPUT)] = (c.vocab_size, c.hidden_size)
     for i in range(c.num_hidden_layers):
         shapes |= {
-            tensor_name(T.ATTN_NORM, i): (c.hidden_size,),
+            tensor_name(MODEL_TENSOR.ATTN_NORM, i): (c.hidden_size,),
             tensor_name(c.spec.mlp_norm, i): (c.hidden_size,),
-            tensor_name(T.FFN_GATE, i): (c.intermediate_size, c.hidden_size),
-            tensor_name(T.FFN_UP, i): (c.intermediate_size, c.hidden_size),
-            tensor_name(T.FFN_DOWN, i): (c.hidden_size, c.intermediate_size),
+            tensor_name(MODEL_TENSOR.FFN_GATE, i): (c.intermediate_size, c.hidden_size),
+            tensor_name(MODEL_TENSOR.FFN_UP, i): (c.intermediate_size, c.hidden_size),
+            tensor_name(MODEL_TENSOR.FFN_DOWN, i): (c.hidden_size, c.intermediate_size),
         }
         shapes |= _linear_shapes(c, i) if c.is_linear(i) else _attention_shapes(c, i)
     return shapes
 
 
 def _attention_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
-    T = MODEL_TENSOR
     q_rows = c.num_attention_heads * c.head_dim * (2 if c.spec.gated_attention else 1)
     kv_rows = c.num_key_value_heads * c.head_dim
     shapes = {
-        tensor_name(T.ATTN_Q, i): (q_rows, c.hidden_size),
-        tensor_name(T.ATTN_K, i): (kv_rows, c.hidden_size),
-        tensor_name(T.ATTN_V, i): (kv_rows, c.hidden_size),
-        tensor_name(T.ATTN_OUT, i): (c.hidden_size, c.num_attention_heads * c.head_dim),
+        tensor_name(MODEL_TENSOR.ATTN_Q, i): (q_rows, c.hidden_size),
+        tensor_name(MODEL_TENSOR.ATTN_K, i): (kv_rows, c.hidden_size),
+        tensor_name(MODEL_TENSOR.ATTN_V, i): (kv_rows, c.hidden_size),
+        tensor_name(MODEL_TENSOR.ATTN_OUT, i): (c.hidden_size, c.num_attention_heads * c.head_dim),
     }
     if c.attention_bias:
-        shapes |= {tensor_name(T.ATTN_Q, i, ".bias"): (q_rows,), tensor_name(T.ATTN_K, i, ".bias"): (kv_rows,),
-                   tensor_name(T.ATTN_V, i, ".bias"): (kv_rows,)}
+        shapes |= {tensor_name(MODEL_TENSOR.ATTN_Q, i, ".bias"): (q_rows,),
+                   tensor_name(MODEL_TENSOR.ATTN_K, i, ".bias"): (kv_rows,),
+                   tensor_name(MODEL_TENSOR.ATTN_V, i, ".bias"): (kv_rows,)}
     if c.qk_norm:
-        shapes |= {tensor_name(T.ATTN_Q_NORM, i): (c.head_dim,), tensor_name(T.ATTN_K_NORM, i): (c.head_dim,)}
+        shapes |= {tensor_name(MODEL_TENSOR.ATTN_Q_NORM, i): (c.head_dim,),
+                   tensor_name(MODEL_TENSOR.ATTN_K_NORM, i): (c.head_dim,)}
     return shapes
 
 
 def _linear_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
-    T, hv = MODEL_TENSOR, c.linear_num_value_heads
+    hv = c.linear_num_value_heads
     return {
-        tensor_name(T.ATTN_QKV, i): (c.linear_conv_dim, c.hidden_size),
-        tensor_name(T.ATTN_GATE, i): (c.linear_value_dim, c.hidden_size),
-        tensor_name(T.SSM_BETA, i): (hv, c.hidden_size),
-        tensor_name(T.SSM_ALPHA, i): (hv, c.hidden_size),
-        tensor_name(T.SSM_CONV1D, i): (c.linear_conv_dim, c.linear_conv_kernel_dim),
-        tensor_name(T.SSM_DT, i, ".bias"): (hv,),
-        tensor_name(T.SSM_A, i, ""): (hv,),
-        tensor_name(T.SSM_NORM, i): (c.linear_value_head_dim,),
-        tensor_name(T.SSM_OUT, i): (c.hidden_size, c.linear_value_dim),
+        tensor_name(MODEL_TENSOR.ATTN_QKV, i): (c.linear_conv_dim, c.hidden_size),
+        tensor_name(MODEL_TENSOR.ATTN_GATE, i): (c.linear_value_dim, c.hidden_size),
+        tensor_name(MODEL_TENSOR.SSM_BETA, i): (hv, c.hidden_size),
+        tensor_name(MODEL_TENSOR.SSM_ALPHA, i): (hv, c.hidden_size),
+        tensor_name(MODEL_TENSOR.SSM_CONV1D, i): (c.linear_conv_dim, c.linear_conv_kernel_dim),
+        tensor_name(MODEL_TENSOR.SSM_DT, i, ".bias"): (hv,),
+        tensor_name(MODEL_TENSOR.SSM_A, i, ""): (hv,),
+        tensor_name(MODEL_TENSOR.SSM_NORM, i): (c.linear_value_head_dim,),
+        tensor_name(MODEL_TENSOR.SSM_OUT, i): (c.hidden_size, c.linear_value_dim),
     }
 
 
-def check_tensors(config: ModelConfig, tensors: dict, source: str) -> bool:
+def check_tensor_set(config: ModelConfig, tensors: dict, source: str) -> bool:
     """Check names and shapes against the architecture; return whether embeddings are tied."""
     tied = tensor_name(MODEL_TENSOR.OUTPUT) not in tensors
     expected = expected_tensors(config, tied)

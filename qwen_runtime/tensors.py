@@ -82,10 +82,6 @@ class StoredTensor:
         data = self.data
         return data.reshape(self.n_rows, -1) if self.shape else data.reshape(1, 1)
 
-    def dequantize_rows(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Float32 ``[stop - start, shape[-1]]`` for rows ``start:stop`` of the 2-D view."""
-        return to_float32(self.qtype, self.rows2d()[start:stop], out)
-
     def to_float32(self) -> np.ndarray:
         """The whole tensor as float32 (a copy unless it is stored as F32): only for small tensors."""
         return to_float32(self.qtype, self.data).reshape(self.shape)

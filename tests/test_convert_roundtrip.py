@@ -11,7 +11,7 @@ import pytest
 from convert_helpers import ALL_FIXTURES, fixture
 from gguf import GGUFReader, GGUFValueType, Keys, LlamaFileType, SpecialVocab, TokenType, quants
 
-from qwen_convert.convert import convert, verify_checksums
+from qwen_convert.convert import convert, verify_written_checksums
 from qwen_convert.gguf_metadata import special_vocab
 from qwen_convert.policy import tensor_qtype
 from qwen_runtime.archs import V_HEAD_TILED
@@ -33,7 +33,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory):
         key = (name, fmt, dtype)
         if key not in cache:
             out = root / (f"{name}-{dtype}" + (".gguf" if fmt == "gguf" else ""))
-            convert(fixture(name), out, fmt, dtype, verify=verify_checksums)
+            convert(fixture(name), out, fmt, dtype, verify=verify_written_checksums)
             cache[key] = out
         return cache[key]
 

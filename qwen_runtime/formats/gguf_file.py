@@ -13,7 +13,7 @@ import numpy as np
 
 from ..config import ModelConfig, config_from_gguf
 from ..errors import FormatError
-from ..naming import check_tensors, expected_tensors
+from ..naming import check_tensor_set, expected_tensors
 from ..tensors import SUPPORTED_QTYPES, StoredTensor, stored_view
 from .base import ModelFiles
 from .gguf_parse import GGUFLayout, GGUFTensorInfo, parse_gguf, tensor_view
@@ -49,6 +49,6 @@ def open_gguf(path: str | Path) -> ModelFiles:
     check_tensor_count(layout, config)
     tensors = {info.name: _tensor(layout, info) for info in layout.tensors
                if not _is_nextn(info.name, config.num_hidden_layers)}
-    tied = check_tensors(config, tensors, str(layout.path))
+    tied = check_tensor_set(config, tensors, str(layout.path))
     config = config.replace(tie_word_embeddings=tied)
     return ModelFiles(layout.path, "gguf", config, tensors, metadata=dict(layout.metadata))

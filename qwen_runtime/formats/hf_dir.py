@@ -15,7 +15,7 @@ from ..naming import (
     TRANSFORM_NOTES,
     TRANSFORMS,
     TensorPlan,
-    check_tensors,
+    check_tensor_set,
     output_shape,
     plan_tensor,
     skip_reason,
@@ -140,7 +140,7 @@ def open_hf_dir(path: str | Path, v_head_order: str | None = None) -> ModelFiles
             raise FormatError(f"{source.entry.path}: tensors {source.hf_name!r} and another both map to "
                               f"{plan.name!r}")
         tensors[plan.name] = _stored(source.entry, plan, config)
-    tied = check_tensors(config, tensors, str(directory))
+    tied = check_tensor_set(config, tensors, str(directory))
     if tied and not config.tie_word_embeddings:
         raise FormatError(f"{directory}: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
     return ModelFiles(directory, "hf", config, tensors, directory=directory, hf_config=raw, skipped=skipped)

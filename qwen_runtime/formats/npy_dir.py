@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError
-from ..naming import check_tensors
+from ..naming import check_tensor_set
 from ..quants import CODECS
 from ..tensors import QType, StoredTensor, stored_nbytes, stored_shape
 from .base import ModelFiles, contained_path, read_json_file
@@ -130,7 +130,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_checksums(files: ModelFiles) -> None:
+def verify_manifest_checksums(files: ModelFiles) -> None:
     """Recompute every tensor file's SHA-256 and compare it with the manifest."""
     for name, info in files.metadata["tensors"].items():
         path = files.tensors[name].path
@@ -160,8 +160,8 @@ def open_npy_dir(path: str | Path, verify: bool = False) -> ModelFiles:
         if not file.is_file():
             raise FormatError(f"{file}: file of tensor {name!r} is missing or not a regular file")
         tensors[name] = _open_npy(file, name, info)
-    check_tensors(config, tensors, str(directory))
+    check_tensor_set(config, tensors, str(directory))
     files = ModelFiles(directory, "npy", config, tensors, directory=directory, metadata=manifest, hf_config=raw)
     if verify:
-        verify_checksums(files)
+        verify_manifest_checksums(files)
     return files

@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import partial
 
 import numpy as np
-from gguf import MODEL_TENSOR as T
+from gguf import MODEL_TENSOR
 
 from ..archs import FULL_ATTENTION, QWEN2, QWEN3
 from ..cache import BatchState, KVCache
@@ -121,14 +121,14 @@ class Attention:
         self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.ws = store.workspace
-        self.wq, self.wk = store.matrix(T.ATTN_Q, layer), store.matrix(T.ATTN_K, layer)
-        self.wv, self.wo = store.matrix(T.ATTN_V, layer), store.matrix(T.ATTN_OUT, layer)
+        self.wq, self.wk = store.matrix(MODEL_TENSOR.ATTN_Q, layer), store.matrix(MODEL_TENSOR.ATTN_K, layer)
+        self.wv, self.wo = store.matrix(MODEL_TENSOR.ATTN_V, layer), store.matrix(MODEL_TENSOR.ATTN_OUT, layer)
         bias = config.attention_bias
-        self.bq = store.vector(T.ATTN_Q, layer, ".bias") if bias else None
-        self.bk = store.vector(T.ATTN_K, layer, ".bias") if bias else None
-        self.bv = store.vector(T.ATTN_V, layer, ".bias") if bias else None
-        self.q_norm = store.vector(T.ATTN_Q_NORM, layer) if config.qk_norm else None
-        self.k_norm = store.vector(T.ATTN_K_NORM, layer) if config.qk_norm else None
+        self.bq = store.vector(MODEL_TENSOR.ATTN_Q, layer, ".bias") if bias else None
+        self.bk = store.vector(MODEL_TENSOR.ATTN_K, layer, ".bias") if bias else None
+        self.bv = store.vector(MODEL_TENSOR.ATTN_V, layer, ".bias") if bias else None
+        self.q_norm = store.vector(MODEL_TENSOR.ATTN_Q_NORM, layer) if config.qk_norm else None
+        self.k_norm = store.vector(MODEL_TENSOR.ATTN_K_NORM, layer) if config.qk_norm else None
 
     def make_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(batch, self.n_kv, max_len, self.head_dim)

@@ -28,24 +28,23 @@ from ..archs import V_HEAD_GROUPED, V_HEAD_TILED
 from ..ops import sigmoid, silu
 from ..pool import blas_controller
 
-F32 = np.float32
 L2_EPS = 1e-6  # HF/FLA l2norm epsilon, inside the square root
 CHUNK = 64  # chunk length of the chunked form (HF's and FLA's)
 RECURRENT_MAX_TOKENS = 4  # up to this many tokens the per-token recurrence is cheaper than one chunk
 # Decays below e^-60 (1e-26) are flushed to exactly 0: they are negligible next to the O(1) terms they are added
 # to, and left alone they become float32 subnormals, on which every later product runs ~100x slower.  Strong
 # decays (g of -10 per token summed over a chunk) produce them all the time.
-LOG_DECAY_FLOOR = F32(-60.0)
+LOG_DECAY_FLOOR = np.float32(-60.0)
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
     """log(1 + eˣ) without overflow."""
-    return np.logaddexp(F32(0.0), x).astype(F32, copy=False)
+    return np.logaddexp(np.float32(0.0), x).astype(np.float32, copy=False)
 
 
 def decay_exp(log_decay: np.ndarray) -> np.ndarray:
     """exp of log-decays (≤ 0) into a fresh array, with values under e^LOG_DECAY_FLOOR flushed to 0."""
-    out = np.exp(log_decay, dtype=F32)
+    out = np.exp(log_decay, dtype=np.float32)
     out[log_decay < LOG_DECAY_FLOOR] = 0.0
     return out
 
@@ -55,7 +54,7 @@ def silu_inplace(x: np.ndarray, tmp: np.ndarray) -> np.ndarray:
     np.negative(x, out=tmp)
     with np.errstate(over="ignore"):  # exp(-x) = inf for x << 0 gives x / inf = -0, the right limit
         np.exp(tmp, out=tmp)
-    tmp += F32(1.0)
+    tmp += np.float32(1.0)
     return np.divide(x, tmp, out=x)
 
 
@@ -94,13 +93,13 @@ def causal_conv1d(x: np.ndarray, weight: np.ndarray, state: np.ndarray,
     pads = left_pad_counts(valid, batch, length)
     # ext[b] = [zeros for padding | state[b] | valid inputs of row b]: the state sits right before the first
     # valid token, so padding is skipped exactly.
-    ext = np.zeros((batch, kernel - 1 + length, channels), dtype=F32)  # [B, K-1+T, C]
+    ext = np.zeros((batch, kernel - 1 + length, channels), dtype=np.float32)  # [B, K-1+T, C]
     ext[:, kernel - 1:] = x
     if pads.any():
         ext[np.arange(kernel - 1 + length)[None, :] < (kernel - 1 + pads)[:, None]] = 0.0
     rows = np.arange(batch)[:, None]
     ext[rows, pads[:, None] + np.arange(kernel - 1)[None, :]] = state
-    taps = np.ascontiguousarray(weight.T, dtype=F32)  # [K, C]
+    taps = np.ascontiguousarray(weight.T, dtype=np.float32)  # [K, C]
     # in-place arithmetic: fresh temporaries of this size cost page faults that outweigh the arithmetic
     out = np.multiply(ext[:, 0:length], taps[0])  # [B, T, C]
     tmp = np.empty_like(out)
@@ -117,7 +116,7 @@ def causal_conv1d(x: np.ndarray, weight: np.ndarray, state: np.ndarray,
 
 def l2_normalize(x: np.ndarray, eps: float = L2_EPS) -> np.ndarray:
     """x / sqrt(Σx² + eps) over the last axis (HF/FLA ``l2norm``)."""
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + F32(eps))
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(eps))
 
 
 def expand_key_heads(x: np.ndarray, n_value_heads: int, order: str) -> np.ndarray:
@@ -148,7 +147,7 @@ def split_qkv(mixed: np.ndarray, n_key_heads: int, key_dim: int, value_dim: int,
 
 def prepare_qk(q: np.ndarray, k: np.ndarray, n_value_heads: int, order: str) -> tuple[np.ndarray, np.ndarray]:
     """L2-normalise q and k, scale q by dk^-½ and map them to value heads: ``[B, T, Hk, dk] -> [B, T, Hv, dk]``."""
-    scale = F32(q.shape[-1] ** -0.5)
+    scale = np.float32(q.shape[-1] ** -0.5)
     q = l2_normalize(q) * scale
     k = l2_normalize(k)
     return expand_key_heads(q, n_value_heads, order), expand_key_heads(k, n_value_heads, order)
@@ -160,11 +159,11 @@ def gates(b: np.ndarray, a: np.ndarray, ssm_a: np.ndarray, dt_bias: np.ndarray,
 
     ``ssm_a`` is already −exp(A_log) (the canonical GGUF tensor), so g ≤ 0.
     """
-    beta = sigmoid(b.astype(F32, copy=False))
-    g = ssm_a.astype(F32) * softplus(a.astype(F32, copy=False) + dt_bias.astype(F32))
+    beta = sigmoid(b.astype(np.float32, copy=False))
+    g = ssm_a.astype(np.float32) * softplus(a.astype(np.float32, copy=False) + dt_bias.astype(np.float32))
     if valid is not None:
         keep = np.asarray(valid, dtype=bool)[..., None]
-        beta, g = np.where(keep, beta, F32(0)), np.where(keep, g, F32(0))
+        beta, g = np.where(keep, beta, np.float32(0)), np.where(keep, g, np.float32(0))
     return beta, g
 
 
@@ -186,7 +185,7 @@ def recurrent_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndar
     Sₙᵀq = e^g (Sᵀq) + (k·q) u, so one pass reads S and two in-place passes update it.
     """
     batch, length, heads, _ = q.shape
-    out = np.empty(v.shape, dtype=F32)  # [B, T, H, dv]
+    out = np.empty(v.shape, dtype=np.float32)  # [B, T, H, dv]
     for t in range(length):
         qk = np.stack([q[:, t], k[:, t]], axis=2)  # [B, H, 2, dk]
         reads = np.matmul(qk, state)  # [B, H, 2, dv]
@@ -203,7 +202,7 @@ def _to_chunks(x: np.ndarray, length: int, chunk: int) -> np.ndarray:
     """A fresh ``[B, H, N, L, ...]`` float32 copy of ``[B, T, H, ...]``, zero-padded at the end."""
     batch, _, heads, *rest = x.shape
     n_chunks = -(-length // chunk)
-    out = np.empty((batch, heads, n_chunks * chunk, *rest), dtype=F32)  # [B, H, N*L, ...]
+    out = np.empty((batch, heads, n_chunks * chunk, *rest), dtype=np.float32)  # [B, H, N*L, ...]
     out[:, :, :length] = np.moveaxis(x, 2, 1)
     out[:, :, length:] = 0.0
     return out.reshape(batch, heads, n_chunks, chunk, *rest)
@@ -236,7 +235,7 @@ def _intra_chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, bet
     np.exp(decay, out=decay)  # D_ij = exp(γi − γj) for i ≥ j, else 0
     exp_gamma = decay_exp(gamma)[..., None]  # [B, H, N, L, 1]
     # right-hand sides [Ṽ | K̃ ⊙ e^γ] of U = T Ṽ and W = T (K̃ ⊙ e^γ), T = (I + strict_lower(K̃K̂ᵀ ⊙ D))⁻¹
-    uw = np.empty((*v.shape[:-1], dv + k.shape[-1]), dtype=F32)  # [B, H, N, L, dv + dk]
+    uw = np.empty((*v.shape[:-1], dv + k.shape[-1]), dtype=np.float32)  # [B, H, N, L, dv + dk]
     np.multiply(v, beta[..., None], out=uw[..., :dv])
     k_beta = np.multiply(k, beta[..., None], out=uw[..., dv:])
     strict = np.matmul(k_beta, np.swapaxes(k, -1, -2))  # [B, H, N, L, L]
@@ -265,8 +264,8 @@ def chunked_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarra
     qc, kc, vc = (_to_chunks(x, length, chunk) for x in (q, k, v))
     gc, bc = (_to_chunks(x, length, chunk) for x in (g, beta))
     u, w, attn, q_decayed, k_decayed, chunk_decay = _intra_chunk(qc, kc, vc, gc, bc)
-    out = np.empty(u.shape, dtype=F32)  # [B, H, N, L, dv]
-    s = state.astype(F32, copy=False)
+    out = np.empty(u.shape, dtype=np.float32)  # [B, H, N, L, dv]
+    s = state.astype(np.float32, copy=False)
     for n in range(u.shape[2]):
         v_new = u[:, :, n] - np.matmul(w[:, :, n], s)  # [B, H, L, dv]
         out[:, :, n] = np.matmul(q_decayed[:, :, n], s) + np.matmul(attn[:, :, n], v_new)
@@ -309,5 +308,5 @@ def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta:
 
 def gated_rms_norm(o: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """norm(o) ⊙ w ⊙ SiLU(z) per head (no +1): ``[B, T, Hv, dv]`` -> ``[B, T, Hv, dv]``."""
-    inv = F32(1.0) / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + F32(eps))
-    return o * inv * weight.astype(F32) * silu(z.astype(F32, copy=False))
+    inv = np.float32(1.0) / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + np.float32(eps))
+    return o * inv * weight.astype(np.float32) * silu(z.astype(np.float32, copy=False))

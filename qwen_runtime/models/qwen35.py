@@ -12,7 +12,7 @@ Hk/Hv key/value heads and dk/dv their dims in linear attention.
 from __future__ import annotations
 
 import numpy as np
-from gguf import MODEL_TENSOR as T
+from gguf import MODEL_TENSOR
 
 from ..archs import FULL_ATTENTION, LINEAR_ATTENTION, QWEN35
 from ..cache import BatchState, KVCache
@@ -36,9 +36,10 @@ class GatedAttention:
         self.config = config
         self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.ws = store.workspace
-        self.wq, self.wk = store.matrix(T.ATTN_Q, layer), store.matrix(T.ATTN_K, layer)
-        self.wv, self.wo = store.matrix(T.ATTN_V, layer), store.matrix(T.ATTN_OUT, layer)
-        self.q_norm, self.k_norm = store.vector(T.ATTN_Q_NORM, layer), store.vector(T.ATTN_K_NORM, layer)
+        self.wq, self.wk = store.matrix(MODEL_TENSOR.ATTN_Q, layer), store.matrix(MODEL_TENSOR.ATTN_K, layer)
+        self.wv, self.wo = store.matrix(MODEL_TENSOR.ATTN_V, layer), store.matrix(MODEL_TENSOR.ATTN_OUT, layer)
+        self.q_norm = store.vector(MODEL_TENSOR.ATTN_Q_NORM, layer)
+        self.k_norm = store.vector(MODEL_TENSOR.ATTN_K_NORM, layer)
 
     def make_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(batch, self.n_kv, max_len, self.head_dim)
@@ -96,13 +97,14 @@ class GatedDeltaNet:
 
     def __init__(self, config: ModelConfig, layer: int, store: WeightStore) -> None:
         self.config = config
-        self.w_qkv, self.w_z = store.matrix(T.ATTN_QKV, layer), store.matrix(T.ATTN_GATE, layer)
-        self.w_beta, self.w_alpha = store.matrix(T.SSM_BETA, layer), store.matrix(T.SSM_ALPHA, layer)
-        self.w_out = store.matrix(T.SSM_OUT, layer)
-        self.conv = store.vector(T.SSM_CONV1D, layer)  # [C, K]
-        self.dt_bias = store.vector(T.SSM_DT, layer, ".bias")  # [Hv]
-        self.ssm_a = store.vector(T.SSM_A, layer, "")  # [Hv] = -exp(A_log)
-        self.norm = store.vector(T.SSM_NORM, layer)  # [dv]
+        self.w_qkv, self.w_z = store.matrix(MODEL_TENSOR.ATTN_QKV, layer), store.matrix(MODEL_TENSOR.ATTN_GATE, layer)
+        self.w_beta = store.matrix(MODEL_TENSOR.SSM_BETA, layer)
+        self.w_alpha = store.matrix(MODEL_TENSOR.SSM_ALPHA, layer)
+        self.w_out = store.matrix(MODEL_TENSOR.SSM_OUT, layer)
+        self.conv = store.vector(MODEL_TENSOR.SSM_CONV1D, layer)  # [C, K]
+        self.dt_bias = store.vector(MODEL_TENSOR.SSM_DT, layer, ".bias")  # [Hv]
+        self.ssm_a = store.vector(MODEL_TENSOR.SSM_A, layer, "")  # [Hv] = -exp(A_log)
+        self.norm = store.vector(MODEL_TENSOR.SSM_NORM, layer)  # [dv]
 
     def make_cache(self, batch: int, max_len: int) -> LinearAttentionCache:
         return LinearAttentionCache(batch, self.config)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import MODEL_TENSOR as T
+from gguf import MODEL_TENSOR
 
 from ..cache import BatchState, Cache, LayerCache
 from ..config import ModelConfig
@@ -26,8 +26,8 @@ class MLP:
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, layer: int, store: WeightStore) -> None:
-        self.gate, self.up = store.matrix(T.FFN_GATE, layer), store.matrix(T.FFN_UP, layer)
-        self.down = store.matrix(T.FFN_DOWN, layer)
+        self.gate, self.up = store.matrix(MODEL_TENSOR.FFN_GATE, layer), store.matrix(MODEL_TENSOR.FFN_UP, layer)
+        self.down = store.matrix(MODEL_TENSOR.FFN_DOWN, layer)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:  # [N, H] -> [N, H]
         return self.down.matmul(gated_matmul(self.gate, self.up, x))  # [N, I] in between
@@ -39,7 +39,7 @@ class Block:
     def __init__(self, config: ModelConfig, layer: int, store: WeightStore) -> None:
         self.eps = config.rms_norm_eps
         self.mixer: Mixer = make_mixer(config, layer, store)
-        self.mixer_norm = store.vector(T.ATTN_NORM, layer)
+        self.mixer_norm = store.vector(MODEL_TENSOR.ATTN_NORM, layer)
         self.mlp_norm = store.vector(config.spec.mlp_norm, layer)
         self.mlp = MLP(layer, store)
 
@@ -55,11 +55,11 @@ class Model:
     def __init__(self, files: ModelFiles, store: WeightStore) -> None:
         self.files = files
         self.config = config = files.config
-        self.embed = store.matrix(T.TOKEN_EMBD)
+        self.embed = store.matrix(MODEL_TENSOR.TOKEN_EMBD)
         self.blocks = [Block(config, i, store) for i in range(config.num_hidden_layers)]
-        self.norm = store.vector(T.OUTPUT_NORM)
-        self.tied = not store.has(T.OUTPUT)
-        self.lm_head = self.embed if self.tied else store.matrix(T.OUTPUT)
+        self.norm = store.vector(MODEL_TENSOR.OUTPUT_NORM)
+        self.tied = not store.has(MODEL_TENSOR.OUTPUT)
+        self.lm_head = self.embed if self.tied else store.matrix(MODEL_TENSOR.OUTPUT)
 
     @property
     def path(self) -> Path:
