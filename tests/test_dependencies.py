@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNTIME, CONVERTER = "qwen_runtime", "qwen_convert"
+RUNTIME, CONVERTER, SERVER = "qwen_runtime", "qwen_convert", "qwen_serve"
+# First-party packages and those each may import: the runtime is the base of the others.
+PACKAGE_IMPORTS = {RUNTIME: {RUNTIME}, CONVERTER: {RUNTIME, CONVERTER}, SERVER: {RUNTIME, SERVER}}
 
 # Layers of qwen_runtime, lowest first: a module may import its own layer and the layers before it, never a
 # later one.  Keys are module paths relative to the package ("formats" covers the subpackage).
@@ -99,10 +101,14 @@ def test_runtime_imports_no_later_layer() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.parametrize("package", [RUNTIME, CONVERTER])
+def test_every_package_has_its_imports_listed() -> None:
+    assert first_party_packages() == set(PACKAGE_IMPORTS)
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGE_IMPORTS))
 def test_packages_import_only_packages_below_them(package: str) -> None:
-    """qwen_runtime imports no other first-party package; qwen_convert imports qwen_runtime and nothing above."""
-    allowed = {RUNTIME: {RUNTIME}, CONVERTER: {RUNTIME, CONVERTER}}[package]
+    """qwen_runtime imports no other first-party package; the converter and the server import only the runtime."""
+    allowed = PACKAGE_IMPORTS[package]
     forbidden = (first_party_packages() | {"tests", "scripts"}) - allowed
     wrong = [f"{path.relative_to(ROOT)} imports {name}" for path in source_files(package)
              for name in imported_modules(path) if name.split(".")[0] in forbidden]
