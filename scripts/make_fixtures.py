@@ -54,6 +54,12 @@ Reference outputs ``<out>/reference/<name>.npz`` (transformers, float32 weights,
     greedy_ids                     int64 [16]     greedy continuation of prompt_0 using the cache
     greedy_logits                  float32 [16, V] logits greedy_ids[k] was chosen from (greedy_logits[0] is the
                                                   last prompt position after prefill; EOS does not stop)
+    logits64_0 .. 2, greedy_logits64  float64  the same positions with transformers run in float64: the exact
+                                                  reference every float32 result is compared with
+    bound_0 .. 2, greedy_bound     float32 [T]    per row, the float32 error bound of scripts/float_error.py (derived
+                                                  from the float32 error model, not measured on this machine)
+
+``--float64-only`` adds (or recomputes) just the float64 keys of existing fixtures, keeping everything else.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import float_error  # the float32 error model the tests compare with (scripts/float_error.py)
 import hf_oracle  # the transformers oracle the tests use too (scripts/hf_oracle.py)
 import numpy as np
 import torch
@@ -730,7 +737,29 @@ def reference_arrays(oracle: Any, model_dir: Path, prompts: list[np.ndarray]) ->
     ids, logits = oracle.hf_greedy(model_dir, prompts[0], GREEDY_STEPS)
     arrays["greedy_ids"] = ids
     arrays["greedy_logits"] = logits
-    return arrays
+    return arrays | float64_arrays(model_dir, arrays)
+
+
+def float64_arrays(model_dir: Path, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """float64 logits and float32 error bounds per row of every stored float32 reference (scripts/float_error.py)."""
+    extra: dict[str, np.ndarray] = {}
+    for index in range(len(PROMPT_LENGTHS)):
+        logits, bound = float_error.reference64(model_dir, arrays[f"prompt_{index}"])
+        extra[f"logits64_{index}"], extra[f"bound_{index}"] = logits[0], bound[0]
+    extra["greedy_logits64"], extra["greedy_bound"] = float_error.greedy_reference64(
+        model_dir, arrays["prompt_0"], arrays["greedy_ids"])
+    return extra
+
+
+def update_float64(out: Path, name: str) -> None:
+    """Add the float64 keys to an existing reference .npz, keeping its float32 arrays as they are."""
+    path = out / "reference" / f"{name}.npz"
+    with np.load(path) as data:
+        arrays = {key: data[key] for key in data.files if "64" not in key and "bound" not in key}
+    arrays |= float64_arrays(out / name, arrays)
+    write_npz(path, arrays)
+    bounds = np.concatenate([arrays[key].ravel() for key in arrays if "bound" in key])
+    print(f"{name}: float32 error bound per row {bounds.min():.2e}..{bounds.max():.2e}")
 
 
 def check_hf_tokenizer(model_dir: Path, tokenizer: Tokenizer, prompts: list[np.ndarray]) -> str:
@@ -787,6 +816,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "fixtures")
     parser.add_argument("--configs", type=Path, default=DEFAULT_CONFIGS, help="real HF json files per model")
     parser.add_argument("--only", nargs="*", default=None, help="fixture names to (re)build")
+    parser.add_argument("--float64-only", action="store_true",
+                        help="only (re)compute the float64 references and bounds of the existing fixtures")
     return parser.parse_args(argv)
 
 
@@ -794,6 +825,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    if args.float64_only:
+        for fixture in FIXTURES:
+            if args.only is None or fixture.name in args.only:
+                update_float64(args.out, fixture.name)
+        return
     base = train_base_tokenizer()
     args.out.mkdir(parents=True, exist_ok=True)
     for fixture in FIXTURES:
