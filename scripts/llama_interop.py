@@ -4,6 +4,8 @@
   ``llama-cpp-python`` (the sdist vendors llama.cpp with its converter and ``gguf-py``): it is downloaded once
   with ``pip download`` into a cache directory and unpacked there.  Nothing of it is committed.
 * :func:`llama_convert` runs that converter in a subprocess (it puts its own ``gguf-py`` first on sys.path).
+* :func:`llama_quantize` quantizes a GGUF with llama.cpp's own quantizer (``llama_model_quantize``), as
+  ``llama-quantize`` does: a file type such as ``Q4_K_M`` (its per-tensor mixture) or, with ``pure``, one type.
 * :class:`LlamaModel` opens a GGUF with ``llama_cpp.Llama`` (logits for every position), collecting llama.cpp's
   log lines so tests can assert the absence of warnings.
 * :func:`gguf_structure` / :func:`structural_diff` compare two GGUF files: tensor names, shapes and types, and
@@ -95,6 +97,24 @@ def llama_convert(script: Path, src: Path, out: Path, dtype: str, extra: Sequenc
     if done.returncode != 0 or not out.is_file():
         raise RuntimeError(f"llama.cpp conversion of {src} ({dtype}) failed:\n{done.stderr[-3000:]}")
     return out
+
+
+def llama_quantize(src: Path, dst: Path, ftype: str, pure: bool = False, threads: int = 2) -> Path:
+    """Quantize GGUF ``src`` (F32/F16/BF16) to ``dst`` with llama.cpp's quantizer; ``ftype`` is a
+    ``LLAMA_FTYPE_MOSTLY_*`` suffix (``Q4_K_M``, ``IQ4_XS``, ``BF16``, ...).  Without ``pure`` llama.cpp picks
+    its mixture per tensor; with it every quantizable tensor gets the file type's base type (both fall back to
+    a 32-block type where a row length is not a multiple of 256, as ``llama-quantize`` does)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.pure = pure
+    params.nthread = threads
+    with captured_llama_logs() as logs:
+        status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if status != 0 or not dst.is_file():
+        raise RuntimeError(f"llama.cpp could not quantize {src} to {ftype} (status {status}):\n{logs.text()[-2000:]}")
+    return dst
 
 
 # ------------------------------------------------------------------------------------------------ runtime

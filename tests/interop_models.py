@@ -272,3 +272,38 @@ def build_all(out: Path, names: list[str] | None = None) -> dict[str, Path]:
     """Build the named models (all by default) under ``out``."""
     models = interop_models()
     return {name: build_model(models[name], out) for name in (names or list(models))}
+
+
+# ------------------------------------------------------------------------------------- quantization models
+
+FIXTURE_TOKENIZER = REPO_ROOT / "tests" / "fixtures" / "qwen3-tiny"
+# Models for llama.cpp's quantizer (tests/test_quant_interop.py): head_dim 128 (transformers' GGUF loader
+# assumes it for qwen3), the fixtures' small tokenizer (llama.cpp's quantizer and runtime do not need a
+# pre-tokenizer hash, only its converter does).  "qwen3": every row length a multiple of 256, so K-quants are
+# used everywhere; "qwen2": hidden 384 (not a multiple of 256), untied, biases, so mixtures fall back to
+# 32-blocks for the attention and up/gate rows and use K-quants only in ffn_down.
+QUANT_MODELS: dict[str, dict[str, Any]] = {
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 512,
+              "tie_word_embeddings": True},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 384,
+              "num_attention_heads": 3, "num_key_value_heads": 1, "intermediate_size": 768,
+              "tie_word_embeddings": False},
+}
+
+
+def build_quant_model(name: str, out: Path) -> Path:
+    """Write ``out/<name>/`` for a :data:`QUANT_MODELS` entry: float32 safetensors, the fixture tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+
+    target = out / name
+    target.mkdir(parents=True, exist_ok=True)
+    config = _read_json(FIXTURE_TOKENIZER / "config.json")
+    config.update(QUANT_MODELS[name], head_dim=128, num_hidden_layers=2, torch_dtype="float32")
+    _write_json(target / "config.json", config)
+    for file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (target / file).write_bytes((FIXTURE_TOKENIZER / file).read_bytes())
+    tensors = {n: torch.from_numpy(init_tensor(n, s, False)) for n, s in sorted(hf_tensor_shapes(config).items())}
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
