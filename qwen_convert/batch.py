@@ -76,9 +76,10 @@ VerifierFactory = Callable[[Job], Verifier]  # e.g. qwen_convert.verify.BatchVer
 
 
 def run_job(job: Job, force: bool = False, verify: VerifierFactory | None = None,
-            progress: Progress | None = None) -> JobResult:
+            progress: Progress | None = None, tmp_tag: str | None = None) -> JobResult:
     """Convert one job, or skip it when a complete output exists; errors (a failed verification too) become
-    a FAILED result.  ``verify(job)`` checks the output before it is renamed into place."""
+    a FAILED result.  ``verify(job)`` checks the output before it is renamed into place; ``tmp_tag`` names
+    the temporary output (:func:`qwen_convert.convert.temp_path`).  Every executor runs jobs through here."""
     started = time.perf_counter()
     if job.out.exists() and not force:
         if output_is_complete(job):
@@ -91,7 +92,7 @@ def run_job(job: Job, force: bool = False, verify: VerifierFactory | None = None
         return JobResult(job, FAILED, message=f"{job.out.parent}: cannot create directory ({exc.strerror})")
     try:
         result = convert(job.src, job.out, job.format, job.dtype, force=force,
-                         verify=verify(job) if verify is not None else None, progress=progress)
+                         verify=verify(job) if verify is not None else None, progress=progress, tmp_tag=tmp_tag)
     except QwenError as exc:
         return JobResult(job, FAILED, seconds=time.perf_counter() - started, message=str(exc))
     return JobResult(job, VERIFIED if verify is not None else CONVERTED, result.nbytes, result.seconds)

@@ -10,14 +10,15 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tqdm import tqdm
 
 from qwen_runtime.cli_support import run_guarded
+from qwen_runtime.executor import EXECUTORS, LOCAL, RAY, connect
 from qwen_runtime.formats import open_model_files, verify_model_files
 
-from .batch import FAILED, JobResult, plan_jobs, run_batch, summary_table
+from .batch import FAILED, Job, JobResult, plan_jobs, run_batch, summary_table
 from .convert import FORMATS, convert, infer_format
 from .inspect import compare, compare_json, compare_table, model_stats, open_pair, stats_json, stats_table
 from .policy import DTYPES, TensorSpec
@@ -69,7 +70,12 @@ def convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", type=lambda v: _csv(v, FORMATS, "format"), help="npy or gguf (batch: comma list)")
     p.add_argument("--dtype", type=lambda v: _csv(v, tuple(DTYPES), "dtype"), default=["fp16"],
                    help="fp32, fp16 or q8_0 (batch: comma list; default fp16)")
-    p.add_argument("--jobs", type=int, default=1, help="batch mode: conversions run in parallel")
+    p.add_argument("--jobs", type=int, default=1, help="batch mode: conversions run in parallel (local executor)")
+    p.add_argument("--executor", choices=EXECUTORS, default=LOCAL, help="batch mode: run the conversions in this "
+                   "process (local) or as Ray tasks, one per output, each declaring the memory it needs (ray; "
+                   "needs the ray extra)")
+    p.add_argument("--address", metavar="ADDR", help="with --executor ray: the Ray cluster to use (auto, "
+                   "HOST:6379 or ray://HOST:10001; default: the RAY_ADDRESS variable, else a local instance)")
     p.add_argument("--force", action="store_true", help="overwrite existing outputs")
     p.add_argument("--verify", action="store_true", help="before renaming the output into place, re-read its "
                    "checksums and verify it against the source (every tensor within its rounding bound, metadata, "
@@ -97,8 +103,40 @@ def _run_single(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     return 0
 
 
+class RemoteBars:
+    """The driver's bars for jobs running elsewhere: one byte bar per running job, below the jobs bar, fed by
+    :class:`qwen_convert.ray_batch.RelayProgress` events."""
+
+    def __init__(self, first_position: int = 1) -> None:
+        self._first = first_position
+        self._bars: dict[int, tqdm] = {}
+
+    def event(self, index: int, event: tuple) -> None:
+        kind = event[0]
+        if kind == "start":
+            self.close(index)
+            taken = {bar.pos for bar in self._bars.values()}
+            position = next(p for p in range(self._first, self._first + len(taken) + 1) if p not in taken)
+            self._bars[index] = tqdm(total=event[2], desc=event[1], position=position, unit="B", unit_scale=True,
+                                     leave=False, dynamic_ncols=True, disable=None)
+        elif kind == "advance" and index in self._bars:
+            self._bars[index].update(event[1])
+        elif kind in ("stop", "done"):
+            self.close(index)
+
+    def close(self, index: int) -> None:
+        bar = self._bars.pop(index, None)
+        if bar is not None:
+            bar.close()
+
+    def close_all(self) -> None:
+        for index in list(self._bars):
+            self.close(index)
+
+
 def _run_batch(args: argparse.Namespace) -> int:
     jobs = plan_jobs(args.sources, args.out_dir, args.format or ["npy"], args.dtype)
+    verify = BatchVerifier(args.keep_failed) if args.verify else None
     overall = tqdm(total=len(jobs), desc="jobs", unit="job", position=0, leave=False, dynamic_ncols=True,
                    disable=None)
 
@@ -107,14 +145,28 @@ def _run_batch(args: argparse.Namespace) -> int:
         if result.status == FAILED:
             tqdm.write(f"qwen-convert: failed: {result.message}", file=sys.stderr)
 
-    progress = TqdmProgress(first_position=1) if args.jobs <= 1 else None
     try:
-        verify = BatchVerifier(args.keep_failed) if args.verify else None
-        results = run_batch(jobs, args.force, verify, args.jobs, progress, done)
+        if args.executor == RAY:
+            results = _run_batch_on_ray(args, jobs, verify, done)
+        else:
+            progress = TqdmProgress(first_position=1) if args.jobs <= 1 else None
+            results = run_batch(jobs, args.force, verify, args.jobs, progress, done)
     finally:
         overall.close()
     print(summary_table(results))
     return 1 if any(r.status == FAILED for r in results) else 0
+
+
+def _run_batch_on_ray(args: argparse.Namespace, jobs: list[Job], verify: BatchVerifier | None,
+                      done: Callable[[JobResult], None]) -> list[JobResult]:
+    from .ray_batch import run_batch_on_ray
+
+    connect(args.address)
+    bars = RemoteBars(first_position=1)
+    try:
+        return run_batch_on_ray(jobs, args.force, verify, done, bars.event)
+    finally:
+        bars.close_all()
 
 
 def _logging(verbose: bool) -> None:
@@ -127,6 +179,10 @@ def convert_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.output is None) == (args.out_dir is None):
         parser.error("give exactly one of -o OUT (one output) and --out-dir DIR (batch)")
+    if args.executor == RAY and args.output is not None:
+        parser.error("--executor ray runs batches: use --out-dir DIR")
+    if args.address is not None and args.executor != RAY:
+        parser.error("--address needs --executor ray")
     _logging(args.verbose)
     if args.output is not None:
         return run_guarded("qwen-convert", lambda: _run_single(args, parser))

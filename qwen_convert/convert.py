@@ -1,8 +1,9 @@
 """Convert one Hugging Face model directory to an npy directory or a GGUF file, atomically.
 
-The output is written under a temporary name beside the target (``.OUT.tmp-<pid>``) and renamed only
-once complete (and verified, when asked); on any error or interrupt the temporary is removed and an
-existing output is left untouched.  An existing output is replaced only with ``force``.
+The output is written under a temporary name beside the target (``.OUT.tmp-<pid>``, or ``.OUT.tmp-<tag>``
+when the caller names the attempt) and renamed only once complete (and verified, when asked); on any error
+or interrupt the temporary is removed and an existing output is left untouched.  An existing output is
+replaced only with ``force``.
 """
 
 from __future__ import annotations
@@ -117,11 +118,17 @@ def check_output(target: Path, force: bool) -> None:
         raise OutputExistsError(f"{target}: output already exists (use --force to overwrite)")
 
 
+def temp_path(target: Path, tag: str | None = None) -> Path:
+    """The temporary path a conversion to ``target`` writes: ``.NAME.tmp-<tag>`` (default tag: the pid)."""
+    return target.with_name(f".{target.name}.tmp-{tag or os.getpid()}")
+
+
 @contextmanager
-def atomic_output(target: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary path beside ``target``; rename it to ``target`` when the block succeeds."""
+def atomic_output(target: Path, force: bool, tag: str | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside ``target`` (:func:`temp_path`); rename it to ``target`` when the block
+    succeeds.  A leftover temporary of the same tag (an attempt that was killed) is removed first."""
     check_output(target, force)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    tmp = temp_path(target, tag)
     remove_path(tmp)
     try:
         yield tmp
@@ -184,11 +191,13 @@ Verifier = Callable[[Path, str, dict[str, str]], None]
 
 
 def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str = "fp16", force: bool = False,
-            name: str | None = None, verify: Verifier | None = None,
-            progress: Progress | None = None) -> ConvertResult:
+            name: str | None = None, verify: Verifier | None = None, progress: Progress | None = None,
+            tmp_tag: str | None = None) -> ConvertResult:
     """Convert the HF model ``src`` to ``out`` (``fmt`` npy or gguf; ``dtype`` fp32, fp16 or q8_0).
 
-    ``verify`` (e.g. :func:`verify_written_checksums`) runs on the complete temporary output, before the rename.
+    ``verify`` (e.g. :func:`verify_written_checksums`) runs on the complete temporary output, before the
+    rename; ``tmp_tag`` names the temporary output (:func:`temp_path`), so a retried attempt replaces a killed
+    one's.
     Raises :class:`OutputExistsError` when ``out`` exists and ``force`` is false, :class:`FormatError`
     (and subclasses) for bad input and :class:`OutputError` when the output cannot be written.
     """
@@ -200,7 +209,7 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str
     if progress is not None:
         progress.start(target.name, specs)
     try:
-        with atomic_output(target, force) as tmp:
+        with atomic_output(target, force, tmp_tag) as tmp:
             try:
                 sink = open_sink(fmt, tmp, files, dtype, specs, name or files.path.resolve().name)
             except OSError as exc:

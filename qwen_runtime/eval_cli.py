@@ -2,6 +2,7 @@
 
     qwen-eval MODEL -f text.txt                              perplexity (sliding window)
     qwen-eval MODEL-q8_0.gguf -f text.txt --reference HFDIR  + KL(ref || model), top-1 agreement, Δppl
+    qwen-eval A B C -f text.txt --executor ray               one Ray task per model (same numbers)
 
 Errors print one line on stderr and exit with the code of :func:`qwen_runtime.errors.exit_code`.
 """
@@ -11,13 +12,26 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tqdm import tqdm
 
 from . import load
 from .cli_support import run_guarded
-from .evaluate import count_targets, encode_text, evaluate_ids, read_text, results_table
+from .evaluate import (
+    EvalResult,
+    check_models,
+    count_targets,
+    default_chunk,
+    encode_text,
+    evaluate_ids,
+    read_text,
+    results_table,
+)
+from .executor import EXECUTORS, LOCAL, RAY, RemoteJob, Throttle, connect, run_on_ray
+from .limits import generation_bytes
+from .models import Model
+from .tensors import QType
 
 DEFAULT_CTX = 512
 METHOD_HELP = ("Method: the text is tokenized once (BOS only if the model adds one to raw prompts) and cut into "
@@ -41,7 +55,52 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=None, help="tokens per forward pass inside a window; bounds "
                    "memory to a few chunk x vocab float64 arrays (default: about 4M logits, 8 to 256 tokens)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--executor", choices=EXECUTORS, default=LOCAL, help="score the models together in this "
+                   "process (local) or as one Ray task per model over the same tokens (ray; needs the ray extra; "
+                   "the reference then runs in every task)")
+    p.add_argument("--address", metavar="ADDR", help="with --executor ray: the Ray cluster to use (auto, "
+                   "HOST:6379 or ray://HOST:10001; default: the RAY_ADDRESS variable, else a local instance)")
     return p
+
+
+# Memory of one model's evaluation (a Ray task's declared need), on top of the memory-mapped weights, which
+# live in the page cache and are not counted (as in :mod:`qwen_runtime.limits`):
+EVAL_BASE_BYTES = 300 << 20  # interpreter, numpy, tokenizers and both models' tokenizers, with margin
+LOGIT_COPIES = 8  # float64 [chunk, V] arrays alive at once: logits, log-softmax and its exp temporary for the
+# model and the reference, the reference's probabilities and the KL difference
+Q8_0_SCALE_FRACTION = 4 / 34  # Q8_0 matrices keep their block scales widened to float32 (4 of 34 bytes)
+
+
+def eval_memory(model: Model, reference: Model | None, ctx: int, chunk: int | None) -> int:
+    """Bytes one model's evaluation task needs at its peak (see the constants above)."""
+    need = EVAL_BASE_BYTES
+    for m in (model, *([reference] if reference is not None else [])):
+        c = m.config
+        step = chunk or default_chunk(c.vocab_size)
+        need += generation_bytes(c, 1, ctx, step) + LOGIT_COPIES * step * c.vocab_size * 8
+        need += int(Q8_0_SCALE_FRACTION * sum(t.nbytes for t in m.files.tensors.values() if t.qtype == QType.Q8_0))
+    return need
+
+
+def evaluate_task(path: str, ids: object, ctx: int, stride: int, reference: str | None, chunk: int | None,
+                  report: Callable[[int], None]) -> EvalResult:
+    """One model's evaluation as a Ray task: the local lockstep run with this model alone."""
+    progress = Throttle(report)
+    [result] = evaluate_ids([load(path)], ids, ctx, stride, load(reference) if reference else None, chunk,
+                            progress.add)
+    progress.flush()
+    return result
+
+
+def evaluate_on_ray(args: argparse.Namespace, models: list[Model], reference: Model | None, ids: object, ctx: int,
+                    stride: int, progress: Callable[[int], None]) -> list[EvalResult]:
+    """One Ray task per model over the same token ids; the driver has checked the models (vocabulary, ctx)."""
+    check_models(models, reference, ctx)
+    connect(args.address)
+    jobs = [RemoteJob((path, ids, ctx, stride, args.reference, args.chunk),
+                      eval_memory(model, reference, ctx, args.chunk), name=f"qwen-eval {path}")
+            for path, model in zip(args.models, models, strict=True)]
+    return run_on_ray(evaluate_task, jobs, on_event=lambda _, n: progress(n))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -50,9 +109,13 @@ def run(args: argparse.Namespace) -> None:
     ctx = args.ctx or min(DEFAULT_CTX, *(m.config.max_position_embeddings for m in models))
     stride = args.stride or max(1, ctx // 2)
     ids = encode_text(models[0], read_text(args.file), args.max_tokens)
-    with tqdm(total=count_targets(len(ids), ctx, stride), desc="scoring", unit="tok", leave=False,
-              dynamic_ncols=True, disable=None) as bar:
-        results = evaluate_ids(models, ids, ctx, stride, reference, args.chunk, bar.update)
+    remote = args.executor == RAY
+    with tqdm(total=count_targets(len(ids), ctx, stride) * (len(models) if remote else 1), desc="scoring",
+              unit="tok", leave=False, dynamic_ncols=True, disable=None) as bar:
+        if remote:
+            results = evaluate_on_ray(args, models, reference, ids, ctx, stride, bar.update)
+        else:
+            results = evaluate_ids(models, ids, ctx, stride, reference, args.chunk, bar.update)
     if args.json:
         print(json.dumps({"file": args.file, "results": [r.to_json() for r in results]}, indent=1))
         return
@@ -63,7 +126,10 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``qwen-eval``."""
-    args = configure_parser().parse_args(argv)
+    parser = configure_parser()
+    args = parser.parse_args(argv)
+    if args.address is not None and args.executor != RAY:
+        parser.error("--address needs --executor ray")
     return run_guarded("qwen-eval", lambda: run(args))
 
 

@@ -198,6 +198,15 @@ def check_window_fits(models: Sequence[Model], ctx: int) -> None:
                              f"({m.config.max_position_embeddings})")
 
 
+def check_models(models: Sequence[Model], reference: Model | None, ctx: int) -> None:
+    """What :func:`evaluate_ids` needs of its models: ``ctx`` within every context length, and one tokenizer
+    and vocabulary shared by all of them and the reference."""
+    check_window_fits([*models, *([reference] if reference is not None else [])], ctx)
+    check_same_vocabulary(models[1:], models[0])
+    if reference is not None:
+        check_same_vocabulary(models[:1], reference)
+
+
 def _reference_stats(scores: _Scores, ppl: float, ref: _Scores, reference: Model) -> ReferenceStats:
     kl = np.concatenate(scores.kl) if scores.kl else np.zeros(1)
     ref_ppl = math.exp(ref.nll / ref.count)
@@ -222,13 +231,10 @@ def evaluate_ids(models: Sequence[Model], ids: np.ndarray, ctx: int, stride: int
     The reference runs once per chunk however many models are compared; ``progress`` is called with the
     number of targets scored after each chunk.  ``chunk`` defaults to :func:`default_chunk`.
     """
-    check_window_fits([*models, *([reference] if reference is not None else [])], ctx)
+    check_models(models, reference, ctx)
     chunk = chunk or default_chunk(models[0].config.vocab_size)
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
-    check_same_vocabulary(models[1:], models[0])
-    if reference is not None:
-        check_same_vocabulary(models[:1], reference)
     scores = [_Scores() for _ in models]
     ref_scores = _Scores() if reference is not None else None
     seconds = [0.0] * len(models)

@@ -1,4 +1,5 @@
-"""Peak memory of a conversion stays below 400 MB + 3 x the largest tensor in float32, whatever the model size.
+"""Peak memory of a conversion stays below 400 MB + 3 x the largest tensor in float32, whatever the model size,
+and below the heap the ray executor declares for it.
 
 The model: a ~1.5 GB random bf16 Qwen2 checkpoint of 52 layers whose largest tensor is 4M elements (16 MB
 in float32), so the bound (~450 MB) is far below the model's size.  The conversion runs in a fresh
@@ -7,13 +8,18 @@ process that reports its own peak resident set (``VmHWM``).
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from convert_helpers import write_qwen2
+from shared_data import MODEL_CONFIGS, TOKENIZERS, shared_file
 
+from qwen_convert.batch import Job
+from qwen_convert.ray_batch import job_memory
 from qwen_runtime.formats import open_model_files
 
 MB = 1 << 20
@@ -50,3 +56,48 @@ def test_peak_memory_is_bounded(big_model: Path, tmp_path: Path, fmt: str, dtype
     print(f"{fmt} {dtype}: peak RSS {peak / MB:.0f} MiB, bound {bound / MB:.0f} MiB, model {total / MB:.0f} MiB")
     assert peak < bound, f"peak RSS {peak / MB:.0f} MiB >= bound {bound / MB:.0f} MiB"
     assert open_model_files(out).tensors["blk.51.ffn_down.weight"].shape == (1024, 4096)
+
+
+HEAP_SCRIPT = """
+import json, sys, threading, time
+from pathlib import Path
+from qwen_convert.batch import Job, run_job
+from qwen_convert.verify import BatchVerifier
+
+def anon():
+    return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:")][0]
+
+peak, done = [anon()], threading.Event()
+def sample():
+    while not done.wait(0.002):
+        peak.append(max(peak.pop(), anon()))
+sampler = threading.Thread(target=sample)
+sampler.start()
+result = run_job(Job(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]), verify=BatchVerifier())
+done.set()
+sampler.join()
+print(json.dumps({"status": result.status, "message": result.message, "peak": max(peak[0], anon())}))
+"""
+RAY_WORKER_HEAP = 41 * MB  # an idle Ray worker's RssAnon (measured with ray 2.60.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fmt", "dtype"), [("gguf", "q8_0"), ("npy", "fp32")])
+def test_declared_ray_memory_covers_the_measured_heap(tmp_path: Path, fmt: str, dtype: str) -> None:
+    """A full-vocabulary model with --verify (the probe's [positions, vocabulary] arrays dominate its heap)."""
+    src = write_qwen2(tmp_path / "model", layers=2, hidden=128, inter=256, vocab=151936, heads=4, kv_heads=2)
+    shutil.copyfile(shared_file(TOKENIZERS / "qwen2_qwen3" / "tokenizer.json"), src / "tokenizer.json")
+    shutil.copyfile(shared_file(MODEL_CONFIGS / "qwen2.5-0.5b-instruct" / "tokenizer_config.json"),
+                    src / "tokenizer_config.json")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(config | {"bos_token_id": 151643, "eos_token_id": 151645}))
+    job = Job(src, tmp_path / ("out.gguf" if fmt == "gguf" else "out"), fmt, dtype)
+    proc = subprocess.run([sys.executable, "-c", HEAP_SCRIPT, str(job.src), str(job.out), fmt, dtype],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    measured = json.loads(proc.stdout.splitlines()[-1])
+    assert measured["status"] == "verified", measured["message"]
+    declared = job_memory(job, verify=True)
+    print(f"{fmt} {dtype}: peak heap {measured['peak'] / MB:.0f} MiB (+ {RAY_WORKER_HEAP / MB:.0f} MiB Ray "
+          f"worker), declared {declared / MB:.0f} MiB")
+    assert measured["peak"] + RAY_WORKER_HEAP < declared

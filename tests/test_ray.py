@@ -1,0 +1,158 @@
+"""The ray executor on a local Ray instance (one per module, 2 CPUs): batch conversion byte-identical to a local
+batch, a killed worker retried, failing and oversized jobs reported, Ctrl-C leaving nothing behind, and
+qwen-eval giving the local numbers.
+
+Outside CI the module is skipped when ray is not installed; under CI (``CI=true``) a missing ray fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+from pathlib import Path
+
+import pytest
+from convert_helpers import fixture, write_qwen2
+
+if os.environ.get("CI") == "true":
+    import ray  # CI installs the ray extra: a missing ray is a failure there, not a skip
+else:
+    ray = pytest.importorskip("ray", reason="needs the ray extra (pip install -e '.[ray]')")
+
+from qwen_convert import ray_batch
+from qwen_convert.batch import CONVERTED, FAILED, SKIPPED, VERIFIED, Job, plan_jobs
+from qwen_convert.cli import convert_main
+from qwen_convert.ray_batch import run_batch_on_ray
+from qwen_convert.verify import BatchVerifier
+from qwen_runtime.eval_cli import main as eval_main
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance() -> object:
+    """One small local Ray instance for the module (its workers inherit PYTHONPATH)."""
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 << 20, configure_logging=False,
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def tree(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` by relative path, with its bytes."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+
+
+def convert(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    code = convert_main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ray_batch_is_byte_identical_to_a_local_batch(capsys, tmp_path: Path) -> None:
+    sources = [write_qwen2(tmp_path / "qwen2-small"), fixture("qwen3-tiny")]
+    common = [*sources, "--format", "npy,gguf", "--dtype", "fp32,q8_0", "--verify"]
+    code, local_out, _ = convert(capsys, *common, "--out-dir", tmp_path / "local")
+    assert code == 0, local_out
+    code, ray_out, err = convert(capsys, *common, "--out-dir", tmp_path / "ray", "--executor", "ray")
+    assert code == 0, err
+    assert ray_out.count("verified") == 8 and "failed" not in ray_out
+    local, remote = tree(tmp_path / "local"), tree(tmp_path / "ray")
+    assert sorted(local) == sorted(remote) and len(local) > 8
+    assert [name for name in local if local[name] != remote[name]] == []
+    assert leftovers(tmp_path / "ray") == []
+    code, again, _ = convert(capsys, *common, "--out-dir", tmp_path / "ray", "--executor", "ray")
+    assert code == 0 and again.count("skipped") == 8
+
+
+def test_failing_job_is_reported_and_leaves_no_output(capsys, tmp_path: Path) -> None:
+    good = write_qwen2(tmp_path / "good")
+    bad = write_qwen2(tmp_path / "bad")
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[:len(data) // 2])  # truncated: a FormatError in the task
+    out = tmp_path / "out"
+    code, stdout, err = convert(capsys, good, bad, "--out-dir", out, "--format", "gguf", "--dtype", "fp16",
+                                "--executor", "ray")
+    assert code == 1
+    assert "converted" in stdout and "failed" in stdout and "model.safetensors" in stdout
+    assert "qwen-convert: failed:" in err
+    assert sorted(p.name for p in out.iterdir()) == ["good-fp16.gguf"]
+
+
+def test_a_killed_worker_is_retried(tmp_path: Path) -> None:
+    # about 60 MB of bf16 with --verify: the job runs for seconds, so the kill lands while it writes
+    src = write_qwen2(tmp_path / "model", layers=8, hidden=512, inter=2048, heads=8, kv_heads=2)
+    [job] = plan_jobs([src], tmp_path / "ray", ["gguf"], ["q8_0"])
+    pids: list[int] = []
+
+    def kill_first_attempt(index: int, event: tuple) -> None:
+        if event[0] == "start":
+            pids.append(event[3])
+            if len(pids) == 1:
+                os.kill(event[3], signal.SIGKILL)
+
+    [result] = run_batch_on_ray([job], verify=BatchVerifier(), on_event=kill_first_attempt)
+    assert result.status == VERIFIED, result.message
+    assert len(pids) == 2 and pids[0] != pids[1]
+    [local] = plan_jobs([src], tmp_path / "local", ["gguf"], ["q8_0"])
+    assert convert_main([str(src), "--out-dir", str(tmp_path / "local"), "--format", "gguf", "--dtype", "q8_0"]) == 0
+    assert job.out.read_bytes() == local.out.read_bytes()
+    assert leftovers(tmp_path / "ray") == []
+
+
+def test_ctrl_c_cancels_outstanding_tasks_and_leaves_nothing(tmp_path: Path) -> None:
+    src = write_qwen2(tmp_path / "model", layers=8, hidden=512, inter=2048, heads=8, kv_heads=2)
+    jobs = plan_jobs([src], tmp_path / "out", ["gguf", "npy"], ["fp32", "fp16", "q8_0"])
+
+    def interrupt(index: int, event: tuple) -> None:
+        if event[0] == "start":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_batch_on_ray(jobs, verify=BatchVerifier(), on_event=interrupt)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_job_larger_than_every_node_fails_instead_of_waiting(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(ray_batch, "job_memory", lambda job, verify: 1 << 50)
+    job = Job(fixture("qwen2-tiny"), tmp_path / "m.gguf", "gguf", "fp16")
+    [result] = run_batch_on_ray([job])
+    assert result.status == FAILED and "largest node" in result.message
+    assert not job.out.exists()
+
+
+def test_declared_memory_grows_with_the_model_and_with_verify(tmp_path: Path) -> None:
+    small = Job(fixture("qwen2-tiny"), tmp_path / "a.gguf", "gguf", "q8_0")
+    big = Job(write_qwen2(tmp_path / "big", layers=2, hidden=1024, inter=4096), tmp_path / "b.gguf", "gguf", "q8_0")
+    assert ray_batch.job_memory(small, False) < ray_batch.job_memory(big, False)
+    assert ray_batch.job_memory(small, False) < ray_batch.job_memory(small, True)
+
+
+def test_skipped_jobs_run_on_ray_too(tmp_path: Path) -> None:
+    jobs = plan_jobs([fixture("qwen2-tiny")], tmp_path, ["gguf"], ["fp16"])
+    assert [r.status for r in run_batch_on_ray(jobs)] == [CONVERTED]
+    assert [r.status for r in run_batch_on_ray(jobs)] == [SKIPPED]
+
+
+def test_eval_on_ray_gives_the_local_numbers(capsys, tmp_path: Path) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text(Path(textwrap.__file__).read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    src = fixture("qwen2-tiny")
+    assert convert_main([str(src), "--out-dir", str(tmp_path), "--format", "gguf,npy", "--dtype", "q8_0,fp16"]) == 0
+    capsys.readouterr()
+    models = [str(tmp_path / "qwen2-tiny-q8_0.gguf"), str(tmp_path / "qwen2-tiny-fp16")]
+    common = [*models, "-f", str(text), "--reference", str(src), "--ctx", "64", "--stride", "32", "--json"]
+    assert eval_main(common) == 0
+    local = json.loads(capsys.readouterr().out)
+    assert eval_main([*common, "--executor", "ray"]) == 0
+    remote = json.loads(capsys.readouterr().out)
+    for result in (*local["results"], *remote["results"]):
+        assert result.pop("seconds") > 0
+    assert remote == local
+    assert [r["model"] for r in remote["results"]] == models
