@@ -69,6 +69,8 @@ def _source_facts(src: Path) -> tuple[int, int, int]:
 def job_memory(job: Job, verify: bool) -> int:
     """Bytes of heap one conversion job needs at its peak, to declare to Ray (derivation above)."""
     vocab, probe, q8_0_bytes = _source_facts(job.src.resolve())
+    if not vocab:
+        return BASE_BYTES  # the job fails as it opens the source
     need = BASE_BYTES + (GGUF_TOKEN_BYTES * vocab if job.format == "gguf" else 0)
     if verify:
         need += VERIFY_BASE_BYTES + VERIFY_LOGIT_BYTES * probe * vocab

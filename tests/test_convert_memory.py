@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from convert_helpers import write_qwen2
+from convert_helpers import fixture, write_qwen2
 from shared_data import MODEL_CONFIGS, TOKENIZERS, shared_file
 
+from qwen_convert import ray_batch
 from qwen_convert.batch import Job
 from qwen_convert.ray_batch import job_memory
 from qwen_runtime.formats import open_model_files
@@ -101,3 +102,17 @@ def test_declared_ray_memory_covers_the_measured_heap(tmp_path: Path, fmt: str, 
     print(f"{fmt} {dtype}: peak heap {measured['peak'] / MB:.0f} MiB (+ {RAY_WORKER_HEAP / MB:.0f} MiB Ray "
           f"worker), declared {declared / MB:.0f} MiB")
     assert measured["peak"] + RAY_WORKER_HEAP < declared
+
+
+def test_declared_memory_follows_the_measured_terms(tmp_path: Path) -> None:
+    small = fixture("qwen2-tiny")
+    big = write_qwen2(tmp_path / "big", layers=2, hidden=1024, inter=4096)
+
+    def need(src: Path, fmt: str, dtype: str, verify: bool) -> int:
+        return ray_batch.job_memory(Job(src, tmp_path / "out", fmt, dtype), verify)
+
+    assert need(small, "npy", "fp16", False) == need(big, "npy", "q8_0", False) == ray_batch.BASE_BYTES
+    assert need(small, "gguf", "fp16", False) > ray_batch.BASE_BYTES  # the GGUF tokenizer metadata
+    assert need(small, "npy", "fp16", True) > need(small, "npy", "fp16", False)  # the probe
+    assert need(big, "npy", "q8_0", True) > need(big, "npy", "fp16", True)  # q8_0 scales kept while probing
+    assert need(tmp_path / "missing", "gguf", "fp16", True) == ray_batch.BASE_BYTES

@@ -127,13 +127,6 @@ def test_a_job_larger_than_every_node_fails_instead_of_waiting(monkeypatch, tmp_
     assert not job.out.exists()
 
 
-def test_declared_memory_grows_with_the_model_and_with_verify(tmp_path: Path) -> None:
-    small = Job(fixture("qwen2-tiny"), tmp_path / "a.gguf", "gguf", "q8_0")
-    big = Job(write_qwen2(tmp_path / "big", layers=2, hidden=1024, inter=4096), tmp_path / "b.gguf", "gguf", "q8_0")
-    assert ray_batch.job_memory(small, False) < ray_batch.job_memory(big, False)
-    assert ray_batch.job_memory(small, False) < ray_batch.job_memory(small, True)
-
-
 def test_skipped_jobs_run_on_ray_too(tmp_path: Path) -> None:
     jobs = plan_jobs([fixture("qwen2-tiny")], tmp_path, ["gguf"], ["fp16"])
     assert [r.status for r in run_batch_on_ray(jobs)] == [CONVERTED]
