@@ -38,7 +38,7 @@ MiB = 1 << 20
 #   0.1 M, vocab 512, probe 95               25 (46) npy and gguf             28-33 (53-60)
 #   91 M, vocab 151,936, probe 41            29-39 (53-63) npy, 118 (138) gguf 453-470 npy, 492-506 gguf (848-1384)
 #   172 M, vocab 512, probe 95               30-40 (53-64)                    96-104 (807-1785)
-#   494 M, vocab 151,936 (Qwen2.5-0.5B)      30 (54) npy, 119 (139) gguf       see JOB_MEMORY_CHECKS below
+#   494 M, vocab 151,936 (Qwen2.5-0.5B)      30-40 (54-64) npy, 119 (139) gguf 493 gguf fp32 (5240), 535 q8_0 (2515)
 #
 # What the numbers say: without --verify the heap does not grow with the model (tensors stream in 4 MiB row
 # chunks; q8_0 adds ~10 MiB of temporaries); a GGUF adds the tokenizer metadata (~590 B per vocabulary
