@@ -26,7 +26,8 @@ RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models: the forward pass", ("models",)),
     ("text: tokenizer and chat template", ("tokenizer", "sandbox", "chat")),
     ("generation: sampling, the generation loop, evaluation", ("sampling", "generate", "evaluate")),
-    ("tools: the package's face and its command lines", ("__init__", "cli_support", "cli", "eval_cli")),
+    ("tools: the package's face, its command lines and where their jobs run",
+     ("__init__", "cli_support", "cli", "eval_cli", "executor")),
 )
 
 
