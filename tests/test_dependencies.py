@@ -23,7 +23,7 @@ RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("errors", "archs", "gguf_keys", "config", "naming", "tensors", "quants", "ops", "pool", "cache", "limits")),
     ("formats: reading model files", ("formats",)),
     ("weights: multiplying stored tensors", ("weights",)),
-    ("models: the forward pass", ("models",)),
+    ("models: the forward pass", ("models", "reference")),
     ("text: tokenizer and chat template", ("tokenizer", "sandbox", "chat")),
     ("generation: sampling, the generation loop, evaluation", ("sampling", "generate", "evaluate")),
     ("tools: the package's face, its command lines and where their jobs run",
