@@ -224,8 +224,10 @@ class Engine:
                 f"the request needs about {format_bytes(need)} of cache, more than the server's memory limit of "
                 f"{format_bytes(self.memory_limit)} allows; use a shorter prompt, fewer choices or max_tokens")
         with self._cond:
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"{self.max_batch} rows busy and {len(self._waiting)} requests waiting")
+            busy = len(self._rows) + (self._prefill[0].n if self._prefill else 0)
+            free = max(0, self.max_batch - busy - sum(j.n for j in self._waiting))
+            if job.n > free and len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"{busy} of {self.max_batch} rows busy and {len(self._waiting)} requests waiting")
             self._waiting.append(job)
             self._cond.notify()
         self.start()

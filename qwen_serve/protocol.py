@@ -233,6 +233,7 @@ def chat_messages(body: dict) -> list[dict[str, Any]]:
                 raise bad(f"{param}.tool_calls", "expected a list", "invalid_type")
             msg["tool_calls"] = [_tool_call_for_template(c, f"{param}.tool_calls[{j}]")
                                  for j, c in enumerate(m["tool_calls"])]
+            msg["content"] = msg["content"] or ""  # templates test the content as text
         elif msg["content"] is None:
             raise bad(f"{param}.content", "required for this role", "missing")
         if m.get("reasoning_content") is not None:

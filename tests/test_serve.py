@@ -3,11 +3,14 @@ continuous batching that gives every request the tokens it would get alone."""
 
 from __future__ import annotations
 
+import json
 import threading
+from typing import Any
 
+import numpy as np
 import pytest
 from runtime_helpers import fixture_dir
-from serve_helpers import RunningServer, http, running_server
+from serve_helpers import RunningServer, http, openai, running_server, scripted_qwen3, send_oversized
 
 GREEDY = {"temperature": 0.0}
 
@@ -101,3 +104,242 @@ def test_sixteen_concurrent_streams_equal_their_solo_runs(family: str) -> None:
     for i, (alone, among) in enumerate(zip(solo, together, strict=True)):
         assert 0 < len(alone[1]) <= lengths[i]
         assert among == alone, f"request {i} differs when batched"
+
+
+# --- request fields ----------------------------------------------------------------------------------------
+
+
+def test_n_choices_run_as_rows_of_one_prefill(server: RunningServer) -> None:
+    client = server.client()
+    reply = chat(client, "Explain attention", max_tokens=6, n=2, temperature=1.0, seed=3)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.usage.completion_tokens == sum(6 if c.finish_reason == "length" else 0 for c in reply.choices) or \
+        reply.usage.completion_tokens <= 12
+    texts = {c.index: "" for c in reply.choices}
+    for chunk in chat(client, "Explain attention", max_tokens=6, n=2, temperature=1.0, seed=3, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == {c.index: c.message.content for c in reply.choices}  # same seed, same choices, streamed too
+    greedy = chat(client, "Explain attention", max_tokens=6, n=2)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
+def test_seed_reproduces_sampling(server: RunningServer) -> None:
+    client = server.client()
+    options = {"max_tokens": 16, "temperature": 1.0, "top_p": 0.95, "extra_body": {"top_k": 50, "min_p": 0.01}}
+    first = [chat(client, "hi there", seed=7, **options).choices[0].message.content for _ in range(2)]
+    others = {chat(client, "hi there", seed=s, **options).choices[0].message.content for s in (8, 9, 10)}
+    assert first[0] == first[1]
+    assert len(others | {first[0]}) > 1  # different seeds draw different tokens
+
+
+def test_stop_strings_end_the_text_before_them(server: RunningServer) -> None:
+    client = server.client()
+    full = client.completions.create(model="qwen3-tiny", prompt="def fib(n):", max_tokens=30, **GREEDY)
+    text = full.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = client.completions.create(model="qwen3-tiny", prompt="def fib(n):", max_tokens=30, stop=[stop, "\x00"],
+                                    **GREEDY)
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="qwen3-tiny", prompt="def fib(n):", max_tokens=30, stop=stop,
+                                         stream=True, **GREEDY)
+    parts = list(streamed)
+    assert "".join(p.choices[0].text for p in parts) == cut.choices[0].text
+    assert parts[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs_of_chat_and_completions(server: RunningServer) -> None:
+    client = server.client()
+    reply = chat(client, "Explain attention", max_tokens=5, logprobs=True, top_logprobs=3)
+    items = reply.choices[0].logprobs.content
+    assert len(items) == reply.usage.completion_tokens
+    for item in items:
+        tops = [t.logprob for t in item.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and item.logprob == tops[0]  # greedy: the best
+        assert sum(np.exp(tops)) <= 1 + 1e-9
+    assert "".join(bytes(i.bytes).decode("utf-8", "replace") for i in items) == reply.choices[0].message.content
+    text = client.completions.create(model="qwen3-tiny", prompt="import numpy", max_tokens=4, logprobs=2, **GREEDY)
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(t) <= 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
+
+
+def test_penalties_change_the_output(server: RunningServer) -> None:
+    client = server.client()
+    plain = chat(client, "hi there", max_tokens=24).choices[0].message.content
+    penalized = {chat(client, "hi there", max_tokens=24, **{k: v}).choices[0].message.content
+                 for k, v in (("presence_penalty", 2.0), ("frequency_penalty", 2.0))}
+    penalized.add(chat(client, "hi there", max_tokens=24, extra_body={"repetition_penalty": 3.0}).choices[0]
+                  .message.content)
+    assert plain not in penalized
+
+
+# --- errors --------------------------------------------------------------------------------------------------
+
+
+def error_of(status: int, body: Any) -> dict:
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize(("body", "param", "code"), [
+    ({"max_tokens": "5"}, "max_tokens", "invalid_type"),
+    ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"temperature": 3}, "temperature", "invalid_value"),
+    ({"temperature": True}, "temperature", "invalid_type"),
+    ({"top_p": 0}, "top_p", "invalid_value"),
+    ({"n": 1.5}, "n", "invalid_type"),
+    ({"stop": [1, 2]}, "stop", "invalid_type"),
+    ({"stream": "yes"}, "stream", "invalid_type"),
+    ({"logprobs": False, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    ({"messages": []}, "messages", "missing"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ({"tools": [{"type": "function"}]}, "tools[0]", "invalid_type"),
+    ({"max_tokens": 10**6}, "messages", "context_length_exceeded"),
+    ({"model": "gpt-4"}, "model", "model_not_found"),
+])
+def test_bad_fields_are_refused_in_openai_shape(server: RunningServer, body: dict, param: str, code: str) -> None:
+    request = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": "hi"}], **body}
+    status, _, reply = http("POST", f"{server.url}/v1/chat/completions", request)
+    error = error_of(status, reply)
+    assert (status, error["param"], error["code"]) == (404 if code == "model_not_found" else 400, param, code)
+
+
+def test_the_official_client_sees_the_errors(server: RunningServer) -> None:
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as bad:
+        chat(client, "hi", max_tokens=10**6)
+    assert bad.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_malformed_and_oversized_bodies(server: RunningServer) -> None:
+    url = f"{server.url}/v1/chat/completions"
+    for raw in (b"{not json", b"[1, 2]", b'{"messages": NaN}', b"\xff\xfe"):
+        status, _, reply = http("POST", url, raw, {"Content-Type": "application/json"})
+        assert status == 400 and error_of(status, reply)["code"] == "invalid_json"
+    for chunked in (False, True):  # refused from the declared length, and while reading an undeclared one
+        status, reply = send_oversized(server.port, "/v1/chat/completions", 5 << 20, chunked)
+        assert status == 413 and error_of(status, reply)["code"] == "request_too_large"
+    status, _, reply = http("GET", f"{server.url}/v2/nothing")
+    assert status == 404 and error_of(status, reply)
+    status, _, reply = http("GET", url)
+    assert status == 405 and error_of(status, reply)
+
+
+def test_unknown_fields_are_ignored_and_the_server_keeps_serving(server: RunningServer) -> None:
+    status, _, reply = http("POST", f"{server.url}/v1/chat/completions", {
+        "model": "qwen3-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+        "temperature": 0, "user": "me", "metadata": {"a": 1}, "response_format": {"type": "text"},
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200 and reply["usage"]["completion_tokens"] <= 3
+    assert http("GET", f"{server.url}/health")[2]["status"] == "ok"
+
+
+def test_api_key_is_required_when_set() -> None:
+    with running_server(fixture_dir("qwen3-tiny"), api_key="sesame") as srv:
+        with pytest.raises(openai.AuthenticationError):
+            chat(srv.client(api_key="wrong"), "hi", max_tokens=2)
+        status, _, reply = http("GET", f"{srv.url}/v1/models")
+        assert status == 401 and error_of(status, reply)["code"] == "invalid_api_key"
+        assert http("GET", f"{srv.url}/health")[0] == 200  # health stays open for probes
+        assert chat(srv.client(api_key="sesame"), "hi", max_tokens=2).choices
+
+
+def test_full_queue_answers_503_with_retry_after() -> None:
+    with running_server(fixture_dir("qwen3-tiny"), max_batch=1, max_queue=0) as srv:
+        busy = srv.client().completions.create(model="qwen3-tiny", prompt="def fib(n):", max_tokens=200, stream=True,
+                                               **GREEDY)
+        next(iter(busy))  # the only row is taken
+        status, headers, reply = http("POST", f"{srv.url}/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 503 and headers["Retry-After"].isdigit()
+        assert error_of(status, reply)["code"] == "server_overloaded"
+        busy.close()
+        srv.wait_idle()
+        assert http("POST", f"{srv.url}/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+
+
+def test_a_client_that_disconnects_frees_its_row(server: RunningServer) -> None:
+    server.wait_idle()
+    stream = server.client().completions.create(model="qwen3-tiny", prompt="def fib(n):", max_tokens=5000,
+                                                stream=True, **GREEDY)
+    next(iter(stream))
+    assert server.engine.status()["running_rows"] == 1
+    steps = server.engine.steps
+    stream.close()
+    server.wait_idle()
+    assert server.engine.steps - steps < 50  # it left at a step boundary, long before its 5000 tokens
+    assert chat(server.client(), "hi", max_tokens=2).choices  # and the server goes on
+
+
+def test_tokenize_and_detokenize(server: RunningServer) -> None:
+    status, _, reply = http("POST", f"{server.url}/tokenize", {"prompt": "Hello world"})
+    assert status == 200 and reply["count"] == len(reply["tokens"]) > 0
+    status, _, back = http("POST", f"{server.url}/detokenize", {"tokens": reply["tokens"]})
+    assert status == 200 and back["prompt"] == "Hello world"
+    status, _, chat_ids = http("POST", f"{server.url}/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    reply = chat(server.client(), "hi", max_tokens=1)
+    assert chat_ids["count"] == reply.usage.prompt_tokens
+    status, _, reply = http("POST", f"{server.url}/detokenize", {"tokens": [10**9]})
+    assert status == 400 and error_of(status, reply)["param"] == "tokens"
+
+
+# --- reasoning and tool calls (a scripted model with the real Qwen3 chat template) --------------------------
+
+SCRIPT = ["<think>", "\nThe user wants the weather; I should call the tool.\n", "</think>", "\n\n", "<tool_call>",
+          '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "</tool_call>", "<|im_end|>"]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
+    path = scripted_qwen3(fixture_dir("qwen3-tiny"), tmp_path_factory.mktemp("scripted"), SCRIPT)
+    with running_server(path, model_name="scripted") as srv:
+        yield srv
+
+
+def ask(client, **options):
+    return client.chat.completions.create(model="scripted", max_tokens=20, temperature=0,
+                                          messages=[{"role": "user", "content": "Weather in Paris?"}], **options)
+
+
+def test_tool_call_and_reasoning_are_split(scripted: RunningServer) -> None:
+    client = scripted.client()
+    reply = ask(client, tools=TOOLS)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == "The user wants the weather; I should call the tool."
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.id.startswith("call_") and call.type == "function"
+    # the same, streamed: reasoning arrives in deltas before the call, which comes whole with the finish reason
+    chunks = [c for c in ask(client, tools=TOOLS, stream=True) if c.choices]
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
+    assert reasoning == choice.message.reasoning_content
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    [streamed_call] = chunks[-1].choices[0].delta.tool_calls
+    assert streamed_call.function.name == "get_weather" and streamed_call.index == 0
+    # the call's result goes back through the template (arguments as JSON text, a tool message)
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    follow = client.chat.completions.create(model="scripted", messages=history, tools=TOOLS, max_tokens=3,
+                                            temperature=0)
+    assert follow.usage.prompt_tokens > reply.usage.prompt_tokens
+
+
+def test_without_tools_the_call_is_text_and_thinking_can_be_off(scripted: RunningServer) -> None:
+    client = scripted.client()
+    choice = ask(client).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+    assert choice.message.content == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n' \
+                                     "</tool_call>"
+    off = ask(client, tools=TOOLS, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
+    assert getattr(off.message, "reasoning_content", None) is None and off.finish_reason == "tool_calls"
+    none = ask(client, tools=TOOLS, tool_choice="none").choices[0]
+    assert none.finish_reason == "stop" and none.message.tool_calls is None

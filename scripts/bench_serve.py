@@ -1,0 +1,224 @@
+"""Throughput of qwen-serve under N concurrent streaming clients (continuous batching at work).
+
+    python scripts/bench_serve.py [--model PATH] [--clients 1,4,8,16] [--max-tokens 64] [--max-batch 16]
+                                  [--cache-dir ~/.cache/qwen-numpy-bench] [--json out.json]
+
+Without ``--model`` it builds (once, cached) the full-size random-weight Qwen2.5-0.5B checkpoint of
+``bench_models.py`` and converts it to GGUF q8_0 with ``qwen-convert``.  The server runs as its own process
+(``python -m qwen_serve``) on a free port of 127.0.0.1; each client is a thread streaming one greedy chat
+completion over plain HTTP (a light client: the two share the machine), each with a different prompt.  Per
+N (several rounds for small N, so the percentiles have samples) it reports:
+
+* aggregate tokens/s: completion tokens of the round / wall time from the first request to the last [DONE];
+* time to first token (first content chunk) p50 / p95 over the round's requests;
+* per-request tokens/s: each request's (tokens - 1) / (last chunk - first chunk), the median.
+
+The target is an aggregate at 8 clients of at least 3x the single-client rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_models import MODELS, build_checkpoint  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOPICS = ["rivers", "prime numbers", "the moon", "sorting", "bread", "volcanoes", "chess", "tea", "bridges",
+          "owls", "glass", "maps", "bees", "clocks", "salt", "comets"]
+
+
+@dataclass
+class RequestResult:
+    ttft: float  # seconds from sending to the first content chunk
+    seconds: float  # sending to [DONE]
+    tokens: int  # completion tokens (usage)
+    decode_tps: float  # (tokens - 1) / (last chunk - first chunk)
+
+
+@dataclass
+class RoundResult:
+    clients: int
+    rounds: int
+    requests: int
+    aggregate_tps: float
+    ttft_p50: float
+    ttft_p95: float
+    request_tps_median: float
+    tokens: int
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream_chat(port: int, prompt: str, max_tokens: int) -> RequestResult:
+    body = json.dumps({"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
+    first = last = None
+    tokens = 0
+    for line in response:
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            break
+        chunk = json.loads(data)
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        for choice in chunk.get("choices", []):
+            if choice["delta"].get("content") or choice["delta"].get("reasoning_content"):
+                last = time.perf_counter()
+                first = first or last
+    end = time.perf_counter()
+    conn.close()
+    first, last = first or end, last or end
+    tps = (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0
+    return RequestResult(first - t0, end - t0, tokens, tps)
+
+
+def run_round(port: int, clients: int, max_tokens: int, offset: int) -> tuple[float, list[RequestResult]]:
+    results: list[RequestResult | None] = [None] * clients
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        prompt = f"Write a long story about {TOPICS[(offset + i) % len(TOPICS)]}, number {offset + i}."
+        try:
+            results[i] = stream_chat(port, prompt, max_tokens)
+        except BaseException as exc:  # reported after the round
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]}")
+    return wall, [r for r in results if r is not None]
+
+
+def measure(port: int, clients: int, max_tokens: int) -> RoundResult:
+    rounds = max(1, 4 // clients) + (1 if clients == 1 else 0)
+    walls, results = [], []
+    for r in range(rounds):
+        wall, got = run_round(port, clients, max_tokens, offset=r * clients + clients)
+        walls.append(wall)
+        results += got
+    tokens = sum(r.tokens for r in results)
+    ttft = np.array([r.ttft for r in results])
+    return RoundResult(clients, rounds, len(results), tokens / sum(walls), float(np.percentile(ttft, 50)),
+                       float(np.percentile(ttft, 95)), float(np.median([r.decode_tps for r in results])), tokens)
+
+
+def default_model(cache: Path, tokenizers: Path, configs: Path) -> Path:
+    out = cache / "gguf" / "qwen2.5-0.5b-q8_0.gguf"
+    if not out.is_file():
+        src = build_checkpoint(MODELS["qwen2.5-0.5b"], cache / "hf", tokenizers, configs)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "qwen_convert", str(src), "-o", str(out), "--dtype", "q8_0"], check=True)
+    return out
+
+
+def start_server(model: Path, port: int, max_batch: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "qwen_serve", str(model), "--port", str(port), "--max-batch", str(max_batch),
+           "--model-name", "bench", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the server did not come up")
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return f"{cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, numpy {np.__version__}"
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, help="model to serve (default: the Qwen2.5-0.5B shape in q8_0, built)")
+    p.add_argument("--clients", default="1,4,8,16", help="comma list of concurrent client counts")
+    p.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request")
+    p.add_argument("--max-batch", type=int, default=16, help="the server's --max-batch")
+    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "qwen-numpy-bench")
+    p.add_argument("--tokenizers", type=Path, default=ROOT.parent / "shared" / "data" / "tokenizers")
+    p.add_argument("--configs", type=Path, default=ROOT.parent / "shared" / "data" / "model-configs")
+    p.add_argument("--json", type=Path, help="write the results here too")
+    args = p.parse_args()
+    model = args.model or default_model(args.cache_dir, args.tokenizers, args.configs)
+    port = free_port()
+    load_before = os.getloadavg()
+    server = start_server(model, port, args.max_batch)
+    try:
+        stream_chat(port, "warm up", 4)
+        results = []
+        for n in (int(c) for c in args.clients.split(",")):
+            results.append(measure(port, n, args.max_tokens))
+            r = results[-1]
+            print(f"{n:>3} clients: {r.aggregate_tps:6.2f} tok/s aggregate, TTFT p50 {r.ttft_p50:.2f} s "
+                  f"p95 {r.ttft_p95:.2f} s, per request {r.request_tps_median:.2f} tok/s", flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    load_after = os.getloadavg()
+    base = results[0].aggregate_tps if results and results[0].clients == 1 else None
+    print(f"\nmodel {model.name}, {args.max_tokens} tokens per request, --max-batch {args.max_batch}, "
+          f"commit {commit()}")
+    print(f"machine: {machine()}; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}\n")
+    print("| clients | aggregate tok/s | vs 1 client | TTFT p50 (s) | TTFT p95 (s) | per-request tok/s |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        speedup = f"{r.aggregate_tps / base:.2f}x" if base else ""
+        print(f"| {r.clients} | {r.aggregate_tps:.2f} | {speedup} | {r.ttft_p50:.2f} | {r.ttft_p95:.2f} "
+              f"| {r.request_tps_median:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"model": str(model), "commit": commit(), "machine": machine(),
+                                         "load_before": load_before, "load_after": load_after,
+                                         "results": [asdict(r) for r in results]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
