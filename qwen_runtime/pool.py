@@ -1,4 +1,5 @@
-"""The tile thread pool: per-thread scratch buffers and one :meth:`Workspace.run` for parallel work.
+"""The tile thread pool: per-thread scratch buffers, one :meth:`Workspace.run` for parallel work, and the
+threading policy of a model.
 
 Interface (all a kernel needs)::
 
@@ -6,10 +7,23 @@ Interface (all a kernel needs)::
     ws.run([task, task, ...])              # each task(scratch) runs once, spread over ws.threads threads
     scratch.array("tile", (r, c), dtype)   # inside a task: a kept buffer of that thread, grown on demand
     ws.scratch[0]                          # the calling thread's scratch (for work outside run())
+    with single_threaded_blas(): ...       # many tiny BLAS calls (the delta rule)
 
 A task is any ``Callable[[Scratch], None]``; tasks of one run must be independent (they write disjoint
 outputs).  Kernels name their scratch buffers after what they hold, so a new stored type brings its own
 buffers without touching this module.
+
+**Threading policy**, chosen once per model (``Workspace(blas_products=...)``) and never switched per call:
+OpenBLAS's worker threads keep spinning after every multi-threaded call (measured: 46-50 ms of CPU during a
+200 ms sleep after a 2-thread GEMM, 41 ms even after setting one thread), so handing the cores back and
+forth between BLAS and the pool leaves a spinning thread on the core the pool needs.
+
+* ``blas_products=True`` (every matrix is float32, nothing to widen): every product is one BLAS call on the
+  whole matrix with BLAS's own threads, :meth:`Workspace.run` runs its tasks in turn on the calling thread,
+  and no pool thread is ever started.  This is how plain numpy multiplies: an fp32 decode step is GEMVs
+  bound by memory bandwidth, which OpenBLAS splits over its threads with no Python in between.
+* ``blas_products=False`` (a stored type must be widened before BLAS can read it): the pool's threads widen
+  and multiply tiles in parallel, with BLAS held to one thread.
 """
 
 from __future__ import annotations
@@ -17,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,7 +51,7 @@ class Scratch:
     def array(self, name: str, shape: int | tuple[int, ...], dtype: np.dtype | type = np.float32) -> np.ndarray:
         """An uninitialised ``shape`` array of ``dtype`` in the buffer ``name`` (valid until its next request)."""
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        size = int(np.prod(shape, dtype=np.int64))
+        size = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.dtype != dtype or buf.size < size:
             buf = self._buffers[name] = np.empty(size, dtype)
@@ -52,23 +67,25 @@ class Scratch:
 
 
 class Workspace:
-    """Scratch buffers and the tile thread pool of one model.
+    """Scratch buffers, the tile thread pool and the BLAS thread count of one model.
 
     ``threads`` workers (default: BLAS's own thread count, i.e. ``OPENBLAS_NUM_THREADS`` or the CPUs) each own
-    a :class:`Scratch` and claim tasks one by one until none is left, so uneven tasks balance themselves.
-    From the first pooled run on, BLAS is held to one thread for good: numpy releases the GIL in casts, ufuncs
-    and BLAS, so the workers really run in parallel, and BLAS threads of their own would oversubscribe the
-    cores; worse, OpenBLAS's idle threads spin after every multi-threaded call and steal the cores from the
-    pool (prefill ran at half speed while BLAS got its threads back between projections).
-    BLAS threads are set through threadpoolctl; without it tasks run in turn on the calling thread.
+    a :class:`Scratch` and claim tasks one by one until none is left, so uneven tasks balance themselves (and
+    a worker descheduled on a busy machine simply claims fewer).  Under the pool BLAS runs on one thread:
+    numpy releases the GIL in casts, ufuncs and BLAS, so the workers really run in parallel, and BLAS threads
+    of their own would oversubscribe the cores (prefill ran at half speed while BLAS got its threads back
+    between projections).  With ``blas_products`` the pool is never used and BLAS keeps ``threads`` threads
+    (see the module docstring).  Each :meth:`run` re-asserts this model's BLAS thread count (~1 us), so two
+    models with different policies can live in one process.  Without threadpoolctl tasks run in turn.
     """
 
-    def __init__(self, threads: int | None = None) -> None:
-        self._blas = blas_controller()
-        self._blas_single = False
-        self.threads = max(1, threads or (self._blas.info()[0]["num_threads"] if self._blas else 1))
-        if self.threads == 1:
-            self._blas = None
+    def __init__(self, threads: int | None = None, blas_products: bool = False) -> None:
+        blas = blas_controller()
+        self._libs = [] if blas is None else list(blas.lib_controllers)
+        self.threads = max(1, threads or default_threads())
+        self.blas_products = blas_products
+        self.blas_threads = self.threads if blas_products else 1  # what BLAS runs with for this model
+        self.pooled = self.threads > 1 and not blas_products and bool(self._libs)  # run() spreads tasks
         self.scratch = [Scratch() for _ in range(self.threads)]
         self._pool: ThreadPoolExecutor | None = None
         self.row_invariant = False  # inside rowwise(): see there
@@ -89,13 +106,11 @@ class Workspace:
 
     def run(self, tasks: Sequence[Callable[[Scratch], None]]) -> None:
         """Run every task with a scratch of its thread, spread over the pool (see the class docstring)."""
-        if self._blas is None or len(tasks) < 2:
+        self.hold_blas_threads()
+        if not self.pooled or len(tasks) < 2:
             for task in tasks:
                 task(self.scratch[0])
             return
-        if not self._blas_single:
-            self._blas.limit(limits=1)
-            self._blas_single = True
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="qwen-tiles")
         claim = itertools.count().__next__  # shared task index: each worker takes the next unclaimed task
@@ -106,11 +121,45 @@ class Workspace:
             for future in futures:
                 future.result()
 
+    def hold_blas_threads(self) -> None:
+        """Give BLAS this model's thread count if something changed it (another model, a ``with`` block)."""
+        for lib in self._libs:
+            if lib.get_num_threads() != self.blas_threads:
+                lib.set_num_threads(self.blas_threads)
+
 
 def _run_claimed(tasks: Sequence[Callable[[Scratch], None]], claim: Callable[[], int], scratch: Scratch) -> None:
     """Run tasks in the order they are claimed until none is left (``claim`` is atomic under the GIL)."""
     while (i := claim()) < len(tasks):
         tasks[i](scratch)
+
+
+@contextlib.contextmanager
+def single_threaded_blas() -> Iterator[None]:
+    """BLAS on one thread inside the block, restored after (a no-op without threadpoolctl).
+
+    For thousands of small products (the delta rule): a multi-threaded BLAS synchronises its threads on each
+    one, which made a 128-token chunked prefill 10-20x slower on 2 shared vCPUs (0.6-10 s instead of 0.04 s).
+    Reads and sets the thread count directly (~1 us) instead of through threadpoolctl's ``limit`` (~40 us).
+    """
+    blas = blas_controller()
+    libs = [] if blas is None else [lib for lib in blas.lib_controllers if lib.get_num_threads() != 1]
+    saved = [lib.get_num_threads() for lib in libs]
+    for lib in libs:
+        lib.set_num_threads(1)
+    try:
+        yield
+    finally:
+        for lib, n in zip(libs, saved, strict=True):
+            lib.set_num_threads(n)
+
+
+@functools.lru_cache(maxsize=1)
+def default_threads() -> int:
+    """BLAS's own thread count when first asked (``OPENBLAS_NUM_THREADS`` or the CPUs; 1 without threadpoolctl),
+    remembered because pooled workspaces hold BLAS to one thread afterwards."""
+    blas = blas_controller()
+    return max(1, blas.lib_controllers[0].get_num_threads()) if blas is not None else 1
 
 
 @functools.lru_cache(maxsize=1)

@@ -112,15 +112,18 @@ class Weight:
 
 
 class F32Weight(Weight):
-    """Float32 weights used in place: BLAS reads the memory-mapped rows directly, in blocks of about a tile.
+    """Float32 weights used in place: BLAS reads the memory-mapped rows directly.
 
-    Several blocks per matrix, not one per worker: a pool thread wakes up late (tens of microseconds on a
-    VM), and with two blocks the calling thread had claimed both before it woke, decoding on one core.
+    With a ``blas_products`` workspace the whole matrix is one BLAS call on BLAS's own threads; on the pool,
+    blocks of about a tile: several per matrix, not one per worker, because a pool thread wakes up late (tens
+    of microseconds on a VM), and with two blocks the calling thread had claimed both before it woke.
     """
 
     def __init__(self, tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> None:
         super().__init__(tensor, ws, tile_elements)
         self.w = np.asarray(tensor.data)  # [out, in] view of the memory map
+        if ws.blas_products:
+            self.block_rows = self.out_features
 
     def block_product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
         if self.ws.row_invariant:

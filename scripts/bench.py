@@ -7,10 +7,12 @@
 2. Converts each to GGUF fp32 / fp16 / q8_0 with ``qwen-convert`` and with llama.cpp's ``convert_hf_to_gguf.py``
    (from the installed llama-cpp-python's sdist, fetched with ``pip download`` into the cache), measuring
    wall time and peak RSS of each converter process.
-3. Runs every measurement in a fresh process (``bench_worker.py``), for our runtime and llama.cpp on *our*
-   GGUF with the same thread count, interleaved, ``--repeat`` times: a 128-token prompt + 128 greedy tokens,
-   8 such prompts at once (ours), and decoding after a 2,048-token prompt.
-4. Prints medians and ours/llama.cpp ratios and writes everything (with every sample) to a JSON file.
+3. Runs every measurement in a fresh process (``bench_worker.py``), for our runtime, the plain numpy peer
+   (``numpy_peer.py``: whole-matrix ``x @ W.T`` with BLAS's own threads; Qwen2/Qwen3 only) and llama.cpp on
+   *our* GGUF with the same thread count, interleaved, ``--repeat`` times: a 128-token prompt + 128 greedy
+   tokens, 8 such prompts at once (ours), and decoding after a 2,048-token prompt.
+4. Prints medians and ours/llama.cpp ratios (and ours / plain numpy / llama.cpp side by side) and writes
+   everything (with every sample) to a JSON file.
 
 For stable numbers run it alone on the machine; ratios within one run are what to compare.
 """
@@ -112,18 +114,21 @@ def measure(engine: str, gguf: Path, prompt: int, new: int, batch: int, env: dic
     return json.loads(run_measured(cmd, env)[2].strip().splitlines()[-1])
 
 
-def runtime_round(gguf: Path, plan: Plan, llama: bool, env: dict[str, str], threads: int) -> dict[str, dict]:
-    """One repetition of every runtime measurement of one file, ours and llama.cpp interleaved.
+def runtime_round(gguf: Path, plan: Plan, llama: bool, peer: bool, env: dict[str, str],
+                  threads: int) -> dict[str, dict]:
+    """One repetition of every runtime measurement of one file, ours, the numpy peer and llama.cpp interleaved.
 
-    Keys: ``ours``/``llama`` (prompt + decode), ``ours_batch`` (``plan.batch`` rows), ``*_context`` (long prompt).
+    Keys: ``ours``/``numpy``/``llama`` (prompt + decode), ``ours_batch`` (``plan.batch`` rows), ``*_context``
+    (long prompt).
     """
-    jobs = {"ours": ("ours", plan.prompt, plan.new, 1), "llama": ("llama", plan.prompt, plan.new, 1),
+    jobs = {"ours": ("ours", plan.prompt, plan.new, 1), "numpy": ("numpy", plan.prompt, plan.new, 1),
+            "llama": ("llama", plan.prompt, plan.new, 1),
             "ours_batch": ("ours", plan.prompt, plan.batch_new, plan.batch),
             "ours_context": ("ours", plan.context, plan.context_new, 1),
             "llama_context": ("llama", plan.context, plan.context_new, 1)}
     results = {}
     for name, (engine, prompt, new, batch) in jobs.items():
-        if engine == "ours" or llama:
+        if engine == "ours" or (engine == "llama" and llama) or (engine == "numpy" and peer):
             results[name] = measure(engine, gguf, prompt, new, batch, env, threads)
     return results
 
@@ -176,11 +181,17 @@ def pair(ours: dict, peer: dict, key: str, digits: int = 1, with_ratio: bool = T
     return f"{text} ({fmt(ratio(x, y), 2)})" if with_ratio else text
 
 
+def triple(ours: dict, plain: dict, peer: dict, key: str) -> str:
+    """``ours / plain numpy / llama (ours / llama)`` of one metric."""
+    x, y = ours.get(key, NAN), peer.get(key, NAN)
+    return f"{fmt(x)} / {fmt(plain.get(key, NAN))} / {fmt(y)} ({fmt(ratio(x, y), 2)})"
+
+
 def runtime_row(model: str, dtype: str, m: dict[str, dict]) -> str:
-    o, ll = m.get("ours", {}), m.get("llama", {})
+    o, ll, pl = m.get("ours", {}), m.get("llama", {}), m.get("numpy", {})
     ob, oc, lc = m.get("ours_batch", {}), m.get("ours_context", {}), m.get("llama_context", {})
     batch, single, context = (d.get("decode_tps", NAN) for d in (ob, ll, oc))
-    cells = [model, dtype, pair(o, ll, "prefill_tps"), pair(o, ll, "decode_tps"),
+    cells = [model, dtype, triple(o, pl, ll, "prefill_tps"), triple(o, pl, ll, "decode_tps"),
              f"{fmt(batch)} ({fmt(ratio(batch, single), 2)})",
              f"{pair(oc, lc, 'decode_tps', with_ratio=False)} ({fmt(ratio(context, o.get('decode_tps', NAN)), 2)})",
              pair(o, ll, "ttft_s", 2, False), pair(o, ll, "load_s", 2, False), pair(o, ll, "VmHWM", 0),
@@ -189,8 +200,8 @@ def runtime_row(model: str, dtype: str, m: dict[str, dict]) -> str:
 
 
 def runtime_table(summary: dict, plan: Plan) -> list[str]:
-    head = ["model", "type", f"prefill({plan.prompt}) tok/s ours / llama (×)",
-            f"decode({plan.new}) tok/s ours / llama (×)",
+    head = ["model", "type", f"prefill({plan.prompt}) tok/s ours / numpy / llama (× llama)",
+            f"decode({plan.new}) tok/s ours / numpy / llama (× llama)",
             f"batch-{plan.batch} agg. tok/s ours (× llama 1-stream)",
             f"decode @{plan.context} ours / llama (ours × own decode)", "TTFT s ours / llama",
             "load s ours / llama", "peak RSS MiB ours / llama (×)", "anon MiB ours / llama"]
@@ -232,12 +243,13 @@ def targets(runs: dict, conversions: dict, config: dict[str, Any], plan: Plan) -
         return ratio(_metric(runs, dtype, a, key), _metric(runs, dtype, b, key))
 
     out = [Target("fp32 decode / llama f32", r("fp32", "decode_tps"), 0.95),
+           Target("fp32 decode / plain numpy fp32", r("fp32", "decode_tps", b="numpy"), 1.0),
            Target("fp32 prefill / llama f32", r("fp32", "prefill_tps"), 1.0),
-           Target("q8_0 decode / llama q8_0", r("q8_0", "decode_tps"), 0.25),
-           Target("q8_0 prefill / llama q8_0", r("q8_0", "prefill_tps"), 0.6),
+           Target("q8_0 decode / llama q8_0", r("q8_0", "decode_tps"), 0.30),
+           Target("q8_0 prefill / llama q8_0", r("q8_0", "prefill_tps"), 0.8),
            Target("fp16 decode / our q8_0 decode", ratio(_metric(runs, "fp16", "ours", "decode_tps"),
                                                           _metric(runs, "q8_0", "ours", "decode_tps")), 1.0),
-           Target("q8_0 batch aggregate / llama q8_0 decode", r("q8_0", "decode_tps", "ours_batch"), 1.0)]
+           Target("q8_0 batch aggregate / llama q8_0 decode", r("q8_0", "decode_tps", "ours_batch"), 1.2)]
     kv = cache_mib(config, plan.prompt + plan.new)
     for dtype in runs:
         out += [Target(f"{dtype} decode @{plan.context} / our decode @{plan.prompt}",
@@ -293,6 +305,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", type=Path, default=SHARED / "model-configs")
     p.add_argument("--json", type=Path, default=None, help="results file (default: CACHE_DIR/bench-<date>.json)")
     p.add_argument("--no-llama", action="store_true", help="measure our runtime and converter only")
+    p.add_argument("--no-peer", action="store_true", help="skip the plain numpy peer")
     p.add_argument("--report", type=Path, metavar="JSON", help="only print the tables of an earlier results file")
     return p
 
@@ -306,6 +319,8 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
                 env: dict[str, str], conversions: dict[str, dict[str, list]],
                 runtime: dict[str, dict[str, list]], save: Callable[[], None]) -> None:
     """Fill conversion[dtype][tool] and runtime[dtype][measurement] samples of one checkpoint; ``save`` after each."""
+    config = json.loads((src / "config.json").read_text())
+    peer = not args.no_peer and not any("Qwen3_5" in a for a in config.get("architectures", []))
     for dtype in dtypes:
         gguf = args.cache_dir / "gguf" / f"{src.name}-{dtype}.gguf"
         gguf.parent.mkdir(parents=True, exist_ok=True)
@@ -318,7 +333,7 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
                 conv["llama"].append(convert_llama(script, src, scratch, dtype, env))
         for rep in range(args.repeat):
             log(f"{src.name} {dtype}: runtime {rep + 1}/{args.repeat}")
-            for name, sample in runtime_round(gguf, plan, script is not None, env, args.threads).items():
+            for name, sample in runtime_round(gguf, plan, script is not None, peer, env, args.threads).items():
                 runtime.setdefault(dtype, {}).setdefault(name, []).append(sample)
             save()
 

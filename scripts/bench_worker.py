@@ -2,7 +2,8 @@
 
     python scripts/bench_worker.py ENGINE MODEL_FILE --prompt N --new N [--batch B] [--threads 2]
 
-ENGINE is ``ours`` (qwen_runtime) or ``llama`` (llama-cpp-python).  It loads the model, prefills ``--batch``
+ENGINE is ``ours`` (qwen_runtime), ``numpy`` (the plain numpy peer, ``numpy_peer.py``) or ``llama``
+(llama-cpp-python).  It loads the model, prefills ``--batch``
 prompts of ``--prompt`` tokens and greedily decodes ``--new`` tokens per row, and reports load time, time
 to first token, prefill tokens/s and (aggregate) decode tokens/s.  Prompts are seeded random token ids
 (the same for both engines) and decoding never stops early, so both engines do exactly the same work.
@@ -53,6 +54,14 @@ def run_ours(path: str, batch: int, prompt: int, new: int) -> dict[str, float]:
             "decode_tps": s.decode_tokens_per_second, **memory_mib()}
 
 
+def run_numpy(path: str, batch: int, prompt: int, new: int) -> dict[str, float]:
+    import numpy_peer
+
+    if batch != 1:
+        raise SystemExit("numpy: only single-stream measurements")
+    return {**numpy_peer.run(path, prompts(1, prompt)[0], new), **memory_mib()}
+
+
 def run_llama(path: str, batch: int, prompt: int, new: int, threads: int) -> dict[str, float]:
     import llama_cpp
 
@@ -82,7 +91,7 @@ def run_llama(path: str, batch: int, prompt: int, new: int, threads: int) -> dic
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("engine", choices=("ours", "llama"))
+    p.add_argument("engine", choices=("ours", "numpy", "llama"))
     p.add_argument("model")
     p.add_argument("--prompt", type=int, required=True)
     p.add_argument("--new", type=int, required=True)
@@ -91,6 +100,8 @@ def main() -> None:
     args = p.parse_args()
     if args.engine == "ours":
         result = run_ours(args.model, args.batch, args.prompt, args.new)
+    elif args.engine == "numpy":
+        result = run_numpy(args.model, args.batch, args.prompt, args.new)
     else:
         result = run_llama(args.model, args.batch, args.prompt, args.new, args.threads)
     sys.stdout.write(json.dumps(result) + "\n")

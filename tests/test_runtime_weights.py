@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from qwen_runtime.pool import Scratch, Workspace
+from qwen_runtime.models.base import all_float32
+from qwen_runtime.pool import Scratch, Workspace, blas_controller, single_threaded_blas
 from qwen_runtime.quants import CODECS
 from qwen_runtime.quants.base import f16_bits_to_f32, f16_bits_to_prescaled, f16_scales
 from qwen_runtime.quants.q8_0 import q8_0_activations, q8_0_product, q8_0_row_scales
@@ -173,3 +176,40 @@ def test_gated_matmul_with_different_blocks_falls_back_to_separate_products() ->
     x = rng.normal(0, 1, (3, 64)).astype(np.float32)
     g, u = x @ gate.to_float32().T, x @ up.to_float32().T
     np.testing.assert_allclose(gated_matmul(gate, up, x), g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
+
+
+def test_blas_products_multiply_each_float32_matrix_in_one_call_like_the_pool() -> None:
+    rng = np.random.default_rng(10)
+    w, x = rng.normal(0, 0.05, (300, 96)).astype(np.float32), rng.normal(0, 1, (3, 96)).astype(np.float32)
+    ws = Workspace(threads=2, blas_products=True)
+    whole = make_weight(stored(QType.F32, w), ws, tile_elements=32 * 96)
+    pooled = make_weight(stored(QType.F32, w), Workspace(threads=2), tile_elements=32 * 96)
+    assert whole.blocks() == [(0, 300)] and len(pooled.blocks()) > 1 and not ws.pooled
+    np.testing.assert_allclose(whole.matmul(x), pooled.matmul(x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(whole.matmul(x), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_each_workspace_holds_its_own_blas_thread_count() -> None:
+    blas = blas_controller()
+    if blas is None:
+        pytest.skip("threadpoolctl not installed")
+    lib = blas.lib_controllers[0]
+    whole, pooled = Workspace(threads=2, blas_products=True), Workspace(threads=2)
+    pooled.run([lambda s: None, lambda s: None])
+    assert lib.get_num_threads() == 1  # the pool's workers are the parallelism
+    whole.run([lambda s: None])
+    assert lib.get_num_threads() == 2  # whole-matrix products get BLAS's threads back
+    with single_threaded_blas():
+        assert lib.get_num_threads() == 1
+    assert lib.get_num_threads() == 2
+
+
+def test_model_policy_follows_stored_types() -> None:
+    def files(*qtypes: QType) -> SimpleNamespace:
+        tensors = {f"t{i}": StoredTensor(f"t{i}", q, (64, 64), "mem", data=np.zeros((64, 64), np.float32))
+                   for i, q in enumerate(qtypes)}
+        tensors["norm"] = StoredTensor("norm", QType.F16, (64,), "mem", data=np.zeros(64, np.float16))
+        return SimpleNamespace(tensors=tensors)
+
+    assert all_float32(files(QType.F32, QType.F32))  # vectors do not count
+    assert not all_float32(files(QType.F32, QType.Q8_0))

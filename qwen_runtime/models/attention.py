@@ -80,7 +80,7 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchStat
     nkv = keys.shape[1]
     q = q.reshape(b, nkv, nh // nkv, t, hd) * np.float32(1.0 / np.sqrt(hd))
     out = np.empty(q.shape, np.float32)
-    if ws is None or ws.threads == 1 or nkv == 1 or t == 1 or b * nh * t * keys.shape[2] * hd < POOL_WORK:
+    if ws is None or not ws.pooled or nkv == 1 or t == 1 or b * nh * t * keys.shape[2] * hd < POOL_WORK:
         _attend_heads(q, keys, values, state, out, None)  # too little work to pay for the pool
     else:
         step = -(-nkv // ws.threads)

@@ -31,6 +31,7 @@ from ..errors import FormatError
 from ..formats import ModelFiles
 from ..naming import tensor_name
 from ..pool import Workspace
+from ..tensors import QType
 from ..weights import TILE_ELEMENTS, Weight, load_vector, make_weight
 
 
@@ -39,7 +40,7 @@ class WeightStore:
 
     def __init__(self, files: ModelFiles, tile_elements: int = TILE_ELEMENTS) -> None:
         self.files = files
-        self.workspace = Workspace()
+        self.workspace = Workspace(blas_products=all_float32(files))
         self.tile_elements = tile_elements
         self._matrices: dict[str, Weight] = {}
 
@@ -59,6 +60,12 @@ class WeightStore:
     def vector(self, kind: MODEL_TENSOR, layer: int | None = None, suffix: str = ".weight") -> np.ndarray:
         """A small tensor (norm, bias, per-head scalars, conv kernel) widened once to float32, logical shape."""
         return load_vector(self.files.tensor(tensor_name(kind, layer, suffix)))
+
+
+def all_float32(files: ModelFiles) -> bool:
+    """Whether every matrix of the model is stored as float32: its products then run as whole-matrix BLAS
+    calls with BLAS's own threads, no tile pool (the per-model threading policy of :mod:`..pool`)."""
+    return all(t.qtype == QType.F32 for t in files.tensors.values() if len(t.shape) == 2)
 
 
 class Mixer(Protocol):

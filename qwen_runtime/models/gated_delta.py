@@ -19,14 +19,11 @@ The recurrent state of one value head is ``S ∈ ℝ^(dk×dv)`` (HF's layout ``[
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import numpy as np
 
 from ..archs import V_HEAD_GROUPED, V_HEAD_TILED
 from ..ops import sigmoid, silu
-from ..pool import blas_controller
+from ..pool import single_threaded_blas
 
 L2_EPS = 1e-6  # HF/FLA l2norm epsilon, inside the square root
 CHUNK = 64  # chunk length of the chunked form (HF's and FLA's)
@@ -273,21 +270,6 @@ def chunked_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarra
     state[...] = s
     out = out.reshape(batch, heads, -1, dv)[:, :, :length]
     return np.ascontiguousarray(np.moveaxis(out, 1, 2))  # [B, T, H, dv]
-
-
-@contextlib.contextmanager
-def single_threaded_blas() -> Iterator[None]:
-    """BLAS on one thread inside the block (restored after; a no-op without threadpoolctl).
-
-    The delta rule is thousands of small matrix products; a multi-threaded BLAS synchronises its threads on each
-    one, which made a 128-token chunked prefill 10-20x slower on 2 shared vCPUs (0.6-10 s instead of 0.04 s).
-    """
-    blas = blas_controller()
-    if blas is None:
-        yield
-        return
-    with blas.limit(limits=1):
-        yield
 
 
 def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
