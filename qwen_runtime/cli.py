@@ -2,7 +2,7 @@
 
     qwen-run MODEL -p "Once upon a time"            raw prompt, streamed
     qwen-run MODEL --chat -p "Hi" -p "Bonjour"      chat template applied, a batch of two
-    qwen-run MODEL                                  interactive multi-turn chat (stdin is a terminal)
+    qwen-run MODEL --chat                           interactive multi-turn chat (also: no -p on a terminal)
 
 Errors print one line on stderr and exit with the code of :func:`qwen_runtime.errors.exit_code`.
 """
@@ -80,28 +80,53 @@ def run_prompts(model: Model, args: argparse.Namespace, sampling: SamplingParams
         print_stats(gen, sys.stderr)
 
 
-def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingParams) -> None:
-    """A multi-turn chat on the terminal; an empty line or EOF ends it."""
+CHAT_HELP = "commands: /reset clears the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops a reply"
+
+
+def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingParams, stdin: TextIO = sys.stdin,
+                     out: TextIO = sys.stdout) -> None:
+    """A multi-turn chat: the history goes back through the chat template each turn, replies stream.
+
+    ``/reset`` starts a new conversation (the system message stays), ``/exit`` or end of input quits, and
+    Ctrl-C stops the reply being written (what was written stays in the history), not the program.
+    """
     fmt = chat_format(model)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    out.write(CHAT_HELP + "\n")
     while True:
+        out.write("> ")
+        out.flush()
         try:
-            line = input("> ")
-        except EOFError:
-            sys.stdout.write("\n")
+            line = stdin.readline()
+        except KeyboardInterrupt:  # at the prompt: a fresh prompt, as shells do
+            out.write("\n")
+            continue
+        if not line:
+            out.write("\n")
             return
-        if not line.strip():
+        line = line.strip()
+        if line in ("/exit", "/quit"):
             return
+        if line == "/reset":
+            messages = list(system)
+            out.write("(conversation cleared)\n")
+            continue
+        if not line:
+            continue
         messages.append({"role": "user", "content": line})
         ids = fmt.encode_chat(messages, enable_thinking=_thinking(args))
         gen = stream(model, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                      use_tokenizer=True, max_memory=args.max_memory)
         reply = []
-        for texts in gen:
-            reply.append(texts[0])
-            sys.stdout.write(texts[0])
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+        try:
+            for texts in gen:
+                reply.append(texts[0])
+                out.write(texts[0])
+                out.flush()
+        except KeyboardInterrupt:
+            out.write(" [stopped]")
+        out.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
         if args.stats:
             print_stats(gen, sys.stderr)
@@ -116,7 +141,7 @@ def run(args: argparse.Namespace) -> None:
     model = load(args.model)
     if args.prompt:
         run_prompts(model, args, sampling)
-    elif sys.stdin.isatty():
+    elif args.chat or sys.stdin.isatty():
         interactive_chat(model, args, sampling)
     else:
         args.prompt = [sys.stdin.read()]

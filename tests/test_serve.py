@@ -343,3 +343,17 @@ def test_without_tools_the_call_is_text_and_thinking_can_be_off(scripted: Runnin
     assert getattr(off.message, "reasoning_content", None) is None and off.finish_reason == "tool_calls"
     none = ask(client, tools=TOOLS, tool_choice="none").choices[0]
     assert none.finish_reason == "stop" and none.message.tool_calls is None
+
+
+def test_streamed_text_never_splits_a_character(tmp_path) -> None:
+    """A character whose UTF-8 bytes are three tokens streams as one whole character, never a U+FFFD."""
+    from qwen_runtime.tokenizer import byte_decoder
+
+    to_char = {b: c for c, b in byte_decoder().items()}
+    pieces = [to_char[b] for b in "世".encode()] + ["!", "<|im_end|>"]
+    path = scripted_qwen3(fixture_dir("qwen3-tiny"), tmp_path / "utf8", pieces)
+    with running_server(path, model_name="utf8") as srv:
+        chunks = srv.client().chat.completions.create(model="utf8", messages=[{"role": "user", "content": "?"}],
+                                                      max_tokens=10, temperature=0, stream=True)
+        texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(texts) == "世!" and "\ufffd" not in "".join(texts)
