@@ -53,7 +53,7 @@ from qwen_runtime.formats.gguf_parse import parse_gguf, tensor_view
 from qwen_runtime.formats.hf_dir import plan_entries
 from qwen_runtime.formats.npy_dir import read_manifest
 from qwen_runtime.formats.safetensors import SafetensorsEntry
-from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key
+from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key, without_mtp_blocks
 from qwen_runtime.naming import (
     INVERSE_TRANSFORMS,
     TRANSFORM_NOTES,
@@ -454,11 +454,7 @@ def gguf_model_checks(meta: dict[str, Any], config: ModelConfig) -> list[Metadat
     """
     arch = config.arch
     checks = [_key_check(Keys.General.ARCHITECTURE, arch, meta)]
-    meta = dict(meta)
-    block_key = gguf_key(Keys.LLM.BLOCK_COUNT, arch)
-    nextn = meta.get(gguf_key(Keys.LLM.NEXTN_PREDICT_LAYERS, arch), 0)
-    if block_key in meta and isinstance(meta[block_key], int) and isinstance(nextn, int):
-        meta[block_key] -= nextn
+    meta = without_mtp_blocks(meta, arch)
     fields = asdict(config)
     for row in MODEL_KEYS:
         if arch in row.archs:

@@ -26,7 +26,7 @@ from .archs import (
     layer_types_from_interval,
 )
 from .errors import ConfigError, UnsupportedArchitectureError
-from .gguf_keys import MODEL_KEYS, gguf_key
+from .gguf_keys import MODEL_KEYS, ModelKey, gguf_key, without_mtp_blocks
 
 # HF `architectures` entry (or `model_type` when that is absent) -> GGUF architecture name.
 HF_ARCHITECTURES: dict[str, str] = {hf: spec.name for spec in ARCHS.values() for hf in spec.hf_architectures}
@@ -293,6 +293,10 @@ def _meta_value(meta: Mapping[str, Any], key: str, source: str, value_type: GGUF
                 array: bool = False) -> Any:
     """The value stored under ``key``, of ``value_type`` (the elements', for an array); ConfigError names the key."""
     value = meta[key]
+    if array and value_type == GGUFValueType.BOOL:
+        if not isinstance(value, list) or not all(isinstance(v, bool) for v in value):
+            raise ConfigError(f"{source}: metadata key {key!r} should be an array of booleans")
+        return value
     if array:
         if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
             raise ConfigError(f"{source}: metadata key {key!r} should be an array of non-negative integers")
@@ -315,16 +319,25 @@ def _model_keys(meta: Mapping[str, Any], arch: str, source: str) -> dict[str, An
         key = gguf_key(row.key, arch)
         if arch not in row.archs or (row.field in fields and key not in meta):
             continue
-        if key in meta:
-            value = row.field_value(_meta_value(meta, key, source, row.type, row.array), fields)
-        elif row.default is not None:
-            value = row.default(fields, meta)
-        else:
-            raise ConfigError(f"{source}: missing metadata key {key!r}")
+        value = _row_value(meta, row, key, fields, source)
         if fields.setdefault(row.field, value) != value:
             raise ConfigError(f"{source}: metadata key {key!r} = {value!r} disagrees with {fields[row.field]!r} "
                               f"given for {row.field} by an earlier key")
+        if row.field == "num_hidden_layers":  # bounded before a later default sizes anything by it
+            check_layer_count(value, source, f"{key!r} - nextn_predict_layers")
     return fields
+
+
+def _row_value(meta: Mapping[str, Any], row: ModelKey, key: str, fields: Mapping[str, Any], source: str) -> Any:
+    """A row's field from its stored value, or llama.cpp's default when the key is absent."""
+    present = key in meta
+    if not present and row.default is None:
+        raise ConfigError(f"{source}: missing metadata key {key!r}")
+    stored = _meta_value(meta, key, source, row.type, row.array) if present else None
+    try:
+        return row.field_value(stored, fields) if present else row.default(fields, meta)
+    except ConfigError as exc:  # a decode's or a default's own check, e.g. a positive interval
+        raise ConfigError(f"{source}: metadata key {key!r}: {exc}") from None
 
 
 def _token_id(meta: Mapping[str, Any], key: str, source: str) -> int | None:
@@ -349,12 +362,10 @@ def config_from_gguf(meta: Mapping[str, Any], source: str) -> ModelConfig:
     tokens = m.get(Keys.Tokenizer.LIST)
     if tokens is not None and not is_metadata_array(tokens):
         raise ConfigError(f"{source}: metadata key {Keys.Tokenizer.LIST!r} should be an array")
-    fields = _model_keys(m, arch, source)
     nextn_key = gguf_key(Keys.LLM.NEXTN_PREDICT_LAYERS, arch)
-    nextn = _meta_value(m, nextn_key, source, GGUFValueType.UINT32) if nextn_key in m else 0  # MTP blocks
-    fields["num_hidden_layers"] -= nextn
-    check_layer_count(fields["num_hidden_layers"], source,
-                      f"{gguf_key(Keys.LLM.BLOCK_COUNT, arch)!r} - nextn_predict_layers")
+    if nextn_key in m:
+        _meta_value(m, nextn_key, source, GGUFValueType.UINT32)  # an integer, or a ConfigError naming the key
+    fields = _model_keys(without_mtp_blocks(m, arch), arch, source)
     spec = ARCHS[arch]
     eos = _token_id(m, Keys.Tokenizer.EOS_ID, source)
     fields.update(
@@ -366,9 +377,7 @@ def config_from_gguf(meta: Mapping[str, Any], source: str) -> ModelConfig:
         eos_token_ids=(eos,) if eos is not None else (),
     )
     if spec.hybrid:
-        interval = fields["full_attention_interval"]
-        if interval <= 0:
-            raise ConfigError(f"{source}: {gguf_key(Keys.LLM.FULL_ATTENTION_INTERVAL, arch)!r} must be positive")
+        interval = fields["full_attention_interval"]  # positive: the table's row checks it
         fields.setdefault("layer_types", layer_types_from_interval(fields["num_hidden_layers"], interval))
         fields["v_head_order"] = V_HEAD_TILED
     return _build(fields, source)

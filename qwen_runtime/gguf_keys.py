@@ -5,6 +5,10 @@ type, the architectures whose files carry it (llama.cpp reads it for them), wher
 writes it, and llama.cpp's value when it is absent.  :func:`qwen_runtime.config.config_from_gguf` reads the
 keys, ``qwen_convert.gguf_metadata`` writes them and ``qwen_convert.verify`` checks them against the
 source.  Key names are ``gguf.Keys`` templates, expanded per architecture by :func:`gguf_key`.
+
+A new key is one row: ``encode``/``decode`` where the stored value is not the field itself (a per-layer bool
+array for ``layer_types``, say), a ``default`` where llama.cpp derives it when absent, and a ``decode`` that
+raises :class:`~qwen_runtime.errors.ConfigError` for values no model can have (the reader adds file and key).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from gguf import GGUFValueType, Keys
 
 from .archs import QWEN2, QWEN3, QWEN35
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     from .config import ModelConfig
@@ -57,10 +62,26 @@ def gguf_key(template: str, arch: str) -> str:
     return template.format(arch=arch)
 
 
+def without_mtp_blocks(meta: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """``meta`` with ``block_count`` net of the multi-token-prediction blocks that newer converters append and
+    count in ``nextn_predict_layers``, so that it counts the decoder layers the table's fields describe."""
+    meta = dict(meta)
+    block_key, nextn = gguf_key(Keys.LLM.BLOCK_COUNT, arch), meta.get(gguf_key(Keys.LLM.NEXTN_PREDICT_LAYERS, arch), 0)
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in (meta.get(block_key), nextn)):
+        meta[block_key] -= nextn
+    return meta
+
+
 def _rope_sections(c: ModelConfig) -> list[int]:
     """IMROPE sections padded to 4; without mrope_section every rotary slot uses the text position."""
     sections = list(c.mrope_sections) or [c.rotary_dim // 2]
     return (sections + [0, 0, 0, 0])[:4]
+
+
+def _positive(value: int, fields: Fields) -> int:
+    if value <= 0:
+        raise ConfigError(f"must be positive, got {value}")
+    return value
 
 
 def _head_size(fields: Fields, meta: Mapping[str, Any]) -> int:
@@ -96,5 +117,6 @@ MODEL_KEYS: tuple[ModelKey, ...] = (
     ModelKey(Keys.SSM.TIME_STEP_RANK, UINT32, "linear_num_value_heads", (QWEN35,)),
     ModelKey(Keys.SSM.INNER_SIZE, UINT32, "linear_value_head_dim", (QWEN35,), encode=lambda c: c.linear_value_dim,
              decode=lambda v, f: v // max(f["linear_num_value_heads"], 1)),
-    ModelKey(Keys.LLM.FULL_ATTENTION_INTERVAL, UINT32, "full_attention_interval", (QWEN35,), lambda f, m: 4),
+    ModelKey(Keys.LLM.FULL_ATTENTION_INTERVAL, UINT32, "full_attention_interval", (QWEN35,), lambda f, m: 4,
+             decode=_positive),
 )

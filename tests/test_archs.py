@@ -10,8 +10,9 @@ from runtime_helpers import fixture_dir
 
 from qwen_runtime.archs import ARCHS, FULL_ATTENTION, LINEAR_ATTENTION, layer_types_from_interval
 from qwen_runtime.config import HF_ARCHITECTURES, ModelConfig, config_from_gguf, hf_arch
+from qwen_runtime.errors import ConfigError
 from qwen_runtime.formats import open_model_files
-from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key
+from qwen_runtime.gguf_keys import MODEL_KEYS, ModelKey, gguf_key
 
 FIXTURES = ("qwen2-tiny", "deepseek-tiny", "qwen3-tiny", "qwen35-tiny", "qwen35-tiny-gqa")
 
@@ -54,3 +55,42 @@ def test_layer_types_from_the_interval() -> None:
     assert layer_types_from_interval(8, 4) == (LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,) + (LINEAR_ATTENTION,) * 3 + (
         FULL_ATTENTION,)
     assert layer_types_from_interval(2, 1) == (FULL_ATTENTION, FULL_ATTENTION)
+
+
+def test_a_per_layer_key_is_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bool array carrying layer_types (as llama.cpp's recurrent_layers does) needs nothing but its row."""
+    import qwen_runtime.config
+
+    def from_interval(fields, meta):
+        return layer_types_from_interval(fields["num_hidden_layers"], fields["full_attention_interval"])
+
+    row = ModelKey("{arch}.attention.recurrent_layers", gguf.GGUFValueType.BOOL, "layer_types", ("qwen35",),
+                   from_interval, encode=lambda c: [t == LINEAR_ATTENTION for t in c.layer_types],
+                   decode=lambda v, f: tuple(LINEAR_ATTENTION if r else FULL_ATTENTION for r in v), array=True)
+    monkeypatch.setattr(qwen_runtime.config, "MODEL_KEYS", (*MODEL_KEYS, row))
+    config = open_model_files(fixture_dir("qwen35-tiny")).config
+    meta = {gguf.Keys.General.ARCHITECTURE: config.arch, gguf.Keys.Tokenizer.LIST: ["t"] * config.vocab_size}
+    meta |= {gguf_key(r.key, config.arch): r.value(config) for r in (*MODEL_KEYS, row)}
+    assert config_from_gguf(meta, "f.gguf").layer_types == config.layer_types
+    flipped = [not r for r in meta["qwen35.attention.recurrent_layers"]]
+    meta["qwen35.attention.recurrent_layers"] = flipped
+    assert config_from_gguf(meta, "f.gguf").is_linear(3)
+    del meta["qwen35.attention.recurrent_layers"]
+    assert config_from_gguf(meta, "f.gguf").layer_types == config.layer_types
+    meta["qwen35.attention.recurrent_layers"] = [1, 0]
+    with pytest.raises(ConfigError, match="recurrent_layers' should be an array of booleans"):
+        config_from_gguf(meta, "f.gguf")
+
+
+def test_gguf_metadata_errors_name_the_file_and_key() -> None:
+    config = open_model_files(fixture_dir("qwen35-tiny")).config
+    meta = {gguf.Keys.General.ARCHITECTURE: config.arch, gguf.Keys.Tokenizer.LIST: ["t"] * config.vocab_size}
+    meta |= {gguf_key(r.key, config.arch): r.value(config) for r in MODEL_KEYS if r.written_for(config.arch)}
+    with pytest.raises(ConfigError, match=r"f\.gguf: metadata key 'qwen35\.full_attention_interval': must be positive"):
+        config_from_gguf({**meta, "qwen35.full_attention_interval": 0}, "f.gguf")
+    with pytest.raises(ConfigError, match=r"f\.gguf: 'qwen35\.block_count' - nextn_predict_layers must be in"):
+        config_from_gguf({**meta, "qwen35.block_count": 10**9}, "f.gguf")
+    with pytest.raises(ConfigError, match="disagrees with"):
+        config_from_gguf({**meta, "qwen35.attention.value_length": config.head_dim + 1}, "f.gguf")
+    assert config_from_gguf({**meta, "qwen35.block_count": config.num_hidden_layers + 1,
+                             "qwen35.nextn_predict_layers": 1}, "f.gguf") == config_from_gguf(meta, "f.gguf")
