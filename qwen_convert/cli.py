@@ -69,7 +69,7 @@ def convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", metavar="DIR", help="batch mode: write <model>-<dtype>.gguf / <model>-<dtype>/ here")
     p.add_argument("--format", type=lambda v: _csv(v, FORMATS, "format"), help="npy or gguf (batch: comma list)")
     p.add_argument("--dtype", type=lambda v: _csv(v, tuple(DTYPES), "dtype"), default=["fp16"],
-                   help="fp32, fp16 or q8_0 (batch: comma list; default fp16)")
+                   help=f"{', '.join(DTYPES)} (batch: comma list; default fp16)")
     p.add_argument("--jobs", type=int, default=1, help="batch mode: conversions run in parallel (local executor)")
     p.add_argument("--executor", choices=EXECUTORS, default=LOCAL, help="batch mode: run the conversions in this "
                    "process (local) or as Ray tasks, one per output, each declaring the memory it needs (ray; "

@@ -2,8 +2,8 @@
 
 The rules are llama.cpp's ``prepare_tensors``: F32 for tensors of at most one dimension, for names ending
 in ``_norm.weight``, for names not ending in ``.weight`` (``ssm_a``, biases) and for ``ssm_conv1d``;
-every other tensor (embedding and output included) gets the output type.  A Q8_0 tensor whose row length
-is not a multiple of the block size falls back to F16, with a logged note.
+every other tensor (embedding and output included) gets the output type.  A quantized tensor (q8_0, q4_0,
+q4_1, q5_0, q5_1) whose row length is not a multiple of the block size falls back to F16, with a logged note.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from gguf import MODEL_TENSOR, TENSOR_NAMES, LlamaFileType
 
 from qwen_runtime.errors import QwenError
-from qwen_runtime.tensors import Q8_0_BLOCK, QType, stored_nbytes
+from qwen_runtime.quants import codec
+from qwen_runtime.tensors import QType, stored_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +25,10 @@ DTYPES: dict[str, tuple[QType, LlamaFileType]] = {
     "fp32": (QType.F32, LlamaFileType.ALL_F32),
     "fp16": (QType.F16, LlamaFileType.MOSTLY_F16),
     "q8_0": (QType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": (QType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "q4_1": (QType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+    "q5_0": (QType.Q5_0, LlamaFileType.MOSTLY_Q5_0),
+    "q5_1": (QType.Q5_1, LlamaFileType.MOSTLY_Q5_1),
 }
 # Tensor kinds llama.cpp always keeps in F32 whatever their shape (the ones Qwen models have).
 F32_KINDS = frozenset(TENSOR_NAMES[kind] for kind in (MODEL_TENSOR.SSM_CONV1D,))
@@ -57,15 +62,16 @@ def tensor_kind(name: str) -> str:
 
 
 def tensor_qtype(name: str, shape: tuple[int, ...], dtype: str) -> QType:
-    """The GGML type a canonical tensor is stored as for output ``dtype`` (``fp32``/``fp16``/``q8_0``)."""
+    """The GGML type a canonical tensor is stored as for output ``dtype`` (a key of :data:`DTYPES`)."""
     if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
         return QType.F32
     if tensor_kind(name) in F32_KINDS:
         return QType.F32
     qtype = DTYPES[check_dtype(dtype)][0]
-    if qtype == QType.Q8_0 and shape[-1] % Q8_0_BLOCK:
-        logger.info("%s: row length %d is not a multiple of %d, stored as F16 instead of Q8_0",
-                    name, shape[-1], Q8_0_BLOCK)
+    block = codec(qtype).block_size
+    if shape[-1] % block:
+        logger.info("%s: row length %d is not a multiple of %d, stored as F16 instead of %s",
+                    name, shape[-1], block, qtype.name)
         return QType.F16
     return qtype
 

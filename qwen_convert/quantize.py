@@ -2,7 +2,9 @@
 
 Each chunk is widened to float32 (``[rows, n]``) and encoded to the output type's stored layout
 (``[rows, row bytes]``), so memory scales with the chunk, never with the tensor.  The Q8_0 kernel gives
-exactly the bytes of ``gguf.quants.quantize`` (llama.cpp's reference) with fewer temporaries.
+exactly the bytes of ``gguf.quants.quantize`` (llama.cpp's reference) with fewer temporaries; Q4_0, Q4_1, Q5_0
+and Q5_1 are ``gguf.quants.quantize`` itself, which gives the bytes of llama.cpp's quantizer
+(tests/test_convert_quantize.py and tests/test_quant_writers.py check both).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 
 import numpy as np
+from gguf import quants
 
 from qwen_runtime.errors import FormatError
 from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_BYTES, QType, StoredTensor, stored_shape, to_float32
 
 CHUNK_ELEMENTS = 1 << 20  # float32 elements widened at once (4 MiB)
+GGUF_QUANTIZED = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)  # encoded by gguf.quants
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
@@ -56,6 +60,8 @@ def encode_rows(x: np.ndarray, qtype: QType) -> np.ndarray:
         return x.astype(np.float16)
     if qtype == QType.Q8_0:
         return quantize_q8_0(x)
+    if qtype in GGUF_QUANTIZED:
+        return quants.quantize(x, qtype)
     raise FormatError(f"cannot write tensors of type {qtype.name}")
 
 
@@ -69,7 +75,7 @@ def stream_rows(tensor: StoredTensor, qtype: QType) -> Iterator[np.ndarray]:
     Concatenated, the chunks are the bytes of the tensor stored as ``qtype``.  A chunk may reuse the
     previous chunk's buffer: consume it (write, hash) before asking for the next one.
     """
-    stored_shape(qtype, tensor.shape)  # refuses a Q8_0 row length that is not a multiple of 32
+    stored_shape(qtype, tensor.shape)  # refuses a row length that is not a multiple of the block
     source = tensor.rows2d()  # one memory map for the whole tensor: [rows, stored row length]
     width = tensor.shape[-1] if tensor.shape else 1
     step = rows_per_chunk(width)

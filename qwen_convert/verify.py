@@ -22,6 +22,12 @@ Per-element bounds on ``e = |undo(output) - source|`` (the output's storage type
 * Q8_0: ``e <= d/2 + 127·|fp16(d) - d|`` per 32-block, ``d = amax/127`` of the source block: half a step
   from rounding ``x/d``, plus the fp16 rounding of the scale that every ``|q| <= 127`` multiplies (and 1e-4·d
   for ``x·(1/d)`` computed in float32, as ggml does).
+* The 4- to 6-bit types (Q4_0 ... Q6_K, IQ4_NL, IQ4_XS): every quantizer we know (ours, which is gguf-py's, and
+  llama.cpp's without an importance matrix) rounds each value to the nearest point of its sub-block's grid,
+  computed from the *stored* scales (llama.cpp recomputes the integers after quantizing the scales), so
+  ``e <= step/2 + dist(source, grid range)`` from the stored sub-block (``Codec.rounding_bound``; IQ4's step
+  is its largest gap between levels), plus 1/32 of a step for the float16 rounding of a 32-block scale the
+  integers were computed with (<= 16·2^-11 steps) and float32 arithmetic.
 * (1 + w) norms: ``e <= eps_src·|output|`` on top: llama.cpp adds the 1 to the source-dtype torch tensor
   (bf16: eps = 2^-7) before upcasting.  A +1 applied twice or not at all is off by exactly 1.
 * ``ssm_a = -exp(A_log)`` is undone as ``log(-ssm_a)`` in float64.  A relative error r of the stored exp
@@ -63,6 +69,7 @@ from qwen_runtime.naming import (
     tile_v_heads,
 )
 from qwen_runtime.quants import CODECS
+from qwen_runtime.quants.blocks import BlockCodec
 from qwen_runtime.tensors import Q8_0_BLOCK, QType, StoredTensor, stored_shape, stored_view, to_float32
 
 from .gguf_metadata import special_vocab, token_table, tokenizer_pre
@@ -309,7 +316,10 @@ def aligned_source(entry: SafetensorsEntry, plan: TensorPlan, out_shape: tuple[i
         yield start, to_float32(entry.qtype, np.ascontiguousarray(rows))
 
 
-def storage_bound(qtype: QType, stored: np.ndarray, source: np.ndarray) -> np.ndarray:
+GRID_SLACK = 1 / 32  # steps, for the 4- to 6-bit types (module docstring)
+
+
+def storage_bound(qtype: QType, raw: np.ndarray, stored: np.ndarray, source: np.ndarray) -> np.ndarray:
     """Per-element bound of the output's storage rounding (module docstring), float64 ``[rows, n]``."""
     if qtype == QType.F32:
         return np.zeros(stored.shape)
@@ -324,6 +334,8 @@ def storage_bound(qtype: QType, stored: np.ndarray, source: np.ndarray) -> np.nd
         d = d.astype(np.float64)
         bound = d * (0.5 + Q8_0_ROUNDING_SLACK) + 127 * np.abs(d16 - d)
         return np.broadcast_to(bound, blocks.shape).reshape(source.shape)
+    if isinstance(CODECS.get(qtype), BlockCodec):
+        return CODECS[qtype].rounding_bound(np.ascontiguousarray(raw), source, GRID_SLACK)
     raise FormatError(f"cannot verify tensors stored as {qtype.name}")
 
 
@@ -347,10 +359,11 @@ def compare_tensor(out: StoredTensor, src: SourceTensor, config: ModelConfig) ->
     # Value transforms are undone on the output; the squeeze only reshapes, so the source is read as [C, K].
     inverse = INVERSE_TRANSFORMS[src.plan.transform if src.plan.transform in VALUE_TRANSFORMS else NO_TRANSFORM]
     for start, source in aligned_source(src.entry, src.plan, out.shape, config):
-        stored = to_float32(out.qtype, stored_rows[start:start + len(source)])
+        raw = stored_rows[start:start + len(source)]
+        stored = to_float32(out.qtype, raw)
         with np.errstate(invalid="ignore", divide="ignore"):
             undone = inverse(stored)
-        base = storage_bound(out.qtype, stored, source)
+        base = storage_bound(out.qtype, raw, stored, source)
         bound = transform_bound(src.plan, stored, undone, base, src.entry.qtype)
         stats.add(undone, source, bound, start)
     return stats

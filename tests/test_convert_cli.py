@@ -261,7 +261,7 @@ def test_usage_errors(capsys, tmp_path: Path, model: Path) -> None:
     with pytest.raises(SystemExit):
         convert_main([str(model)])
     with pytest.raises(SystemExit):
-        convert_main([str(model), "-o", str(tmp_path / "x"), "--dtype", "q4_0"])
+        convert_main([str(model), "-o", str(tmp_path / "x"), "--dtype", "q3_k"])
     with pytest.raises(SystemExit):
         convert_main([str(model), str(model), "-o", str(tmp_path / "x")])
     capsys.readouterr()

@@ -7,6 +7,9 @@ most rows), our converter writes an F32 GGUF and ``llama_model_quantize`` turns 
 each file:
 
 * the tensor types are the ones asked for (pure) or llama.cpp's mixture, so each type is really exercised;
+* ``--verify-against`` the source passes its tensor and metadata checks: llama.cpp's quantizer (without an
+  importance matrix) rounds every value to the nearest point of its stored sub-block grid, the bound of
+  ``qwen_convert.verify``;
 * our logits equal transformers' on the same GGUF (``from_pretrained(dir, gguf_file=...)``, which dequantizes
   through gguf-py to float32) within 1e-4 absolute: both multiply the same float32 weights;
 * llama.cpp's logits are within :data:`LLAMA_FACTOR` x ``E8`` + 1 % of max |logit|.  llama.cpp quantizes the
@@ -40,6 +43,7 @@ import llama_interop as li  # noqa: E402
 
 import qwen_runtime  # noqa: E402
 from qwen_convert.convert import convert  # noqa: E402
+from qwen_convert.verify import verify_against  # noqa: E402
 from qwen_runtime.formats.gguf_parse import parse_gguf  # noqa: E402
 
 MODELS = tuple(interop_models.QUANT_MODELS)
@@ -127,6 +131,8 @@ def test_llama_quantized_file_matches_transformers_and_llama(files: Files, model
         assert set(types.values()) <= {wanted, fallback}, types
         if model == "qwen3":
             assert set(types.values()) == {wanted}, types
+    report = verify_against(path, files.dirs[model], behaviour=False)
+    assert report.ok, report.failures()
     got = ours(path)
     expected = hf_gguf_logits(path)
     hf_error = float(np.abs(got - expected).max())
@@ -137,3 +143,14 @@ def test_llama_quantized_file_matches_transformers_and_llama(files: Files, model
     bound = LLAMA_FACTOR * e8 + LLAMA_FLOOR * float(np.abs(got).max())
     assert llama_error <= bound, (f"{path.parent.name}: max |llama.cpp - ours| = {llama_error:.3g} > {bound:.3g} "
                                   f"(E8 {e8:.3g}, ratio {llama_error / e8:.2f})")
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
+def test_our_quantized_files_hold_llama_cpp_quantizer_bytes(files: Files, model: str, dtype: str) -> None:
+    """Our --dtype output, from the same float32 values, holds exactly what llama.cpp's quantizer writes."""
+    ours_path = convert(files.dirs[model], files.root / f"{model}-ours-{dtype}.gguf", fmt="gguf", dtype=dtype).output
+    theirs_path = files.quantized(model, dtype.upper(), True)
+    ours_file, theirs_file = li.gguf_structure(ours_path), li.gguf_structure(theirs_path)
+    assert ours_file.tensors == theirs_file.tensors  # names, shapes and types
+    assert li.data_diff(ours_file, theirs_file) == []

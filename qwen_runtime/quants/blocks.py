@@ -48,6 +48,8 @@ class BlockCodec(Codec):
     ``subtracts`` and implement :meth:`reference`, :meth:`ints` and :meth:`scales`."""
 
     sub: int  # values per scale (sub-block)
+    int_range: tuple[int, int]  # the integer parts a value can have (IQ4: its levels)
+    max_gap = 1  # largest distance between neighbouring integer parts (IQ4's levels are uneven)
     has_offset = False
     subtracts = False  # value = scale * int - offset (K-quant minimums) instead of + offset
 
@@ -138,6 +140,25 @@ class BlockCodec(Codec):
 
     def kernel(self, raw: np.ndarray) -> BlockKernel:
         return BlockKernel(self, raw)
+
+    def rounding_bound(self, raw: np.ndarray, source: np.ndarray, slack: float) -> np.ndarray:
+        """Per-element bound on ``|decode(raw) - source|`` for a quantizer that rounds every value to the
+        nearest point of its sub-block's grid: half the largest grid step (plus ``slack`` steps), plus how
+        far ``source`` lies outside the grid's range (values clamped to its ends).  float64 ``[R, n]``."""
+        scratch = Scratch()
+        fields = self.field_major(raw, scratch)
+        scale, offset = (a.astype(np.float64) if a is not None else None for a in self.scales(fields, scratch))
+        sign = -1.0 if self.subtracts else 1.0
+        ends = [scale * q + (sign * offset if offset is not None else 0.0) for q in self.int_range]  # [J, nb, R]
+        lo, hi = np.minimum(*ends), np.maximum(*ends)
+        step = np.abs(scale) * self.max_gap * (0.5 + slack)
+
+        def per_element(a: np.ndarray) -> np.ndarray:  # [J, nb, R] -> [R, nb * block]
+            return np.repeat(a.transpose(2, 1, 0), self.sub, axis=2).reshape(len(raw), -1)
+
+        x = source.astype(np.float64)
+        outside = np.maximum(np.maximum(per_element(lo) - x, x - per_element(hi)), 0.0)
+        return per_element(step) + outside
 
 
 class BlockKernel:

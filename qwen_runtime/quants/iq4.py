@@ -30,7 +30,7 @@ def _levels(indices: np.ndarray, out: np.ndarray) -> None:
 
 class IQ4_NL(BlockCodec):
     qtype = QType.IQ4_NL
-    sub = 32
+    sub, int_range, max_gap = 32, (int(IQ4_LEVELS[0]), int(IQ4_LEVELS[-1])), int(np.diff(IQ4_LEVELS).max())
 
     def reference(self, raw: np.ndarray) -> np.ndarray:
         blocks = raw.reshape(-1, self.type_size)
@@ -49,7 +49,7 @@ class IQ4_NL(BlockCodec):
 
 class IQ4_XS(BlockCodec):
     qtype = QType.IQ4_XS
-    sub = 32
+    sub, int_range, max_gap = 32, (int(IQ4_LEVELS[0]), int(IQ4_LEVELS[-1])), int(np.diff(IQ4_LEVELS).max())
 
     def reference(self, raw: np.ndarray) -> np.ndarray:
         blocks = raw.reshape(-1, self.type_size)

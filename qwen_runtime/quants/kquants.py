@@ -59,7 +59,7 @@ def _by_sub(values: np.ndarray, sub: int) -> np.ndarray:
 
 class Q2_K(BlockCodec):
     qtype = QType.Q2_K
-    sub, has_offset, subtracts = 16, True, True
+    sub, has_offset, subtracts, int_range = 16, True, True, (0, 3)
 
     def reference(self, raw: np.ndarray) -> np.ndarray:
         blocks = raw.reshape(-1, self.type_size)
@@ -89,7 +89,7 @@ class Q2_K(BlockCodec):
 
 class Q3_K(BlockCodec):
     qtype = QType.Q3_K
-    sub = 16
+    sub, int_range = 16, (-4, 3)
 
     def reference(self, raw: np.ndarray) -> np.ndarray:
         blocks = raw.reshape(-1, self.type_size)
@@ -184,17 +184,17 @@ class _Q45_K(BlockCodec):
 
 class Q4_K(_Q45_K):
     qtype = QType.Q4_K
-    qs_at = 16
+    qs_at, int_range = 16, (0, 15)
 
 
 class Q5_K(_Q45_K):
     qtype = QType.Q5_K
-    qs_at = 48
+    qs_at, int_range = 48, (0, 31)
 
 
 class Q6_K(BlockCodec):
     qtype = QType.Q6_K
-    sub = 16
+    sub, int_range = 16, (-32, 31)
 
     def reference(self, raw: np.ndarray) -> np.ndarray:
         blocks = raw.reshape(-1, self.type_size)

@@ -65,23 +65,23 @@ class _Legacy(BlockCodec):
 
 class Q4_0(_Legacy):
     qtype = QType.Q4_0
-    qs_at, bias = 2, 8
+    qs_at, bias, int_range = 2, 8, (-8, 7)
     npy_dtype = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
 
 
 class Q4_1(_Legacy):
     qtype = QType.Q4_1
-    qs_at, has_offset = 4, True
+    qs_at, has_offset, int_range = 4, True, (0, 15)
     npy_dtype = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))])
 
 
 class Q5_0(_Legacy):
     qtype = QType.Q5_0
-    qh_at, qs_at, bias = 2, 6, 16
+    qh_at, qs_at, bias, int_range = 2, 6, 16, (-16, 15)
     npy_dtype = np.dtype([("d", "<f2"), ("qh", "u1", (4,)), ("qs", "u1", (16,))])
 
 
 class Q5_1(_Legacy):
     qtype = QType.Q5_1
-    qh_at, qs_at, has_offset = 4, 8, True
+    qh_at, qs_at, has_offset, int_range = 4, 8, True, (0, 31)
     npy_dtype = np.dtype([("d", "<f2"), ("m", "<f2"), ("qh", "u1", (4,)), ("qs", "u1", (16,))])
