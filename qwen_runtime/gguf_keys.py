@@ -15,18 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gguf import GGUFValueType, Keys
 
 from .archs import QWEN2, QWEN3, QWEN35
 from .errors import ConfigError
 
-if TYPE_CHECKING:
-    from .config import ModelConfig
-
 UINT32, FLOAT32, INT32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.INT32
 ALL = (QWEN2, QWEN3, QWEN35)
+Config = Any  # a qwen_runtime.config.ModelConfig (config.py reads through this table, so it is not imported here)
 Fields = Mapping[str, Any]  # ModelConfig fields by name (those read so far, for the reader)
 # A default is called with the fields and the file's metadata (the vocabulary size defaults to the token count).
 
@@ -41,14 +39,14 @@ class ModelKey:
     archs: tuple[str, ...]  # architectures whose files carry it (llama.cpp reads it for them)
     default: Callable[[Fields, Mapping[str, Any]], Any] | None = None  # llama.cpp's value when absent; None: required
     written: tuple[str, ...] | None = None  # where llama.cpp's converter (and ours) writes it; None: every arch
-    encode: Callable[[ModelConfig], Any] | None = None  # the stored value, when not the field itself
+    encode: Callable[[Config], Any] | None = None  # the stored value, when not the field itself
     decode: Callable[[Any, Fields], Any] | None = None  # the field from the stored value, when not the value itself
     array: bool = False
 
     def written_for(self, arch: str) -> bool:
         return arch in (self.archs if self.written is None else self.written)
 
-    def value(self, config: ModelConfig) -> Any:
+    def value(self, config: Config) -> Any:
         """The value a file of ``config`` stores under this key."""
         return self.encode(config) if self.encode else getattr(config, self.field)
 
@@ -72,7 +70,7 @@ def without_mtp_blocks(meta: Mapping[str, Any], arch: str) -> dict[str, Any]:
     return meta
 
 
-def _rope_sections(c: ModelConfig) -> list[int]:
+def _rope_sections(c: Config) -> list[int]:
     """IMROPE sections padded to 4; without mrope_section every rotary slot uses the text position."""
     sections = list(c.mrope_sections) or [c.rotary_dim // 2]
     return (sections + [0, 0, 0, 0])[:4]

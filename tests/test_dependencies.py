@@ -139,3 +139,26 @@ def test_the_reader_resolves_relative_imports() -> None:
             "qwen_runtime.chat"} <= names
     assert imports_of("from .chat import ChatFormat\n", RUNTIME, is_package=True) >= {"qwen_runtime.chat"}
     assert runtime_layer("qwen_runtime.chat") > runtime_layer("qwen_runtime.models.transformer")
+
+
+def test_no_import_cycles() -> None:
+    """Inside a layer too, no module reaches itself through imports (type-checking ones included)."""
+    modules = {module_name(p): p for d in sorted(PACKAGE_IMPORTS) for p in source_files(d)}
+    # A package's __init__ hands names on (and imports its submodules), so an import of it is not followed.
+    graph = {m: {n for n in imported_modules(p) if n in modules and n != m and modules[n].name != "__init__.py"}
+             for m, p in modules.items()}
+    cycles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycles.append(" -> ".join(path[path.index(module):] + [module]))
+            return
+        if module in done:
+            return
+        for dep in sorted(graph[module]):
+            visit(dep, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert not cycles, "\n".join(cycles)
