@@ -8,22 +8,29 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf import quants
 from test_runtime_weights import stored
 
 from qwen_runtime.cache import BatchState
 from qwen_runtime.models.attention import attend
-from qwen_runtime.tensors import QType
+from qwen_runtime.tensors import QType, StoredTensor
 from qwen_runtime.weights import Workspace, gated_matmul, make_weight, matmul_many
 
 
-@pytest.mark.parametrize("qtype", [QType.F32, QType.F16, QType.BF16, QType.Q8_0])
+def stored_any(qtype: QType, w: np.ndarray) -> StoredTensor:
+    if qtype in (QType.F32, QType.F16, QType.BF16, QType.Q8_0):
+        return stored(qtype, w)
+    return StoredTensor("w", qtype, w.shape, "mem", data=quants.quantize(w, qtype))
+
+
+@pytest.mark.parametrize("qtype", [QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0])
 @pytest.mark.parametrize("n", [2, 9, 16])
 def test_rowwise_products_equal_each_row_alone(qtype: QType, n: int) -> None:
     rng = np.random.default_rng(1)
     w = rng.normal(0, 0.05, (200, 128)).astype(np.float32)
     x = rng.normal(0, 1, (n, 128)).astype(np.float32)
     ws = Workspace(threads=2)
-    weight, up = (make_weight(stored(qtype, m), ws, tile_elements=50 * 128) for m in (w, w[::-1].copy()))
+    weight, up = (make_weight(stored_any(qtype, m), ws, tile_elements=50 * 128) for m in (w, w[::-1].copy()))
     with ws.rowwise():
         alone = np.concatenate([weight.matmul(x[i:i + 1]) for i in range(n)])
         gated_alone = np.concatenate([gated_matmul(weight, up, x[i:i + 1]) for i in range(n)])
@@ -36,6 +43,8 @@ def test_rowwise_products_equal_each_row_alone(qtype: QType, n: int) -> None:
     reference = x @ weight.to_float32().T
     np.testing.assert_allclose(together, reference, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(weight.matmul(x), reference, rtol=1e-5, atol=1e-5)
+    if qtype in (QType.F32, QType.F16, QType.BF16):
+        assert np.array_equal(alone[:1], weight.matmul(x[:1]))  # a lone row: the numbers of the plain kernel
 
 def test_ragged_attention_equals_each_row_alone() -> None:
     """Rows holding 3, 11 and 7 tokens attend over exactly their own slots, as if each were alone."""

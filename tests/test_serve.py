@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -357,3 +358,47 @@ def test_streamed_text_never_splits_a_character(tmp_path) -> None:
                                                       max_tokens=10, temperature=0, stream=True)
         texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert "".join(texts) == "世!" and "\ufffd" not in "".join(texts)
+
+
+def test_memory_limit_makes_requests_wait_or_refuses_them() -> None:
+    with running_server(fixture_dir("qwen3-tiny"), max_batch=4) as srv:
+        engine = srv.engine
+        prompt_tokens = len(http("POST", f"{srv.url}/tokenize", {"prompt": "def fib(n):"})[2]["tokens"])
+        # the first request's reservation leaves a byte less than the second one needs
+        engine.memory_limit = engine.activations + engine.job_bytes(prompt_tokens, 300, 1) + \
+            engine.job_bytes(prompt_tokens, 3, 1) - 1
+        status, _, reply = http("POST", f"{srv.url}/v1/completions", {"prompt": "def fib(n):", "max_tokens": 900})
+        assert status == 400 and error_of(status, reply)["code"] == "request_too_large"
+        first = srv.client().completions.create(model="qwen3-tiny", prompt="def fib(n):", max_tokens=300,
+                                                stream=True, **GREEDY)
+        next(iter(first))
+        second = {}
+        waiting = threading.Thread(target=lambda: second.update(reply=srv.client().completions.create(
+            model="qwen3-tiny", prompt="def fib(n):", max_tokens=3, **GREEDY)))
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while engine.status()["waiting"] != 1:  # rows are free, memory is not
+            assert time.monotonic() < deadline and "reply" not in second
+            time.sleep(0.01)
+        first.close()
+        waiting.join(timeout=60)
+        assert second["reply"].usage.completion_tokens <= 3
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(server: RunningServer,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = server.engine
+    real = engine._decode_step
+    calls = []
+
+    def broken() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure")
+        real()
+
+    monkeypatch.setattr(engine, "_decode_step", broken)
+    with pytest.raises(openai.InternalServerError, match="injected failure"):
+        chat(server.client(), "Explain attention", max_tokens=8)
+    assert chat(server.client(), "Explain attention", max_tokens=8).usage.completion_tokens > 0
+    assert http("GET", f"{server.url}/health")[2]["status"] == "ok"

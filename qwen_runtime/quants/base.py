@@ -7,7 +7,8 @@ A :class:`Codec` is one GGML type: its block geometry (from ``gguf.GGML_QUANT_SI
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -39,6 +40,15 @@ class TileKernel(Protocol):
 
     def product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
         """``out = x @ W[r0:r1].T`` for ``xk = prepare(x)``; ``out`` is [N, r1 - r0], any leading stride."""
+
+
+@runtime_checkable
+class RowTileKernel(TileKernel, Protocol):
+    """A kernel that can also multiply a tile by activation rows one at a time, decoding the tile once."""
+
+    def product_rows(self, r0: int, r1: int, xks: Sequence[object], out: np.ndarray, scratch: Scratch) -> None:
+        """``out[i] = x[i] @ W[r0:r1].T`` for ``xks[i] = prepare(x[i:i+1])``, each row by the same operations
+        whatever the other rows (a row's numbers may differ from :meth:`product`'s in the last bits)."""
 
 
 class Codec:

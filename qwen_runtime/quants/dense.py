@@ -7,6 +7,8 @@ are small enough, the widening skips its multiply by scaling the activations by 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from ..pool import Scratch
@@ -74,6 +76,12 @@ class DenseKernel:
         tile = scratch.array("tile", raw.shape)
         np.matmul(xk, self.codec.decode(raw, tile, scratch).T, out=out)
 
+    def product_rows(self, r0: int, r1: int, xks: Sequence[object], out: np.ndarray, scratch: Scratch) -> None:
+        raw = self.raw[r0:r1]
+        tile = self.codec.decode(raw, scratch.array("tile", raw.shape), scratch)
+        for i, x in enumerate(xks):
+            np.matmul(x, tile.T, out=out[i:i + 1])
+
 
 class F16Kernel(DenseKernel):
     """F16 tiles, checked for inf/NaN once each; finite tiles are widened in two passes (prescaled activations)."""
@@ -95,6 +103,19 @@ class F16Kernel(DenseKernel):
             np.matmul(prescaled, f16_bits_to_prescaled(raw, tile).T, out=out)
         else:
             np.matmul(x, f16_bits_to_f32(raw, tile, scratch).T, out=out)
+
+    def product_rows(self, r0: int, r1: int, xks: Sequence[object], out: np.ndarray, scratch: Scratch) -> None:
+        raw = self.raw[r0:r1]
+        finite = self._tile_is_finite(r0, raw)
+        prescaled = f16_bits_to_prescaled(raw, scratch.array("tile", raw.shape)) \
+            if finite and any(p is not None for _, p in xks) else None
+        wide = f16_bits_to_f32(raw, scratch.array("wide tile", raw.shape), scratch) \
+            if prescaled is None or any(p is None for _, p in xks) else None
+        for i, (x, p) in enumerate(xks):
+            if p is not None and prescaled is not None:
+                np.matmul(p, prescaled.T, out=out[i:i + 1])
+            else:
+                np.matmul(x, wide.T, out=out[i:i + 1])
 
     def _tile_is_finite(self, r0: int, raw: np.ndarray) -> bool:
         if r0 not in self._finite:

@@ -7,6 +7,8 @@ scale bytes meet zeros in the activations; the block scales are widened to float
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from ..pool import Scratch
@@ -65,9 +67,20 @@ def q8_0_product(raw: np.ndarray, scales: np.ndarray, xq: np.ndarray, scratch: S
     multiplied once.  Equal to the reference up to float32 rounding (the scale is applied to block sums).
     ``out`` is ``[N, R]`` (a column block of the layer's output, any leading stride).  # -> out
     """
-    rows, n, nb = len(raw), xq.shape[0], xq.shape[1]
-    tile = scratch.array("tile", (rows, nb, Q8_0_BYTES))
+    return q8_0_tile_product(q8_0_cast(raw, scratch), scales, xq, scratch, out)
+
+
+def q8_0_cast(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    """Every byte of Q8_0 rows ``raw`` [R, nb * 34], scale bytes included, as float32 ``[R, nb, 34]``."""
+    tile = scratch.array("tile", (len(raw), raw.shape[1] // Q8_0_BYTES, Q8_0_BYTES))
     np.copyto(tile.reshape(raw.shape), raw.view(np.int8), casting="unsafe")
+    return tile
+
+
+def q8_0_tile_product(tile: np.ndarray, scales: np.ndarray, xq: np.ndarray, scratch: Scratch,
+                      out: np.ndarray) -> np.ndarray:
+    """The product of :func:`q8_0_product` from the cast tile ``[R, nb, 34]`` (scaled in place for many rows)."""
+    rows, n, nb = len(tile), xq.shape[0], xq.shape[1]
     if n <= BLOCK_SUM_ROWS:
         sums = scratch.array("block sums", (nb, n, rows))
         np.matmul(xq.transpose(1, 0, 2), tile.transpose(1, 2, 0), out=sums)  # [nb, N, 34] @ [nb, 34, R]
@@ -90,6 +103,14 @@ class Q8_0Kernel:
 
     def product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
         q8_0_product(self.raw[r0:r1], self.tile_scales(r0, r1), xk, scratch, out)
+
+    def product_rows(self, r0: int, r1: int, xks: Sequence[object], out: np.ndarray, scratch: Scratch) -> None:
+        """Each row by one matrix-vector product with the scaled tile (per-row block sums cost ~2x more)."""
+        tile = q8_0_cast(self.raw[r0:r1], scratch)
+        tile *= self.tile_scales(r0, r1).T[:, :, None]
+        flat = tile.reshape(len(tile), -1)  # [R, nb * 34]
+        for i, xq in enumerate(xks):
+            np.matmul(xq.reshape(1, -1), flat.T, out=out[i:i + 1])
 
     def tile_scales(self, r0: int, r1: int) -> np.ndarray:
         """Scales of rows ``r0:r1`` as float32, widened on the tile's first use.  # -> [nb, R]"""
