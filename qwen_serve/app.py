@@ -90,10 +90,12 @@ class ServerState:
 
 def create_app(model: str | Path | Model, *, model_name: str | None = None, max_batch: int = 8,
                max_queue: int = 64, max_memory: int | None = None, api_key: str | None = None,
-               prefill_chunk: int = 128, max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+               prefill_chunk: int = 128, max_context: int | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
     """An ASGI app serving ``model`` (a path or a loaded :class:`Model`); its engine starts with the app.
 
-    ``model_name`` is the name clients pass as ``model`` (default: the file or directory name).
+    ``model_name`` is the name clients pass as ``model`` (default: the file or directory name); the other
+    options are :class:`~qwen_serve.engine.Engine`'s.
     """
     if not isinstance(model, Model):
         model = qwen_runtime.load(model)
@@ -101,7 +103,7 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
     text_ids = frozenset(i for t in (THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE)
                          if (i := fmt.tokenizer.token_id(t)) is not None)
     engine = Engine(model, fmt.tokenizer, fmt.stop_ids, max_batch=max_batch, max_queue=max_queue,
-                    max_memory=max_memory, prefill_chunk=prefill_chunk, text_ids=text_ids)
+                    max_memory=max_memory, prefill_chunk=prefill_chunk, max_context=max_context, text_ids=text_ids)
     name = model_name or (model.path.stem if model.path.is_file() else model.path.name)
     state = ServerState(engine, fmt, name, generation_defaults(model), api_key, max_body_bytes, int(time.time()))
 
@@ -199,7 +201,7 @@ def check_context(state: ServerState, prompt_tokens: int, max_tokens: int | None
         return min(room, DEFAULT_MAX_TOKENS)
     if max_tokens is None or prompt_tokens + max_tokens > state.context:
         asked = f" + {max_tokens} max_tokens" if max_tokens is not None else ""
-        raise APIError(400, f"this model's maximum context length is {state.context} tokens; the request has "
+        raise APIError(400, f"the maximum context length is {state.context} tokens; the request has "
                        f"{prompt_tokens} prompt tokens{asked}", param, "context_length_exceeded")
     return max_tokens
 

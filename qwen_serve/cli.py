@@ -40,6 +40,8 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-memory", type=parse_memory_size, default=None, metavar="SIZE",
                    help="memory for cache and activations, e.g. 4G (default: 80%% of MemAvailable)")
     p.add_argument("--model-name", default=None, help="the name clients use (default: the file or directory name)")
+    p.add_argument("--max-context", type=positive, default=None, metavar="TOKENS",
+                   help="tokens one request may hold, prompt + completion (default: the model's context)")
     p.add_argument("--prefill-chunk", type=positive, default=128,
                    help="prompt tokens prefilled between two decode steps (default 128)")
     p.add_argument("--max-body", type=positive, default=MAX_BODY_BYTES, metavar="BYTES",
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(args.model, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                      max_memory=args.max_memory, api_key=args.api_key, prefill_chunk=args.prefill_chunk,
-                     max_body_bytes=args.max_body)
+                     max_context=args.max_context, max_body_bytes=args.max_body)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from qwen_runtime.errors import ResourceLimitError
 from qwen_runtime.limits import activation_bytes, default_memory_limit, format_bytes, kv_cache_bytes
 from qwen_runtime.models import Model
 from qwen_runtime.sampling import SamplingParams, sample
@@ -170,27 +171,32 @@ class Engine:
     """Owns a model and serves :class:`Job` s with continuous batching on a thread of its own.
 
     ``max_batch`` rows run at once, ``max_queue`` jobs wait beyond them; ``max_memory`` bounds the cache
-    and activations (default: :func:`qwen_runtime.limits.default_memory_limit`); prompts are prefilled
-    ``prefill_chunk`` tokens at a time; ``stop_ids`` end a choice; special tokens other than ``text_ids``
-    produce no text.
+    and activations (default: :func:`qwen_runtime.limits.default_memory_limit`); a row holds at most
+    ``max_context`` tokens (default: the model's context, less if the memory limit cannot hold that many for
+    one row); prompts are prefilled ``prefill_chunk`` tokens at a time; ``stop_ids`` end a choice; special
+    tokens other than ``text_ids`` produce no text.
     """
 
     def __init__(self, model: Model, tokenizer: Tokenizer, stop_ids: frozenset[int], *, max_batch: int = 8,
                  max_queue: int = 64, max_memory: int | None = None, prefill_chunk: int = 128,
-                 text_ids: frozenset[int] = frozenset()) -> None:
-        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
-            raise ValueError("max_batch and prefill_chunk must be >= 1 and max_queue >= 0")
+                 max_context: int | None = None, text_ids: frozenset[int] = frozenset()) -> None:
+        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or (max_context is not None and max_context < 2):
+            raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0 and max_context >= 2")
         self.model, self.tokenizer, self.stop_ids = model, tokenizer, frozenset(stop_ids)
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
-        self.context = model.config.max_position_embeddings
         self.hidden_ids = frozenset(tokenizer.special_ids) - frozenset(text_ids)
         cfg = model.config
+        context = min(cfg.max_position_embeddings, max_context or cfg.max_position_embeddings)
         self.row_bytes = kv_cache_bytes(cfg, 1, 0)  # recurrent state (and nothing else) of one row
         self.token_bytes = kv_cache_bytes(cfg, 1, 1) - self.row_bytes  # keys and values of one token
-        limit = default_memory_limit() if max_memory is None else max_memory
-        self.activations = activation_bytes(cfg, max_batch, 1, 1) + activation_bytes(cfg, 1, self.context,
-                                                                                     prefill_chunk)
-        self.memory_limit = limit
+        self.memory_limit = default_memory_limit() if max_memory is None else max_memory
+        self.activations = activation_bytes(cfg, max_batch, 1, 1) + activation_bytes(cfg, 1, context, prefill_chunk)
+        room = (self.memory_limit - self.activations - self.row_bytes) // self.token_bytes
+        if room < 2:
+            raise ResourceLimitError(f"a memory limit of {format_bytes(self.memory_limit)} leaves no room for the "
+                                     f"cache of one request (activations alone need about "
+                                     f"{format_bytes(self.activations)}); raise --max-memory or lower --max-batch")
+        self.context = min(context, room)  # tokens one row can hold (prompt + completion)
         self.slots = SlotCache(model, max_batch, self.context)
         self.ws = model.lm_head.ws
         self._cond = threading.Condition()

@@ -4,8 +4,12 @@ continuous batching that gives every request the tokens it would get alone."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +17,10 @@ import pytest
 from runtime_helpers import fixture_dir
 from serve_helpers import RunningServer, http, openai, running_server, scripted_qwen3, send_oversized
 
+from qwen_runtime.errors import ResourceLimitError
+from qwen_serve import create_app
+
+ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"temperature": 0.0}
 
 
@@ -402,3 +410,21 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(server: Runnin
         chat(server.client(), "Explain attention", max_tokens=8)
     assert chat(server.client(), "Explain attention", max_tokens=8).usage.completion_tokens > 0
     assert http("GET", f"{server.url}/health")[2]["status"] == "ok"
+
+
+def test_max_context_and_memory_bound_a_row() -> None:
+    with running_server(fixture_dir("qwen3-tiny"), max_context=64) as srv:
+        assert srv.client().models.list().data[0].max_model_len == 64
+        status, _, reply = http("POST", f"{srv.url}/v1/completions", {"prompt": "def fib(n):", "max_tokens": 60})
+        assert status == 400 and error_of(status, reply)["code"] == "context_length_exceeded"
+        chat_reply = chat(srv.client(), "hi", max_tokens=None)  # the default fits what the context leaves
+        assert chat_reply.usage.total_tokens <= 64
+    with pytest.raises(ResourceLimitError, match="max-memory"):
+        create_app(fixture_dir("qwen3-tiny"), max_memory=1 << 20)
+
+
+def test_cli_errors_are_one_line_with_the_exit_code(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "qwen_serve", str(tmp_path / "missing"), "--port", "0"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("qwen-serve: error:")
