@@ -1,12 +1,14 @@
 """Benchmark qwen_runtime and qwen-convert against llama.cpp, in one run, on full-size random-weight models.
 
-    python scripts/bench.py [--quick] [--models qwen2.5-0.5b,...] [--dtypes fp32,fp16,q8_0] [--repeat 3]
+    python scripts/bench.py [--quick] [--models qwen2.5-0.5b,...] [--dtypes fp32,fp16,q8_0,q4_0,q4_k_m] [--repeat 3]
                             [--cache-dir ~/.cache/qwen-numpy-bench] [--tokenizers ../shared/data/tokenizers]
 
 1. Builds (once, cached) bf16 checkpoints with the shapes of Qwen2.5-0.5B, Qwen3-0.6B and Qwen3.5-0.8B.
 2. Converts each to GGUF fp32 / fp16 / q8_0 with ``qwen-convert`` and with llama.cpp's ``convert_hf_to_gguf.py``
    (from the installed llama-cpp-python's sdist, fetched with ``pip download`` into the cache), measuring
-   wall time and peak RSS of each converter process.
+   wall time and peak RSS of each converter process.  q4_0: ``qwen-convert --dtype q4_0`` against llama.cpp's
+   quantizer (``llama_model_quantize``, pure Q4_0, from the fp32 GGUF: the same bytes); q4_k_m: llama.cpp's
+   quantizer only (its Q4_K_M mixture from the fp32 GGUF), the file both runtimes then run.
 3. Runs every measurement in a fresh process (``bench_worker.py``), for our runtime, the plain numpy peer
    (``numpy_peer.py``: whole-matrix ``x @ W.T`` with BLAS's own threads; Qwen2/Qwen3 only) and llama.cpp on
    *our* GGUF with the same thread count, interleaved, ``--repeat`` times: a 128-token prompt + 128 greedy
@@ -41,7 +43,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 WORKER = Path(__file__).resolve().with_name("bench_worker.py")
 SHARED = REPO.parent / "shared" / "data"
-DTYPES = ("fp32", "fp16", "q8_0")
+DTYPES = ("fp32", "fp16", "q8_0", "q4_0", "q4_k_m")
+# dtype -> llama.cpp's quantizer file type (and pure or not) for the rows quantized from the fp32 GGUF.
+LLAMA_QUANTIZED = {"q4_0": ("Q4_0", True), "q4_k_m": ("Q4_K_M", False)}
+OURS = ("fp32", "fp16", "q8_0", "q4_0")  # the dtypes qwen-convert writes
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,17 @@ def convert_llama(script: Path, src: Path, out: Path, dtype: str, env: dict[str,
         return {"wall_s": wall, "peak_rss_mib": rss, "file_gb": out.stat().st_size / 1e9}
     finally:
         out.unlink(missing_ok=True)
+
+
+def quantize_llama(f32: Path, out: Path, dtype: str, env: dict[str, str]) -> dict[str, float]:
+    """llama.cpp's quantizer in its own process (wall time and peak RSS measured), fp32 GGUF -> ``out``."""
+    ftype, pure = LLAMA_QUANTIZED[dtype]
+    code = ("import sys, pathlib, llama_interop; llama_interop.llama_quantize(pathlib.Path(sys.argv[1]), "
+            "pathlib.Path(sys.argv[2]), sys.argv[3], pure=sys.argv[4] == '1')")
+    scripts = str(Path(__file__).resolve().parent)
+    cmd = [sys.executable, "-c", code, str(f32), str(out), ftype, "1" if pure else "0"]
+    wall, rss, _ = run_measured(cmd, {**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], scripts])})
+    return {"wall_s": wall, "peak_rss_mib": rss, "file_gb": out.stat().st_size / 1e9}
 
 
 # ------------------------------------------------------------------------------------------- measurements
@@ -211,9 +227,9 @@ def runtime_table(summary: dict, plan: Plan) -> list[str]:
 
 def conversion_table(summary: dict) -> list[str]:
     head = ["model", "type", "GGUF GB", "wall s ours / llama (×)", "peak RSS MiB ours / llama (×)"]
-    rows = [f"| {model} | {dtype} | {fmt(m['ours'].get('file_gb', NAN), 2)} "
-            f"| {pair(m['ours'], m.get('llama', {}), 'wall_s')} "
-            f"| {pair(m['ours'], m.get('llama', {}), 'peak_rss_mib', 0)} |"
+    rows = [f"| {model} | {dtype} | {fmt((m.get('ours') or m.get('llama', {})).get('file_gb', NAN), 2)} "
+            f"| {pair(m.get('ours', {}), m.get('llama', {}), 'wall_s')} "
+            f"| {pair(m.get('ours', {}), m.get('llama', {}), 'peak_rss_mib', 0)} |"
             for model, dtypes in summary.items() for dtype, m in dtypes.items()]
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows]
 
@@ -249,7 +265,11 @@ def targets(runs: dict, conversions: dict, config: dict[str, Any], plan: Plan) -
            Target("q8_0 prefill / llama q8_0", r("q8_0", "prefill_tps"), 0.8),
            Target("fp16 decode / our q8_0 decode", ratio(_metric(runs, "fp16", "ours", "decode_tps"),
                                                           _metric(runs, "q8_0", "ours", "decode_tps")), 1.0),
-           Target("q8_0 batch aggregate / llama q8_0 decode", r("q8_0", "decode_tps", "ours_batch"), 1.2)]
+           Target("q8_0 batch aggregate / llama q8_0 decode", r("q8_0", "decode_tps", "ours_batch"), 1.2),
+           Target("q4_0 decode / our q8_0 decode", ratio(_metric(runs, "q4_0", "ours", "decode_tps"),
+                                                         _metric(runs, "q8_0", "ours", "decode_tps")), 0.8),
+           Target("q4_k_m decode / our q8_0 decode", ratio(_metric(runs, "q4_k_m", "ours", "decode_tps"),
+                                                           _metric(runs, "q8_0", "ours", "decode_tps")), 0.6)]
     kv = cache_mib(config, plan.prompt + plan.new)
     for dtype in runs:
         out += [Target(f"{dtype} decode @{plan.context} / our decode @{plan.prompt}",
@@ -297,7 +317,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer tokens, 1 repeat; Qwen2.5-0.5B shape and q8_0 "
                    "unless --models / --dtypes are given")
     p.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all; --quick: the first)")
-    p.add_argument("--dtypes", help="comma list of fp32, fp16, q8_0 (default: all; --quick: q8_0)")
+    p.add_argument("--dtypes", help=f"comma list of {', '.join(DTYPES)} (default: all; --quick: q8_0)")
     p.add_argument("--repeat", type=int, default=3, help="repetitions of every measurement (medians reported)")
     p.add_argument("--threads", type=int, default=2, help="threads of both runtimes")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "qwen-numpy-bench")
@@ -321,16 +341,25 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
     """Fill conversion[dtype][tool] and runtime[dtype][measurement] samples of one checkpoint; ``save`` after each."""
     config = json.loads((src / "config.json").read_text())
     peer = not args.no_peer and not any("Qwen3_5" in a for a in config.get("architectures", []))
+    f32 = args.cache_dir / "gguf" / f"{src.name}-fp32.gguf"
     for dtype in dtypes:
         gguf = args.cache_dir / "gguf" / f"{src.name}-{dtype}.gguf"
         gguf.parent.mkdir(parents=True, exist_ok=True)
-        conv = conversions.setdefault(dtype, {"ours": [], "llama": []} if script else {"ours": []})
+        if dtype in LLAMA_QUANTIZED and not f32.is_file():
+            log(f"{src.name}: fp32 GGUF for llama.cpp's quantizer")
+            convert_ours(src, f32, "fp32", env)
+        conv = conversions.setdefault(dtype, {})
         for rep in range(args.repeat):
             log(f"{src.name} {dtype}: conversion {rep + 1}/{args.repeat}")
-            conv["ours"].append(convert_ours(src, gguf, dtype, env))
-            if script is not None:
-                scratch = args.cache_dir / f"llama-out-{os.getpid()}.gguf"  # deleted after measuring
-                conv["llama"].append(convert_llama(script, src, scratch, dtype, env))
+            scratch = args.cache_dir / f"llama-out-{os.getpid()}.gguf"  # deleted after measuring
+            if dtype in OURS:
+                conv.setdefault("ours", []).append(convert_ours(src, gguf, dtype, env))
+            if dtype in LLAMA_QUANTIZED and not args.no_llama:
+                target = scratch if dtype in OURS else gguf
+                conv.setdefault("llama", []).append(quantize_llama(f32, target, dtype, env))
+                scratch.unlink(missing_ok=True)
+            elif script is not None and dtype in llama_interop.OUTTYPES:
+                conv.setdefault("llama", []).append(convert_llama(script, src, scratch, dtype, env))
         for rep in range(args.repeat):
             log(f"{src.name} {dtype}: runtime {rep + 1}/{args.repeat}")
             for name, sample in runtime_round(gguf, plan, script is not None, peer, env, args.threads).items():

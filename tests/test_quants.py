@@ -86,9 +86,10 @@ def test_decoders_equal_gguf_bit_for_bit_with_extreme_scales(qtype: QType) -> No
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
-def test_fast_decoder_equals_reference_on_rows_of_many_blocks(qtype: QType) -> None:
+@pytest.mark.parametrize("blocks", [5, 8])  # 8: neighbouring blocks are moved in groups of whole words
+def test_fast_decoder_equals_reference_on_rows_of_many_blocks(qtype: QType, blocks: int) -> None:
     block = GGML_QUANT_SIZES[qtype][0]
-    raw = random_blocks(qtype, 37, 5 * block, np.random.default_rng(200 + qtype.value))
+    raw = random_blocks(qtype, 37, blocks * block, np.random.default_rng(200 + qtype.value))
     got = decoders(qtype, raw)
     assert_bits_equal(got["fast"], got["reference"])
     assert_bits_equal(to_float32(qtype, raw, chunk_elements=3 * block), got["reference"])  # chunked: same bits
@@ -96,9 +97,10 @@ def test_fast_decoder_equals_reference_on_rows_of_many_blocks(qtype: QType) -> N
 
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
 @pytest.mark.parametrize("n", [1, 3, 8, 9, 20])
-def test_tile_kernel_matches_reference_product(qtype: QType, n: int) -> None:
+@pytest.mark.parametrize("blocks", [3, 4, 8])  # blocks per row: single blocks, groups of 2, 4 or 8
+def test_tile_kernel_matches_reference_product(qtype: QType, n: int, blocks: int) -> None:
     rng = np.random.default_rng(300 + n)
-    cols = 3 * GGML_QUANT_SIZES[qtype][0]
+    cols = blocks * GGML_QUANT_SIZES[qtype][0]
     w = random_blocks(qtype, 70, cols, rng)
     x = rng.normal(0, 1, (n, cols)).astype(np.float32)
     weight = make_weight(StoredTensor("w", qtype, (70, cols), "mem", data=w), Workspace(threads=1), 16 * cols)

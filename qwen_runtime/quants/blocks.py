@@ -1,8 +1,11 @@
 """The fast path shared by the 4-, 5- and 6-bit types: decode a tile "field-major", then scale block sums.
 
-A tile of ``R`` stored rows holds ``R * nb`` blocks of ``type_size`` bytes.  One strided copy turns it
-field-major, ``fields[byte, block, row]`` (``[type_size, nb, R]``), so that every later step is a few numpy
-passes over long contiguous rows whatever the block layout:
+A tile of ``R`` stored rows holds ``R * nb`` blocks of ``type_size`` bytes.  Two copies turn it field-major,
+``fields[byte, block, row]``, so that every later step is a few numpy passes over long contiguous rows
+whatever the block layout: groups of ``G`` neighbouring blocks that fill whole 8-byte words (G = 4 for the
+18-byte Q4_0) are transposed as words (a byte-wise transpose costs several times more), then the bytes of each
+word are spread into rows.  The block axis is ordered group-member-major (block ``b = G * b4 + g`` sits at
+``g * nb / G + b4``; :meth:`BlockCodec.layout`), which activations and decoded rows follow:
 
 1. :meth:`BlockCodec.ints` writes each value's integer part to ``ints[element, block, row]``
    (``[block_size, nb, R]`` int8), and one cast makes the float32 tile;
@@ -26,6 +29,7 @@ import numpy as np
 from ..pool import Scratch
 from .base import BLOCK_SUM_ROWS, Codec, f16_bits_to_f32
 
+UINTS = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
 SHIFTS_2BIT = np.array([0, 2, 4, 6], np.uint8)
 SHIFTS_1BIT = np.arange(8, dtype=np.uint8)
 
@@ -58,22 +62,38 @@ class BlockCodec(Codec):
         return self.block_size // self.sub
 
     def ints(self, fields: np.ndarray, out: np.ndarray, scratch: Scratch) -> None:
-        """Integer parts ``out`` int8 [block_size, nb, R] from ``fields`` uint8 [type_size, nb, R]."""
+        """Integer parts ``out`` int8 [block_size, *B] from ``fields`` uint8 [type_size, *B], where ``B`` are
+        the block axes of :meth:`field_major` (any number: work along the first axis only)."""
         raise NotImplementedError
 
     def scales(self, fields: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray | None]:
-        """(scale, offset or None), float32 [J, nb, R] each, from ``fields`` [type_size, nb, R]."""
+        """(scale, offset or None), contiguous float32 [J, *B] each, from ``fields`` [type_size, *B]."""
         raise NotImplementedError
 
     # -- shared machinery -------------------------------------------------------------------------------
 
+    def layout(self, nb: int) -> tuple[int, int]:
+        """(G, word bytes) of a row of ``nb`` blocks: the smallest group of blocks that fills whole 8-byte
+        words, else single blocks moved as the widest word dividing the block."""
+        for group in (1, 2, 4, 8):
+            if nb % group == 0 and group * self.type_size % 8 == 0:
+                return group, 8
+        return 1, next(w for w in (4, 2, 1) if self.type_size % w == 0)
+
     def field_major(self, raw: np.ndarray, scratch: Scratch) -> np.ndarray:
-        """``raw`` [R, nb * type_size] -> ``fields`` [type_size, nb, R] (one strided copy)."""
-        rows = raw.shape[0]
-        nb = raw.shape[1] // self.type_size
-        fields = scratch.array("fields", (self.type_size, nb, rows), np.uint8)
-        np.copyto(fields, raw.reshape(rows, nb, self.type_size).transpose(2, 1, 0))
-        return fields
+        """``raw`` [R, nb * type_size] -> ``fields`` [type_size, G, nb / G, R] (module docstring)."""
+        rows, size = raw.shape[0], self.type_size
+        nb = raw.shape[1] // size
+        group, word = self.layout(nb)
+        per_group = group * size // word  # words in a group of blocks
+        words = scratch.array("field words", (per_group, nb // group, rows), UINTS[word])
+        np.copyto(words, raw.view(UINTS[word]).reshape(rows, nb // group, per_group).transpose(2, 1, 0))
+        if word == 1:
+            return words.reshape(1, size, nb, rows).transpose(1, 0, 2, 3)
+        fields = scratch.array("fields", (group, size, nb // group, rows), np.uint8)
+        spread = words.view(np.uint8).reshape(per_group, nb // group, rows, word).transpose(0, 3, 1, 2)
+        np.copyto(fields.reshape(per_group, word, nb // group, rows), spread)
+        return fields.transpose(1, 0, 2, 3)
 
     def int_tile(self, fields: np.ndarray, scratch: Scratch) -> np.ndarray:
         """The float32 tile of integer parts ``[block_size, nb, R]``."""
@@ -82,13 +102,19 @@ class BlockCodec(Codec):
         self.ints(fields, ints, scratch)
         tile = scratch.array("tile", shape)
         np.copyto(tile, ints, casting="unsafe")
-        return tile
+        return tile.reshape(self.block_size, -1, shape[-1])
+
+    def sub_scales(self, fields: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray | None]:
+        """:meth:`scales` as ``[J, nb, R]``."""
+        shape = (self.n_sub, -1, fields.shape[-1])
+        scale, offset = self.scales(fields, scratch)
+        return scale.reshape(shape), None if offset is None else offset.reshape(shape)
 
     def scaled_tile(self, raw: np.ndarray, scratch: Scratch) -> np.ndarray:
         """The decoded tile, field-major: float32 ``[block_size, nb, R]``."""
         fields = self.field_major(raw, scratch)
         tile = self.int_tile(fields, scratch)
-        scale, offset = self.scales(fields, scratch)
+        scale, offset = self.sub_scales(fields, scratch)
         by_sub = tile.reshape(self.n_sub, self.sub, *tile.shape[1:])  # [J, W, nb, R]
         np.multiply(by_sub, scale[:, None], out=by_sub)
         if offset is not None:
@@ -96,27 +122,36 @@ class BlockCodec(Codec):
         return tile
 
     def decode(self, raw: np.ndarray, out: np.ndarray, scratch: Scratch) -> np.ndarray:
-        tile = self.scaled_tile(raw, scratch)  # [block, nb, R]
-        np.copyto(out.reshape(len(raw), -1, self.block_size), tile.transpose(2, 1, 0))
+        tile = self.scaled_tile(raw, scratch)  # [block, nb, R], blocks group-member-major
+        nb = tile.shape[1]
+        group = self.layout(nb)[0]
+        by_group = tile.reshape(self.block_size, group, nb // group, len(raw)).transpose(3, 2, 1, 0)
+        np.copyto(out.reshape(len(raw), nb // group, group, self.block_size), by_group)
         return out
 
     def f16_row(self, fields: np.ndarray, byte: int, name: str, scratch: Scratch) -> np.ndarray:
-        """The float16 field at ``byte`` of every block as float32 ``[nb, R]``, exactly."""
+        """The float16 field at ``byte`` of every block as float32 (``fields.shape[1:]``), exactly."""
         bits = scratch.array(name + " bits", fields.shape[1:], np.uint16)
         np.left_shift(fields[byte + 1], 8, out=bits, dtype=np.uint16)
         np.bitwise_or(bits, fields[byte], out=bits)
         return f16_bits_to_f32(bits, scratch.array(name, fields.shape[1:]), scratch)
 
+    def grouped(self, x: np.ndarray) -> np.ndarray:
+        """Activations ``[N, n]`` as blocks in the tile's block order: ``[N, nb, block]``."""
+        n, nb = x.shape[0], x.shape[1] // self.block_size
+        group = self.layout(nb)[0]
+        return x.reshape(n, nb // group, group, self.block_size).transpose(0, 2, 1, 3).reshape(n, nb, -1)
+
     def prepare(self, x: np.ndarray) -> BlockActivations:
         n = x.shape[0]
-        blocks = x.reshape(n, -1, self.n_sub, self.sub)  # [N, nb, J, W]
+        blocks = self.grouped(x).reshape(n, -1, self.n_sub, self.sub)  # [N, nb, J, W]
         if n <= BLOCK_SUM_ROWS:
             sums_x = np.ascontiguousarray(blocks.transpose(2, 1, 0, 3))  # [J, nb, N, W]
             sub_sums = None
             if self.has_offset:
                 sub_sums = np.ascontiguousarray(blocks.sum(axis=3, dtype=np.float32).transpose(0, 2, 1)).reshape(n, -1)
             return BlockActivations(sums_x, sub_sums, None)
-        field_x = np.ascontiguousarray(x.reshape(n, -1, self.block_size).transpose(0, 2, 1)).reshape(n, -1)
+        field_x = np.ascontiguousarray(self.grouped(x).transpose(0, 2, 1)).reshape(n, -1)
         return BlockActivations(None, None, field_x)
 
     def product(self, raw: np.ndarray, xk: BlockActivations, out: np.ndarray, scratch: Scratch) -> np.ndarray:
@@ -126,8 +161,8 @@ class BlockCodec(Codec):
             return np.matmul(xk.field_x, tile.reshape(-1, len(raw)), out=out)  # [N, block*nb] @ [block*nb, R]
         fields = self.field_major(raw, scratch)
         tile = self.int_tile(fields, scratch)
-        scale, offset = self.scales(fields, scratch)
-        n_sub, nb, n, rows = self.n_sub, fields.shape[1], xk.sums_x.shape[2], len(raw)
+        scale, offset = self.sub_scales(fields, scratch)
+        n_sub, nb, n, rows = self.n_sub, tile.shape[1], xk.sums_x.shape[2], len(raw)
         sums = scratch.array("block sums", (n_sub, nb, n, rows))
         by_sub = tile.reshape(n_sub, self.sub, nb, rows).transpose(0, 2, 1, 3)  # [J, nb, W, R]
         np.matmul(xk.sums_x, by_sub, out=sums)  # [J, nb, N, W] @ [J, nb, W, R]
@@ -147,14 +182,17 @@ class BlockCodec(Codec):
         far ``source`` lies outside the grid's range (values clamped to its ends).  float64 ``[R, n]``."""
         scratch = Scratch()
         fields = self.field_major(raw, scratch)
-        scale, offset = (a.astype(np.float64) if a is not None else None for a in self.scales(fields, scratch))
+        scale, offset = (a.astype(np.float64) if a is not None else None for a in self.sub_scales(fields, scratch))
         sign = -1.0 if self.subtracts else 1.0
         ends = [scale * q + (sign * offset if offset is not None else 0.0) for q in self.int_range]  # [J, nb, R]
         lo, hi = np.minimum(*ends), np.maximum(*ends)
         step = np.abs(scale) * self.max_gap * (0.5 + slack)
 
-        def per_element(a: np.ndarray) -> np.ndarray:  # [J, nb, R] -> [R, nb * block]
-            return np.repeat(a.transpose(2, 1, 0), self.sub, axis=2).reshape(len(raw), -1)
+        group = self.layout(scale.shape[1])[0]
+
+        def per_element(a: np.ndarray) -> np.ndarray:  # [J, nb, R] (grouped blocks) -> [R, nb * block]
+            natural = a.reshape(self.n_sub, group, -1, len(raw)).transpose(3, 2, 1, 0)  # [R, nb / G, G, J]
+            return np.repeat(natural, self.sub, axis=3).reshape(len(raw), -1)
 
         x = source.astype(np.float64)
         outside = np.maximum(np.maximum(per_element(lo) - x, x - per_element(hi)), 0.0)
@@ -182,5 +220,10 @@ def nibbles(packed: np.ndarray, low: np.ndarray, high: np.ndarray) -> None:
 
 def bit_planes(packed: np.ndarray, out: np.ndarray) -> None:
     """Bit ``i`` of each byte of ``packed`` [K, ...] into ``out`` [K, 8, ...] (0 or 1)."""
-    np.right_shift(packed[:, None], SHIFTS_1BIT.reshape(1, 8, *[1] * (packed.ndim - 1)), out=out)
+    np.right_shift(packed[:, None], along(SHIFTS_1BIT, 1, packed.ndim + 1), out=out)
     np.bitwise_and(out, 1, out=out)
+
+
+def along(values: np.ndarray, axis: int, ndim: int) -> np.ndarray:
+    """``values`` (1-D) shaped to broadcast along ``axis`` of an ``ndim``-dimensional array."""
+    return values.reshape([-1 if i == axis else 1 for i in range(ndim)])

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..pool import Scratch
 from .base import QType, f16_field
-from .blocks import BlockCodec, nibbles
+from .blocks import SHIFTS_2BIT, BlockCodec, along, nibbles
 
 # The 16 levels of llama.cpp's kvalues_iq4nl (a fixed part of the format).
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
@@ -76,7 +76,7 @@ class IQ4_XS(BlockCodec):
         pairs = ls.reshape(4, 2, *rest)
         nibbles(fields[4:8], pairs[:, 0], pairs[:, 1])
         high = scratch.array("scale high bits", (2, 4, *rest), np.uint8)  # [byte of scales_h, pair in it]
-        np.right_shift(fields[2:4][:, None], np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1, 1), out=high)
+        np.right_shift(fields[2:4][:, None], along(SHIFTS_2BIT, 1, 2 + len(rest)), out=high)
         np.bitwise_and(high, 3, out=high)
         np.left_shift(high, 4, out=high)
         np.bitwise_or(ls, high.reshape(ls.shape), out=ls)

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..pool import Scratch
 from .base import QType, f16_field
-from .blocks import SHIFTS_1BIT, SHIFTS_2BIT, BlockCodec, nibbles
+from .blocks import SHIFTS_1BIT, SHIFTS_2BIT, BlockCodec, along, nibbles
 
 
 def _two_bit_values(field: np.ndarray) -> np.ndarray:
@@ -71,8 +71,9 @@ class Q2_K(BlockCodec):
         return (dl * q - ml).reshape(*raw.shape[:-1], -1)
 
     def ints(self, fields: np.ndarray, out: np.ndarray, scratch: Scratch) -> None:
-        q = out.view(np.uint8).reshape(2, 4, 32, *fields.shape[1:])
-        np.right_shift(fields[16:80].reshape(2, 1, 32, *fields.shape[1:]), SHIFTS_2BIT.reshape(1, 4, 1, 1, 1), out=q)
+        rest = fields.shape[1:]
+        q = out.view(np.uint8).reshape(2, 4, 32, *rest)
+        np.right_shift(fields[16:80].reshape(2, 1, 32, *rest), along(SHIFTS_2BIT, 1, 3 + len(rest)), out=q)
         np.bitwise_and(q, 3, out=q)
 
     def scales(self, fields: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray | None]:
@@ -106,10 +107,10 @@ class Q3_K(BlockCodec):
         rest = fields.shape[1:]
         q = out.view(np.uint8)
         low = q.reshape(2, 4, 32, *rest)
-        np.right_shift(fields[32:96].reshape(2, 1, 32, *rest), SHIFTS_2BIT.reshape(1, 4, 1, 1, 1), out=low)
+        np.right_shift(fields[32:96].reshape(2, 1, 32, *rest), along(SHIFTS_2BIT, 1, 3 + len(rest)), out=low)
         np.bitwise_and(low, 3, out=low)
         clear = scratch.array("high bits", (8, 32, *rest), np.uint8)  # 4 where the hmask bit is clear, else 0
-        np.right_shift(fields[0:32][None], SHIFTS_1BIT.reshape(8, 1, 1, 1), out=clear)
+        np.right_shift(fields[0:32][None], along(SHIFTS_1BIT, 0, 2 + len(rest)), out=clear)
         np.bitwise_and(clear, 1, out=clear)
         np.bitwise_xor(clear, 1, out=clear)
         np.left_shift(clear, 2, out=clear)
@@ -120,7 +121,7 @@ class Q3_K(BlockCodec):
         s = scratch.array("scale bits", (16, *rest), np.uint8)
         nibbles(fields[96:104], s[0:8], s[8:16])
         high = scratch.array("scale high bits", (4, 4, *rest), np.uint8)
-        np.right_shift(fields[104:108][None], SHIFTS_2BIT.reshape(4, 1, 1, 1), out=high)
+        np.right_shift(fields[104:108][None], along(SHIFTS_2BIT, 0, 2 + len(rest)), out=high)
         np.bitwise_and(high, 3, out=high)
         np.left_shift(high, 4, out=high)
         np.bitwise_or(s, high.reshape(s.shape), out=s)
@@ -155,7 +156,7 @@ class _Q45_K(BlockCodec):
         nibbles(fields[self.qs_at:self.qs_at + 128].reshape(4, 32, *rest), by_chunk[:, 0], by_chunk[:, 1])
         if self.qs_at > 16:
             high = scratch.array("high bits", (8, 32, *rest), np.uint8)
-            np.right_shift(fields[16:48][None], SHIFTS_1BIT.reshape(8, 1, 1, 1), out=high)
+            np.right_shift(fields[16:48][None], along(SHIFTS_1BIT, 0, 2 + len(rest)), out=high)
             np.bitwise_and(high, 1, out=high)
             np.left_shift(high, 4, out=high)
             np.bitwise_or(q, high.reshape(q.shape), out=q)
@@ -211,7 +212,7 @@ class Q6_K(BlockCodec):
         by_half = q.reshape(2, 2, 64, *rest)
         nibbles(fields[0:128].reshape(2, 64, *rest), by_half[:, 0], by_half[:, 1])
         high = scratch.array("high bits", (2, 4, 32, *rest), np.uint8)
-        np.right_shift(fields[128:192].reshape(2, 1, 32, *rest), SHIFTS_2BIT.reshape(1, 4, 1, 1, 1), out=high)
+        np.right_shift(fields[128:192].reshape(2, 1, 32, *rest), along(SHIFTS_2BIT, 1, 3 + len(rest)), out=high)
         np.bitwise_and(high, 3, out=high)
         np.left_shift(high, 4, out=high)
         np.bitwise_or(q, high.reshape(q.shape), out=q)
