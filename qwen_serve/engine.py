@@ -158,7 +158,7 @@ class Row:
         self.decoder = StreamDecoder(tokenizer, skip_special=False)
         self.hidden_ids = hidden_ids
         self.stops = StopStrings(job.stop)
-        seed = None if job.seed is None else [job.seed, choice]
+        seed = None if job.seed is None else [job.seed % 2**64, choice]  # SeedSequence takes no negatives
         self.rng = np.random.default_rng(seed)
         self.finish: str | None = None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -139,6 +140,7 @@ def test_seed_reproduces_sampling(server: RunningServer) -> None:
     first = [chat(client, "hi there", seed=7, **options).choices[0].message.content for _ in range(2)]
     others = {chat(client, "hi there", seed=s, **options).choices[0].message.content for s in (8, 9, 10)}
     assert first[0] == first[1]
+    assert chat(client, "hi there", seed=-5, **options).choices[0].message.content  # any integer seeds
     assert len(others | {first[0]}) > 1  # different seeds draw different tokens
 
 
@@ -280,6 +282,18 @@ def test_a_client_that_disconnects_frees_its_row(server: RunningServer) -> None:
     stream.close()
     server.wait_idle()
     assert server.engine.steps - steps < 50  # it left at a step boundary, long before its 5000 tokens
+    # a client of a non-streamed request that goes away cancels it too
+    body = json.dumps({"prompt": "def fib(n):", "max_tokens": 5000, "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while server.engine.status()["running_rows"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    steps = server.engine.steps
+    server.wait_idle()
+    assert server.engine.steps - steps < 50
     assert chat(server.client(), "hi", max_tokens=2).choices  # and the server goes on
 
 
