@@ -78,7 +78,7 @@ class IQ4_XS(BlockCodec):
         high = scratch.array("scale high bits", (2, 4, *rest), np.uint8)  # [byte of scales_h, pair in it]
         np.right_shift(fields[2:4][:, None], along(SHIFTS_2BIT, 1, 2 + len(rest)), out=high)
         np.bitwise_and(high, 3, out=high)
-        np.left_shift(high, 4, out=high)
+        np.multiply(high, 16, out=high)  # = << 4 (numpy has no fast uint8 shift left)
         np.bitwise_or(ls, high.reshape(ls.shape), out=ls)
         np.subtract(ls, 32, out=ls)
         scale = scratch.array("scale", ls.shape)

@@ -113,7 +113,7 @@ class Q3_K(BlockCodec):
         np.right_shift(fields[0:32][None], along(SHIFTS_1BIT, 0, 2 + len(rest)), out=clear)
         np.bitwise_and(clear, 1, out=clear)
         np.bitwise_xor(clear, 1, out=clear)
-        np.left_shift(clear, 2, out=clear)
+        np.multiply(clear, 4, out=clear)  # = << 2
         np.subtract(q, clear.reshape(q.shape), out=q)  # wraps: the int8 view holds q - 4
 
     def scales(self, fields: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray | None]:
@@ -123,7 +123,7 @@ class Q3_K(BlockCodec):
         high = scratch.array("scale high bits", (4, 4, *rest), np.uint8)
         np.right_shift(fields[104:108][None], along(SHIFTS_2BIT, 0, 2 + len(rest)), out=high)
         np.bitwise_and(high, 3, out=high)
-        np.left_shift(high, 4, out=high)
+        np.multiply(high, 16, out=high)  # = << 4 (numpy has no fast uint8 shift left)
         np.bitwise_or(s, high.reshape(s.shape), out=s)
         np.subtract(s, 32, out=s)
         scale = scratch.array("scale", s.shape)
@@ -158,7 +158,7 @@ class _Q45_K(BlockCodec):
             high = scratch.array("high bits", (8, 32, *rest), np.uint8)
             np.right_shift(fields[16:48][None], along(SHIFTS_1BIT, 0, 2 + len(rest)), out=high)
             np.bitwise_and(high, 1, out=high)
-            np.left_shift(high, 4, out=high)
+            np.multiply(high, 16, out=high)  # = << 4 (numpy has no fast uint8 shift left)
             np.bitwise_or(q, high.reshape(q.shape), out=q)
 
     def scales(self, fields: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray | None]:
@@ -214,7 +214,7 @@ class Q6_K(BlockCodec):
         high = scratch.array("high bits", (2, 4, 32, *rest), np.uint8)
         np.right_shift(fields[128:192].reshape(2, 1, 32, *rest), along(SHIFTS_2BIT, 1, 3 + len(rest)), out=high)
         np.bitwise_and(high, 3, out=high)
-        np.left_shift(high, 4, out=high)
+        np.multiply(high, 16, out=high)  # = << 4 (numpy has no fast uint8 shift left)
         np.bitwise_or(q, high.reshape(q.shape), out=q)
         np.subtract(q, 32, out=q)
 
