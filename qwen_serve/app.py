@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -207,40 +208,68 @@ def check_context(state: ServerState, prompt_tokens: int, max_tokens: int | None
 
 
 class JobChannel:
-    """A job's events, moved from the engine thread to the event loop."""
+    """The events of a request's jobs (one per prompt), moved from the engine thread to the event loop.
 
-    def __init__(self) -> None:
+    Job ``i``'s choices are numbered after those of the jobs before it; the jobs' :class:`Done` events are
+    summed into one, sent after the last.
+    """
+
+    def __init__(self, jobs: int) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.jobs: list[Job] = []
+        self.pending = jobs
 
-    def emit(self, event: Event) -> None:  # engine thread
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+    def emitter(self, offset: int) -> Callable[[Event], None]:
+        def emit(event: Event) -> None:  # engine thread
+            if offset and isinstance(event, (Delta, Finished)):
+                event = dataclasses.replace(event, choice=event.choice + offset)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
-    async def events(self, job: Job) -> AsyncIterator[Event]:
-        """Every event of the job up to :class:`Done`; raises APIError on :class:`Failed`."""
+        return emit
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel()
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every event up to the summed :class:`Done`; raises APIError on :class:`Failed`."""
+        prompt_tokens = completion_tokens = 0
         while True:
             event = await self.queue.get()
             if isinstance(event, Failed):
+                self.cancel()
                 raise APIError(500, event.message, None, "internal_error", "server_error")
-            yield event
-            if isinstance(event, Done):
+            if not isinstance(event, Done):
+                yield event
+                continue
+            prompt_tokens += event.prompt_tokens
+            completion_tokens += event.completion_tokens
+            self.pending -= 1
+            if self.pending == 0:
+                yield Done(prompt_tokens, completion_tokens)
                 return
 
 
-def submit(state: ServerState, prompt_ids: list[int], fields: GenerationFields, max_tokens: int,
-           logprobs: int | None) -> tuple[Job, JobChannel]:
-    channel = JobChannel()
-    job = Job(prompt_ids, max_tokens, fields.sampling, channel.emit, n=fields.n, seed=fields.seed,
-              stop=fields.stop, logprobs=logprobs)
+def submit(state: ServerState, prompts: list[list[int]], fields: GenerationFields, max_tokens: list[int],
+           logprobs: int | None) -> JobChannel:
+    """One job per prompt, all or none (a refused job cancels those already queued)."""
+    channel = JobChannel(len(prompts))
     try:
-        state.engine.submit(job)
+        for i, (ids, limit) in enumerate(zip(prompts, max_tokens, strict=True)):
+            job = Job(ids, limit, fields.sampling, channel.emitter(i * fields.n), n=fields.n, seed=fields.seed,
+                      stop=fields.stop, logprobs=logprobs)
+            state.engine.submit(job)
+            channel.jobs.append(job)
     except QueueFullError as exc:
+        channel.cancel()
         raise APIError(503, f"the server is busy ({exc}); retry later", None, "server_overloaded", "server_error",
                        {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
     except RequestTooLargeError as exc:
+        channel.cancel()
         raise APIError(400, str(exc), "n" if "n=" in str(exc) else "max_tokens", "request_too_large") from None
-    return job, channel
+    return channel
 
 
 async def until_disconnect(request: Request) -> None:
@@ -251,11 +280,11 @@ async def until_disconnect(request: Request) -> None:
             return
 
 
-async def collect(request: Request, job: Job, channel: JobChannel) -> list[Event]:
-    """All events of a non-streamed job; cancels it if the client disconnects first."""
+async def collect(request: Request, channel: JobChannel) -> list[Event]:
+    """All events of a non-streamed request; cancels its jobs if the client disconnects first."""
 
     async def gather() -> list[Event]:
-        return [event async for event in channel.events(job)]
+        return [event async for event in channel.events()]
 
     work = asyncio.ensure_future(gather())
     gone = asyncio.ensure_future(until_disconnect(request))
@@ -264,7 +293,7 @@ async def collect(request: Request, job: Job, channel: JobChannel) -> list[Event
     finally:
         gone.cancel()
         if not work.done():
-            job.cancel()
+            channel.cancel()
             work.cancel()
     if work.cancelled():
         raise APIError(499, "client disconnected", None, "client_disconnected")
@@ -354,15 +383,15 @@ async def chat_completions(state: ServerState, request: Request, body: dict[str,
     check_model(state, req.fields.model)
     prompt_ids, prompt = render_chat(state, req)
     max_tokens = check_context(state, len(prompt_ids), req.fields.max_tokens, "messages")
-    job, channel = submit(state, prompt_ids, req.fields, max_tokens, req.logprobs)
+    channel = submit(state, [prompt_ids], req.fields, [max_tokens], req.logprobs)
     reasoning = THINK_OPEN in prompt or THINK_OPEN in (state.fmt.template.source if state.fmt.template else "")
     choices = [ChatChoice(prompt, req.tools is not None, reasoning) for _ in range(req.fields.n)]
     head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": state.model_name}
     if req.fields.stream:
-        return StreamingResponse(stream_chat(state, req, job, channel, choices, head), media_type="text/event-stream",
+        return StreamingResponse(stream_chat(state, req, channel, choices, head), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     done = None
-    for event in await collect(request, job, channel):
+    for event in await collect(request, channel):
         if isinstance(event, Delta):
             choices[event.choice].push(event.text)
             if req.logprobs is not None:
@@ -378,8 +407,8 @@ async def chat_completions(state: ServerState, request: Request, body: dict[str,
                          "system_fingerprint": None})
 
 
-async def stream_chat(state: ServerState, req: ChatRequest, job: Job, channel: JobChannel,
-                      choices: list[ChatChoice], head: dict[str, Any]) -> AsyncIterator[bytes]:
+async def stream_chat(state: ServerState, req: ChatRequest, channel: JobChannel, choices: list[ChatChoice],
+                      head: dict[str, Any]) -> AsyncIterator[bytes]:
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
         return sse({**head, "object": "chat.completion.chunk", "system_fingerprint": None,
                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
@@ -395,7 +424,7 @@ async def stream_chat(state: ServerState, req: ChatRequest, job: Job, channel: J
     try:
         for i in range(len(choices)):
             yield chunk(i, {"role": "assistant", "content": ""})
-        async for event in channel.events(job):
+        async for event in channel.events():
             if isinstance(event, Delta):
                 delta = parts(*choices[event.choice].push(event.text))
                 logprobs = {"content": chat_logprobs(state, event)} if req.logprobs is not None else None
@@ -415,7 +444,7 @@ async def stream_chat(state: ServerState, req: ChatRequest, job: Job, channel: J
         yield sse(err.body())
         yield sse("[DONE]")
     finally:
-        job.cancel()  # a no-op when it ended; frees its rows when the client went away
+        channel.cancel()  # a no-op when it ended; frees its rows when the client went away
 
 
 # --- completions ------------------------------------------------------------------------------------------
@@ -438,21 +467,22 @@ async def completions(state: ServerState, request: Request, body: dict[str, Any]
     req: CompletionRequest = completion_request(body, state.defaults, state.engine.max_batch,
                                                 state.engine.model.config.vocab_size)
     check_model(state, req.fields.model)
-    ids = req.prompt if isinstance(req.prompt, list) else state.fmt.encode_prompt(req.prompt)
-    if not ids:
-        raise bad("prompt", "the prompt has no tokens")
-    max_tokens = req.fields.max_tokens or COMPLETION_MAX_TOKENS
-    max_tokens = check_context(state, len(ids), max_tokens, "prompt")
-    job, channel = submit(state, ids, req.fields, max_tokens, req.logprobs)
+    prompts = [p if isinstance(p, list) else state.fmt.encode_prompt(p) for p in req.prompts]
+    if not all(prompts):
+        raise bad("prompt", "a prompt has no tokens")
+    limits = [check_context(state, len(ids), req.fields.max_tokens or COMPLETION_MAX_TOKENS, "prompt")
+              for ids in prompts]
+    channel = submit(state, prompts, req.fields, limits, req.logprobs)
     head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
     if req.fields.stream:
-        return StreamingResponse(stream_completion(state, req, job, channel, head), media_type="text/event-stream",
+        return StreamingResponse(stream_completion(state, req, channel, head), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    texts, deltas = [[] for _ in range(req.fields.n)], [[] for _ in range(req.fields.n)]
-    finish: list[str | None] = [None] * req.fields.n
+    count = len(prompts) * req.fields.n
+    texts, deltas = [[] for _ in range(count)], [[] for _ in range(count)]
+    finish: list[str | None] = [None] * count
     done = None
-    for event in await collect(request, job, channel):
+    for event in await collect(request, channel):
         if isinstance(event, Delta):
             texts[event.choice].append(event.text)
             deltas[event.choice].append(event)
@@ -462,14 +492,14 @@ async def completions(state: ServerState, request: Request, body: dict[str, Any]
             done = event
     out = [{"index": i, "text": "".join(texts[i]),
             "logprobs": completion_logprobs(state, deltas[i]) if req.logprobs is not None else None,
-            "finish_reason": finish[i]} for i in range(req.fields.n)]
+            "finish_reason": finish[i]} for i in range(count)]
     return JSONResponse({**head, "choices": out, "usage": usage(done), "system_fingerprint": None})
 
 
-async def stream_completion(state: ServerState, req: CompletionRequest, job: Job, channel: JobChannel,
+async def stream_completion(state: ServerState, req: CompletionRequest, channel: JobChannel,
                             head: dict[str, Any]) -> AsyncIterator[bytes]:
     try:
-        async for event in channel.events(job):
+        async for event in channel.events():
             if isinstance(event, Delta):
                 logprobs = completion_logprobs(state, [event]) if req.logprobs is not None else None
                 yield sse({**head, "choices": [{"index": event.choice, "text": event.text, "logprobs": logprobs,
@@ -484,7 +514,7 @@ async def stream_completion(state: ServerState, req: CompletionRequest, job: Job
         yield sse(err.body())
         yield sse("[DONE]")
     finally:
-        job.cancel()
+        channel.cancel()
 
 
 # --- the small endpoints ----------------------------------------------------------------------------------

@@ -302,23 +302,36 @@ def chat_request(body: dict, defaults: dict[str, float], max_n: int) -> ChatRequ
 @dataclass
 class CompletionRequest:
     fields: GenerationFields
-    prompt: str | list[int]
+    prompts: list[str | list[int]]  # each runs with n choices; choice i of prompt p is number p * n + i
     logprobs: int | None
+
+
+MAX_PROMPTS = 64
+
+
+def _one_prompt(prompt: Any, param: str, vocab_size: int) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise bad(param, f"token ids must be in [0, {vocab_size})")
+        return prompt
+    raise bad(param, "expected a string or a non-empty list of token ids", "invalid_type")
 
 
 def completion_request(body: dict, defaults: dict[str, float], max_n: int, vocab_size: int) -> CompletionRequest:
     fields = generation_fields(body, defaults, max_n, ("max_tokens",))
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        if not all(0 <= t < vocab_size for t in prompt):
-            raise bad("prompt", f"token ids must be in [0, {vocab_size})")
-    elif not isinstance(prompt, str):
-        raise bad("prompt", "expected a string or a list of token ids (one prompt per request)",
-                  "missing" if prompt is None else "invalid_type")
+    if prompt is None:
+        raise bad("prompt", "required", "missing")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+        prompts = [_one_prompt(p, f"prompt[{i}]", vocab_size) for i, p in enumerate(prompt)]
+    else:
+        prompts = [_one_prompt(prompt, "prompt", vocab_size)]
     if get_bool(body, "echo", False):
         raise bad("echo", "echoing the prompt is not supported")
     if body.get("suffix") is not None:
         raise bad("suffix", "insertion with a suffix is not supported")
-    return CompletionRequest(fields, prompt, get_int(body, "logprobs", None, 0, 5))
+    return CompletionRequest(fields, prompts, get_int(body, "logprobs", None, 0, 5))

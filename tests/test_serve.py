@@ -442,3 +442,34 @@ def test_cli_errors_are_one_line_with_the_exit_code(tmp_path) -> None:
                           capture_output=True, text=True, timeout=60, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("qwen-serve: error:")
+
+
+def test_a_long_prompt_is_prefilled_between_decode_steps_of_the_others() -> None:
+    with running_server(fixture_dir("qwen3-tiny"), prefill_chunk=8) as srv:
+        running = srv.client().completions.create(model="qwen3-tiny", prompt="def fib(n):", max_tokens=5000,
+                                                  stream=True, **GREEDY)
+        next(iter(running))
+        prompt = "word " * 200
+        tokens = len(http("POST", f"{srv.url}/tokenize", {"prompt": prompt})[2]["tokens"])
+        before = srv.engine.steps
+        reply = srv.client().completions.create(model="qwen3-tiny", prompt=prompt, max_tokens=1, **GREEDY)
+        assert reply.usage.prompt_tokens == tokens > 100
+        assert srv.engine.steps - before >= tokens // 8 - 1  # the running row went on after every chunk
+        running.close()
+
+
+def test_completions_take_a_batch_of_prompts(server: RunningServer) -> None:
+    client = server.client()
+    prompts = ["def fib(n):", "import numpy"]
+    alone = [client.completions.create(model="qwen3-tiny", prompt=p, max_tokens=5, **GREEDY) for p in prompts]
+    both = client.completions.create(model="qwen3-tiny", prompt=prompts, max_tokens=5, n=2, **GREEDY)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    streamed = {}
+    for chunk in client.completions.create(model="qwen3-tiny", prompt=prompts, max_tokens=5, stream=True, **GREEDY):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {0: alone[0].choices[0].text, 1: alone[1].choices[0].text}
+    status, _, reply = http("POST", f"{server.url}/v1/completions", {"prompt": ["ok", [1, -2]]})
+    assert status == 400 and error_of(status, reply)["param"] == "prompt[1]"
