@@ -12,10 +12,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..pool import Scratch
-from .base import BLOCK_SUM_ROWS, Codec, QType, f16_field, f16_scales
+from .base import Codec, QType, f16_field, f16_scales
 
 Q8_0_BLOCK = 32
 Q8_0_BYTES = 34
+# Activation rows up to which Q8_0 tiles are multiplied per block column (decode, small batches); above it the
+# tile is scaled in place and multiplied once.  Per million weights on one thread: 0.83 / 0.82 / 1.07 ms with
+# block sums for 2 / 4 / 8 rows, 1.19 / 1.02 / 0.92 ms scaled (the batched K=34 GEMMs fall behind at 8).
+Q8_0_BLOCK_SUM_ROWS = 4
 
 
 class Q8_0(Codec):
@@ -61,11 +65,11 @@ def q8_0_product(raw: np.ndarray, scales: np.ndarray, xq: np.ndarray, scratch: S
     (any strides) and ``xq = q8_0_activations(x)`` [N, nb, 34].
 
     Every byte of the rows, scales included, is cast to float32 in one contiguous pass (the fast cast; the
-    strided 32-of-34 view is several times slower); the scale bytes meet the zeros of ``xq``.  For a few
-    activation rows (decode) one batched BLAS call gives the per-block dot products ``[nb, N, R]``, which are
-    scaled and summed over the blocks with R innermost; for many rows the tile is scaled in place and
-    multiplied once.  Equal to the reference up to float32 rounding (the scale is applied to block sums).
-    ``out`` is ``[N, R]`` (a column block of the layer's output, any leading stride).  # -> out
+    strided 32-of-34 view is several times slower); the scale bytes meet the zeros of ``xq``.  For up to
+    :data:`Q8_0_BLOCK_SUM_ROWS` activation rows (decode) one batched BLAS call gives the per-block dot
+    products ``[nb, N, R]``, which are scaled and summed over the blocks with R innermost; for more rows the
+    tile is scaled in place and multiplied once.  Equal to the reference up to float32 rounding (the scale
+    is applied to block sums).  ``out`` is ``[N, R]`` (a column block of the output, any leading stride).  # -> out
     """
     return q8_0_tile_product(q8_0_cast(raw, scratch), scales, xq, scratch, out)
 
@@ -81,7 +85,7 @@ def q8_0_tile_product(tile: np.ndarray, scales: np.ndarray, xq: np.ndarray, scra
                       out: np.ndarray) -> np.ndarray:
     """The product of :func:`q8_0_product` from the cast tile ``[R, nb, 34]`` (scaled in place for many rows)."""
     rows, n, nb = len(tile), xq.shape[0], xq.shape[1]
-    if n <= BLOCK_SUM_ROWS:
+    if n <= Q8_0_BLOCK_SUM_ROWS:
         sums = scratch.array("block sums", (nb, n, rows))
         np.matmul(xq.transpose(1, 0, 2), tile.transpose(1, 2, 0), out=sums)  # [nb, N, 34] @ [nb, 34, R]
         np.multiply(sums, scales[:, None, :], out=sums)
