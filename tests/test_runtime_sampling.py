@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qwen_runtime.sampling import SamplingParams, apply_repetition_penalty, filtered_probs, sample
+from qwen_runtime.sampling import (
+    SamplingParams,
+    apply_presence_frequency,
+    apply_repetition_penalty,
+    filtered_probs,
+    penalized,
+    sample,
+)
 
 PROBS = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
 LOGITS = np.log(PROBS).astype(np.float32) + 3.0  # a shift must not matter
@@ -67,9 +74,36 @@ def test_same_seed_same_tokens_and_frequencies_follow_the_distribution() -> None
     np.testing.assert_allclose(freq, expect([0, 1, 2]), atol=0.02)
 
 
+def test_presence_and_frequency_penalties_follow_openai() -> None:
+    """logit[j] -= presence * (count_j > 0) + frequency * count_j, over the output only."""
+    logits = np.array([2.0, 1.0, 0.5, -1.0], np.float32)
+    got = apply_presence_frequency(logits, np.array([1, 1, 3]), presence=0.5, frequency=0.25)
+    np.testing.assert_allclose(got, [2.0, 1.0 - 0.5 - 0.5, 0.5, -1.0 - 0.5 - 0.25])
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    np.testing.assert_allclose(penalized(logits, params, seen=np.array([0, 1]), output=np.array([1, 1, 3])), got)
+    # the prompt (seen) does not count for them; greedy follows the penalised logits
+    assert sample(logits[None], [SamplingParams(presence_penalty=2.0)], [np.array([0, 0])],
+                  np.random.default_rng(0), [np.array([], np.int64)]).tolist() == [0]
+    assert sample(logits[None], [SamplingParams(presence_penalty=2.0)], [np.array([0])],
+                  np.random.default_rng(0), [np.array([0])]).tolist() == [1]
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, frequency_penalty=-2.0), output=np.array([3, 3]))
+    expected = np.exp(logits.astype(np.float64) + np.array([0, 0, 0, 4.0]))
+    np.testing.assert_allclose(probs, expected / expected.sum(), atol=1e-6)
+
+
+def test_one_generator_per_row_draws_what_the_row_would_draw_alone() -> None:
+    params = [SamplingParams(temperature=1.0)] * 3
+    logits = np.stack([LOGITS] * 3)
+    seen = [np.array([], np.int64)] * 3
+    together = sample(logits, params, seen, [np.random.default_rng(s) for s in (1, 2, 3)])
+    alone = [sample(LOGITS[None], params[:1], seen[:1], np.random.default_rng(s))[0] for s in (1, 2, 3)]
+    assert together.tolist() == alone
+
+
 @pytest.mark.parametrize("bad", [
     dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
-    dict(min_p=-0.1), dict(min_p=2.0), dict(repetition_penalty=0.0),
+    dict(min_p=-0.1), dict(min_p=2.0), dict(repetition_penalty=0.0), dict(presence_penalty=2.5),
+    dict(frequency_penalty=-3.0),
 ])
 def test_invalid_parameters_raise_value_error(bad: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
