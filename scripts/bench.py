@@ -1,7 +1,7 @@
 """Benchmark qwen_runtime and qwen-convert against llama.cpp, in one run, on full-size random-weight models.
 
     python scripts/bench.py [--quick] [--models qwen2.5-0.5b,...] [--dtypes fp32,fp16,q8_0,q4_0,q4_k_m] [--repeat 3]
-                            [--cache-dir ~/.cache/qwen-numpy-bench] [--tokenizers ../shared/data/tokenizers]
+                            [--cache-dir ~/.cache/qwen-numpy-bench] [--tokenizers DIR]
 
 1. Builds (once, cached) bf16 checkpoints with the shapes of Qwen2.5-0.5B, Qwen3-0.6B and Qwen3.5-0.8B.
 2. Converts each to GGUF fp32 / fp16 / q8_0 with ``qwen-convert`` and with llama.cpp's ``convert_hf_to_gguf.py``
@@ -37,12 +37,13 @@ from pathlib import Path
 from typing import Any
 
 import llama_interop  # fetching llama.cpp's converter, its --outtype names (shared with the interop tests)
+import real_tokenizers
 from bench_models import MODELS, build_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
 WORKER = Path(__file__).resolve().with_name("bench_worker.py")
-SHARED = REPO.parent / "shared" / "data"
+DATA = REPO / "tests" / "data"
 DTYPES = ("fp32", "fp16", "q8_0", "q4_0", "q4_k_m")
 # dtype -> llama.cpp's quantizer file type (and pure or not) for the rows quantized from the fp32 GGUF.
 LLAMA_QUANTIZED = {"q4_0": ("Q4_0", True), "q4_k_m": ("Q4_K_M", False)}
@@ -321,8 +322,9 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3, help="repetitions of every measurement (medians reported)")
     p.add_argument("--threads", type=int, default=2, help="threads of both runtimes")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "qwen-numpy-bench")
-    p.add_argument("--tokenizers", type=Path, default=SHARED / "tokenizers")
-    p.add_argument("--configs", type=Path, default=SHARED / "model-configs")
+    p.add_argument("--tokenizers", type=Path, default=None,
+                   help="directory of <name>/tokenizer.json (default: the repository's, tests/data/tokenizers)")
+    p.add_argument("--configs", type=Path, default=DATA / "model-configs")
     p.add_argument("--json", type=Path, default=None, help="results file (default: CACHE_DIR/bench-<date>.json)")
     p.add_argument("--no-llama", action="store_true", help="measure our runtime and converter only")
     p.add_argument("--no-peer", action="store_true", help="skip the plain numpy peer")
@@ -396,7 +398,8 @@ def run(args: argparse.Namespace) -> None:
     out = args.json or args.cache_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     for name in names:
         log(f"{name}: checkpoint")
-        src = build_checkpoint(MODELS[name], args.cache_dir / "hf", args.tokenizers, args.configs)
+        tokenizers = args.tokenizers or real_tokenizers.tokenizers_dir()
+        src = build_checkpoint(MODELS[name], args.cache_dir / "hf", tokenizers, args.configs)
         results["configs"][name] = json.loads((src / "config.json").read_text())
         bench_model(src, dtypes, args, plan, script, env, results["conversion"].setdefault(name, {}),
                     results["runtime"].setdefault(name, {}), lambda: out.write_text(json.dumps(results, indent=1)))

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python scripts/make_fixtures.py [--out tests/fixtures] [--configs ../shared/data/model-configs]
+    python scripts/make_fixtures.py [--out tests/fixtures] [--configs tests/data/model-configs]
 
 Needs torch (2.13.0, CPU), transformers (5.x, with ``qwen3_5``), tokenizers, safetensors, numpy. Everything is
 seeded; running the script twice gives byte-identical files (same Python / library versions; the tokenizer is
@@ -88,7 +88,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "model-configs"
+DEFAULT_CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "model-configs"
 
 BASE_SEED = 20250601
 REGULAR_VOCAB = 480

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # heavy imports happen lazily inside the functions that need 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "qwen_runtime" / "assets" / "qwen3-stdlib"
-QWEN3_TOKENIZER_CONFIG = Path("/work/shared/data/model-configs/qwen3-0.6b/tokenizer_config.json")
+QWEN3_TOKENIZER_CONFIG = REPO_ROOT / "tests" / "data" / "model-configs" / "qwen3-0.6b" / "tokenizer_config.json"
 
 # Qwen2/Qwen3 pre-tokenizer split regex (the one in Qwen's tokenizer.json).
 QWEN_SPLIT_PATTERN = (

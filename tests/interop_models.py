@@ -2,7 +2,7 @@
 
 llama.cpp's ``convert_hf_to_gguf.py`` only accepts tokenizers whose pre-tokenizer hash it knows, so the tiny
 fixtures of ``tests/fixtures`` (own 480-token BPE) cannot go through it.  These models use the real
-``tokenizer.json`` files of ``../shared/data/tokenizers`` (resolved relative to the repository) with real
+``tokenizer.json`` files (rebuilt from ``tests/data/tokenizers``, see ``shared_data``) with real
 ``vocab_size`` (151936 / 248320) and hidden size 64, so the embedding stays small (≈ 10-16 M parameters).
 
 Models (name: architecture, files):
@@ -33,11 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from shared_data import MODEL_CONFIGS, tokenizer_json
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
-TOKENIZERS_DIR = SHARED_DATA / "tokenizers"
-MODEL_CONFIGS_DIR = SHARED_DATA / "model-configs"
 QWEN35_TEMPLATE_SOURCE = REPO_ROOT / "tests" / "fixtures" / "qwen35-tiny" / "tokenizer_config.json"
 
 BASE_SEED = 20250611
@@ -69,7 +67,7 @@ class InteropModel:
     """How to build one checkpoint: its config and the sources of its tokenizer files."""
 
     name: str
-    tokenizer: str  # folder under TOKENIZERS_DIR
+    tokenizer: str  # name of a real tokenizer (shared_data.tokenizer_json)
     config: dict[str, Any]
     tokenizer_config: Callable[[], dict[str, Any]]
     generation_config: Callable[[], dict[str, Any]]
@@ -80,16 +78,12 @@ class InteropModel:
         return self.config["model_type"] == "qwen3_5_text"
 
 
-def tokenizers_available() -> bool:
-    return all((TOKENIZERS_DIR / d / "tokenizer.json").is_file() for d in ("qwen2_qwen3", "qwen3_5"))
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
 def _model_file(model: str, name: str) -> Callable[[], dict[str, Any]]:
-    return lambda: _read_json(MODEL_CONFIGS_DIR / model / name)
+    return lambda: _read_json(MODEL_CONFIGS / model / name)
 
 
 def _added_decoder(entries: list[tuple[int, str, bool]]) -> dict[str, dict[str, Any]]:
@@ -99,7 +93,7 @@ def _added_decoder(entries: list[tuple[int, str, bool]]) -> dict[str, dict[str, 
 
 def qwen35_tokenizer_config() -> dict[str, Any]:
     """A plausible Qwen3.5 tokenizer_config: ChatML template (thinking on), eos <|im_end|>, no BOS."""
-    tokenizer = _read_json(TOKENIZERS_DIR / "qwen3_5" / "tokenizer.json")
+    tokenizer = _read_json(tokenizer_json("qwen3_5"))
     added = [(int(a["id"]), a["content"], bool(a["special"])) for a in tokenizer["added_tokens"]]
     return {
         "add_bos_token": False,
@@ -149,7 +143,7 @@ def only_listed_added_tokens(tokenizer: dict[str, Any], tokenizer_config: dict[s
 
 
 def _flat_config(arch: str, model_type: str, base: str, **fields: Any) -> dict[str, Any]:
-    cfg = _read_json(MODEL_CONFIGS_DIR / base / "config.json")
+    cfg = _read_json(MODEL_CONFIGS / base / "config.json")
     cfg.update(architectures=[arch], model_type=model_type, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **fields)
     return cfg
@@ -172,7 +166,7 @@ def _qwen35_config(value_heads: int) -> dict[str, Any]:
 
 
 def interop_models() -> dict[str, InteropModel]:
-    """Every interop checkpoint by name (configs are read lazily from the shared model-configs folder)."""
+    """Every interop checkpoint by name (configs are read lazily from tests/data/model-configs)."""
     q25, ds, q3 = "qwen2.5-0.5b-instruct", "deepseek-r1-distill-qwen-1.5b", "qwen3-0.6b"
     models = [
         InteropModel("qwen2", "qwen2_qwen3", _flat_config("Qwen2ForCausalLM", "qwen2", q25),
@@ -255,7 +249,7 @@ def build_model(model: InteropModel, out: Path) -> Path:
     """Write ``out/<name>/`` (config, tokenizer files, model.safetensors); returns the directory."""
     target = out / model.name
     target.mkdir(parents=True, exist_ok=True)
-    tokenizer = _read_json(TOKENIZERS_DIR / model.tokenizer / "tokenizer.json")
+    tokenizer = _read_json(tokenizer_json(model.tokenizer))
     if model.edit_tokenizer is not None:
         tokenizer = model.edit_tokenizer(tokenizer)
     tokenizer_config = model.tokenizer_config()

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from shared_data import MODEL_CONFIGS  # noqa: F401  (re-exported for the runtime tests)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DENSE_FAMILIES = ("qwen2-tiny", "qwen3-tiny", "deepseek-tiny")

@@ -1,22 +1,16 @@
-"""Where the project's shared data lives: ``../shared`` beside the repository (as laid out for CI).
+"""The real-model data the tests use, all inside the repository (``tests/data``, see its README).
 
-``QWEN_SHARED_DIR`` overrides the location.
+``MODEL_CONFIGS``: small Hugging Face JSON files of real models. ``tokenizer_json(name)``: the real Qwen
+tokenizers (``qwen2_qwen3``, ``qwen3_5``), rebuilt once from their compressed packs.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import pytest
+from real_tokenizers import tokenizer_json, tokenizers_dir
 
-SHARED = Path(os.environ.get("QWEN_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
-MODEL_CONFIGS = SHARED / "data" / "model-configs"
-TOKENIZERS = SHARED / "data" / "tokenizers"
+DATA = Path(__file__).resolve().parent / "data"
+MODEL_CONFIGS = DATA / "model-configs"
 
-
-def shared_file(path: Path) -> Path:
-    """``path`` if it exists, else skip the test naming what is missing."""
-    if not path.exists():
-        pytest.skip(f"shared data not found: {path} (set QWEN_SHARED_DIR)")
-    return path
+__all__ = ["DATA", "MODEL_CONFIGS", "tokenizer_json", "tokenizers_dir"]

@@ -6,15 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from runtime_helpers import MODEL_CONFIGS, fixture_dir
-from shared_data import TOKENIZERS
+from runtime_helpers import fixture_dir
+from shared_data import MODEL_CONFIGS, tokenizer_json
 
 from qwen_runtime.chat import ChatFormat, ChatTemplate, _token_text, load_chat_format
 from qwen_runtime.errors import TemplateError
 from qwen_runtime.formats import open_model_files
 from qwen_runtime.tokenizer import StreamDecoder, Tokenizer
 
-REAL_TOKENIZER = TOKENIZERS / "qwen2_qwen3" / "tokenizer.json"
 TEXTS = ("Hello world! The quick brown fox's 12345 jumps\r\n  over\tthe lazy dog.",
          "日本語のテキスト、中文句子，한국어 문장 🎉🙂👍🏽 naïve café",
          "def f(x):\n    return x ** 2  # comment\n\n\n<|im_start|>user\nhi<|im_end|>",
@@ -24,9 +23,7 @@ HI = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def real_tokenizer() -> Tokenizer:
-    if not REAL_TOKENIZER.is_file():
-        pytest.skip("real Qwen tokenizer not available")
-    return Tokenizer.from_file(REAL_TOKENIZER)
+    return Tokenizer.from_file(tokenizer_json("qwen2_qwen3"))
 
 
 def real_format(tokenizer: Tokenizer, model: str) -> ChatFormat:
@@ -51,7 +48,7 @@ def gguf_metadata(tokenizer_json: Path, vocab_size: int, pre: str) -> dict:
 
 
 def test_gguf_rebuilt_tokenizer_matches_tokenizer_json(real_tokenizer: Tokenizer) -> None:
-    rebuilt = Tokenizer.from_gguf_metadata(gguf_metadata(REAL_TOKENIZER, 151936, "qwen2"), "meta")
+    rebuilt = Tokenizer.from_gguf_metadata(gguf_metadata(tokenizer_json("qwen2_qwen3"), 151936, "qwen2"), "meta")
     for text in TEXTS:
         assert rebuilt.encode(text) == real_tokenizer.encode(text)
         assert rebuilt.decode(rebuilt.encode(text), skip_special=False) == text
