@@ -11,6 +11,7 @@ import pytest
 from runtime_helpers import fixture_dir
 
 import qwen_runtime
+from qwen_convert import demo
 from qwen_convert.demo import (
     CONVERTED,
     REUSED,
@@ -44,12 +45,14 @@ def test_bundled_model_loads_from_the_package() -> None:
     assert len(result.token_ids) >= 1
 
 
-def test_a_missing_text_is_a_clear_error(tmp_path: Path) -> None:
-    try:
-        bundled_model_path()
-        pytest.skip("the bundled model provides a fallback heldout.txt")
-    except MissingAssetError:
-        pass
+def test_a_missing_text_falls_back_to_the_bundled_model_else_is_a_clear_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert heldout_text_path(tmp_path) == bundled() / "heldout.txt"
+
+    def no_bundled_model() -> Path:
+        raise MissingAssetError("no bundled model")
+
+    monkeypatch.setattr(demo, "bundled_model_path", no_bundled_model)
     with pytest.raises(MissingAssetError, match="--text"):
         heldout_text_path(tmp_path)
 

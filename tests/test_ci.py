@@ -1,0 +1,59 @@
+"""CI runs the README's test command, and under CI=true a test that cannot run fails instead of skipping."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_test_command() -> str:
+    """The command of the README's "Install and run the tests" block (its last line)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"Install and run the tests.*?```bash\n(.*?)```", text, re.S)
+    assert block, "README.md has no 'Install and run the tests' bash block"
+    return block.group(1).strip().splitlines()[-1]
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    command = readme_test_command()
+    assert command == "python -m pytest -q"
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    assert any(line == command or line.startswith(f"{command} ||") for line in lines)
+    assert "export CI=true" in lines
+
+
+def run_pytest(tmp_path: Path, ci: bool) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n\n"
+        "@pytest.mark.oracle\n"
+        "def test_needs_an_extra():\n    pytest.importorskip('no_such_module_here', reason='extra missing')\n\n"
+        "def test_runs():\n    assert True\n", encoding="utf-8")
+    report = tmp_path / "skips.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS")}
+    env |= {"QWEN_SKIP_REPORT": str(report)} | ({"CI": "true"} if ci else {})
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "",
+                           "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return proc, json.loads(report.read_text(encoding="utf-8"))
+
+
+def test_outside_ci_a_skip_is_printed_with_its_reason(tmp_path: Path) -> None:
+    proc, skips = run_pytest(tmp_path, ci=False)
+    assert proc.returncode == 0, proc.stdout
+    assert "SKIPPED" in proc.stdout and "extra missing" in proc.stdout
+    assert skips == []
+
+
+def test_under_ci_a_skip_is_a_failure_and_is_reported(tmp_path: Path) -> None:
+    proc, skips = run_pytest(tmp_path, ci=True)
+    assert proc.returncode == 1, proc.stdout
+    assert "1 failed, 1 passed" in proc.stdout and "extra missing" in proc.stdout
+    assert [(s["nodeid"].split("::")[-1], "oracle" in s["markers"]) for s in skips] == [("test_needs_an_extra", True)]
