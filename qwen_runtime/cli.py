@@ -32,6 +32,8 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the output (-2..2)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the output (-2..2)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-memory", type=parse_memory_size, default=None, metavar="SIZE",
                    help="memory allowed for cache and activations, e.g. 2G (default: 80%% of MemAvailable)")
@@ -137,7 +139,8 @@ def _thinking(args: argparse.Namespace) -> bool | None:
 
 
 def run(args: argparse.Namespace) -> None:
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
+                              args.presence_penalty, args.frequency_penalty)
     model = load(args.model)
     if args.prompt:
         run_prompts(model, args, sampling)
