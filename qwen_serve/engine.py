@@ -1,8 +1,9 @@
 """Continuous batching: one thread owns the model and runs every request's rows in one decode batch.
 
-The loop alternates one prefill chunk of the oldest admitted request with one decode step of every running
-row, so a new prompt joins the batch after its chunks without stalling the others for more than one chunk
-at a time.  A request's ``n`` choices share its prefill (the row is copied) and then run as ``n`` rows.
+The loop alternates prefill chunks of admitted requests (up to ``prefill_chunk`` tokens, oldest first) with
+one decode step of every running row, so a new prompt joins the batch after its chunks without stalling the
+others for more than one chunk's worth of tokens at a time.
+A request's ``n`` choices share its prefill (the row is copied) and then run as ``n`` rows.
 Rows leave the batch when they stop (a stop token, a stop string, ``max_tokens``, a cancelled request) and
 the last row moves into their place, so the batch stays rows ``0 .. B-1`` of the :class:`SlotCache`.
 
@@ -271,10 +272,8 @@ class Engine:
                         self._cond.wait()
                     if self._stopping:
                         break
-                    self._admit()
                 self._drop_cancelled()
-                if self._prefill is not None:
-                    self._guarded(self._prefill_step, [self._prefill[0]])
+                self._prefill_chunks()
                 if self._rows:
                     self._guarded(self._decode_step, list({id(r.job): r.job for r in self._rows}.values()))
         except Exception as exc:  # a bug in the loop itself: report it on /health, fail everyone
@@ -307,6 +306,23 @@ class Engine:
         self._reserved[id(job)] = need
         self.slots.reset(len(self._rows))
         self._prefill = (job, 0)
+
+    def _prefill_chunks(self) -> None:
+        """Prefill chunks of admitted prompts, oldest first, up to ``prefill_chunk`` tokens in all (at least one
+        chunk): short prompts arriving together start together.  A prompt's chunks always start at multiples
+        of ``prefill_chunk``, so its numbers do not depend on what else is prefilled."""
+        budget = self.prefill_chunk
+        while True:
+            with self._cond:
+                self._admit()
+            if self._prefill is None:
+                return
+            job, done = self._prefill
+            size = min(self.prefill_chunk, len(job.prompt_ids) - done)
+            if size > budget:
+                return
+            budget -= size
+            self._guarded(self._prefill_step, [job])
 
     def _prefill_step(self) -> None:
         job, done = self._prefill
