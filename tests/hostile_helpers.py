@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -36,6 +37,66 @@ def converted(name: str, root: Path, fmt: str, dtype: str = "fp32") -> Path:
     out = root / f"{name}-{dtype}{'.gguf' if fmt == 'gguf' else '.npy'}"
     if not out.exists():
         convert_module.convert(FIXTURES / name, out, fmt, dtype)
+    return out
+
+
+# Types given to the matrices of quantized_mix(), in turn: every quantized type the runtime reads.
+MIX_TYPES = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q5_K,
+             gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q3_K, gguf.GGMLQuantizationType.IQ4_XS,
+             gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q5_1, gguf.GGMLQuantizationType.IQ4_NL,
+             gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.BF16)
+
+
+def quantized_mix(root: Path) -> Path:
+    """A valid two-layer Qwen3 GGUF (hidden 256, so 256-value K-quant blocks fit) whose matrices hold, in turn,
+    every quantized type the runtime reads, filled with seeded random blocks (for the fuzz tests)."""
+    from safetensors.numpy import save_file
+
+    out = root / "quantized-mix.gguf"
+    if out.exists():
+        return out
+    source = root / "quantized-mix-hf"
+    source.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(FIXTURES / "qwen3-tiny" / name, source / name)
+    config = json.loads((FIXTURES / "qwen3-tiny" / "config.json").read_text())
+    config.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=64, num_hidden_layers=2)
+    (source / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], 256), "model.norm.weight": (256,)}
+    for layer in ("model.layers.0.", "model.layers.1."):
+        shapes |= {layer + "input_layernorm.weight": (256,), layer + "post_attention_layernorm.weight": (256,),
+                   layer + "self_attn.q_proj.weight": (256, 256), layer + "self_attn.k_proj.weight": (128, 256),
+                   layer + "self_attn.v_proj.weight": (128, 256), layer + "self_attn.o_proj.weight": (256, 256),
+                   layer + "self_attn.q_norm.weight": (64,), layer + "self_attn.k_norm.weight": (64,),
+                   layer + "mlp.gate_proj.weight": (512, 256), layer + "mlp.up_proj.weight": (512, 256),
+                   layer + "mlp.down_proj.weight": (256, 512)}
+    save_file({n: rng.normal(0, 0.05, s).astype(np.float32) for n, s in shapes.items()},
+              str(source / "model.safetensors"))
+    raw = RawGGUF.from_file(converted_dir(source, root, "fp32"))
+    infos, data = [], b""
+    types = iter(MIX_TYPES * 2)
+    for name, dims, qtype, offset in raw.infos:
+        if len(dims) == 2:
+            qtype = next(types)
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+            blob = rng.integers(0, 256, dims[0] // block * size * dims[1], dtype=np.uint8).tobytes()
+        else:
+            blob = raw.data[offset:offset + 4 * int(np.prod(dims))]
+        data += b"\0" * (-len(data) % raw.alignment)
+        infos.append((name, dims, int(qtype), len(data)))
+        data += blob
+    raw.infos, raw.data = infos, data
+    return raw.write(out)
+
+
+def converted_dir(source: Path, root: Path, dtype: str) -> Path:
+    """An HF directory converted to GGUF in-process by qwen_convert."""
+    convert_module = pytest.importorskip("qwen_convert.convert")
+    out = root / f"{source.name}-{dtype}.gguf"
+    if not out.exists():
+        convert_module.convert(source, out, "gguf", dtype)
     return out
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from gguf import GGUFValueType
-from hostile_helpers import FUZZ, RawGGUF, converted, mutated, touch
+from hostile_helpers import FUZZ, MIX_TYPES, RawGGUF, converted, mutated, quantized_mix, touch
 from hypothesis import event, given
 from hypothesis import strategies as st
 
@@ -16,13 +16,22 @@ from qwen_runtime.chat import load_chat_format
 from qwen_runtime.errors import FormatError, TemplateError
 from qwen_runtime.formats import open_gguf
 
-SOURCES = (("qwen3-tiny", "fp32"), ("qwen35-tiny", "q8_0"))
+SOURCES = (("qwen3-tiny", "fp32"), ("qwen35-tiny", "q8_0"), ("qwen2-tiny", "q4_0"))
 
 
 @pytest.fixture(scope="module")
 def raws(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RawGGUF]:
+    """The files mutated: fixtures as we convert them, and one whose matrices hold every quantized type."""
     root = tmp_path_factory.mktemp("fuzz-gguf")
-    return {name: RawGGUF.from_file(converted(name, root, "gguf", dtype)) for name, dtype in SOURCES}
+    files = {name: RawGGUF.from_file(converted(name, root, "gguf", dtype)) for name, dtype in SOURCES}
+    return {**files, "quantized-mix": RawGGUF.from_file(quantized_mix(root))}
+
+
+def test_quantized_mix_opens_with_every_type(raws: dict[str, RawGGUF], work: Path) -> None:
+    work.write_bytes(raws["quantized-mix"].pack())
+    files = open_gguf(work)
+    assert {t.qtype.name for t in files.tensors.values() if len(t.shape) == 2} == {q.name for q in MIX_TYPES}
+    touch(files)
 
 
 @pytest.fixture(scope="module")

@@ -20,14 +20,15 @@ from qwen_runtime.formats.npy_dir import MANIFEST_NAME
 
 MANIFEST_VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-2**65, 2**65), st.text(max_size=12),
-    st.sampled_from(["../x.npy", "/etc/passwd", "config.json", MANIFEST_NAME, "F32", "Q8_0", "BF16"]),
+    st.sampled_from(["../x.npy", "/etc/passwd", "config.json", MANIFEST_NAME, "F32", "Q8_0", "BF16", "Q4_0", "Q5_1",
+                     "Q4_K"]),
     st.lists(st.integers(-2, 2**40), max_size=5))
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["q8_0", "q5_1"])  # q5_1: a 4-field block dtype (d, m, qh, qs)
+def model(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     root = tmp_path_factory.mktemp("fuzz-npy")
-    return Path(shutil.copytree(converted("qwen3-tiny", root, "npy", "q8_0"), root / "model"))
+    return Path(shutil.copytree(converted("qwen3-tiny", root, "npy", request.param), root / "model"))
 
 
 @contextmanager
