@@ -7,11 +7,13 @@ Without ``--model`` it builds (once, cached) the full-size random-weight Qwen2.5
 ``bench_models.py`` and converts it to GGUF q8_0 with ``qwen-convert``.  The server runs as its own process
 (``python -m qwen_serve``) on a free port of 127.0.0.1; each client is a thread streaming one greedy chat
 completion over plain HTTP (a light client: the two share the machine), each with a different prompt.  Per
-N (several rounds for small N, so the percentiles have samples) it reports:
+N it reports:
 
 * aggregate tokens/s: completion tokens of the round / wall time from the first request to the last [DONE];
 * time to first token (first content chunk) p50 / p95 over the round's requests;
 * per-request tokens/s: each request's (tokens - 1) / (last chunk - first chunk), the median.
+
+One client runs three requests in turn; N > 1 clients run one round of N requests at once.
 
 The target is an aggregate at 8 clients of at least 3x the single-client rate.
 """
@@ -122,7 +124,7 @@ def run_round(port: int, clients: int, max_tokens: int, offset: int) -> tuple[fl
 
 
 def measure(port: int, clients: int, max_tokens: int) -> RoundResult:
-    rounds = max(1, 4 // clients) + (1 if clients == 1 else 0)
+    rounds = 3 if clients == 1 else 1  # a single client: three requests, so TTFT has a median
     walls, results = [], []
     for r in range(rounds):
         wall, got = run_round(port, clients, max_tokens, offset=r * clients + clients)
