@@ -473,3 +473,22 @@ def test_completions_take_a_batch_of_prompts(server: RunningServer) -> None:
     assert streamed == {0: alone[0].choices[0].text, 1: alone[1].choices[0].text}
     status, _, reply = http("POST", f"{server.url}/v1/completions", {"prompt": ["ok", [1, -2]]})
     assert status == 400 and error_of(status, reply)["param"] == "prompt[1]"
+
+
+def test_failing_and_vanishing_clients_do_not_disturb_the_others(server: RunningServer) -> None:
+    prompts = [f"Question {i}: why is the sky blue?" for i in (1, 2, 3, 4)]
+    solo = [streamed_tokens(server.client(), p, 12) for p in prompts]
+
+    def vanish() -> None:
+        stream = chat(server.client(), "Explain attention", max_tokens=500, stream=True)
+        next(iter(stream))
+        stream.close()
+
+    def refused() -> None:
+        status, _, _ = http("POST", f"{server.url}/v1/chat/completions", {"messages": "nope", "n": 0})
+        assert status == 400
+
+    jobs = [lambda p=p: streamed_tokens(server.client(), p, 12) for p in prompts] + [vanish] * 4 + [refused] * 4
+    results = run_concurrently(jobs)
+    assert results[:4] == solo
+    server.wait_idle()
