@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from convert_helpers import fixture, write_qwen2
-from shared_data import MODEL_CONFIGS, TOKENIZERS, shared_file
+from shared_data import MODEL_CONFIGS, tokenizer_json
 
 from qwen_convert import ray_batch
 from qwen_convert.batch import Job
@@ -87,9 +87,8 @@ RAY_WORKER_HEAP = 41 * MB  # an idle Ray worker's RssAnon (measured with ray 2.6
 def test_declared_ray_memory_covers_the_measured_heap(tmp_path: Path, fmt: str, dtype: str) -> None:
     """A full-vocabulary model with --verify (the probe's [positions, vocabulary] arrays dominate its heap)."""
     src = write_qwen2(tmp_path / "model", layers=2, hidden=128, inter=256, vocab=151936, heads=4, kv_heads=2)
-    shutil.copyfile(shared_file(TOKENIZERS / "qwen2_qwen3" / "tokenizer.json"), src / "tokenizer.json")
-    shutil.copyfile(shared_file(MODEL_CONFIGS / "qwen2.5-0.5b-instruct" / "tokenizer_config.json"),
-                    src / "tokenizer_config.json")
+    shutil.copyfile(tokenizer_json("qwen2_qwen3"), src / "tokenizer.json")
+    shutil.copyfile(MODEL_CONFIGS / "qwen2.5-0.5b-instruct" / "tokenizer_config.json", src / "tokenizer_config.json")
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps(config | {"bos_token_id": 151643, "eos_token_id": 151645}))
     job = Job(src, tmp_path / ("out.gguf" if fmt == "gguf" else "out"), fmt, dtype)
