@@ -66,15 +66,18 @@ class Weight:
         self.ws = ws
         self.out_features, self.in_features = tensor.shape
         self.block_rows = balanced_rows(self.out_features, tile_elements // self.in_features, ws.threads)
+        self._blocks: tuple[int, list[tuple[int, int]]] | None = None  # (block_rows, blocks) of the last blocks()
 
     @property
     def qtype(self) -> QType:
         return self.tensor.qtype
 
     def blocks(self) -> list[tuple[int, int]]:
-        """The row ranges ``[r0, r1)`` multiplied as one task each (about a tile's elements)."""
+        """The row ranges ``[r0, r1)`` multiplied as one task each (about a tile's elements; computed once)."""
         step = self.block_rows
-        return [(r0, min(r0 + step, self.out_features)) for r0 in range(0, self.out_features, step)]
+        if self._blocks is None or self._blocks[0] != step:
+            self._blocks = (step, [(r0, min(r0 + step, self.out_features)) for r0 in range(0, self.out_features, step)])
+        return self._blocks[1]
 
     def prepare(self, x: np.ndarray) -> object:
         """``x`` [N, in] in the layout :meth:`block_product` multiplies (once per call, shared by all blocks)."""

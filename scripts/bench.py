@@ -320,6 +320,8 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all; --quick: the first)")
     p.add_argument("--dtypes", help=f"comma list of {', '.join(DTYPES)} (default: all; --quick: q8_0)")
     p.add_argument("--repeat", type=int, default=3, help="repetitions of every measurement (medians reported)")
+    p.add_argument("--conversion-repeat", type=int, default=None,
+                   help="repetitions of every conversion (default: --repeat; the GGUF is always written once)")
     p.add_argument("--threads", type=int, default=2, help="threads of both runtimes")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "qwen-numpy-bench")
     p.add_argument("--tokenizers", type=Path, default=None,
@@ -351,8 +353,9 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
             log(f"{src.name}: fp32 GGUF for llama.cpp's quantizer")
             convert_ours(src, f32, "fp32", env)
         conv = conversions.setdefault(dtype, {})
-        for rep in range(args.repeat):
-            log(f"{src.name} {dtype}: conversion {rep + 1}/{args.repeat}")
+        conversion_repeat = max(1, args.conversion_repeat or args.repeat)
+        for rep in range(conversion_repeat):
+            log(f"{src.name} {dtype}: conversion {rep + 1}/{conversion_repeat}")
             scratch = args.cache_dir / f"llama-out-{os.getpid()}.gguf"  # deleted after measuring
             if dtype in OURS:
                 conv.setdefault("ours", []).append(convert_ours(src, gguf, dtype, env))
@@ -374,7 +377,8 @@ def report(results: dict[str, Any], plan: Plan) -> list[str]:
     results["medians"] = {"conversion": conv, "runtime": runs}
     lines = [f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores, "
              f"numpy {results['machine']['numpy']}, llama-cpp-python {results['machine']['llama_cpp_python']}, "
-             f"{results['machine']['date']}; medians of {results['repeat']} runs", "",
+             f"{results['machine']['date']}; medians of {results['repeat']} runs "
+             f"({results.get('conversion_repeat', results['repeat'])} of each conversion)", "",
              *runtime_table(runs, plan), "", *conversion_table(conv), ""]
     for model in runs:
         found = [t for t in targets(runs[model], conv.get(model, {}), results["configs"][model], plan)
@@ -394,6 +398,7 @@ def run(args: argparse.Namespace) -> None:
     version = None if args.no_llama else llama_interop.installed_version()
     script = llama_interop.converter_script(args.cache_dir) if version else None
     results: dict[str, Any] = {"machine": machine(), "plan": plan.__dict__, "repeat": args.repeat,
+                               "conversion_repeat": max(1, args.conversion_repeat or args.repeat),
                                "conversion": {}, "runtime": {}, "configs": {}}
     out = args.json or args.cache_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     for name in names:
