@@ -128,7 +128,9 @@ def measure(engine: str, gguf: Path, prompt: int, new: int, batch: int, env: dic
             threads: int) -> dict[str, float]:
     cmd = [sys.executable, str(WORKER), engine, str(gguf), "--prompt", str(prompt), "--new", str(new),
            "--batch", str(batch), "--threads", str(threads)]
-    return json.loads(run_measured(cmd, env)[2].strip().splitlines()[-1])
+    sample = json.loads(run_measured(cmd, env)[2].strip().splitlines()[-1])
+    sample["loadavg_1min"] = os.getloadavg()[0]  # the machine's load while it ran (shared machines)
+    return sample
 
 
 def runtime_round(gguf: Path, plan: Plan, llama: bool, peer: bool, env: dict[str, str],
@@ -212,7 +214,7 @@ def runtime_row(model: str, dtype: str, m: dict[str, dict]) -> str:
              f"{fmt(batch)} ({fmt(ratio(batch, single), 2)})",
              f"{pair(oc, lc, 'decode_tps', with_ratio=False)} ({fmt(ratio(context, o.get('decode_tps', NAN)), 2)})",
              pair(o, ll, "ttft_s", 2, False), pair(o, ll, "load_s", 2, False), pair(o, ll, "VmHWM", 0),
-             pair(o, ll, "RssAnon", 0, False)]
+             pair(o, ll, "RssAnon", 0, False), fmt(o.get("loadavg_1min", NAN))]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -221,7 +223,8 @@ def runtime_table(summary: dict, plan: Plan) -> list[str]:
             f"decode({plan.new}) tok/s ours / numpy / llama (× llama)",
             f"batch-{plan.batch} agg. tok/s ours (× llama 1-stream)",
             f"decode @{plan.context} ours / llama (ours × own decode)", "TTFT s ours / llama",
-            "load s ours / llama", "peak RSS MiB ours / llama (×)", "anon MiB ours / llama"]
+            "load s ours / llama", "peak RSS MiB ours / llama (×)", "anon MiB ours / llama",
+            "machine load"]
     rows = [runtime_row(model, dtype, m) for model, dtypes in summary.items() for dtype, m in dtypes.items()]
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows]
 
@@ -320,6 +323,11 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all; --quick: the first)")
     p.add_argument("--dtypes", help=f"comma list of {', '.join(DTYPES)} (default: all; --quick: q8_0)")
     p.add_argument("--repeat", type=int, default=3, help="repetitions of every measurement (medians reported)")
+    p.add_argument("--other-dtypes", help="dtypes of the second and later models (default: --dtypes), e.g. every "
+                   "type for the first shape and q8_0 for the others, in one run")
+    p.add_argument("--peer-dtypes", default="fp32",
+                   help="dtypes the plain numpy peer runs on (default fp32: on any other file it widens every "
+                   "weight to float32 at load and runs at its fp32 speed with 2-4x the memory)")
     p.add_argument("--conversion-repeat", type=int, default=None,
                    help="repetitions of every conversion (default: --repeat; the GGUF is always written once)")
     p.add_argument("--threads", type=int, default=2, help="threads of both runtimes")
@@ -367,7 +375,8 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
                 conv.setdefault("llama", []).append(convert_llama(script, src, scratch, dtype, env))
         for rep in range(args.repeat):
             log(f"{src.name} {dtype}: runtime {rep + 1}/{args.repeat}")
-            for name, sample in runtime_round(gguf, plan, script is not None, peer, env, args.threads).items():
+            with_peer = peer and dtype in args.peer_dtypes.split(",")
+            for name, sample in runtime_round(gguf, plan, script is not None, with_peer, env, args.threads).items():
                 runtime.setdefault(dtype, {}).setdefault(name, []).append(sample)
             save()
 
@@ -401,13 +410,15 @@ def run(args: argparse.Namespace) -> None:
                                "conversion_repeat": max(1, args.conversion_repeat or args.repeat),
                                "conversion": {}, "runtime": {}, "configs": {}}
     out = args.json or args.cache_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    for name in names:
+    others = args.other_dtypes.split(",") if args.other_dtypes else dtypes
+    for i, name in enumerate(names):
         log(f"{name}: checkpoint")
         tokenizers = args.tokenizers or real_tokenizers.tokenizers_dir()
         src = build_checkpoint(MODELS[name], args.cache_dir / "hf", tokenizers, args.configs)
         results["configs"][name] = json.loads((src / "config.json").read_text())
-        bench_model(src, dtypes, args, plan, script, env, results["conversion"].setdefault(name, {}),
-                    results["runtime"].setdefault(name, {}), lambda: out.write_text(json.dumps(results, indent=1)))
+        bench_model(src, dtypes if i == 0 else others, args, plan, script, env,
+                    results["conversion"].setdefault(name, {}), results["runtime"].setdefault(name, {}),
+                    lambda: out.write_text(json.dumps(results, indent=1)))
     results["machine"]["loadavg_end"] = os.getloadavg()
     sys.stdout.write("\n".join(report(results, plan)) + "\n")
     out.write_text(json.dumps(results, indent=1))
