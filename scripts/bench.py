@@ -323,6 +323,8 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all; --quick: the first)")
     p.add_argument("--dtypes", help=f"comma list of {', '.join(DTYPES)} (default: all; --quick: q8_0)")
     p.add_argument("--repeat", type=int, default=3, help="repetitions of every measurement (medians reported)")
+    p.add_argument("--new", type=int, help=f"greedy tokens after the prompt (default {Plan.new})")
+    p.add_argument("--context-new", type=int, help=f"tokens decoded after the long prompt (default {Plan.context_new})")
     p.add_argument("--other-dtypes", help="dtypes of the second and later models (default: --dtypes), e.g. every "
                    "type for the first shape and q8_0 for the others, in one run")
     p.add_argument("--peer-dtypes", default="fp32",
@@ -400,6 +402,8 @@ def report(results: dict[str, Any], plan: Plan) -> list[str]:
 
 def run(args: argparse.Namespace) -> None:
     plan = QUICK if args.quick else Plan()
+    plan = Plan(**{**plan.__dict__, **{k: v for k, v in (("new", args.new), ("context_new", args.context_new))
+                                       if v is not None}})
     names = args.models.split(",") if args.models else list(MODELS)[:1] if args.quick else list(MODELS)
     dtypes = args.dtypes.split(",") if args.dtypes else ["q8_0"] if args.quick else list(DTYPES)
     args.repeat = 1 if args.quick and args.repeat == 3 else args.repeat
