@@ -134,7 +134,7 @@ def measure(engine: str, gguf: Path, prompt: int, new: int, batch: int, env: dic
 
 
 def runtime_round(gguf: Path, plan: Plan, llama: bool, peer: bool, env: dict[str, str],
-                  threads: int) -> dict[str, dict]:
+                  threads: int, batch: bool = True) -> dict[str, dict]:
     """One repetition of every runtime measurement of one file, ours, the numpy peer and llama.cpp interleaved.
 
     Keys: ``ours``/``numpy``/``llama`` (prompt + decode), ``ours_batch`` (``plan.batch`` rows), ``*_context``
@@ -147,6 +147,8 @@ def runtime_round(gguf: Path, plan: Plan, llama: bool, peer: bool, env: dict[str
             "llama_context": ("llama", plan.context, plan.context_new, 1)}
     results = {}
     for name, (engine, prompt, new, batch) in jobs.items():
+        if name == "ours_batch" and not batch:
+            continue
         if engine == "ours" or (engine == "llama" and llama) or (engine == "numpy" and peer):
             results[name] = measure(engine, gguf, prompt, new, batch, env, threads)
     return results
@@ -330,6 +332,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-dtypes", default="fp32",
                    help="dtypes the plain numpy peer runs on (default fp32: on any other file it widens every "
                    "weight to float32 at load and runs at its fp32 speed with 2-4x the memory)")
+    p.add_argument("--batch-dtypes", help="dtypes with the batched measurement (default: all)")
     p.add_argument("--conversion-repeat", type=int, default=None,
                    help="repetitions of every conversion (default: --repeat; the GGUF is always written once)")
     p.add_argument("--threads", type=int, default=2, help="threads of both runtimes")
@@ -378,7 +381,9 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
         for rep in range(args.repeat):
             log(f"{src.name} {dtype}: runtime {rep + 1}/{args.repeat}")
             with_peer = peer and dtype in args.peer_dtypes.split(",")
-            for name, sample in runtime_round(gguf, plan, script is not None, with_peer, env, args.threads).items():
+            with_batch = args.batch_dtypes is None or dtype in args.batch_dtypes.split(",")
+            for name, sample in runtime_round(gguf, plan, script is not None, with_peer, env, args.threads,
+                                              with_batch).items():
                 runtime.setdefault(dtype, {}).setdefault(name, []).append(sample)
             save()
 
