@@ -33,7 +33,7 @@ def load(path: str | Path, tile_elements: int = TILE_ELEMENTS) -> Model:
     """Open a model (HF directory, npy directory or GGUF file) for inference.
 
     Weights are memory-mapped and used in their stored type; ``tile_elements`` sets how many weights of a
-    BF16/F16/Q8_0 matrix are widened to float32 at a time.
+    non-F32 matrix (any type of :mod:`qwen_runtime.quants`) are widened to float32 at a time.
     """
     return build_model(path, tile_elements)
 

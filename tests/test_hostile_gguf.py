@@ -208,6 +208,21 @@ def test_bad_dims(raw: RawGGUF, tmp_path: Path, dims: tuple[int, ...], fragment:
     fails(raw, tmp_path, repr(name), fragment)
 
 
+@pytest.mark.parametrize(("qtype", "dims", "fragment"), [
+    (GGMLQuantizationType.Q4_K, (128, 2), "not a multiple"),  # 256-value super-blocks
+    (GGMLQuantizationType.Q6_K, (320, 2), "not a multiple"),
+    (GGMLQuantizationType.IQ4_XS, (64, 4), "not a multiple"),
+    (GGMLQuantizationType.Q5_0, (48, 2), "not a multiple"),
+    (GGMLQuantizationType.Q4_K, (1 << 16, 1 << 12), "needs bytes"),  # blocks past the end of the file
+    (GGMLQuantizationType.Q5_1, (1 << 12, 1 << 12), "needs bytes"),
+])
+def test_block_arithmetic_of_quantized_types(raw: RawGGUF, tmp_path: Path, qtype: GGMLQuantizationType,
+                                             dims: tuple[int, ...], fragment: str) -> None:
+    name, _, _, offset = raw.infos[0]
+    raw.infos[0] = (name, dims, qtype, offset)
+    fails(raw, tmp_path, repr(name), fragment)
+
+
 def test_duplicate_tensor_name(raw: RawGGUF, tmp_path: Path) -> None:
     name, dims, qtype, offset = raw.infos[1]
     raw.infos[1] = (raw.infos[0][0], dims, qtype, offset)

@@ -26,7 +26,6 @@ class Q8_0(Codec):
     qtype = QType.Q8_0
 
     def __init__(self) -> None:
-        assert (self.block_size, self.type_size) == (Q8_0_BLOCK, Q8_0_BYTES)
         self.npy_dtype = np.dtype([("d", "<f2"), ("qs", "i1", (self.block_size,))])
 
     def reference(self, raw: np.ndarray) -> np.ndarray:
