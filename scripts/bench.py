@@ -134,7 +134,7 @@ def measure(engine: str, gguf: Path, prompt: int, new: int, batch: int, env: dic
 
 
 def runtime_round(gguf: Path, plan: Plan, llama: bool, peer: bool, env: dict[str, str],
-                  threads: int, batch: bool = True) -> dict[str, dict]:
+                  threads: int, batch: bool = True, context: bool = True) -> dict[str, dict]:
     """One repetition of every runtime measurement of one file, ours, the numpy peer and llama.cpp interleaved.
 
     Keys: ``ours``/``numpy``/``llama`` (prompt + decode), ``ours_batch`` (``plan.batch`` rows), ``*_context``
@@ -147,7 +147,7 @@ def runtime_round(gguf: Path, plan: Plan, llama: bool, peer: bool, env: dict[str
             "llama_context": ("llama", plan.context, plan.context_new, 1)}
     results = {}
     for name, (engine, prompt, new, batch) in jobs.items():
-        if name == "ours_batch" and not batch:
+        if (name == "ours_batch" and not batch) or (name.endswith("_context") and not context):
             continue
         if engine == "ours" or (engine == "llama" and llama) or (engine == "numpy" and peer):
             results[name] = measure(engine, gguf, prompt, new, batch, env, threads)
@@ -333,6 +333,7 @@ def configure_parser() -> argparse.ArgumentParser:
                    help="dtypes the plain numpy peer runs on (default fp32: on any other file it widens every "
                    "weight to float32 at load and runs at its fp32 speed with 2-4x the memory)")
     p.add_argument("--batch-dtypes", help="dtypes with the batched measurement (default: all)")
+    p.add_argument("--context-dtypes", help="dtypes with the long-prompt measurement (default: all)")
     p.add_argument("--conversion-repeat", type=int, default=None,
                    help="repetitions of every conversion (default: --repeat; the GGUF is always written once)")
     p.add_argument("--threads", type=int, default=2, help="threads of both runtimes")
@@ -382,8 +383,9 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
             log(f"{src.name} {dtype}: runtime {rep + 1}/{args.repeat}")
             with_peer = peer and dtype in args.peer_dtypes.split(",")
             with_batch = args.batch_dtypes is None or dtype in args.batch_dtypes.split(",")
+            with_context = args.context_dtypes is None or dtype in args.context_dtypes.split(",")
             for name, sample in runtime_round(gguf, plan, script is not None, with_peer, env, args.threads,
-                                              with_batch).items():
+                                              with_batch, with_context).items():
                 runtime.setdefault(dtype, {}).setdefault(name, []).append(sample)
             save()
 
