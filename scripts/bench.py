@@ -332,6 +332,8 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-dtypes", default="fp32",
                    help="dtypes the plain numpy peer runs on (default fp32: on any other file it widens every "
                    "weight to float32 at load and runs at its fp32 speed with 2-4x the memory)")
+    p.add_argument("--others-single", action="store_true",
+                   help="second and later models: the single-stream prompt + decode only (no batch, no long prompt)")
     p.add_argument("--batch-dtypes", help="dtypes with the batched measurement (default: all)")
     p.add_argument("--context-dtypes", help="dtypes with the long-prompt measurement (default: all)")
     p.add_argument("--conversion-repeat", type=int, default=None,
@@ -355,7 +357,7 @@ def log(text: str) -> None:
 
 def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Plan, script: Path | None,
                 env: dict[str, str], conversions: dict[str, dict[str, list]],
-                runtime: dict[str, dict[str, list]], save: Callable[[], None]) -> None:
+                runtime: dict[str, dict[str, list]], save: Callable[[], None], single: bool = False) -> None:
     """Fill conversion[dtype][tool] and runtime[dtype][measurement] samples of one checkpoint; ``save`` after each."""
     config = json.loads((src / "config.json").read_text())
     peer = not args.no_peer and not any("Qwen3_5" in a for a in config.get("architectures", []))
@@ -382,8 +384,8 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
         for rep in range(args.repeat):
             log(f"{src.name} {dtype}: runtime {rep + 1}/{args.repeat}")
             with_peer = peer and dtype in args.peer_dtypes.split(",")
-            with_batch = args.batch_dtypes is None or dtype in args.batch_dtypes.split(",")
-            with_context = args.context_dtypes is None or dtype in args.context_dtypes.split(",")
+            with_batch = not single and (args.batch_dtypes is None or dtype in args.batch_dtypes.split(","))
+            with_context = not single and (args.context_dtypes is None or dtype in args.context_dtypes.split(","))
             for name, sample in runtime_round(gguf, plan, script is not None, with_peer, env, args.threads,
                                               with_batch, with_context).items():
                 runtime.setdefault(dtype, {}).setdefault(name, []).append(sample)
@@ -429,7 +431,7 @@ def run(args: argparse.Namespace) -> None:
         results["configs"][name] = json.loads((src / "config.json").read_text())
         bench_model(src, dtypes if i == 0 else others, args, plan, script, env,
                     results["conversion"].setdefault(name, {}), results["runtime"].setdefault(name, {}),
-                    lambda: out.write_text(json.dumps(results, indent=1)))
+                    lambda: out.write_text(json.dumps(results, indent=1)), single=i > 0 and args.others_single)
     results["machine"]["loadavg_end"] = os.getloadavg()
     sys.stdout.write("\n".join(report(results, plan)) + "\n")
     out.write_text(json.dumps(results, indent=1))
