@@ -47,10 +47,22 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body", type=positive, default=MAX_BODY_BYTES, metavar="BYTES",
                    help=f"largest request body accepted (default {MAX_BODY_BYTES})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    ray = p.add_argument_group("Ray Serve (the ray extra; qwen_serve/ray_app.py)")
+    ray.add_argument("--ray", action="store_true", help="serve through Ray Serve: --replicas copies of the app, "
+                     "each with its own engine, behind Ray's HTTP proxy on --host:--port")
+    ray.add_argument("--replicas", type=positive, default=1, help="with --ray: replicas (default 1)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs each replica declares")
+    ray.add_argument("--address", metavar="ADDR", help="with --ray: the Ray cluster (default: RAY_ADDRESS, else "
+                     "a local instance)")
     return p
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.ray:
+        from .ray_app import serve_on_ray
+
+        serve_on_ray(args)
+        return
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -61,7 +73,10 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = configure_parser().parse_args(argv)
+    parser = configure_parser()
+    args = parser.parse_args(argv)
+    if not args.ray and (args.address is not None or args.replicas != 1):
+        parser.error("--replicas and --address need --ray")
     return run_guarded("qwen-serve", lambda: run(args))
 
 

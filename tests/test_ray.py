@@ -1,20 +1,26 @@
 """The ray executor on a local Ray instance (one per module, 2 CPUs): batch conversion byte-identical to a local
-batch, a killed worker retried, failing and oversized jobs reported, Ctrl-C leaving nothing behind, and
-qwen-eval giving the local numbers.
+batch, a killed worker retried, failing and oversized jobs reported, Ctrl-C leaving nothing behind,
+qwen-eval giving the local numbers, and qwen-serve's app on Ray Serve (two replicas) passing qwen-serve's own
+openai-client tests with requests spread over both replicas.
 
 Outside CI the module is skipped when ray is not installed; under CI (``CI=true``) a missing ray fails.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
+import socket
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
+import test_serve  # qwen-serve's openai-client tests, run here against the Ray Serve deployment too
 from convert_helpers import fixture, write_qwen2
+from serve_helpers import openai
 
 if os.environ.get("CI") == "true":
     import ray  # CI installs the ray extra: a missing ray is a failure there, not a skip
@@ -27,8 +33,11 @@ from qwen_convert.cli import convert_main
 from qwen_convert.ray_batch import run_batch_on_ray
 from qwen_convert.verify import BatchVerifier
 from qwen_runtime.eval_cli import main as eval_main
+from qwen_serve.cli import main as serve_main
+from qwen_serve.ray_app import REPLICA_HEADER, build, deployment
 
-pytestmark = pytest.mark.ray
+# Ray Serve's own models trip pydantic's deprecation warnings: not ours to fix.
+pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -149,3 +158,80 @@ def test_eval_on_ray_gives_the_local_numbers(capsys, tmp_path: Path) -> None:
         assert result.pop("seconds") > 0
     assert remote == local
     assert [r["model"] for r in remote["results"]] == models
+
+
+# --- qwen-serve on Ray Serve ------------------------------------------------------------------------------
+
+# qwen-serve's tests that need nothing but a running server (those reading the in-process engine cannot run
+# against replicas in other processes).
+SERVER_TESTS = [f for name, f in sorted(vars(test_serve).items()) if name.startswith("test_") and callable(f)
+                and list(inspect.signature(f).parameters) == ["server"] and ".engine" not in inspect.getsource(f)
+                and "wait_idle" not in inspect.getsource(f)]
+
+
+class RayServed:
+    """What qwen-serve's tests use of a server (``url``, ``client()``), for the Ray Serve deployment."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def client(self, api_key: str = "unused", **options: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120, **options)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_server(ray_instance: object) -> RayServed:
+    """qwen3-tiny as test_serve serves it (max_batch 16, queue 8), in two replicas of half a CPU each."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(deployment(fixture("qwen3-tiny"), replicas=2, num_cpus=0.5, max_batch=16, max_queue=8,
+                         max_memory=256 << 20), name="qwen-serve", route_prefix="/")
+    yield RayServed(f"http://127.0.0.1:{port}")
+    serve.shutdown()
+
+
+def test_the_server_tests_are_found() -> None:
+    assert len(SERVER_TESTS) >= 3
+
+
+@pytest.mark.parametrize("check", SERVER_TESTS, ids=lambda f: f.__name__)
+def test_qwen_serve_client_tests_pass_on_ray_serve(ray_server: RayServed, check) -> None:
+    check(ray_server)
+
+
+def test_requests_are_spread_over_the_replicas(ray_server: RayServed) -> None:
+    replicas: list[str] = []
+    texts: list[str] = []
+
+    def ask() -> None:
+        raw = ray_server.client().chat.completions.with_raw_response.create(
+            model="qwen3-tiny", messages=[{"role": "user", "content": "Explain attention"}], max_tokens=8,
+            temperature=0.0)
+        replicas.append(raw.headers[REPLICA_HEADER])
+        texts.append(raw.parse().choices[0].message.content)
+
+    threads = [threading.Thread(target=ask) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(replicas) == 12 and len(set(replicas)) == 2
+    assert len(set(texts)) == 1  # greedy: every replica gives the same answer
+
+
+def test_serve_run_builder_and_cli_options() -> None:
+    app = build({"model": str(fixture("qwen3-tiny")), "replicas": "2", "max_memory": "256M", "num_cpus": "0.5"})
+    assert type(app).__name__ == "Application"
+    with pytest.raises(ValueError, match="model=PATH"):
+        build({"replicas": "2"})
+    with pytest.raises(SystemExit) as exit_info:
+        serve_main([str(fixture("qwen3-tiny")), "--replicas", "2"])
+    assert exit_info.value.code == 2
