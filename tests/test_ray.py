@@ -3,7 +3,8 @@ batch, a killed worker retried, failing and oversized jobs reported, Ctrl-C leav
 qwen-eval giving the local numbers, and qwen-serve's app on Ray Serve (two replicas) passing qwen-serve's own
 openai-client tests with requests spread over both replicas.
 
-Outside CI the module is skipped when ray is not installed; under CI (``CI=true``) a missing ray fails.
+Outside CI the module is skipped when ray is not installed; under CI (``CI=true``) that skip is a failure
+(tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -22,19 +23,16 @@ import test_serve  # qwen-serve's openai-client tests, run here against the Ray 
 from convert_helpers import fixture, write_qwen2
 from serve_helpers import openai
 
-if os.environ.get("CI") == "true":
-    import ray  # CI installs the ray extra: a missing ray is a failure there, not a skip
-else:
-    ray = pytest.importorskip("ray", reason="needs the ray extra (pip install -e '.[ray]')")
+ray = pytest.importorskip("ray", reason="needs the ray extra (pip install -e '.[ray]')")  # CI=true: a failure
 
-from qwen_convert import ray_batch
-from qwen_convert.batch import CONVERTED, FAILED, SKIPPED, VERIFIED, Job, plan_jobs
-from qwen_convert.cli import convert_main
-from qwen_convert.ray_batch import run_batch_on_ray
-from qwen_convert.verify import BatchVerifier
-from qwen_runtime.eval_cli import main as eval_main
-from qwen_serve.cli import main as serve_main
-from qwen_serve.ray_app import REPLICA_HEADER, build, deployment
+from qwen_convert import ray_batch  # noqa: E402
+from qwen_convert.batch import CONVERTED, FAILED, SKIPPED, VERIFIED, Job, plan_jobs  # noqa: E402
+from qwen_convert.cli import convert_main  # noqa: E402
+from qwen_convert.ray_batch import run_batch_on_ray  # noqa: E402
+from qwen_convert.verify import BatchVerifier  # noqa: E402
+from qwen_runtime.eval_cli import main as eval_main  # noqa: E402
+from qwen_serve.cli import main as serve_main  # noqa: E402
+from qwen_serve.ray_app import REPLICA_HEADER, build, deployment  # noqa: E402
 
 # Ray Serve's own models trip pydantic's deprecation warnings: not ours to fix.
 pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")]
@@ -170,10 +168,10 @@ SERVER_TESTS = [f for name, f in sorted(vars(test_serve).items()) if name.starts
 
 
 class RayServed:
-    """What qwen-serve's tests use of a server (``url``, ``client()``), for the Ray Serve deployment."""
+    """What qwen-serve's tests use of a server (``url``, ``port``, ``client()``), for the Ray Serve deployment."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, port: int) -> None:
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
 
     def client(self, api_key: str = "unused", **options: object) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120, **options)
@@ -194,7 +192,7 @@ def ray_server(ray_instance: object) -> RayServed:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(deployment(fixture("qwen3-tiny"), replicas=2, num_cpus=0.5, max_batch=16, max_queue=8,
                          max_memory=256 << 20), name="qwen-serve", route_prefix="/")
-    yield RayServed(f"http://127.0.0.1:{port}")
+    yield RayServed(port)
     serve.shutdown()
 
 
