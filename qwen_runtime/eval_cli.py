@@ -28,9 +28,10 @@ from .evaluate import (
     read_text,
     results_table,
 )
-from .executor import EXECUTORS, LOCAL, RAY, RemoteJob, Throttle, connect, run_on_ray
+from .executor import EXECUTORS, LOCAL, RAY, ExecutorError, RemoteJob, Throttle, connect, run_on_ray
 from .limits import generation_bytes
 from .models import Model
+from .pool import blas_controller, default_threads
 from .tensors import QType
 
 DEFAULT_CTX = 512
@@ -82,9 +83,21 @@ def eval_memory(model: Model, reference: Model | None, ctx: int, chunk: int | No
     return need
 
 
+def use_threads(threads: int) -> None:
+    """Make models loaded from now on in this process run ``threads`` pool workers (a Ray worker's BLAS starts
+    with one thread per declared CPU, and the runtime takes its thread count from BLAS)."""
+    blas = blas_controller()
+    if blas is not None:
+        for lib in blas.lib_controllers:
+            lib.set_num_threads(threads)
+    default_threads.cache_clear()
+
+
 def evaluate_task(path: str, ids: object, ctx: int, stride: int, reference: str | None, chunk: int | None,
-                  report: Callable[[int], None]) -> EvalResult:
-    """One model's evaluation as a Ray task: the local lockstep run with this model alone."""
+                  threads: int, report: Callable[[int], None]) -> EvalResult:
+    """One model's evaluation as a Ray task: the local lockstep run with this model alone, on the driver's
+    thread count (float32 sums are split by thread, so the count is part of the result)."""
+    use_threads(threads)
     progress = Throttle(report)
     [result] = evaluate_ids([load(path)], ids, ctx, stride, load(reference) if reference else None, chunk,
                             progress.add)
@@ -97,10 +110,14 @@ def evaluate_on_ray(args: argparse.Namespace, models: list[Model], reference: Mo
     """One Ray task per model over the same token ids; the driver has checked the models (vocabulary, ctx)."""
     check_models(models, reference, ctx)
     connect(args.address)
-    jobs = [RemoteJob((path, ids, ctx, stride, args.reference, args.chunk),
-                      eval_memory(model, reference, ctx, args.chunk), name=f"qwen-eval {path}")
+    threads = default_threads()
+    jobs = [RemoteJob((path, ids, ctx, stride, args.reference, args.chunk, threads),
+                      eval_memory(model, reference, ctx, args.chunk), num_cpus=threads, name=f"qwen-eval {path}")
             for path, model in zip(args.models, models, strict=True)]
-    return run_on_ray(evaluate_task, jobs, on_event=lambda _, n: progress(n))
+    def lost(i: int, exc: BaseException) -> EvalResult:
+        raise ExecutorError(f"{args.models[i]}: the Ray task failed: {type(exc).__name__}: {exc}") from None
+
+    return run_on_ray(evaluate_task, jobs, on_event=lambda _, n: progress(n), on_lost=lost)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -61,12 +61,6 @@ def connect(address: str | None = None) -> Any:
     return ray
 
 
-def largest_node_memory(ray: Any) -> int | None:
-    """The ``memory`` resource of the largest live node (bytes), or None when Ray reports none."""
-    sizes = [node["Resources"].get("memory", 0) for node in ray.nodes() if node.get("Alive")]
-    return int(max(sizes)) if sizes else None
-
-
 @dataclass(frozen=True)
 class RemoteJob:
     """One call of the job function as a Ray task: its arguments and the resources it declares."""
@@ -75,6 +69,27 @@ class RemoteJob:
     memory: int  # bytes the job needs at its peak (scheduling resource)
     num_cpus: float = 1.0
     name: str = ""  # shown in Ray's task list
+
+
+def largest_node(ray: Any) -> tuple[int, float] | None:
+    """The largest ``memory`` (bytes) and ``CPU`` resources of any live node, or None when Ray reports none."""
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    if not nodes:
+        return None
+    return int(max(n.get("memory", 0) for n in nodes)), float(max(n.get("CPU", 0) for n in nodes))
+
+
+def unplaceable(job: RemoteJob, largest: tuple[int, float] | None) -> ExecutorError | None:
+    """Why no node of the cluster could ever run ``job`` (Ray would wait for such a node forever), or None."""
+    if largest is None:
+        return None
+    memory, cpus = largest
+    if job.memory > memory:
+        return ExecutorError(f"needs {job.memory / 2**30:.2f} GiB of memory; the largest node of the Ray cluster "
+                             f"offers {memory / 2**30:.2f} GiB")
+    if job.num_cpus > cpus:
+        return ExecutorError(f"needs {job.num_cpus:g} CPUs; the largest node of the Ray cluster has {cpus:g}")
+    return None
 
 
 class Reporter:
@@ -143,7 +158,7 @@ def run_on_ray(fn: Callable[..., Any], jobs: Sequence[RemoteJob], *,
     completion order), ``on_event(index, event)`` for each progress event a task reports.  A task that
     fails for good (its worker died more than ``max_retries`` times, it fits no node, or ``fn`` raised) gives
     ``on_lost(index, error)`` as its result; without ``on_lost`` the error propagates.  A job needing more
-    memory than the largest node offers is lost at once (Ray would wait forever for such a node).
+    memory or CPUs than the largest node offers is lost at once (Ray would wait forever for such a node).
     """
     ray = import_ray()
     task = ray.remote(_call)
@@ -151,7 +166,7 @@ def run_on_ray(fn: Callable[..., Any], jobs: Sequence[RemoteJob], *,
     results: list[Any] = [None] * len(jobs)
     index: dict[Any, int] = {}
     pending: list[Any] = []
-    largest = largest_node_memory(ray)
+    largest = largest_node(ray)
 
     def finish(i: int, value: Any) -> None:
         results[i] = value
@@ -170,9 +185,9 @@ def run_on_ray(fn: Callable[..., Any], jobs: Sequence[RemoteJob], *,
 
     try:
         for i, job in enumerate(jobs):
-            if largest is not None and job.memory > largest:
-                lose(i, ExecutorError(f"needs {job.memory / 2**30:.2f} GiB of memory; the largest node of the "
-                                      f"Ray cluster offers {largest / 2**30:.2f} GiB"))
+            problem = unplaceable(job, largest)
+            if problem is not None:
+                lose(i, problem)
                 continue
             ref = task.options(memory=max(int(job.memory), 1), num_cpus=job.num_cpus, max_retries=max_retries,
                                retry_exceptions=False, name=job.name or fn.__name__).remote(fn, job.args,

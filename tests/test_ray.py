@@ -233,3 +233,11 @@ def test_serve_run_builder_and_cli_options() -> None:
     with pytest.raises(SystemExit) as exit_info:
         serve_main([str(fixture("qwen3-tiny")), "--replicas", "2"])
     assert exit_info.value.code == 2
+
+
+def test_jobs_no_node_can_hold_are_named() -> None:
+    from qwen_runtime.executor import RemoteJob, unplaceable
+
+    assert unplaceable(RemoteJob((), 1 << 30, 2), (2 << 30, 2.0)) is None
+    assert "GiB of memory" in str(unplaceable(RemoteJob((), 3 << 30, 1), (2 << 30, 2.0)))
+    assert "4 CPUs" in str(unplaceable(RemoteJob((), 1 << 30, 4), (2 << 30, 2.0)))
