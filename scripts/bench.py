@@ -134,7 +134,7 @@ def measure(engine: str, gguf: Path, prompt: int, new: int, batch: int, env: dic
 
 
 def runtime_round(gguf: Path, plan: Plan, llama: bool, peer: bool, env: dict[str, str],
-                  threads: int, batch: bool = True, context: bool = True) -> dict[str, dict]:
+                  threads: int, with_batch: bool = True, with_context: bool = True) -> dict[str, dict]:
     """One repetition of every runtime measurement of one file, ours, the numpy peer and llama.cpp interleaved.
 
     Keys: ``ours``/``numpy``/``llama`` (prompt + decode), ``ours_batch`` (``plan.batch`` rows), ``*_context``
@@ -147,7 +147,7 @@ def runtime_round(gguf: Path, plan: Plan, llama: bool, peer: bool, env: dict[str
             "llama_context": ("llama", plan.context, plan.context_new, 1)}
     results = {}
     for name, (engine, prompt, new, batch) in jobs.items():
-        if (name == "ours_batch" and not batch) or (name.endswith("_context") and not context):
+        if (name == "ours_batch" and not with_batch) or (name.endswith("_context") and not with_context):
             continue
         if engine == "ours" or (engine == "llama" and llama) or (engine == "numpy" and peer):
             results[name] = measure(engine, gguf, prompt, new, batch, env, threads)
