@@ -49,10 +49,6 @@ class ArchSpec:
     # tokenizer.ggml.pre: the default, and (BOS token text, pre-type) for tokenizers recognised by their BOS.
     tokenizer_pre: str = PRE_QWEN2
     tokenizer_pre_by_bos: tuple[tuple[str, str], ...] = ()
-    # Behavioural verification: KL limits and top-1 margins of rounded (fp16, q8_0) outputs are scaled by
-    # these (qwen_convert/probe.py explains Qwen3.5's).
-    probe_kl_factor: float = 1.0
-    probe_margin_factor: float = 1.0
 
     def transform(self, hf_key: str) -> str:
         """The converter's transform of the tensor named ``hf_key`` (:data:`NO_TRANSFORM` when none)."""
@@ -79,7 +75,7 @@ ARCHS: dict[str, ArchSpec] = {
         # (1 + w) RMSNorms get their +1 baked in, except the gated norm of linear attention, a plain w norm.
         transforms=((".linear_attn.norm.weight", NO_TRANSFORM), (".A_log", NEG_EXP), (".conv1d.weight", SQUEEZE),
                     ("norm.weight", PLUS_ONE)),
-        tokenizer_pre=PRE_QWEN35, probe_kl_factor=20.0, probe_margin_factor=5.0),
+        tokenizer_pre=PRE_QWEN35),
 }
 SUPPORTED_ARCHS = tuple(ARCHS)
 

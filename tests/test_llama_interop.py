@@ -39,7 +39,10 @@ from tokenizers import Tokenizer  # noqa: E402
 import qwen_runtime  # noqa: E402
 from qwen_convert.cli import inspect_main  # noqa: E402
 from qwen_convert.convert import convert  # noqa: E402
+from qwen_convert.probe import TWIN_DRAWS, TWIN_MARGIN, rounding_twin  # noqa: E402
 from qwen_runtime import chat_format  # noqa: E402
+from qwen_runtime.formats import open_hf_dir, open_model_files  # noqa: E402
+from qwen_runtime.models import build_model  # noqa: E402
 
 FAMILIES = ("qwen2", "deepseek", "qwen3", "qwen35", "qwen35-gqa")
 DTYPES = ("fp32", "fp16", "q8_0")
@@ -55,12 +58,12 @@ GREEDY_STEPS = 8
 # llama.cpp's CPU kernels also round the *activations* before each matmul: to F16 for F16 weights (2^-11
 # relative per element) and to Q8_0 blocks for Q8_0 weights (up to 1/254 of each 32-block's max).
 # fp16: measured 1e-3 (Qwen2/3) and 9e-3 (Qwen3.5, whose gated-delta recurrence amplifies perturbations);
-# bound 2e-2.  q8_0: 8-bit activation blocks are a perturbation of the same kind and size as the 8-bit weight
-# blocks, so the difference is bounded by a small multiple of the q8_0 file's own error against
-# transformers (measured: Qwen2/3 2-3 % vs own error 4 %; tiny random Qwen3.5 22 % vs own error 28 %):
-# bound 2 x that error, plus 1 %.
+# bound 2e-2.  q8_0: rounding the activations to Q8_0 blocks (step amax/127 per 32 values) is a perturbation of
+# the same kind and relative size as rounding the weights to Q8_0 blocks, i.e. one more draw of what the
+# rounding twin of qwen_convert/probe.py does (source weights + uniform noise of each block's step, computed
+# from the source alone): bound TWIN_MARGIN (4) x the largest logit change of TWIN_DRAWS (3) twin draws,
+# an absolute number of logits that does not depend on the error being checked.
 LOGIT_BOUNDS = {"fp32": 1e-3, "fp16": 2e-2}
-Q8_0_ERROR_FACTOR, Q8_0_FLOOR = 2.0, 1e-2
 HF_FP32_ABS = 1e-4  # float32 rounding slack between two files of one quantized type in our runtime
 
 # general.* keys that only describe the file (name, size label, ...) are not compared.
@@ -226,7 +229,7 @@ def test_our_gguf_in_llama_cpp(conversions: Conversions, interop_dirs: dict[str,
         # 4. logits and greedy continuation vs our runtime on the same file
         ids = llm.tokenize(MIXED_TEXT)
         ours = our_logits(ours_path, ids)
-        bound = logit_bound(dtype, ours, model_dir, ids)
+        bound = logit_bound(dtype, ours, model_dir, ours_path, ids)
         assert relative_error(llm.logits(ids), ours) <= bound
         check_greedy(llm, ours_path, ids, dtype, bound)
     finally:
@@ -234,12 +237,16 @@ def test_our_gguf_in_llama_cpp(conversions: Conversions, interop_dirs: dict[str,
         reference.close()
 
 
-def logit_bound(dtype: str, ours: np.ndarray, model_dir: Path, ids: list[int]) -> float:
+def logit_bound(dtype: str, ours: np.ndarray, model_dir: Path, ours_path: Path, ids: list[int]) -> float:
     """Relative bound of llama.cpp vs our runtime on the same file (see LOGIT_BOUNDS)."""
     if dtype in LOGIT_BOUNDS:
         return LOGIT_BOUNDS[dtype]
-    own_error = relative_error(ours, hf_logits(model_dir, np.asarray(ids))[0])
-    return Q8_0_ERROR_FACTOR * own_error + Q8_0_FLOOR
+    source = open_hf_dir(model_dir)
+    output = open_model_files(ours_path)
+    reference = build_model(source).logits(np.asarray([ids]))[0]
+    twin = max(float(np.abs(rounding_twin(source, output, seed).logits(np.asarray([ids]))[0] - reference).max())
+               for seed in range(TWIN_DRAWS))
+    return TWIN_MARGIN * twin / float(np.abs(ours).max())
 
 
 def check_greedy(llm: li.LlamaModel, path: Path, ids: list[int], dtype: str, bound: float) -> None:

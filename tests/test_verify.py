@@ -15,6 +15,8 @@ from convert_helpers import ALL_FIXTURES, fixture
 
 from qwen_convert.cli import convert_main, inspect_main
 from qwen_convert.convert import convert
+from qwen_convert.demo import bundled_model_path
+from qwen_convert.probe import BehaviourCheck, behaviour_check
 from qwen_convert.verify import FAILED_SUFFIX, report_json, verify_against
 from qwen_runtime.archs import V_HEAD_GROUPED
 from qwen_runtime.errors import EXIT_CODES, VerificationError
@@ -72,6 +74,11 @@ def set_gguf_float(path: Path, key: str, value: float) -> None:
     assert struct.unpack_from("<I", raw, at)[0] == 6
     raw[at + 4:at + 8] = struct.pack("<f", value)
     path.write_bytes(bytes(raw))
+
+
+def behaviour_alone(path: Path, source: Path, dtype: str) -> BehaviourCheck:
+    """The behavioural check on its own (no tensor or metadata check)."""
+    return behaviour_check(open_hf_dir(source), path, dtype)
 
 
 def first_failure(path: Path, source: str, behaviour: bool = False) -> str:
@@ -146,7 +153,7 @@ def test_value_heads_in_the_wrong_order_are_caught(tmp_path: Path, monkeypatch) 
     assert failed and all("value heads are in grouped order, but the output declares tiled" in t.cause
                           for t in failed)
     assert {t.name.split(".", 2)[2] for t in failed} >= {"attn_qkv.weight", "ssm_out.weight", "ssm_a"}
-    assert report.behaviour.mean_kl > 0.1
+    assert not report.behaviour.ok and report.behaviour.mean_kl > 0.1
 
 
 def test_missing_tensor_is_caught(converted, tmp_path: Path) -> None:
@@ -167,6 +174,7 @@ def test_dropped_lm_head_is_caught(tmp_path: Path, monkeypatch) -> None:
                         lambda shapes, dtype: [s for s in plan(shapes, dtype) if s.name != "output.weight"])
     out = convert(fixture("deepseek-tiny"), tmp_path / "no-head.gguf", "gguf", "fp16").output
     assert first_failure(out, "deepseek-tiny").startswith("missing tensor 'output.weight' (source 'lm_head.weight'")
+    assert not behaviour_alone(out, fixture("deepseek-tiny"), "fp16").ok
 
 
 def test_wrong_rope_base_in_metadata_is_caught(converted, tmp_path: Path) -> None:
@@ -174,6 +182,7 @@ def test_wrong_rope_base_in_metadata_is_caught(converted, tmp_path: Path) -> Non
     set_gguf_float(bad, "qwen3.rope.freq_base", 10000.0)
     assert first_failure(bad, "qwen3-tiny") == ("metadata 'qwen3.rope.freq_base': is 10000.0, the source says "
                                                 "1000000.0")
+    assert not behaviour_alone(bad, fixture("qwen3-tiny"), "fp16").ok
 
 
 def test_scaled_tensor_is_caught(converted, tmp_path: Path) -> None:
@@ -181,6 +190,7 @@ def test_scaled_tensor_is_caught(converted, tmp_path: Path) -> None:
     edit_f32(bad, "blk.1.ffn_up.weight", lambda w: w * np.float32(1.01))
     failure = first_failure(bad, "qwen3-tiny")
     assert "'blk.1.ffn_up.weight'" in failure and "values are scaled by x1.01 relative to the source" in failure
+    assert not behaviour_alone(bad, fixture("qwen3-tiny"), "fp32").ok
 
 
 def test_scaled_q8_0_tensor_is_caught(converted, tmp_path: Path) -> None:
@@ -198,6 +208,7 @@ def test_ssm_a_without_its_transform_is_caught(converted, tmp_path: Path) -> Non
     edit_f32(bad, "blk.0.ssm_a", lambda _: to_float32(a_log.qtype, a_log.view()))
     failure = first_failure(bad, "qwen35-tiny")
     assert "'blk.0.ssm_a'" in failure and "stored without the transform (A_log -> -exp(A_log))" in failure
+    assert not behaviour_alone(bad, fixture("qwen35-tiny"), "fp32").ok
 
 
 def test_report_raises_verification_error_with_exit_code(converted, tmp_path: Path) -> None:
@@ -206,6 +217,85 @@ def test_report_raises_verification_error_with_exit_code(converted, tmp_path: Pa
     with pytest.raises(VerificationError, match="'output_norm.weight'.*scaled by x1.5") as info:
         verify_against(bad, fixture("qwen3-tiny"), behaviour=False).raise_for_failure()
     assert EXIT_CODES[type(info.value)] == 9
+
+
+# --- faults a tensor check might miss fail on behaviour alone (qwen_convert/probe.py) ------------------------
+
+FAULTS = ("matrix x1.25", "one head's rotary halves swapped", "norm +1")
+# (source, output type): the trained bundled model at q8_0 and fp16, every family's fp32, and the dense families'
+# q8_0. On the random-weight Qwen3.5 fixtures q8_0 rounding alone moves the probe as much as a swapped head
+# (mean KL 1.7e-2..3.8e-2 vs 3.1e-2..5.2e-2), so there only the gross fault is asserted at q8_0.
+FAULT_CASES = [("bundled", "q8_0"), ("bundled", "fp16"), ("qwen2-tiny", "fp32"), ("qwen2-tiny", "q8_0"),
+               ("qwen3-tiny", "q8_0"), ("qwen35-tiny", "fp32"), ("qwen35-tiny-gqa", "fp32")]
+
+
+def source_dir(name: str) -> Path:
+    return bundled_model_path() if name == "bundled" else fixture(name)
+
+
+@pytest.fixture(scope="module")
+def correct(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
+    root = tmp_path_factory.mktemp("faults")
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(name: str, dtype: str) -> Path:
+        if (name, dtype) not in cache:
+            cache[name, dtype] = convert(source_dir(name), root / f"{name}-{dtype}.gguf", "gguf", dtype).output
+        return cache[name, dtype]
+
+    return get
+
+
+def apply_fault(path: Path, fault: str, source: Path) -> None:
+    """Edit a GGUF in place: scale blk.1.ffn_down, swap the rotary halves of query head 0 (of the first
+    full-attention layer), or add 1 to blk.1.attn_norm."""
+    config = open_hf_dir(source).config
+    if fault == "norm +1":
+        edit_f32(path, "blk.1.attn_norm.weight", lambda w: w + np.float32(1))
+    elif fault == "matrix x1.25":
+        info = next(t for t in parse_gguf(path).tensors if t.name == "blk.1.ffn_down.weight")
+        data = gguf_tensor_bytes(path, info.name)
+        bytes_per_value = info.nbytes / int(np.prod(info.shape))
+        if bytes_per_value in (2, 4):
+            values = data.view(np.float32 if bytes_per_value == 4 else np.float16)
+            values[:] = values * values.dtype.type(1.25)
+        else:
+            blocks = data.view(Q8_0_DTYPE)
+            blocks["d"] = (blocks["d"].astype(np.float32) * 1.25).astype(np.float16)
+        data.flush()
+    else:
+        layer = config.layer_types.index("full_attention") if config.layer_types else 0
+        rows = gguf_tensor_bytes(path, f"blk.{layer}.attn_q.weight")
+        half = config.head_dim // 2
+        by_row = rows.reshape(config.num_attention_heads * config.head_dim * (2 if config.arch == "qwen35" else 1),
+                              -1)
+        first = by_row[:half].copy()
+        by_row[:half] = by_row[half:2 * half]
+        by_row[half:2 * half] = first
+        rows.flush()
+
+
+def test_a_correct_conversion_of_trained_weights_passes_with_margin(correct) -> None:
+    check = behaviour_alone(correct("bundled", "q8_0"), bundled_model_path(), "q8_0")
+    assert check.ok and check.mean_kl <= check.thresholds.mean_kl / 2 and check.max_kl <= check.thresholds.max_kl / 2
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize(("name", "dtype"), FAULT_CASES, ids=[f"{n}-{d}" for n, d in FAULT_CASES])
+def test_fault_fails_on_behaviour_alone(correct, tmp_path: Path, name: str, dtype: str, fault: str) -> None:
+    bad = copy_of(correct(name, dtype), tmp_path)
+    apply_fault(bad, fault, source_dir(name))
+    check = behaviour_alone(bad, source_dir(name), dtype)
+    assert not check.ok, check.summary()
+
+
+@pytest.mark.parametrize("name", ["qwen35-tiny", "qwen35-tiny-gqa"])
+def test_norm_fault_in_qwen35_q8_0_fails_on_behaviour_alone(correct, tmp_path: Path, name: str) -> None:
+    good = behaviour_alone(correct(name, "q8_0"), fixture(name), "q8_0")
+    assert good.ok
+    bad = copy_of(correct(name, "q8_0"), tmp_path)
+    apply_fault(bad, "norm +1", fixture(name))
+    assert not behaviour_alone(bad, fixture(name), "q8_0").ok
 
 
 # --- command line ----------------------------------------------------------------------------------------
