@@ -22,9 +22,8 @@ from typing import Any
 
 from gguf import GGML_QUANT_VERSION, GGUFValueType, GGUFWriter, SpecialVocab, TokenType
 
-from qwen_runtime.archs import layer_types_from_interval
 from qwen_runtime.config import ModelConfig
-from qwen_runtime.errors import ConfigError, FormatError
+from qwen_runtime.errors import FormatError
 from qwen_runtime.formats.base import read_json_file
 from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key
 
@@ -36,7 +35,6 @@ MERGE_SPACE = chr(ord(" ") + 256)  # "Ġ": byte-level BPE's stand-in for a space
 
 def add_model_metadata(writer: GGUFWriter, config: ModelConfig, dtype: str, name: str) -> None:
     """``general.*`` and the architecture's hyper-parameters (``general.architecture`` is the writer's)."""
-    check_representable(config)
     writer.add_type("model")
     writer.add_name(name)
     writer.add_file_type(int(file_type(dtype)))
@@ -45,16 +43,6 @@ def add_model_metadata(writer: GGUFWriter, config: ModelConfig, dtype: str, name
         if row.written_for(config.arch):
             value_type, sub_type = (GGUFValueType.ARRAY, row.type) if row.array else (row.type, None)
             writer.add_key_value(gguf_key(row.key, config.arch), row.value(config), value_type, sub_type=sub_type)
-
-
-def check_representable(config: ModelConfig) -> None:
-    """GGUF has no per-layer type list: llama.cpp derives it from full_attention_interval."""
-    if not config.spec.hybrid:
-        return
-    interval = config.full_attention_interval
-    if layer_types_from_interval(config.num_hidden_layers, interval) != config.layer_types:
-        raise ConfigError(f"config: layer_types {list(config.layer_types)} do not follow full_attention_interval "
-                          f"{interval}, which is all a GGUF file can express")
 
 
 def _token_text(entry: Any) -> str | None:

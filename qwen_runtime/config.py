@@ -377,7 +377,5 @@ def config_from_gguf(meta: Mapping[str, Any], source: str) -> ModelConfig:
         eos_token_ids=(eos,) if eos is not None else (),
     )
     if spec.hybrid:
-        interval = fields["full_attention_interval"]  # positive: the table's row checks it
-        fields.setdefault("layer_types", layer_types_from_interval(fields["num_hidden_layers"], interval))
         fields["v_head_order"] = V_HEAD_TILED
     return _build(fields, source)

@@ -19,10 +19,12 @@ from typing import Any
 
 from gguf import GGUFValueType, Keys
 
-from .archs import QWEN2, QWEN3, QWEN35
+from .archs import FULL_ATTENTION, LINEAR_ATTENTION, QWEN2, QWEN3, QWEN35, layer_types_from_interval
 from .errors import ConfigError
 
-UINT32, FLOAT32, INT32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.INT32
+UINT32, FLOAT32, INT32, BOOL = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.INT32, GGUFValueType.BOOL
+# gguf 0.19 (our dependency) predates this key; llama.cpp's gguf-py names it Keys.Attention.RECURRENT_LAYERS.
+RECURRENT_LAYERS = getattr(Keys.Attention, "RECURRENT_LAYERS", "{arch}.attention.recurrent_layers")
 ALL = (QWEN2, QWEN3, QWEN35)
 Config = Any  # a qwen_runtime.config.ModelConfig (config.py reads through this table, so it is not imported here)
 Fields = Mapping[str, Any]  # ModelConfig fields by name (those read so far, for the reader)
@@ -86,6 +88,19 @@ def _head_size(fields: Fields, meta: Mapping[str, Any]) -> int:
     return fields["hidden_size"] // max(fields["num_attention_heads"], 1)
 
 
+def _layer_types_from_interval(fields: Fields, meta: Mapping[str, Any]) -> tuple[str, ...]:
+    return layer_types_from_interval(fields["num_hidden_layers"], fields["full_attention_interval"])
+
+
+def _layer_types(recurrent: list[bool], fields: Fields) -> tuple[str, ...]:
+    """Per-layer types from llama.cpp's recurrent flags; flags past the decoder layers belong to the
+    multi-token-prediction blocks newer converters append (full attention, so False)."""
+    layers = fields["num_hidden_layers"]
+    if len(recurrent) < layers or any(recurrent[layers:]):
+        raise ConfigError(f"has {len(recurrent)} entries for {layers} layers (plus only non-recurrent MTP blocks)")
+    return tuple(LINEAR_ATTENTION if r else FULL_ATTENTION for r in recurrent[:layers])
+
+
 def _token_count(fields: Fields, meta: Mapping[str, Any]) -> int:
     tokens = meta.get(Keys.Tokenizer.LIST)
     return len(tokens) if tokens is not None else 0
@@ -117,4 +132,8 @@ MODEL_KEYS: tuple[ModelKey, ...] = (
              decode=lambda v, f: v // max(f["linear_num_value_heads"], 1)),
     ModelKey(Keys.LLM.FULL_ATTENTION_INTERVAL, UINT32, "full_attention_interval", (QWEN35,), lambda f, m: 4,
              decode=_positive),
+    # llama.cpp's converter writes a bool per layer (linear attention) from config.json's layer_types, after
+    # the interval it also writes, and its loader prefers it: any layer pattern transformers accepts round-trips.
+    ModelKey(RECURRENT_LAYERS, BOOL, "layer_types", (QWEN35,), _layer_types_from_interval,
+             encode=lambda c: [t == LINEAR_ATTENTION for t in c.layer_types], decode=_layer_types, array=True),
 )

@@ -12,7 +12,7 @@ from qwen_runtime.archs import ARCHS, FULL_ATTENTION, LINEAR_ATTENTION, layer_ty
 from qwen_runtime.config import HF_ARCHITECTURES, ModelConfig, config_from_gguf, hf_arch
 from qwen_runtime.errors import ConfigError
 from qwen_runtime.formats import open_model_files
-from qwen_runtime.gguf_keys import MODEL_KEYS, ModelKey, gguf_key
+from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key
 
 FIXTURES = ("qwen2-tiny", "deepseek-tiny", "qwen3-tiny", "qwen35-tiny", "qwen35-tiny-gqa")
 
@@ -23,7 +23,9 @@ def gguf_key_templates() -> set[str]:
 
 
 def test_keys_are_the_gguf_package_constants_and_fields_are_config_fields() -> None:
-    templates, fields = gguf_key_templates(), {f.name for f in dataclasses.fields(ModelConfig)}
+    # plus the one key newer than gguf 0.19, named as llama.cpp's gguf-py names it
+    templates = gguf_key_templates() | {"{arch}.attention.recurrent_layers"}
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
     for row in MODEL_KEYS:
         assert row.key in templates, row.key
         assert row.field in fields, row.field
@@ -57,29 +59,24 @@ def test_layer_types_from_the_interval() -> None:
     assert layer_types_from_interval(2, 1) == (FULL_ATTENTION, FULL_ATTENTION)
 
 
-def test_a_per_layer_key_is_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bool array carrying layer_types (as llama.cpp's recurrent_layers does) needs nothing but its row."""
-    import qwen_runtime.config
-
-    def from_interval(fields, meta):
-        return layer_types_from_interval(fields["num_hidden_layers"], fields["full_attention_interval"])
-
-    row = ModelKey("{arch}.attention.recurrent_layers", gguf.GGUFValueType.BOOL, "layer_types", ("qwen35",),
-                   from_interval, encode=lambda c: [t == LINEAR_ATTENTION for t in c.layer_types],
-                   decode=lambda v, f: tuple(LINEAR_ATTENTION if r else FULL_ATTENTION for r in v), array=True)
-    monkeypatch.setattr(qwen_runtime.config, "MODEL_KEYS", (*MODEL_KEYS, row))
+def test_recurrent_layers_carry_any_layer_pattern() -> None:
+    """llama.cpp's per-layer recurrent flags: read in preference to the interval, derived from it when absent,
+    MTP blocks' trailing False flags allowed, anything else refused naming the key."""
     config = open_model_files(fixture_dir("qwen35-tiny")).config
     meta = {gguf.Keys.General.ARCHITECTURE: config.arch, gguf.Keys.Tokenizer.LIST: ["t"] * config.vocab_size}
-    meta |= {gguf_key(r.key, config.arch): r.value(config) for r in (*MODEL_KEYS, row)}
+    meta |= {gguf_key(r.key, config.arch): r.value(config) for r in MODEL_KEYS if r.written_for(config.arch)}
+    key = "qwen35.attention.recurrent_layers"
+    assert meta[key] == [True, True, True, False]
     assert config_from_gguf(meta, "f.gguf").layer_types == config.layer_types
-    flipped = [not r for r in meta["qwen35.attention.recurrent_layers"]]
-    meta["qwen35.attention.recurrent_layers"] = flipped
-    assert config_from_gguf(meta, "f.gguf").is_linear(3)
-    del meta["qwen35.attention.recurrent_layers"]
+    meta[key] = [False, True, False, True]
+    assert config_from_gguf(meta, "f.gguf").layer_types == (FULL_ATTENTION, LINEAR_ATTENTION) * 2
+    meta[key] = [False, True, False, True, False]  # one MTP block appended
+    assert config_from_gguf(meta, "f.gguf").layer_types == (FULL_ATTENTION, LINEAR_ATTENTION) * 2
+    del meta[key]
     assert config_from_gguf(meta, "f.gguf").layer_types == config.layer_types
-    meta["qwen35.attention.recurrent_layers"] = [1, 0]
-    with pytest.raises(ConfigError, match="recurrent_layers' should be an array of booleans"):
-        config_from_gguf(meta, "f.gguf")
+    for bad, match in (([1, 0, 1, 0], "should be an array of booleans"), ([True, False], "has 2 entries for 4")):
+        with pytest.raises(ConfigError, match=f"'{key}'.*{match}"):
+            config_from_gguf({**meta, key: bad}, "f.gguf")
 
 
 def test_gguf_metadata_errors_name_the_file_and_key() -> None:

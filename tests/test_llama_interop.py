@@ -78,9 +78,6 @@ KNOWN_DIFFS: tuple[tuple[str, str], ...] = (
      "llama.cpp's vendored gguf-py reads add_bos/add_eos = false from the ByteLevel post-processor; gguf 0.19 "
      "(our dependency) leaves them unset when tokenizer_config.json lacks add_*_token; absent means false for "
      "llama.cpp's BPE vocab"),
-    (r"key:qwen35\.attention\.recurrent_layers = ours '<absent>', llama\.cpp \[True, True, True, False\]",
-     "newer llama.cpp also writes the per-layer recurrent flags from config.json layer_types (gguf 0.19 has "
-     "no such key); llama.cpp derives the same flags from full_attention_interval when it is absent"),
 )
 # Tensors whose stored bytes may differ: ssm_a = -exp(A_log) is computed with torch's float32 exp by
 # llama.cpp and numpy's by us; the two differ in the last 1-2 bits for some values.

@@ -17,20 +17,27 @@ above).
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
-from float_error import check_greedy, check_rows
+from float_error import check_greedy, check_rows, reference64
 from runtime_helpers import Converted, reference
 
+from qwen_convert.convert import convert
 from qwen_convert.probe import TWIN_DRAWS, TWIN_MARGIN, rounding_twin
+from qwen_convert.verify import verify_against
 from qwen_runtime import load
 from qwen_runtime.archs import V_HEAD_TILED
 from qwen_runtime.formats import ModelFiles, open_model_files
+from qwen_runtime.formats.gguf_parse import parse_gguf
 from qwen_runtime.models import Model, WeightStore
 from qwen_runtime.tensors import QType, StoredTensor
 
+FIXTURES = Path(__file__).parent / "fixtures"
 NAMES = ("qwen35-tiny", "qwen35-tiny-gqa", "qwen35-vl-tiny")
 ATOL = 1e-4  # a quantized model against the float32 model of its own dequantized weights
 
@@ -104,3 +111,51 @@ def test_converted_files_are_read_in_tiled_order(converted: Converted) -> None:
     path: Path = converted.get("qwen35-tiny-gqa", "gguf")
     assert open_model_files(path).config.v_head_order == V_HEAD_TILED
     assert open_model_files(converted.get("qwen35-tiny-gqa", "hf")).config.v_head_order != V_HEAD_TILED
+
+
+def with_layers_swapped(src: Path, out: Path, a: int, b: int) -> Path:
+    """A copy of a Qwen3.5 checkpoint whose layers ``a`` and ``b`` trade places (tensor names in the safetensors
+    header, entries of layer_types): a layer pattern full_attention_interval cannot express."""
+    shutil.copytree(src, out)
+    path = out / "model.safetensors"
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    names = {f"model.layers.{a}.": f"model.layers.{b}.", f"model.layers.{b}.": f"model.layers.{a}."}
+
+    def renamed(name: str) -> str:
+        return next((names[p] + name[len(p):] for p in names if name.startswith(p)), name)
+
+    text = json.dumps({renamed(k): v for k, v in header.items()}).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length:])
+    config = json.loads((out / "config.json").read_text())
+    types = config["layer_types"]
+    types[a], types[b] = types[b], types[a]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_any_layer_pattern_round_trips_through_gguf(tmp_path: Path) -> None:
+    """[linear, full, linear, linear] with full_attention_interval 4: the GGUF carries recurrent_layers (as
+    llama.cpp's converter writes it), the runtime reads it, and the file computes what the source does."""
+    src = with_layers_swapped(FIXTURES / "qwen35-tiny", tmp_path / "swapped", 1, 3)
+    out = convert(src, tmp_path / "swapped.gguf", "gguf", "fp32").output
+    meta = parse_gguf(out).metadata
+    assert meta["qwen35.attention.recurrent_layers"] == [True, False, True, True]
+    assert meta["qwen35.full_attention_interval"] == 4
+    model = load(out)
+    assert model.config.layer_types == ("linear_attention", "full_attention", "linear_attention", "linear_attention")
+    prompt = reference("qwen35-tiny")["prompt_2"][None]
+    np.testing.assert_allclose(model.logits(prompt), load(src).logits(prompt), atol=ATOL, rtol=0)
+    assert verify_against(out, src).ok
+
+
+@pytest.mark.oracle
+def test_any_layer_pattern_matches_transformers(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    src = with_layers_swapped(FIXTURES / "qwen35-tiny", tmp_path / "swapped", 1, 3)
+    out = convert(src, tmp_path / "swapped.gguf", "gguf", "fp32").output
+    prompt = reference("qwen35-tiny")["prompt_2"]
+    want, bound = reference64(src, prompt)
+    check_rows(load(out).logits(prompt[None]), want, bound, "swapped layers")
