@@ -7,25 +7,31 @@ llama.cpp's converter: the token list comes from ``tokenizer.json`` (padded to `
 ``gguf.SpecialVocab`` (tokenizer_config.json wins over config.json).  tokenizer.json is parsed once: SpecialVocab
 reads a stand-in directory whose tokenizer.json leaves out the vocabulary and merges (:func:`special_vocab`).
 
-``tokenizer.ggml.pre`` rule (llama.cpp decides by hashing the tokenizer; we decide from the files, by the
-architecture's ``tokenizer_pre`` in :mod:`qwen_runtime.archs`): ``qwen35`` for the qwen35 architecture,
-``deepseek-r1-qwen`` for qwen2 when tokenizer_config.json's ``bos_token`` is DeepSeek's
-``<｜begin▁of▁sentence｜>``, otherwise ``qwen2``.
+``tokenizer.ggml.pre`` rule (llama.cpp decides by hashing the tokenizer; we decide from the files): first
+:func:`tokenizer_pre` checks that the keys can reproduce tokenizer.json at all (BPE without byte fallback, NFC or
+no normalizer, ByteLevel decoder, added tokens matched by exact text, ``ignore_merges`` as the pre-type implies)
+and refuses with :class:`~qwen_runtime.errors.UnsupportedTokenizerError` naming the difference, before anything
+is written. The name is then the pre-type whose split regex (``qwen_runtime.tokenizer.PRE_PATTERNS``) the
+pre-tokenizer uses: ``qwen2`` / ``deepseek-r1-qwen`` (one regex; ``deepseek-r1-qwen`` when the architecture's
+spec picks it by tokenizer_config.json's DeepSeek ``bos_token``), ``qwen35``, or ``gpt-2`` for a plain
+ByteLevel pre-tokenizer with its own regex.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+import unicodedata
 from pathlib import Path
 from typing import Any
 
 from gguf import GGML_QUANT_VERSION, GGUFValueType, GGUFWriter, SpecialVocab, TokenType
 
 from qwen_runtime.config import ModelConfig
-from qwen_runtime.errors import FormatError
+from qwen_runtime.errors import FormatError, UnsupportedTokenizerError
 from qwen_runtime.formats.base import read_json_file
 from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key
+from qwen_runtime.tokenizer import GPT2_PATTERN, IGNORE_MERGES, PRE_PATTERNS
 
 from .policy import file_type
 
@@ -52,9 +58,84 @@ def _token_text(entry: Any) -> str | None:
     return entry if isinstance(entry, str) else None
 
 
-def tokenizer_pre(config: ModelConfig, tokenizer_config: dict[str, Any]) -> str:
-    """``tokenizer.ggml.pre`` for the model (rule in the module docstring)."""
-    return config.spec.pre_tokenizer(_token_text(tokenizer_config.get("bos_token")))
+def tokenizer_pre(config: ModelConfig, tokenizer: dict[str, Any], tokenizer_config: dict[str, Any],
+                  source: Path) -> str:
+    """``tokenizer.ggml.pre`` for the model (rule in the module docstring), after checking that GGUF's keys
+    reproduce ``tokenizer`` (a parsed tokenizer.json) at all; :class:`UnsupportedTokenizerError` otherwise."""
+    check_byte_level_bpe(tokenizer, source)
+    pattern = split_pattern(tokenizer.get("pre_tokenizer"), source)
+    names = [name for name, regex in PRE_PATTERNS.items() if regex == pattern]
+    if not names:
+        raise UnsupportedTokenizerError(
+            f"{source}: the pre-tokenizer splits with the regex {pattern!r}, which is none of the splits GGUF "
+            f"readers know for tokenizer.ggml.pre ({', '.join(PRE_PATTERNS)})")
+    preferred = config.spec.pre_tokenizer(_token_text(tokenizer_config.get("bos_token")))
+    name = preferred if preferred in names else names[0]
+    ignore = bool(tokenizer["model"].get("ignore_merges", False))
+    if ignore != (name in IGNORE_MERGES):
+        raise UnsupportedTokenizerError(
+            f"{source}: model.ignore_merges is {str(ignore).lower()}, but GGUF readers use "
+            f"{str(not ignore).lower()} for the {name!r} split")
+    return name
+
+
+def _describe(node: Any) -> str:
+    return json.dumps(node, ensure_ascii=False)[:200]
+
+
+def check_byte_level_bpe(tokenizer: dict[str, Any], source: Path) -> None:
+    """The parts of a tokenizer.json besides its split that GGUF's byte-level BPE ('gpt2') keys must match:
+    a BPE model without byte fallback or affixes, no normalizer but NFC (what GGUF readers apply), a ByteLevel
+    decoder, and added tokens that match their exact text (no strip, whole-word or normalized matching)."""
+    model = tokenizer.get("model")
+    if not isinstance(model, dict) or model.get("type", "BPE") != "BPE":
+        kind = model.get("type") if isinstance(model, dict) else model
+        raise UnsupportedTokenizerError(f"{source}: the tokenizer model is {kind!r}; GGUF's 'gpt2' tokenizer is BPE")
+    if model.get("byte_fallback"):
+        raise UnsupportedTokenizerError(f"{source}: model.byte_fallback is true (SentencePiece-style BPE); GGUF's "
+                                        f"'gpt2' tokenizer is byte-level BPE")
+    for key in ("continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key):
+            raise UnsupportedTokenizerError(f"{source}: model.{key} is {model[key]!r}; GGUF's byte-level BPE has none")
+    normalizer = tokenizer.get("normalizer")
+    steps = normalizer.get("normalizers") if isinstance(normalizer, dict) and normalizer.get("type") == "Sequence" \
+        else [normalizer]
+    if any(step is not None and not (isinstance(step, dict) and step.get("type") == "NFC") for step in steps or []):
+        raise UnsupportedTokenizerError(f"{source}: the normalizer {_describe(normalizer)} is not NFC, the only "
+                                        f"normalization GGUF readers apply")
+    decoder = tokenizer.get("decoder")
+    if not (isinstance(decoder, dict) and decoder.get("type") == "ByteLevel"):
+        raise UnsupportedTokenizerError(f"{source}: the decoder {_describe(decoder)} is not ByteLevel, the only "
+                                        f"decoding of GGUF's byte-level BPE")
+    for added in tokenizer.get("added_tokens") or []:
+        flags = [flag for flag in ("lstrip", "rstrip", "single_word") if added.get(flag)]
+        content = str(added.get("content"))
+        if added.get("normalized") and unicodedata.normalize("NFC", content) != content:
+            flags.append("normalized")
+        if flags:
+            raise UnsupportedTokenizerError(f"{source}: added token {content!r} has {', '.join(flags)} set; GGUF "
+                                            f"readers match added tokens by their exact text")
+
+
+def split_pattern(pre_tokenizer: Any, source: Path) -> str:
+    """The regex a tokenizer.json pre-tokenizer splits with, when it is one GGUF's byte-level BPE can express:
+    Split(regex, isolated) then ByteLevel without its own regex (Qwen), or ByteLevel with GPT-2's regex."""
+    node = pre_tokenizer if isinstance(pre_tokenizer, dict) else {}
+    steps = node.get("pretokenizers") if node.get("type") == "Sequence" else [node]
+    steps = steps if isinstance(steps, list) else []
+    last = steps[-1] if steps and isinstance(steps[-1], dict) else {}
+    if last.get("type") == "ByteLevel" and not last.get("add_prefix_space"):
+        if len(steps) == 1 and last.get("use_regex", True):
+            return GPT2_PATTERN
+        split = steps[0] if len(steps) == 2 and isinstance(steps[0], dict) else {}
+        pattern = split.get("pattern")
+        if (not last.get("use_regex", True) and split.get("type") == "Split" and isinstance(pattern, dict)
+                and isinstance(pattern.get("Regex"), str) and str(split.get("behavior")).lower() == "isolated"
+                and not split.get("invert")):
+            return pattern["Regex"]
+    raise UnsupportedTokenizerError(f"{source}: the pre-tokenizer {_describe(pre_tokenizer)} is not one GGUF's "
+                                    f"tokenizer.ggml.pre can name (a regex Split, isolated, then ByteLevel without "
+                                    f"add_prefix_space)")
 
 
 def looks_special(text: str) -> bool:
@@ -132,9 +213,10 @@ def add_tokenizer_metadata(writer: GGUFWriter, directory: Path, config: ModelCon
     tokenizer_path = directory / TOKENIZER_JSON
     tokenizer = read_json_file(tokenizer_path)
     tokenizer_config = read_json_file(directory / "tokenizer_config.json", required=False) or {}
+    pre = tokenizer_pre(config, tokenizer, tokenizer_config, tokenizer_path)
     tokens, types = token_table(tokenizer, config.vocab_size, tokenizer_path)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(tokenizer_pre(config, tokenizer_config))
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     special = special_vocab(directory, tokenizer, config.vocab_size)

@@ -52,7 +52,7 @@ from gguf import Keys
 
 from qwen_runtime.archs import NEG_EXP, NO_TRANSFORM, PLUS_ONE, V_HEAD_GROUPED, V_HEAD_TILED, VALUE_TRANSFORMS
 from qwen_runtime.config import ModelConfig, is_metadata_array
-from qwen_runtime.errors import FormatError, VerificationError
+from qwen_runtime.errors import FormatError, UnsupportedTokenizerError, VerificationError
 from qwen_runtime.formats import detect_format, open_hf_dir
 from qwen_runtime.formats.base import TOKENIZER_FILES, ModelFiles, contained_path
 from qwen_runtime.formats.gguf_parse import parse_gguf, tensor_view
@@ -443,6 +443,18 @@ def _same(expected: Any, actual: Any) -> bool:
     return expected == actual
 
 
+def _pre_check(files: ModelFiles, tokenizer_json: dict[str, Any], meta: dict[str, Any]) -> MetadataCheck:
+    """tokenizer.ggml.pre against the split of the source's tokenizer.json (a failure if no name reproduces it)."""
+    assert files.directory is not None
+    try:
+        pre = tokenizer_pre(files.config, tokenizer_json, files.read_json("tokenizer_config.json") or {},
+                            files.directory / "tokenizer.json")
+    except UnsupportedTokenizerError as exc:
+        return MetadataCheck(Keys.Tokenizer.PRE, None, meta.get(Keys.Tokenizer.PRE), False,
+                             f"no GGUF pre-tokenizer reproduces the source's tokenizer ({exc})")
+    return _key_check(Keys.Tokenizer.PRE, pre, meta)
+
+
 def _key_check(key: str, expected: Any, meta: dict[str, Any], default: Any = ...) -> MetadataCheck:
     if key not in meta:
         if default is not ... and _same(expected, default):
@@ -484,9 +496,7 @@ def gguf_tokenizer_checks(meta: dict[str, Any], files: ModelFiles) -> list[Metad
     if tokenizer_json is None:
         return [MetadataCheck("tokenizer.json", "present", None, False, "the source has no tokenizer.json")]
     tokens, _ = token_table(tokenizer_json, config.vocab_size, directory / "tokenizer.json")
-    checks = [_key_check(Keys.Tokenizer.MODEL, "gpt2", meta),
-              _key_check(Keys.Tokenizer.PRE, tokenizer_pre(config, files.read_json("tokenizer_config.json") or {}),
-                         meta),
+    checks = [_key_check(Keys.Tokenizer.MODEL, "gpt2", meta), _pre_check(files, tokenizer_json, meta),
               _token_list_check(tokens, meta.get(Keys.Tokenizer.LIST))]
     special = special_vocab(directory, tokenizer_json, config.vocab_size)
     for kind, token_id in special.special_token_ids.items():

@@ -23,7 +23,7 @@ V_HEAD_GROUPED = "grouped"
 V_HEAD_TILED = "tiled"
 
 # tokenizer.ggml.pre values: llama.cpp's names of the pre-tokenizer splits (llama-vocab.cpp).
-PRE_QWEN2, PRE_DEEPSEEK_R1_QWEN, PRE_QWEN35 = "qwen2", "deepseek-r1-qwen", "qwen35"
+PRE_QWEN2, PRE_DEEPSEEK_R1_QWEN, PRE_QWEN35, PRE_GPT2 = "qwen2", "deepseek-r1-qwen", "qwen35", "gpt-2"
 DEEPSEEK_BOS = "<｜begin▁of▁sentence｜>"
 
 # Tensor transforms of the converter (applied in qwen_runtime.naming, undone by verify).
@@ -46,7 +46,9 @@ class ArchSpec:
     partial_rotary_factor: float  # rotary share of the head dim when config.json does not say
     # Converter transforms: (HF name suffix, transform), the first suffix that matches wins.
     transforms: tuple[tuple[str, str], ...] = ()
-    # tokenizer.ggml.pre: the default, and (BOS token text, pre-type) for tokenizers recognised by their BOS.
+    # tokenizer.ggml.pre: the architecture's preference among the names of the split its tokenizer.json uses
+    # (qwen_convert.gguf_metadata.gguf_pre_tokenizer decides by the split itself): the default, and
+    # (BOS token text, pre-type) for tokenizers recognised by their BOS.
     tokenizer_pre: str = PRE_QWEN2
     tokenizer_pre_by_bos: tuple[tuple[str, str], ...] = ()
 

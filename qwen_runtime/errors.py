@@ -20,6 +20,10 @@ class UnsupportedArchitectureError(FormatError):
     """The model's architecture is not one of the supported Qwen families."""
 
 
+class UnsupportedTokenizerError(FormatError):
+    """A tokenizer.json that no GGUF ``tokenizer.ggml.*`` keys reproduce (the message names the difference)."""
+
+
 class ConfigError(FormatError):
     """A config file lacks a field or has one of the wrong type."""
 
@@ -51,6 +55,7 @@ class VerificationError(QwenError):
 # Exit codes shared by every CLI (documented in README.md).
 EXIT_CODES: dict[type[QwenError], int] = {
     UnsupportedArchitectureError: 3,
+    UnsupportedTokenizerError: 3,
     ConfigError: 4,
     FormatError: 2,
     OutputExistsError: 5,

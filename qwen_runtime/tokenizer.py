@@ -22,7 +22,7 @@ from gguf import Keys, TokenType
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .archs import PRE_DEEPSEEK_R1_QWEN, PRE_QWEN2, PRE_QWEN35
+from .archs import PRE_DEEPSEEK_R1_QWEN, PRE_GPT2, PRE_QWEN2, PRE_QWEN35
 from .config import is_metadata_array
 from .errors import FormatError
 
@@ -32,8 +32,15 @@ QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
 # Qwen3.5 keeps combining marks on letters (docs §4.5).
 QWEN35_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
                   r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# GPT-2's split: what tokenizers' ByteLevel pre-tokenizer applies with use_regex=true (llama.cpp's "gpt-2").
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# tokenizer.ggml.pre -> the split regex it stands for (llama.cpp's llama-vocab.cpp); the first name of a regex is
+# the one a converter writes when nothing else decides (qwen_convert.gguf_metadata.gguf_pre_tokenizer).
 PRE_PATTERNS: dict[str, str] = {PRE_QWEN2: QWEN2_PATTERN, PRE_DEEPSEEK_R1_QWEN: QWEN2_PATTERN,
-                                PRE_QWEN35: QWEN35_PATTERN}
+                                PRE_QWEN35: QWEN35_PATTERN, PRE_GPT2: GPT2_PATTERN}
+# Pre-types whose BPE uses a word that is in the vocabulary as one token without merging (tokenizer.json's
+# ``ignore_merges``, set by Qwen3.5's tokenizer).
+IGNORE_MERGES = frozenset({PRE_QWEN35})
 
 
 @lru_cache(maxsize=1)
@@ -124,7 +131,7 @@ def build_gguf_tokenizer(meta: dict[str, Any], source: str) -> HFTokenizer:
         raise FormatError(f"{source}: metadata key {Keys.Tokenizer.MERGES!r} has an entry without a space")
     vocab = {t: i for i, (t, k) in enumerate(zip(tokens, types, strict=True)) if k != TokenType.UNUSED}
     try:
-        bpe = models.BPE(vocab, merges, ignore_merges=pre == "qwen35")
+        bpe = models.BPE(vocab, merges, ignore_merges=pre in IGNORE_MERGES)
     except Exception as exc:  # tokenizers raises plain Exception for inconsistent vocab/merges
         raise FormatError(f"{source}: invalid tokenizer vocabulary or merges ({exc})") from None
     tok = HFTokenizer(bpe)
