@@ -35,7 +35,15 @@ from qwen_runtime.errors import TemplateError
 from qwen_runtime.models import Model
 
 from .engine import Delta, Done, Engine, Event, Failed, Finished, Job, QueueFullError, RequestTooLargeError
-from .outputs import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN, MessageParser, prompt_opens_thinking
+from .outputs import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    TOOL_CLOSE,
+    TOOL_OPEN,
+    MessageParser,
+    ToolCall,
+    prompt_opens_thinking,
+)
 from .protocol import (
     APIError,
     ChatRequest,
@@ -58,11 +66,6 @@ DEFAULT_MAX_TOKENS = 4096  # chat requests without max_tokens: at most this many
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 RETRY_AFTER_SECONDS = 2
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def model_chat_format(model: Model) -> ChatFormat:
-    """The model's tokenizer, template and stop ids."""
-    return chat_format(model)
 
 
 def generation_defaults(model: Model) -> dict[str, float]:
@@ -100,7 +103,7 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
     """
     if not isinstance(model, Model):
         model = qwen_runtime.load(model)
-    fmt = model_chat_format(model)
+    fmt = chat_format(model)
     text_ids = frozenset(i for t in (THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE)
                          if (i := fmt.tokenizer.token_id(t)) is not None)
     engine = Engine(model, fmt.tokenizer, fmt.stop_ids, max_batch=max_batch, max_queue=max_queue,
@@ -348,9 +351,10 @@ class ChatChoice:
 
     def __init__(self, prompt: str, tools: bool, reasoning: bool) -> None:
         self.parser = MessageParser(reasoning, prompt_opens_thinking(prompt), tools)
-        self.reasoning, self.content = [], []
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
-        self.tool_calls = []
+        self.tool_calls: list[ToolCall] = []
         self.finish: str | None = None
 
     def push(self, text: str) -> tuple[str, str]:
