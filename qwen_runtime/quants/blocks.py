@@ -218,6 +218,21 @@ def nibbles(packed: np.ndarray, low: np.ndarray, high: np.ndarray) -> None:
     np.right_shift(packed, 4, out=high)
 
 
+def signed_6bit_scales(low: np.ndarray, high: np.ndarray, d: np.ndarray, scratch: Scratch) -> np.ndarray:
+    """Scales of Q3_K and IQ4_XS: ``d * ((low | (high & 3) << 4) - 32)`` as float32 [S, ...].
+
+    ``low`` (uint8 [S, ...], the 4 low bits) is overwritten; ``high`` holds the 2 high bits in its low bits
+    (any shape of ``low``'s size, overwritten too); ``d`` is the super-block scale broadcast against ``low``.
+    """
+    np.bitwise_and(high, 3, out=high)
+    np.multiply(high, 16, out=high)  # = << 4 (numpy has no fast uint8 shift left)
+    np.bitwise_or(low, high.reshape(low.shape), out=low)
+    np.subtract(low, 32, out=low)
+    scale = scratch.array("scale", low.shape)
+    np.multiply(d, low.view(np.int8), out=scale)
+    return scale
+
+
 def bit_planes(packed: np.ndarray, out: np.ndarray) -> None:
     """Bit ``i`` of each byte of ``packed`` [K, ...] into ``out`` [K, 8, ...] (0 or 1)."""
     np.right_shift(packed[:, None], along(SHIFTS_1BIT, 1, packed.ndim + 1), out=out)

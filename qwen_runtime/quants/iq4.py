@@ -17,7 +17,7 @@ import numpy as np
 
 from ..pool import Scratch
 from .base import QType, f16_field
-from .blocks import SHIFTS_2BIT, BlockCodec, along, nibbles
+from .blocks import SHIFTS_2BIT, BlockCodec, along, nibbles, signed_6bit_scales
 
 # The 16 levels of llama.cpp's kvalues_iq4nl (a fixed part of the format).
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
@@ -77,10 +77,4 @@ class IQ4_XS(BlockCodec):
         nibbles(fields[4:8], pairs[:, 0], pairs[:, 1])
         high = scratch.array("scale high bits", (2, 4, *rest), np.uint8)  # [byte of scales_h, pair in it]
         np.right_shift(fields[2:4][:, None], along(SHIFTS_2BIT, 1, 2 + len(rest)), out=high)
-        np.bitwise_and(high, 3, out=high)
-        np.multiply(high, 16, out=high)  # = << 4 (numpy has no fast uint8 shift left)
-        np.bitwise_or(ls, high.reshape(ls.shape), out=ls)
-        np.subtract(ls, 32, out=ls)
-        scale = scratch.array("scale", ls.shape)
-        np.multiply(self.f16_row(fields, 0, "d", scratch), ls.view(np.int8), out=scale)
-        return scale, None
+        return signed_6bit_scales(ls, high, self.f16_row(fields, 0, "d", scratch), scratch), None

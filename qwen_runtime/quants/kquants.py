@@ -30,7 +30,7 @@ import numpy as np
 
 from ..pool import Scratch
 from .base import QType, f16_field
-from .blocks import SHIFTS_1BIT, SHIFTS_2BIT, BlockCodec, along, nibbles
+from .blocks import SHIFTS_1BIT, SHIFTS_2BIT, BlockCodec, along, nibbles, signed_6bit_scales
 
 
 def _two_bit_values(field: np.ndarray) -> np.ndarray:
@@ -122,13 +122,7 @@ class Q3_K(BlockCodec):
         nibbles(fields[96:104], s[0:8], s[8:16])
         high = scratch.array("scale high bits", (4, 4, *rest), np.uint8)
         np.right_shift(fields[104:108][None], along(SHIFTS_2BIT, 0, 2 + len(rest)), out=high)
-        np.bitwise_and(high, 3, out=high)
-        np.multiply(high, 16, out=high)  # = << 4 (numpy has no fast uint8 shift left)
-        np.bitwise_or(s, high.reshape(s.shape), out=s)
-        np.subtract(s, 32, out=s)
-        scale = scratch.array("scale", s.shape)
-        np.multiply(self.f16_row(fields, 108, "d", scratch), s.view(np.int8), out=scale)
-        return scale, None
+        return signed_6bit_scales(s, high, self.f16_row(fields, 108, "d", scratch), scratch), None
 
 
 class _Q45_K(BlockCodec):
