@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import math
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -87,7 +87,7 @@ class Workspace:
         self.blas_threads = self.threads if blas_products else 1  # what BLAS runs with for this model
         self.pooled = self.threads > 1 and not blas_products and bool(self._libs)  # run() spreads tasks
         self.scratch = [Scratch() for _ in range(self.threads)]
-        self._pool: ThreadPoolExecutor | None = None
+        self._helpers: _Helpers | None = None
         self.row_invariant = False  # inside rowwise(): see there
 
     @contextlib.contextmanager
@@ -111,15 +111,13 @@ class Workspace:
             for task in tasks:
                 task(self.scratch[0])
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="qwen-tiles")
-        claim = itertools.count().__next__  # shared task index: each worker takes the next unclaimed task
-        futures = [self._pool.submit(_run_claimed, tasks, claim, scratch) for scratch in self.scratch[1:]]
-        try:
-            _run_claimed(tasks, claim, self.scratch[0])
-        finally:
-            for future in futures:
-                future.result()
+        if self._helpers is None:
+            self._helpers = _Helpers(self.scratch[1:])
+            weakref.finalize(self, self._helpers.close)
+        batch = _Batch(tasks)
+        self._helpers.post(batch)
+        batch.work(self.scratch[0], helper=False)
+        batch.settle()
 
     def hold_blas_threads(self) -> None:
         """Give BLAS this model's thread count if something changed it (another model, a ``with`` block)."""
@@ -128,10 +126,88 @@ class Workspace:
                 lib.set_num_threads(self.blas_threads)
 
 
-def _run_claimed(tasks: Sequence[Callable[[Scratch], None]], claim: Callable[[], int], scratch: Scratch) -> None:
-    """Run tasks in the order they are claimed until none is left (``claim`` is atomic under the GIL)."""
-    while (i := claim()) < len(tasks):
-        tasks[i](scratch)
+class _Batch:
+    """The tasks of one :meth:`Workspace.run`, claimed one at a time by the calling thread and the helpers.
+
+    The caller never waits for a helper that has not claimed a task: on this machine a sleeping thread takes
+    ~50 us to wake (a lock ping-pong between two threads: ~100 us), longer than a small projection's tiles,
+    so a run ends as soon as every task is claimed and every claimed one is finished.  A helper that wakes
+    after that finds nothing left to claim.
+    """
+
+    def __init__(self, tasks: Sequence[Callable[[Scratch], None]]) -> None:
+        self.tasks = tasks
+        self.next = 0  # index of the next unclaimed task
+        self.in_flight = 0  # tasks claimed by helpers and not finished
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.settled = threading.Condition(self.lock)  # notified when in_flight drops to 0
+
+    def work(self, scratch: Scratch, helper: bool) -> None:
+        """Run unclaimed tasks until none is left (the first error cancels the rest)."""
+        while True:
+            with self.lock:
+                if self.next >= len(self.tasks):
+                    return
+                task = self.tasks[self.next]
+                self.next += 1
+                self.in_flight += helper
+            try:
+                task(scratch)
+            except BaseException as e:
+                with self.lock:
+                    self.error = self.error or e
+                    self.next = len(self.tasks)
+            finally:
+                if helper:
+                    with self.lock:
+                        self.in_flight -= 1
+                        if not self.in_flight:
+                            self.settled.notify_all()
+
+    def settle(self) -> None:
+        """Wait for the tasks helpers are still running, then raise the first error of any task."""
+        with self.lock:
+            while self.in_flight:
+                self.settled.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class _Helpers:
+    """The pool threads of one workspace (daemons, one per extra scratch), each waiting for the next batch.
+
+    They hold no reference to the workspace: :meth:`close` (called when the workspace is collected) ends them.
+    """
+
+    def __init__(self, scratches: Sequence[Scratch]) -> None:
+        self.posted = threading.Condition()
+        self.batch: _Batch | None = None
+        self.generation = 0  # batches posted so far; a helper that slept through several takes the latest
+        self.closed = False
+        for i, scratch in enumerate(scratches, 1):
+            threading.Thread(target=self._serve, args=(scratch,), name=f"qwen-tiles-{i}", daemon=True).start()
+
+    def post(self, batch: _Batch) -> None:
+        with self.posted:
+            self.batch, self.generation = batch, self.generation + 1
+            self.posted.notify_all()
+
+    def close(self) -> None:
+        with self.posted:
+            self.closed, self.batch = True, None
+            self.posted.notify_all()
+
+    def _serve(self, scratch: Scratch) -> None:
+        seen = 0
+        while True:
+            with self.posted:
+                while self.generation == seen and not self.closed:
+                    self.posted.wait()
+                if self.closed:
+                    return
+                seen, batch = self.generation, self.batch
+            batch.work(scratch, helper=True)
 
 
 @contextlib.contextmanager

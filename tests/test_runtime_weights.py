@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -123,6 +125,38 @@ def test_pool_gives_the_serial_result(qtype: QType, n: int) -> None:
         np.testing.assert_allclose(pooled.matmul(x), serial.matmul(x), rtol=1e-6, atol=1e-6)
     else:  # the same tiles, only on other threads: bit for bit
         np.testing.assert_array_equal(pooled.matmul(x), serial.matmul(x))
+
+
+def test_pool_runs_every_task_once_and_raises_the_first_error() -> None:
+    ws = Workspace(threads=2)
+    if not ws.pooled:
+        pytest.skip("threadpoolctl not installed: the pool is never used")
+    seen: list[int] = []
+    ws.run([lambda s, i=i: seen.append(i) for i in range(50)])
+    assert sorted(seen) == list(range(50))
+
+    def fail(scratch: Scratch) -> None:
+        raise ValueError("task failed")
+
+    with pytest.raises(ValueError, match="task failed"):
+        ws.run([fail, *[lambda s: None] * 5])
+    ws.run([lambda s, i=i: seen.append(i) for i in range(50, 60)])  # the pool still works after an error
+    assert sorted(seen) == list(range(60))
+
+
+def test_pool_threads_end_with_their_workspace() -> None:
+    ws = Workspace(threads=2)
+    if not ws.pooled:
+        pytest.skip("threadpoolctl not installed: the pool is never used")
+    before = set(threading.enumerate())
+    ws.run([lambda s: None] * 4)
+    helpers = [t for t in set(threading.enumerate()) - before if t.name.startswith("qwen-tiles")]
+    assert len(helpers) == 1
+    del ws
+    gc.collect()
+    for t in helpers:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in helpers)
 
 
 def test_matmul_many_equals_separate_products() -> None:
