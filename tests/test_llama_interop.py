@@ -96,7 +96,7 @@ def interop_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def converter(pytestconfig: pytest.Config) -> Path:
-    cache = pytestconfig.cache
+    cache = getattr(pytestconfig, "cache", None)  # None under -p no:cacheprovider
     root = cache.mkdir("llama-cpp-sdist") if cache is not None else repo_root() / ".pytest_cache" / "llama-cpp-sdist"
     try:
         return li.converter_script(Path(root))
