@@ -66,12 +66,18 @@ def _is_number(v: Any) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
-def get_int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+def _typed(body: dict, name: str, accepts: Callable[[object], bool], expected: str) -> object | None:
+    """``body[name]``, or None when absent or null; a value of another type is a 400 naming the field."""
     v = body.get(name)
+    if v is not None and not accepts(v):
+        raise bad(name, f"expected {expected}, got {json.dumps(v)[:40]}", "invalid_type")
+    return v
+
+
+def get_int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = _typed(body, name, _is_int, "an integer")
     if v is None:
         return default
-    if not _is_int(v):
-        raise bad(name, f"expected an integer, got {json.dumps(v)[:40]}", "invalid_type")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise bad(name, f"{v} is out of range [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]")
     return v
@@ -79,41 +85,26 @@ def get_int(body: dict, name: str, default: int | None, lo: int | None = None, h
 
 def get_number(body: dict, name: str, default: float | None, check: Callable[[float], bool] = lambda v: True,
                expected: str = "") -> float | None:
-    v = body.get(name)
+    v = _typed(body, name, _is_number, "a number")
     if v is None:
         return default
-    if not _is_number(v):
-        raise bad(name, f"expected a number, got {json.dumps(v)[:40]}", "invalid_type")
     if not check(float(v)):
         raise bad(name, f"{v} is out of range: must be {expected}")
     return float(v)
 
 
 def get_bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad(name, f"expected true or false, got {json.dumps(v)[:40]}", "invalid_type")
-    return v
+    v = _typed(body, name, lambda v: isinstance(v, bool), "true or false")
+    return default if v is None else v
 
 
 def get_str(body: dict, name: str, default: str | None = None) -> str | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise bad(name, f"expected a string, got {json.dumps(v)[:40]}", "invalid_type")
-    return v
+    v = _typed(body, name, lambda v: isinstance(v, str), "a string")
+    return default if v is None else v
 
 
 def get_object(body: dict, name: str) -> dict | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise bad(name, "expected an object", "invalid_type")
-    return v
+    return _typed(body, name, lambda v: isinstance(v, dict), "an object")
 
 
 # --- the shared generation fields -------------------------------------------------------------------------
