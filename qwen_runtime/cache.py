@@ -12,15 +12,18 @@ and gives the same result as running it alone.
 A *ragged* batch (``BatchState.lengths`` set, used by servers that let rows join and leave a running batch)
 has no padding at all: each row keeps its own slots from 0, writes its new tokens after its own
 ``lengths[b]`` tokens and attends over exactly those slots, computed as if the row were alone
-(:meth:`BatchState.row`), so its results do not depend on the other rows.
+(:attr:`BatchState.rows`), so its results do not depend on the other rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
+
+from .ops import rope_cos_sin
 
 
 class LayerCache(Protocol):
@@ -49,6 +52,9 @@ class BatchState:
 
     ``start`` is the cache slot of the first new token (the same for every row); the new tokens occupy slots
     ``start .. start + T - 1``.  ``key_valid`` covers every slot up to and including the new ones.
+
+    One state serves every layer of a forward pass, so what all layers need of it (rotary angles, the slots
+    hidden from the new tokens, the rows of a ragged batch) is computed on first use and kept.
     """
 
     positions: np.ndarray  # int64 [B, T] rotary position of each new token (0 at a row's first real token)
@@ -56,6 +62,7 @@ class BatchState:
     start: int  # slot of the first new token
     key_valid: np.ndarray  # bool [B, start + T] which cached + new slots hold real tokens
     lengths: np.ndarray | None = None  # ragged batch: int [B] tokens each row holds before the new ones
+    _memo: dict[object, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def batch(self) -> int:
@@ -69,10 +76,44 @@ class BatchState:
     def end(self) -> int:
         return self.start + self.length
 
-    def row(self, b: int) -> BatchState:
-        """Row ``b`` of a ragged batch as a one-row state: its new tokens after its own slots, all real."""
-        start = int(self.lengths[b])
-        return BatchState(self.positions[b:b + 1], self.valid[b:b + 1], start, np.ones((1, start + self.length), bool))
+    def rotary(self, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin of the new tokens' rotary angles (:func:`~qwen_runtime.ops.rope_cos_sin`), once per
+        pass.  # 2 x [B, T, r/2] float32"""
+        key = ("rotary", rotary_dim, theta)
+        if key not in self._memo:
+            self._memo[key] = rope_cos_sin(self.positions, rotary_dim, theta)
+        return self._memo[key]
+
+    def hidden(self, q0: int = 0, q1: int | None = None) -> np.ndarray | None:
+        """The slots new tokens ``q0:q1`` may not attend to, or None when they see every slot (a decode step
+        without padding).  # bool [B, 1, 1, q1 - q0, S] (S = ``end``)
+
+        A token sees the slots up to its own that hold real tokens; it always sees its own slot, so a padding
+        query has one finite score (its output is ignored) instead of a row of ``-inf``.  The answer for all
+        new tokens at once is kept for the other layers (a decode step asks for it; a long prefill asks tile
+        by tile and keeps nothing).
+        """
+        q1 = self.length if q1 is None else q1
+        whole = (q0, q1) == (0, self.length)
+        if whole and "hidden" in self._memo:
+            return self._memo["hidden"]
+        slots = np.arange(self.end)  # [S]
+        query_slots = np.arange(self.start + q0, self.start + q1)  # [Tq]
+        causal = slots[None, :] <= query_slots[:, None]  # [Tq, S]
+        own = slots[None, :] == query_slots[:, None]
+        hidden = ~((causal[None] & self.key_valid[:, None, :]) | own[None])  # [B, Tq, S]
+        result = hidden[:, None, None] if hidden.any() else None
+        if whole:
+            self._memo["hidden"] = result
+        return result
+
+    @cached_property
+    def rows(self) -> list[BatchState]:
+        """Each row of a ragged batch as a one-row state: its new tokens after its own slots, all real."""
+        if self.lengths is None:
+            raise ValueError("only a ragged batch (lengths set) is split into rows")
+        return [BatchState(self.positions[b:b + 1], self.valid[b:b + 1], start, np.ones((1, start + self.length), bool))
+                for b, start in enumerate(self.lengths.tolist())]
 
 
 class KVCache:
@@ -90,7 +131,7 @@ class KVCache:
         """Write the new keys/values at their slots; return views of every slot so far.
 
         ``k``, ``v``: [B, kv_heads, T, hd] -> 2 x [B, kv_heads, start + T, hd] (ragged batches: each row after
-        its own tokens, and the whole buffers are returned: row ``b`` is valid up to ``state.row(b).end``)
+        its own tokens, and the whole buffers are returned: row ``b`` is valid up to ``state.rows[b].end``)
         """
         if state.lengths is not None:
             for b, start in enumerate(state.lengths.tolist()):

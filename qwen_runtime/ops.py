@@ -12,10 +12,16 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis.  # [..., D] -> [..., D]
 
     The weight is used as stored: Qwen3.5's (1 + w) norms already have the +1 baked into the canonical
-    tensors (see ``naming.py``).
+    tensors (see ``naming.py``).  The mean is float32 ``sum / D`` like ``np.mean``'s (whose float64 division
+    rounds to the same float32), and the result reuses the array of squares.
     """
-    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)  # [..., 1]
-    return x * (1.0 / np.sqrt(var + np.float32(eps))) * weight
+    out = np.square(x)  # [..., D]
+    var = np.add.reduce(out, axis=-1, keepdims=True)  # [..., 1]
+    var /= np.float32(x.shape[-1])
+    var += np.float32(eps)
+    np.multiply(x, np.float32(1.0) / np.sqrt(var), out=out)
+    out *= weight
+    return out
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -39,10 +45,13 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
         return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
 
 
-def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Numerically stable softmax (rows of ``-inf`` entries must keep at least one finite value)."""
-    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
-    return e / np.sum(e, axis=axis, keepdims=True)
+def softmax(x: np.ndarray, axis: int = -1, out: np.ndarray | None = None) -> np.ndarray:
+    """Numerically stable softmax (rows of ``-inf`` entries must keep at least one finite value); ``out`` may be
+    ``x`` (in place)."""
+    out = np.subtract(x, np.max(x, axis=axis, keepdims=True), out=out)
+    np.exp(out, out=out)
+    out /= np.sum(out, axis=axis, keepdims=True)
+    return out
 
 
 def rope_inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
@@ -66,7 +75,10 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     c, s = cos[:, None], sin[:, None]  # [B, 1, T, r/2]
     x1, x2 = x[..., :half], x[..., half:2 * half]
     out = np.empty_like(x)
-    out[..., :half] = x1 * c - x2 * s
-    out[..., half:2 * half] = x2 * c + x1 * s
+    lo, hi = out[..., :half], out[..., half:2 * half]
+    np.multiply(x1, c, out=lo)
+    lo -= x2 * s
+    np.multiply(x2, c, out=hi)
+    hi += x1 * s
     out[..., 2 * half:] = x[..., 2 * half:]
     return out

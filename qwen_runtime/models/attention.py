@@ -17,7 +17,7 @@ from gguf import MODEL_TENSOR
 from ..archs import FULL_ATTENTION, QWEN2, QWEN3
 from ..cache import BatchState, KVCache
 from ..config import ModelConfig
-from ..ops import apply_rope, rms_norm, rope_cos_sin, softmax
+from ..ops import apply_rope, rms_norm, softmax
 from ..pool import Workspace
 from ..weights import matmul_many
 from .base import WeightStore, register_mixer
@@ -45,34 +45,19 @@ def merge_heads(x: np.ndarray) -> np.ndarray:
     return x.transpose(0, 2, 1, 3).reshape(b * t, h * d)
 
 
-def attention_mask(state: BatchState, q0: int = 0, q1: int | None = None) -> np.ndarray:
-    """Which slots each new token (rows ``q0:q1`` of the block) may attend to.  # -> bool [B, 1, 1, Tq, S]
-
-    Causal in slot order and restricted to real tokens; a token always sees its own slot, so a padding
-    query has one finite score (its output is ignored) instead of a row of ``-inf``.
-    """
-    q1 = state.length if q1 is None else q1
-    slots = np.arange(state.end)  # [S]
-    query_slots = state.start + np.arange(q0, q1)  # [Tq]
-    causal = slots[None, :] <= query_slots[:, None]  # [Tq, S]
-    own = slots[None, :] == query_slots[:, None]
-    mask = (causal[None] & state.key_valid[:, None, :]) | own[None]  # [B, Tq, S]
-    return mask[:, None, None]
-
-
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchState,
            ws: Workspace | None = None) -> np.ndarray:
     """Scaled dot-product attention with GQA and the batch mask; the kv heads split over the pool when it pays.
 
     q: [B, nh, T, hd]; keys/values: [B, nkv, S, hd] -> [B, nh, T, hd]
 
-    A ragged batch (``state.lengths``) is attended row by row, each over exactly its own slots, so a row's
-    result is bit-identical whatever the other rows hold or how many there are.
+    Query tokens see the slots :meth:`BatchState.hidden` does not hide.  A ragged batch (``state.lengths``) is
+    attended row by row, each over exactly its own slots, so a row's result is bit-identical whatever the other
+    rows hold or how many there are.
     """
     if state.lengths is not None:
         out = np.empty(q.shape, np.float32)
-        for row in range(q.shape[0]):
-            own = state.row(row)
+        for row, own in enumerate(state.rows):
             out[row:row + 1] = attend(q[row:row + 1], keys[row:row + 1, :, :own.end], values[row:row + 1, :, :own.end],
                                       own, ws)
         return out
@@ -105,9 +90,10 @@ def _attend_heads(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: Ba
         qs = q[:, :, :, q0:q1].reshape(b, kv, rows, hd)  # all query heads of a kv head: one matmul
         few = rows <= GEMV_ROWS
         scores = np.matmul(keys[:, :, None], qs[..., None])[..., 0] if few else qs @ kt  # [B, kv, rows, S]
-        scores = np.where(attention_mask(state, q0, q1), scores.reshape(b, kv, group, q1 - q0, s),
-                          np.float32(-np.inf))
-        probs = softmax(scores).reshape(b, kv, rows, s)
+        hidden = state.hidden(q0, q1)  # [B, 1, 1, Tq, S] or None
+        if hidden is not None:
+            np.copyto(scores.reshape(b, kv, group, q1 - q0, s, copy=False), np.float32(-np.inf), where=hidden)
+        probs = softmax(scores, out=scores)
         o = np.matmul(probs[..., None, :], values[:, :, None])[..., 0, :] if few else probs @ values
         out[:, :, :, q0:q1] = o.reshape(b, kv, group, q1 - q0, hd)
 
@@ -136,7 +122,7 @@ class Attention:
     def _heads(self, y: np.ndarray, bias: np.ndarray | None, heads: int, batch: int) -> np.ndarray:
         """A projection plus its bias, split into heads.  # [B * T, heads * hd] -> [B, heads, T, hd]"""
         if bias is not None:
-            y = y + bias
+            y += bias  # y is the projection's own fresh array
         return split_heads(y, batch, heads, self.head_dim)
 
     def __call__(self, x: np.ndarray, cache: KVCache, state: BatchState) -> np.ndarray:
@@ -148,7 +134,7 @@ class Attention:
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, self.config.rms_norm_eps)
             k = rms_norm(k, self.k_norm, self.config.rms_norm_eps)
-        cos, sin = rope_cos_sin(state.positions, self.config.rotary_dim, self.config.rope_theta)  # [B, T, r/2]
+        cos, sin = state.rotary(self.config.rotary_dim, self.config.rope_theta)  # [B, T, r/2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.update(k, v, state)  # [B, nkv, S, hd]
         out = attend(q, keys, values, state, self.ws)  # [B, nh, T, hd]

@@ -17,7 +17,7 @@ from gguf import MODEL_TENSOR
 from ..archs import FULL_ATTENTION, LINEAR_ATTENTION, QWEN35
 from ..cache import BatchState, KVCache
 from ..config import ModelConfig
-from ..ops import apply_rope, rms_norm, rope_cos_sin, sigmoid
+from ..ops import apply_rope, rms_norm, sigmoid
 from ..weights import matmul_many
 from . import gated_delta as gd
 from .attention import attend, merge_heads, split_heads
@@ -53,7 +53,7 @@ class GatedAttention:
         gate = q_gate[..., hd:].reshape(b * t, self.n_heads * hd)  # [B*T, nh*hd]
         k = rms_norm(split_heads(k, b, self.n_kv, hd), self.k_norm, eps)  # [B, nkv, T, hd]
         v = split_heads(v, b, self.n_kv, hd)  # [B, nkv, T, hd]
-        cos, sin = rope_cos_sin(state.positions, self.config.rotary_dim, self.config.rope_theta)  # [B, T, r/2]
+        cos, sin = state.rotary(self.config.rotary_dim, self.config.rope_theta)  # [B, T, r/2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.update(k, v, state)  # [B, nkv, S, hd]
         out = merge_heads(attend(q, keys, values, state, self.ws)) * sigmoid(gate)  # [B*T, nh*hd]
