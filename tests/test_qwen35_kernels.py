@@ -75,12 +75,15 @@ def test_padded_row_equals_solo_row() -> None:
     np.testing.assert_allclose(s_pad, s_solo, atol=1e-5)
 
 
-def test_solve_unit_lower() -> None:
+@pytest.mark.parametrize("size", [1, 5, 8, 16, 20, 32, 48, 64, 128])
+def test_invert_unit_lower(size: int) -> None:
+    """Blocks merged by doubling (16·2^m rows), row by row otherwise: the inverse of I + strict either way."""
     rng = np.random.default_rng(3)
-    strict = np.tril(_rand(rng, 3, 20, 20, scale=0.3), -1)
-    rhs = _rand(rng, 3, 20, 5)
-    x = gd.solve_unit_lower(strict, rhs.copy())
-    np.testing.assert_allclose((np.eye(20, dtype=F32) + strict) @ x, rhs, atol=1e-5)
+    strict = np.tril(_rand(rng, 3, 2, size, size, scale=0.3), -1)
+    inverse = gd.invert_unit_lower(strict, np.full_like(strict, np.nan))
+    want = np.linalg.inv(np.eye(size) + strict.astype(np.float64))
+    np.testing.assert_allclose(inverse, want, atol=1e-5 * np.abs(want).max(), rtol=0)  # entries grow with size
+    assert np.array_equal(np.triu(inverse, 1), np.zeros_like(inverse))
 
 
 def _conv_reference(x: np.ndarray, weight: np.ndarray, state: np.ndarray) -> np.ndarray:
@@ -142,6 +145,18 @@ def test_value_head_orders_are_permutations_of_each_other() -> None:
         state = np.zeros((1, hv, 8, 4), F32)
         outs[order] = gd.chunked_delta_rule(q, k, v[:, :, p], g[:, :, p], beta[:, :, p], state, chunk=8)
     np.testing.assert_allclose(outs[V_HEAD_TILED], outs[V_HEAD_GROUPED][:, :, perm], atol=1e-6)
+
+
+@pytest.mark.parametrize(("hk", "hv"), [(2, 2), (2, 6), (3, 12)])
+def test_key_head_index_matches_repeat_and_tile(hk: int, hv: int) -> None:
+    """Grouped order repeats each key head Hv/Hk times, tiled order tiles the key heads (docs §3.4)."""
+    x = np.arange(hk, dtype=F32)[None, None, :, None] * np.ones((1, 2, 1, 3), F32)  # [1, 2, Hk, 3]
+    grouped = gd.expand_key_heads(x, hv, V_HEAD_GROUPED)
+    tiled = gd.expand_key_heads(x, hv, V_HEAD_TILED)
+    np.testing.assert_array_equal(grouped, np.repeat(x, hv // hk, axis=2))
+    np.testing.assert_array_equal(tiled, np.tile(x, (1, 1, hv // hk, 1)))
+    with pytest.raises(ValueError, match="value-head order"):
+        gd.key_head_index(hk, hv, "sideways")
 
 
 def test_gates_zero_on_padding() -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from float_error import check_greedy, check_rows, reference64
 
-from qwen_runtime.models import Model, build_model
+from qwen_runtime.models import Model, build_model, qwen35
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QWEN35_FIXTURES = ["qwen35-tiny", "qwen35-tiny-gqa", "qwen35-vl-tiny"]
@@ -148,6 +148,14 @@ def test_cache_select_keeps_rows(model: Model) -> None:
     nxt = model.forward(np.array([[3]]), cache, last_only=True)[0]
     solo = model.logits(np.concatenate([prompts[1], [3]])[None])[0, -1]
     np.testing.assert_allclose(nxt, solo, atol=SELF_ATOL, rtol=0)
+
+
+def test_delta_rule_split_by_rows_and_heads(model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill runs its delta rule per batch row and group of value heads: one head per task, the same numbers."""
+    ids, valid = left_pad([random_prompt(model, n, seed=n) for n in (70, 9)])
+    want = model.logits(ids, valid)
+    monkeypatch.setattr(qwen35, "HEAD_GROUP", 1)
+    np.testing.assert_array_equal(model.logits(ids, valid), want)
 
 
 # --- live transformers oracle ------------------------------------------------------------------------------------

@@ -23,11 +23,17 @@ import numpy as np
 
 from ..archs import V_HEAD_GROUPED, V_HEAD_TILED
 from ..ops import sigmoid, silu
-from ..pool import single_threaded_blas
+from ..pool import Scratch, single_threaded_blas
 
 L2_EPS = 1e-6  # HF/FLA l2norm epsilon, inside the square root
 CHUNK = 64  # chunk length of the chunked form (HF's and FLA's)
 RECURRENT_MAX_TOKENS = 4  # up to this many tokens the per-token recurrence is cheaper than one chunk
+# Chunks per pass of the chunked form: its intra-chunk work runs for this many chunks at once, in scratch buffers
+# whose size this bounds (a 128-token pass of 4 heads of 128 x 128 holds ~3 MB), whatever the prompt length.
+PASS_CHUNKS = 2
+# The inverse of a chunk's unit lower-triangular system is built from diagonal blocks of this size solved row by
+# row, then merged pairwise into blocks twice as large (one batched product per level).
+INVERSE_BLOCK = 16
 # Decays below e^-60 (1e-26) are flushed to exactly 0: they are negligible next to the O(1) terms they are added
 # to, and left alone they become float32 subnormals, on which every later product runs ~100x slower.  Strong
 # decays (g of -10 per token summed over a chunk) produce them all the time.
@@ -46,13 +52,13 @@ def decay_exp(log_decay: np.ndarray) -> np.ndarray:
     return out
 
 
-def silu_inplace(x: np.ndarray, tmp: np.ndarray) -> np.ndarray:
-    """x ← x · σ(x) using ``tmp`` (same shape) as scratch; no other allocation."""
+def silu_into(x: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out ← x · σ(x) using ``tmp`` (same shape as ``x``) as scratch; no other allocation (``out`` may be ``x``)."""
     np.negative(x, out=tmp)
     with np.errstate(over="ignore"):  # exp(-x) = inf for x << 0 gives x / inf = -0, the right limit
         np.exp(tmp, out=tmp)
     tmp += np.float32(1.0)
-    return np.divide(x, tmp, out=x)
+    return np.divide(x, tmp, out=out)
 
 
 # --- convolution -------------------------------------------------------------------------------------------
@@ -85,27 +91,41 @@ def causal_conv1d(x: np.ndarray, weight: np.ndarray, state: np.ndarray,
     Returns:
         (SiLU(conv) ``[B, T, C]`` with zeros on padding, new state ``[B, K−1, C]``).
     """
+    out, new_state = np.array(x, np.float32), np.array(state, np.float32)
+    causal_conv1d_inplace(out, weight, new_state, valid, Scratch())
+    return out, new_state
+
+
+def causal_conv1d_inplace(x: np.ndarray, weight: np.ndarray, state: np.ndarray, valid: np.ndarray | None,
+                          scratch: Scratch) -> None:
+    """:func:`causal_conv1d` overwriting its arguments: ``x`` ``[B, T, C]`` ← SiLU(conv), ``state`` ← new state.
+
+    Both may be strided views (a column block of a projection, of a cache); the inputs are staged in
+    ``scratch``.  Works on any subset of the channels, so a projection tile can be convolved by the thread that
+    computed it.
+    """
     batch, length, channels = x.shape
     kernel = weight.shape[1]
     pads = left_pad_counts(valid, batch, length)
     # ext[b] = [zeros for padding | state[b] | valid inputs of row b]: the state sits right before the first
     # valid token, so padding is skipped exactly.
-    ext = np.zeros((batch, kernel - 1 + length, channels), dtype=np.float32)  # [B, K-1+T, C]
+    ext = scratch.array("conv inputs", (batch, kernel - 1 + length, channels))  # [B, K-1+T, C]
     ext[:, kernel - 1:] = x
     if pads.any():
         ext[np.arange(kernel - 1 + length)[None, :] < (kernel - 1 + pads)[:, None]] = 0.0
     rows = np.arange(batch)[:, None]
     ext[rows, pads[:, None] + np.arange(kernel - 1)[None, :]] = state
+    state[...] = ext[:, length:]
     taps = np.ascontiguousarray(weight.T, dtype=np.float32)  # [K, C]
-    # in-place arithmetic: fresh temporaries of this size cost page faults that outweigh the arithmetic
-    out = np.multiply(ext[:, 0:length], taps[0])  # [B, T, C]
-    tmp = np.empty_like(out)
+    # the sums in contiguous buffers (numpy's loops over a column block of a wider array ran 1.5-2.5x slower)
+    acc = scratch.array("conv sums", (batch, length, channels))
+    tmp = scratch.array("conv products", (batch, length, channels))
+    np.multiply(ext[:, 0:length], taps[0], out=acc)
     for tap in range(1, kernel):
-        out += np.multiply(ext[:, tap:tap + length], taps[tap], out=tmp)
-    silu_inplace(out, tmp)
+        acc += np.multiply(ext[:, tap:tap + length], taps[tap], out=tmp)
+    silu_into(acc, tmp, out=x)
     if pads.any():
-        out[np.arange(length)[None, :] < pads[:, None]] = 0.0
-    return out, ext[:, length:].copy()
+        x[np.arange(length)[None, :] < pads[:, None]] = 0.0
 
 
 # --- per-head preparation ------------------------------------------------------------------------------------
@@ -116,19 +136,24 @@ def l2_normalize(x: np.ndarray, eps: float = L2_EPS) -> np.ndarray:
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(eps))
 
 
-def expand_key_heads(x: np.ndarray, n_value_heads: int, order: str) -> np.ndarray:
-    """Map key heads onto value heads: ``[B, T, Hk, d] -> [B, T, Hv, d]``.
+def key_head_index(n_key_heads: int, n_value_heads: int, order: str) -> np.ndarray:
+    """The key head each value head reads: int ``[Hv]``.
 
     ``grouped`` (HF): value head j uses key head j // (Hv/Hk); ``tiled`` (llama.cpp): key head j % Hk.
     """
-    ratio = n_value_heads // x.shape[2]
-    if ratio == 1:
-        return x
+    heads = np.arange(n_value_heads)
     if order == V_HEAD_GROUPED:
-        return np.repeat(x, ratio, axis=2)
+        return heads // (n_value_heads // n_key_heads)
     if order == V_HEAD_TILED:
-        return np.tile(x, (1, 1, ratio, 1))
+        return heads % n_key_heads
     raise ValueError(f"unknown value-head order {order!r}")
+
+
+def expand_key_heads(x: np.ndarray, n_value_heads: int, order: str) -> np.ndarray:
+    """Map key heads onto value heads: ``[B, T, Hk, d] -> [B, T, Hv, d]`` (see :func:`key_head_index`)."""
+    if n_value_heads == x.shape[2]:
+        return x
+    return x[:, :, key_head_index(x.shape[2], n_value_heads, order)]
 
 
 def split_qkv(mixed: np.ndarray, n_key_heads: int, key_dim: int, value_dim: int,
@@ -195,100 +220,159 @@ def recurrent_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndar
     return out
 
 
-def _to_chunks(x: np.ndarray, length: int, chunk: int) -> np.ndarray:
-    """A fresh ``[B, H, N, L, ...]`` float32 copy of ``[B, T, H, ...]``, zero-padded at the end."""
-    batch, _, heads, *rest = x.shape
-    n_chunks = -(-length // chunk)
-    out = np.empty((batch, heads, n_chunks * chunk, *rest), dtype=np.float32)  # [B, H, N*L, ...]
+def _chunk_layout(x: np.ndarray, chunk: int, out: np.ndarray) -> np.ndarray:
+    """``x`` ``[B, T, H, ...]`` copied into ``out`` ``[B, H, N·L, ...]`` (zeros after T), viewed as
+    ``[B, H, N, L, ...]``."""
+    length = x.shape[1]
     out[:, :, :length] = np.moveaxis(x, 2, 1)
     out[:, :, length:] = 0.0
-    return out.reshape(batch, heads, n_chunks, chunk, *rest)
+    return out.reshape(out.shape[0], out.shape[1], -1, chunk, *out.shape[3:])
 
 
-def solve_unit_lower(strict: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-    """Solve (I + strict) X = rhs in place by forward substitution over rows (no explicit inverse).
+def _diagonal_blocks(x: np.ndarray, size: int) -> np.ndarray:
+    """Writable view of the ``size`` × ``size`` diagonal blocks of square matrices: ``[..., L, L] -> [..., L/size,
+    size, size]``."""
+    *lead, n, _ = x.shape
+    row, col = x.strides[-2:]
+    return np.lib.stride_tricks.as_strided(x, (*lead, n // size, size, size), (*x.strides[:-2], size * (row + col),
+                                                                              row, col))
 
-    strict: strictly lower-triangular ``[..., L, L]``; rhs ``[..., L, D]`` float32, overwritten by X.
+
+def invert_unit_lower(strict: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out`` ← (I + strict)⁻¹ for strictly lower-triangular ``strict`` ``[..., L, L]`` (float32, ``out`` alike).
+
+    Diagonal blocks of :data:`INVERSE_BLOCK` rows are inverted by forward substitution, row by row for all of
+    them at once; then blocks are merged pairwise, [[A, 0], [C, B]]⁻¹ = [[A⁻¹, 0], [−B⁻¹ C A⁻¹, B⁻¹]], one
+    batched product per doubling (L = 64: 15 row steps and 2 merges instead of 63 row steps).
     """
-    for i in range(1, strict.shape[-1]):
-        rhs[..., i, :] -= np.matmul(strict[..., i:i + 1, :i], rhs[..., :i, :])[..., 0, :]
-    return rhs
-
-
-def _intra_chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                 ) -> tuple[np.ndarray, ...]:
-    """Everything that does not depend on the incoming state, for all chunks at once.
-
-    Inputs are chunked copies (``q`` and ``k`` are overwritten): q, k ``[B, H, N, L, dk]``, v ``[B, H, N, L, dv]``,
-    g, beta ``[B, H, N, L]``.  Returns U, W, the masked intra-chunk scores, Q̂ ⊙ e^γ, K̂ ⊙ e^(γ_last − γ) and
-    e^(γ_last).  Work happens in place where possible: fresh temporaries of these sizes cost page faults.
-    """
-    chunk, dv = g.shape[-1], v.shape[-1]
-    gamma = np.cumsum(g, axis=-1)  # [B, H, N, L]
-    decay = gamma[..., :, None] - gamma[..., None, :]  # [B, H, N, L, L]
-    upper_i, upper_j = np.triu_indices(chunk, 1)
-    decay[..., upper_i, upper_j] = -np.inf  # masked before exp: γi − γj > 0 there could overflow
-    decay[decay < LOG_DECAY_FLOOR] = -np.inf
-    np.exp(decay, out=decay)  # D_ij = exp(γi − γj) for i ≥ j, else 0
-    exp_gamma = decay_exp(gamma)[..., None]  # [B, H, N, L, 1]
-    # right-hand sides [Ṽ | K̃ ⊙ e^γ] of U = T Ṽ and W = T (K̃ ⊙ e^γ), T = (I + strict_lower(K̃K̂ᵀ ⊙ D))⁻¹
-    uw = np.empty((*v.shape[:-1], dv + k.shape[-1]), dtype=np.float32)  # [B, H, N, L, dv + dk]
-    np.multiply(v, beta[..., None], out=uw[..., :dv])
-    k_beta = np.multiply(k, beta[..., None], out=uw[..., dv:])
-    strict = np.matmul(k_beta, np.swapaxes(k, -1, -2))  # [B, H, N, L, L]
-    strict *= decay
-    diag = np.arange(chunk)
-    strict[..., diag, diag] = 0.0
-    k_beta *= exp_gamma
-    solve_unit_lower(strict, uw)
-    attn = np.matmul(q, np.swapaxes(k, -1, -2))  # [B, H, N, L, L]
-    attn *= decay
-    q *= exp_gamma
-    k *= decay_exp(gamma[..., -1:] - gamma)[..., None]
-    chunk_decay = decay_exp(gamma[..., -1])[..., None, None]  # [B, H, N, 1, 1]
-    return uw[..., :dv], uw[..., dv:], attn, q, k, chunk_decay
+    size = strict.shape[-1]
+    base = INVERSE_BLOCK if size > INVERSE_BLOCK and size % INVERSE_BLOCK == 0 else size
+    if (size // base) & (size // base - 1):  # not base · 2^m: solve the whole matrix row by row
+        base = size
+    out[...] = 0.0
+    diag = np.arange(size)
+    out[..., diag, diag] = 1.0
+    inv, low = _diagonal_blocks(out, base), _diagonal_blocks(strict, base)
+    for i in range(1, base):  # row i of each block: X[i, :i] = −A[i, :i] X[:i, :i]
+        inv[..., i, :i] = np.matmul(low[..., i:i + 1, :i], inv[..., :i, :i])[..., 0, :]
+        np.negative(inv[..., i, :i], out=inv[..., i, :i])
+    block = 2 * base
+    while block <= size:
+        half = block // 2
+        inv, low = _diagonal_blocks(out, block), _diagonal_blocks(strict, block)
+        corner = inv[..., half:, :half]
+        np.matmul(inv[..., half:, half:], np.matmul(low[..., half:, :half], inv[..., :half, :half]), out=corner)
+        np.negative(corner, out=corner)
+        block *= 2
+    return out
 
 
 def chunked_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                       state: np.ndarray, chunk: int = CHUNK) -> np.ndarray:
+                       state: np.ndarray, chunk: int = CHUNK, out: np.ndarray | None = None,
+                       scratch: Scratch | None = None) -> np.ndarray:
     """The gated delta rule over a whole sequence, ``chunk`` tokens at a time (the prefill path).
 
-    Same arguments and result as :func:`recurrent_delta_rule` (``state`` ``[B, H, dk, dv]`` updated in place).
+    Same arguments and result as :func:`recurrent_delta_rule` (``state`` ``[B, H, dk, dv]`` updated in place);
+    ``out`` ``[B, T, H, dv]`` (any strides) receives the result when given, ``scratch`` holds the work buffers.
     Per chunk with incoming state S (docs §3.4): Vn = U − W S; O = (Q̂ ⊙ e^γ) S + (Q̂K̂ᵀ ⊙ D) Vn;
-    S ← e^(γ_last) S + (K̂ ⊙ e^(γ_last − γ))ᵀ Vn.
+    S ← e^(γ_last) S + (K̂ ⊙ e^(γ_last − γ))ᵀ Vn, with [U | W] = T [Ṽ | K̃ ⊙ e^γ] and
+    T = (I + strict_lower(K̃K̂ᵀ ⊙ D))⁻¹.  The sequence is taken :data:`PASS_CHUNKS` chunks at a time.
     """
-    batch, length, heads, dv = v.shape
-    qc, kc, vc = (_to_chunks(x, length, chunk) for x in (q, k, v))
-    gc, bc = (_to_chunks(x, length, chunk) for x in (g, beta))
-    u, w, attn, q_decayed, k_decayed, chunk_decay = _intra_chunk(qc, kc, vc, gc, bc)
-    out = np.empty(u.shape, dtype=np.float32)  # [B, H, N, L, dv]
-    s = state.astype(np.float32, copy=False)
-    for n in range(u.shape[2]):
-        v_new = u[:, :, n] - np.matmul(w[:, :, n], s)  # [B, H, L, dv]
-        out[:, :, n] = np.matmul(q_decayed[:, :, n], s) + np.matmul(attn[:, :, n], v_new)
-        s = s * chunk_decay[:, :, n] + np.matmul(np.swapaxes(k_decayed[:, :, n], -1, -2), v_new)
-    state[...] = s
-    out = out.reshape(batch, heads, -1, dv)[:, :, :length]
-    return np.ascontiguousarray(np.moveaxis(out, 1, 2))  # [B, T, H, dv]
+    length = q.shape[1]
+    out = np.empty(v.shape, np.float32) if out is None else out
+    scratch = Scratch() if scratch is None else scratch
+    span = chunk * PASS_CHUNKS
+    zero_state = not state.any()  # a new sequence: the first chunk reads nothing from the state
+    for t0 in range(0, length, span):
+        t1 = min(length, t0 + span)
+        _chunked_pass(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], g[:, t0:t1], beta[:, t0:t1], state, chunk,
+                      out[:, t0:t1], scratch, zero_state and t0 == 0)
+    return out
+
+
+def _chunked_pass(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray,
+                  chunk: int, out: np.ndarray, scratch: Scratch, zero_state: bool) -> None:
+    """:func:`chunked_delta_rule` on a few chunks, their intra-chunk work batched; ``zero_state``: S is all 0."""
+    batch, length, heads, dk = q.shape
+    dv = v.shape[-1]
+    padded = -(-length // chunk) * chunk
+    qc = _chunk_layout(q, chunk, scratch.array("delta q", (batch, heads, padded, dk)))  # [B, H, N, L, dk]
+    kc = _chunk_layout(k, chunk, scratch.array("delta k", (batch, heads, padded, dk)))
+    gc = _chunk_layout(g, chunk, np.empty((batch, heads, padded), np.float32))  # [B, H, N, L]
+    bc = _chunk_layout(beta, chunk, np.empty((batch, heads, padded), np.float32))
+    n_chunks = qc.shape[2]
+    gamma = np.cumsum(gc, axis=-1)  # [B, H, N, L]
+    decay = scratch.array("delta decay", (batch, heads, n_chunks, chunk, chunk))  # [B, H, N, L, L]
+    np.subtract(gamma[..., :, None], gamma[..., None, :], out=decay)
+    np.copyto(decay, -np.inf, where=np.triu(np.ones((chunk, chunk), bool), 1))  # before exp: γi − γj > 0 there
+    decay[decay < LOG_DECAY_FLOOR] = -np.inf
+    np.exp(decay, out=decay)  # D_ij = exp(γi − γj) for i ≥ j, else 0
+    exp_gamma = decay_exp(gamma)[..., None]  # [B, H, N, L, 1]
+    # right-hand sides [Ṽ | K̃ ⊙ e^γ] (Ṽ = β ⊙ V, K̃ = β ⊙ K̂)
+    rhs = scratch.array("delta rhs", (batch, heads, padded, dv + dk))  # [B, H, N·L, dv + dk]
+    _chunk_layout(v, chunk, rhs[..., :dv])
+    rhs = rhs.reshape(batch, heads, n_chunks, chunk, dv + dk)
+    rhs[..., :dv] *= bc[..., None]
+    k_beta = np.multiply(kc, bc[..., None], out=rhs[..., dv:])
+    scores = scratch.array("delta scores", decay.shape)  # [B, H, N, L, L]
+    np.matmul(k_beta, np.swapaxes(kc, -1, -2), out=scores)
+    scores *= decay
+    diag = np.arange(chunk)
+    scores[..., diag, diag] = 0.0
+    k_beta *= exp_gamma
+    inverse = invert_unit_lower(scores, scratch.array("delta inverse", decay.shape))
+    uw = np.matmul(inverse, rhs, out=scratch.array("delta uw", rhs.shape))  # [U | W]  [B, H, N, L, dv + dk]
+    attn = np.matmul(qc, np.swapaxes(kc, -1, -2), out=scores)  # Q̂K̂ᵀ ⊙ D
+    attn *= decay
+    qc *= exp_gamma
+    kc *= decay_exp(gamma[..., -1:] - gamma)[..., None]
+    chunk_decay = decay_exp(gamma[..., -1])  # [B, H, N]
+    reads = scratch.array("delta reads", (batch, heads, chunk, dv))  # [B, H, L, dv]
+    o = scratch.array("delta out", (batch, heads, chunk, dv))
+    update = scratch.array("delta update", state.shape)  # [B, H, dk, dv]
+    for n in range(n_chunks):
+        u, w = uw[:, :, n, :, :dv], uw[:, :, n, :, dv:]
+        if zero_state and n == 0:
+            v_new = u
+            np.matmul(attn[:, :, n], v_new, out=o)
+        else:
+            v_new = np.subtract(u, np.matmul(w, state, out=reads), out=scratch.array("delta v_new", reads.shape))
+            np.matmul(attn[:, :, n], v_new, out=o)
+            o += np.matmul(qc[:, :, n], state, out=reads)
+        t0 = n * chunk
+        out[:, t0:t0 + chunk] = np.swapaxes(o[:, :, :min(chunk, length - t0)], 1, 2)
+        state *= chunk_decay[:, :, n, None, None]
+        state += np.matmul(np.swapaxes(kc[:, :, n], -1, -2), v_new, out=update)
 
 
 def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-               state: np.ndarray, chunk: int = CHUNK) -> np.ndarray:
+               state: np.ndarray, chunk: int = CHUNK, out: np.ndarray | None = None,
+               scratch: Scratch | None = None) -> np.ndarray:
     """Recurrent form for a few tokens (decode), chunked form for longer inputs (prefill).
 
     Inputs shorter than ``chunk`` use the smallest power-of-two chunk that holds them, not a padded 64.
+    ``out`` and ``scratch`` as in :func:`chunked_delta_rule`.
     """
     length = q.shape[1]
     with single_threaded_blas():
         if length <= RECURRENT_MAX_TOKENS:
-            return recurrent_delta_rule(q, k, v, g, beta, state)
-        return chunked_delta_rule(q, k, v, g, beta, state, min(chunk, 1 << (length - 1).bit_length()))
+            o = recurrent_delta_rule(q, k, v, g, beta, state)
+            if out is None:
+                return o
+            out[...] = o
+            return out
+        return chunked_delta_rule(q, k, v, g, beta, state, min(chunk, 1 << (length - 1).bit_length()), out,
+                                  scratch)
 
 
 # --- output norm ---------------------------------------------------------------------------------------------
 
 
-def gated_rms_norm(o: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """norm(o) ⊙ w ⊙ SiLU(z) per head (no +1): ``[B, T, Hv, dv]`` -> ``[B, T, Hv, dv]``."""
+def gated_rms_norm(o: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float,
+                   out: np.ndarray | None = None) -> np.ndarray:
+    """norm(o) ⊙ w ⊙ SiLU(z) per head (no +1): ``[B, T, Hv, dv]`` -> ``[B, T, Hv, dv]`` (``out`` may be ``o``)."""
     inv = np.float32(1.0) / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + np.float32(eps))
-    return o * inv * weight.astype(np.float32) * silu(z.astype(np.float32, copy=False))
+    out = np.multiply(o, inv, out=out)
+    out *= weight.astype(np.float32, copy=False)
+    out *= silu(z.astype(np.float32, copy=False))
+    return out

@@ -11,6 +11,8 @@ Hk/Hv key/value heads and dk/dv their dims in linear attention.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 from gguf import MODEL_TENSOR
 
@@ -18,10 +20,15 @@ from ..archs import FULL_ATTENTION, LINEAR_ATTENTION, QWEN35
 from ..cache import BatchState, KVCache
 from ..config import ModelConfig
 from ..ops import apply_rope, rms_norm, sigmoid
+from ..pool import Scratch
 from ..weights import matmul_many
 from . import gated_delta as gd
 from .attention import attend, merge_heads, split_heads
 from .base import WeightStore, register_mixer
+
+# Value heads per task of a prefill's delta rule (Qwen3.5-0.8B's 16: one task per pool thread).  The batched
+# products of 8 heads cost what 16 heads' cost per head; groups of 4 and 2 took 15% and 35% more CPU.
+HEAD_GROUP = 8
 
 
 @register_mixer(FULL_ATTENTION, QWEN35)
@@ -93,10 +100,17 @@ class LinearAttentionCache:
 
 @register_mixer(LINEAR_ATTENTION, QWEN35)
 class GatedDeltaNet:
-    """Gated DeltaNet: conv + SiLU over [q | k | v], l2-normalised heads, the gated delta rule, gated norm."""
+    """Gated DeltaNet: conv + SiLU over [q | k | v], l2-normalised heads, the gated delta rule, gated norm.
+
+    A prefill takes two pool runs: the projections, each ``attn_qkv`` tile convolved (and its conv state
+    advanced) by the thread that computed it; then one task per batch row and group of value heads: their q/k
+    preparation, gates, delta rule and gated norm.  A decode step runs the projections through the pool and
+    the rest on the calling thread, where a few tokens' work is too small to hand around.
+    """
 
     def __init__(self, config: ModelConfig, layer: int, store: WeightStore) -> None:
         self.config = config
+        self.ws = store.workspace
         self.w_qkv, self.w_z = store.matrix(MODEL_TENSOR.ATTN_QKV, layer), store.matrix(MODEL_TENSOR.ATTN_GATE, layer)
         self.w_beta = store.matrix(MODEL_TENSOR.SSM_BETA, layer)
         self.w_alpha = store.matrix(MODEL_TENSOR.SSM_ALPHA, layer)
@@ -105,6 +119,8 @@ class GatedDeltaNet:
         self.dt_bias = store.vector(MODEL_TENSOR.SSM_DT, layer, ".bias")  # [Hv]
         self.ssm_a = store.vector(MODEL_TENSOR.SSM_A, layer, "")  # [Hv] = -exp(A_log)
         self.norm = store.vector(MODEL_TENSOR.SSM_NORM, layer)  # [dv]
+        c = config
+        self.key_heads = gd.key_head_index(c.linear_num_key_heads, c.linear_num_value_heads, c.v_head_order)  # [Hv]
 
     def make_cache(self, batch: int, max_len: int) -> LinearAttentionCache:
         return LinearAttentionCache(batch, self.config)
@@ -114,13 +130,61 @@ class GatedDeltaNet:
         b, t, h = x.shape
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         valid = None if state.valid.all() else state.valid  # [B, T]
-        projections = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x.reshape(b * t, h))
-        mixed, z, b_gate, a_gate = (p.reshape(b, t, -1) for p in projections)  # [B, T, C | Hv*dv | Hv | Hv]
-        mixed, conv = gd.causal_conv1d(mixed, self.conv, cache.conv, valid)  # [B, T, C]
-        cache.conv[...] = conv  # in place: the cache may be a view of a larger one
-        q, k, v = gd.split_qkv(mixed, c.linear_num_key_heads, c.linear_key_head_dim, dv)
-        q, k = gd.prepare_qk(q, k, hv, c.v_head_order)  # [B, T, Hv, dk]
-        beta, g = gd.gates(b_gate, a_gate, self.ssm_a, self.dt_bias, valid)  # [B, T, Hv]
-        o = gd.delta_rule(q, k, v, g, beta, cache.state)  # [B, T, Hv, dv]
-        o = gd.gated_rms_norm(o, z.reshape(b, t, hv, dv), self.norm, c.rms_norm_eps)
+        mixed, z, b_gate, a_gate = self._project(x.reshape(b * t, h), b, cache.conv, valid)
+        q, k, v = gd.split_qkv(mixed.reshape(b, t, -1), c.linear_num_key_heads, c.linear_key_head_dim, dv)
+        o = np.empty((b, t, hv, dv), np.float32)  # [B, T, Hv, dv]
+        heads = partial(self._heads, q, k, v, z.reshape(b, t, hv, dv), b_gate.reshape(b, t, hv),
+                        a_gate.reshape(b, t, hv), cache.state, valid, o)
+        if t <= gd.RECURRENT_MAX_TOKENS:  # decode: a step is too small to share
+            heads(slice(None), 0, hv, self.ws.scratch[0])
+        else:  # one task per row and group of heads, which also bounds the scratch buffers
+            self.ws.run([partial(heads, slice(row, row + 1), h0, min(h0 + HEAD_GROUP, hv))
+                         for row in range(b) for h0 in range(0, hv, HEAD_GROUP)])
         return self.w_out.matmul(o.reshape(b * t, hv * dv)).reshape(b, t, h)
+
+    def _project(self, x: np.ndarray, batch: int, conv_state: np.ndarray, valid: np.ndarray | None,
+                 ) -> list[np.ndarray]:
+        """The four projections of ``x`` [B*T, H] in one pool run, then the causal conv + SiLU of ``attn_qkv``'s
+        (``conv_state`` [B, K-1, C] advanced in place): in each tile's task for a prefill, after the run for a
+        few tokens (one conv instead of one per tile).  # -> [B*T, C], [B*T, Hv*dv], 2 x [B*T, Hv]"""
+        outputs = [np.empty((len(x), w.out_features), np.float32) for w in (self.w_qkv, self.w_z, self.w_beta,
+                                                                             self.w_alpha)]
+        mixed = outputs[0].reshape(batch, -1, outputs[0].shape[1])  # [B, T, C]
+        per_tile = mixed.shape[1] > gd.RECURRENT_MAX_TOKENS
+        prepared: dict = {}
+        if per_tile:
+            xk = self.w_qkv.prepared(x, prepared)
+            tasks = [partial(self._conv_block, r0, r1, xk, mixed, conv_state, valid)
+                     for r0, r1 in self.w_qkv.blocks()]
+        else:
+            tasks = self.w_qkv.tile_tasks(x, outputs[0], prepared)
+        for w, y in zip((self.w_z, self.w_beta, self.w_alpha), outputs[1:], strict=True):
+            tasks += w.tile_tasks(x, y, prepared)
+        self.ws.run(tasks)
+        if not per_tile:
+            gd.causal_conv1d_inplace(mixed, self.conv, conv_state, valid, self.ws.scratch[0])
+        return outputs
+
+    def _conv_block(self, r0: int, r1: int, xk: object, mixed: np.ndarray, conv_state: np.ndarray,
+                    valid: np.ndarray | None, scratch: Scratch) -> None:
+        """Channels ``r0:r1`` of ``attn_qkv`` for every token, then their causal conv + SiLU, in place."""
+        block = mixed[..., r0:r1]  # [B, T, R]
+        self.w_qkv.block_product(r0, r1, xk, block.reshape(-1, r1 - r0), scratch)
+        gd.causal_conv1d_inplace(block, self.conv[r0:r1], conv_state[..., r0:r1], valid, scratch)
+
+    def _heads(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, z: np.ndarray, b_gate: np.ndarray,
+               a_gate: np.ndarray, delta_state: np.ndarray, valid: np.ndarray | None, out: np.ndarray,
+               rows: slice, h0: int, h1: int, scratch: Scratch) -> None:
+        """Batch rows ``rows``, value heads ``h0:h1``: q/k of their key heads, gates, the delta rule on their part
+        of the state and the gated norm into ``out[rows, :, h0:h1]``.
+
+        q, k [B, T, Hk, dk]; v, z [B, T, Hv, dv]; gates [B, T, Hv]; delta_state [B, Hv, dk, dv]; out [B, T, Hv, dv]
+        """
+        c = self.config
+        keys = self.key_heads[h0:h1]
+        qh, kh = gd.prepare_qk(q[rows][:, :, keys], k[rows][:, :, keys], h1 - h0, c.v_head_order)  # [b, T, h, dk]
+        beta, g = gd.gates(b_gate[rows, :, h0:h1], a_gate[rows, :, h0:h1], self.ssm_a[h0:h1], self.dt_bias[h0:h1],
+                           None if valid is None else valid[rows])  # [b, T, h]
+        o = out[rows, :, h0:h1]  # [b, T, h, dv]
+        gd.delta_rule(qh, kh, v[rows, :, h0:h1], g, beta, delta_state[rows, h0:h1], out=o, scratch=scratch)
+        gd.gated_rms_norm(o, z[rows, :, h0:h1], self.norm, c.rms_norm_eps, out=o)
