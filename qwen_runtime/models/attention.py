@@ -55,23 +55,32 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchStat
     attended row by row, each over exactly its own slots, so a row's result is bit-identical whatever the other
     rows hold or how many there are.
     """
-    if state.lengths is not None:
-        out = np.empty(q.shape, np.float32)
-        for row, own in enumerate(state.rows):
-            out[row:row + 1] = attend(q[row:row + 1], keys[row:row + 1, :, :own.end], values[row:row + 1, :, :own.end],
-                                      own, ws)
-        return out
     b, nh, t, hd = q.shape
     nkv = keys.shape[1]
-    q = q.reshape(b, nkv, nh // nkv, t, hd) * np.float32(1.0 / np.sqrt(hd))
+    q = q.reshape(b, nkv, nh // nkv, t, hd) * np.float32(1.0 / np.sqrt(hd))  # [B, nkv, g, T, hd]
     out = np.empty(q.shape, np.float32)
-    if ws is None or not ws.pooled or nkv == 1 or t == 1 or b * nh * t * keys.shape[2] * hd < POOL_WORK:
+    if state.lengths is None:
+        _attend_rows(q, keys, values, state, out, ws)
+    else:
+        for row, own in enumerate(state.rows):
+            rows = slice(row, row + 1)
+            _attend_rows(q[rows], keys[rows, :, :own.end], values[rows, :, :own.end], own, out[rows], ws)
+    return out.reshape(b, nh, t, hd)
+
+
+def _attend_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchState, out: np.ndarray,
+                 ws: Workspace | None) -> None:
+    """Rows of one slot layout, their kv heads split over the pool when it pays.
+
+    q (scaled)/out: [B, nkv, g, T, hd]; keys/values: [B, nkv, S, hd]
+    """
+    b, nkv, group, t, hd = q.shape
+    if ws is None or not ws.pooled or nkv == 1 or t == 1 or b * nkv * group * t * keys.shape[2] * hd < POOL_WORK:
         _attend_heads(q, keys, values, state, out, None)  # too little work to pay for the pool
     else:
         step = -(-nkv // ws.threads)
         ws.run([partial(_attend_heads, q[:, h:h + step], keys[:, h:h + step], values[:, h:h + step], state,
                         out[:, h:h + step]) for h in range(0, nkv, step)])
-    return out.reshape(b, nh, t, hd)
 
 
 def _attend_heads(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchState, out: np.ndarray,
