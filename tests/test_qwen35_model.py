@@ -150,11 +150,13 @@ def test_cache_select_keeps_rows(model: Model) -> None:
     np.testing.assert_allclose(nxt, solo, atol=SELF_ATOL, rtol=0)
 
 
-def test_delta_rule_split_by_rows_and_heads(model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prefill runs its delta rule per batch row and group of value heads: one head per task, the same numbers."""
+def test_prefill_split_into_tasks(model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill convolves blocks of channels and runs its delta rule per batch row and group of value heads:
+    7 channels and one head per task give the same numbers."""
     ids, valid = left_pad([random_prompt(model, n, seed=n) for n in (70, 9)])
     want = model.logits(ids, valid)
     monkeypatch.setattr(qwen35, "HEAD_GROUP", 1)
+    monkeypatch.setattr(qwen35, "CONV_CHANNELS", 7)
     np.testing.assert_array_equal(model.logits(ids, valid), want)
 
 

@@ -21,7 +21,7 @@ from ..cache import BatchState, KVCache
 from ..config import ModelConfig
 from ..ops import apply_rope, rms_norm, sigmoid
 from ..pool import Scratch
-from ..weights import matmul_many
+from ..weights import balanced_rows, matmul_many
 from . import gated_delta as gd
 from .attention import attend, merge_heads, split_heads
 from .base import WeightStore, register_mixer
@@ -29,6 +29,8 @@ from .base import WeightStore, register_mixer
 # Value heads per task of a prefill's delta rule (Qwen3.5-0.8B's 16: one task per pool thread).  The batched
 # products of 8 heads cost what 16 heads' cost per head; groups of 4 and 2 took 15% and 35% more CPU.
 HEAD_GROUP = 8
+# Channels per task of a prefill's causal conv (its scratch buffers hold 3 x T x this many floats).
+CONV_CHANNELS = 1024
 
 
 @register_mixer(FULL_ATTENTION, QWEN35)
@@ -102,10 +104,10 @@ class LinearAttentionCache:
 class GatedDeltaNet:
     """Gated DeltaNet: conv + SiLU over [q | k | v], l2-normalised heads, the gated delta rule, gated norm.
 
-    A prefill takes two pool runs: the projections, each ``attn_qkv`` tile convolved (and its conv state
-    advanced) by the thread that computed it; then one task per batch row and group of value heads: their q/k
-    preparation, gates, delta rule and gated norm.  A decode step runs the projections through the pool and
-    the rest on the calling thread, where a few tokens' work is too small to hand around.
+    A prefill takes three pool runs: the projections; the causal conv by blocks of channels; then one task per
+    batch row and group of value heads: their q/k preparation, gates, delta rule and gated norm.  A decode step
+    runs the projections through the pool and the rest on the calling thread, where a few tokens' work is too
+    small to hand around.
     """
 
     def __init__(self, config: ModelConfig, layer: int, store: WeightStore) -> None:
@@ -145,32 +147,27 @@ class GatedDeltaNet:
     def _project(self, x: np.ndarray, batch: int, conv_state: np.ndarray, valid: np.ndarray | None,
                  ) -> list[np.ndarray]:
         """The four projections of ``x`` [B*T, H] in one pool run, then the causal conv + SiLU of ``attn_qkv``'s
-        (``conv_state`` [B, K-1, C] advanced in place): in each tile's task for a prefill, after the run for a
-        few tokens (one conv instead of one per tile).  # -> [B*T, C], [B*T, Hv*dv], 2 x [B*T, Hv]"""
-        outputs = [np.empty((len(x), w.out_features), np.float32) for w in (self.w_qkv, self.w_z, self.w_beta,
-                                                                             self.w_alpha)]
+        in place (``conv_state`` [B, K-1, C] advanced): one task per block of :data:`CONV_CHANNELS` channels for a
+        prefill, on the calling thread for a few tokens.  # -> [B*T, C], [B*T, Hv*dv], 2 x [B*T, Hv]
+
+        Convolving each projection tile in the task that computed it cost more CPU (A/B in one process): the
+        tile product leaves the conv's buffers out of cache.
+        """
+        outputs = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x)
         mixed = outputs[0].reshape(batch, -1, outputs[0].shape[1])  # [B, T, C]
-        per_tile = mixed.shape[1] > gd.RECURRENT_MAX_TOKENS
-        prepared: dict = {}
-        if per_tile:
-            xk = self.w_qkv.prepared(x, prepared)
-            tasks = [partial(self._conv_block, r0, r1, xk, mixed, conv_state, valid)
-                     for r0, r1 in self.w_qkv.blocks()]
-        else:
-            tasks = self.w_qkv.tile_tasks(x, outputs[0], prepared)
-        for w, y in zip((self.w_z, self.w_beta, self.w_alpha), outputs[1:], strict=True):
-            tasks += w.tile_tasks(x, y, prepared)
-        self.ws.run(tasks)
-        if not per_tile:
+        if mixed.shape[1] <= gd.RECURRENT_MAX_TOKENS:
             gd.causal_conv1d_inplace(mixed, self.conv, conv_state, valid, self.ws.scratch[0])
+            return outputs
+        channels = mixed.shape[2]
+        step = balanced_rows(channels, CONV_CHANNELS, self.ws.threads)
+        self.ws.run([partial(self._conv_block, c0, min(c0 + step, channels), mixed, conv_state, valid)
+                     for c0 in range(0, channels, step)])
         return outputs
 
-    def _conv_block(self, r0: int, r1: int, xk: object, mixed: np.ndarray, conv_state: np.ndarray,
-                    valid: np.ndarray | None, scratch: Scratch) -> None:
-        """Channels ``r0:r1`` of ``attn_qkv`` for every token, then their causal conv + SiLU, in place."""
-        block = mixed[..., r0:r1]  # [B, T, R]
-        self.w_qkv.block_product(r0, r1, xk, block.reshape(-1, r1 - r0), scratch)
-        gd.causal_conv1d_inplace(block, self.conv[r0:r1], conv_state[..., r0:r1], valid, scratch)
+    def _conv_block(self, c0: int, c1: int, mixed: np.ndarray, conv_state: np.ndarray, valid: np.ndarray | None,
+                    scratch: Scratch) -> None:
+        """Causal conv + SiLU of channels ``c0:c1`` of ``mixed`` [B, T, C], in place."""
+        gd.causal_conv1d_inplace(mixed[..., c0:c1], self.conv[c0:c1], conv_state[..., c0:c1], valid, scratch)
 
     def _heads(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, z: np.ndarray, b_gate: np.ndarray,
                a_gate: np.ndarray, delta_state: np.ndarray, valid: np.ndarray | None, out: np.ndarray,
