@@ -7,6 +7,7 @@ import pytest
 
 from qwen_runtime.cache import BatchState
 from qwen_runtime.models import attention
+from qwen_runtime.ops import rope_cos_sin
 from qwen_runtime.pool import Workspace
 
 
@@ -48,3 +49,27 @@ def test_attend_matches_reference(monkeypatch: pytest.MonkeyPatch, threads: int,
     np.testing.assert_allclose(got.transpose(0, 2, 1, 3)[rows], expected.transpose(0, 2, 1, 3)[rows],
                                rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got, attention.attend(q, keys, values, state))  # pool == serial, bit for bit
+
+
+def test_batch_state_derives_once_per_pass() -> None:
+    """Rotary cos/sin and the hidden slots are computed once and shared by every layer; an unpadded decode step
+    hides nothing (its scores are not masked) and still matches the reference."""
+    rng = np.random.default_rng(1)
+    b, nh, nkv, hd, start = 2, 4, 2, 8, 5
+    key_valid = np.ones((b, start + 1), bool)
+    state = BatchState(positions=np.full((b, 1), start), valid=key_valid[:, start:], start=start, key_valid=key_valid)
+    cos, sin = state.rotary(hd, 10000.0)
+    assert state.rotary(hd, 10000.0)[0] is cos
+    expected_cos, expected_sin = rope_cos_sin(state.positions, hd, 10000.0)
+    assert np.array_equal(cos, expected_cos) and np.array_equal(sin, expected_sin)
+    assert state.hidden() is None
+    q = rng.normal(0, 1, (b, nh, 1, hd)).astype(np.float32)
+    keys, values = (rng.normal(0, 1, (b, nkv, start + 1, hd)).astype(np.float32) for _ in range(2))
+    np.testing.assert_allclose(attention.attend(q, keys, values, state), reference(q, keys, values, key_valid, start),
+                               rtol=1e-5, atol=1e-5)
+    padded = key_valid.copy()
+    padded[1, :2] = False
+    state = BatchState(positions=np.full((b, 1), start), valid=padded[:, start:], start=start, key_valid=padded)
+    hidden = state.hidden()  # [B, 1, 1, T, S]
+    assert state.hidden() is hidden and hidden.shape == (b, 1, 1, 1, start + 1)
+    assert np.array_equal(hidden[:, 0, 0, 0], ~padded)

@@ -13,7 +13,8 @@ attention, Gated DeltaNet).  It is built once per layer by a factory registered 
 object this mixer's ``make_cache`` returned (it must implement ``select(rows)`` and ``nbytes``), and
 ``state`` (:class:`~qwen_runtime.cache.BatchState`) carries per-row rotary positions ``[B, T]``, the
 validity mask ``[B, T]`` (False on left padding: a recurrent mixer must leave its state untouched there),
-the first slot of the new tokens and the validity of every slot so far (for the attention mask).
+the first slot of the new tokens and the validity of every slot so far; what every layer derives from
+these (rotary cos/sin, the slots hidden from each new token) it computes once per forward pass.
 The factory is looked up by ``(config.arch, config.layer_types[i])`` and falls back to ``(None, type)``.
 """
 
