@@ -134,9 +134,10 @@ class KVCache:
         its own tokens, and the whole buffers are returned: row ``b`` is valid up to ``state.rows[b].end``)
         """
         if state.lengths is not None:
-            for b, start in enumerate(state.lengths.tolist()):
-                self.keys[b, :, start:start + state.length] = k[b]
-                self.values[b, :, start:start + state.length] = v[b]
+            rows = np.arange(state.batch)[:, None]  # [B, 1]
+            slots = state.lengths[:, None] + np.arange(state.length)  # [B, T]
+            self.keys[rows, :, slots] = k.transpose(0, 2, 1, 3)  # [B, T, kv_heads, hd]
+            self.values[rows, :, slots] = v.transpose(0, 2, 1, 3)
             return self.keys, self.values
         self.keys[:, :, state.start:state.end] = k
         self.values[:, :, state.start:state.end] = v

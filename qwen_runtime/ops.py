@@ -48,9 +48,9 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 def softmax(x: np.ndarray, axis: int = -1, out: np.ndarray | None = None) -> np.ndarray:
     """Numerically stable softmax (rows of ``-inf`` entries must keep at least one finite value); ``out`` may be
     ``x`` (in place)."""
-    out = np.subtract(x, np.max(x, axis=axis, keepdims=True), out=out)
+    out = np.subtract(x, np.maximum.reduce(x, axis=axis, keepdims=True), out=out)  # np.max without its wrapper
     np.exp(out, out=out)
-    out /= np.sum(out, axis=axis, keepdims=True)
+    out /= np.add.reduce(out, axis=axis, keepdims=True)
     return out
 
 
