@@ -6,6 +6,7 @@ Interface (all a kernel needs)::
     ws = Workspace(threads=None)           # one per model; threads default to BLAS's own thread count
     ws.run([task, task, ...])              # each task(scratch) runs once, spread over ws.threads threads
     scratch.array("tile", (r, c), dtype)   # inside a task: a kept buffer of that thread, grown on demand
+    scratch.arrays("work", [(r, c), (c,)])  # several arrays end to end in one such buffer
     ws.scratch[0]                          # the calling thread's scratch (for work outside run())
     with single_threaded_blas(): ...       # many tiny BLAS calls (the delta rule)
 
@@ -56,6 +57,15 @@ class Scratch:
         if buf is None or buf.dtype != dtype or buf.size < size:
             buf = self._buffers[name] = np.empty(size, dtype)
         return buf[:size].reshape(shape)
+
+    def arrays(self, name: str, shapes: Sequence[tuple[int, ...]], dtype: np.dtype | type = np.float32,
+               ) -> list[np.ndarray]:
+        """Uninitialised arrays of ``shapes`` laid end to end in the buffer ``name`` (valid until its next request):
+        work that needs several buffers at once, and different work that never runs in the same task, share one."""
+        sizes = [math.prod(shape) for shape in shapes]
+        buf = self.array(name, sum(sizes), dtype)
+        offsets = np.cumsum([0, *sizes]).tolist()
+        return [buf[a:b].reshape(shape) for a, b, shape in zip(offsets[:-1], offsets[1:], shapes, strict=True)]
 
     def sizes(self) -> dict[str, int]:
         """Elements held per buffer name."""

@@ -247,3 +247,15 @@ def test_model_policy_follows_stored_types() -> None:
 
     assert all_float32(files(QType.F32, QType.F32))  # vectors do not count
     assert not all_float32(files(QType.F32, QType.Q8_0))
+
+
+def test_scratch_arrays_share_one_buffer() -> None:
+    """Arrays asked for together are disjoint views of one buffer, which later requests reuse."""
+    scratch = Scratch()
+    a, b, c = scratch.arrays("work", [(3, 4), (5,), (2, 2, 2)])
+    assert (a.shape, b.shape, c.shape) == ((3, 4), (5,), (2, 2, 2))
+    a[...], b[...], c[...] = 1.0, 2.0, 3.0
+    assert a.sum() == 12 and b.sum() == 10 and c.sum() == 24  # no overlap
+    assert scratch.sizes() == {"work": 25}
+    (d,) = scratch.arrays("work", [(10,)])
+    assert np.shares_memory(d, a) and scratch.sizes() == {"work": 25}

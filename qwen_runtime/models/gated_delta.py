@@ -29,8 +29,11 @@ L2_EPS = 1e-6  # HF/FLA l2norm epsilon, inside the square root
 CHUNK = 64  # chunk length of the chunked form (HF's and FLA's)
 RECURRENT_MAX_TOKENS = 4  # up to this many tokens the per-token recurrence is cheaper than one chunk
 # Chunks per pass of the chunked form: its intra-chunk work runs for this many chunks at once, in scratch buffers
-# whose size this bounds (a 128-token pass of 4 heads of 128 x 128 holds ~3 MB), whatever the prompt length.
+# whose size this bounds (a 128-token pass of 8 heads of 128 x 128: 5.2 MB), whatever the prompt length; one chunk
+# per pass took 7-12% more CPU.
 PASS_CHUNKS = 2
+# The scratch buffer the conv and the chunked rule carve their arrays from (they never run in the same task).
+WORK_BUFFER = "gated delta"
 # The inverse of a chunk's unit lower-triangular system is built from diagonal blocks of this size solved row by
 # row, then merged pairwise into blocks twice as large (one batched product per level).
 INVERSE_BLOCK = 16
@@ -109,7 +112,8 @@ def causal_conv1d_inplace(x: np.ndarray, weight: np.ndarray, state: np.ndarray, 
     pads = left_pad_counts(valid, batch, length)
     # ext[b] = [zeros for padding | state[b] | valid inputs of row b]: the state sits right before the first
     # valid token, so padding is skipped exactly.
-    ext = scratch.array("conv inputs", (batch, kernel - 1 + length, channels))  # [B, K-1+T, C]
+    ext, acc, tmp = scratch.arrays(WORK_BUFFER, [(batch, kernel - 1 + length, channels),  # [B, K-1+T, C]
+                                                 (batch, length, channels), (batch, length, channels)])
     ext[:, kernel - 1:] = x
     if pads.any():
         ext[np.arange(kernel - 1 + length)[None, :] < (kernel - 1 + pads)[:, None]] = 0.0
@@ -117,9 +121,8 @@ def causal_conv1d_inplace(x: np.ndarray, weight: np.ndarray, state: np.ndarray, 
     ext[rows, pads[:, None] + np.arange(kernel - 1)[None, :]] = state
     state[...] = ext[:, length:]
     taps = np.ascontiguousarray(weight.T, dtype=np.float32)  # [K, C]
-    # the sums in contiguous buffers (numpy's loops over a column block of a wider array ran 1.5-2.5x slower)
-    acc = scratch.array("conv sums", (batch, length, channels))
-    tmp = scratch.array("conv products", (batch, length, channels))
+    # sums and products in contiguous buffers (numpy's loops over a column block of a wider array ran 1.5-2.5x
+    # slower)
     np.multiply(ext[:, 0:length], taps[0], out=acc)
     for tap in range(1, kernel):
         acc += np.multiply(ext[:, tap:tap + length], taps[tap], out=tmp)
@@ -296,53 +299,52 @@ def _chunked_pass(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, be
     batch, length, heads, dk = q.shape
     dv = v.shape[-1]
     padded = -(-length // chunk) * chunk
-    qc = _chunk_layout(q, chunk, scratch.array("delta q", (batch, heads, padded, dk)))  # [B, H, N, L, dk]
-    kc = _chunk_layout(k, chunk, scratch.array("delta k", (batch, heads, padded, dk)))
+    n_chunks = padded // chunk
+    squares, steps = (batch, heads, n_chunks, chunk, chunk), (batch, heads, chunk, dv)
+    (qc, kc, rhs, uw, decay, scores, inverse, reads, o, v_new, update) = scratch.arrays(WORK_BUFFER, [
+        (batch, heads, padded, dk), (batch, heads, padded, dk),  # q, k in chunks
+        (batch, heads, padded, dv + dk), (batch, heads, n_chunks, chunk, dv + dk),  # [Ṽ | K̃ ⊙ e^γ], [U | W]
+        squares, squares, squares,  # D, the scores, T
+        steps, steps, steps, state.shape])  # per chunk: S reads, output, Vn; the state update
+    qc = _chunk_layout(q, chunk, qc)  # [B, H, N, L, dk]
+    kc = _chunk_layout(k, chunk, kc)
     gc = _chunk_layout(g, chunk, np.empty((batch, heads, padded), np.float32))  # [B, H, N, L]
     bc = _chunk_layout(beta, chunk, np.empty((batch, heads, padded), np.float32))
-    n_chunks = qc.shape[2]
     gamma = np.cumsum(gc, axis=-1)  # [B, H, N, L]
-    decay = scratch.array("delta decay", (batch, heads, n_chunks, chunk, chunk))  # [B, H, N, L, L]
     np.subtract(gamma[..., :, None], gamma[..., None, :], out=decay)
     np.copyto(decay, -np.inf, where=np.triu(np.ones((chunk, chunk), bool), 1))  # before exp: γi − γj > 0 there
     decay[decay < LOG_DECAY_FLOOR] = -np.inf
     np.exp(decay, out=decay)  # D_ij = exp(γi − γj) for i ≥ j, else 0
     exp_gamma = decay_exp(gamma)[..., None]  # [B, H, N, L, 1]
     # right-hand sides [Ṽ | K̃ ⊙ e^γ] (Ṽ = β ⊙ V, K̃ = β ⊙ K̂)
-    rhs = scratch.array("delta rhs", (batch, heads, padded, dv + dk))  # [B, H, N·L, dv + dk]
     _chunk_layout(v, chunk, rhs[..., :dv])
     rhs = rhs.reshape(batch, heads, n_chunks, chunk, dv + dk)
     rhs[..., :dv] *= bc[..., None]
     k_beta = np.multiply(kc, bc[..., None], out=rhs[..., dv:])
-    scores = scratch.array("delta scores", decay.shape)  # [B, H, N, L, L]
     np.matmul(k_beta, np.swapaxes(kc, -1, -2), out=scores)
     scores *= decay
     diag = np.arange(chunk)
     scores[..., diag, diag] = 0.0
     k_beta *= exp_gamma
-    inverse = invert_unit_lower(scores, scratch.array("delta inverse", decay.shape))
-    uw = np.matmul(inverse, rhs, out=scratch.array("delta uw", rhs.shape))  # [U | W]  [B, H, N, L, dv + dk]
+    np.matmul(invert_unit_lower(scores, inverse), rhs, out=uw)  # [U | W]
     attn = np.matmul(qc, np.swapaxes(kc, -1, -2), out=scores)  # Q̂K̂ᵀ ⊙ D
     attn *= decay
     qc *= exp_gamma
     kc *= decay_exp(gamma[..., -1:] - gamma)[..., None]
     chunk_decay = decay_exp(gamma[..., -1])  # [B, H, N]
-    reads = scratch.array("delta reads", (batch, heads, chunk, dv))  # [B, H, L, dv]
-    o = scratch.array("delta out", (batch, heads, chunk, dv))
-    update = scratch.array("delta update", state.shape)  # [B, H, dk, dv]
     for n in range(n_chunks):
         u, w = uw[:, :, n, :, :dv], uw[:, :, n, :, dv:]
         if zero_state and n == 0:
-            v_new = u
-            np.matmul(attn[:, :, n], v_new, out=o)
+            new_values = u
+            np.matmul(attn[:, :, n], new_values, out=o)
         else:
-            v_new = np.subtract(u, np.matmul(w, state, out=reads), out=scratch.array("delta v_new", reads.shape))
-            np.matmul(attn[:, :, n], v_new, out=o)
+            new_values = np.subtract(u, np.matmul(w, state, out=reads), out=v_new)
+            np.matmul(attn[:, :, n], new_values, out=o)
             o += np.matmul(qc[:, :, n], state, out=reads)
         t0 = n * chunk
         out[:, t0:t0 + chunk] = np.swapaxes(o[:, :, :min(chunk, length - t0)], 1, 2)
         state *= chunk_decay[:, :, n, None, None]
-        state += np.matmul(np.swapaxes(kc[:, :, n], -1, -2), v_new, out=update)
+        state += np.matmul(np.swapaxes(kc[:, :, n], -1, -2), new_values, out=update)
 
 
 def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
