@@ -67,6 +67,10 @@ class Scratch:
         offsets = np.cumsum([0, *sizes]).tolist()
         return [buf[a:b].reshape(shape) for a, b, shape in zip(offsets[:-1], offsets[1:], shapes, strict=True)]
 
+    def clear(self) -> None:
+        """Drop every buffer (the next requests allocate afresh)."""
+        self._buffers.clear()
+
     def sizes(self) -> dict[str, int]:
         """Elements held per buffer name."""
         return {name: buf.size for name, buf in self._buffers.items()}
@@ -113,6 +117,11 @@ class Workspace:
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.scratch)
+
+    def release_scratch(self) -> None:
+        """Drop every thread's scratch buffers, between runs (a prefill's are several times a decode step's)."""
+        for scratch in self.scratch:
+            scratch.clear()
 
     def run(self, tasks: Sequence[Callable[[Scratch], None]]) -> None:
         """Run every task with a scratch of its thread, spread over the pool (see the class docstring)."""

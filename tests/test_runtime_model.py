@@ -130,3 +130,15 @@ def test_live_transformers_oracle_padded_batch(name: str) -> None:
     got = model.logits(ids, mask)
     valid = mask.astype(bool)
     check_rows(got[valid], expected[valid], bound[valid], "padded batch")
+
+
+def test_prefill_scratch_is_released_before_decoding(converted: Converted) -> None:
+    """A prefill's tile and work buffers are dropped after its pass; decode steps regrow only their own."""
+    model = load(converted.get("qwen2-tiny", "gguf", "q8_0"))
+    cache = model.make_cache(1, 24)
+    prefill = model.forward(np.arange(1, 17)[None], cache, last_only=True)
+    assert model.workspace.nbytes == 0
+    model.forward(np.array([[int(np.argmax(prefill[0]))]]), cache, last_only=True)
+    step = model.workspace.nbytes
+    model.forward(np.array([[5]]), cache, last_only=True)
+    assert 0 < step == model.workspace.nbytes  # kept from step to step

@@ -60,6 +60,7 @@ class Model:
         self.norm = store.vector(MODEL_TENSOR.OUTPUT_NORM)
         self.tied = not store.has(MODEL_TENSOR.OUTPUT)
         self.lm_head = self.embed if self.tied else store.matrix(MODEL_TENSOR.OUTPUT)
+        self.workspace = store.workspace
 
     @property
     def path(self) -> Path:
@@ -83,11 +84,13 @@ class Model:
         Returns float32 logits [B, T, V], or [B, V] for the last slot when ``last_only``.
         """
         h = self._residual(ids, cache, valid)  # [B, T, H]
-        b = h.shape[0]
+        b, t = h.shape[:2]
         if last_only:
             h = h[:, -1:]
         h = rms_norm(h, self.norm, self.config.rms_norm_eps)
         logits = self.lm_head.matmul(h.reshape(-1, h.shape[-1])).reshape(b, h.shape[1], -1)  # [B, T|1, V]
+        if t > 1:  # a prefill's tiles and work arrays are not kept for the decode steps after it
+            self.workspace.release_scratch()
         return logits[:, 0] if last_only else logits
 
     def hidden_states(self, ids: np.ndarray) -> list[np.ndarray]:
