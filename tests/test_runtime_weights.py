@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from qwen_runtime.models.base import all_float32
-from qwen_runtime.pool import Scratch, Workspace, blas_controller, single_threaded_blas
+from qwen_runtime.pool import Scratch, Workspace, blas_controller, buffer, single_threaded_blas
 from qwen_runtime.quants import CODECS
 from qwen_runtime.quants.base import f16_bits_to_f32, f16_bits_to_prescaled, f16_scales
 from qwen_runtime.quants.q8_0 import q8_0_activations, q8_0_product, q8_0_row_scales
@@ -259,3 +260,20 @@ def test_scratch_arrays_share_one_buffer() -> None:
     assert scratch.sizes() == {"work": 25}
     (d,) = scratch.arrays("work", [(10,)])
     assert np.shares_memory(d, a) and scratch.sizes() == {"work": 25}
+
+
+def _rss_anon_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssAnon from /proc")
+def test_large_scratch_buffers_are_returned_when_dropped() -> None:
+    scratch = Scratch()
+    before = _rss_anon_mib()
+    scratch.array("work", (64, 1 << 16))[...] = 1.0  # 16 MiB, touched: counted as anonymous memory
+    assert _rss_anon_mib() - before > 12
+    scratch.clear()
+    assert _rss_anon_mib() - before < 4
+    small = buffer(100, np.int16)
+    assert small.shape == (100,) and small.dtype == np.int16 and small.flags.writeable
