@@ -100,7 +100,8 @@ def buffer(size: int, dtype: np.dtype | type = np.float32) -> np.ndarray:
         return np.empty(size, dtype)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: counted in RssAnon
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages refuses the advice
+            mapping.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(mapping, dtype, count=size)
 
 
