@@ -8,18 +8,20 @@ from __future__ import annotations
 import numpy as np
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis.  # [..., D] -> [..., D]
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis, into ``out`` if given (which may be ``x``).
+
+    # [..., D] -> [..., D]
 
     The weight is used as stored: Qwen3.5's (1 + w) norms already have the +1 baked into the canonical
     tensors (see ``naming.py``).  The mean is float32 ``sum / D`` like ``np.mean``'s (whose float64 division
-    rounds to the same float32), and the result reuses the array of squares.
+    rounds to the same float32); without ``out`` the result reuses the array of squares.
     """
-    out = np.square(x)  # [..., D]
-    var = np.add.reduce(out, axis=-1, keepdims=True)  # [..., 1]
+    squares = np.square(x)  # [..., D]
+    var = np.add.reduce(squares, axis=-1, keepdims=True)  # [..., 1]
     var /= np.float32(x.shape[-1])
     var += np.float32(eps)
-    np.multiply(x, np.float32(1.0) / np.sqrt(var), out=out)
+    out = np.multiply(x, np.float32(1.0) / np.sqrt(var), out=squares if out is None else out)
     out *= weight
     return out
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..archs import V_HEAD_GROUPED, V_HEAD_TILED
-from ..ops import sigmoid, silu
+from ..ops import rms_norm, sigmoid, silu
 from ..pool import Scratch, single_threaded_blas
 
 L2_EPS = 1e-6  # HF/FLA l2norm epsilon, inside the square root
@@ -196,12 +196,13 @@ def gates(b: np.ndarray, a: np.ndarray, ssm_a: np.ndarray, dt_bias: np.ndarray,
 
 
 def recurrent_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                         state: np.ndarray) -> np.ndarray:
+                         state: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Token-by-token gated delta rule, updating ``state`` in place (the decode path).
 
     Args:
         q, k: normalised (q also scaled) ``[B, T, H, dk]``; v ``[B, T, H, dv]``; g, beta ``[B, T, H]``.
         state: float32 ``[B, H, dk, dv]``, updated in place.
+        out: where to write o (any strides), or None for a new array.
 
     Returns:
         o ``[B, T, H, dv]``.
@@ -210,7 +211,7 @@ def recurrent_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndar
     Sₙᵀq = e^g (Sᵀq) + (k·q) u, so one pass reads S and two in-place passes update it.
     """
     batch, length, heads, _ = q.shape
-    out = np.empty(v.shape, dtype=np.float32)  # [B, T, H, dv]
+    out = np.empty(v.shape, dtype=np.float32) if out is None else out  # [B, T, H, dv]
     for t in range(length):
         qk = np.stack([q[:, t], k[:, t]], axis=2)  # [B, H, 2, dk]
         reads = np.matmul(qk, state)  # [B, H, 2, dv]
@@ -358,11 +359,7 @@ def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta:
     length = q.shape[1]
     with single_threaded_blas():
         if length <= RECURRENT_MAX_TOKENS:
-            o = recurrent_delta_rule(q, k, v, g, beta, state)
-            if out is None:
-                return o
-            out[...] = o
-            return out
+            return recurrent_delta_rule(q, k, v, g, beta, state, out)
         return chunked_delta_rule(q, k, v, g, beta, state, min(chunk, 1 << (length - 1).bit_length()), out,
                                   scratch)
 
@@ -373,8 +370,6 @@ def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta:
 def gated_rms_norm(o: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float,
                    out: np.ndarray | None = None) -> np.ndarray:
     """norm(o) ⊙ w ⊙ SiLU(z) per head (no +1): ``[B, T, Hv, dv]`` -> ``[B, T, Hv, dv]`` (``out`` may be ``o``)."""
-    inv = np.float32(1.0) / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + np.float32(eps))
-    out = np.multiply(o, inv, out=out)
-    out *= weight.astype(np.float32, copy=False)
+    out = rms_norm(o, weight.astype(np.float32, copy=False), eps, out=out)
     out *= silu(z.astype(np.float32, copy=False))
     return out
