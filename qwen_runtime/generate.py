@@ -130,7 +130,8 @@ class Generation:
         cache = model.make_cache(ids.shape[0], ids.shape[1] + cfg.max_new_tokens, cfg.max_memory)
         for c0 in range(0, ids.shape[1], cfg.prefill_chunk):
             c1 = c0 + cfg.prefill_chunk
-            logits = model.forward(ids[:, c0:c1], cache, valid[:, c0:c1], last_only=True)  # [B, V]
+            logits = model.forward(ids[:, c0:c1], cache, valid[:, c0:c1], last_only=True,
+                                   release_scratch=c1 >= ids.shape[1])  # [B, V]; scratch kept between chunks
         self.stats.prefill_seconds = time.perf_counter() - t0
         live = list(range(len(self.results)))  # original row of each cache row
         t1 = time.perf_counter()

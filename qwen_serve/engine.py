@@ -329,7 +329,7 @@ class Engine:
         slot = len(self._rows)
         chunk = job.prompt_ids[done:done + self.prefill_chunk]
         logits = self.model.forward(np.asarray([chunk], np.int64), self.slots.rows(slot, slot + 1),
-                                    last_only=True)  # [1, V]
+                                    last_only=True, release_scratch=False)  # [1, V]; decode steps follow
         done += len(chunk)
         if done < len(job.prompt_ids):
             self._prefill = (job, done)

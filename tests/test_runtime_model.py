@@ -158,3 +158,18 @@ def test_prefill_scratch_is_released_before_decoding(converted: Converted, monke
     one = _decode_scratch(alone, 4)
     assert one[0] > 0 and one == [one[0]] * 4
     assert max(_decode_scratch(pooled, 4)) <= pooled.workspace.threads * one[0]
+
+
+def test_chunked_passes_keep_scratch_until_told(converted: Converted) -> None:
+    """Chunks of one prompt (and a server's prefill steps) keep the scratch; a pass with the default drops it."""
+    model = load(converted.get("qwen2-tiny", "gguf", "q8_0"))
+    cache = model.make_cache(1, 24)
+    model.forward(np.arange(1, 9)[None], cache, last_only=True, release_scratch=False)
+    kept = model.workspace.nbytes
+    assert kept > 0
+    model.forward(np.arange(9, 17)[None], cache, last_only=True, release_scratch=False)
+    assert model.workspace.nbytes >= kept  # buffers only grow while kept
+    model.forward(np.arange(17, 21)[None], cache, last_only=True)
+    assert model.workspace.nbytes == 0
+    model.hidden_states(np.arange(1, 9)[None])
+    assert model.workspace.nbytes == 0
