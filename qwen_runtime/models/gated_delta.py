@@ -104,8 +104,8 @@ def causal_conv1d_inplace(x: np.ndarray, weight: np.ndarray, state: np.ndarray, 
     """:func:`causal_conv1d` overwriting its arguments: ``x`` ``[B, T, C]`` ← SiLU(conv), ``state`` ← new state.
 
     Both may be strided views (a column block of a projection, of a cache); the inputs are staged in
-    ``scratch``.  Works on any subset of the channels, so a projection tile can be convolved by the thread that
-    computed it.
+    ``scratch``.  Works on any subset of the channels, so a prefill's conv is split into blocks of channels
+    over the pool.
     """
     batch, length, channels = x.shape
     kernel = weight.shape[1]

@@ -84,9 +84,9 @@ class Model:
         Returns float32 logits [B, T, V], or [B, V] for the last slot when ``last_only``.
 
         A pass of several tokens (a prefill) drops the workspace's scratch buffers when it ends, so that the
-        decode steps after it hold only their own.  A caller whose next pass is again one of several tokens
-        (the chunks of a long prompt, a server between requests) passes ``release_scratch=False``: regrowing
-        the buffers costs page faults (4-6 ms of wall time on a Qwen2.5-0.5B q8_0 decode step of 120-280 ms).
+        decode steps after it hold only their own.  A caller that runs such passes again and again (the chunks
+        of a long prompt, a server's prefill steps between its decode steps) passes ``release_scratch=False``:
+        regrowing the buffers costs page faults (4-6 ms of wall time on a Qwen2.5-0.5B q8_0 decode step of 120-280 ms).
         """
         h = self._residual(ids, cache, valid)  # [B, T, H]
         b, t = h.shape[:2]
