@@ -38,6 +38,10 @@ MODELS = {
     "qwen3-0.6b": BenchModel("qwen3-0.6b", "qwen2_qwen3", "qwen3-0.6b"),
     "qwen3.5-0.8b": BenchModel("qwen3.5-0.8b", "qwen3_5", None),
 }
+# Shapes too large for every run of bench.py: scripts/bench_large.py builds and measures them on request.
+LARGE_MODELS = {
+    "qwen2.5-7b": BenchModel("qwen2.5-7b", "qwen2_qwen3", None),
+}
 
 
 def qwen35_config() -> dict[str, Any]:
@@ -55,6 +59,22 @@ def qwen35_config() -> dict[str, Any]:
                             "rope_theta": 10000000.0, "rope_type": "default"},
         "tie_word_embeddings": True, "dtype": "bfloat16", "use_cache": True, "vocab_size": 248320,
     }
+
+
+def qwen25_7b_config() -> dict[str, Any]:
+    """Qwen2.5-7B-Instruct as published: h3584, 28 layers, 28/4 heads of 128, ffn 18944, untied lm_head."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584,
+        "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 32768,
+        "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064,
+    }
+
+
+# Checkpoints whose config.json is written here (no published file in model-configs), by model name.
+WRITTEN_CONFIGS = {"qwen3.5-0.8b": qwen35_config, "qwen2.5-7b": qwen25_7b_config}
 
 
 def qwen35_tokenizer_config(tokenizer: dict[str, Any]) -> dict[str, Any]:
@@ -93,10 +113,12 @@ def _linear_attention_shapes(c: dict[str, Any], prefix: str) -> dict[str, tuple[
 
 
 def tensor_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of a Qwen2 / Qwen3 / Qwen3.5-text checkpoint (tied embeddings)."""
+    """HF tensor names and shapes of a Qwen2 / Qwen3 / Qwen3.5-text checkpoint (``lm_head`` unless tied)."""
     h, ffn = c["hidden_size"], c["intermediate_size"]
     qwen35 = c["model_type"] == "qwen3_5_text"
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
+    if not c.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (c["vocab_size"], h)
     for i in range(c["num_hidden_layers"]):
         prefix = f"model.layers.{i}"
         linear = qwen35 and c["layer_types"][i] == "linear_attention"
@@ -180,10 +202,14 @@ def build_checkpoint(model: BenchModel, out: Path, tokenizers: Path, configs: Pa
     target.mkdir(parents=True)
     tokenizer_file = tokenizers / model.tokenizer / "tokenizer.json"
     shutil.copyfile(tokenizer_file, target / "tokenizer.json")
-    if model.config_dir is None:
-        config = qwen35_config()
+    if model.config_dir is None and model.tokenizer == "qwen3_5":
+        config = WRITTEN_CONFIGS[model.name]()
         _write_json(target / "tokenizer_config.json", qwen35_tokenizer_config(_read_json(tokenizer_file)))
         _write_json(target / "generation_config.json", {"bos_token_id": 248044, "eos_token_id": [248046, 248044]})
+    elif model.config_dir is None:  # a Qwen2.5 shape without a published config here: the 0.5B's text files
+        config = WRITTEN_CONFIGS[model.name]()
+        for name in ("tokenizer_config.json", "generation_config.json"):
+            shutil.copyfile(configs / "qwen2.5-0.5b-instruct" / name, target / name)
     else:
         config = _read_json(configs / model.config_dir / "config.json")
         for name in ("tokenizer_config.json", "generation_config.json"):
