@@ -28,6 +28,7 @@ from typing import TypeVar
 
 from .errors import FormatError, ModelNotFoundError
 from .formats.base import TOKENIZER_FILES, contained_path
+from .formats.gguf_file import SPLIT_NAME, split_names
 from .formats.hf_dir import INDEX_NAME, SINGLE_NAME
 from .formats.safetensors import read_index
 
@@ -39,7 +40,6 @@ NOT_MODELS = ("mmproj", "imatrix")  # GGUF files of a repo that are not a langua
 ID_SYNTAX = "ORG/NAME[:QUANT][@REVISION]"
 _ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<tag>[\w.-]+))?(?:@(?P<revision>[\w./-]+))?")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
-_SPLIT = re.compile(r"(?P<prefix>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -236,13 +236,9 @@ def gguf_models(files: Sequence[str]) -> list[GGUFModel]:
         base = name.rsplit("/", 1)[-1].lower()
         if not base.endswith(".gguf") or any(word in base for word in NOT_MODELS):
             continue
-        split = _SPLIT.fullmatch(name[: -len(".gguf")])
-        if split is None:
-            models.append(GGUFModel(name, (name,)))
-        elif int(split["index"]) == 1:
-            count = int(split["count"])
-            models.append(GGUFModel(name, tuple(f"{split['prefix']}-{i:05d}-of-{split['count']}.gguf"
-                                                for i in range(1, count + 1))))
+        split = SPLIT_NAME.fullmatch(name)
+        if split is None or int(split["index"]) == 1:  # a later part belongs to the first's model
+            models.append(GGUFModel(name, tuple(split_names(name))))
     return models
 
 

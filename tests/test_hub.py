@@ -18,11 +18,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
 
 from qwen_convert.cli import convert_main, inspect_main
 from qwen_convert.convert import convert
+from qwen_convert.gguf_metadata import add_model_metadata, add_tokenizer_metadata
+from qwen_convert.gguf_writer import StreamingGGUFWriter
 from qwen_runtime import cli, load
-from qwen_runtime.errors import ModelNotFoundError
+from qwen_runtime.errors import FormatError, ModelNotFoundError
 from qwen_runtime.hub import HubId, model_name, parse_hub_id, resolve_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -250,6 +253,43 @@ def test_quant_of_a_safetensors_repo(hub) -> None:
     with pytest.raises(ModelNotFoundError, match=r"org/qwen3-tiny has no GGUF files, so no type Q8_0 \(it has: "
                        r"config.json, generation_config.json, model.safetensors"):
         resolve_model("org/qwen3-tiny:Q8_0")
+
+
+def write_split_gguf(single: Path, first: Path, tensors_per_part: int) -> list[Path]:
+    """The tensors of ``single`` (our fp16 GGUF of qwen2-tiny) re-written by gguf's own writer as a split GGUF
+    (llama.cpp's gguf-split layout: ``split.*`` keys in every part, the model's metadata in the first)."""
+    model = load(single)
+    writer = StreamingGGUFWriter(first, model.config.arch, split_max_tensors=tensors_per_part)
+    add_model_metadata(writer, model.config, "fp16", "qwen2-tiny")
+    add_tokenizer_metadata(writer, QWEN2, model.config)
+    for name, tensor in model.files.tensors.items():
+        writer.add_tensor(name, np.asarray(tensor.data), raw_dtype=GGMLQuantizationType[tensor.qtype.name])
+    paths = writer.format_shard_names(first)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return paths
+
+
+def test_split_gguf_reads_as_one_model(hub, ggufs, tmp_path: Path) -> None:
+    single = tmp_path / "single.gguf"
+    single.write_bytes(ggufs["fp16"])
+    parts = write_split_gguf(single, tmp_path / "tiny-F16.gguf", tensors_per_part=10)
+    assert len(parts) > 2 and parts[0].name == f"tiny-F16-00001-of-{len(parts):05d}.gguf"
+    ids = [[3, 1, 4, 1, 5]]
+    expected = load(single).logits(ids)
+    np.testing.assert_array_equal(load(parts[0]).logits(ids), expected)
+    snapshot = add_snapshot(hub.cache, "org/split-GGUF", {f"F16/{p.name}": p.read_bytes() for p in parts})
+    assert resolve_model("org/split-GGUF:F16") == snapshot / "F16" / parts[0].name
+    np.testing.assert_array_equal(load("org/split-GGUF:F16").logits(ids), expected)
+    assert inspect_main([str(parts[0]), "--verify-against", str(QWEN2)]) == 0
+    with pytest.raises(FormatError, match=r"open the first part"):
+        load(parts[1])
+    parts[-1].unlink()
+    with pytest.raises(FormatError, match=rf"{parts[-1].name}: part {len(parts)} of {len(parts)} of the split "
+                       rf"GGUF {parts[0].name} is missing"):
+        load(parts[0])
 
 
 # -- downloads (the hub library's network calls replaced by a fake Hub) -------------------------------------
