@@ -35,6 +35,9 @@ from .formats.safetensors import read_index
 T = TypeVar("T")
 HUB_EXTRA = "pip install 'qwen-numpy[hub]'"
 CONFIG_NAME = "config.json"
+# A safetensors repo's files every tool reads: a cached snapshot without them is incomplete (the other
+# tokenizer files and generation_config.json are fetched when the repo has them).
+REQUIRED = (CONFIG_NAME, TOKENIZER_FILES[0])
 DEFAULT_TAGS = ("Q4_K_M", "Q8_0")  # llama.cpp's choice when a GGUF repo is named without a tag
 NOT_MODELS = ("mmproj", "imatrix")  # GGUF files of a repo that are not a language model
 ID_SYNTAX = "ORG/NAME[:QUANT][@REVISION]"
@@ -216,7 +219,7 @@ def _select(hub_id: HubId, files: Sequence[str], fetch: Fetcher) -> Path:
 
 def _fetch_hf_dir(files: Sequence[str], fetch: Fetcher) -> Path:
     """config, tokenizer files and the index (or single file) first, then the shards the index lists."""
-    small = [n for n in (CONFIG_NAME, *TOKENIZER_FILES, INDEX_NAME, SINGLE_NAME) if n in files]
+    small = [n for n in (CONFIG_NAME, *TOKENIZER_FILES, INDEX_NAME, SINGLE_NAME) if n in files or n in REQUIRED]
     snapshot = fetch(small, None)
     if INDEX_NAME in files:
         shards = sorted(set(read_index(snapshot / INDEX_NAME).values()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -24,7 +25,7 @@ from qwen_convert.cli import convert_main, inspect_main
 from qwen_convert.convert import convert
 from qwen_convert.gguf_metadata import add_model_metadata, add_tokenizer_metadata
 from qwen_convert.gguf_writer import StreamingGGUFWriter
-from qwen_runtime import cli, load
+from qwen_runtime import cli, eval_cli, load
 from qwen_runtime.errors import FormatError, ModelNotFoundError
 from qwen_runtime.hub import HubId, model_name, parse_hub_id, resolve_model
 
@@ -154,11 +155,13 @@ def test_revision_branch_tag_and_commit(hub) -> None:
         resolve_model("org/tiny@v2")
 
 
-def test_incomplete_snapshot_names_the_missing_shard(hub) -> None:
+@pytest.mark.parametrize("missing", ["model-00002-of-00002.safetensors", "tokenizer.json"])
+def test_incomplete_snapshot_names_the_missing_file(hub, missing: str) -> None:
     files = fixture_files(QWEN2)
-    del files["model-00002-of-00002.safetensors"]
+    del files[missing]
     add_snapshot(hub.cache, "org/qwen2-tiny", files)
-    with pytest.raises(ModelNotFoundError, match=r"lacks model-00002-of-00002.safetensors, and HF_HUB_OFFLINE"):
+    with pytest.raises(ModelNotFoundError, match=rf"the cached snapshot .*/snapshots/{COMMIT_A} lacks {missing}, "
+                       r"and HF_HUB_OFFLINE is set"):
         resolve_model("org/qwen2-tiny")
 
 
@@ -172,7 +175,7 @@ def test_an_existing_path_beats_an_id_of_the_same_spelling(hub) -> None:
 def test_conversion_from_an_id_equals_the_one_from_the_path(hub, tmp_path: Path, capsys) -> None:
     add_snapshot(hub.cache, "org/qwen2-tiny", fixture_files(QWEN2))
     for source, out in (("org/qwen2-tiny", "from-id"), (str(QWEN2), "from-path")):
-        assert convert_main([source, "-o", f"{out}.gguf", "--dtype", "q8_0"]) == 0
+        assert convert_main([source, "-o", f"{out}.gguf", "--dtype", "q8_0", "--verify"]) == 0
         assert convert_main([source, "--out-dir", out, "--format", "gguf,npy", "--dtype", "fp16"]) == 0
     assert Path("from-id.gguf").read_bytes() == Path("from-path.gguf").read_bytes()
     # batch outputs are named after the repo, not the snapshot's commit
@@ -188,13 +191,22 @@ def test_conversion_from_an_id_equals_the_one_from_the_path(hub, tmp_path: Path,
     assert inspect_main(["from-id.gguf", "--verify-against", "org/qwen2-tiny"]) == 0
 
 
-def test_generation_from_an_id_equals_the_one_from_the_path(hub, capsys) -> None:
+def test_run_eval_and_serve_take_an_id(hub, tmp_path: Path, capsys) -> None:
     add_snapshot(hub.cache, "org/qwen2-tiny", fixture_files(QWEN2))
-    outputs = []
+    text = tmp_path / "text.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 8, encoding="utf-8")
+    generated, scores = [], []
     for model in ("org/qwen2-tiny", str(QWEN2)):
         assert cli.main([model, "-p", "hello", "--max-new-tokens", "4"]) == 0
-        outputs.append(capsys.readouterr().out)
-    assert outputs[0] == outputs[1]
+        generated.append(capsys.readouterr().out)
+        assert eval_cli.main([model, "-f", str(text), "--ctx", "16", "--json"]) == 0
+        [result] = json.loads(capsys.readouterr().out)["results"]
+        scores.append((result["scored"], result["nll"]))
+    assert generated[0] == generated[1] and scores[0] == scores[1]
+    pytest.importorskip("starlette", reason="qwen-serve needs the serve extra")
+    from qwen_serve import create_app
+
+    assert create_app("org/qwen2-tiny").state.server.model_name == "qwen2-tiny"  # the repo's name
 
 
 # -- GGUF repos -----------------------------------------------------------------------------------------------
