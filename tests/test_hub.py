@@ -73,7 +73,7 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.chdir(tmp_path)
-    huggingface_hub.cache = cache
+    monkeypatch.setattr(huggingface_hub, "cache", cache, raising=False)  # where the tests lay out repos
     return huggingface_hub
 
 
