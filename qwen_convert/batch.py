@@ -14,6 +14,7 @@ from pathlib import Path
 
 from qwen_runtime.errors import QwenError
 from qwen_runtime.formats import open_gguf, open_npy_dir
+from qwen_runtime.hub import model_name
 
 from .convert import Progress, Verifier, convert, infer_format, path_size
 from .policy import check_dtype, file_type
@@ -43,8 +44,9 @@ class JobResult:
 
 
 def output_name(src: Path, fmt: str, dtype: str) -> str:
-    """``<model>-<dtype>.gguf`` or ``<model>-<dtype>`` (a directory) for source directory ``src``."""
-    stem = f"{src.resolve().name}-{dtype}"
+    """``<model>-<dtype>.gguf`` or ``<model>-<dtype>`` (a directory) for source directory ``src`` (a Hub
+    snapshot's model is its repo's name)."""
+    stem = f"{model_name(src)}-{dtype}"
     return f"{stem}.gguf" if fmt == "gguf" else stem
 
 

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from qwen_runtime.cli_support import run_guarded
 from qwen_runtime.executor import EXECUTORS, LOCAL, RAY, connect
 from qwen_runtime.formats import open_model_files, verify_model_files
+from qwen_runtime.hub import resolve_model
 
 from .batch import FAILED, Job, JobResult, plan_jobs, run_batch, summary_table
 from .convert import FORMATS, convert, infer_format
@@ -64,7 +65,8 @@ def _csv(value: str, choices: Sequence[str], what: str) -> list[str]:
 def convert_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen-convert", description="Convert HF Qwen models to npy directories or "
                                 "GGUF files (one model with -o, or every combination with --out-dir).")
-    p.add_argument("sources", nargs="+", metavar="SRC", help="Hugging Face model directory")
+    p.add_argument("sources", nargs="+", metavar="SRC", help="Hugging Face model directory or Hub id "
+                   "ORG/NAME[@REVISION]")
     p.add_argument("-o", "--output", metavar="OUT", help="output path (a .gguf suffix selects GGUF)")
     p.add_argument("--out-dir", metavar="DIR", help="batch mode: write <model>-<dtype>.gguf / <model>-<dtype>/ here")
     p.add_argument("--format", type=lambda v: _csv(v, FORMATS, "format"), help="npy or gguf (batch: comma list)")
@@ -90,6 +92,7 @@ def convert_parser() -> argparse.ArgumentParser:
 def _run_single(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if len(args.sources) != 1 or len(args.dtype) > 1 or (args.format and len(args.format) > 1):
         parser.error("-o converts one SRC to one format and dtype; use --out-dir for several")
+    args.sources = [resolve_model(args.sources[0])]
     fmt = infer_format(args.output, args.format[0] if args.format else None)
     verifier = ConversionVerifier(args.sources[0], args.output, args.keep_failed) if args.verify else None
     try:
@@ -135,7 +138,7 @@ class RemoteBars:
 
 
 def _run_batch(args: argparse.Namespace) -> int:
-    jobs = plan_jobs(args.sources, args.out_dir, args.format or ["npy"], args.dtype)
+    jobs = plan_jobs([resolve_model(s) for s in args.sources], args.out_dir, args.format or ["npy"], args.dtype)
     verify = BatchVerifier(args.keep_failed) if args.verify else None
     overall = tqdm(total=len(jobs), desc="jobs", unit="job", position=0, leave=False, dynamic_ncols=True,
                    disable=None)
@@ -192,7 +195,8 @@ def convert_main(argv: Sequence[str] | None = None) -> int:
 def inspect_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen-inspect", description="Per-tensor statistics of an HF directory, npy "
                                 "directory or GGUF file; with --compare, the error of B against A.")
-    p.add_argument("path", metavar="PATH")
+    p.add_argument("path", metavar="PATH", help="HF directory, npy directory, GGUF file or Hub id "
+                   "ORG/NAME[:QUANT][@REVISION] (so are B and SRC)")
     p.add_argument("--compare", metavar="B", help="report the error of B against PATH (tensors matched by name)")
     p.add_argument("--filter", metavar="REGEX", help="only tensors whose canonical name matches")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -204,6 +208,8 @@ def inspect_parser() -> argparse.ArgumentParser:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    args.path, args.compare, args.verify_against = (p and resolve_model(p) for p in (args.path, args.compare,
+                                                                                      args.verify_against))
     if args.verify:
         print(verify_model_files(args.path)[1])
         return 0

@@ -23,6 +23,7 @@ from qwen_runtime.archs import V_HEAD_TILED
 from qwen_runtime.errors import FormatError, OutputError, OutputExistsError, QwenError
 from qwen_runtime.formats import detect_format, open_gguf, open_hf_dir, open_npy_dir
 from qwen_runtime.formats.base import ModelFiles
+from qwen_runtime.hub import model_name
 
 from .gguf_writer import GGUFFileWriter
 from .npy_writer import NpyDirWriter
@@ -211,7 +212,7 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str
     try:
         with atomic_output(target, force, tmp_tag) as tmp:
             try:
-                sink = open_sink(fmt, tmp, files, dtype, specs, name or files.path.resolve().name)
+                sink = open_sink(fmt, tmp, files, dtype, specs, name or model_name(files.path))
             except OSError as exc:
                 raise OutputError(f"{target}: cannot create output ({exc.strerror or exc})") from None
             with sink:

@@ -55,6 +55,7 @@ from qwen_runtime.config import ModelConfig, is_metadata_array
 from qwen_runtime.errors import FormatError, UnsupportedTokenizerError, VerificationError
 from qwen_runtime.formats import detect_format, open_hf_dir
 from qwen_runtime.formats.base import TOKENIZER_FILES, ModelFiles, contained_path
+from qwen_runtime.formats.gguf_file import split_parts
 from qwen_runtime.formats.gguf_parse import parse_gguf, tensor_view
 from qwen_runtime.formats.hf_dir import plan_entries
 from qwen_runtime.formats.npy_dir import read_manifest
@@ -188,14 +189,15 @@ def _open_gguf_output(path: Path, n_layers: int) -> OutputModel:
     arch = meta.get(Keys.General.ARCHITECTURE, "")
     nextn = meta.get(gguf_key(Keys.LLM.NEXTN_PREDICT_LAYERS, arch), 0)
     tensors = {}
-    for info in layout.tensors:
-        if nextn and _layer_of(info.name) is not None and _layer_of(info.name) >= n_layers:
-            continue
-        try:
-            data = stored_view(info.qtype, tensor_view(layout, info), info.shape)
-        except FormatError as exc:
-            raise FormatError(f"{path}: tensor {info.name!r}: {exc}") from None
-        tensors[info.name] = StoredTensor(info.name, info.qtype, info.shape, path, data=data)
+    for part in split_parts(layout):
+        for info in part.tensors:
+            if nextn and _layer_of(info.name) is not None and _layer_of(info.name) >= n_layers:
+                continue
+            try:
+                data = stored_view(info.qtype, tensor_view(part, info), info.shape)
+            except FormatError as exc:
+                raise FormatError(f"{part.path}: tensor {info.name!r}: {exc}") from None
+            tensors[info.name] = StoredTensor(info.name, info.qtype, info.shape, part.path, data=data)
     dtype = FILE_TYPE_DTYPES.get(meta.get(Keys.General.FILE_TYPE, -1))
     return OutputModel(path, "gguf", tensors, meta, V_HEAD_TILED, dtype)
 

@@ -1,7 +1,7 @@
 """qwen_runtime: run Qwen2 / Qwen2.5 / DeepSeek-R1-Distill-Qwen / Qwen3 / Qwen3.5 with numpy alone.
 
     from qwen_runtime import SamplingParams, generate, load
-    model = load("path/to/model")                  # HF dir, npy dir or GGUF file; weights stay memory-mapped
+    model = load("path/to/model")                  # HF dir, npy dir, GGUF file or Hub id; weights memory-mapped
     logits = model.logits(ids)                     # int [B, T] -> float32 [B, T, V] (reference path)
     [result] = generate(model, "Hello", chat=True, max_new_tokens=32,
                         sampling=SamplingParams(temperature=0.7, top_p=0.8), seed=0)
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .chat import ChatFormat, chat_format
 from .generate import Generation, GenerationConfig, GenerationResult, GenerationStats
+from .hub import resolve_model
 from .models import Model, build_model
 from .sampling import SamplingParams
 from .weights import TILE_ELEMENTS
@@ -30,12 +31,13 @@ GREEDY = SamplingParams()
 
 
 def load(path: str | Path, tile_elements: int = TILE_ELEMENTS) -> Model:
-    """Open a model (HF directory, npy directory or GGUF file) for inference.
+    """Open a model (HF directory, npy directory or GGUF file, or a Hugging Face Hub id
+    ``ORG/NAME[:QUANT][@REVISION]``: :func:`qwen_runtime.hub.resolve_model`) for inference.
 
     Weights are memory-mapped and used in their stored type; ``tile_elements`` sets how many weights of a
     non-F32 matrix (any type of :mod:`qwen_runtime.quants`) are widened to float32 at a time.
     """
-    return build_model(path, tile_elements)
+    return build_model(resolve_model(path), tile_elements)
 
 
 def encode_prompts(model: Model, prompts: Prompts, chat: bool = False, system: str | None = None,

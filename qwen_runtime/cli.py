@@ -21,7 +21,8 @@ from .limits import parse_memory_size
 
 def configure_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen-run", description="Generate text with a Qwen model (numpy only).")
-    p.add_argument("model", help="HF model directory, npy model directory or GGUF file")
+    p.add_argument("model", help="HF model directory, npy model directory, GGUF file or Hub id "
+                   "ORG/NAME[:QUANT][@REVISION]")
     p.add_argument("-p", "--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
     p.add_argument("--system", default=None, help="system message (chat mode)")

@@ -16,6 +16,11 @@ class FormatError(QwenError, ValueError):
     """A model file is missing, truncated, corrupt or inconsistent."""
 
 
+class ModelNotFoundError(FormatError):
+    """A model argument is neither an existing path nor a Hugging Face Hub id that resolves (the message says
+    what was tried: the path, then the id)."""
+
+
 class UnsupportedArchitectureError(FormatError):
     """The model's architecture is not one of the supported Qwen families."""
 

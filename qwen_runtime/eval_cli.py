@@ -46,7 +46,8 @@ METHOD_HELP = ("Method: the text is tokenized once (BOS only if the model adds o
 def configure_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen-eval", description="Perplexity of a text file under one or more "
                                 "models, and their divergence from a reference model.", epilog=METHOD_HELP)
-    p.add_argument("models", nargs="+", metavar="MODEL", help="HF directory, npy directory or GGUF file")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="HF directory, npy directory, GGUF file "
+                   "or Hub id ORG/NAME[:QUANT][@REVISION]")
     p.add_argument("-f", "--file", required=True, help="UTF-8 text file to score")
     p.add_argument("--reference", metavar="REF", help="reference model (same tokenizer) for KL divergence")
     p.add_argument("--ctx", type=int, default=None, help=f"window length in tokens (default: {DEFAULT_CTX}, "

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import qwen_runtime
+from qwen_runtime import hub
 from qwen_runtime.chat import ChatFormat, chat_format
 from qwen_runtime.errors import TemplateError
 from qwen_runtime.models import Model
@@ -108,7 +109,7 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
                          if (i := fmt.tokenizer.token_id(t)) is not None)
     engine = Engine(model, fmt.tokenizer, fmt.stop_ids, max_batch=max_batch, max_queue=max_queue,
                     max_memory=max_memory, prefill_chunk=prefill_chunk, max_context=max_context, text_ids=text_ids)
-    name = model_name or (model.path.stem if model.path.is_file() else model.path.name)
+    name = model_name or hub.model_name(model.path)
     state = ServerState(engine, fmt, name, generation_defaults(model), api_key, max_body_bytes, int(time.time()))
 
     @contextlib.asynccontextmanager

@@ -30,7 +30,8 @@ def positive(text: str) -> int:
 def configure_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen-serve", description="Serve a Qwen model over OpenAI's HTTP API "
                                 "(chat and text completions, streaming, continuous batching).")
-    p.add_argument("model", help="HF model directory, npy model directory or GGUF file")
+    p.add_argument("model", help="HF model directory, npy model directory, GGUF file or Hub id "
+                   "ORG/NAME[:QUANT][@REVISION]")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=positive, default=8, help="rows decoded together (default 8)")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from qwen_runtime.formats import open_model_files
+from qwen_runtime.hub import resolve_model
 from qwen_runtime.limits import parse_memory_size
 from qwen_runtime.tensors import QType
 
@@ -71,9 +72,11 @@ def deployment(model: str | Path, *, replicas: int = 1, num_cpus: float = 1.0, m
                **app_options: Any) -> Any:
     """The Ray Serve application: ``replicas`` copies of ``create_app(model, ...)`` (``app_options`` are
     create_app's: model_name, api_key, prefill_chunk, max_body_bytes), each declaring ``num_cpus`` and
-    :func:`replica_memory`.  Run it with ``serve.run(deployment(...), route_prefix="/")``."""
+    :func:`replica_memory`.  Run it with ``serve.run(deployment(...), route_prefix="/")``.  A Hub id is
+    resolved here, once: the replicas get its local path."""
     from ray import serve
 
+    model = resolve_model(model)
     limit = max_memory or DEFAULT_REPLICA_MEMORY
     options = {**app_options, "max_batch": max_batch, "max_queue": max_queue, "max_memory": limit}
 

@@ -7,9 +7,11 @@ Tensors are zero-copy views of the file's read-only memory map; metadata values 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
+from gguf import Keys
 
 from ..config import ModelConfig, config_from_gguf
 from ..errors import FormatError
@@ -17,6 +19,48 @@ from ..naming import check_tensor_set, expected_tensors
 from ..tensors import SUPPORTED_QTYPES, StoredTensor, stored_view
 from .base import ModelFiles
 from .gguf_parse import GGUFLayout, GGUFTensorInfo, parse_gguf, tensor_view
+
+SPLIT_NAME = re.compile(r"(?P<prefix>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf", re.IGNORECASE)
+
+
+def split_names(name: str) -> list[str]:
+    """Every part's name of a split GGUF from its first part's (``<prefix>-00001-of-0000n.gguf``); ``[name]``
+    for a file not named as a first part."""
+    match = SPLIT_NAME.fullmatch(name)
+    if match is None or int(match["index"]) != 1:
+        return [name]
+    return [f"{match['prefix']}-{i:05d}-of-{match['count']}.gguf" for i in range(1, int(match["count"]) + 1)]
+
+
+def split_parts(first: GGUFLayout) -> list[GGUFLayout]:
+    """Every part of a split GGUF (llama.cpp's gguf-split: files ``<prefix>-0000i-of-0000n.gguf`` with
+    ``split.*`` keys, the model's metadata in the first), opened from the first; an unsplit file is its one part."""
+    meta = first.metadata
+    count = meta.get(Keys.Split.LLM_KV_SPLIT_COUNT, 1)
+    if count == 1:
+        return [first]
+    if meta.get(Keys.Split.LLM_KV_SPLIT_NO) != 0:
+        raise FormatError(f"{first.path}: part {meta.get(Keys.Split.LLM_KV_SPLIT_NO)!r} (from 0) of a split GGUF; "
+                          f"open the first part")
+    names = split_names(first.path.name)
+    if not isinstance(count, int) or len(names) != count:
+        raise FormatError(f"{first.path}: {Keys.Split.LLM_KV_SPLIT_COUNT} is {count!r}, but the file is not named "
+                          f"<prefix>-00001-of-<count>.gguf as the first of that many parts")
+    parts = [first]
+    for index, name in enumerate(names[1:], start=2):
+        path = first.path.with_name(name)
+        if not path.is_file():
+            raise FormatError(f"{path}: part {index} of {count} of the split GGUF {first.path.name} is missing")
+        part = parse_gguf(path)
+        got = (part.metadata.get(Keys.Split.LLM_KV_SPLIT_NO), part.metadata.get(Keys.Split.LLM_KV_SPLIT_COUNT))
+        if got != (index - 1, count):
+            raise FormatError(f"{path}: split.no and split.count are {got}, expected {(index - 1, count)}")
+        parts.append(part)
+    total = sum(len(part.tensors) for part in parts)
+    if meta.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, total) != total:
+        raise FormatError(f"{first.path}: {Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT} is "
+                          f"{meta[Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT]!r}, but the {count} parts hold {total}")
+    return parts
 
 
 def _tensor(layout: GGUFLayout, info: GGUFTensorInfo) -> StoredTensor:
@@ -33,22 +77,29 @@ def _is_nextn(name: str, n_layers: int) -> bool:
     return len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= n_layers
 
 
-def check_tensor_count(layout: GGUFLayout, config: ModelConfig) -> None:
+def check_tensor_count(path: Path, infos: list[GGUFTensorInfo], config: ModelConfig) -> None:
     """The number of decoder tensors must be what the architecture needs (with or without ``output``)."""
-    count = sum(not _is_nextn(t.name, config.num_hidden_layers) for t in layout.tensors)
+    count = sum(not _is_nextn(t.name, config.num_hidden_layers) for t in infos)
     tied = len(expected_tensors(config, tied=True))
     if count not in (tied, tied + 1):
-        raise FormatError(f"{layout.path}: {count} tensors, but a {config.arch} model of this config has "
+        raise FormatError(f"{path}: {count} tensors, but a {config.arch} model of this config has "
                           f"{tied} ({tied + 1} with a separate output.weight)")
 
 
 def open_gguf(path: str | Path) -> ModelFiles:
-    """Open a GGUF model file; tensors are zero-copy views of the file's memory map."""
+    """Open a GGUF model file (the first part of a split one); tensors are zero-copy views of the files'
+    memory maps."""
     layout = parse_gguf(path)
+    parts = split_parts(layout)
     config = config_from_gguf(layout.metadata, str(layout.path))
-    check_tensor_count(layout, config)
-    tensors = {info.name: _tensor(layout, info) for info in layout.tensors
-               if not _is_nextn(info.name, config.num_hidden_layers)}
+    check_tensor_count(layout.path, [info for part in parts for info in part.tensors], config)
+    tensors: dict[str, StoredTensor] = {}
+    for part in parts:
+        for info in part.tensors:
+            if info.name in tensors:
+                raise FormatError(f"{part.path}: tensor {info.name!r} is also in an earlier part")
+            if not _is_nextn(info.name, config.num_hidden_layers):
+                tensors[info.name] = _tensor(part, info)
     tied = check_tensor_set(config, tensors, str(layout.path))
     config = config.replace(tie_word_embeddings=tied)
     return ModelFiles(layout.path, "gguf", config, tensors, metadata=dict(layout.metadata))

@@ -43,26 +43,27 @@ def shard_entries(directory: Path) -> dict[str, SafetensorsEntry]:
             raise FormatError(f"{directory}: no {SINGLE_NAME} or {INDEX_NAME}")
         weight_map, shards = None, found
     entries: dict[str, SafetensorsEntry] = {}
+    shard_of: dict[str, str] = {}  # tensor -> the shard name it was read from (the entry's path may be a Hub
+    # cache blob the shard's symlink resolves to, named by its hash)
     for shard in shards:
         path = contained_path(directory, shard, f"{INDEX_NAME} shard")
         if not path.is_file():
             raise FormatError(f"{path}: shard listed in {INDEX_NAME} is missing")
         for name, entry in read_header(path)[0].items():
             if name in entries:
-                raise FormatError(f"{path}: tensor {name!r} also appears in {entries[name].path.name}")
-            entries[name] = entry
+                raise FormatError(f"{directory / shard}: tensor {name!r} also appears in {shard_of[name]}")
+            entries[name], shard_of[name] = entry, shard
     if weight_map is not None:
-        _check_index(directory, weight_map, entries)
+        _check_index(directory, weight_map, shard_of)
     return entries
 
 
-def _check_index(directory: Path, weight_map: dict[str, str], entries: dict[str, SafetensorsEntry]) -> None:
+def _check_index(directory: Path, weight_map: dict[str, str], shard_of: dict[str, str]) -> None:
     for name, shard in weight_map.items():
-        if name not in entries:
+        if name not in shard_of:
             raise FormatError(f"{directory / shard}: tensor {name!r} listed in {INDEX_NAME} is not in any shard")
-        if entries[name].path.name != Path(shard).name:
-            raise FormatError(f"{directory / INDEX_NAME}: tensor {name!r} is in {entries[name].path.name}, "
-                              f"not {shard}")
+        if shard_of[name] != shard:
+            raise FormatError(f"{directory / INDEX_NAME}: tensor {name!r} is in {shard_of[name]}, not {shard}")
 
 
 def load_hf_config(directory: Path) -> tuple[dict, ModelConfig]:
