@@ -39,9 +39,10 @@ def configure_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen-run", description="Generate text with a Qwen model (numpy only).",
                                 epilog=EPILOG, formatter_class=HelpFormatter)
     p.add_argument("model", metavar="MODEL", help="HF model directory, npy model directory or GGUF file")
-    p.add_argument("-p", "--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
+    p.add_argument("-p", "--prompt", action="append", default=[],
+                   help="prompt text (repeat for a batch; default: none, see below)")
     p.add_argument("-f", "--file", action="append", default=[], type=Path, metavar="FILE",
-                   help="read a prompt from FILE, '-' for standard input (repeat for a batch)")
+                   help="read a prompt from FILE, '-' for standard input (repeat for a batch; default: none)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt; without a "
                    "prompt, an interactive chat")
     p.add_argument("--system", default=None, help="system message (needs --chat; default: none)")

@@ -38,7 +38,7 @@ def run_guarded(prog: str, main: Callable[[], int | None]) -> int:
 
 class HelpFormatter(argparse.HelpFormatter):
     """Help that gives every option's default: ``(default: X)`` is appended to an option that takes a value
-    when its help does not already say what the default is (defaults of None are described by hand).
+    when its help does not already say what the default is (defaults of None or [] are described by hand).
     Description and epilog are wrapped paragraph by paragraph (blank lines separate them)."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
@@ -47,7 +47,7 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         if (action.option_strings and action.nargs != 0 and "default" not in text
-                and action.default not in (None, argparse.SUPPRESS)):
+                and action.default not in (None, [], argparse.SUPPRESS)):
             text += " (default: %(default)s)"
         return text
 

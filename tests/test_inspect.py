@@ -32,7 +32,9 @@ def test_streamed_statistics_equal_numpy(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_table_filter_and_totals(capsys: pytest.CaptureFixture[str]) -> None:
     assert inspect_main([str(fixture("qwen3-tiny")), "--filter", r"^blk\.0\.attn_[qk]_norm"]) == 0
-    out = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("model:") and "context length: " in "\n".join(lines)  # the metadata view first
+    out = lines[lines.index("") + 1:]
     assert out[0].split()[:4] == ["name", "shape", "type", "bytes"]
     assert [line.split()[0] for line in out[1:-1]] == ["blk.0.attn_k_norm.weight", "blk.0.attn_q_norm.weight"]
     assert out[-1].startswith("total: 2 tensors")
