@@ -143,7 +143,8 @@ def test_one_shot_cuts_max_new_tokens_to_the_context_with_a_note(monkeypatch: py
 
 
 def test_a_prompt_longer_than_the_context_exits_8(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main([str(fixture_dir("qwen3-tiny")), "-p", "word " * 30, "-c", "10"]) == EXIT_CODES[ContextOverflowError]
+    code = cli.main([str(fixture_dir("qwen3-tiny")), "-p", "word " * 30, "-c", "10"])
+    assert code == EXIT_CODES[ContextOverflowError]
     assert "no room for a reply" in capsys.readouterr().err
 
 
