@@ -76,7 +76,7 @@ class EvalResult:
     """Perplexity of one model on one text (and its divergence from the reference, when one was given)."""
 
     model: str
-    tokens: int  # tokens of the text that were evaluated (after --max-tokens)
+    tokens: int  # tokens of the text that were evaluated (after --eval-tokens)
     scored: int  # tokens that were scored
     ctx: int
     stride: int
