@@ -28,7 +28,7 @@ row); with neither, standard input is read to its end when it is not a terminal 
 MODEL); with --chat and no prompt, or on a terminal, an interactive chat starts, one line per message (piped
 lines work too). A reply stops at the model's stop tokens, at -n tokens, or where the context is full: -n is
 cut to what the context leaves after the prompt (a note on stderr says so), and a chat drops its oldest turns
-(the system message stays) to keep room for the reply.
+(the system message stays) to keep room for a reply of -n tokens or half the context, whichever is less.
 
 Sampling: qwen-run is greedy by default (--temperature 0: the same text every run) and ignores the model's
 generation_config.json; qwen-serve instead samples with the model's generation_config.json defaults
@@ -233,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat (a raw prompt has no system message)")
+    if args.no_think and not args.chat:
+        parser.error("--no-think needs --chat (it is passed to the chat template)")
     return run_guarded("qwen-run", lambda: run(args))
 
 

@@ -162,10 +162,11 @@ def test_prompt_file_and_stdin_give_the_prompt(tmp_path: Path, capsys: pytest.Ca
     assert capsys.readouterr().out == expected
 
 
-def test_system_without_chat_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("option", [["--system", "Be brief."], ["--no-think"]])
+def test_chat_options_without_chat_are_a_usage_error(capsys: pytest.CaptureFixture[str], option: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        cli.main([str(fixture_dir("qwen3-tiny")), "-p", "x", "--system", "Be brief."])
-    assert exc.value.code == 2 and "--system needs --chat" in capsys.readouterr().err
+        cli.main([str(fixture_dir("qwen3-tiny")), "-p", "x", *option])
+    assert exc.value.code == 2 and f"{option[0]} needs --chat" in capsys.readouterr().err
 
 
 def test_stats_survive_an_interrupt_in_the_decode_loop(monkeypatch: pytest.MonkeyPatch) -> None:
