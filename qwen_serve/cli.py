@@ -37,8 +37,8 @@ def max_body_default() -> int | None:
 def configure_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen-serve", description="Serve a Qwen model over OpenAI's HTTP API "
                                 "(chat and text completions, streaming, continuous batching; the serve extra). "
-                                "Fields a request leaves out take the model's generation_config.json defaults "
-                                "(it samples where the model's config says so; qwen-run is greedy by default).",
+                                "Fields a request leaves out take the model's generation_config.json defaults, "
+                                "then OpenAI's, so it samples unless told otherwise (qwen-run is greedy by default).",
                                 formatter_class=HelpFormatter)
     p.add_argument("model", metavar="MODEL", help="HF model directory, npy model directory or GGUF file")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
