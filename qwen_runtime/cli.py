@@ -197,6 +197,7 @@ def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingP
                 out.write(texts[0])
                 out.flush()
         except KeyboardInterrupt:
+            gen.close()
             out.write(" [stopped]")
         out.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})

@@ -116,6 +116,10 @@ class Generation:
     def __iter__(self) -> Iterator[list[str]]:
         return self._iterator
 
+    def close(self) -> None:
+        """Stop early (the caller was interrupted between steps): the prefill and decode times are recorded."""
+        self._iterator.close()
+
     def run(self) -> list[GenerationResult]:
         """Generate to the end and return every row's result."""
         for _ in self:

@@ -187,3 +187,12 @@ def test_stats_survive_an_interrupt_in_the_decode_loop(monkeypatch: pytest.Monke
     s = gen.stats
     assert s.decoded_tokens == 5 and s.decode_seconds > 0 and s.decode_tokens_per_second > 0
     assert s.prefill_seconds > 0 and np.isfinite(s.decode_tokens_per_second)
+
+
+def test_stats_survive_a_stop_between_steps() -> None:
+    gen = stream(load(fixture_dir("qwen3-tiny")), [[1, 2, 3]], max_new_tokens=50)
+    for step, _ in enumerate(gen):
+        if step == 3:  # the caller is interrupted while it writes the fourth token
+            break
+    gen.close()
+    assert gen.stats.decoded_tokens == 3 and gen.stats.decode_seconds > 0 and gen.stats.prefill_seconds > 0
