@@ -20,7 +20,7 @@ from gguf import Keys
 
 from qwen_runtime.chat import load_chat_format
 from qwen_runtime.config import is_metadata_array
-from qwen_runtime.errors import FormatError
+from qwen_runtime.errors import FormatError, TemplateError
 from qwen_runtime.formats import ModelFiles, detect_format, open_model_files
 from qwen_runtime.gguf_keys import gguf_key
 from qwen_runtime.tensors import StoredTensor, to_float32
@@ -260,17 +260,38 @@ def _token(tokenizer: Any, token_id: int | None) -> dict[str, Any] | None:
     return None if token_id is None else {"id": token_id, "text": tokenizer.id_to_token(token_id)}
 
 
-def model_summary(files: ModelFiles) -> dict[str, Any]:
-    """What a model is, as gguf-dump's header shows it but for every format: architecture, sizes, context
-    length, rope, tokenizer model and size, special tokens, chat template, and bytes per stored type."""
-    c, meta = files.config, files.metadata
-    fmt = load_chat_format(files)
-    tok = fmt.tokenizer
+def _text_summary(files: ModelFiles) -> dict[str, Any]:
+    """Tokenizer, special tokens and chat template; ``text_error`` says why when they cannot be read (the
+    tensors can still be inspected)."""
+    try:
+        fmt = load_chat_format(files)
+    except (FormatError, TemplateError) as exc:
+        return {"text_error": str(exc)}
+    tok, meta = fmt.tokenizer, files.metadata
     merges = meta.get(Keys.Tokenizer.MERGES) if files.format == "gguf" else None
     pad = meta.get(Keys.Tokenizer.PAD_ID) if files.format == "gguf" else None
     if pad is None and files.directory is not None:
         pad_text = (files.read_json("tokenizer_config.json") or {}).get("pad_token")
         pad = tok.token_id(pad_text) if isinstance(pad_text, str) else None
+    return {
+        "tokenizer": {"model": _tokenizer_model(files, tok.backend),
+                      "tokens": tok.backend.get_vocab_size(with_added_tokens=True),
+                      "embedding_rows": files.config.vocab_size,
+                      "merges": len(merges) if is_metadata_array(merges) else None,
+                      "added_special": len(tok.special_ids)},
+        "special_tokens": {"bos": _token(tok, fmt.bos_id), "add_bos": fmt.add_bos,
+                           "eos": _token(tok, tok.token_id(fmt.eos_token) if fmt.eos_token else None),
+                           "pad": _token(tok, pad if isinstance(pad, int) else None),
+                           "stop": [_token(tok, i) for i in sorted(fmt.stop_ids)]},
+        "chat_template": {"present": fmt.template is not None,
+                          "chars": len(fmt.template.source) if fmt.template is not None else 0},
+    }
+
+
+def model_summary(files: ModelFiles) -> dict[str, Any]:
+    """What a model is, as gguf-dump's header shows it but for every format: architecture, sizes, context
+    length, rope, tokenizer model and size, special tokens, chat template, and bytes per stored type."""
+    c, meta = files.config, files.metadata
     types: dict[str, dict[str, int]] = {}
     for t in files.tensors.values():
         row = types.setdefault(t.qtype.name, {"tensors": 0, "parameters": 0, "bytes": 0})
@@ -283,19 +304,7 @@ def model_summary(files: ModelFiles) -> dict[str, Any]:
         "parameters": sum(r["parameters"] for r in types.values()),
         "layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "heads": c.num_attention_heads,
         "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "layer_types": sorted(set(c.layer_types)),
-        "context_length": c.max_position_embeddings, "rope": _rope(files),
-        "tokenizer": {"model": _tokenizer_model(files, tok.backend),
-                      "tokens": tok.backend.get_vocab_size(with_added_tokens=True),
-                      "embedding_rows": c.vocab_size,
-                      "merges": len(merges) if is_metadata_array(merges) else None,
-                      "added_special": len(tok.special_ids)},
-        "special_tokens": {"bos": _token(tok, fmt.bos_id), "add_bos": fmt.add_bos,
-                           "eos": _token(tok, tok.token_id(fmt.eos_token) if fmt.eos_token else None),
-                           "pad": _token(tok, pad if isinstance(pad, int) else None),
-                           "stop": [_token(tok, i) for i in sorted(fmt.stop_ids)]},
-        "chat_template": {"present": fmt.template is not None,
-                          "chars": len(fmt.template.source) if fmt.template is not None else 0},
-        "types": types,
+        "context_length": c.max_position_embeddings, "rope": _rope(files), **_text_summary(files), "types": types,
     }
 
 
@@ -303,13 +312,26 @@ def _special(token: dict[str, Any] | None) -> str:
     return "-" if token is None else f"{token['id']} {token['text']!r}"
 
 
+def _text_lines(summary: dict[str, Any]) -> list[str]:
+    if "text_error" in summary:
+        return [f"tokenizer:      unavailable ({summary['text_error']})"]
+    tok, sp, template = summary["tokenizer"], summary["special_tokens"], summary["chat_template"]
+    merges = f", {tok['merges']:,} merges" if tok["merges"] is not None else ""
+    present = f"present ({template['chars']:,} characters)" if template["present"] else "absent"
+    return [
+        f"tokenizer:      {tok['model']}, {tok['tokens']:,} tokens ({tok['added_special']} special; embedding rows "
+        f"{tok['embedding_rows']:,}){merges}",
+        f"special tokens: bos {_special(sp['bos'])}{' (added)' if sp['add_bos'] else ''}, eos {_special(sp['eos'])}, "
+        f"pad {_special(sp['pad'])}",
+        f"stop tokens:    {', '.join(_special(t) for t in sp['stop']) or '-'}",
+        f"chat template:  {present}",
+    ]
+
+
 def metadata_table(summary: dict[str, Any]) -> str:
     """The metadata view: one ``key: value`` line per fact, then bytes per stored type."""
-    s, rope, tok, sp = summary, summary["rope"], summary["tokenizer"], summary["special_tokens"]
-    scaling = rope["scaling"] or "none"
+    s, rope = summary, summary["rope"]
     sections = f", sections {rope['sections']}" if rope["sections"] else ""
-    merges = f", {tok['merges']:,} merges" if tok["merges"] is not None else ""
-    template = f"present ({s['chat_template']['chars']:,} characters)" if s["chat_template"]["present"] else "absent"
     lines = [
         f"model:          {s['name']} ({s['format']}, {s['path']})",
         f"architecture:   {s['architecture']}, {s['parameters']:,} parameters, {s['layers']} layers "
@@ -317,13 +339,8 @@ def metadata_table(summary: dict[str, Any]) -> str:
         f"of {s['head_dim']}",
         f"context length: {s['context_length']:,}",
         f"rope:           theta {rope['theta']:.10g}, {rope['dimensions']} of {rope['head_dim']} dims{sections}, "
-        f"scaling {scaling}",
-        f"tokenizer:      {tok['model']}, {tok['tokens']:,} tokens ({tok['added_special']} special; embedding rows "
-        f"{tok['embedding_rows']:,}){merges}",
-        f"special tokens: bos {_special(sp['bos'])}{' (added)' if sp['add_bos'] else ''}, eos {_special(sp['eos'])}, "
-        f"pad {_special(sp['pad'])}",
-        f"stop tokens:    {', '.join(_special(t) for t in sp['stop']) or '-'}",
-        f"chat template:  {template}",
+        f"scaling {rope['scaling'] or 'none'}",
+        *_text_lines(s),
         f"{'type':<15} {'tensors':>8} {'parameters':>15} {'bytes':>15} {'bits/weight':>12}",
     ]
     for name, row in sorted(s["types"].items(), key=lambda kv: -kv[1]["bytes"]):

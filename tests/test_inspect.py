@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -134,3 +135,12 @@ def test_metadata_table_alone_and_as_header(three_formats: dict[str, Path], caps
     assert inspect_main([str(three_formats["gguf"])]) == 0
     both = capsys.readouterr().out
     assert both.startswith(alone.rstrip("\n") + "\n\nname") and "total:" in both
+
+
+def test_metadata_view_without_a_tokenizer_still_shows_the_tensors(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    model = Path(shutil.copytree(fixture("qwen3-tiny"), tmp_path / "m"))
+    (model / "tokenizer.json").unlink()
+    assert inspect_main([str(model)]) == 0
+    out = capsys.readouterr().out
+    assert "tokenizer:      unavailable (" in out and "tokenizer.json" in out and "total:" in out
