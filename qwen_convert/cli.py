@@ -14,14 +14,24 @@ from collections.abc import Callable, Sequence
 
 from tqdm import tqdm
 
-from qwen_runtime.cli_support import run_guarded
+from qwen_runtime.cli_support import HelpFormatter, run_guarded
 from qwen_runtime.executor import EXECUTORS, LOCAL, RAY, connect
 from qwen_runtime.formats import open_model_files, verify_model_files
 from qwen_runtime.hub import resolve_model
 
 from .batch import FAILED, Job, JobResult, plan_jobs, run_batch, summary_table
 from .convert import FORMATS, convert, infer_format
-from .inspect import compare, compare_json, compare_table, model_stats, open_pair, stats_json, stats_table
+from .inspect import (
+    compare,
+    compare_json,
+    compare_table,
+    metadata_table,
+    model_stats,
+    model_summary,
+    open_pair,
+    stats_json,
+    stats_table,
+)
 from .policy import DTYPES, TensorSpec
 from .verify import BatchVerifier, ConversionVerifier, report_json, report_summary, report_table, verify_against
 
@@ -64,12 +74,16 @@ def _csv(value: str, choices: Sequence[str], what: str) -> list[str]:
 
 def convert_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen-convert", description="Convert HF Qwen models to npy directories or "
-                                "GGUF files (one model with -o, or every combination with --out-dir).")
-    p.add_argument("sources", nargs="+", metavar="SRC", help="Hugging Face model directory or Hub id "
+                                "GGUF files (one model with -o, or every combination with --output-dir).",
+                                formatter_class=HelpFormatter)
+    p.add_argument("sources", nargs="+", metavar="MODEL", help="Hugging Face model directory or Hub id "
                    "ORG/NAME[@REVISION]")
-    p.add_argument("-o", "--output", metavar="OUT", help="output path (a .gguf suffix selects GGUF)")
-    p.add_argument("--out-dir", metavar="DIR", help="batch mode: write <model>-<dtype>.gguf / <model>-<dtype>/ here")
-    p.add_argument("--format", type=lambda v: _csv(v, FORMATS, "format"), help="npy or gguf (batch: comma list)")
+    p.add_argument("-o", "--output", metavar="OUT", help="output path (a .gguf suffix selects GGUF; no default: "
+                   "give -o or --output-dir)")
+    p.add_argument("--output-dir", "--out-dir", dest="out_dir", metavar="DIR",
+                   help="batch mode: write <model>-<dtype>.gguf / <model>-<dtype>/ here (no default)")
+    p.add_argument("--format", type=lambda v: _csv(v, FORMATS, "format"), help="npy or gguf (batch: comma list; "
+                   "default: from the -o suffix, .gguf or else npy; batch: npy)")
     p.add_argument("--dtype", type=lambda v: _csv(v, tuple(DTYPES), "dtype"), default=["fp16"],
                    help=f"{', '.join(DTYPES)} (batch: comma list; default fp16)")
     p.add_argument("--jobs", type=int, default=1, help="batch mode: conversions run in parallel (local executor)")
@@ -91,7 +105,7 @@ def convert_parser() -> argparse.ArgumentParser:
 
 def _run_single(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if len(args.sources) != 1 or len(args.dtype) > 1 or (args.format and len(args.format) > 1):
-        parser.error("-o converts one SRC to one format and dtype; use --out-dir for several")
+        parser.error("-o converts one MODEL to one format and dtype; use --output-dir for several")
     args.sources = [resolve_model(args.sources[0])]
     fmt = infer_format(args.output, args.format[0] if args.format else None)
     verifier = ConversionVerifier(args.sources[0], args.output, args.keep_failed) if args.verify else None
@@ -181,9 +195,9 @@ def convert_main(argv: Sequence[str] | None = None) -> int:
     parser = convert_parser()
     args = parser.parse_args(argv)
     if (args.output is None) == (args.out_dir is None):
-        parser.error("give exactly one of -o OUT (one output) and --out-dir DIR (batch)")
+        parser.error("give exactly one of -o OUT (one output) and --output-dir DIR (batch)")
     if args.executor == RAY and args.output is not None:
-        parser.error("--executor ray runs batches: use --out-dir DIR")
+        parser.error("--executor ray runs batches: use --output-dir DIR")
     if args.address is not None and args.executor != RAY:
         parser.error("--address needs --executor ray")
     _logging(args.verbose)
@@ -193,17 +207,21 @@ def convert_main(argv: Sequence[str] | None = None) -> int:
 
 
 def inspect_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qwen-inspect", description="Per-tensor statistics of an HF directory, npy "
-                                "directory or GGUF file; with --compare, the error of B against A.")
-    p.add_argument("path", metavar="PATH", help="HF directory, npy directory, GGUF file or Hub id "
+    p = argparse.ArgumentParser(prog="qwen-inspect", description="What a model is (architecture, context length, "
+                                "rope, tokenizer, special tokens, chat template, bytes per type) and per-tensor "
+                                "statistics, for an HF directory, npy directory or GGUF file; with --compare, the "
+                                "error of B against A.", formatter_class=HelpFormatter)
+    p.add_argument("path", metavar="MODEL", help="HF model directory, npy model directory, GGUF file or Hub id "
                    "ORG/NAME[:QUANT][@REVISION] (so are B and SRC)")
-    p.add_argument("--compare", metavar="B", help="report the error of B against PATH (tensors matched by name)")
-    p.add_argument("--filter", metavar="REGEX", help="only tensors whose canonical name matches")
+    p.add_argument("--meta", action="store_true", help="print the metadata view alone, without tensor statistics")
+    p.add_argument("--compare", metavar="B", help="report the error of B against MODEL (tensors matched by name; "
+                   "default: no comparison)")
+    p.add_argument("--filter", metavar="REGEX", help="only tensors whose canonical name matches (default: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--verify", action="store_true", help="check PATH's integrity on its own: npy checksums, GGUF "
+    p.add_argument("--verify", action="store_true", help="check MODEL's integrity on its own: npy checksums, GGUF "
                    "structure (alignment, bounds, type sizes), the architecture's tensor set; exit code 2 on failure")
-    p.add_argument("--verify-against", metavar="SRC", help="verify PATH (npy directory or GGUF) against its HF "
-                   "source SRC: tensors, metadata and probe KL; exit code 9 when it fails")
+    p.add_argument("--verify-against", metavar="SRC", help="verify MODEL (npy directory or GGUF) against its HF "
+                   "source SRC: tensors, metadata and probe KL; exit code 9 when it fails (default: no check)")
     return p
 
 
@@ -223,8 +241,16 @@ def _inspect(args: argparse.Namespace) -> int:
         result = compare(a, b, args.filter)
         print(json.dumps(compare_json(result), indent=1) if args.json else compare_table(result))
         return 0
-    stats = model_stats(open_model_files(args.path), args.filter)
-    print(json.dumps(stats_json(stats), indent=1) if args.json else stats_table(stats))
+    files = open_model_files(args.path)
+    summary = model_summary(files)
+    if args.meta:
+        print(json.dumps(summary, indent=1) if args.json else metadata_table(summary))
+        return 0
+    stats = model_stats(files, args.filter)
+    if args.json:
+        print(json.dumps({"metadata": summary, **stats_json(stats)}, indent=1))
+    else:
+        print(f"{metadata_table(summary)}\n\n{stats_table(stats)}")
     return 0
 
 

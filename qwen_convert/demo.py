@@ -98,7 +98,7 @@ def heldout_text_path(model_dir: Path, text: str | Path | None = None) -> Path:
     try:
         return bundled_model_path() / HELDOUT_FILE
     except MissingAssetError:
-        raise MissingAssetError(f"{model_dir}: no {HELDOUT_FILE} to evaluate on; pass --text FILE") from None
+        raise MissingAssetError(f"{model_dir}: no {HELDOUT_FILE} to evaluate on; pass -f/--file FILE") from None
 
 
 def source_fingerprint(src: Path) -> str:

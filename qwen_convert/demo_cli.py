@@ -1,7 +1,7 @@
 """``qwen-demo``: convert the bundled model to six outputs, then show their size, quality and speed.
 
     qwen-demo                                   bundled qwen3-stdlib model -> ./qwen-demo-out/
-    qwen-demo --model ~/models/Qwen3-0.6B --text some.txt --out /tmp/q
+    qwen-demo --model ~/models/Qwen3-0.6B -f some.txt -o /tmp/q
 
 Errors print one line on stderr and exit with the code of :func:`qwen_runtime.errors.exit_code`.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qwen_runtime.cli_support import run_guarded
+from qwen_runtime.cli_support import HelpFormatter, run_guarded
 from qwen_runtime.evaluate import METHOD, EvalResult, count_targets, read_text
 
 from .batch import human_size
@@ -41,17 +41,20 @@ def configure_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen-demo", description="Convert a model (default: the bundled "
                                 "qwen3-stdlib) to npy and GGUF in fp32, fp16 and q8_0; print each output's "
                                 "size and error vs the source, its perplexity and KL divergence from the "
-                                "source on held-out text, and a greedy completion with speed and peak RSS.")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default: ./qwen-demo-out; "
-                   "complete outputs of the same source are reused)")
-    p.add_argument("--model", type=Path, default=None, help="HF model directory to use instead of the bundled one")
-    p.add_argument("--text", type=Path, default=None, help="text to evaluate on (default: the model's "
-                   "heldout.txt, else the bundled model's)")
+                                "source on held-out text, and a greedy completion with speed and peak RSS.",
+                                formatter_class=HelpFormatter)
+    p.add_argument("-o", "--output", "--out", dest="out", type=Path, default=DEFAULT_OUT, metavar="DIR",
+                   help="output directory (default: ./qwen-demo-out; complete outputs of the same source are reused)")
+    p.add_argument("--model", type=Path, default=None, metavar="MODEL",
+                   help="HF model directory to use instead of the bundled one (default: the bundled qwen3-stdlib)")
+    p.add_argument("-f", "--file", "--text", dest="text", type=Path, default=None, metavar="FILE",
+                   help="text to evaluate on (default: the model's heldout.txt, else the bundled model's)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT,
                    help=f"prompt completed by every output (default: {DEFAULT_PROMPT!r})")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("-n", "--max-new-tokens", type=int, default=32, metavar="N",
+                   help="tokens each output generates (default 32)")
     p.add_argument("--eval-tokens", type=int, default=2048, help="tokens of the text to score (default: 2048)")
-    p.add_argument("--ctx", type=int, default=256, help="perplexity window (default 256, the bundled model's "
+    p.add_argument("-c", "--ctx", type=int, default=256, help="perplexity window (default 256, the bundled model's "
                    "training context)")
     p.add_argument("--stride", type=int, default=128, help="tokens between perplexity windows (default 128)")
     return p

@@ -20,8 +20,11 @@ ByteLevel pre-tokenizer with its own regex.
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 import unicodedata
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,15 @@ from qwen_runtime.tokenizer import GPT2_PATTERN, IGNORE_MERGES, PRE_PATTERNS
 from .policy import file_type
 
 TOKENIZER_JSON = "tokenizer.json"
+log = logging.getLogger(__name__)
+# gguf-py's warnings about tokenizer.json's TemplateProcessing that change nothing written when tokenizer_config.json
+# sets add_bos_token: its leading-token check compares the template's token with a bos_token still in AddedToken
+# form (DeepSeek-R1-Distill: "Unknown leading special token"; add_bos_token then overrides the guess), and a
+# "BOS A BOS B" pair template only decides add_sep_token (False, as llama.cpp's converter writes it too).
+SETTLED_TEMPLATE_WARNINGS = ("Unknown leading special token", "Unknown separator token",
+                             "leading/trailing special tokens do not match", "Unknown sequence",
+                             "Unknown middle sequence", "Unknown second separator token",
+                             "Unknown second middle sequence")
 MERGE_SPACE = chr(ord(" ") + 256)  # "Ġ": byte-level BPE's stand-in for a space, as SpecialVocab writes it
 
 
@@ -188,6 +200,40 @@ def _stand_in_directory(directory: Path, tokenizer: dict[str, Any], stand_in: Pa
     return stand_in
 
 
+class _SettledWarnings(logging.Filter):
+    """Holds back the ``gguf.vocab`` records of :data:`SETTLED_TEMPLATE_WARNINGS`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(SETTLED_TEMPLATE_WARNINGS):
+            self.held.append(message)
+            return False
+        return True
+
+
+@contextmanager
+def settled_template_warnings(directory: Path) -> Iterator[None]:
+    """While SpecialVocab reads ``directory``: when tokenizer_config.json gives ``add_bos_token``, its
+    TemplateProcessing warnings that change nothing are logged at INFO (``qwen-convert -v``) instead."""
+    config = read_json_file(directory / "tokenizer_config.json", required=False) or {}
+    if not isinstance(config.get("add_bos_token"), bool):
+        yield
+        return
+    gguf_log, held = logging.getLogger("gguf.vocab"), _SettledWarnings()
+    gguf_log.addFilter(held)
+    try:
+        yield
+    finally:
+        gguf_log.removeFilter(held)
+    for message in held.held:
+        log.info("%s: gguf.vocab: %s (nothing written depends on it: add_bos_token=%s comes from "
+                 "tokenizer_config.json)", directory, message, config["add_bos_token"])
+
+
 def special_vocab(directory: Path, tokenizer: dict[str, Any], vocab_size: int) -> SpecialVocab:
     """llama.cpp's reader of merges, special ids, add_bos/add_eos and the chat template, for a directory whose
     tokenizer.json is already parsed (``tokenizer``).
@@ -200,7 +246,8 @@ def special_vocab(directory: Path, tokenizer: dict[str, Any], vocab_size: int) -
     try:
         with tempfile.TemporaryDirectory(prefix="qwen-special-vocab-") as tmp:
             stand_in = _stand_in_directory(directory, tokenizer, Path(tmp))
-            special = SpecialVocab(stand_in, load_merges=not merges, n_vocab=vocab_size)
+            with settled_template_warnings(directory):
+                special = SpecialVocab(stand_in, load_merges=not merges, n_vocab=vocab_size)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise FormatError(f"{directory}: cannot read the tokenizer files ({exc})") from None
     if merges:

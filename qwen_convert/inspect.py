@@ -16,9 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import Keys
 
-from qwen_runtime.errors import FormatError
+from qwen_runtime.chat import load_chat_format
+from qwen_runtime.config import is_metadata_array
+from qwen_runtime.errors import FormatError, TemplateError
 from qwen_runtime.formats import ModelFiles, detect_format, open_model_files
+from qwen_runtime.gguf_keys import gguf_key
 from qwen_runtime.tensors import StoredTensor, to_float32
 
 from .quantize import rows_per_chunk
@@ -228,6 +232,121 @@ def compare(a: ModelFiles, b: ModelFiles, pattern: str | None = None) -> Compari
     only_b = sorted(set(selected(b, pattern)) - set(a.tensors))
     return Comparison(rows, [n for n in names if n not in b.tensors], only_b, total.rmse, total.max_abs,
                       total.snr_db, worst_cosine)
+
+
+def _rope(files: ModelFiles) -> dict[str, Any]:
+    """Rope base, rotated dimensions, sections and scaling (GGUF keys, else the HF config)."""
+    c, meta = files.config, files.metadata
+    scaling: Any = None
+    if files.format == "gguf":
+        kind = meta.get(gguf_key(Keys.Rope.SCALING_TYPE, c.arch))
+        if kind not in (None, "none"):
+            scaling = {"type": kind, "factor": meta.get(gguf_key(Keys.Rope.SCALING_FACTOR, c.arch))}
+    else:
+        scaling = (files.hf_config or {}).get("rope_scaling")
+    return {"theta": c.rope_theta, "dimensions": c.rotary_dim, "head_dim": c.head_dim,
+            "sections": list(c.mrope_sections), "scaling": scaling}
+
+
+def _tokenizer_model(files: ModelFiles, backend: Any) -> str:
+    """GGUF ``tokenizer.ggml.model`` (and ``.pre``); for directories, the tokenizers model's class (BPE)."""
+    if files.format == "gguf":
+        model, pre = files.metadata.get(Keys.Tokenizer.MODEL), files.metadata.get(Keys.Tokenizer.PRE)
+        return f"{model}" + (f" (pre {pre})" if pre else "")
+    return type(backend.model).__name__
+
+
+def _token(tokenizer: Any, token_id: int | None) -> dict[str, Any] | None:
+    return None if token_id is None else {"id": token_id, "text": tokenizer.id_to_token(token_id)}
+
+
+def _text_summary(files: ModelFiles) -> dict[str, Any]:
+    """Tokenizer, special tokens and chat template; ``text_error`` says why when they cannot be read (the
+    tensors can still be inspected)."""
+    try:
+        fmt = load_chat_format(files)
+    except (FormatError, TemplateError) as exc:
+        return {"text_error": str(exc)}
+    tok, meta = fmt.tokenizer, files.metadata
+    merges = meta.get(Keys.Tokenizer.MERGES) if files.format == "gguf" else None
+    pad = meta.get(Keys.Tokenizer.PAD_ID) if files.format == "gguf" else None
+    if pad is None and files.directory is not None:
+        pad_text = (files.read_json("tokenizer_config.json") or {}).get("pad_token")
+        pad = tok.token_id(pad_text) if isinstance(pad_text, str) else None
+    return {
+        "tokenizer": {"model": _tokenizer_model(files, tok.backend),
+                      "tokens": tok.backend.get_vocab_size(with_added_tokens=True),
+                      "embedding_rows": files.config.vocab_size,
+                      "merges": len(merges) if is_metadata_array(merges) else None,
+                      "added_special": len(tok.special_ids)},
+        "special_tokens": {"bos": _token(tok, fmt.bos_id), "add_bos": fmt.add_bos,
+                           "eos": _token(tok, tok.token_id(fmt.eos_token) if fmt.eos_token else None),
+                           "pad": _token(tok, pad if isinstance(pad, int) else None),
+                           "stop": [_token(tok, i) for i in sorted(fmt.stop_ids)]},
+        "chat_template": {"present": fmt.template is not None,
+                          "chars": len(fmt.template.source) if fmt.template is not None else 0},
+    }
+
+
+def model_summary(files: ModelFiles) -> dict[str, Any]:
+    """What a model is, as gguf-dump's header shows it but for every format: architecture, sizes, context
+    length, rope, tokenizer model and size, special tokens, chat template, and bytes per stored type."""
+    c, meta = files.config, files.metadata
+    types: dict[str, dict[str, int]] = {}
+    for t in files.tensors.values():
+        row = types.setdefault(t.qtype.name, {"tensors": 0, "parameters": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["parameters"] += t.n_elements
+        row["bytes"] += t.nbytes
+    name = meta.get(Keys.General.NAME) if files.format == "gguf" else None
+    return {
+        "path": str(files.path), "format": files.format, "name": name or files.path.name, "architecture": c.arch,
+        "parameters": sum(r["parameters"] for r in types.values()),
+        "layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "heads": c.num_attention_heads,
+        "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "layer_types": sorted(set(c.layer_types)),
+        "context_length": c.max_position_embeddings, "rope": _rope(files), **_text_summary(files), "types": types,
+    }
+
+
+def _special(token: dict[str, Any] | None) -> str:
+    return "-" if token is None else f"{token['id']} {token['text']!r}"
+
+
+def _text_lines(summary: dict[str, Any]) -> list[str]:
+    if "text_error" in summary:
+        return [f"tokenizer:      unavailable ({summary['text_error']})"]
+    tok, sp, template = summary["tokenizer"], summary["special_tokens"], summary["chat_template"]
+    merges = f", {tok['merges']:,} merges" if tok["merges"] is not None else ""
+    present = f"present ({template['chars']:,} characters)" if template["present"] else "absent"
+    return [
+        f"tokenizer:      {tok['model']}, {tok['tokens']:,} tokens ({tok['added_special']} special; embedding rows "
+        f"{tok['embedding_rows']:,}){merges}",
+        f"special tokens: bos {_special(sp['bos'])}{' (added)' if sp['add_bos'] else ''}, eos {_special(sp['eos'])}, "
+        f"pad {_special(sp['pad'])}",
+        f"stop tokens:    {', '.join(_special(t) for t in sp['stop']) or '-'}",
+        f"chat template:  {present}",
+    ]
+
+
+def metadata_table(summary: dict[str, Any]) -> str:
+    """The metadata view: one ``key: value`` line per fact, then bytes per stored type."""
+    s, rope = summary, summary["rope"]
+    sections = f", sections {rope['sections']}" if rope["sections"] else ""
+    lines = [
+        f"model:          {s['name']} ({s['format']}, {s['path']})",
+        f"architecture:   {s['architecture']}, {s['parameters']:,} parameters, {s['layers']} layers "
+        f"({', '.join(s['layer_types'])}), hidden {s['hidden_size']}, {s['heads']} heads / {s['kv_heads']} kv "
+        f"of {s['head_dim']}",
+        f"context length: {s['context_length']:,}",
+        f"rope:           theta {rope['theta']:.10g}, {rope['dimensions']} of {rope['head_dim']} dims{sections}, "
+        f"scaling {rope['scaling'] or 'none'}",
+        *_text_lines(s),
+        f"{'type':<15} {'tensors':>8} {'parameters':>15} {'bytes':>15} {'bits/weight':>12}",
+    ]
+    for name, row in sorted(s["types"].items(), key=lambda kv: -kv[1]["bytes"]):
+        bits = 8 * row["bytes"] / row["parameters"] if row["parameters"] else 0.0
+        lines.append(f"{name:<15} {row['tensors']:>8} {row['parameters']:>15,} {row['bytes']:>15,} {bits:>12.3f}")
+    return "\n".join(lines)
 
 
 def _num(value: float | None, width: int = 11) -> str:

@@ -26,7 +26,7 @@ import jinja2
 from gguf import Keys
 
 from .config import is_metadata_array
-from .errors import FormatError, TemplateError
+from .errors import ContextOverflowError, FormatError, TemplateError
 from .formats import ModelFiles
 from .formats.base import read_text_file
 from .sandbox import BoundedEnvironment
@@ -154,6 +154,53 @@ class ChatFormat:
                     enable_thinking: bool | None = None, **extra: Any) -> list[int]:
         text = self.render(messages, add_generation_prompt, enable_thinking, **extra)
         return self._with_bos(self.tokenizer.encode(text))
+
+
+def reply_budget(prompt_tokens: int, max_new_tokens: int, context: int) -> int:
+    """``max_new_tokens`` cut to what a ``context`` of tokens leaves after the prompt.
+
+    Raises :class:`ContextOverflowError` when the prompt leaves no room for even one new token.
+    """
+    room = context - prompt_tokens
+    if room < 1:
+        raise ContextOverflowError(f"prompt of {prompt_tokens} tokens leaves no room for a reply in the context "
+                                   f"length of {context} tokens")
+    return min(max_new_tokens, room)
+
+
+@dataclass(frozen=True)
+class FittedChat:
+    """A conversation cut to fit a context: the prompt ids, the messages kept, how many turns went."""
+
+    ids: list[int]
+    messages: list[Message]
+    dropped_turns: int
+    max_new_tokens: int  # the reply's budget: the asked-for count, or less when the context is short of it
+
+
+def _turn_starts(messages: Sequence[Message]) -> list[int]:
+    """Index of every user message: where a turn begins."""
+    return [i for i, m in enumerate(messages) if m.get("role") == "user"]
+
+
+def fit_chat(fmt: ChatFormat, messages: Sequence[Message], context: int, max_new_tokens: int,
+             enable_thinking: bool | None = None) -> FittedChat:
+    """Drop the oldest turns (a user message and the replies after it; leading system messages are kept, and
+    so is the last turn) until the prompt leaves room for ``min(max_new_tokens, context // 2)`` new tokens,
+    then cut ``max_new_tokens`` to what is left (:func:`reply_budget`).
+
+    The prompt is re-encoded after each drop: templates render earlier turns differently from the last one
+    (Qwen3 drops the reasoning of earlier replies), so token counts of turns do not add up.
+    """
+    kept, dropped = list(messages), 0
+    wanted = max(1, min(max_new_tokens, context // 2))
+    while True:
+        ids = fmt.encode_chat(kept, enable_thinking=enable_thinking)
+        starts = _turn_starts(kept)
+        if len(ids) + wanted <= context or len(starts) < 2:
+            return FittedChat(ids, kept, dropped, reply_budget(len(ids), max_new_tokens, context))
+        kept = kept[:starts[0]] + kept[starts[1]:]
+        dropped += 1
 
 
 def _stop_ids(files: ModelFiles, tokenizer: Tokenizer, eos_token: str | None) -> frozenset[int]:

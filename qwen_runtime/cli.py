@@ -1,6 +1,7 @@
 """``qwen-run``: generate text with a Qwen model from the command line.
 
     qwen-run MODEL -p "Once upon a time"            raw prompt, streamed
+    qwen-run MODEL -f prompt.txt -n 64              the prompt read from a file (- for stdin)
     qwen-run MODEL --chat -p "Hi" -p "Bonjour"      chat template applied, a batch of two
     qwen-run MODEL --chat                           interactive multi-turn chat (also: no -p on a terminal)
 
@@ -12,30 +13,55 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TextIO
 
-from . import Generation, Model, SamplingParams, chat_format, load, stream
-from .cli_support import run_guarded
+from . import Generation, Model, SamplingParams, chat_format, encode_prompts, load, stream
+from .chat import fit_chat, reply_budget
+from .cli_support import HelpFormatter, run_guarded
+from .errors import ContextOverflowError
 from .limits import parse_memory_size
+
+EPILOG = """\
+Where the prompt comes from: each -p and each -f FILE is one prompt (several make a batch, printed row by
+row); with neither, standard input is read to its end when it is not a terminal (printf 'def f(' | qwen-run
+MODEL); with --chat and no prompt, or on a terminal, an interactive chat starts, one line per message (piped
+lines work too). A reply stops at the model's stop tokens, at -n tokens, or where the context is full: -n is
+cut to what the context leaves after the prompt (a note on stderr says so), and a chat drops its oldest turns
+(the system message stays) to keep room for a reply of -n tokens or half the context, whichever is less.
+
+Sampling: qwen-run is greedy by default (--temperature 0: the same text every run) and ignores the model's
+generation_config.json; qwen-serve instead samples with the model's generation_config.json defaults
+(temperature, top-p, top-k, ...) for every field a request leaves out."""
 
 
 def configure_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qwen-run", description="Generate text with a Qwen model (numpy only).")
-    p.add_argument("model", help="HF model directory, npy model directory, GGUF file or Hub id "
+    p = argparse.ArgumentParser(prog="qwen-run", description="Generate text with a Qwen model (numpy only).",
+                                epilog=EPILOG, formatter_class=HelpFormatter)
+    p.add_argument("model", metavar="MODEL", help="HF model directory, npy model directory, GGUF file or Hub id "
                    "ORG/NAME[:QUANT][@REVISION]")
-    p.add_argument("-p", "--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
-    p.add_argument("--system", default=None, help="system message (chat mode)")
+    p.add_argument("-p", "--prompt", action="append", default=[],
+                   help="prompt text (repeat for a batch; default: none, see below)")
+    p.add_argument("-f", "--file", action="append", default=[], type=Path, metavar="FILE",
+                   help="read a prompt from FILE, '-' for standard input (repeat for a batch; default: none)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt; without a "
+                   "prompt, an interactive chat")
+    p.add_argument("--system", default=None, help="system message (needs --chat; default: none)")
     p.add_argument("--no-think", action="store_true", help="Qwen3 chat: pass enable_thinking=false")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the output (-2..2)")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the output (-2..2)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("-n", "--max-new-tokens", type=int, default=256, metavar="N",
+                   help="most tokens to generate per reply, cut to what the context leaves")
+    p.add_argument("-c", "--ctx", type=int, default=None, metavar="TOKENS", help="context length to use, prompt + "
+                   "reply (default: the model's context length)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample in the smallest set of probability >= p; 1 = all")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability; 0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="HF's, over prompt and output (> 1 penalizes repeats); 1 = off")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the output (-2..2); 0 = off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the output (-2..2); 0 = off")
+    p.add_argument("--seed", type=int, default=None, help="random seed of the sampler (default: a fresh one each "
+                   "run; greedy decoding needs none)")
     p.add_argument("--max-memory", type=parse_memory_size, default=None, metavar="SIZE",
                    help="memory allowed for cache and activations, e.g. 2G (default: 80%% of MemAvailable)")
     p.add_argument("--stats", action="store_true", help="print speed and memory on stderr")
@@ -66,11 +92,35 @@ def print_stats(gen: Generation, out: TextIO) -> None:
               f"anonymous RSS {mem.get('RssAnon', 0) / 1024:.1f} MiB\n")
 
 
-def run_prompts(model: Model, args: argparse.Namespace, sampling: SamplingParams) -> None:
-    """Generate for the ``-p`` prompts: one is streamed as it comes, a batch is printed row by row."""
-    gen = stream(model, args.prompt, chat=args.chat, system=args.system, enable_thinking=_thinking(args),
-                 max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, max_memory=args.max_memory)
-    if len(args.prompt) == 1:
+def context_length(model: Model, args: argparse.Namespace) -> int:
+    """The context a prompt and its reply share: ``--ctx``, at most the model's."""
+    limit = model.config.max_position_embeddings
+    if args.ctx is None:
+        return limit
+    if not 1 <= args.ctx <= limit:
+        raise ValueError(f"--ctx must be between 1 and the model's context length of {limit}, got {args.ctx}")
+    return args.ctx
+
+
+def budget_note(asked: int, allowed: int, prompt_tokens: int, context: int) -> str:
+    return (f"qwen-run: note: --max-new-tokens cut from {asked} to {allowed}: the prompt of {prompt_tokens} tokens "
+            f"leaves {allowed} of the context of {context}\n")
+
+
+def run_prompts(model: Model, args: argparse.Namespace, sampling: SamplingParams, err: TextIO | None = None) -> None:
+    """Generate for the prompts: one is streamed as it comes, a batch is printed row by row.
+
+    ``--max-new-tokens`` is cut to what the context leaves after the longest prompt, with a note on stderr.
+    """
+    err = err or sys.stderr
+    ids = encode_prompts(model, args.prompt, args.chat, args.system, _thinking(args))
+    context, longest = context_length(model, args), max(len(i) for i in ids)
+    max_new = reply_budget(longest, args.max_new_tokens, context)
+    if max_new < args.max_new_tokens:
+        err.write(budget_note(args.max_new_tokens, max_new, longest, context))
+    gen = stream(model, ids, max_new_tokens=max_new, sampling=sampling, seed=args.seed, use_tokenizer=True,
+                 max_memory=args.max_memory)
+    if len(ids) == 1:
         for texts in gen:
             sys.stdout.write(texts[0])
             sys.stdout.flush()
@@ -80,20 +130,24 @@ def run_prompts(model: Model, args: argparse.Namespace, sampling: SamplingParams
         for i, result in enumerate(gen.results):
             sys.stdout.write(f"--- [{i}] ({result.finish_reason}) ---\n{result.text}\n")
     if args.stats:
-        print_stats(gen, sys.stderr)
+        print_stats(gen, err)
 
 
-CHAT_HELP = "commands: /reset clears the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops a reply"
+CHAT_HELP = ("commands: /help shows this, /reset clears the conversation, /exit (or Ctrl-D) quits; "
+             "Ctrl-C stops a reply")
 
 
 def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingParams, stdin: TextIO = sys.stdin,
-                     out: TextIO = sys.stdout) -> None:
+                     out: TextIO = sys.stdout, err: TextIO | None = None) -> None:
     """A multi-turn chat: the history goes back through the chat template each turn, replies stream.
 
-    ``/reset`` starts a new conversation (the system message stays), ``/exit`` or end of input quits, and
-    Ctrl-C stops the reply being written (what was written stays in the history), not the program.
+    ``/help`` lists the commands, ``/reset`` starts a new conversation (the system message stays), ``/exit``
+    or end of input quits, and Ctrl-C stops the reply being written (what was written stays in the history),
+    not the program.  When the history and the reply would not fit the context, the oldest turns are dropped
+    (:func:`qwen_runtime.chat.fit_chat`) and stderr says so; a message that cannot fit is refused, not sent.
     """
-    fmt = chat_format(model)
+    err = err or sys.stderr
+    fmt, context = chat_format(model), context_length(model, args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     out.write(CHAT_HELP + "\n")
@@ -115,11 +169,27 @@ def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingP
             messages = list(system)
             out.write("(conversation cleared)\n")
             continue
+        if line == "/help":
+            out.write(CHAT_HELP + "\n")
+            continue
+        if line.startswith("/") and " " not in line:
+            out.write(f"(unknown command {line}; /help lists them)\n")
+            continue
         if not line:
             continue
-        messages.append({"role": "user", "content": line})
-        ids = fmt.encode_chat(messages, enable_thinking=_thinking(args))
-        gen = stream(model, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+        try:
+            fitted = fit_chat(fmt, [*messages, {"role": "user", "content": line}], context, args.max_new_tokens,
+                              _thinking(args))
+        except ContextOverflowError as exc:
+            err.write(f"qwen-run: {exc}; the message was not sent\n")
+            continue
+        if fitted.dropped_turns:
+            err.write(f"qwen-run: note: dropped the oldest {fitted.dropped_turns} turn(s) to fit the context of "
+                      f"{context} tokens\n")
+        if fitted.max_new_tokens < args.max_new_tokens:
+            err.write(budget_note(args.max_new_tokens, fitted.max_new_tokens, len(fitted.ids), context))
+        messages = fitted.messages
+        gen = stream(model, [fitted.ids], max_new_tokens=fitted.max_new_tokens, sampling=sampling, seed=args.seed,
                      use_tokenizer=True, max_memory=args.max_memory)
         reply = []
         try:
@@ -128,21 +198,29 @@ def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingP
                 out.write(texts[0])
                 out.flush()
         except KeyboardInterrupt:
+            gen.close()
             out.write(" [stopped]")
         out.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
         if args.stats:
-            print_stats(gen, sys.stderr)
+            print_stats(gen, err)
 
 
 def _thinking(args: argparse.Namespace) -> bool | None:
     return False if args.no_think else None
 
 
+def read_prompt_file(path: Path) -> str:
+    if str(path) == "-":
+        return sys.stdin.read()
+    return path.read_text(encoding="utf-8")
+
+
 def run(args: argparse.Namespace) -> None:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
                               args.presence_penalty, args.frequency_penalty)
     model = load(args.model)
+    args.prompt = [*args.prompt, *(read_prompt_file(f) for f in args.file)]
     if args.prompt:
         run_prompts(model, args, sampling)
     elif args.chat or sys.stdin.isatty():
@@ -153,7 +231,12 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = configure_parser().parse_args(argv)
+    parser = configure_parser()
+    args = parser.parse_args(argv)
+    if args.system is not None and not args.chat:
+        parser.error("--system needs --chat (a raw prompt has no system message)")
+    if args.no_think and not args.chat:
+        parser.error("--no-think needs --chat (it is passed to the chat template)")
     return run_guarded("qwen-run", lambda: run(args))
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import sys
 from collections.abc import Callable
 
-from .errors import QwenError, exit_code
+from .errors import MissingExtraError, QwenError, exit_code
 
 USAGE_ERROR = 2  # an invalid option value (argparse uses the same code for bad usage)
 INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
@@ -32,3 +34,26 @@ def run_guarded(prog: str, main: Callable[[], int | None]) -> int:
     except Exception as exc:  # a bug, not a user error: still one line, never a traceback
         sys.stderr.write(f"{prog}: internal error: {type(exc).__name__}: {exc}\n")
         return 1
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that gives every option's default: ``(default: X)`` is appended to an option that takes a value
+    when its help does not already say what the default is (defaults of None or [] are described by hand).
+    Description and epilog are wrapped paragraph by paragraph (blank lines separate them)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n\n".join(super(HelpFormatter, self)._fill_text(part, width, indent) for part in text.split("\n\n"))
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (action.option_strings and action.nargs != 0 and "default" not in text
+                and action.default not in (None, [], argparse.SUPPRESS)):
+            text += " (default: %(default)s)"
+        return text
+
+
+def require_extra(module: str, extra: str, feature: str) -> None:
+    """Raise :class:`MissingExtraError` naming ``extra`` when ``module`` is not installed."""
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtraError(f"{feature} needs the {extra} extra, which is not installed "
+                                f"(no module {module!r}): pip install 'qwen-numpy[{extra}]'")

@@ -53,6 +53,10 @@ class ContextOverflowError(QwenError, ValueError):
     """A prompt plus the requested new tokens does not fit the model's context length."""
 
 
+class MissingExtraError(QwenError, ImportError):
+    """An optional extra (``serve``, ``ray``, ...) that the requested feature needs is not installed."""
+
+
 class VerificationError(QwenError):
     """A converted model does not match its source (the message names the first failing tensor or key)."""
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from tqdm import tqdm
 
 from . import load
-from .cli_support import run_guarded
+from .cli_support import HelpFormatter, run_guarded
 from .evaluate import (
     EvalResult,
     check_models,
@@ -45,15 +45,18 @@ METHOD_HELP = ("Method: the text is tokenized once (BOS only if the model adds o
 
 def configure_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen-eval", description="Perplexity of a text file under one or more "
-                                "models, and their divergence from a reference model.", epilog=METHOD_HELP)
+                                "models, and their divergence from a reference model.", epilog=METHOD_HELP,
+                                formatter_class=HelpFormatter)
     p.add_argument("models", nargs="+", metavar="MODEL", help="HF directory, npy directory, GGUF file "
                    "or Hub id ORG/NAME[:QUANT][@REVISION]")
-    p.add_argument("-f", "--file", required=True, help="UTF-8 text file to score")
-    p.add_argument("--reference", metavar="REF", help="reference model (same tokenizer) for KL divergence")
-    p.add_argument("--ctx", type=int, default=None, help=f"window length in tokens (default: {DEFAULT_CTX}, "
+    p.add_argument("-f", "--file", required=True, help="UTF-8 text file to score (required, no default)")
+    p.add_argument("--reference", metavar="REF", help="reference model (same tokenizer) for KL divergence "
+                   "(default: none)")
+    p.add_argument("-c", "--ctx", type=int, default=None, help=f"window length in tokens (default: {DEFAULT_CTX}, "
                    "or the model's context length when smaller)")
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: ctx/2)")
-    p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the text")
+    p.add_argument("--eval-tokens", "--max-tokens", dest="max_tokens", type=int, default=None, metavar="N",
+                   help="score only the first N tokens of the text (default: all of it)")
     p.add_argument("--chunk", type=int, default=None, help="tokens per forward pass inside a window; bounds "
                    "memory to a few chunk x vocab float64 arrays (default: about 4M logits, 8 to 256 tokens)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

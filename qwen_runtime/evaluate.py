@@ -76,7 +76,7 @@ class EvalResult:
     """Perplexity of one model on one text (and its divergence from the reference, when one was given)."""
 
     model: str
-    tokens: int  # tokens of the text that were evaluated (after --max-tokens)
+    tokens: int  # tokens of the text that were evaluated (after --eval-tokens)
     scored: int  # tokens that were scored
     ctx: int
     stride: int
@@ -299,18 +299,29 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(value, spec.rstrip("%")) + ("%" if spec.endswith("%") else "")
 
 
+NAME_COLUMN = 40  # widest model column; longer paths keep their end (the file name), after an ellipsis
+
+
+def short_names(names: Sequence[str], limit: int = NAME_COLUMN) -> list[str]:
+    """Each name cut to ``limit`` characters from the left (``…`` + its end), unless that makes two alike."""
+    short = [n if len(n) <= limit else "…" + n[len(n) - limit + 1:] for n in names]
+    return short if len(set(short)) == len(set(names)) else list(names)
+
+
 def results_table(results: Sequence[EvalResult]) -> str:
-    """Fixed-width table: one row per model (and the reference's perplexity first when there is one)."""
-    width = max([len("model")] + [len(r.model) for r in results])
+    """Fixed-width table: one row per model (and the reference's perplexity first when there is one); long
+    paths are shortened (:func:`short_names`) so the columns stay in place."""
+    ref = results[0].vs_reference if results else None
+    names = short_names([*([ref.reference] if ref is not None else []), *(r.model for r in results)])
+    width = max(len("model"), *(len(n) for n in names))
     lines = [f"{'model':<{width}}  {'ppl':>10}  {'Δppl':>9}  {'KL mean':>9}  {'KL p99':>9}  {'KL max':>9}  "
              f"{'top-1':>7}  {'tok/s':>8}"]
-    ref = results[0].vs_reference if results else None
     if ref is not None:
-        lines.append(f"{ref.reference:<{width}}  {ref.reference_perplexity:>10.4f}  {'(ref)':>9}")
-    for r in results:
+        lines.append(f"{names.pop(0):<{width}}  {ref.reference_perplexity:>10.4f}  {'(ref)':>9}")
+    for name, r in zip(names, results, strict=True):
         v = r.vs_reference
         speed = r.scored / r.seconds if r.seconds else 0.0
-        lines.append(f"{r.model:<{width}}  {r.perplexity:>10.4f}  {_fmt(v and v.delta_perplexity, '+9.4f'):>9}  "
+        lines.append(f"{name:<{width}}  {r.perplexity:>10.4f}  {_fmt(v and v.delta_perplexity, '+9.4f'):>9}  "
                      f"{_fmt(v and v.kl_mean, '9.2e'):>9}  {_fmt(v and v.kl_p99, '9.2e'):>9}  "
                      f"{_fmt(v and v.kl_max, '9.2e'):>9}  {_fmt(v and 100 * v.top1_agreement, '6.2f%'):>7}  "
                      f"{speed:>8.1f}")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .cache import Cache
 from .errors import ContextOverflowError
 from .limits import check_memory, generation_bytes
 from .models import Model
@@ -115,6 +116,10 @@ class Generation:
     def __iter__(self) -> Iterator[list[str]]:
         return self._iterator
 
+    def close(self) -> None:
+        """Stop early (the caller was interrupted between steps): the prefill and decode times are recorded."""
+        self._iterator.close()
+
     def run(self) -> list[GenerationResult]:
         """Generate to the end and return every row's result."""
         for _ in self:
@@ -126,15 +131,26 @@ class Generation:
         rng = np.random.default_rng(cfg.seed)
         params = cfg.params_for(len(self.results))
         ids, valid = left_pad([r.prompt_ids for r in self.results])
-        t0 = time.perf_counter()
-        cache = model.make_cache(ids.shape[0], ids.shape[1] + cfg.max_new_tokens, cfg.max_memory)
-        for c0 in range(0, ids.shape[1], cfg.prefill_chunk):
-            c1 = c0 + cfg.prefill_chunk
-            logits = model.forward(ids[:, c0:c1], cache, valid[:, c0:c1], last_only=True,
-                                   release_scratch=c1 >= ids.shape[1])  # [B, V]; scratch kept between chunks
-        self.stats.prefill_seconds = time.perf_counter() - t0
+        t0, t1 = time.perf_counter(), None
+        try:  # the times are kept even when the caller stops early (Ctrl-C in a chat)
+            cache = model.make_cache(ids.shape[0], ids.shape[1] + cfg.max_new_tokens, cfg.max_memory)
+            for c0 in range(0, ids.shape[1], cfg.prefill_chunk):
+                c1 = c0 + cfg.prefill_chunk
+                logits = model.forward(ids[:, c0:c1], cache, valid[:, c0:c1], last_only=True,
+                                       release_scratch=c1 >= ids.shape[1])  # [B, V]; scratch kept between chunks
+            self.stats.prefill_seconds = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            yield from self._decode(model, cache, logits, params, rng)
+        finally:
+            if t1 is None:
+                self.stats.prefill_seconds = time.perf_counter() - t0
+            else:
+                self.stats.decode_seconds = time.perf_counter() - t1
+
+    def _decode(self, model: Model, cache: Cache, logits: np.ndarray, params: list[SamplingParams],
+                rng: np.random.Generator) -> Iterator[list[str]]:
+        cfg = self.config
         live = list(range(len(self.results)))  # original row of each cache row
-        t1 = time.perf_counter()
         for step in range(cfg.max_new_tokens):
             seen = [np.asarray(self.results[r].prompt_ids + self.results[r].token_ids, np.int64) for r in live]
             outputs = [np.asarray(self.results[r].token_ids, np.int64) for r in live]
@@ -149,7 +165,6 @@ class Generation:
                 live = [live[i] for i in keep]
             logits = model.forward(tokens[:, None], cache, last_only=True)  # [B_live, V]
             self.stats.decoded_tokens += len(live)
-        self.stats.decode_seconds = time.perf_counter() - t1
 
     def _record(self, live: list[int], tokens: np.ndarray, last: bool) -> tuple[list[str], list[int]]:
         """Append each live row's token; return the new text per original row and the cache rows to keep."""

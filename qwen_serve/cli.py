@@ -14,10 +14,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from qwen_runtime.cli_support import run_guarded
+from qwen_runtime.cli_support import HelpFormatter, require_extra, run_guarded
 from qwen_runtime.limits import parse_memory_size
-
-from .app import MAX_BODY_BYTES, create_app
 
 
 def positive(text: str) -> int:
@@ -27,32 +25,47 @@ def positive(text: str) -> int:
     return value
 
 
+def max_body_default() -> int | None:
+    """The app's body limit, or None when the serve extra is missing (``--help`` still works; running says so)."""
+    try:
+        from .app import MAX_BODY_BYTES
+    except ImportError:
+        return None
+    return MAX_BODY_BYTES
+
+
 def configure_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen-serve", description="Serve a Qwen model over OpenAI's HTTP API "
-                                "(chat and text completions, streaming, continuous batching).")
-    p.add_argument("model", help="HF model directory, npy model directory, GGUF file or Hub id "
+                                "(chat and text completions, streaming, continuous batching; the serve extra). "
+                                "Fields a request leaves out take the model's generation_config.json defaults, "
+                                "then OpenAI's, so it samples unless told otherwise (qwen-run is greedy by default).",
+                                formatter_class=HelpFormatter)
+    p.add_argument("model", metavar="MODEL", help="HF model directory, npy model directory, GGUF file or Hub id "
                    "ORG/NAME[:QUANT][@REVISION]")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--max-batch", type=positive, default=8, help="rows decoded together (default 8)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting beyond the batch before the server answers 503 (default 64)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 request")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 request "
+                   "(default: no key)")
     p.add_argument("--max-memory", type=parse_memory_size, default=None, metavar="SIZE",
                    help="memory for cache and activations, e.g. 4G (default: 80%% of MemAvailable)")
     p.add_argument("--model-name", default=None, help="the name clients use (default: the file or directory name)")
-    p.add_argument("--max-context", type=positive, default=None, metavar="TOKENS",
+    p.add_argument("-c", "--ctx", "--max-context", dest="max_context", type=positive, default=None, metavar="TOKENS",
                    help="tokens one request may hold, prompt + completion (default: the model's context)")
     p.add_argument("--prefill-chunk", type=positive, default=128,
                    help="prompt tokens prefilled between two decode steps (default 128)")
-    p.add_argument("--max-body", type=positive, default=MAX_BODY_BYTES, metavar="BYTES",
-                   help=f"largest request body accepted (default {MAX_BODY_BYTES})")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--max-body", type=positive, default=max_body_default(), metavar="BYTES",
+                   help="largest request body accepted")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's and the server's log level")
     ray = p.add_argument_group("Ray Serve (the ray extra; qwen_serve/ray_app.py)")
     ray.add_argument("--ray", action="store_true", help="serve through Ray Serve: --replicas copies of the app, "
                      "each with its own engine, behind Ray's HTTP proxy on --host:--port")
     ray.add_argument("--replicas", type=positive, default=1, help="with --ray: replicas (default 1)")
-    ray.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs each replica declares")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs each replica declares "
+                     "(default 1)")
     ray.add_argument("--address", metavar="ADDR", help="with --ray: the Ray cluster (default: RAY_ADDRESS, else "
                      "a local instance)")
     return p
@@ -60,11 +73,17 @@ def configure_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> None:
     if args.ray:
+        require_extra("ray", "ray", "qwen-serve --ray")
+        require_extra("starlette", "serve", "qwen-serve --ray")
         from .ray_app import serve_on_ray
 
         serve_on_ray(args)
         return
+    require_extra("starlette", "serve", "qwen-serve")
+    require_extra("uvicorn", "serve", "qwen-serve")
     import uvicorn
+
+    from .app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(args.model, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,

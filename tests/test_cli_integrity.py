@@ -1,18 +1,41 @@
-"""CLIs on broken inputs: one line on stderr and the documented exit code; ``qwen-inspect --verify``."""
+"""CLIs on broken inputs: one line on stderr and the documented exit code; ``qwen-inspect --verify``; every
+CLI's help gives every default, the tools share one naming scheme, and a missing extra is one line."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 from hostile_helpers import converted, copy_fixture
+from runtime_helpers import fixture_dir
 
+from qwen_convert import cli as convert_cli
+from qwen_convert import demo_cli
 from qwen_convert.cli import convert_main, inspect_main
+from qwen_runtime import cli as run_cli
+from qwen_runtime import eval_cli
 from qwen_runtime.cli import main as run_main
-from qwen_runtime.errors import EXIT_CODES, ConfigError, FormatError, UnsupportedArchitectureError
+from qwen_runtime.cli_support import HelpFormatter
+from qwen_runtime.errors import (
+    EXIT_CODES,
+    ConfigError,
+    FormatError,
+    MissingExtraError,
+    UnsupportedArchitectureError,
+    exit_code,
+)
+from qwen_serve import cli as serve_cli
+
+PARSERS = {"qwen-run": run_cli.configure_parser, "qwen-eval": eval_cli.configure_parser,
+           "qwen-convert": convert_cli.convert_parser, "qwen-inspect": convert_cli.inspect_parser,
+           "qwen-demo": demo_cli.configure_parser, "qwen-serve": serve_cli.configure_parser}
+# The shared short flags and the one long name each stands for in every tool that has it.
+SHARED = {"-o": "--output", "-n": "--max-new-tokens", "-c": "--ctx", "-f": "--file"}
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +110,93 @@ def test_readme_documents_every_exit_code() -> None:
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     documented = {int(m) for m in re.findall(r"^\| (\d+) \|", readme, re.MULTILINE)}
     assert set(EXIT_CODES.values()) <= documented
+
+
+def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+@pytest.mark.parametrize("prog", sorted(PARSERS))
+def test_help_gives_every_default(prog: str) -> None:
+    parser = PARSERS[prog]()
+    assert parser.prog == prog and issubclass(parser.formatter_class, HelpFormatter)
+    formatter = parser._get_formatter()
+    for action in options(parser):
+        text = formatter._expand_help(action) if action.help else ""
+        assert text, f"{prog} {action.option_strings[0]} has no help"
+        if action.nargs != 0:  # an option with a value: its default, or that it has none
+            assert "default" in text, f"{prog} {action.option_strings[0]}: {text!r}"
+    assert "%(default)" not in parser.format_help()
+
+
+@pytest.mark.parametrize("prog", sorted(PARSERS))
+def test_one_naming_scheme(prog: str) -> None:
+    parser = PARSERS[prog]()
+    positionals = [a for a in parser._actions if not a.option_strings]
+    assert all(a.metavar == "MODEL" for a in positionals)  # one positional name (qwen-demo: --model MODEL)
+    for action in options(parser):
+        for short, long in SHARED.items():
+            if short in action.option_strings:
+                assert long in action.option_strings, f"{prog}: {short} is not {long}"
+            elif long in action.option_strings:
+                pytest.fail(f"{prog}: {long} without {short}")
+
+
+@pytest.mark.parametrize(("prog", "argv", "dest"), [
+    ("qwen-demo", ["--out", "X"], "out"), ("qwen-demo", ["-o", "X"], "out"), ("qwen-demo", ["--output", "X"], "out"),
+    ("qwen-demo", ["--text", "X"], "text"), ("qwen-demo", ["-f", "X"], "text"),
+    ("qwen-convert", ["M", "--out-dir", "X"], "out_dir"), ("qwen-convert", ["M", "--output-dir", "X"], "out_dir"),
+    ("qwen-eval", ["M", "-f", "t", "--max-tokens", "7"], "max_tokens"),
+    ("qwen-eval", ["M", "-f", "t", "--eval-tokens", "7"], "max_tokens"),
+    ("qwen-serve", ["M", "--max-context", "7"], "max_context"), ("qwen-serve", ["M", "-c", "7"], "max_context"),
+    ("qwen-run", ["M", "--ctx", "7"], "ctx"),
+])
+def test_old_spellings_stay_as_aliases(prog: str, argv: list[str], dest: str) -> None:
+    value = getattr(PARSERS[prog]().parse_args(argv), dest)
+    assert str(value) in ("X", "7")
+
+
+def test_missing_extra_exit_code_is_in_the_readme() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    code = exit_code(MissingExtraError("x"))
+    assert re.search(rf"^\| {code} \| .*extra", readme, re.MULTILINE)
+
+
+def without(monkeypatch: pytest.MonkeyPatch, *modules: str) -> None:
+    """Simulate uninstalled packages: importing them fails as if they were missing."""
+    for name in modules:
+        monkeypatch.setitem(sys.modules, name, None)
+    for name in [m for m in sys.modules if m in ("qwen_serve.app", "qwen_serve.ray_app")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def test_serve_help_without_the_serve_extra(monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    without(monkeypatch, "starlette", "uvicorn")
+    with pytest.raises(SystemExit) as exc:
+        serve_cli.main(["--help"])
+    assert exc.value.code == 0 and "--max-body" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "missing", "extra"), [
+    ([], ("starlette", "uvicorn"), "serve"),
+    (["--ray"], ("ray",), "ray"),
+])
+def test_serve_without_an_extra_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                            argv: list[str], missing: tuple[str, ...], extra: str) -> None:
+    without(monkeypatch, *missing)
+    assert serve_cli.main([str(fixture_dir("qwen3-tiny")), *argv]) == exit_code(MissingExtraError("x"))
+    line = one_error_line(capsys, "qwen-serve")
+    assert f"the {extra} extra" in line and f"qwen-numpy[{extra}]" in line
+
+
+def test_batch_tools_without_ray_are_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    without(monkeypatch, "ray")
+    model = str(fixture_dir("qwen3-tiny"))
+    assert convert_main([model, "--output-dir", str(tmp_path), "--executor", "ray"]) == 1
+    assert "ray extra" in one_error_line(capsys, "qwen-convert")
+    text = tmp_path / "t.txt"
+    text.write_text("def f(x):\n    return x\n" * 20)
+    assert eval_cli.main([model, "-f", str(text), "-c", "16", "--executor", "ray"]) == 1
+    assert "ray extra" in one_error_line(capsys, "qwen-eval")

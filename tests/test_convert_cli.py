@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import importlib
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -265,3 +266,23 @@ def test_usage_errors(capsys, tmp_path: Path, model: Path) -> None:
     with pytest.raises(SystemExit):
         convert_main([str(model), str(model), "-o", str(tmp_path / "x")])
     capsys.readouterr()
+
+
+def test_deepseek_template_warnings_are_explained_not_printed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from qwen_convert.convert import convert
+
+    caplog.set_level(logging.INFO)
+    convert(fixture("deepseek-tiny"), tmp_path / "ds.gguf", "gguf", "fp16")
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    notes = [r.getMessage() for r in caplog.records if r.name == "qwen_convert.gguf_metadata"]
+    assert not warnings, [r.getMessage() for r in warnings]
+    assert any("Unknown leading special token" in n and "add_bos_token=True" in n for n in notes)
+    assert not logging.getLogger("gguf.vocab").filters  # the filter is only there while SpecialVocab reads
+    # without add_bos_token the template's guess decides add_bos, and gguf-py's warning is shown as it is
+    src = Path(shutil.copytree(fixture("deepseek-tiny"), tmp_path / "src"))
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    del config["add_bos_token"]
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    caplog.clear()
+    convert(src, tmp_path / "ds2.gguf", "gguf", "fp16")
+    assert any(r.name == "gguf.vocab" and r.levelno == logging.WARNING for r in caplog.records)

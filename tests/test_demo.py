@@ -53,7 +53,7 @@ def test_a_missing_text_falls_back_to_the_bundled_model_else_is_a_clear_error(
         raise MissingAssetError("no bundled model")
 
     monkeypatch.setattr(demo, "bundled_model_path", no_bundled_model)
-    with pytest.raises(MissingAssetError, match="--text"):
+    with pytest.raises(MissingAssetError, match="--file"):
         heldout_text_path(tmp_path)
 
 

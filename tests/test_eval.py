@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import textwrap
@@ -14,12 +15,17 @@ from runtime_helpers import fixture_dir
 import qwen_runtime
 from qwen_runtime.eval_cli import main as eval_main
 from qwen_runtime.evaluate import (
+    NAME_COLUMN,
+    EvalResult,
+    ReferenceStats,
     VocabularyMismatchError,
     count_targets,
     encode_text,
     evaluate,
     evaluate_ids,
     plan_windows,
+    results_table,
+    short_names,
 )
 
 TEXT = Path(textwrap.__file__).read_text(encoding="utf-8")  # stable real text (Python source)
@@ -203,3 +209,20 @@ def test_memory_does_not_grow_with_the_text(qwen3, qwen2) -> None:
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
     assert peaks[1] - peaks[0] < 500_000, peaks  # measured: no growth (1.67 MB vs 1.58 MB)
+
+
+def test_table_keeps_its_columns_with_long_paths() -> None:
+    long = "/very/long/directory/of/models/" * 4
+    ref = ReferenceStats(long + "reference-bf16", 10.0, 0.0, 0, 0, 0, 0, 1.0)
+    results = [EvalResult(long + name, 100, 90, 32, 16, "m", 2.3, ppl, 1.0,
+                          dataclasses.replace(ref, delta_perplexity=ppl - 10.0))
+               for name, ppl in (("a-q8_0.gguf", 10.5), ("b-q4_0.gguf", 12.25))]
+    lines = results_table(results).splitlines()
+    ppl_end = lines[0].index("ppl") + len("ppl")  # right-aligned column: every value ends where its title does
+    values = [line[:ppl_end].split()[-1] for line in lines[1:]]
+    assert values == ["10.0000", "10.5000", "12.2500"]
+    names = [line[:ppl_end].split()[0] for line in lines[1:]]
+    assert all(len(n) <= NAME_COLUMN for n in names) and names[1].endswith("a-q8_0.gguf")
+    assert names[0].endswith("reference-bf16") and names[2].endswith("b-q4_0.gguf")
+    alike = ["/a/some/dir/model.gguf", "/b/some/dir/model.gguf"]
+    assert short_names(alike, 10) == alike  # cut alike, so kept whole

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,9 @@ def test_streamed_statistics_equal_numpy(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_table_filter_and_totals(capsys: pytest.CaptureFixture[str]) -> None:
     assert inspect_main([str(fixture("qwen3-tiny")), "--filter", r"^blk\.0\.attn_[qk]_norm"]) == 0
-    out = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("model:") and "context length: " in "\n".join(lines)  # the metadata view first
+    out = lines[lines.index("") + 1:]
     assert out[0].split()[:4] == ["name", "shape", "type", "bytes"]
     assert [line.split()[0] for line in out[1:-1]] == ["blk.0.attn_k_norm.weight", "blk.0.attn_q_norm.weight"]
     assert out[-1].startswith("total: 2 tensors")
@@ -87,3 +90,57 @@ def test_bad_path_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path
     assert inspect_main([str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "missing" in err
+
+
+@pytest.fixture(scope="module")
+def three_formats(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("meta")
+    convert(fixture("qwen3-tiny"), root / "q8.gguf", "gguf", "q8_0")
+    convert(fixture("qwen3-tiny"), root / "q8", "npy", "q8_0")
+    return {"hf": fixture("qwen3-tiny"), "gguf": root / "q8.gguf", "npy": root / "q8"}
+
+
+def test_metadata_view_of_all_three_formats(three_formats: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    views = {}
+    for fmt, path in three_formats.items():
+        assert inspect_main([str(path), "--meta", "--json"]) == 0
+        views[fmt] = json.loads(capsys.readouterr().out)
+    hf_config = json.loads((three_formats["hf"] / "config.json").read_text())
+    tok_config = json.loads((three_formats["hf"] / "tokenizer_config.json").read_text())
+    for fmt, view in views.items():
+        files = open_model_files(three_formats[fmt])
+        assert view["format"] == fmt and view["architecture"] == "qwen3"
+        assert view["context_length"] == hf_config["max_position_embeddings"]
+        assert view["rope"]["theta"] == hf_config["rope_theta"] and view["rope"]["dimensions"] == files.config.head_dim
+        assert view["tokenizer"]["embedding_rows"] == hf_config["vocab_size"]
+        assert view["special_tokens"]["eos"]["text"] == tok_config["eos_token"]
+        assert view["chat_template"]["present"] and view["chat_template"]["chars"] > 100
+        assert sum(row["bytes"] for row in view["types"].values()) == sum(t.nbytes for t in files.tensors.values())
+        assert view["parameters"] == sum(t.n_elements for t in files.tensors.values())
+    # the tokenizer is the same in every format; GGUF names its model and pre-tokenizer and counts its merges
+    assert len({v["tokenizer"]["tokens"] for v in views.values()}) == 1
+    assert views["hf"]["tokenizer"]["model"] == "BPE" and views["gguf"]["tokenizer"]["model"] == "gpt2 (pre qwen2)"
+    gguf = open_model_files(three_formats["gguf"])
+    assert views["gguf"]["tokenizer"]["merges"] == len(gguf.metadata["tokenizer.ggml.merges"])
+    assert set(views["gguf"]["types"]) == {"Q8_0", "F32"} and "BF16" in views["hf"]["types"]
+    assert views["gguf"]["types"]["Q8_0"]["bytes"] * 32 == views["gguf"]["types"]["Q8_0"]["parameters"] * 34
+
+
+def test_metadata_table_alone_and_as_header(three_formats: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert inspect_main([str(three_formats["gguf"]), "--meta"]) == 0
+    alone = capsys.readouterr().out
+    for label in ("architecture:", "context length:", "rope:", "tokenizer:", "special tokens:", "chat template:"):
+        assert label in alone
+    assert "Q8_0" in alone and "name  " not in alone and "total:" not in alone
+    assert inspect_main([str(three_formats["gguf"])]) == 0
+    both = capsys.readouterr().out
+    assert both.startswith(alone.rstrip("\n") + "\n\nname") and "total:" in both
+
+
+def test_metadata_view_without_a_tokenizer_still_shows_the_tensors(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    model = Path(shutil.copytree(fixture("qwen3-tiny"), tmp_path / "m"))
+    (model / "tokenizer.json").unlink()
+    assert inspect_main([str(model)]) == 0
+    out = capsys.readouterr().out
+    assert "tokenizer:      unavailable (" in out and "tokenizer.json" in out and "total:" in out
