@@ -57,8 +57,6 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rotary_dim: int
-    attention_bias: bool = False  # q/k/v biases (Qwen2)
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Qwen3.5)
     layer_types: tuple[str, ...] = ()
     full_attention_interval: int = 0
     linear_conv_kernel_dim: int = 0
@@ -242,6 +240,9 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> Model
     layers = _get(cfg, "num_hidden_layers", int, source)
     check_layer_count(layers, source)
     spec = ARCHS[arch]
+    if cfg.get("attention_bias") is True and not spec.attention_bias:
+        raise ConfigError(f"{source}: attention_bias is true, but {arch} models have no q/k/v biases "
+                          f"(nor does llama.cpp's {arch})")
     partial = partial if ("partial_rotary_factor" in cfg or "rope_parameters" in cfg) else spec.partial_rotary_factor
     fields: dict[str, Any] = dict(
         arch=arch,
@@ -258,8 +259,6 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> Model
         tie_word_embeddings=_get(raw, "tie_word_embeddings", bool, source,
                                  cfg.get("tie_word_embeddings", False)),
         rotary_dim=int(head_dim * partial),
-        attention_bias=spec.attention_bias or bool(cfg.get("attention_bias", False)),
-        qk_norm=spec.qk_norm,
         bos_token_id=_get(cfg, "bos_token_id", int, source, None),
         eos_token_ids=_eos_ids(cfg, source),
     )
@@ -371,8 +370,6 @@ def config_from_gguf(meta: Mapping[str, Any], source: str) -> ModelConfig:
     fields.update(
         arch=arch,
         tie_word_embeddings=False,  # decided by the reader from the presence of output.weight
-        qk_norm=spec.qk_norm,
-        attention_bias=spec.attention_bias,
         bos_token_id=_token_id(m, Keys.Tokenizer.BOS_ID, source),
         eos_token_ids=(eos,) if eos is not None else (),
     )

@@ -181,11 +181,11 @@ def _attention_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         tensor_name(MODEL_TENSOR.ATTN_V, i): (kv_rows, c.hidden_size),
         tensor_name(MODEL_TENSOR.ATTN_OUT, i): (c.hidden_size, c.num_attention_heads * c.head_dim),
     }
-    if c.attention_bias:
+    if c.spec.attention_bias:
         shapes |= {tensor_name(MODEL_TENSOR.ATTN_Q, i, ".bias"): (q_rows,),
                    tensor_name(MODEL_TENSOR.ATTN_K, i, ".bias"): (kv_rows,),
                    tensor_name(MODEL_TENSOR.ATTN_V, i, ".bias"): (kv_rows,)}
-    if c.qk_norm:
+    if c.spec.qk_norm:
         shapes |= {tensor_name(MODEL_TENSOR.ATTN_Q_NORM, i): (c.head_dim,),
                    tensor_name(MODEL_TENSOR.ATTN_K_NORM, i): (c.head_dim,)}
     return shapes

@@ -89,7 +89,7 @@ def attention(x: np.ndarray, w: Weights, c: ModelConfig, i: int) -> np.ndarray: 
     q = x @ w(MODEL_TENSOR.ATTN_Q, i).T  # [T, nh*hd]; Qwen3.5: [T, nh*2hd], per head hd queries then hd gates
     k = x @ w(MODEL_TENSOR.ATTN_K, i).T  # [T, nkv*hd]
     v = x @ w(MODEL_TENSOR.ATTN_V, i).T  # [T, nkv*hd]
-    if c.attention_bias:  # Qwen2
+    if c.spec.attention_bias:  # Qwen2
         q = q + w(MODEL_TENSOR.ATTN_Q, i, ".bias")  # [T, nh*hd]
         k = k + w(MODEL_TENSOR.ATTN_K, i, ".bias")  # [T, nkv*hd]
         v = v + w(MODEL_TENSOR.ATTN_V, i, ".bias")  # [T, nkv*hd]
@@ -97,7 +97,7 @@ def attention(x: np.ndarray, w: Weights, c: ModelConfig, i: int) -> np.ndarray: 
         q, gate = np.split(q.reshape(t, nh, 2 * hd), 2, axis=-1)  # 2 x [T, nh, hd]
         q, gate = q.reshape(t, nh * hd), gate.reshape(t, nh * hd)  # 2 x [T, nh*hd]
     q, k, v = heads(q, nh), heads(k, nkv), heads(v, nkv)  # [nh, T, hd], [nkv, T, hd], [nkv, T, hd]
-    if c.qk_norm:  # Qwen3, Qwen3.5: one RMSNorm weight shared by all heads, before RoPE
+    if c.spec.qk_norm:  # Qwen3, Qwen3.5: one RMSNorm weight shared by all heads, before RoPE
         q = rms_norm(q, w(MODEL_TENSOR.ATTN_Q_NORM, i), c.rms_norm_eps)  # [nh, T, hd]
         k = rms_norm(k, w(MODEL_TENSOR.ATTN_K_NORM, i), c.rms_norm_eps)  # [nkv, T, hd]
     q, k = rope(q, c.rotary_dim, c.rope_theta), rope(k, c.rotary_dim, c.rope_theta)  # [nh | nkv, T, hd]

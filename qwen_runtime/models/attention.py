@@ -118,12 +118,12 @@ class Attention:
         self.ws = store.workspace
         self.wq, self.wk = store.matrix(MODEL_TENSOR.ATTN_Q, layer), store.matrix(MODEL_TENSOR.ATTN_K, layer)
         self.wv, self.wo = store.matrix(MODEL_TENSOR.ATTN_V, layer), store.matrix(MODEL_TENSOR.ATTN_OUT, layer)
-        bias = config.attention_bias
+        bias = config.spec.attention_bias
         self.bq = store.vector(MODEL_TENSOR.ATTN_Q, layer, ".bias") if bias else None
         self.bk = store.vector(MODEL_TENSOR.ATTN_K, layer, ".bias") if bias else None
         self.bv = store.vector(MODEL_TENSOR.ATTN_V, layer, ".bias") if bias else None
-        self.q_norm = store.vector(MODEL_TENSOR.ATTN_Q_NORM, layer) if config.qk_norm else None
-        self.k_norm = store.vector(MODEL_TENSOR.ATTN_K_NORM, layer) if config.qk_norm else None
+        self.q_norm = store.vector(MODEL_TENSOR.ATTN_Q_NORM, layer) if config.spec.qk_norm else None
+        self.k_norm = store.vector(MODEL_TENSOR.ATTN_K_NORM, layer) if config.spec.qk_norm else None
 
     def make_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(batch, self.n_kv, max_len, self.head_dim)
