@@ -51,16 +51,17 @@ import numpy as np
 from gguf import Keys
 
 from qwen_runtime.archs import NEG_EXP, NO_TRANSFORM, PLUS_ONE, V_HEAD_GROUPED, V_HEAD_TILED, VALUE_TRANSFORMS
-from qwen_runtime.config import ModelConfig, is_metadata_array
+from qwen_runtime.config import ModelConfig
 from qwen_runtime.errors import FormatError, UnsupportedTokenizerError, VerificationError
 from qwen_runtime.formats import detect_format, open_hf_dir
 from qwen_runtime.formats.base import TOKENIZER_FILES, ModelFiles, contained_path
+from qwen_runtime.formats.gguf_config import is_metadata_array, without_mtp_blocks
 from qwen_runtime.formats.gguf_file import split_parts
 from qwen_runtime.formats.gguf_parse import parse_gguf, tensor_view
 from qwen_runtime.formats.hf_dir import plan_entries
 from qwen_runtime.formats.npy_dir import read_manifest
 from qwen_runtime.formats.safetensors import SafetensorsEntry
-from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key, without_mtp_blocks
+from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key
 from qwen_runtime.naming import (
     INVERSE_TRANSFORMS,
     TRANSFORM_NOTES,

@@ -25,10 +25,10 @@ from weakref import WeakKeyDictionary
 import jinja2
 from gguf import Keys
 
-from .config import is_metadata_array
 from .errors import ContextOverflowError, FormatError, TemplateError
 from .formats import ModelFiles
 from .formats.base import read_text_file
+from .formats.gguf_config import is_metadata_array
 from .sandbox import BoundedEnvironment
 from .tokenizer import Tokenizer
 

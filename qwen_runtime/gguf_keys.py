@@ -2,8 +2,8 @@
 
 Each :class:`ModelKey` says which :class:`~qwen_runtime.config.ModelConfig` field a key carries, its GGUF
 type, the architectures whose files carry it (llama.cpp reads it for them), where llama.cpp's converter
-writes it, and llama.cpp's value when it is absent.  :func:`qwen_runtime.config.config_from_gguf` reads the
-keys, ``qwen_convert.gguf_metadata`` writes them and ``qwen_convert.verify`` checks them against the
+writes it, and llama.cpp's value when it is absent.  :func:`qwen_runtime.formats.gguf_config.config_from_gguf`
+reads the keys, ``qwen_convert.gguf_metadata`` writes them and ``qwen_convert.verify`` checks them against the
 source.  Key names are ``gguf.Keys`` templates, expanded per architecture by :func:`gguf_key`.
 
 A new key is one row: ``encode``/``decode`` where the stored value is not the field itself (a per-layer bool
@@ -26,7 +26,7 @@ UINT32, FLOAT32, INT32, BOOL = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUF
 # gguf 0.19 (our dependency) predates this key; llama.cpp's gguf-py names it Keys.Attention.RECURRENT_LAYERS.
 RECURRENT_LAYERS = getattr(Keys.Attention, "RECURRENT_LAYERS", "{arch}.attention.recurrent_layers")
 ALL = (QWEN2, QWEN3, QWEN35)
-Config = Any  # a qwen_runtime.config.ModelConfig (config.py reads through this table, so it is not imported here)
+Config = Any  # a qwen_runtime.config.ModelConfig
 Fields = Mapping[str, Any]  # ModelConfig fields by name (those read so far, for the reader)
 # A default is called with the fields and the file's metadata (the vocabulary size defaults to the token count).
 
@@ -60,16 +60,6 @@ class ModelKey:
 def gguf_key(template: str, arch: str) -> str:
     """Expand a ``gguf.Keys`` template such as ``{arch}.block_count``."""
     return template.format(arch=arch)
-
-
-def without_mtp_blocks(meta: Mapping[str, Any], arch: str) -> dict[str, Any]:
-    """``meta`` with ``block_count`` net of the multi-token-prediction blocks that newer converters append and
-    count in ``nextn_predict_layers``, so that it counts the decoder layers the table's fields describe."""
-    meta = dict(meta)
-    block_key, nextn = gguf_key(Keys.LLM.BLOCK_COUNT, arch), meta.get(gguf_key(Keys.LLM.NEXTN_PREDICT_LAYERS, arch), 0)
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in (meta.get(block_key), nextn)):
-        meta[block_key] -= nextn
-    return meta
 
 
 def _rope_sections(c: Config) -> list[int]:

@@ -23,8 +23,8 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from .archs import PRE_DEEPSEEK_R1_QWEN, PRE_GPT2, PRE_QWEN2, PRE_QWEN35
-from .config import is_metadata_array
 from .errors import FormatError
+from .formats.gguf_config import is_metadata_array
 
 # Qwen2's pre-tokenizer split (llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2; also used by deepseek-r1-qwen).
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"

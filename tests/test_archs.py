@@ -9,9 +9,11 @@ import pytest
 from runtime_helpers import fixture_dir
 
 from qwen_runtime.archs import ARCHS, FULL_ATTENTION, LINEAR_ATTENTION, layer_types_from_interval
-from qwen_runtime.config import HF_ARCHITECTURES, ModelConfig, config_from_gguf, hf_arch
+from qwen_runtime.config import ModelConfig
 from qwen_runtime.errors import ConfigError
 from qwen_runtime.formats import open_model_files
+from qwen_runtime.formats.gguf_config import config_from_gguf
+from qwen_runtime.formats.hf_config import HF_ARCHITECTURES, hf_arch
 from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key
 
 FIXTURES = ("qwen2-tiny", "deepseek-tiny", "qwen3-tiny", "qwen35-tiny", "qwen35-tiny-gqa")
@@ -38,7 +40,7 @@ def test_what_the_writer_stores_the_reader_reads_back(name: str) -> None:
     config = open_model_files(fixture_dir(name)).config
     meta = {gguf.Keys.General.ARCHITECTURE: config.arch, gguf.Keys.Tokenizer.LIST: ["t"] * config.vocab_size}
     meta |= {gguf_key(row.key, config.arch): row.value(config) for row in MODEL_KEYS if row.written_for(config.arch)}
-    read = config_from_gguf(meta, name)
+    read = config_from_gguf(meta, name, tied=config.tie_word_embeddings)
     for row in MODEL_KEYS:
         if config.arch in row.archs:
             assert getattr(read, row.field) == getattr(config, row.field), row.key
@@ -67,16 +69,16 @@ def test_recurrent_layers_carry_any_layer_pattern() -> None:
     meta |= {gguf_key(r.key, config.arch): r.value(config) for r in MODEL_KEYS if r.written_for(config.arch)}
     key = "qwen35.attention.recurrent_layers"
     assert meta[key] == [True, True, True, False]
-    assert config_from_gguf(meta, "f.gguf").layer_types == config.layer_types
+    assert config_from_gguf(meta, "f.gguf", tied=True).layer_types == config.layer_types
     meta[key] = [False, True, False, True]
-    assert config_from_gguf(meta, "f.gguf").layer_types == (FULL_ATTENTION, LINEAR_ATTENTION) * 2
+    assert config_from_gguf(meta, "f.gguf", tied=True).layer_types == (FULL_ATTENTION, LINEAR_ATTENTION) * 2
     meta[key] = [False, True, False, True, False]  # one MTP block appended
-    assert config_from_gguf(meta, "f.gguf").layer_types == (FULL_ATTENTION, LINEAR_ATTENTION) * 2
+    assert config_from_gguf(meta, "f.gguf", tied=True).layer_types == (FULL_ATTENTION, LINEAR_ATTENTION) * 2
     del meta[key]
-    assert config_from_gguf(meta, "f.gguf").layer_types == config.layer_types
+    assert config_from_gguf(meta, "f.gguf", tied=True).layer_types == config.layer_types
     for bad, match in (([1, 0, 1, 0], "should be an array of booleans"), ([True, False], "has 2 entries for 4")):
         with pytest.raises(ConfigError, match=f"'{key}'.*{match}"):
-            config_from_gguf({**meta, key: bad}, "f.gguf")
+            config_from_gguf({**meta, key: bad}, "f.gguf", tied=True)
 
 
 def test_gguf_metadata_errors_name_the_file_and_key() -> None:
@@ -84,10 +86,11 @@ def test_gguf_metadata_errors_name_the_file_and_key() -> None:
     meta = {gguf.Keys.General.ARCHITECTURE: config.arch, gguf.Keys.Tokenizer.LIST: ["t"] * config.vocab_size}
     meta |= {gguf_key(r.key, config.arch): r.value(config) for r in MODEL_KEYS if r.written_for(config.arch)}
     with pytest.raises(ConfigError, match=r"f\.gguf: metadata key 'qwen35\.full_attention_interval': must be positive"):
-        config_from_gguf({**meta, "qwen35.full_attention_interval": 0}, "f.gguf")
+        config_from_gguf({**meta, "qwen35.full_attention_interval": 0}, "f.gguf", tied=True)
     with pytest.raises(ConfigError, match=r"f\.gguf: 'qwen35\.block_count' - nextn_predict_layers must be in"):
-        config_from_gguf({**meta, "qwen35.block_count": 10**9}, "f.gguf")
+        config_from_gguf({**meta, "qwen35.block_count": 10**9}, "f.gguf", tied=True)
     with pytest.raises(ConfigError, match="disagrees with"):
-        config_from_gguf({**meta, "qwen35.attention.value_length": config.head_dim + 1}, "f.gguf")
+        config_from_gguf({**meta, "qwen35.attention.value_length": config.head_dim + 1}, "f.gguf", tied=True)
     assert config_from_gguf({**meta, "qwen35.block_count": config.num_hidden_layers + 1,
-                             "qwen35.nextn_predict_layers": 1}, "f.gguf") == config_from_gguf(meta, "f.gguf")
+                             "qwen35.nextn_predict_layers": 1}, "f.gguf", tied=True) == config_from_gguf(
+        meta, "f.gguf", tied=True)

@@ -15,9 +15,9 @@ from qwen_convert.convert import convert, verify_written_checksums
 from qwen_convert.gguf_metadata import special_vocab
 from qwen_convert.policy import tensor_qtype
 from qwen_runtime.archs import V_HEAD_TILED
-from qwen_runtime.config import config_from_hf
 from qwen_runtime.formats import open_hf_dir, open_model_files
 from qwen_runtime.formats.base import TOKENIZER_FILES
+from qwen_runtime.formats.hf_config import config_from_hf
 from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_DTYPE, QType
 
 FORMATS = ("npy", "gguf")

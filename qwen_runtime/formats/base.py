@@ -55,6 +55,15 @@ class ModelFiles:
         return contained_path(self.directory, name, "file")
 
 
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (JSON and GGUF values both decode ``true`` as a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """``object_pairs_hook`` refusing duplicate keys (which a different parser might resolve differently)."""
     result: dict[str, Any] = {}

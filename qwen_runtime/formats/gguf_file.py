@@ -11,13 +11,14 @@ import re
 from pathlib import Path
 
 import numpy as np
-from gguf import Keys
+from gguf import MODEL_TENSOR, Keys
 
-from ..config import ModelConfig, config_from_gguf
+from ..config import ModelConfig
 from ..errors import FormatError
-from ..naming import check_tensor_set, expected_tensors
+from ..naming import check_tensor_set, expected_tensors, tensor_name
 from ..tensors import SUPPORTED_QTYPES, StoredTensor, stored_view
 from .base import ModelFiles
+from .gguf_config import config_from_gguf, is_mtp_tensor, mtp_block_count
 from .gguf_parse import GGUFLayout, GGUFTensorInfo, parse_gguf, tensor_view
 
 SPLIT_NAME = re.compile(r"(?P<prefix>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf", re.IGNORECASE)
@@ -71,15 +72,9 @@ def _tensor(layout: GGUFLayout, info: GGUFTensorInfo) -> StoredTensor:
     return StoredTensor(info.name, info.qtype, info.shape, layout.path, data=np.asarray(data))
 
 
-def _is_nextn(name: str, n_layers: int) -> bool:
-    """Tensors of MTP blocks that llama.cpp appends after the decoder layers (``nextn_predict_layers``)."""
-    parts = name.split(".")
-    return len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= n_layers
-
-
 def check_tensor_count(path: Path, infos: list[GGUFTensorInfo], config: ModelConfig) -> None:
     """The number of decoder tensors must be what the architecture needs (with or without ``output``)."""
-    count = sum(not _is_nextn(t.name, config.num_hidden_layers) for t in infos)
+    count = len(infos)
     tied = len(expected_tensors(config, tied=True))
     if count not in (tied, tied + 1):
         raise FormatError(f"{path}: {count} tensors, but a {config.arch} model of this config has "
@@ -91,15 +86,17 @@ def open_gguf(path: str | Path) -> ModelFiles:
     memory maps."""
     layout = parse_gguf(path)
     parts = split_parts(layout)
-    config = config_from_gguf(layout.metadata, str(layout.path))
-    check_tensor_count(layout.path, [info for part in parts for info in part.tensors], config)
+    infos = [info for part in parts for info in part.tensors]
+    tied = not any(info.name == tensor_name(MODEL_TENSOR.OUTPUT) for info in infos)
+    config = config_from_gguf(layout.metadata, str(layout.path), tied=tied)
+    mtp = mtp_block_count(layout.metadata, config.arch)
+    decoder = [(part, info) for part in parts for info in part.tensors
+               if not is_mtp_tensor(info.name, config.num_hidden_layers, mtp)]
+    check_tensor_count(layout.path, [info for _, info in decoder], config)
     tensors: dict[str, StoredTensor] = {}
-    for part in parts:
-        for info in part.tensors:
-            if info.name in tensors:
-                raise FormatError(f"{part.path}: tensor {info.name!r} is also in an earlier part")
-            if not _is_nextn(info.name, config.num_hidden_layers):
-                tensors[info.name] = _tensor(part, info)
-    tied = check_tensor_set(config, tensors, str(layout.path))
-    config = config.replace(tie_word_embeddings=tied)
+    for part, info in decoder:
+        if info.name in tensors:
+            raise FormatError(f"{part.path}: tensor {info.name!r} is also in an earlier part")
+        tensors[info.name] = _tensor(part, info)
+    check_tensor_set(config, tensors, str(layout.path))
     return ModelFiles(layout.path, "gguf", config, tensors, metadata=dict(layout.metadata))

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..archs import V_HEAD_GROUPED, VALUE_TRANSFORMS
-from ..config import ModelConfig, config_from_hf
+from ..config import ModelConfig
 from ..errors import FormatError
 from ..naming import (
     TRANSFORM_NOTES,
@@ -23,6 +23,7 @@ from ..naming import (
 )
 from ..tensors import QType, StoredTensor, to_float32
 from .base import ModelFiles, contained_path, read_json_file
+from .hf_config import config_from_hf
 from .safetensors import SafetensorsEntry, read_header, read_index
 
 INDEX_NAME = "model.safetensors.index.json"
