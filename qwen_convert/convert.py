@@ -19,10 +19,9 @@ from typing import Protocol
 
 import numpy as np
 
-from qwen_runtime.archs import V_HEAD_TILED
 from qwen_runtime.errors import FormatError, OutputError, OutputExistsError, QwenError
 from qwen_runtime.formats import detect_format, open_gguf, open_hf_dir, open_npy_dir
-from qwen_runtime.formats.base import ModelFiles
+from qwen_runtime.formats.base import V_HEAD_TILED, ModelFiles
 from qwen_runtime.hub import model_name
 
 from .gguf_writer import GGUFFileWriter

@@ -155,15 +155,15 @@ def open_pair(path_a: str | Path, path_b: str | Path) -> tuple[ModelFiles, Model
     """Open A and B with the same Qwen3.5 value-head order (an HF side follows the other side's order)."""
     if detect_format(path_a) == "hf" and detect_format(path_b) != "hf":
         b = open_model_files(path_b)
-        a = open_model_files(path_a, v_head_order=b.config.v_head_order)
+        a = open_model_files(path_a, v_head_order=b.v_head_order)
     else:
         a = open_model_files(path_a)
-        b = open_model_files(path_b, v_head_order=a.config.v_head_order)
+        b = open_model_files(path_b, v_head_order=a.v_head_order)
     c = a.config
     if (c.has_linear_attention and c.linear_num_value_heads != c.linear_num_key_heads
-            and c.v_head_order != b.config.v_head_order):
-        raise FormatError(f"{path_b}: value heads are {b.config.v_head_order}, {path_a} has them "
-                          f"{c.v_head_order}; cannot compare")
+            and a.v_head_order != b.v_head_order):
+        raise FormatError(f"{path_b}: value heads are {b.v_head_order}, {path_a} has them "
+                          f"{a.v_head_order}; cannot compare")
     return a, b
 
 

@@ -67,7 +67,7 @@ class NpyDirWriter:
         files = self._files
         assert files.directory is not None
         manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "architecture": files.config.arch,
-                    "source": str(files.path), "dtype": self._dtype, "v_head_order": files.config.v_head_order,
+                    "source": str(files.path), "dtype": self._dtype, "v_head_order": files.v_head_order,
                     "tied_embeddings": files.config.tie_word_embeddings, "tensors": self._entries}
         (self.path / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
         (self.path / "config.json").write_text(json.dumps(files.hf_config, indent=2, ensure_ascii=False) + "\n",

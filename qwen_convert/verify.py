@@ -50,11 +50,11 @@ from typing import Any
 import numpy as np
 from gguf import Keys
 
-from qwen_runtime.archs import NEG_EXP, NO_TRANSFORM, PLUS_ONE, V_HEAD_GROUPED, V_HEAD_TILED, VALUE_TRANSFORMS
+from qwen_runtime.archs import NEG_EXP, NO_TRANSFORM, PLUS_ONE, VALUE_TRANSFORMS
 from qwen_runtime.config import ModelConfig
 from qwen_runtime.errors import FormatError, UnsupportedTokenizerError, VerificationError
 from qwen_runtime.formats import detect_format, open_hf_dir
-from qwen_runtime.formats.base import TOKENIZER_FILES, ModelFiles, contained_path
+from qwen_runtime.formats.base import TOKENIZER_FILES, V_HEAD_GROUPED, V_HEAD_TILED, ModelFiles, contained_path
 from qwen_runtime.formats.gguf_config import is_metadata_array, without_mtp_blocks
 from qwen_runtime.formats.gguf_file import split_parts
 from qwen_runtime.formats.gguf_parse import parse_gguf, tensor_view
@@ -392,7 +392,7 @@ def diagnose(out: StoredTensor, src: SourceTensor, config: ModelConfig, order: s
     """The most specific explanation of a failed comparison."""
     plan = src.plan
     other = V_HEAD_GROUPED if order == V_HEAD_TILED else V_HEAD_TILED
-    alternative = plan_tensor(plan.source, src.entry.shape, config, other)
+    alternative = plan_tensor(plan.source, src.entry.shape, config, tiled_v_heads=other == V_HEAD_TILED)
     if alternative.v_axis != plan.v_axis and not compare_tensor(out, SourceTensor(src.entry, alternative),
                                                                config).violations:
         return (f"value heads are in {other} order, but the output declares {order} "
@@ -576,9 +576,8 @@ def verify_against(output_path: str | Path, source_dir: str | Path, behaviour: b
     output = open_output(output_path, config.num_hidden_layers)
     report = VerifyReport(Path(output_path), Path(source_dir), output.format, output.dtype)
     order = output.v_head_order if output.v_head_order in (V_HEAD_GROUPED, V_HEAD_TILED) else V_HEAD_GROUPED
-    planned, report.skipped, report.problems = plan_sources(Path(source_dir), config.replace(v_head_order=order),
-                                                            order)
-    compare_tensors(output, planned, config.replace(v_head_order=order), report)
+    planned, report.skipped, report.problems = plan_sources(Path(source_dir), config, order)
+    compare_tensors(output, planned, config, report)
     report.metadata = check_metadata(output, source)
     if behaviour:
         from .probe import behaviour_check

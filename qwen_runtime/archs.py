@@ -17,10 +17,6 @@ QWEN35 = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN35]
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
-# Value-head order of Qwen3.5's linear attention when value heads outnumber key heads: HF groups the value
-# heads of one key head together; llama.cpp's converter tiles them so value head j uses key head j % Hk.
-V_HEAD_GROUPED = "grouped"
-V_HEAD_TILED = "tiled"
 
 # tokenizer.ggml.pre values: llama.cpp's names of the pre-tokenizer splits (llama-vocab.cpp).
 PRE_QWEN2, PRE_DEEPSEEK_R1_QWEN, PRE_QWEN35, PRE_GPT2 = "qwen2", "deepseek-r1-qwen", "qwen35", "gpt-2"

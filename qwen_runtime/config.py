@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .archs import ARCHS, FULL_ATTENTION, LINEAR_ATTENTION, V_HEAD_GROUPED, V_HEAD_TILED, ArchSpec
+from .archs import ARCHS, FULL_ATTENTION, LINEAR_ATTENTION, ArchSpec
 from .errors import ConfigError
 
 # Sanity bounds on untrusted configs: far above any real Qwen model, low enough that nothing sized from a
@@ -50,7 +50,6 @@ class ModelConfig:
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     mrope_sections: tuple[int, ...] = ()
-    v_head_order: str = V_HEAD_GROUPED
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -90,8 +89,6 @@ class ModelConfig:
                                   f"got {getattr(self, name)}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError("config: linear_num_value_heads must be a multiple of linear_num_key_heads")
-        if self.v_head_order not in (V_HEAD_GROUPED, V_HEAD_TILED):
-            raise ConfigError(f"config: unknown v_head_order {self.v_head_order!r}")
 
     @property
     def spec(self) -> ArchSpec:

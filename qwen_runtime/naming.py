@@ -20,7 +20,7 @@ from functools import lru_cache
 import numpy as np
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, TensorNameMap, get_tensor_name_map
 
-from .archs import NEG_EXP, NO_TRANSFORM, PLUS_ONE, SQUEEZE, V_HEAD_TILED
+from .archs import NEG_EXP, NO_TRANSFORM, PLUS_ONE, SQUEEZE
 from .config import ModelConfig
 from .errors import FormatError
 
@@ -73,8 +73,9 @@ def _hf_key(hf_name: str) -> str:
     return name
 
 
-def plan_tensor(hf_name: str, shape: tuple[int, ...], config: ModelConfig, v_head_order: str) -> TensorPlan:
-    """The canonical name and transform for a source tensor (raises FormatError when unknown)."""
+def plan_tensor(hf_name: str, shape: tuple[int, ...], config: ModelConfig, tiled_v_heads: bool = False) -> TensorPlan:
+    """The canonical name and transform for a source tensor (raises FormatError when unknown); ``tiled_v_heads``:
+    reorder Qwen3.5's value heads as llama.cpp's converter does (:func:`tile_v_heads`)."""
     key = _hf_key(hf_name)
     name = name_map(config.arch, config.num_hidden_layers).get_name(key, try_suffixes=(".weight", ".bias"))
     if name is None:
@@ -83,7 +84,7 @@ def plan_tensor(hf_name: str, shape: tuple[int, ...], config: ModelConfig, v_hea
     if transform == SQUEEZE and len(shape) != 3:
         transform = NO_TRANSFORM
     plan = TensorPlan(hf_name, name, transform)
-    if v_head_order == V_HEAD_TILED and config.has_linear_attention:
+    if tiled_v_heads and config.has_linear_attention:
         plan = _with_v_reorder(plan, key, config)
     return plan
 

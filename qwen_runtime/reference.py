@@ -11,8 +11,8 @@ a cache, tile by tile.
 
 Weights come through the real readers, as canonical GGUF tensors with the converter's transforms applied
 (docs §4.4): Qwen3.5's norms already hold 1 + w, ``ssm_a`` is −exp(A_log), the conv kernel is ``[C, K]`` and
-value heads are in ``config.v_head_order``.  Each weight is widened to a float64 copy, so this is for small
-models and short prompts.
+value heads may be stored permuted (``files.v_head_perm``).  Each weight is widened to a float64 copy, so this
+is for small models and short prompts.
 
 Shapes: T tokens, H hidden size, V vocabulary, I MLP width, nh / nkv / hd attention heads and head dim;
 linear attention: Hk / Hv key / value heads of dims dk / dv, C = 2·Hk·dk + Hv·dv conv channels, K kernel.
@@ -26,7 +26,6 @@ from functools import cache
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from .archs import V_HEAD_GROUPED
 from .config import ModelConfig
 from .formats import ModelFiles
 from .naming import tensor_name
@@ -118,13 +117,16 @@ def causal_conv(m: np.ndarray, kernel: np.ndarray) -> np.ndarray:  # [T, C], [C,
     return sum(padded[j:j + t] * kernel[:, j] for j in range(k))  # [T, C]
 
 
-def value_heads(x: np.ndarray, c: ModelConfig) -> np.ndarray:  # [T, Hk, d] -> [T, Hv, d]
-    """The key head each value head uses: j // (Hv/Hk) in the grouped order, j % Hk in the tiled one."""
-    ratio = c.linear_num_value_heads // c.linear_num_key_heads
-    return np.repeat(x, ratio, axis=1) if c.v_head_order == V_HEAD_GROUPED else np.tile(x, (1, ratio, 1))
+def value_heads(x: np.ndarray, c: ModelConfig, perm: np.ndarray | None,
+                ) -> np.ndarray:  # [T, Hk, d] -> [T, Hv, d]
+    """The key head each value head uses: head j uses key head j // (Hv/Hk); ``perm`` says which head each
+    stored value head is (None: stored in order)."""
+    x = np.repeat(x, c.linear_num_value_heads // c.linear_num_key_heads, axis=1)  # [T, Hv, d]
+    return x if perm is None else x[:, perm]
 
 
-def gated_delta_net(x: np.ndarray, w: Weights, c: ModelConfig, i: int) -> np.ndarray:  # [T, H] -> [T, H]
+def gated_delta_net(x: np.ndarray, w: Weights, c: ModelConfig, i: int,
+                    perm: np.ndarray | None = None) -> np.ndarray:  # [T, H] -> [T, H]
     """Qwen3.5's linear attention of layer ``i``, token by token (docs §3.4)."""
     t, hk, hv = x.shape[0], c.linear_num_key_heads, c.linear_num_value_heads
     dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
@@ -135,8 +137,8 @@ def gated_delta_net(x: np.ndarray, w: Weights, c: ModelConfig, i: int) -> np.nda
     g = w(MODEL_TENSOR.SSM_A, i, "") * softplus(a)  # [T, Hv] log-decay <= 0 (ssm_a = -exp(A_log))
     m = silu(causal_conv(m, w(MODEL_TENSOR.SSM_CONV1D, i)))  # [T, C]
     q, k, v = np.split(m, [hk * dk, 2 * hk * dk], axis=1)  # [T, Hk*dk], [T, Hk*dk], [T, Hv*dv]
-    q = value_heads(l2_norm(q.reshape(t, hk, dk)) / np.sqrt(dk), c)  # [T, Hv, dk]
-    k = value_heads(l2_norm(k.reshape(t, hk, dk)), c)  # [T, Hv, dk]
+    q = value_heads(l2_norm(q.reshape(t, hk, dk)) / np.sqrt(dk), c, perm)  # [T, Hv, dk]
+    k = value_heads(l2_norm(k.reshape(t, hk, dk)), c, perm)  # [T, Hv, dk]
     v = v.reshape(t, hv, dv)  # [T, Hv, dv]
     state = np.zeros((hv, dk, dv))  # [Hv, dk, dv] one key -> value memory per value head
     out = np.empty((t, hv, dv))  # [T, Hv, dv]
@@ -156,11 +158,11 @@ def mlp(x: np.ndarray, w: Weights, i: int) -> np.ndarray:  # [T, H] -> [T, H]
 
 def forward(files: ModelFiles, ids: Sequence[int]) -> np.ndarray:  # int [T] -> float64 [T, V]
     """Logits of every position of one sequence (docs §3.5)."""
-    c, w = files.config, weights(files)
+    c, w, perm = files.config, weights(files), files.v_head_perm  # perm: which value head each stored one is
     x = w(MODEL_TENSOR.TOKEN_EMBD)[np.asarray(ids, np.int64)]  # [T, H]
     for i in range(c.num_hidden_layers):
-        mixer = gated_delta_net if c.is_linear(i) else attention
-        x = x + mixer(rms_norm(x, w(MODEL_TENSOR.ATTN_NORM, i), c.rms_norm_eps), w, c, i)  # [T, H]
+        h = rms_norm(x, w(MODEL_TENSOR.ATTN_NORM, i), c.rms_norm_eps)  # [T, H]
+        x = x + (gated_delta_net(h, w, c, i, perm) if c.is_linear(i) else attention(h, w, c, i))  # [T, H]
         x = x + mlp(rms_norm(x, w(c.spec.mlp_norm, i), c.rms_norm_eps), w, i)  # [T, H]
     x = rms_norm(x, w(MODEL_TENSOR.OUTPUT_NORM), c.rms_norm_eps)  # [T, H]
     tied = tensor_name(MODEL_TENSOR.OUTPUT) not in files.tensors

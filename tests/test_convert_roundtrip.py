@@ -14,9 +14,8 @@ from gguf import GGUFReader, GGUFValueType, Keys, LlamaFileType, SpecialVocab, T
 from qwen_convert.convert import convert, verify_written_checksums
 from qwen_convert.gguf_metadata import special_vocab
 from qwen_convert.policy import tensor_qtype
-from qwen_runtime.archs import V_HEAD_TILED
 from qwen_runtime.formats import open_hf_dir, open_model_files
-from qwen_runtime.formats.base import TOKENIZER_FILES
+from qwen_runtime.formats.base import TOKENIZER_FILES, V_HEAD_TILED
 from qwen_runtime.formats.hf_config import config_from_hf
 from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_DTYPE, QType
 
@@ -56,7 +55,7 @@ def test_round_trip(converted, name: str, fmt: str, dtype: str) -> None:
     source = open_hf_dir(fixture(name), v_head_order=V_HEAD_TILED)
     result = open_model_files(converted(name, fmt, dtype))
     assert sorted(result.tensors) == sorted(source.tensors)
-    assert result.config.v_head_order == source.config.v_head_order
+    assert result.v_head_order == source.v_head_order
     for tensor_name, src in source.tensors.items():
         got = result.tensors[tensor_name]
         assert got.qtype == tensor_qtype(tensor_name, src.shape, dtype), tensor_name

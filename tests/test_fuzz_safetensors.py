@@ -13,9 +13,9 @@ from hostile_helpers import FIXTURES, FUZZ, mutated, touch
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from qwen_runtime.archs import V_HEAD_GROUPED, V_HEAD_TILED
 from qwen_runtime.errors import FormatError
 from qwen_runtime.formats import open_hf_dir
+from qwen_runtime.formats.base import V_HEAD_GROUPED, V_HEAD_TILED
 
 SHARD = "model.safetensors"
 ORDERS = st.sampled_from([V_HEAD_GROUPED, V_HEAD_TILED])

@@ -61,7 +61,7 @@ def gqa_q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_compare_hf_against_tiled_gguf(gqa_q8: Path) -> None:
     a, b = open_pair(fixture("qwen35-tiny-gqa"), gqa_q8)
-    assert a.config.v_head_order == b.config.v_head_order == "tiled"
+    assert a.v_head_order == b.v_head_order == "tiled"
     result = compare(a, b)
     assert not result.only_a and not result.only_b
     by_name = {row.name: row for row in result.tensors}

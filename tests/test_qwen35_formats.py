@@ -31,8 +31,8 @@ from qwen_convert.convert import convert
 from qwen_convert.probe import TWIN_DRAWS, TWIN_MARGIN, rounding_twin
 from qwen_convert.verify import verify_against
 from qwen_runtime import load
-from qwen_runtime.archs import V_HEAD_TILED
 from qwen_runtime.formats import ModelFiles, open_model_files
+from qwen_runtime.formats.base import V_HEAD_TILED
 from qwen_runtime.formats.gguf_parse import parse_gguf
 from qwen_runtime.models import Model, WeightStore
 from qwen_runtime.tensors import QType, StoredTensor
@@ -67,7 +67,7 @@ def test_fp32_copy_matches_transformers(converted: Converted, name: str, fmt: st
     ref = reference(name)
     model = load(converted.get(name, fmt))
     if model.config.linear_num_value_heads > model.config.linear_num_key_heads:
-        assert model.config.v_head_order == V_HEAD_TILED
+        assert model.files.v_head_order == V_HEAD_TILED
     for i in range(3):
         check_rows(model.logits(ref[f"prompt_{i}"][None])[0], ref[f"logits64_{i}"], ref[f"bound_{i}"], f"logits_{i}")
     cache = model.make_cache(1, len(ref["prompt_0"]) + 16)
@@ -109,8 +109,8 @@ def test_quantized_types_stay_close_to_fp32(converted: Converted, name: str) -> 
 
 def test_converted_files_are_read_in_tiled_order(converted: Converted) -> None:
     path: Path = converted.get("qwen35-tiny-gqa", "gguf")
-    assert open_model_files(path).config.v_head_order == V_HEAD_TILED
-    assert open_model_files(converted.get("qwen35-tiny-gqa", "hf")).config.v_head_order != V_HEAD_TILED
+    assert open_model_files(path).v_head_order == V_HEAD_TILED
+    assert open_model_files(converted.get("qwen35-tiny-gqa", "hf")).v_head_order != V_HEAD_TILED
 
 
 def with_layers_swapped(src: Path, out: Path, a: int, b: int) -> Path:

@@ -8,7 +8,7 @@ from float_error import kernel_reference64
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qwen_runtime.archs import V_HEAD_GROUPED, V_HEAD_TILED
+from qwen_runtime.formats.base import V_HEAD_GROUPED, V_HEAD_TILED, v_head_permutation
 from qwen_runtime.models import gated_delta as gd
 
 F32 = np.float32
@@ -21,7 +21,7 @@ def _rand(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarr
 def _inputs(rng: np.random.Generator, b: int, t: int, hk: int, hv: int, dk: int, dv: int,
             order: str = V_HEAD_GROUPED) -> tuple[np.ndarray, ...]:
     """Prepared q, k [B, T, Hv, dk], v [B, T, Hv, dv], g, beta [B, T, Hv] and a state [B, Hv, dk, dv]."""
-    q, k = gd.prepare_qk(_rand(rng, b, t, hk, dk), _rand(rng, b, t, hk, dk), hv, order)
+    q, k = gd.prepare_qk(_rand(rng, b, t, hk, dk), _rand(rng, b, t, hk, dk), hv, v_head_permutation(order, hk, hv))
     v = _rand(rng, b, t, hv, dv)
     g = -rng.uniform(0.0, 2.0, size=(b, t, hv)).astype(F32)
     beta = rng.uniform(0.0, 1.0, size=(b, t, hv)).astype(F32)
@@ -139,9 +139,10 @@ def test_value_head_orders_are_permutations_of_each_other() -> None:
     beta = rng.uniform(0, 1, (1, 20, hv)).astype(F32)
     # tiled head j = grouped head (j % hk) * ratio + j // hk
     perm = np.array([(j % hk) * ratio + j // hk for j in range(hv)])
+    np.testing.assert_array_equal(v_head_permutation(V_HEAD_TILED, hk, hv), perm)
     outs = {}
     for order, p in ((V_HEAD_GROUPED, np.arange(hv)), (V_HEAD_TILED, perm)):
-        q, k = gd.prepare_qk(q0, k0, hv, order)
+        q, k = gd.prepare_qk(q0, k0, hv, v_head_permutation(order, hk, hv))
         state = np.zeros((1, hv, 8, 4), F32)
         outs[order] = gd.chunked_delta_rule(q, k, v[:, :, p], g[:, :, p], beta[:, :, p], state, chunk=8)
     np.testing.assert_allclose(outs[V_HEAD_TILED], outs[V_HEAD_GROUPED][:, :, perm], atol=1e-6)
@@ -151,12 +152,12 @@ def test_value_head_orders_are_permutations_of_each_other() -> None:
 def test_key_head_index_matches_repeat_and_tile(hk: int, hv: int) -> None:
     """Grouped order repeats each key head Hv/Hk times, tiled order tiles the key heads (docs §3.4)."""
     x = np.arange(hk, dtype=F32)[None, None, :, None] * np.ones((1, 2, 1, 3), F32)  # [1, 2, Hk, 3]
-    grouped = gd.expand_key_heads(x, hv, V_HEAD_GROUPED)
-    tiled = gd.expand_key_heads(x, hv, V_HEAD_TILED)
+    grouped = gd.expand_key_heads(x, hv, v_head_permutation(V_HEAD_GROUPED, hk, hv))
+    tiled = gd.expand_key_heads(x, hv, v_head_permutation(V_HEAD_TILED, hk, hv))
     np.testing.assert_array_equal(grouped, np.repeat(x, hv // hk, axis=2))
     np.testing.assert_array_equal(tiled, np.tile(x, (1, 1, hv // hk, 1)))
     with pytest.raises(ValueError, match="value-head order"):
-        gd.key_head_index(hk, hv, "sideways")
+        v_head_permutation("sideways", hk, hv)
 
 
 def test_gates_zero_on_padding() -> None:
@@ -190,7 +191,7 @@ def test_delta_rule_matches_transformers(hf, t: int) -> None:
     g = -rng.uniform(0, 2, (b, t, hv)).astype(F32)
     beta = rng.uniform(0, 1, (b, t, hv)).astype(F32)
     state = _rand(rng, b, hv, dk, dv)
-    qn, kn = gd.prepare_qk(q, k, hv, V_HEAD_GROUPED)
+    qn, kn = gd.prepare_qk(q, k, hv, v_head_permutation(V_HEAD_GROUPED, hk, hv))
     for hf_rule, ours in ((hf.torch_recurrent_gated_delta_rule, gd.recurrent_delta_rule),
                           (hf.torch_chunk_gated_delta_rule, gd.chunked_delta_rule)):
         (want_o, want_s), bound = kernel_reference64(

@@ -18,9 +18,9 @@ from qwen_convert.convert import convert
 from qwen_convert.demo import bundled_model_path
 from qwen_convert.probe import BehaviourCheck, behaviour_check
 from qwen_convert.verify import FAILED_SUFFIX, report_json, verify_against
-from qwen_runtime.archs import V_HEAD_GROUPED
 from qwen_runtime.errors import EXIT_CODES, VerificationError
 from qwen_runtime.formats import open_hf_dir
+from qwen_runtime.formats.base import V_HEAD_GROUPED
 from qwen_runtime.formats.gguf_parse import parse_gguf
 from qwen_runtime.formats.hf_dir import shard_entries
 from qwen_runtime.tensors import Q8_0_DTYPE, to_float32

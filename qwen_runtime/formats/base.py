@@ -1,4 +1,5 @@
-"""What every reader returns: config, canonical tensors and where the tokenizer lives."""
+"""What every reader returns: config, canonical tensors, the order of Qwen3.5's value heads and where the
+tokenizer lives."""
 
 from __future__ import annotations
 
@@ -8,9 +9,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..config import ModelConfig
 from ..errors import FormatError
 from ..tensors import StoredTensor
+
+# Value-head order of Qwen3.5's linear attention when value heads outnumber key heads: HF groups the value
+# heads of one key head together; llama.cpp's converter tiles them so value head j uses key head j % Hk.
+# A storage convention: readers turn it into a permutation (:func:`v_head_permutation`) for the models.
+V_HEAD_GROUPED = "grouped"
+V_HEAD_TILED = "tiled"
+V_HEAD_ORDERS = (V_HEAD_GROUPED, V_HEAD_TILED)
 
 # Files copied next to the weights and read for the tokenizer, chat template and stop tokens.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -22,9 +32,9 @@ class ModelFiles:
     """An opened model: its config, its tensors under canonical GGUF names, and its tokenizer sources.
 
     ``tensors`` holds weights in the canonical form of llama.cpp's converter (Qwen3.5 norms with +1 baked
-    in, ``ssm_a = -exp(A_log)``, squeezed conv); ``config.v_head_order`` says how Qwen3.5 value heads are
-    ordered.  ``directory`` is set for HF and npy directories (tokenizer files live there); ``metadata``
-    holds GGUF key/values (or the npy manifest).
+    in, ``ssm_a = -exp(A_log)``, squeezed conv); ``v_head_order`` names the order Qwen3.5's value heads
+    are stored in, and :attr:`v_head_perm` is that order as the models use it.  ``directory`` is set for HF
+    and npy directories (tokenizer files live there); ``metadata`` holds GGUF key/values (or the npy manifest).
     """
 
     path: Path
@@ -35,6 +45,15 @@ class ModelFiles:
     metadata: dict[str, Any] = field(default_factory=dict)
     hf_config: dict[str, Any] | None = None
     skipped: dict[str, str] = field(default_factory=dict)  # source tensor -> why it was not used
+    v_head_order: str = V_HEAD_GROUPED
+
+    @property
+    def v_head_perm(self) -> np.ndarray | None:
+        """Which of the model's value heads each stored one is, int ``[Hv]`` (None: stored in order)."""
+        c = self.config
+        if not c.has_linear_attention:
+            return None
+        return v_head_permutation(self.v_head_order, c.linear_num_key_heads, c.linear_num_value_heads)
 
     def tensor(self, name: str) -> StoredTensor:
         try:
@@ -62,6 +81,20 @@ def is_int(value: Any) -> bool:
 
 def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def v_head_permutation(order: str, n_key_heads: int, n_value_heads: int) -> np.ndarray | None:
+    """The model's value head each stored value head is, int ``[Hv]``, for value heads stored in ``order``.
+
+    The model's value head h reads key head h // (Hv/Hk) (HF's grouped order: None, nothing to permute, as
+    when Hv = Hk).  Tiled (llama.cpp): stored head j is r·Hk + k for the model's head k·(Hv/Hk) + r.
+    """
+    if order not in V_HEAD_ORDERS:
+        raise FormatError(f"unknown value-head order {order!r}; expected one of {list(V_HEAD_ORDERS)}")
+    if order == V_HEAD_GROUPED or n_value_heads == n_key_heads:
+        return None
+    stored = np.arange(n_value_heads)
+    return (stored % n_key_heads) * (n_value_heads // n_key_heads) + stored // n_key_heads
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

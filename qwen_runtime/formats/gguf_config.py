@@ -9,7 +9,7 @@ from typing import Any
 
 from gguf import GGUFValueType, Keys
 
-from ..archs import ARCHS, SUPPORTED_ARCHS, V_HEAD_TILED
+from ..archs import SUPPORTED_ARCHS
 from ..config import ModelConfig, build_config, check_layer_count
 from ..errors import ConfigError, UnsupportedArchitectureError
 from ..gguf_keys import MODEL_KEYS, ModelKey, gguf_key
@@ -119,7 +119,6 @@ def config_from_gguf(meta: Mapping[str, Any], source: str, *, tied: bool) -> Mod
     if nextn_key in m:
         _meta_value(m, nextn_key, source, GGUFValueType.UINT32)  # an integer, or a ConfigError naming the key
     fields = _model_keys(without_mtp_blocks(m, arch), arch, source)
-    spec = ARCHS[arch]
     eos = _token_id(m, Keys.Tokenizer.EOS_ID, source)
     fields.update(
         arch=arch,
@@ -127,6 +126,4 @@ def config_from_gguf(meta: Mapping[str, Any], source: str, *, tied: bool) -> Mod
         bos_token_id=_token_id(m, Keys.Tokenizer.BOS_ID, source),
         eos_token_ids=(eos,) if eos is not None else (),
     )
-    if spec.hybrid:
-        fields["v_head_order"] = V_HEAD_TILED
     return build_config(fields, source)

@@ -17,7 +17,7 @@ from ..config import ModelConfig
 from ..errors import FormatError
 from ..naming import check_tensor_set, expected_tensors, tensor_name
 from ..tensors import SUPPORTED_QTYPES, StoredTensor, stored_view
-from .base import ModelFiles
+from .base import V_HEAD_GROUPED, V_HEAD_TILED, ModelFiles
 from .gguf_config import config_from_gguf, is_mtp_tensor, mtp_block_count
 from .gguf_parse import GGUFLayout, GGUFTensorInfo, parse_gguf, tensor_view
 
@@ -99,4 +99,5 @@ def open_gguf(path: str | Path) -> ModelFiles:
             raise FormatError(f"{part.path}: tensor {info.name!r} is also in an earlier part")
         tensors[info.name] = _tensor(part, info)
     check_tensor_set(config, tensors, str(layout.path))
-    return ModelFiles(layout.path, "gguf", config, tensors, metadata=dict(layout.metadata))
+    order = V_HEAD_TILED if config.spec.hybrid else V_HEAD_GROUPED  # llama.cpp's converter tiles them
+    return ModelFiles(layout.path, "gguf", config, tensors, metadata=dict(layout.metadata), v_head_order=order)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..archs import ARCHS, FULL_ATTENTION, LINEAR_ATTENTION, V_HEAD_GROUPED, layer_types_from_interval
+from ..archs import ARCHS, FULL_ATTENTION, LINEAR_ATTENTION, layer_types_from_interval
 from ..config import ModelConfig, build_config, check_layer_count
 from ..errors import ConfigError, UnsupportedArchitectureError
 from .base import is_int, is_number
@@ -141,6 +141,5 @@ def _linear_fields(cfg: Mapping[str, Any], layers: int, source: str) -> dict[str
         linear_value_head_dim=_get(cfg, "linear_value_head_dim", int, source),
         linear_num_key_heads=_get(cfg, "linear_num_key_heads", int, source),
         linear_num_value_heads=_get(cfg, "linear_num_value_heads", int, source),
-        v_head_order=V_HEAD_GROUPED,
     )
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..archs import V_HEAD_GROUPED, VALUE_TRANSFORMS
+from ..archs import VALUE_TRANSFORMS
 from ..config import ModelConfig
 from ..errors import FormatError
 from ..naming import (
@@ -22,7 +22,7 @@ from ..naming import (
     tile_v_heads,
 )
 from ..tensors import QType, StoredTensor, to_float32
-from .base import ModelFiles, contained_path, read_json_file
+from .base import V_HEAD_GROUPED, V_HEAD_ORDERS, V_HEAD_TILED, ModelFiles, contained_path, read_json_file
 from .hf_config import config_from_hf
 from .safetensors import SafetensorsEntry, read_header, read_index
 
@@ -94,7 +94,7 @@ def plan_entries(directory: Path, config: ModelConfig, v_head_order: str) -> Ite
             yield SourcePlan(hf_name, entry, skipped=reason)
             continue
         try:
-            plan = plan_tensor(hf_name, entry.shape, config, v_head_order)
+            plan = plan_tensor(hf_name, entry.shape, config, tiled_v_heads=v_head_order == V_HEAD_TILED)
         except FormatError as exc:
             yield SourcePlan(hf_name, entry, error=exc)
             continue
@@ -128,7 +128,9 @@ def open_hf_dir(path: str | Path, v_head_order: str | None = None) -> ModelFiles
     directory = Path(path)
     raw, config = load_hf_config(directory)
     order = v_head_order or V_HEAD_GROUPED
-    config = config.replace(v_head_order=order) if config.has_linear_attention else config
+    if order not in V_HEAD_ORDERS:
+        raise FormatError(f"{directory}: unknown value-head order {order!r}; expected one of {list(V_HEAD_ORDERS)}")
+    order = order if config.has_linear_attention else V_HEAD_GROUPED
     tensors: dict[str, StoredTensor] = {}
     skipped: dict[str, str] = {}
     for source in plan_entries(directory, config, order):
@@ -145,4 +147,5 @@ def open_hf_dir(path: str | Path, v_head_order: str | None = None) -> ModelFiles
     tied = check_tensor_set(config, tensors, str(directory))
     if tied and not config.tie_word_embeddings:
         raise FormatError(f"{directory}: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
-    return ModelFiles(directory, "hf", config, tensors, directory=directory, hf_config=raw, skipped=skipped)
+    return ModelFiles(directory, "hf", config, tensors, directory=directory, hf_config=raw, skipped=skipped,
+                      v_head_order=order)

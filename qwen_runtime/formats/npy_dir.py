@@ -26,7 +26,7 @@ from ..errors import FormatError
 from ..naming import check_tensor_set
 from ..quants import CODECS
 from ..tensors import QType, StoredTensor, stored_nbytes, stored_shape
-from .base import ModelFiles, contained_path, read_json_file
+from .base import V_HEAD_GROUPED, V_HEAD_ORDERS, ModelFiles, contained_path, read_json_file
 from .hf_dir import load_hf_config
 
 MANIFEST_NAME = "manifest.json"
@@ -150,8 +150,9 @@ def open_npy_dir(path: str | Path, verify: bool = False) -> ModelFiles:
     if manifest.get("architecture") != config.arch:
         raise FormatError(f"{directory / MANIFEST_NAME}: architecture {manifest.get('architecture')!r} "
                           f"disagrees with config.json ({config.arch})")
-    if config.spec.hybrid:
-        config = config.replace(v_head_order=manifest.get("v_head_order", config.v_head_order))
+    order = manifest.get("v_head_order", V_HEAD_GROUPED) if config.spec.hybrid else V_HEAD_GROUPED
+    if order not in V_HEAD_ORDERS:
+        raise FormatError(f"{directory / MANIFEST_NAME}: v_head_order {order!r} is not one of {list(V_HEAD_ORDERS)}")
     tensors = {}
     for name, info in manifest["tensors"].items():
         if not isinstance(info, dict):
@@ -161,7 +162,8 @@ def open_npy_dir(path: str | Path, verify: bool = False) -> ModelFiles:
             raise FormatError(f"{file}: file of tensor {name!r} is missing or not a regular file")
         tensors[name] = _open_npy(file, name, info)
     check_tensor_set(config, tensors, str(directory))
-    files = ModelFiles(directory, "npy", config, tensors, directory=directory, metadata=manifest, hf_config=raw)
+    files = ModelFiles(directory, "npy", config, tensors, directory=directory, metadata=manifest, hf_config=raw,
+                       v_head_order=order)
     if verify:
         verify_manifest_checksums(files)
     return files

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..archs import V_HEAD_GROUPED, V_HEAD_TILED
 from ..ops import rms_norm, sigmoid, silu
 from ..pool import Scratch, single_threaded_blas
 
@@ -139,24 +138,21 @@ def l2_normalize(x: np.ndarray, eps: float = L2_EPS) -> np.ndarray:
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(eps))
 
 
-def key_head_index(n_key_heads: int, n_value_heads: int, order: str) -> np.ndarray:
+def key_head_index(n_key_heads: int, n_value_heads: int, perm: np.ndarray | None = None) -> np.ndarray:
     """The key head each value head reads: int ``[Hv]``.
 
-    ``grouped`` (HF): value head j uses key head j // (Hv/Hk); ``tiled`` (llama.cpp): key head j % Hk.
+    Value head h reads key head h // (Hv/Hk); ``perm`` (int ``[Hv]``, None: in order) is the head each of the
+    value heads at hand is, when they come permuted.
     """
-    heads = np.arange(n_value_heads)
-    if order == V_HEAD_GROUPED:
-        return heads // (n_value_heads // n_key_heads)
-    if order == V_HEAD_TILED:
-        return heads % n_key_heads
-    raise ValueError(f"unknown value-head order {order!r}")
+    heads = np.arange(n_value_heads) if perm is None else np.asarray(perm)
+    return heads // (n_value_heads // n_key_heads)
 
 
-def expand_key_heads(x: np.ndarray, n_value_heads: int, order: str) -> np.ndarray:
+def expand_key_heads(x: np.ndarray, n_value_heads: int, perm: np.ndarray | None = None) -> np.ndarray:
     """Map key heads onto value heads: ``[B, T, Hk, d] -> [B, T, Hv, d]`` (see :func:`key_head_index`)."""
     if n_value_heads == x.shape[2]:
         return x
-    return x[:, :, key_head_index(x.shape[2], n_value_heads, order)]
+    return x[:, :, key_head_index(x.shape[2], n_value_heads, perm)]
 
 
 def split_qkv(mixed: np.ndarray, n_key_heads: int, key_dim: int, value_dim: int,
@@ -170,12 +166,13 @@ def split_qkv(mixed: np.ndarray, n_key_heads: int, key_dim: int, value_dim: int,
     return q, k, v
 
 
-def prepare_qk(q: np.ndarray, k: np.ndarray, n_value_heads: int, order: str) -> tuple[np.ndarray, np.ndarray]:
+def prepare_qk(q: np.ndarray, k: np.ndarray, n_value_heads: int,
+               perm: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """L2-normalise q and k, scale q by dk^-½ and map them to value heads: ``[B, T, Hk, dk] -> [B, T, Hv, dk]``."""
     scale = np.float32(q.shape[-1] ** -0.5)
     q = l2_normalize(q) * scale
     k = l2_normalize(k)
-    return expand_key_heads(q, n_value_heads, order), expand_key_heads(k, n_value_heads, order)
+    return expand_key_heads(q, n_value_heads, perm), expand_key_heads(k, n_value_heads, perm)
 
 
 def gates(b: np.ndarray, a: np.ndarray, ssm_a: np.ndarray, dt_bias: np.ndarray,

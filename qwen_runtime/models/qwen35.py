@@ -2,8 +2,8 @@
 
 Both are registered for the ``qwen35`` architecture by layer type, so the shared decoder skeleton picks one
 per layer from ``config.layer_types``.  Weights are the canonical GGUF tensors (norms already carry the +1
-of Qwen3.5's zero-centred RMSNorm, ``ssm_a = -exp(A_log)``, conv kernel ``[C, K]``); the value-head order of
-the linear-attention tensors is ``config.v_head_order``.
+of Qwen3.5's zero-centred RMSNorm, ``ssm_a = -exp(A_log)``, conv kernel ``[C, K]``); the value heads of
+the linear-attention tensors may be stored permuted (the reader's ``ModelFiles.v_head_perm``).
 
 Shapes: B batch, T new tokens, H hidden size, nh/nkv/hd attention heads, C conv channels, K conv kernel,
 Hk/Hv key/value heads and dk/dv their dims in linear attention.
@@ -122,7 +122,8 @@ class GatedDeltaNet:
         self.ssm_a = store.vector(MODEL_TENSOR.SSM_A, layer, "")  # [Hv] = -exp(A_log)
         self.norm = store.vector(MODEL_TENSOR.SSM_NORM, layer)  # [dv]
         c = config
-        self.key_heads = gd.key_head_index(c.linear_num_key_heads, c.linear_num_value_heads, c.v_head_order)  # [Hv]
+        self.key_heads = gd.key_head_index(c.linear_num_key_heads, c.linear_num_value_heads,
+                                           store.files.v_head_perm)  # [Hv]
 
     def make_cache(self, batch: int, max_len: int) -> LinearAttentionCache:
         return LinearAttentionCache(batch, self.config)
@@ -179,7 +180,7 @@ class GatedDeltaNet:
         """
         c = self.config
         keys = self.key_heads[h0:h1]
-        qh, kh = gd.prepare_qk(q[rows][:, :, keys], k[rows][:, :, keys], h1 - h0, c.v_head_order)  # [b, T, h, dk]
+        qh, kh = gd.prepare_qk(q[rows][:, :, keys], k[rows][:, :, keys], h1 - h0)  # [b, T, h, dk]
         beta, g = gd.gates(b_gate[rows, :, h0:h1], a_gate[rows, :, h0:h1], self.ssm_a[h0:h1], self.dt_bias[h0:h1],
                            None if valid is None else valid[rows])  # [b, T, h]
         o = out[rows, :, h0:h1]  # [b, T, h, dv]
