@@ -53,13 +53,10 @@ from gguf import Keys
 from qwen_runtime.archs import NEG_EXP, NO_TRANSFORM, PLUS_ONE, VALUE_TRANSFORMS
 from qwen_runtime.config import ModelConfig
 from qwen_runtime.errors import FormatError, UnsupportedTokenizerError, VerificationError
-from qwen_runtime.formats import detect_format, open_hf_dir
-from qwen_runtime.formats.base import TOKENIZER_FILES, V_HEAD_GROUPED, V_HEAD_TILED, ModelFiles, contained_path
+from qwen_runtime.formats import open_hf_dir, open_model_files
+from qwen_runtime.formats.base import TOKENIZER_FILES, V_HEAD_GROUPED, V_HEAD_TILED, ModelFiles
 from qwen_runtime.formats.gguf_config import is_metadata_array, without_mtp_blocks
-from qwen_runtime.formats.gguf_file import split_parts
-from qwen_runtime.formats.gguf_parse import parse_gguf, tensor_view
 from qwen_runtime.formats.hf_dir import plan_entries
-from qwen_runtime.formats.npy_dir import read_manifest
 from qwen_runtime.formats.safetensors import SafetensorsEntry
 from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key
 from qwen_runtime.naming import (
@@ -72,7 +69,7 @@ from qwen_runtime.naming import (
 )
 from qwen_runtime.quants import CODECS
 from qwen_runtime.quants.blocks import BlockCodec
-from qwen_runtime.tensors import Q8_0_BLOCK, QType, StoredTensor, stored_shape, stored_view, to_float32
+from qwen_runtime.tensors import Q8_0_BLOCK, QType, StoredTensor, to_float32
 
 from .gguf_metadata import special_vocab, token_table, tokenizer_pre
 from .policy import DTYPES
@@ -157,71 +154,21 @@ class SourceTensor:
     plan: TensorPlan
 
 
-@dataclass
-class OutputModel:
-    """A converted model opened leniently: whatever tensors it has, its metadata, its value-head order."""
-
-    path: Path
-    format: str
-    tensors: dict[str, StoredTensor]
-    metadata: dict[str, Any]  # GGUF key/values, or the npy manifest
-    v_head_order: str
-    dtype: str | None
-
-
 # ---------------------------------------------------------------------------------------------- opening
 
 
-def open_output(path: str | Path, n_layers: int) -> OutputModel:
-    """Open an npy directory or GGUF file without requiring the tensor set to be complete (that is checked
-    here, with better messages); MTP blocks llama.cpp appends after ``n_layers`` are left out."""
-    path = Path(path)
-    fmt = detect_format(path)
-    if fmt == "gguf":
-        return _open_gguf_output(path, n_layers)
-    if fmt == "npy":
-        return _open_npy_output(path)
-    raise FormatError(f"{path}: a Hugging Face directory is a source, not a converted output")
+def open_output(path: str | Path, config: ModelConfig) -> ModelFiles:
+    """Open an npy directory or GGUF file through the readers, leniently, as a model of ``config`` (the
+    source's): its structure is checked as always, its metadata and tensor set are checked here, with better
+    messages; MTP blocks llama.cpp appends after the decoder layers are left out."""
+    return open_model_files(path, expected=config)
 
 
-def _open_gguf_output(path: Path, n_layers: int) -> OutputModel:
-    layout = parse_gguf(path)
-    meta = dict(layout.metadata)
-    arch = meta.get(Keys.General.ARCHITECTURE, "")
-    nextn = meta.get(gguf_key(Keys.LLM.NEXTN_PREDICT_LAYERS, arch), 0)
-    tensors = {}
-    for part in split_parts(layout):
-        for info in part.tensors:
-            if nextn and _layer_of(info.name) is not None and _layer_of(info.name) >= n_layers:
-                continue
-            try:
-                data = stored_view(info.qtype, tensor_view(part, info), info.shape)
-            except FormatError as exc:
-                raise FormatError(f"{part.path}: tensor {info.name!r}: {exc}") from None
-            tensors[info.name] = StoredTensor(info.name, info.qtype, info.shape, part.path, data=data)
-    dtype = FILE_TYPE_DTYPES.get(meta.get(Keys.General.FILE_TYPE, -1))
-    return OutputModel(path, "gguf", tensors, meta, V_HEAD_TILED, dtype)
-
-
-def _open_npy_output(directory: Path) -> OutputModel:
-    manifest = read_manifest(directory)
-    tensors = {}
-    for name, info in manifest["tensors"].items():
-        if not isinstance(info, dict) or not isinstance(info.get("type"), str) or info["type"] not in QType.__members__:
-            raise FormatError(f"{directory}: manifest entry for {name!r} lacks a valid 'type'")
-        qtype, shape = QType[info["type"]], tuple(int(s) for s in info.get("shape", ()))
-        array = np.load(contained_path(directory, info.get("file"), f"tensor {name!r}"), mmap_mode="r",
-                        allow_pickle=False)
-        quantized = qtype in CODECS and CODECS[qtype].quantized
-        data = array.view(np.uint8).reshape(stored_shape(qtype, shape)) if quantized else array
-        tensors[name] = StoredTensor(name, qtype, shape, directory, data=data)
-    order = manifest.get("v_head_order", V_HEAD_GROUPED)
-    return OutputModel(directory, "npy", tensors, manifest, order, manifest.get("dtype"))
-
-
-def _layer_of(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else None
+def output_dtype(output: ModelFiles) -> str | None:
+    """The dtype a converted model declares: its manifest's, or the name of its GGUF file type."""
+    if output.format == "npy":
+        return output.metadata.get("dtype")
+    return FILE_TYPE_DTYPES.get(output.metadata.get(Keys.General.FILE_TYPE, -1))
 
 
 def plan_sources(directory: Path, config: ModelConfig,
@@ -423,7 +370,7 @@ def _numeric_cause(plan: TensorPlan, stats: ErrorStats) -> str:
             f"largest bound {stats.max_bound:.4g}{where}")
 
 
-def compare_tensors(output: OutputModel, planned: dict[str, SourceTensor], config: ModelConfig,
+def compare_tensors(output: ModelFiles, planned: dict[str, SourceTensor], config: ModelConfig,
                   report: VerifyReport) -> None:
     """Every output tensor against its source; every planned source tensor present in the output."""
     for name, tensor in output.tensors.items():
@@ -528,7 +475,7 @@ def _token_list_check(expected: list[str], actual: Any) -> MetadataCheck:
     return MetadataCheck(key, summary, summary, True)
 
 
-def npy_checks(output: OutputModel, files: ModelFiles) -> list[MetadataCheck]:
+def npy_checks(output: ModelFiles, files: ModelFiles) -> list[MetadataCheck]:
     """Manifest fields, the copied config.json and tokenizer files against the source directory."""
     manifest, config = output.metadata, files.config
     checks = [_key_check("architecture", config.arch, manifest),
@@ -557,7 +504,7 @@ def _copied_file_check(files: ModelFiles, out_dir: Path, name: str) -> list[Meta
     return [MetadataCheck(name, "copied", "copied", same, "" if same else "differs from the source's")]
 
 
-def check_metadata(output: OutputModel, files: ModelFiles) -> list[MetadataCheck]:
+def check_metadata(output: ModelFiles, files: ModelFiles) -> list[MetadataCheck]:
     """Every metadata key or manifest field the architecture needs, consistent with the source."""
     if output.format == "npy":
         return npy_checks(output, files)
@@ -573,16 +520,16 @@ def verify_against(output_path: str | Path, source_dir: str | Path, behaviour: b
     :meth:`VerifyReport.failures`, or call :meth:`VerifyReport.raise_for_failure`."""
     source = open_hf_dir(source_dir)
     config = source.config
-    output = open_output(output_path, config.num_hidden_layers)
-    report = VerifyReport(Path(output_path), Path(source_dir), output.format, output.dtype)
-    order = output.v_head_order if output.v_head_order in (V_HEAD_GROUPED, V_HEAD_TILED) else V_HEAD_GROUPED
-    planned, report.skipped, report.problems = plan_sources(Path(source_dir), config, order)
+    output = open_output(output_path, config)
+    dtype = output_dtype(output)
+    report = VerifyReport(Path(output_path), Path(source_dir), output.format, dtype)
+    planned, report.skipped, report.problems = plan_sources(Path(source_dir), config, output.v_head_order)
     compare_tensors(output, planned, config, report)
     report.metadata = check_metadata(output, source)
     if behaviour:
         from .probe import behaviour_check
 
-        report.behaviour = behaviour_check(source, output.path, output.dtype)
+        report.behaviour = behaviour_check(source, output.path, dtype)
     return report
 
 

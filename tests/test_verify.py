@@ -18,7 +18,7 @@ from qwen_convert.convert import convert
 from qwen_convert.demo import bundled_model_path
 from qwen_convert.probe import BehaviourCheck, behaviour_check
 from qwen_convert.verify import FAILED_SUFFIX, report_json, verify_against
-from qwen_runtime.errors import EXIT_CODES, VerificationError
+from qwen_runtime.errors import EXIT_CODES, FormatError, VerificationError
 from qwen_runtime.formats import open_hf_dir
 from qwen_runtime.formats.base import V_HEAD_GROUPED
 from qwen_runtime.formats.gguf_parse import parse_gguf
@@ -166,6 +166,15 @@ def test_missing_tensor_is_caught(converted, tmp_path: Path) -> None:
     assert report.failures()[0] == ("missing tensor 'blk.0.ffn_up.weight' (source "
                                     "'model.layers.0.mlp.up_proj.weight' was not converted)")
     assert "does not load" in report.behaviour.failure
+
+
+def test_npy_output_is_opened_with_the_readers_checks(converted, tmp_path: Path) -> None:
+    """verify reads an npy output through the npy reader: each file's header and size against the manifest."""
+    bad = copy_of(converted("qwen2-tiny", "npy", "fp16"), tmp_path)
+    path = bad / "blk.0.ffn_up.weight.npy"
+    path.write_bytes(path.read_bytes()[:-2])
+    with pytest.raises(FormatError, match=r"tensor 'blk\.0\.ffn_up\.weight': file has \d+ bytes, its header needs"):
+        verify_against(bad, fixture("qwen2-tiny"), behaviour=False)
 
 
 def test_dropped_lm_head_is_caught(tmp_path: Path, monkeypatch) -> None:

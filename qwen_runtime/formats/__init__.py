@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config import ModelConfig
 from ..errors import FormatError
 from .base import ModelFiles
 from .gguf_file import open_gguf
@@ -31,13 +32,23 @@ def detect_format(path: str | Path) -> str:
     raise FormatError(f"{p}: neither an npy model directory ({MANIFEST_NAME}) nor an HF one (config.json)")
 
 
-def open_model_files(path: str | Path, v_head_order: str | None = None) -> ModelFiles:
-    """Open any supported model path lazily (weights stay memory-mapped)."""
+def open_model_files(path: str | Path, v_head_order: str | None = None,
+                     expected: ModelConfig | None = None) -> ModelFiles:
+    """Open any supported model path lazily (weights stay memory-mapped).
+
+    ``v_head_order``: the order an HF directory's Qwen3.5 value heads are presented in (``grouped``, its own,
+    by default; a converted file keeps the order it stores).  ``expected``: open a converted model (GGUF or
+    npy) leniently, as a model of that config, for verification: its structure is checked as always (header,
+    bounds, alignment, types and sizes; each ``.npy`` header and size against the manifest), but not its
+    metadata nor its tensor set, which may be incomplete; ``config`` is then ``expected``.
+    """
     fmt = detect_format(path)
     if fmt == "gguf":
-        return open_gguf(path)
+        return open_gguf(path, expected)
     if fmt == "npy":
-        return open_npy_dir(path)
+        return open_npy_dir(path, expected=expected)
+    if expected is not None:
+        raise FormatError(f"{path}: a Hugging Face directory is a source, not a converted output")
     return open_hf_dir(path, v_head_order=v_head_order)
 
 

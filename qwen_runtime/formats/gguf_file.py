@@ -81,23 +81,28 @@ def check_tensor_count(path: Path, infos: list[GGUFTensorInfo], config: ModelCon
                           f"{tied} ({tied + 1} with a separate output.weight)")
 
 
-def open_gguf(path: str | Path) -> ModelFiles:
+def _tied(parts: list[GGUFLayout]) -> bool:
+    """Whether the LM head is the token embedding: no part holds ``output.weight``."""
+    return not any(info.name == tensor_name(MODEL_TENSOR.OUTPUT) for part in parts for info in part.tensors)
+
+
+def open_gguf(path: str | Path, expected: ModelConfig | None = None) -> ModelFiles:
     """Open a GGUF model file (the first part of a split one); tensors are zero-copy views of the files'
-    memory maps."""
+    memory maps.  ``expected``: open leniently as a model of that config (see :func:`.open_model_files`)."""
     layout = parse_gguf(path)
     parts = split_parts(layout)
-    infos = [info for part in parts for info in part.tensors]
-    tied = not any(info.name == tensor_name(MODEL_TENSOR.OUTPUT) for info in infos)
-    config = config_from_gguf(layout.metadata, str(layout.path), tied=tied)
+    config = expected or config_from_gguf(layout.metadata, str(layout.path), tied=_tied(parts))
     mtp = mtp_block_count(layout.metadata, config.arch)
     decoder = [(part, info) for part in parts for info in part.tensors
                if not is_mtp_tensor(info.name, config.num_hidden_layers, mtp)]
-    check_tensor_count(layout.path, [info for _, info in decoder], config)
+    if expected is None:
+        check_tensor_count(layout.path, [info for _, info in decoder], config)
     tensors: dict[str, StoredTensor] = {}
     for part, info in decoder:
         if info.name in tensors:
             raise FormatError(f"{part.path}: tensor {info.name!r} is also in an earlier part")
         tensors[info.name] = _tensor(part, info)
-    check_tensor_set(config, tensors, str(layout.path))
+    if expected is None:
+        check_tensor_set(config, tensors, str(layout.path))
     order = V_HEAD_TILED if config.spec.hybrid else V_HEAD_GROUPED  # llama.cpp's converter tiles them
     return ModelFiles(layout.path, "gguf", config, tensors, metadata=dict(layout.metadata), v_head_order=order)

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import ModelConfig
 from ..errors import FormatError
 from ..naming import check_tensor_set
 from ..quants import CODECS
@@ -142,17 +143,23 @@ def verify_manifest_checksums(files: ModelFiles) -> None:
                               f"(the file changed after it was written)")
 
 
-def open_npy_dir(path: str | Path, verify: bool = False) -> ModelFiles:
-    """Open an npy model directory; every tensor is an ``np.load(..., mmap_mode="r")`` view."""
+def open_npy_dir(path: str | Path, verify: bool = False, expected: ModelConfig | None = None) -> ModelFiles:
+    """Open an npy model directory; every tensor is a read-only memory map of its ``.npy`` file, whose header
+    and size are checked against the manifest.  ``verify``: recompute every checksum too.  ``expected``: open
+    leniently as a model of that config (see :func:`.open_model_files`): neither ``config.json`` nor the
+    tensor set is checked, and a ``v_head_order`` the manifest gets wrong reads as grouped."""
     directory = Path(path)
     manifest = read_manifest(directory)
-    raw, config = load_hf_config(directory)
-    if manifest.get("architecture") != config.arch:
+    raw, config = (None, expected) if expected is not None else load_hf_config(directory)
+    if expected is None and manifest.get("architecture") != config.arch:
         raise FormatError(f"{directory / MANIFEST_NAME}: architecture {manifest.get('architecture')!r} "
                           f"disagrees with config.json ({config.arch})")
     order = manifest.get("v_head_order", V_HEAD_GROUPED) if config.spec.hybrid else V_HEAD_GROUPED
     if order not in V_HEAD_ORDERS:
-        raise FormatError(f"{directory / MANIFEST_NAME}: v_head_order {order!r} is not one of {list(V_HEAD_ORDERS)}")
+        if expected is None:
+            raise FormatError(f"{directory / MANIFEST_NAME}: v_head_order {order!r} is not one of "
+                              f"{list(V_HEAD_ORDERS)}")
+        order = V_HEAD_GROUPED
     tensors = {}
     for name, info in manifest["tensors"].items():
         if not isinstance(info, dict):
@@ -161,7 +168,8 @@ def open_npy_dir(path: str | Path, verify: bool = False) -> ModelFiles:
         if not file.is_file():
             raise FormatError(f"{file}: file of tensor {name!r} is missing or not a regular file")
         tensors[name] = _open_npy(file, name, info)
-    check_tensor_set(config, tensors, str(directory))
+    if expected is None:
+        check_tensor_set(config, tensors, str(directory))
     files = ModelFiles(directory, "npy", config, tensors, directory=directory, metadata=manifest, hf_config=raw,
                        v_head_order=order)
     if verify:
