@@ -165,5 +165,4 @@ def forward(files: ModelFiles, ids: Sequence[int]) -> np.ndarray:  # int [T] -> 
         x = x + (gated_delta_net(h, w, c, i, perm) if c.is_linear(i) else attention(h, w, c, i))  # [T, H]
         x = x + mlp(rms_norm(x, w(c.spec.mlp_norm, i), c.rms_norm_eps), w, i)  # [T, H]
     x = rms_norm(x, w(MODEL_TENSOR.OUTPUT_NORM), c.rms_norm_eps)  # [T, H]
-    tied = tensor_name(MODEL_TENSOR.OUTPUT) not in files.tensors
-    return x @ w(MODEL_TENSOR.TOKEN_EMBD if tied else MODEL_TENSOR.OUTPUT).T  # [T, V]
+    return x @ w(MODEL_TENSOR.TOKEN_EMBD if c.tie_word_embeddings else MODEL_TENSOR.OUTPUT).T  # [T, V]

@@ -168,8 +168,9 @@ def open_npy_dir(path: str | Path, verify: bool = False, expected: ModelConfig |
         if not file.is_file():
             raise FormatError(f"{file}: file of tensor {name!r} is missing or not a regular file")
         tensors[name] = _open_npy(file, name, info)
-    if expected is None:
-        check_tensor_set(config, tensors, str(directory))
+    if expected is None and check_tensor_set(config, tensors, str(directory)) != config.tie_word_embeddings:
+        raise FormatError(f"{directory}: config.json says tie_word_embeddings is {config.tie_word_embeddings}, "
+                          f"but output.weight is {'present' if config.tie_word_embeddings else 'missing'}")
     files = ModelFiles(directory, "npy", config, tensors, directory=directory, metadata=manifest, hf_config=raw,
                        v_head_order=order)
     if verify:

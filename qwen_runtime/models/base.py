@@ -48,9 +48,6 @@ class WeightStore:
     def name(self, kind: MODEL_TENSOR, layer: int | None = None, suffix: str = ".weight") -> str:
         return tensor_name(kind, layer, suffix)
 
-    def has(self, kind: MODEL_TENSOR, layer: int | None = None, suffix: str = ".weight") -> bool:
-        return tensor_name(kind, layer, suffix) in self.files.tensors
-
     def matrix(self, kind: MODEL_TENSOR, layer: int | None = None) -> Weight:
         """A ``[out, in]`` weight used in its stored type (the same object for the same name)."""
         name = tensor_name(kind, layer)

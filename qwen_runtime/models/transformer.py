@@ -58,7 +58,7 @@ class Model:
         self.embed = store.matrix(MODEL_TENSOR.TOKEN_EMBD)
         self.blocks = [Block(config, i, store) for i in range(config.num_hidden_layers)]
         self.norm = store.vector(MODEL_TENSOR.OUTPUT_NORM)
-        self.tied = not store.has(MODEL_TENSOR.OUTPUT)
+        self.tied = config.tie_word_embeddings  # the reader decided it: no output.weight in the file
         self.lm_head = self.embed if self.tied else store.matrix(MODEL_TENSOR.OUTPUT)
         self.workspace = store.workspace
 
