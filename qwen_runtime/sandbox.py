@@ -16,7 +16,8 @@ A cap checked on the result comes too late where a small input makes a huge one:
 size of what these operations build is computed from their inputs first (:func:`text_size`, an upper bound
 of ``len(str(value))`` that stops counting past the cap): replace, join, indent, wordwrap, translate,
 expandtabs, ``%`` and ``format`` (filter and method), string/pprint/tojson conversions, ``~`` and printed
-values.  A MemoryError while rendering is a refusal too.
+values; ``|sum`` over sequences, quadratic in time, is bounded by the items it would copy.  A MemoryError
+while rendering is a refusal too.
 
 Every violation is a :class:`~qwen_runtime.errors.TemplateError`.
 """
@@ -34,7 +35,7 @@ from jinja2.filters import make_attrgetter
 from jinja2.nodes import Concat
 from jinja2.runtime import Context, EvalContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.utils import Namespace, pass_eval_context
+from jinja2.utils import Namespace, pass_environment, pass_eval_context
 
 from .errors import TemplateError
 
@@ -48,6 +49,7 @@ HUGE_FORMAT_WIDTH = re.compile(r"%[^a-zA-Z%]*\d{7,}|\{[^{}]*\d{7,}[^{}]*\}")
 # One %-format field: mapping key, flags, width, precision, length modifier, conversion.
 PERCENT_FIELD = re.compile(r"%(?:\(([^)]*)\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?(.)", re.DOTALL)
 NUMBER_TEXT = 330  # characters a formatted number may take (float('1e308') with '%f' has 309 digits)
+MAX_SUM_COPIES = 1 << 26  # items copied by |sum over sequences, which copies the running total at each step
 
 
 class _BudgetCodeGenerator(CodeGenerator):
@@ -148,12 +150,13 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         super().__init__(finalize=self._printed, **options)
         self.steps_left = MAX_STEPS
         self.globals["range"] = self._range
-        join = self.filters["join"]
+        join, total = self.filters["join"], self.filters["sum"]
         self.filters = {name: self.bounded_callable(f, FILTER_SIZES.get(name), f"|{name}")
                         for name, f in self.filters.items()}
         self.filters["format"] = self.bounded_callable(_checked_format(self.filters["format"]), FILTER_SIZES["format"],
                                                        "|format")
         self.filters["join"] = self.bounded_callable(_checked_join(join))
+        self.filters["sum"] = self.bounded_callable(_checked_sum(total))
 
     def step(self) -> None:
         self.steps_left -= 1
@@ -294,6 +297,25 @@ def _checked_join(join: Callable[..., str]) -> Callable[..., str]:
             value = map(make_attrgetter(eval_ctx.environment, attribute), value)
         separator = text_size(d, MAX_LENGTH)
         return join(eval_ctx, _taken(value, lambda item: text_size(item, MAX_LENGTH) + separator), d)
+    return checked
+
+
+def _checked_sum(sum_filter: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``sum`` filter; over sequences (``start`` a list, tuple or string) each step copies the running
+    total, so n items of total length L copy up to n·L items: refused past :data:`MAX_SUM_COPIES` (20,000
+    one-item lists took 1.7 s, a million would take an hour) or a result past MAX_LENGTH."""
+    @pass_environment
+    def checked(environment: Any, iterable: Iterable[Any], attribute: str | int | None = None, start: Any = 0
+                ) -> Any:
+        if attribute is not None:
+            iterable = map(make_attrgetter(environment, attribute), iterable)
+        if isinstance(start, (list, tuple, str)):
+            items = _taken(iterable, lambda item: len(item) if isinstance(item, Sized) else 0)
+            copies = len(items) * (len(start) + sum(len(i) for i in items if isinstance(i, Sized)))
+            if copies > MAX_SUM_COPIES:
+                raise _refuse(f"a |sum of {len(items)} sequences copying {copies} items (at most {MAX_SUM_COPIES})")
+            iterable = items
+        return sum_filter(environment, iterable, start=start)
     return checked
 
 

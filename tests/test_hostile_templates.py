@@ -94,6 +94,7 @@ AMPLIFIERS = {
     "str.format_map": '{{ ("{a}" * 300000).format_map({"a": s}) }}',
     "percent": '{{ ("%s" * 300000) % ((s,) * 300000) }}',
     "percent with a mapping": '{{ ("%(a)s" * 100000) % {"a": s} }}',
+    "sum of lists (quadratic)": "{{ ([[1]] * 1000000)|sum(start=[]) }}",
     "translate": "{{ s.translate({120: s}) }}",
     "expandtabs": '{{ ("\t" * 1000000).expandtabs(1000000) }}',
 }
@@ -116,7 +117,8 @@ def test_amplifiers_within_the_cap_render_as_in_the_plain_sandbox() -> None:
     s = "ab\tc\nd" * 1000
     for source in ['{{ s|replace("a", "xyz") }}', '{{ ([s] * 3)|join("-") }}', '{{ s.replace("b", s[:50]) }}',
                    "{{ s|indent(8) }}", '{{ ("{0}|" * 3).format(s) }}', '{{ "%s and %s" % (s, s) }}',
-                   '{{ s.expandtabs(4) }}', "{{ [s, 1, none]|tojson(indent=2) }}", "{{ [s] * 3 }}"]:
+                   '{{ s.expandtabs(4) }}', "{{ [s, 1, none]|tojson(indent=2) }}", "{{ [s] * 3 }}",
+                   "{{ ([[1, 2]] * 100)|sum(start=[]) }}", "{{ [1, 2.5]|sum }}"]:
         assert ChatTemplate(source).render([], s=s) == sandbox_render(source, s=s), source
 
 
