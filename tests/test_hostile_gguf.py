@@ -20,6 +20,7 @@ from qwen_runtime.formats import open_gguf
 from qwen_runtime.formats.gguf_parse import (
     MAX_DECODED_TEXT,
     MAX_KEYS,
+    MAX_OTHER_STRINGS,
     MAX_TENSORS,
     SCALAR_FORMATS,
     TENSOR_INFO_MIN_BYTES,
@@ -118,9 +119,9 @@ def test_malformed_key_values(body: bytes, fragment: str, tmp_path: Path) -> Non
     fails(minimal() + body + bytes(64), tmp_path, fragment)
 
 
-def string_array(elements: list[bytes]) -> bytes:
-    """A one-key GGUF with no tensors whose key 'k' is a string array of ``elements``."""
-    return (minimal() + pack_string("k") + struct.pack("<IIQ", GGUFValueType.ARRAY, GGUFValueType.STRING,
+def string_array(elements: list[bytes], key: str = "k") -> bytes:
+    """A one-key GGUF with no tensors whose key ``key`` is a string array of ``elements``."""
+    return (minimal() + pack_string(key) + struct.pack("<IIQ", GGUFValueType.ARRAY, GGUFValueType.STRING,
                                                        len(elements)) + b"".join(map(pack_string, elements)))
 
 
@@ -161,14 +162,14 @@ def test_string_arrays_are_read_from_the_map(tmp_path: Path) -> None:
 def test_string_arrays_cost_no_str_per_element(tmp_path: Path) -> None:
     n = 100_000
     path = tmp_path / "vocab.gguf"
-    path.write_bytes(string_array([f"tok{i}".encode() for i in range(n)]))
+    path.write_bytes(string_array([f"tok{i}".encode() for i in range(n)], key="tokenizer.ggml.tokens"))
     tracemalloc.start()
     try:
         layout = parse_gguf(path)
         kept, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert layout.metadata["k"][-1] == f"tok{n - 1}"
+    assert layout.metadata["tokenizer.ggml.tokens"][-1] == f"tok{n - 1}"
     assert kept < n  # one int64 offset per INDEX_STRIDE elements; a list of str would keep ~60 bytes each
 
 
@@ -230,7 +231,7 @@ HOSTILE_SIZES = {  # what each file cost before numeric arrays stayed in the map
     "INT16 array (+411 MB)": lambda: numeric_array_file(GGUFValueType.INT16, 20 * MIB),
     "FLOAT32 array": lambda: numeric_array_file(GGUFValueType.FLOAT32, 20 * MIB),
     "UINT8 array": lambda: numeric_array_file(GGUFValueType.UINT8, 20 * MIB),
-    "empty strings (+95 MB)": lambda: string_array([b""] * (20 * MIB // 8)),
+    "empty strings (+95 MB)": lambda: string_array([b""] * (20 * MIB // 8), key="tokenizer.ggml.tokens"),
     "one long string": lambda: string_array([b"\xf0\x9f\x99\x82" * (5 * MIB)]),
 }
 
@@ -251,6 +252,9 @@ def test_decoded_text_keys_and_tensors_are_bounded(tmp_path: Path) -> None:
     fails(minimal(MAX_KEYS + 1) + keys, tmp_path, f"{MAX_KEYS + 1} metadata keys, more than the {MAX_KEYS}")
     fails(minimal(0, MAX_TENSORS + 1) + bytes(TENSOR_INFO_MIN_BYTES * (MAX_TENSORS + 1)), tmp_path,
           f"{MAX_TENSORS + 1} tensors, more than the {MAX_TENSORS}")
+    fails(string_array([b""] * (MAX_OTHER_STRINGS + 1)), tmp_path,
+          f"key 'k': a string array of {MAX_OTHER_STRINGS + 1} elements, more than the {MAX_OTHER_STRINGS} allowed "
+          f"outside the vocabulary")
 
 
 def test_duplicate_key(raw: RawGGUF, tmp_path: Path) -> None:

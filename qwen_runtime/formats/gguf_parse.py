@@ -5,7 +5,8 @@ views from claimed offsets.  This parser checks each claim against the bytes tha
 it, and keeps what it reads in the map, so a hostile file costs at most its own size (its pages, once read)
 plus a few MiB: numeric arrays are read-only numpy views of the map, a string array keeps one offset per
 :data:`INDEX_STRIDE` elements, and the text it decodes (keys, string values, tensor names) is bounded by
-:data:`MAX_DECODED_TEXT`, the key and tensor counts by :data:`MAX_KEYS` and :data:`MAX_TENSORS`.
+:data:`MAX_DECODED_TEXT`, the key and tensor counts by :data:`MAX_KEYS` and :data:`MAX_TENSORS`, string
+arrays outside the vocabulary (keys other readers add) by :data:`MAX_OTHER_STRINGS` elements.
 Layout (GGUF v2/v3, little-endian; see docs/qwen-architectures.md §4.1):
 
 1. magic ``GGUF``, version u32, tensor_count u64, kv_count u64;
@@ -53,6 +54,11 @@ UTF8_SLICE = 1 << 20  # bytes of a string array copied at a time for its UTF-8 c
 MAX_KEYS = 1 << 14
 MAX_TENSORS = 1 << 14
 MAX_DECODED_TEXT = 4 << 20  # UTF-8 bytes of keys, string values and tensor names decoded into ``str``
+# String arrays are walked element by element: the vocabulary's (tokens, merges) up to a vocabulary's size,
+# any other key's (tags, languages, ...) far fewer.  Numeric arrays are views of the map and cost nothing.
+VOCABULARY_ARRAYS = frozenset({Keys.Tokenizer.LIST, Keys.Tokenizer.MERGES})
+MAX_VOCABULARY_STRINGS = 1 << 22  # qwen_runtime.config.MAX_VOCAB
+MAX_OTHER_STRINGS = 1 << 16
 
 
 class GGUFStrings(Sequence[str]):
@@ -241,7 +247,7 @@ class _Utf8Check:
     first bad element, which is then decoded alone for the message."""
 
     def __init__(self, cur: _Cursor, what: str, start: int) -> None:
-        self.cur, self.what, self.start, self.done = cur, what, start, start
+        self.cur, self.what, self.done = cur, what, start
         self.decoder = codecs.getincrementaldecoder("utf-8")()
 
     def feed(self, heads: array, upto: int, index: array, final: bool = False) -> None:
@@ -299,6 +305,10 @@ def _array(cur: _Cursor, key: str) -> np.ndarray | GGUFStrings:
         raise FormatError(f"{cur.path}: key {key!r}: nested arrays are not supported")
     if etype == GGUFValueType.STRING:
         n = cur.count(STRING_MIN_BYTES, f"array {key!r}")
+        limit = MAX_VOCABULARY_STRINGS if key in VOCABULARY_ARRAYS else MAX_OTHER_STRINGS
+        if n > limit:
+            raise FormatError(f"{cur.path}: key {key!r}: a string array of {n} elements, more than the {limit} "
+                              f"allowed {'for a vocabulary' if key in VOCABULARY_ARRAYS else 'outside the vocabulary'}")
         return cur.strings(n, f"{key!r}")
     dtype = np.dtype(SCALAR_FORMATS[etype])
     n = cur.count(dtype.itemsize, f"array {key!r}")
