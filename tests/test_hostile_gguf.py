@@ -356,6 +356,24 @@ def test_wrong_typed_or_absurd_key(raw: RawGGUF, tmp_path: Path, key: str, vtype
     fails(raw, tmp_path, fragment, error=ConfigError)
 
 
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory: pytest.TempPathFactory) -> RawGGUF:
+    return RawGGUF.from_file(converted("qwen35-tiny", tmp_path_factory.mktemp("gguf35"), "gguf"))
+
+
+@pytest.mark.parametrize(("key", "value", "etype", "fragment"), [
+    ("qwen35.attention.recurrent_layers", [1, 0, 1, 1], GGUFValueType.INT32, "should be an array of booleans"),
+    ("qwen35.attention.recurrent_layers", [True] * 5000, GGUFValueType.BOOL, "5000 entries, more than 4096"),
+    ("qwen35.rope.dimension_sections", [1.0, 2.0], GGUFValueType.FLOAT32, "array of non-negative integers"),
+    ("qwen35.rope.dimension_sections", [-1, 2, 0, 0], GGUFValueType.INT32, "array of non-negative integers"),
+])
+def test_wrong_typed_model_arrays(qwen35: RawGGUF, tmp_path: Path, key: str, value: list, etype: GGUFValueType,
+                                  fragment: str) -> None:
+    raw = copy.deepcopy(qwen35)
+    raw.set_kv(key, GGUFValueType.ARRAY, value, etype)
+    fails(raw, tmp_path, repr(key), fragment, error=ConfigError)
+
+
 def test_unsupported_architecture(raw: RawGGUF, tmp_path: Path) -> None:
     raw.set_kv("general.architecture", GGUFValueType.STRING, "llama")
     fails(raw, tmp_path, "'llama'", error=UnsupportedArchitectureError)
