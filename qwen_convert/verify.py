@@ -608,7 +608,10 @@ def _token_type_check(expected: list[int], tokens: list[str], actual: Any, added
 
 
 def _type_name(value: int) -> str:
-    return TokenType(value).name if value in TokenType._value2member_map_ else str(value)
+    try:
+        return TokenType(value).name
+    except ValueError:
+        return str(value)
 
 
 def _merges_check(expected: list[str], actual: Any) -> MetadataCheck:
