@@ -29,7 +29,7 @@ from .config import is_metadata_array
 from .errors import ContextOverflowError, FormatError, TemplateError
 from .formats import ModelFiles
 from .formats.base import read_text_file
-from .sandbox import BoundedEnvironment
+from .sandbox import BoundedEnvironment, json_size
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -49,6 +49,13 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def _tojson_size(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+                 separators: tuple[str, str] | None = None, sort_keys: bool = False) -> int:
+    """An upper bound of ``len(_tojson(...))``, before it is built."""
+    custom = isinstance(separators, (list, tuple)) and all(isinstance(s, str) for s in separators)
+    return json_size(value, indent, sum(map(len, separators)) + 1 if custom else 3)
+
+
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
@@ -58,7 +65,7 @@ class ChatTemplate:
 
     def __init__(self, source: str) -> None:
         env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = env.bounded_callable(_tojson)
+        env.filters["tojson"] = env.bounded_callable(_tojson, _tojson_size, "|tojson")
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         try:
             self.template = env.from_string(source)

@@ -18,12 +18,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from gguf import Keys, TokenType
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from .archs import PRE_DEEPSEEK_R1_QWEN, PRE_GPT2, PRE_QWEN2, PRE_QWEN35
-from .config import is_metadata_array
+from .config import is_metadata_array, metadata_array
 from .errors import FormatError
 
 # Qwen2's pre-tokenizer split (llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2; also used by deepseek-r1-qwen).
@@ -121,12 +122,14 @@ def build_gguf_tokenizer(meta: dict[str, Any], source: str) -> HFTokenizer:
         raise FormatError(f"{source}: tokenizer pre-tokenizer {pre!r} is not supported; "
                           f"supported: {sorted(PRE_PATTERNS)}")
     tokens = [str(t) for t in _meta_list(meta, Keys.Tokenizer.LIST, source)]
-    types = meta.get(Keys.Tokenizer.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens)
-    if not isinstance(types, list) or not all(isinstance(t, int) for t in types):
+    stored = meta.get(Keys.Tokenizer.TOKEN_TYPE)
+    array = metadata_array(stored) if stored is not None else np.full(len(tokens), TokenType.NORMAL)
+    if array is None:
         raise FormatError(f"{source}: metadata key {Keys.Tokenizer.TOKEN_TYPE!r} should be an array of integers")
+    if len(array) != len(tokens):
+        raise FormatError(f"{source}: {len(tokens)} tokens but {len(array)} token types")
+    types = array.tolist()
     merges = [tuple(str(m).split(" ", 1)) for m in _meta_list(meta, Keys.Tokenizer.MERGES, source)]
-    if len(types) != len(tokens):
-        raise FormatError(f"{source}: {len(tokens)} tokens but {len(types)} token types")
     if any(len(m) != 2 for m in merges):
         raise FormatError(f"{source}: metadata key {Keys.Tokenizer.MERGES!r} has an entry without a space")
     vocab = {t: i for i, (t, k) in enumerate(zip(tokens, types, strict=True)) if k != TokenType.UNUSED}
