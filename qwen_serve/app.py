@@ -33,8 +33,20 @@ import qwen_runtime
 from qwen_runtime.chat import ChatFormat, chat_format
 from qwen_runtime.errors import TemplateError
 from qwen_runtime.models import Model
+from qwen_runtime.tokenizer import Tokenizer
 
-from .engine import Delta, Done, Engine, Event, Failed, Finished, Job, QueueFullError, RequestTooLargeError
+from .engine import (
+    Delta,
+    Done,
+    Engine,
+    EngineStoppedError,
+    Event,
+    Failed,
+    Finished,
+    Job,
+    QueueFullError,
+    RequestTooLargeError,
+)
 from .outputs import (
     THINK_CLOSE,
     THINK_OPEN,
@@ -65,6 +77,7 @@ MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused with 413
 DEFAULT_MAX_TOKENS = 4096  # chat requests without max_tokens: at most this many (and what the context leaves)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 RETRY_AFTER_SECONDS = 2
+NFC_CHARS_PER_BYTE = 2
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -73,6 +86,13 @@ def generation_defaults(model: Model) -> dict[str, float]:
     config = model.files.read_json("generation_config.json") or {}
     return {k: float(v) for k, v in config.items()
             if k in SAMPLING_DEFAULT_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def max_prompt_chars(context: int, tokenizer: Tokenizer) -> int:
+    """Characters a prompt of ``context`` tokens can have at most: no token covers more than the
+    vocabulary's longest token, and NFC composition (a letter and its marks become one character) at most
+    doubles the characters per UTF-8 byte.  Longer texts are refused before any tokenizing."""
+    return context * NFC_CHARS_PER_BYTE * tokenizer.longest_token_bytes
 
 
 @dataclass
@@ -86,6 +106,7 @@ class ServerState:
     api_key: str | None
     max_body_bytes: int
     created: int
+    max_prompt_chars: int  # longer prompts are refused before tokenizing (max_prompt_chars())
 
     @property
     def context(self) -> int:
@@ -109,7 +130,8 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
     engine = Engine(model, fmt.tokenizer, fmt.stop_ids, max_batch=max_batch, max_queue=max_queue,
                     max_memory=max_memory, prefill_chunk=prefill_chunk, max_context=max_context, text_ids=text_ids)
     name = model_name or (model.path.stem if model.path.is_file() else model.path.name)
-    state = ServerState(engine, fmt, name, generation_defaults(model), api_key, max_body_bytes, int(time.time()))
+    state = ServerState(engine, fmt, name, generation_defaults(model), api_key, max_body_bytes, int(time.time()),
+                        max_prompt_chars(engine.context, fmt.tokenizer))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -198,6 +220,24 @@ def check_model(state: ServerState, name: str | None) -> None:
                        "model", "model_not_found")
 
 
+def context_exceeded(state: ServerState, prompt: str, max_tokens: int | None, param: str) -> APIError:
+    asked = f" + {max_tokens} max_tokens" if max_tokens is not None else ""
+    return APIError(400, f"the maximum context length is {state.context} tokens; the request has more than "
+                    f"{state.context - (max_tokens or 1)} prompt tokens{asked} ({len(prompt)} characters)", param,
+                    "context_length_exceeded")
+
+
+def encode_within_context(state: ServerState, text: str, max_tokens: int | None, param: str) -> list[int]:
+    """The prompt's ids, refused with ``context_length_exceeded`` without tokenizing more than the context
+    can hold: a text longer than :attr:`ServerState.max_prompt_chars` is refused at once, others are encoded
+    in pieces that stop once past the room (run it off the event loop: each piece releases the GIL)."""
+    limit = state.context - (max_tokens or 1)
+    ids = state.fmt.encode_prompt_within(text, limit) if limit > 0 and len(text) <= state.max_prompt_chars else None
+    if ids is None:
+        raise context_exceeded(state, text, max_tokens, param)
+    return ids
+
+
 def check_context(state: ServerState, prompt_tokens: int, max_tokens: int | None, param: str) -> int:
     """``max_tokens`` (defaulted from what the context leaves), or 400 ``context_length_exceeded``."""
     room = state.context - prompt_tokens
@@ -269,6 +309,9 @@ def submit(state: ServerState, prompts: list[list[int]], fields: GenerationField
         channel.cancel()
         raise APIError(503, f"the server is busy ({exc}); retry later", None, "server_overloaded", "server_error",
                        {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except EngineStoppedError as exc:
+        channel.cancel()
+        raise APIError(503, str(exc), None, "engine_stopped", "server_error") from None
     except RequestTooLargeError as exc:
         channel.cancel()
         raise APIError(400, str(exc), "n" if "n=" in str(exc) else "max_tokens", "request_too_large") from None
@@ -334,6 +377,7 @@ def chat_logprobs(state: ServerState, delta: Delta) -> list[dict[str, Any]]:
 
 
 def render_chat(state: ServerState, req: ChatRequest) -> tuple[list[int], str]:
+    """The prompt's text and ids (on a worker thread: rendering and tokenizing a large request take a while)."""
     kwargs = dict(req.template_kwargs)
     enable_thinking = kwargs.pop("enable_thinking", None)
     if req.tools is not None:
@@ -343,7 +387,7 @@ def render_chat(state: ServerState, req: ChatRequest) -> tuple[list[int], str]:
     except TemplateError as exc:
         raise APIError(400, f"the chat template failed on these messages: {exc}", "messages",
                        "template_error") from None
-    return state.fmt.encode_prompt(text), text
+    return encode_within_context(state, text, req.fields.max_tokens, "messages"), text
 
 
 class ChatChoice:
@@ -385,7 +429,7 @@ class ChatChoice:
 async def chat_completions(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
     req = chat_request(body, state.defaults, state.engine.max_batch)
     check_model(state, req.fields.model)
-    prompt_ids, prompt = render_chat(state, req)
+    prompt_ids, prompt = await asyncio.to_thread(render_chat, state, req)
     max_tokens = check_context(state, len(prompt_ids), req.fields.max_tokens, "messages")
     channel = submit(state, [prompt_ids], req.fields, [max_tokens], req.logprobs)
     reasoning = THINK_OPEN in prompt or THINK_OPEN in (state.fmt.template.source if state.fmt.template else "")
@@ -413,8 +457,10 @@ async def chat_completions(state: ServerState, request: Request, body: dict[str,
 
 async def stream_chat(state: ServerState, req: ChatRequest, channel: JobChannel, choices: list[ChatChoice],
                       head: dict[str, Any]) -> AsyncIterator[bytes]:
+    usage_field = {"usage": None} if req.fields.include_usage else {}  # null in every chunk but the last
+
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
-        return sse({**head, "object": "chat.completion.chunk", "system_fingerprint": None,
+        return sse({**head, "object": "chat.completion.chunk", "system_fingerprint": None, **usage_field,
                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
 
     def parts(reasoning: str, content: str) -> dict[str, Any]:
@@ -454,8 +500,9 @@ async def stream_chat(state: ServerState, req: ChatRequest, channel: JobChannel,
 # --- completions ------------------------------------------------------------------------------------------
 
 
-def completion_logprobs(state: ServerState, deltas: list[Delta]) -> dict[str, Any]:
-    tokens, values, tops, offsets, offset = [], [], [], [], 0
+def completion_logprobs(state: ServerState, deltas: list[Delta], offset: int = 0) -> dict[str, Any]:
+    """The legacy logprobs object; ``text_offset`` counts from ``offset`` (where a streamed chunk starts)."""
+    tokens, values, tops, offsets = [], [], [], []
     for delta in deltas:
         for lp in delta.logprobs:
             text = token_text(state, lp.token_id)[0]
@@ -471,11 +518,12 @@ async def completions(state: ServerState, request: Request, body: dict[str, Any]
     req: CompletionRequest = completion_request(body, state.defaults, state.engine.max_batch,
                                                 state.engine.model.config.vocab_size)
     check_model(state, req.fields.model)
-    prompts = [p if isinstance(p, list) else state.fmt.encode_prompt(p) for p in req.prompts]
+    asked = req.fields.max_tokens or COMPLETION_MAX_TOKENS
+    prompts = [p if isinstance(p, list) else await asyncio.to_thread(encode_within_context, state, p, asked, "prompt")
+               for p in req.prompts]
     if not all(prompts):
         raise bad("prompt", "a prompt has no tokens")
-    limits = [check_context(state, len(ids), req.fields.max_tokens or COMPLETION_MAX_TOKENS, "prompt")
-              for ids in prompts]
+    limits = [check_context(state, len(ids), asked, "prompt") for ids in prompts]
     channel = submit(state, prompts, req.fields, limits, req.logprobs)
     head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
@@ -502,10 +550,17 @@ async def completions(state: ServerState, request: Request, body: dict[str, Any]
 
 async def stream_completion(state: ServerState, req: CompletionRequest, channel: JobChannel,
                             head: dict[str, Any]) -> AsyncIterator[bytes]:
+    if req.fields.include_usage:  # OpenAI sends "usage": null in every chunk but the last
+        head = {**head, "usage": None}
+    offsets: dict[int, int] = {}  # choice -> text_offset of its next token
     try:
         async for event in channel.events():
             if isinstance(event, Delta):
-                logprobs = completion_logprobs(state, [event]) if req.logprobs is not None else None
+                logprobs = None
+                if req.logprobs is not None:
+                    start = offsets.get(event.choice, 0)
+                    logprobs = completion_logprobs(state, [event], start)
+                    offsets[event.choice] = start + sum(len(t) for t in logprobs["tokens"])
                 yield sse({**head, "choices": [{"index": event.choice, "text": event.text, "logprobs": logprobs,
                                                 "finish_reason": None}]})
             elif isinstance(event, Finished):
@@ -532,13 +587,19 @@ async def list_models(state: ServerState, request: Request, body: dict[str, Any]
 
 async def health(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
     engine = state.engine
-    if engine.error is not None:
-        return JSONResponse({"status": "error", "error": engine.error}, status_code=500)
+    if engine.error is not None:  # the loop died too often in a row; submit() refuses with 503 as well
+        return JSONResponse({"status": "error", "error": engine.error, **engine.status()}, status_code=503)
     return JSONResponse({"status": "ok", "model": state.model_name, **engine.status()})
 
 
 async def tokenize(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
     check_model(state, body.get("model") if isinstance(body.get("model"), str) else None)
+    ids = await asyncio.to_thread(tokenize_body, state, body)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.context})
+
+
+def tokenize_body(state: ServerState, body: dict[str, Any]) -> list[int]:
+    """/tokenize's ids (on a worker thread; a body has at most as many tokens as bytes)."""
     if "messages" in body:
         kwargs = template_kwargs(body)
         enable_thinking = kwargs.pop("enable_thinking", None)
@@ -551,14 +612,13 @@ async def tokenize(state: ServerState, request: Request, body: dict[str, Any]) -
         except TemplateError as exc:
             raise APIError(400, f"the chat template failed on these messages: {exc}", "messages",
                            "template_error") from None
-        ids = state.fmt.encode_prompt(text)
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise bad("prompt", "expected a string (or send messages)", "missing" if prompt is None else "invalid_type")
-        ids = state.fmt.encode_prompt(prompt) if get_bool(body, "add_special_tokens", True) \
-            else state.fmt.tokenizer.encode(prompt)
-    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.context})
+        return state.fmt.encode_prompt_within(text, len(text.encode()) + 1)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad("prompt", "expected a string (or send messages)", "missing" if prompt is None else "invalid_type")
+    limit = len(prompt.encode()) + 1
+    return state.fmt.encode_prompt_within(prompt, limit) if get_bool(body, "add_special_tokens", True) \
+        else state.fmt.tokenizer.encode_within(prompt, limit)
 
 
 async def detokenize(state: ServerState, request: Request, body: dict[str, Any]) -> Response:

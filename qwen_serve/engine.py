@@ -42,6 +42,11 @@ log = logging.getLogger("qwen_serve")
 
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
 MAX_TOP_LOGPROBS = 20
+MAX_RESTARTS = 3  # loop deaths in a row (no step completing between them) before the engine gives up
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop died more than :data:`MAX_RESTARTS` times in a row: nothing will be served."""
 
 
 class QueueFullError(Exception):
@@ -209,7 +214,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps = 0  # decode steps run so far
         self.peak_rows = 0  # the most rows one decode step ran
-        self.error: str | None = None  # set if the loop itself died (a bug)
+        self.restarts = 0  # times the loop died (a bug) and was restarted
+        self.last_error: str | None = None  # why it last died
+        self.error: str | None = None  # set when it died too often in a row and was not restarted
+        self._deaths_in_a_row = 0
 
     # --- the HTTP side ----------------------------------------------------------------------------------
 
@@ -231,7 +239,10 @@ class Engine:
                 f"the request needs about {format_bytes(need)} of cache, more than the server's memory limit of "
                 f"{format_bytes(self.memory_limit)} allows; use a shorter prompt, fewer choices or max_tokens")
         with self._cond:
-            busy = len(self._rows) + (self._prefill[0].n if self._prefill else 0)
+            if self.error is not None:
+                raise EngineStoppedError(f"the engine stopped after repeated internal errors: {self.error}")
+            prefill = self._prefill  # written by the engine thread: read once
+            busy = len(self._rows) + (prefill[0].n if prefill else 0)
             free = max(0, self.max_batch - busy - sum(j.n for j in self._waiting))
             if job.n > free and len(self._waiting) >= self.max_queue:
                 raise QueueFullError(f"{busy} of {self.max_batch} rows busy and {len(self._waiting)} requests waiting")
@@ -244,13 +255,15 @@ class Engine:
             return {"running_rows": len(self._rows), "waiting": len(self._waiting),
                     "prefilling": self._prefill is not None, "max_batch": self.max_batch,
                     "decode_steps": self.steps, "peak_rows": self.peak_rows,
-                    "reserved_bytes": sum(self._reserved.values()), "memory_limit_bytes": self.memory_limit}
+                    "reserved_bytes": sum(self._reserved.values()), "memory_limit_bytes": self.memory_limit,
+                    "restarts": self.restarts, "last_error": self.last_error}
 
     def start(self) -> None:
+        """Start the engine thread (a no-op while it runs, or once the engine has given up)."""
         with self._cond:
-            if self._thread is None or not self._thread.is_alive():
+            if self.error is None and (self._thread is None or not self._thread.is_alive()):
                 self._stopping = False
-                self._thread = threading.Thread(target=self._loop, name="qwen-serve-engine", daemon=True)
+                self._thread = threading.Thread(target=self._run, name="qwen-serve-engine", daemon=True)
                 self._thread.start()
 
     def stop(self) -> None:
@@ -264,26 +277,47 @@ class Engine:
 
     # --- the engine thread ------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        try:
-            while True:
+    def _run(self) -> None:
+        """The thread: the loop, restarted when it dies (a bug outside any step).  The jobs in flight fail,
+        waiting ones stay queued; after :data:`MAX_RESTARTS` deaths in a row the engine gives up: every job
+        fails, :meth:`submit` raises :class:`EngineStoppedError` and ``/health`` reports the error."""
+        while True:
+            try:
+                self._loop()
+                self._abandon_all("the server is shutting down")
+                return
+            except Exception as exc:
+                log.exception("engine loop died")
+                message = f"{type(exc).__name__}: {exc}"
                 with self._cond:
-                    while not (self._stopping or self._waiting or self._rows or self._prefill):
-                        self._cond.wait()
-                    if self._stopping:
-                        break
-                self._drop_cancelled()
-                self._prefill_chunks()
-                if self._rows:
-                    self._guarded(self._decode_step, list({id(r.job): r.job for r in self._rows}.values()))
-        except Exception as exc:  # a bug in the loop itself: report it on /health, fail everyone
-            log.exception("engine loop died")
-            self.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self._abandon_all()
+                    self.last_error = message
+                    self._deaths_in_a_row += 1
+                    if self._deaths_in_a_row > MAX_RESTARTS:
+                        self.error = message
+                    else:
+                        self.restarts += 1
+                if self.error is not None:
+                    self._abandon_all(f"internal error: {message}")
+                    return
+                self._abandon_in_flight(f"internal error: {message}")
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._waiting or self._rows or self._prefill):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            self._drop_cancelled()
+            self._prefill_chunks()
+            if self._rows:
+                self._guarded(self._decode_step, list({id(r.job): r.job for r in self._rows}.values()))
+            self._deaths_in_a_row = 0
 
     def _guarded(self, step: Callable[[], None], jobs: list[Job]) -> None:
-        """Run a step; if it raises (a bug), fail the jobs it touched and clear their rows, keep serving."""
+        """Run a step; if it raises in a way no single request explains, fail the jobs it touched, keep
+        serving (failures a request causes are isolated inside the steps: :meth:`_decode_step`,
+        :meth:`_advance`)."""
         try:
             step()
         except Exception as exc:
@@ -342,21 +376,56 @@ class Engine:
         self._advance(rows, np.repeat(logits, job.n, axis=0))
 
     def _decode_step(self) -> None:
-        tokens = np.asarray([[row.last] for row in self._rows], np.int64)  # [B, 1]
-        with self.ws.rowwise():
-            logits = self.model.forward(tokens, self.slots.rows(0, len(self._rows)), last_only=True)  # [B, V]
+        """One token for every running row.  If the batched pass raises, each row is run alone (a row's numbers
+        do not depend on its neighbours, so the others get the same logits): the rows that still raise fail
+        their request, the others go on.  Models with a recurrent state cannot retry (a failed pass may have
+        advanced some layers' state), so there the step's requests fail together."""
+        rows = list(self._rows)
+        tokens = np.asarray([[row.last] for row in rows], np.int64)  # [B, 1]
+        lengths = self.slots.lengths[:len(rows)].copy()  # [B] what the rows held before the pass
+        try:
+            with self.ws.rowwise():
+                logits = self.model.forward(tokens, self.slots.rows(0, len(rows)), last_only=True)  # [B, V]
+        except Exception:
+            if self.row_bytes:
+                raise
+            log.exception("a decode step failed; retrying its rows one by one")
+            self.slots.lengths[:len(rows)] = lengths  # keys and values past a row's length are rewritten
+            logits = self._decode_alone(rows, tokens)
         self.steps += 1
         self.peak_rows = max(self.peak_rows, len(tokens))
-        self._advance(list(self._rows), logits)
+        self._advance(rows, logits)
 
-    def _advance(self, rows: list[Row], logits: np.ndarray) -> None:
-        """Sample each row's next token from its logits [B, V], emit what it adds, retire finished rows."""
-        seen = [np.asarray(r.job.prompt_ids + r.tokens, np.int64) for r in rows]
-        outputs = [np.asarray(r.tokens, np.int64) for r in rows]
-        tokens = sample(logits, [r.job.sampling for r in rows], seen, [r.rng for r in rows], outputs)
-        for row, token, row_logits in zip(rows, tokens.tolist(), logits, strict=True):
-            self._record(row, token, row_logits)
+    def _decode_alone(self, rows: list[Row], tokens: np.ndarray) -> list[np.ndarray | None]:
+        """Each row's logits [V] from a pass of its own, None for rows whose pass raised (their job fails)."""
+        out: list[np.ndarray | None] = []
+        for i, row in enumerate(rows):
+            try:
+                with self.ws.rowwise():
+                    out.append(self.model.forward(tokens[i:i + 1], self.slots.rows(i, i + 1), last_only=True)[0])
+            except Exception as exc:
+                out.append(None)
+                self._fail_row(row, exc)
+        return out
+
+    def _advance(self, rows: list[Row], logits: Sequence[np.ndarray | None]) -> None:
+        """Sample each row's next token from its logits [V], emit what it adds, retire finished rows.  A row that
+        raises fails its own request only."""
+        for row, row_logits in zip(rows, logits, strict=True):
+            if row.finish is not None or row_logits is None:
+                continue
+            try:
+                seen = np.asarray(row.job.prompt_ids + row.tokens, np.int64)
+                output = np.asarray(row.tokens, np.int64)
+                [token] = sample(row_logits[None], [row.job.sampling], [seen], [row.rng], [output]).tolist()
+                self._record(row, token, row_logits)
+            except Exception as exc:
+                self._fail_row(row, exc)
         self._retire()
+
+    def _fail_row(self, row: Row, exc: Exception) -> None:
+        log.error("a request failed inside a step", exc_info=exc)
+        self._fail(row.job, f"internal error: {type(exc).__name__}: {exc}", retire=False)
 
     def _record(self, row: Row, token: int, logits: np.ndarray) -> None:
         row.tokens.append(token)
@@ -396,41 +465,60 @@ class Engine:
         if self._prefill is not None:  # the prompt being prefilled keeps the row right after the running ones
             self.slots.move(before, len(self._rows))
 
+    def _release(self, job: Job) -> None:
+        with self._cond:  # status() and submit() sum the reservations under the lock
+            self._reserved.pop(id(job), None)
+
     def _complete(self, job: Job) -> None:
-        self._reserved.pop(id(job), None)
+        self._release(job)
         if not job.cancelled:
             job.emit(Done(len(job.prompt_ids), job.completion_tokens))
 
     def _drop_cancelled(self) -> None:
-        if self._prefill is not None and self._prefill[0].cancelled:
-            self._reserved.pop(id(self._prefill[0]), None)
+        prefill = self._prefill
+        if prefill is not None and prefill[0].cancelled:
+            self._release(prefill[0])
             self._prefill = None
         for row in self._rows:
             if row.job.cancelled:
                 row.finish = CANCELLED
         self._retire()
 
-    def _fail(self, job: Job, message: str) -> None:
+    def _fail(self, job: Job, message: str, retire: bool = True) -> None:
+        """End ``job`` with :class:`Failed` (its rows leave at the next :meth:`_retire`, at once if ``retire``)."""
         if self._prefill is not None and self._prefill[0] is job:
             self._prefill = None
         for row in self._rows:
             if row.job is job:
                 row.finish = CANCELLED
+        listening = not job.cancelled
         job.cancel()
-        self._retire()
-        self._reserved.pop(id(job), None)
-        job.emit(Failed(message))
+        if retire:
+            self._retire()
+        self._release(job)
+        if listening:
+            job.emit(Failed(message))
 
-    def _abandon_all(self) -> None:
-        with self._cond:
-            jobs = list(self._waiting) + [r.job for r in self._rows] + ([self._prefill[0]] if self._prefill else [])
-            self._waiting.clear()
+    def _abandon_in_flight(self, message: str) -> None:
+        """Fail the running and prefilling jobs (after the loop died); waiting jobs stay queued."""
+        jobs = [r.job for r in self._rows] + ([self._prefill[0]] if self._prefill else [])
+        self._rows, self._prefill = [], None
         for job in {id(j): j for j in jobs}.values():
+            self._release(job)
             if not job.cancelled:
                 job.cancel()
-                job.emit(Failed(self.error or "the server is shutting down"))
-        self._rows, self._prefill = [], None
-        self._reserved.clear()
+                job.emit(Failed(message))
+
+    def _abandon_all(self, message: str) -> None:
+        with self._cond:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        self._abandon_in_flight(message)
+        for job in waiting:
+            self._release(job)
+            if not job.cancelled:
+                job.cancel()
+                job.emit(Failed(message))
 
 
 def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
@@ -447,5 +535,6 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(int(token), float(x[token] - logz), best)
 
 
-__all__ = ["CANCELLED", "LENGTH", "STOP", "Delta", "Done", "Engine", "Event", "Failed", "Finished", "Job",
+__all__ = ["CANCELLED", "LENGTH", "STOP", "Delta", "Done", "Engine", "EngineStoppedError", "Event", "Failed",
+           "Finished", "Job",
            "QueueFullError", "RequestTooLargeError", "TokenLogprob"]

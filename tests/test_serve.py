@@ -20,6 +20,7 @@ from serve_helpers import RunningServer, http, openai, running_server, scripted_
 
 from qwen_runtime.errors import ResourceLimitError
 from qwen_serve import create_app
+from qwen_serve.slots import SlotCache
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"temperature": 0.0}
@@ -173,6 +174,18 @@ def test_logprobs_of_chat_and_completions(server: RunningServer) -> None:
     lp = text.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(t) <= 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
+    # streamed: text_offset goes on across chunks, and include_usage puts "usage": null in every chunk but the last
+    streamed = list(client.completions.create(model="qwen3-tiny", prompt="import numpy", max_tokens=4, logprobs=2,
+                                              stream=True, stream_options={"include_usage": True}, **GREEDY))
+    offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+    for path, body in (("completions", {"prompt": "import numpy"}),
+                       ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        status, _, raw = http("POST", f"{server.url}/v1/{path}", {**body, "max_tokens": 3, "stream": True,
+                                                                   "stream_options": {"include_usage": True}})
+        events = [json.loads(line[6:]) for line in raw.decode().split("\n\n") if line.startswith("data: {")]
+        assert status == 200 and all("usage" in e and e["usage"] is None for e in events[:-1])
+        assert events[-1]["usage"]["completion_tokens"] == 3
 
 
 def test_penalties_change_the_output(server: RunningServer) -> None:
@@ -456,6 +469,56 @@ def test_a_long_prompt_is_prefilled_between_decode_steps_of_the_others() -> None
         assert reply.usage.prompt_tokens == tokens > 100
         assert srv.engine.steps - before >= tokens // 8 - 1  # the running row went on after every chunk
         running.close()
+
+
+def test_a_huge_prompt_does_not_stall_the_other_streams() -> None:
+    """While 2 MiB prompts arrive and are refused, a running stream's largest gap between tokens stays below
+    one prefill chunk's time (measured here, on the same model): one text is refused by its length alone
+    (more characters than the context's tokens can hold), the other by tokenizing pieces, GIL released,
+    only until the context is exceeded.  Tokenizing 2 MiB at once, holding the GIL, stalled every stream for
+    seconds."""
+    chunk = 1024
+    with running_server(fixture_dir("qwen3-tiny"), prefill_chunk=chunk) as srv:
+        model = srv.engine.model
+        seconds = []
+        for _ in range(3):
+            slots = SlotCache(model, 1, chunk)
+            start = time.perf_counter()
+            model.forward(np.arange(chunk)[None] % 400, slots.rows(0, 1), last_only=True, release_scratch=False)
+            seconds.append(time.perf_counter() - start)
+        chunk_seconds = sorted(seconds)[1]
+        arrivals: list[float] = []
+        stream = srv.client().completions.create(model="qwen3-tiny", prompt="def fib(n):", max_tokens=30000,
+                                                 stream=True, **GREEDY)
+        enough = threading.Event()
+
+        def read() -> None:
+            for _ in stream:
+                arrivals.append(time.perf_counter())
+                if enough.is_set():
+                    break
+            stream.close()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        while len(arrivals) < 20:
+            time.sleep(0.01)
+        sentence = "The quick brown fox jumps over the lazy dog.\n"
+        by_length = sentence * ((2 << 20) // len(sentence))  # more characters than the context can hold
+        by_pieces = sentence * (srv.app.state.server.max_prompt_chars // len(sentence) - 1)  # refused by tokens
+        began = time.perf_counter()
+        for prompt in (by_length, by_pieces):
+            status, _, reply = http("POST", f"{srv.url}/v1/completions", {"prompt": prompt, "max_tokens": 4})
+            assert status == 400 and error_of(status, reply)["code"] == "context_length_exceeded"
+        ended = time.perf_counter()
+        count = len(arrivals)
+        while len(arrivals) < count + 5:
+            time.sleep(0.01)
+        enough.set()
+        reader.join(timeout=30)
+    assert len(by_length) > (2 << 20) - len(sentence) and len(by_pieces) > 10**6
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if b > began and a < ended]
+    assert gaps and max(gaps) < chunk_seconds, (max(gaps), chunk_seconds, ended - began)
 
 
 def test_completions_take_a_batch_of_prompts(server: RunningServer) -> None:
