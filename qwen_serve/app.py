@@ -54,6 +54,7 @@ from .outputs import (
     TOOL_OPEN,
     MessageParser,
     ToolCall,
+    forced_call_start,
     prompt_opens_thinking,
 )
 from .protocol import (
@@ -376,8 +377,9 @@ def chat_logprobs(state: ServerState, delta: Delta) -> list[dict[str, Any]]:
 # --- chat -------------------------------------------------------------------------------------------------
 
 
-def render_chat(state: ServerState, req: ChatRequest) -> tuple[list[int], str]:
-    """The prompt's text and ids (on a worker thread: rendering and tokenizing a large request take a while)."""
+def render_chat(state: ServerState, req: ChatRequest) -> tuple[list[int], str, str]:
+    """The prompt's ids and text, and the start of a forced tool call it ends with (""; on a worker thread:
+    rendering and tokenizing a large request take a while)."""
     kwargs = dict(req.template_kwargs)
     enable_thinking = kwargs.pop("enable_thinking", None)
     if req.tools is not None:
@@ -387,7 +389,12 @@ def render_chat(state: ServerState, req: ChatRequest) -> tuple[list[int], str]:
     except TemplateError as exc:
         raise APIError(400, f"the chat template failed on these messages: {exc}", "messages",
                        "template_error") from None
-    return encode_within_context(state, text, req.fields.max_tokens, "messages"), text
+    call = ""
+    if req.forced_tool is not None:
+        text += f"{THINK_CLOSE}\n\n" if prompt_opens_thinking(text) else ""
+        call = forced_call_start(state.fmt.template.source if state.fmt.template else "", req.forced_tool)
+        text += call
+    return encode_within_context(state, text, req.fields.max_tokens, "messages"), text, call
 
 
 class ChatChoice:
@@ -429,11 +436,14 @@ class ChatChoice:
 async def chat_completions(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
     req = chat_request(body, state.defaults, state.engine.max_batch)
     check_model(state, req.fields.model)
-    prompt_ids, prompt = await asyncio.to_thread(render_chat, state, req)
+    prompt_ids, prompt, call = await asyncio.to_thread(render_chat, state, req)
     max_tokens = check_context(state, len(prompt_ids), req.fields.max_tokens, "messages")
     channel = submit(state, [prompt_ids], req.fields, [max_tokens], req.logprobs)
     reasoning = THINK_OPEN in prompt or THINK_OPEN in (state.fmt.template.source if state.fmt.template else "")
-    choices = [ChatChoice(prompt, req.tools is not None, reasoning) for _ in range(req.fields.n)]
+    choices = [ChatChoice(prompt[:len(prompt) - len(call)], req.tools is not None, reasoning)
+               for _ in range(req.fields.n)]
+    for c in choices:
+        c.push(call)  # the forced start of a call is part of the answer (held back until the call parses)
     head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": state.model_name}
     if req.fields.stream:
         return StreamingResponse(stream_chat(state, req, channel, choices, head), media_type="text/event-stream",

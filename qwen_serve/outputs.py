@@ -11,6 +11,11 @@ Qwen3) or ``<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>
 (Qwen3.5).  When the request offered tools, content from the first ``<tool_call>`` on is held back and parsed
 when the choice ends; calls that parse become ``tool_calls`` (finish reason ``tool_calls``), anything that
 does not parse is returned as content.
+
+**Forced calls.**  ``tool_choice: "required"`` or a named tool writes the start of a call after the prompt
+(:func:`forced_call_start`: ``<tool_call>`` and, for a named tool, its name), closing an open ``<think>``
+first, so the model goes on inside a call (no reasoning).  The arguments it then writes are not constrained
+yet: a call that does not parse comes back as content with finish reason ``stop``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,14 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
 XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def forced_call_start(template: str, name: str) -> str:
+    """The start of a tool call written for the model: Qwen's JSON form, or Qwen3.5's XML form when its
+    ``template`` writes ``<function=``; up to the arguments when ``name`` is given, else up to the name."""
+    if "<function=" in template:
+        return f"{TOOL_OPEN}\n<function={name}>\n" if name else f"{TOOL_OPEN}\n<function="
+    return f'{TOOL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": ' if name else f'{TOOL_OPEN}\n{{"name": "'
 
 
 def prompt_opens_thinking(prompt: str) -> bool:

@@ -175,6 +175,7 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None  # as the template takes them (None: no tools offered)
     logprobs: int | None  # None: off; else the number of alternatives per token
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    forced_tool: str | None = None  # tool_choice "required" (""), or the named tool's name: a call is forced
 
 
 def _content_text(value: Any, param: str) -> str | None:
@@ -267,6 +268,14 @@ def chat_tools(body: dict) -> list[dict[str, Any]] | None:
               "\"function\": {\"name\": ...}}", "invalid_type")
 
 
+def forced_tool(body: dict, tools: list[dict[str, Any]] | None) -> str | None:
+    """What ``tool_choice`` forces: None (nothing), "" (a call of any tool: "required") or a tool's name."""
+    choice = body.get("tool_choice")
+    if tools is None or choice in (None, "auto", "none"):
+        return None
+    return "" if choice == "required" else tools[0]["function"]["name"]  # chat_tools kept only the named one
+
+
 def template_kwargs(body: dict) -> dict[str, Any]:
     kwargs = get_object(body, "chat_template_kwargs") or {}
     reserved = sorted(RESERVED_TEMPLATE_KEYS & kwargs.keys())
@@ -283,8 +292,9 @@ def chat_request(body: dict, defaults: dict[str, float], max_n: int) -> ChatRequ
     top = get_int(body, "top_logprobs", None, 0, 20)
     if top is not None and not want:
         raise bad("top_logprobs", "requires logprobs to be true")
-    return ChatRequest(fields, chat_messages(body), chat_tools(body), (top or 0) if want else None,
-                       template_kwargs(body))
+    tools = chat_tools(body)
+    return ChatRequest(fields, chat_messages(body), tools, (top or 0) if want else None, template_kwargs(body),
+                       forced_tool(body, tools))
 
 
 # --- completions --------------------------------------------------------------------------------------------

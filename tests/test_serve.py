@@ -381,6 +381,27 @@ def test_without_tools_the_call_is_text_and_thinking_can_be_off(scripted: Runnin
     assert none.finish_reason == "stop" and none.message.tool_calls is None
 
 
+def test_tool_choice_required_or_named_forces_a_call(tmp_path) -> None:
+    """The model would answer "Sure"; with tool_choice "required" or a named tool the start of a call is written
+    after the prompt, so the answer is a call (streamed too); "auto" leaves the model free."""
+    script = ["Sure", "<|im_end|>", "<tool_call>", '\n{"name": "', "get_weather", '", "arguments": ',
+              '{"city": "Paris"}', "}\n", "</tool_call>", "<|im_end|>"]
+    path = scripted_qwen3(fixture_dir("qwen3-tiny"), tmp_path / "forced", script)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with running_server(path, model_name="scripted") as srv:
+        client = srv.client()
+        free = ask(client, tools=TOOLS).choices[0]
+        assert free.message.content == "Sure" and free.finish_reason == "stop"
+        for choice in ("required", named):
+            reply = ask(client, tools=TOOLS, tool_choice=choice).choices[0]
+            assert reply.finish_reason == "tool_calls" and reply.message.content is None, choice
+            [call] = reply.message.tool_calls
+            assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+            chunks = [c for c in ask(client, tools=TOOLS, tool_choice=choice, stream=True) if c.choices]
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+
+
 def test_streamed_text_never_splits_a_character(tmp_path) -> None:
     """A character whose UTF-8 bytes are three tokens streams as one whole character, never a U+FFFD."""
     from qwen_runtime.tokenizer import byte_decoder
