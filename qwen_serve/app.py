@@ -12,6 +12,7 @@ unknown routes and bugs, is OpenAI's ``{"error": {...}}`` shape; none stops the 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -32,6 +33,7 @@ from starlette.routing import Route
 import qwen_runtime
 from qwen_runtime.chat import ChatFormat, chat_format
 from qwen_runtime.errors import TemplateError
+from qwen_runtime.limits import format_bytes
 from qwen_runtime.models import Model
 from qwen_runtime.tokenizer import Tokenizer
 
@@ -47,6 +49,7 @@ from .engine import (
     QueueFullError,
     RequestTooLargeError,
 )
+from .metrics import CONTENT_TYPE, Metrics
 from .outputs import (
     THINK_CLOSE,
     THINK_OPEN,
@@ -108,6 +111,7 @@ class ServerState:
     max_body_bytes: int
     created: int
     max_prompt_chars: int  # longer prompts are refused before tokenizing (max_prompt_chars())
+    metrics: Metrics
 
     @property
     def context(self) -> int:
@@ -128,11 +132,14 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
     fmt = chat_format(model)
     text_ids = frozenset(i for t in (THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE)
                          if (i := fmt.tokenizer.token_id(t)) is not None)
+    metrics = Metrics()
     engine = Engine(model, fmt.tokenizer, fmt.stop_ids, max_batch=max_batch, max_queue=max_queue,
-                    max_memory=max_memory, prefill_chunk=prefill_chunk, max_context=max_context, text_ids=text_ids)
+                    max_memory=max_memory, prefill_chunk=prefill_chunk, max_context=max_context, text_ids=text_ids,
+                    metrics=metrics)
+    engine_gauges(metrics, engine)
     name = model_name or (model.path.stem if model.path.is_file() else model.path.name)
     state = ServerState(engine, fmt, name, generation_defaults(model), api_key, max_body_bytes, int(time.time()),
-                        max_prompt_chars(engine.context, fmt.tokenizer))
+                        max_prompt_chars(engine.context, fmt.tokenizer), metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -147,6 +154,7 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
         Route("/v1/completions", _handler(state, completions), methods=["POST"]),
         Route("/v1/models", _handler(state, list_models, has_body=False), methods=["GET"]),
         Route("/health", _handler(state, health, has_body=False, auth=False), methods=["GET"]),
+        Route("/metrics", _handler(state, metrics_text, has_body=False, auth=False), methods=["GET"]),
         Route("/tokenize", _handler(state, tokenize), methods=["POST"]),
         Route("/detokenize", _handler(state, detokenize), methods=["POST"]),
     ]
@@ -154,6 +162,46 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.server = state
     return app
+
+
+def weight_types(model: Model) -> str:
+    """The stored types of the model's tensors, most weights first: ``"Q8_0 96%, F32 4%"``."""
+    counts: collections.Counter[str] = collections.Counter()
+    for tensor in model.files.tensors.values():
+        counts[tensor.qtype.name] += tensor.n_elements
+    total = sum(counts.values()) or 1
+    return ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in counts.most_common())
+
+
+def startup_banner(app: Starlette, url: str) -> str:
+    """What a server runs, with which limits, and where: printed once it listens."""
+    state: ServerState = app.state.server
+    engine, ws = state.engine, state.engine.model.workspace
+    model = engine.model
+    kernels = "BLAS products" if ws.blas_products else "tile kernels on the thread pool"
+    return "\n".join([
+        f"qwen-serve: {state.model_name}: {model.config.arch} ({model.files.format}, {weight_types(model)}) "
+        f"from {model.path}",
+        f"  context {engine.context} tokens per request, {engine.max_batch} rows, {engine.max_queue} queued at most, "
+        f"prefill chunks of {engine.prefill_chunk} tokens",
+        f"  memory budget {format_bytes(engine.memory_limit)} for cache and activations "
+        f"({format_bytes(engine.activations)} of activations)",
+        f"  kernels: {kernels}, {ws.threads} threads",
+        f"  listening on {url}" + ("; API key required on /v1 and /tokenize" if state.api_key else ""),
+    ])
+
+
+def engine_gauges(metrics: Metrics, engine: Engine) -> None:
+    """The engine's state as gauges read at each scrape."""
+    metrics.gauge("waiting_requests", "requests queued for rows or memory", lambda: engine.status()["waiting"])
+    metrics.gauge("running_rows", "rows (choices) decoding now", lambda: engine.status()["running_rows"])
+    metrics.gauge("prefilling", "1 while a prompt is being prefilled", lambda: engine.status()["prefilling"])
+    metrics.gauge("max_batch_rows", "rows the engine decodes together at most", lambda: engine.max_batch)
+    metrics.gauge("reserved_bytes", "cache memory reserved by admitted requests",
+                  lambda: engine.status()["reserved_bytes"])
+    metrics.gauge("memory_limit_bytes", "the memory limit for cache and activations", lambda: engine.memory_limit)
+    metrics.gauge("engine_restarts", "times the engine loop died and was restarted", lambda: engine.restarts)
+    metrics.gauge("engine_up", "1 while the engine serves, 0 once it gave up", lambda: engine.error is None)
 
 
 # --- plumbing ---------------------------------------------------------------------------------------------
@@ -208,9 +256,11 @@ def _handler(state: ServerState, handler: Handler, has_body: bool = True, auth: 
             if auth:
                 check_api_key(state, request)
             body = parse_json(await read_body(request, state.max_body_bytes)) if has_body else {}
-            return await handler(state, request, body)
+            response = await handler(state, request, body)
         except APIError as err:
-            return error_response(err)
+            response = error_response(err)
+        state.metrics.requests.inc(1, request.url.path, str(response.status_code))
+        return response
 
     return endpoint
 
@@ -255,14 +305,16 @@ class JobChannel:
     """The events of a request's jobs (one per prompt), moved from the engine thread to the event loop.
 
     Job ``i``'s choices are numbered after those of the jobs before it; the jobs' :class:`Done` events are
-    summed into one, sent after the last.
+    summed into one, sent after the last.  The time to the first token and to the end, from ``started`` (the
+    request's arrival), go to ``metrics``.
     """
 
-    def __init__(self, jobs: int) -> None:
+    def __init__(self, jobs: int, metrics: Metrics, started: float) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.jobs: list[Job] = []
         self.pending = jobs
+        self.metrics, self.started, self.first_token = metrics, started, True
 
     def emitter(self, offset: int) -> Callable[[Event], None]:
         def emit(event: Event) -> None:  # engine thread
@@ -286,20 +338,24 @@ class JobChannel:
                 self.cancel()
                 raise APIError(500, event.message, None, "internal_error", "server_error")
             if not isinstance(event, Done):
+                if self.first_token and isinstance(event, Delta):
+                    self.first_token = False
+                    self.metrics.ttft.observe(time.monotonic() - self.started)
                 yield event
                 continue
             prompt_tokens += event.prompt_tokens
             completion_tokens += event.completion_tokens
             self.pending -= 1
             if self.pending == 0:
+                self.metrics.latency.observe(time.monotonic() - self.started)
                 yield Done(prompt_tokens, completion_tokens)
                 return
 
 
 def submit(state: ServerState, prompts: list[list[int]], fields: GenerationFields, max_tokens: list[int],
-           logprobs: int | None) -> JobChannel:
+           logprobs: int | None, started: float) -> JobChannel:
     """One job per prompt, all or none (a refused job cancels those already queued)."""
-    channel = JobChannel(len(prompts))
+    channel = JobChannel(len(prompts), state.metrics, started)
     try:
         for i, (ids, limit) in enumerate(zip(prompts, max_tokens, strict=True)):
             job = Job(ids, limit, fields.sampling, channel.emitter(i * fields.n), n=fields.n, seed=fields.seed,
@@ -434,11 +490,12 @@ class ChatChoice:
 
 
 async def chat_completions(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
+    started = time.monotonic()
     req = chat_request(body, state.defaults, state.engine.max_batch)
     check_model(state, req.fields.model)
     prompt_ids, prompt, call = await asyncio.to_thread(render_chat, state, req)
     max_tokens = check_context(state, len(prompt_ids), req.fields.max_tokens, "messages")
-    channel = submit(state, [prompt_ids], req.fields, [max_tokens], req.logprobs)
+    channel = submit(state, [prompt_ids], req.fields, [max_tokens], req.logprobs, started)
     reasoning = THINK_OPEN in prompt or THINK_OPEN in (state.fmt.template.source if state.fmt.template else "")
     choices = [ChatChoice(prompt[:len(prompt) - len(call)], req.tools is not None, reasoning)
                for _ in range(req.fields.n)]
@@ -525,6 +582,7 @@ def completion_logprobs(state: ServerState, deltas: list[Delta], offset: int = 0
 
 
 async def completions(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
+    started = time.monotonic()
     req: CompletionRequest = completion_request(body, state.defaults, state.engine.max_batch,
                                                 state.engine.model.config.vocab_size)
     check_model(state, req.fields.model)
@@ -534,7 +592,7 @@ async def completions(state: ServerState, request: Request, body: dict[str, Any]
     if not all(prompts):
         raise bad("prompt", "a prompt has no tokens")
     limits = [check_context(state, len(ids), asked, "prompt") for ids in prompts]
-    channel = submit(state, prompts, req.fields, limits, req.logprobs)
+    channel = submit(state, prompts, req.fields, limits, req.logprobs, started)
     head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
     if req.fields.stream:
@@ -600,6 +658,10 @@ async def health(state: ServerState, request: Request, body: dict[str, Any]) -> 
     if engine.error is not None:  # the loop died too often in a row; submit() refuses with 503 as well
         return JSONResponse({"status": "error", "error": engine.error, **engine.status()}, status_code=503)
     return JSONResponse({"status": "ok", "model": state.model_name, **engine.status()})
+
+
+async def metrics_text(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
 async def tokenize(state: ServerState, request: Request, body: dict[str, Any]) -> Response:

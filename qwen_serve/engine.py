@@ -36,6 +36,7 @@ from qwen_runtime.models import Model
 from qwen_runtime.sampling import SamplingParams, sample
 from qwen_runtime.tokenizer import StreamDecoder, Tokenizer
 
+from .metrics import Metrics
 from .slots import SlotCache
 
 log = logging.getLogger("qwen_serve")
@@ -180,12 +181,13 @@ class Engine:
     and activations (default: :func:`qwen_runtime.limits.default_memory_limit`); a row holds at most
     ``max_context`` tokens (default: the model's context, less if the memory limit cannot hold that many for
     one row); prompts are prefilled ``prefill_chunk`` tokens at a time; ``stop_ids`` end a choice; special
-    tokens other than ``text_ids`` produce no text.
+    tokens other than ``text_ids`` produce no text; tokens, steps and failures are counted in ``metrics``.
     """
 
     def __init__(self, model: Model, tokenizer: Tokenizer, stop_ids: frozenset[int], *, max_batch: int = 8,
                  max_queue: int = 64, max_memory: int | None = None, prefill_chunk: int = 128,
-                 max_context: int | None = None, text_ids: frozenset[int] = frozenset()) -> None:
+                 max_context: int | None = None, text_ids: frozenset[int] = frozenset(),
+                 metrics: Metrics | None = None) -> None:
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or (max_context is not None and max_context < 2):
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0 and max_context >= 2")
         self.model, self.tokenizer, self.stop_ids = model, tokenizer, frozenset(stop_ids)
@@ -205,6 +207,7 @@ class Engine:
         self.context = min(context, room)  # tokens one row can hold (prompt + completion)
         self.slots = SlotCache(model, max_batch, self.context)
         self.ws = model.lm_head.ws
+        self.metrics = metrics or Metrics()
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._rows: list[Row] = []
@@ -362,8 +365,10 @@ class Engine:
         job, done = self._prefill
         slot = len(self._rows)
         chunk = job.prompt_ids[done:done + self.prefill_chunk]
+        start = time.perf_counter()
         logits = self.model.forward(np.asarray([chunk], np.int64), self.slots.rows(slot, slot + 1),
                                     last_only=True, release_scratch=False)  # [1, V]; decode steps follow
+        self.metrics.prefill_step.observe(time.perf_counter() - start)
         done += len(chunk)
         if done < len(job.prompt_ids):
             self._prefill = (job, done)
@@ -383,6 +388,7 @@ class Engine:
         rows = list(self._rows)
         tokens = np.asarray([[row.last] for row in rows], np.int64)  # [B, 1]
         lengths = self.slots.lengths[:len(rows)].copy()  # [B] what the rows held before the pass
+        start = time.perf_counter()
         try:
             with self.ws.rowwise():
                 logits = self.model.forward(tokens, self.slots.rows(0, len(rows)), last_only=True)  # [B, V]
@@ -392,6 +398,8 @@ class Engine:
             log.exception("a decode step failed; retrying its rows one by one")
             self.slots.lengths[:len(rows)] = lengths  # keys and values past a row's length are rewritten
             logits = self._decode_alone(rows, tokens)
+        self.metrics.decode_step.observe(time.perf_counter() - start)
+        self.metrics.batch_rows.observe(len(rows))
         self.steps += 1
         self.peak_rows = max(self.peak_rows, len(tokens))
         self._advance(rows, logits)
@@ -471,6 +479,8 @@ class Engine:
 
     def _complete(self, job: Job) -> None:
         self._release(job)
+        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        self.metrics.completion_tokens.inc(job.completion_tokens)
         if not job.cancelled:
             job.emit(Done(len(job.prompt_ids), job.completion_tokens))
 
@@ -492,6 +502,7 @@ class Engine:
             if row.job is job:
                 row.finish = CANCELLED
         listening = not job.cancelled
+        self.metrics.failed_jobs.inc()
         job.cancel()
         if retire:
             self._retire()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,49 @@ def test_models_and_health(server: RunningServer) -> None:
     assert [m.id for m in client.models.list().data] == ["qwen3-tiny"]
     status, _, health = http("GET", f"{server.url}/health")
     assert status == 200 and health["status"] == "ok" and health["max_batch"] == 16
+
+
+def scrape(url: str) -> dict[str, float]:
+    """``/metrics`` as {sample name with labels: value}, checking the text format on the way: every sample
+    follows its metric's HELP and TYPE lines, histogram buckets are cumulative and end in +Inf = _count."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+        text = response.read().decode()
+    samples, declared = {}, set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            declared.add(line.split()[2])
+        elif not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            base = name.split("{")[0]
+            assert base in declared or base.rsplit("_", 1)[0] in declared, line
+            samples[name] = float(value)
+    for name in declared:
+        buckets = [v for k, v in samples.items() if k.startswith(f"{name}_bucket{{")]
+        if buckets:
+            assert buckets == sorted(buckets) and buckets[-1] == samples[f"{name}_count"]
+            assert f'{name}_bucket{{le="+Inf"}}' in samples
+    return samples
+
+
+def test_metrics_in_prometheus_text(server: RunningServer) -> None:
+    before = scrape(server.url)
+    reply = chat(server.client(), "Explain attention", max_tokens=5)
+    status, _, _ = http("POST", f"{server.url}/v1/completions", {"prompt": "x", "max_tokens": 0})
+    server.wait_idle()
+    after = scrape(server.url)
+    done = 'qwen_serve_requests_total{route="/v1/chat/completions",status="200"}'
+    refused = 'qwen_serve_requests_total{route="/v1/completions",status="400"}'
+    assert after[done] == before.get(done, 0) + 1 and after[refused] == before.get(refused, 0) + 1 and status == 400
+    assert after["qwen_serve_completion_tokens_total"] - before["qwen_serve_completion_tokens_total"] == 5
+    assert after["qwen_serve_prompt_tokens_total"] - before["qwen_serve_prompt_tokens_total"] == \
+        reply.usage.prompt_tokens
+    for histogram, grew in (("time_to_first_token_seconds", 1), ("request_duration_seconds", 1),
+                            ("decode_step_seconds", 4), ("decode_batch_rows", 4)):
+        name = f"qwen_serve_{histogram}_count"
+        assert after[name] - before[name] >= grew, name
+    assert after["qwen_serve_waiting_requests"] == 0 and after["qwen_serve_max_batch_rows"] == 16
+    assert after["qwen_serve_engine_up"] == 1
 
 
 def test_chat_streamed_equals_not_streamed(server: RunningServer) -> None:
@@ -476,6 +520,34 @@ def test_cli_errors_are_one_line_with_the_exit_code(tmp_path) -> None:
                           capture_output=True, text=True, timeout=60, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("qwen-serve: error:")
+
+
+def test_cli_banner_api_key_from_the_environment_and_a_busy_port(tmp_path) -> None:
+    """The banner says what runs where; QWEN_API_KEY guards /v1; a busy port is exit code 1 in one line, before
+    the model loads (uvicorn's own startup failure was 3, README's code for an unsupported architecture)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "QWEN_API_KEY": "sesame"}
+    proc = subprocess.Popen([sys.executable, "-m", "qwen_serve", str(fixture_dir("qwen3-tiny")), "--port", "0"],
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        banner = []
+        while not banner or "listening on" not in banner[-1]:
+            line = proc.stderr.readline()
+            assert line, "the server exited before its banner: " + "".join(banner)
+            banner.append(line)
+        text = "".join(banner)
+        assert "qwen3-tiny: qwen3 (hf, BF16" in text and "context 40960 tokens" in text and "threads" in text
+        assert "memory budget" in text and "API key required" in text
+        url = banner[-1].split("listening on ")[1].split(";")[0].strip()
+        assert http("GET", f"{url}/v1/models")[0] == 401
+        assert http("GET", f"{url}/v1/models", headers={"Authorization": "Bearer sesame"})[0] == 200
+        port = int(url.rsplit(":", 1)[1])
+        busy = subprocess.run([sys.executable, "-m", "qwen_serve", str(tmp_path / "never-loaded"), "--port",
+                               str(port)], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+        assert busy.returncode == 1 and busy.stderr.count("\n") == 1
+        assert busy.stderr.startswith(f"qwen-serve: error: cannot listen on 127.0.0.1:{port}")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_a_long_prompt_is_prefilled_between_decode_steps_of_the_others() -> None:
