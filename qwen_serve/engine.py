@@ -33,15 +33,16 @@ import numpy as np
 from qwen_runtime.errors import ResourceLimitError
 from qwen_runtime.limits import activation_bytes, default_memory_limit, format_bytes, kv_cache_bytes
 from qwen_runtime.models import Model
-from qwen_runtime.sampling import SamplingParams, sample
-from qwen_runtime.tokenizer import StreamDecoder, Tokenizer
+from qwen_runtime.sampling import SamplingParams
+from qwen_runtime.stepper import LENGTH, STOP, Constraint, RowStepper, Step
+from qwen_runtime.tokenizer import Tokenizer
 
 from .metrics import Metrics
 from .slots import SlotCache
 
 log = logging.getLogger("qwen_serve")
 
-STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+CANCELLED = "cancelled"
 MAX_TOP_LOGPROBS = 20
 MAX_RESTARTS = 3  # loop deaths in a row (no step completing between them) before the engine gives up
 
@@ -115,6 +116,7 @@ class Job:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the k most likely
+    constraint: Callable[[], Constraint] | None = None  # makes each choice's constraint (structured output)
     cancelled: bool = False
     completion_tokens: int = 0  # sampled so far over all choices
     submitted: float = field(default_factory=time.monotonic)
@@ -124,54 +126,16 @@ class Job:
         self.cancelled = True
 
 
-class StopStrings:
-    """Text that is released only once it cannot be the start of a stop string."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """Add generated text; return the text safe to release and whether a stop string was reached."""
-        self.pending += text
-        if not self.stops:
-            out, self.pending = self.pending, ""
-            return out, False
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[:min(hits)], ""
-            return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        cut = len(self.pending) - hold
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
 class Row:
-    """One choice of a job while it runs: its tokens, text state and random generator."""
+    """One choice of a job while it runs: its job, its number and its :class:`RowStepper`."""
 
-    def __init__(self, job: Job, choice: int, tokenizer: Tokenizer, hidden_ids: frozenset[int]) -> None:
-        self.job, self.choice = job, choice
-        self.tokens: list[int] = []
-        self.decoder = StreamDecoder(tokenizer, skip_special=False)
-        self.hidden_ids = hidden_ids
-        self.stops = StopStrings(job.stop)
-        seed = None if job.seed is None else [job.seed % 2**64, choice]  # SeedSequence takes no negatives
-        self.rng = np.random.default_rng(seed)
-        self.finish: str | None = None
+    def __init__(self, job: Job, choice: int, stepper: RowStepper) -> None:
+        self.job, self.choice, self.stepper = job, choice, stepper
+        self.finish: str | None = None  # the stepper's finish reason, or CANCELLED
 
     @property
     def last(self) -> int:
-        return self.tokens[-1]
+        return self.stepper.last
 
 
 class Engine:
@@ -374,11 +338,17 @@ class Engine:
             self._prefill = (job, done)
             return
         self._prefill = None
-        rows = [Row(job, i, self.tokenizer, self.hidden_ids) for i in range(job.n)]
+        rows = [Row(job, i, self._stepper(job, i)) for i in range(job.n)]
         for i in range(1, job.n):
             self.slots.copy(slot, slot + i)
         self._rows.extend(rows)
         self._advance(rows, np.repeat(logits, job.n, axis=0))
+
+    def _stepper(self, job: Job, choice: int) -> RowStepper:
+        seed = None if job.seed is None else [job.seed % 2**64, choice]  # SeedSequence takes no negatives
+        limit = min(job.max_tokens, self.context - len(job.prompt_ids))  # the row's cache holds no more
+        return RowStepper(job.prompt_ids, job.sampling, np.random.default_rng(seed), limit, self.stop_ids,
+                          self.tokenizer, job.stop, self.hidden_ids, job.constraint() if job.constraint else None)
 
     def _decode_step(self) -> None:
         """One token for every running row.  If the batched pass raises, each row is run alone (a row's numbers
@@ -423,10 +393,7 @@ class Engine:
             if row.finish is not None or row_logits is None:
                 continue
             try:
-                seen = np.asarray(row.job.prompt_ids + row.tokens, np.int64)
-                output = np.asarray(row.tokens, np.int64)
-                [token] = sample(row_logits[None], [row.job.sampling], [seen], [row.rng], [output]).tolist()
-                self._record(row, token, row_logits)
+                self._emit(row, row.stepper.step(row_logits), row_logits)
             except Exception as exc:
                 self._fail_row(row, exc)
         self._retire()
@@ -435,26 +402,16 @@ class Engine:
         log.error("a request failed inside a step", exc_info=exc)
         self._fail(row.job, f"internal error: {type(exc).__name__}: {exc}", retire=False)
 
-    def _record(self, row: Row, token: int, logits: np.ndarray) -> None:
-        row.tokens.append(token)
+    def _emit(self, row: Row, step: Step, logits: np.ndarray) -> None:
+        """Send what a row's step produced (its logprobs from the raw ``logits`` [V] when asked)."""
         job = row.job
         job.completion_tokens += 1
-        logprobs = (token_logprobs(logits, token, job.logprobs),) if job.logprobs is not None else ()
-        stopped = token in self.stop_ids
-        text = "" if stopped or token in self.hidden_ids else row.decoder.push(token)
-        full = len(row.tokens) >= job.max_tokens or len(job.prompt_ids) + len(row.tokens) >= self.context
-        if stopped or full:
-            text += row.decoder.flush()
-        out, hit = row.stops.push(text)
-        if hit:
-            row.finish = STOP
-        elif stopped or full:
-            out += row.stops.flush()
-            row.finish = STOP if stopped else LENGTH
-        if out or logprobs or row.finish:
-            job.emit(Delta(row.choice, out, (token,), logprobs))
-        if row.finish:
-            job.emit(Finished(row.choice, row.finish))
+        logprobs = (token_logprobs(logits, step.token, job.logprobs),) if job.logprobs is not None else ()
+        if step.text or logprobs or step.finish:
+            job.emit(Delta(row.choice, step.text, (step.token,), logprobs))
+        if step.finish:
+            row.finish = step.finish
+            job.emit(Finished(row.choice, step.finish))
 
     def _retire(self) -> None:
         """Drop finished rows (the last row moves into each hole) and finish jobs with no rows left."""
