@@ -35,6 +35,8 @@ from qwen_runtime.chat import ChatFormat, chat_format
 from qwen_runtime.errors import TemplateError
 from qwen_runtime.limits import format_bytes
 from qwen_runtime.models import Model
+from qwen_runtime.stepper import Constraint
+from qwen_runtime.structured import GrammarCache, JsonConstraint, SchemaError
 from qwen_runtime.tokenizer import Tokenizer
 
 from .engine import (
@@ -112,6 +114,7 @@ class ServerState:
     created: int
     max_prompt_chars: int  # longer prompts are refused before tokenizing (max_prompt_chars())
     metrics: Metrics
+    grammars: GrammarCache  # response_format's compiled schemas and their token masks
 
     @property
     def context(self) -> int:
@@ -139,7 +142,8 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
     engine_gauges(metrics, engine)
     name = model_name or (model.path.stem if model.path.is_file() else model.path.name)
     state = ServerState(engine, fmt, name, generation_defaults(model), api_key, max_body_bytes, int(time.time()),
-                        max_prompt_chars(engine.context, fmt.tokenizer), metrics)
+                        max_prompt_chars(engine.context, fmt.tokenizer), metrics,
+                        GrammarCache(fmt.tokenizer, model.config.vocab_size))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -353,13 +357,13 @@ class JobChannel:
 
 
 def submit(state: ServerState, prompts: list[list[int]], fields: GenerationFields, max_tokens: list[int],
-           logprobs: int | None, started: float) -> JobChannel:
+           logprobs: int | None, started: float, constraint: Callable[[], Constraint] | None = None) -> JobChannel:
     """One job per prompt, all or none (a refused job cancels those already queued)."""
     channel = JobChannel(len(prompts), state.metrics, started)
     try:
         for i, (ids, limit) in enumerate(zip(prompts, max_tokens, strict=True)):
             job = Job(ids, limit, fields.sampling, channel.emitter(i * fields.n), n=fields.n, seed=fields.seed,
-                      stop=fields.stop, logprobs=logprobs)
+                      stop=fields.stop, logprobs=logprobs, constraint=constraint)
             state.engine.submit(job)
             channel.jobs.append(job)
     except QueueFullError as exc:
@@ -453,6 +457,25 @@ def render_chat(state: ServerState, req: ChatRequest) -> tuple[list[int], str, s
     return encode_within_context(state, text, req.fields.max_tokens, "messages"), text, call
 
 
+def json_constraint(state: ServerState, req: ChatRequest, prompt: str, reasoning: bool,
+                    max_tokens: int) -> Callable[[], Constraint]:
+    """What makes each choice's :class:`JsonConstraint` for ``response_format`` (on a worker thread: the first
+    schema compiles and reads the vocabulary)."""
+    try:
+        grammar = state.grammars.get(req.json_schema)
+    except SchemaError as exc:
+        raise APIError(400, f"response_format: {exc}", "response_format", "unsupported_schema") from None
+    if grammar.min_tokens > max_tokens:
+        raise APIError(400, f"max_tokens: the shortest JSON this response_format allows takes {grammar.min_tokens} "
+                       f"tokens, more than max_tokens ({max_tokens})", "max_tokens", "invalid_value")
+    tok = state.fmt.tokenizer
+    think = (tok.token_id(THINK_OPEN), tok.token_id(THINK_CLOSE))
+    think = think if None not in think else None
+    in_think = prompt_opens_thinking(prompt)
+    may_think = reasoning and not in_think and not prompt.rstrip().endswith(THINK_CLOSE)
+    return lambda: JsonConstraint(grammar, state.fmt.stop_ids, think, in_think, may_think)
+
+
 class ChatChoice:
     """One choice's message as it is produced."""
 
@@ -495,8 +518,10 @@ async def chat_completions(state: ServerState, request: Request, body: dict[str,
     check_model(state, req.fields.model)
     prompt_ids, prompt, call = await asyncio.to_thread(render_chat, state, req)
     max_tokens = check_context(state, len(prompt_ids), req.fields.max_tokens, "messages")
-    channel = submit(state, [prompt_ids], req.fields, [max_tokens], req.logprobs, started)
     reasoning = THINK_OPEN in prompt or THINK_OPEN in (state.fmt.template.source if state.fmt.template else "")
+    constraint = await asyncio.to_thread(json_constraint, state, req, prompt, reasoning, max_tokens) \
+        if req.json_output else None
+    channel = submit(state, [prompt_ids], req.fields, [max_tokens], req.logprobs, started, constraint)
     choices = [ChatChoice(prompt[:len(prompt) - len(call)], req.tools is not None, reasoning)
                for _ in range(req.fields.n)]
     for c in choices:

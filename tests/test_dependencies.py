@@ -26,7 +26,7 @@ RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models: the forward pass", ("models", "reference")),
     ("text: tokenizer and chat template", ("tokenizer", "sandbox", "chat")),
     ("generation: sampling, one row's step, the generation loop, evaluation",
-     ("sampling", "stepper", "generate", "evaluate")),
+     ("sampling", "stepper", "structured", "generate", "evaluate")),
     ("tools: the package's face, its command lines and where their jobs run",
      ("__init__", "cli_support", "cli", "eval_cli", "executor")),
 )

@@ -648,3 +648,53 @@ def test_failing_and_vanishing_clients_do_not_disturb_the_others(server: Running
     results = run_concurrently(jobs)
     assert results[:4] == solo
     server.wait_idle()
+
+
+# --- structured output ---------------------------------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer"},
+    "height": {"type": "number"},
+    "member": {"type": "boolean"},
+    "nothing": {"type": "null"},
+    "role": {"enum": ["admin", "user", 3]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                 "zip": {"type": ["integer", "null"]}},
+                "required": ["city"]}},
+    "required": ["name", "age", "role", "address"]}
+
+
+@pytest.mark.parametrize("family", ["qwen3-tiny", "qwen35-tiny"])
+def test_response_format_json_on_random_weights(family: str) -> None:
+    """Every answer parses and validates, sampled hot from random weights, thinking on and off, streamed or
+    not: tokens are masked to the schema's language and to what still fits in max_tokens."""
+    jsonschema = pytest.importorskip("jsonschema")
+    formats = [{"type": "json_object"},
+               {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}]
+    with running_server(fixture_dir(family), model_name="m") as srv:
+        client = srv.client()
+        for seed in range(4):
+            for fmt in formats:
+                for thinking in (True, False):
+                    options = dict(model="m", messages=[{"role": "user", "content": "Describe someone"}],
+                                   temperature=1.5, seed=seed, max_tokens=90, response_format=fmt,
+                                   extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+                    content = client.chat.completions.create(**options).choices[0].message.content
+                    streamed = "".join(c.choices[0].delta.content or "" for c in
+                                       client.chat.completions.create(**options, stream=True) if c.choices)
+                    assert streamed == content
+                    value = json.loads(content)
+                    assert isinstance(value, dict), content
+                    if fmt["type"] == "json_schema":
+                        jsonschema.validate(value, PERSON)
+        status, _, reply = http("POST", f"{srv.url}/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 5,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}})
+        assert status == 400 and error_of(status, reply)["param"] == "max_tokens"
+        status, _, reply = http("POST", f"{srv.url}/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string",
+                                                                                 "pattern": "a+"}}}})
+        assert status == 400 and "pattern" in error_of(status, reply)["message"]
