@@ -102,8 +102,8 @@ class _Compiler:
     """JSON schema -> NFA fragment: ``value(schema, src)`` adds the states of one value after ``src`` and
     returns where it ends."""
 
-    def __init__(self, nfa: Nfa, root: dict[str, Any]) -> None:
-        self.nfa, self.root = nfa, root
+    def __init__(self, nfa: Nfa, root: dict[str, Any], strict: bool = True) -> None:
+        self.nfa, self.root, self.strict = nfa, root, strict  # not strict: other keywords are not enforced
         self.ref_depth: dict[str, int] = {}
 
     def value(self, schema: Any, src: int, where: str, depth: int = 0) -> int:
@@ -112,7 +112,7 @@ class _Compiler:
         if not isinstance(schema, dict):
             raise SchemaError(f"{where}: expected a schema object, got {json.dumps(schema)[:40]}")
         unknown = sorted(set(schema) - HANDLED_KEYWORDS - IGNORED_KEYWORDS)
-        if unknown:
+        if unknown and self.strict:
             raise SchemaError(f"{where}: {', '.join(unknown)} cannot be enforced (supported: "
                               f"{', '.join(sorted(HANDLED_KEYWORDS))})")
         if "$ref" in schema:
@@ -352,6 +352,42 @@ class _Compiler:
             self.ref_depth[ref] -= 1
 
 
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    params = tool["function"].get("parameters")
+    return params if isinstance(params, dict) and params else {"type": "object"}
+
+
+def _call_schema(tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A call of one of ``tools`` in Qwen's JSON form, as a schema."""
+    return {"anyOf": [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                       "arguments": _parameters(t)},
+                       "required": ["name", "arguments"]} for t in tools]}
+
+
+def _xml_calls(c: _Compiler, tools: Sequence[dict[str, Any]], src: int) -> int:
+    """A call of one of ``tools`` in Qwen3.5's form: <function=NAME> then <parameter=P> blocks (values as JSON,
+    declared parameters in order, the required ones always)."""
+
+    def call(s: int, tool: dict[str, Any]) -> int:
+        nfa, params = c.nfa, _parameters(tool)
+        s = nfa.literal(s, f"<function={tool['function']['name']}>\n".encode())
+        properties = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+        required = params.get("required") if isinstance(params.get("required"), list) else []
+        close = nfa.new()
+        after = close
+        for name, sub in reversed(list(properties.items())):
+            here = nfa.new()
+            value = c.value(sub, nfa.literal(here, f"<parameter={name}>\n".encode()), f"tools.{name}", 1)
+            nfa.link(nfa.literal(value, b"\n</parameter>\n"), after)
+            if name not in required:
+                nfa.link(here, after)
+            after = here
+        nfa.link(s, after)
+        return nfa.literal(close, b"</function>")
+
+    return c.alternatives([lambda s, t=t: call(s, t) for t in tools], src)
+
+
 def _count(schema: dict[str, Any], key: str, default: int | None, where: str) -> int | None:
     value = schema.get(key, default)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
@@ -372,14 +408,25 @@ class Vocabulary:
 
 
 class Grammar:
-    """A compiled schema over a vocabulary: DFA states made on demand, each with its token mask."""
+    """A compiled schema over a vocabulary: DFA states made on demand, each with its token mask.
 
-    def __init__(self, schema: dict[str, Any] | None, vocab: Vocabulary) -> None:
+    ``schema`` None is any JSON object; ``tools`` (OpenAI's function tools) make it one call of one of them
+    instead, in Qwen's JSON form (``{"name": ..., "arguments": {...}}``) or, with ``xml``, Qwen3.5's
+    ``<function=NAME>`` form with JSON parameter values; tools' schemas are enforced as far as supported.
+    """
+
+    def __init__(self, schema: dict[str, Any] | None, vocab: Vocabulary,
+                 tools: Sequence[dict[str, Any]] | None = None, xml: bool = False) -> None:
         self.nfa = nfa = Nfa()
         start = nfa.new()
-        compiler = _Compiler(nfa, schema or {})
         body = nfa.whitespace(start)
-        end = compiler.value(schema, body, "schema") if schema is not None else compiler.map(True, body, "", 0)
+        if tools is not None:
+            compiler = _Compiler(nfa, {}, strict=False)
+            end = nfa.whitespace(_xml_calls(compiler, tools, body) if xml else
+                                 compiler.value(_call_schema(tools), body, "tools"))
+        else:
+            compiler = _Compiler(nfa, schema or {})
+            end = compiler.value(schema, body, "schema") if schema is not None else compiler.map(True, body, "", 0)
         self.accept = nfa.new()
         nfa.link(end, self.accept)
         self.vocab = vocab
@@ -493,12 +540,15 @@ class JsonConstraint:
 
     ``in_think``: the row starts inside ``<think>``; ``may_think``: its first token may open one.  While
     thinking anything but a stop token goes, until ``</think>`` is forced when only the JSON's length is left.
+    Once the text is complete, a stop token or one of ``end_ids`` (e.g. ``</tool_call>``) ends it, and only
+    stop tokens follow.
     """
 
     def __init__(self, grammar: Grammar, stop_ids: frozenset[int], think: tuple[int, int] | None = None,
-                 in_think: bool = False, may_think: bool = False) -> None:
+                 in_think: bool = False, may_think: bool = False, end_ids: frozenset[int] = frozenset()) -> None:
         self.grammar, self.think = grammar, think
         self.stop_ids = np.asarray(sorted(i for i in stop_ids if i < grammar.vocab.size), np.int64)
+        self.end_ids = np.asarray(sorted(i for i in stop_ids | end_ids if i < grammar.vocab.size), np.int64)
         self.state = grammar.start
         self.thinking = bool(think) and in_think
         self.may_think = bool(think) and may_think and not in_think
@@ -520,7 +570,7 @@ class JsonConstraint:
         ids, _, dist = g.mask(self.state)
         allowed = ids[dist <= remaining - 1]
         if g.accepting(self.state):
-            allowed = np.concatenate([allowed, self.stop_ids])
+            allowed = np.concatenate([allowed, self.end_ids])
         if self.may_think:
             allowed = np.concatenate([allowed, [self.think[0]]])
         return allowed if allowed.size else self.stop_ids
@@ -530,7 +580,7 @@ class JsonConstraint:
         if self.thinking or (first and token == self.think[0]):
             self.thinking = token != self.think[1]
             return
-        if token in self.stop_ids or self.done:
+        if token in self.end_ids or self.done:
             self.done = True
             return
         ids, ends, _ = self.grammar.mask(self.state)
@@ -549,15 +599,16 @@ class GrammarCache:
         self._grammars: dict[str, Grammar] = {}
         self._lock = threading.Lock()
 
-    def get(self, schema: dict[str, Any] | None) -> Grammar:
-        """The grammar of ``schema`` (None: any JSON object); raises :class:`SchemaError`."""
-        key = json.dumps(schema, sort_keys=True)
+    def get(self, schema: dict[str, Any] | None, tools: Sequence[dict[str, Any]] | None = None,
+            xml: bool = False) -> Grammar:
+        """:class:`Grammar` ``(schema, vocabulary, tools, xml)``; raises :class:`SchemaError`."""
+        key = json.dumps([schema, tools, xml], sort_keys=True)
         with self._lock:
             grammar = self._grammars.pop(key, None)
             if grammar is None:
                 if self._vocab is None:
                     self._vocab = Vocabulary(self.tokenizer, self.vocab_size)
-                grammar = Grammar(schema, self._vocab)
+                grammar = Grammar(schema, self._vocab, tools, xml)
             self._grammars[key] = grammar
             while len(self._grammars) > self.size:
                 self._grammars.pop(next(iter(self._grammars)))

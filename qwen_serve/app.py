@@ -53,13 +53,14 @@ from .engine import (
 )
 from .metrics import CONTENT_TYPE, Metrics
 from .outputs import (
+    FORCED_CALL_START,
     THINK_CLOSE,
     THINK_OPEN,
     TOOL_CLOSE,
     TOOL_OPEN,
+    XML_CALLS,
     MessageParser,
     ToolCall,
-    forced_call_start,
     prompt_opens_thinking,
 )
 from .protocol import (
@@ -452,23 +453,31 @@ def render_chat(state: ServerState, req: ChatRequest) -> tuple[list[int], str, s
     call = ""
     if req.forced_tool is not None:
         text += f"{THINK_CLOSE}\n\n" if prompt_opens_thinking(text) else ""
-        call = forced_call_start(state.fmt.template.source if state.fmt.template else "", req.forced_tool)
+        call = FORCED_CALL_START
         text += call
     return encode_within_context(state, text, req.fields.max_tokens, "messages"), text, call
 
 
 def json_constraint(state: ServerState, req: ChatRequest, prompt: str, reasoning: bool,
                     max_tokens: int) -> Callable[[], Constraint]:
-    """What makes each choice's :class:`JsonConstraint` for ``response_format`` (on a worker thread: the first
-    schema compiles and reads the vocabulary)."""
+    """What makes each choice's :class:`JsonConstraint`: a call of the offered tools when ``tool_choice`` forces
+    one (the prompt ends in its start), else ``response_format``'s JSON (on a worker thread: the first schema
+    compiles and reads the vocabulary)."""
+    forced = req.forced_tool is not None
+    template = state.fmt.template.source if state.fmt.template else ""
     try:
-        grammar = state.grammars.get(req.json_schema)
+        grammar = state.grammars.get(None, req.tools, XML_CALLS in template) if forced else \
+            state.grammars.get(req.json_schema)
     except SchemaError as exc:
         raise APIError(400, f"response_format: {exc}", "response_format", "unsupported_schema") from None
+    what = "tool call" if forced else "JSON this response_format allows"
     if grammar.min_tokens > max_tokens:
-        raise APIError(400, f"max_tokens: the shortest JSON this response_format allows takes {grammar.min_tokens} "
-                       f"tokens, more than max_tokens ({max_tokens})", "max_tokens", "invalid_value")
+        raise APIError(400, f"max_tokens: the shortest {what} takes up to {grammar.min_tokens} tokens, more than "
+                       f"max_tokens ({max_tokens})", "max_tokens", "invalid_value")
     tok = state.fmt.tokenizer
+    if forced:
+        close = tok.token_id(TOOL_CLOSE)
+        return lambda: JsonConstraint(grammar, state.fmt.stop_ids, end_ids=frozenset({close} - {None}))
     think = (tok.token_id(THINK_OPEN), tok.token_id(THINK_CLOSE))
     think = think if None not in think else None
     in_think = prompt_opens_thinking(prompt)
@@ -520,7 +529,7 @@ async def chat_completions(state: ServerState, request: Request, body: dict[str,
     max_tokens = check_context(state, len(prompt_ids), req.fields.max_tokens, "messages")
     reasoning = THINK_OPEN in prompt or THINK_OPEN in (state.fmt.template.source if state.fmt.template else "")
     constraint = await asyncio.to_thread(json_constraint, state, req, prompt, reasoning, max_tokens) \
-        if req.json_output else None
+        if req.json_output or call else None
     channel = submit(state, [prompt_ids], req.fields, [max_tokens], req.logprobs, started, constraint)
     choices = [ChatChoice(prompt[:len(prompt) - len(call)], req.tools is not None, reasoning)
                for _ in range(req.fields.n)]

@@ -12,10 +12,9 @@ Qwen3) or ``<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>
 when the choice ends; calls that parse become ``tool_calls`` (finish reason ``tool_calls``), anything that
 does not parse is returned as content.
 
-**Forced calls.**  ``tool_choice: "required"`` or a named tool writes the start of a call after the prompt
-(:func:`forced_call_start`: ``<tool_call>`` and, for a named tool, its name), closing an open ``<think>``
-first, so the model goes on inside a call (no reasoning).  The arguments it then writes are not constrained
-yet: a call that does not parse comes back as content with finish reason ``stop``.
+**Forced calls.**  ``tool_choice: "required"`` or a named tool writes ``<tool_call>`` after the prompt
+(:data:`FORCED_CALL_START`), closing an open ``<think>`` first, and the server constrains what follows to a
+call of an offered tool in the template's own form (:mod:`qwen_runtime.structured`), so the answer is a call.
 """
 
 from __future__ import annotations
@@ -28,17 +27,11 @@ from typing import Any
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+FORCED_CALL_START = f"{TOOL_OPEN}\n"
+XML_CALLS = "<function="  # a template that writes this asks for Qwen3.5's form of calls
 TOOL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
 XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
-
-
-def forced_call_start(template: str, name: str) -> str:
-    """The start of a tool call written for the model: Qwen's JSON form, or Qwen3.5's XML form when its
-    ``template`` writes ``<function=``; up to the arguments when ``name`` is given, else up to the name."""
-    if "<function=" in template:
-        return f"{TOOL_OPEN}\n<function={name}>\n" if name else f"{TOOL_OPEN}\n<function="
-    return f'{TOOL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": ' if name else f'{TOOL_OPEN}\n{{"name": "'
 
 
 def prompt_opens_thinking(prompt: str) -> bool:

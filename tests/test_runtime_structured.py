@@ -82,3 +82,40 @@ def test_thinking_ends_in_time_and_stop_waits_for_the_json(vocab) -> None:
 def test_unenforceable_schemas_are_refused(vocab, schema: dict, words: str) -> None:
     with pytest.raises(SchemaError, match=words):
         Grammar(schema, vocab[1])
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer", "minimum": 0},
+                                              "note": {"type": "string", "maxLength": 6}}, "required": ["a", "b"]}}},
+         {"type": "function", "function": {"name": "now"}}]
+
+
+@pytest.mark.parametrize("xml", [False, True])
+def test_forced_tool_calls_parse_in_either_form(vocab, xml: bool) -> None:
+    """A call of one of the tools, Qwen's JSON form or Qwen3.5's <function=...> form, with arguments following
+    the tool's schema (keywords the grammar cannot enforce, like minimum, are left out, not refused)."""
+    from qwen_serve.outputs import parse_tool_call
+
+    tok, words = vocab
+    grammar = Grammar(None, words, TOOLS, xml)
+    stop, close = tok.token_id("<|im_end|>"), tok.token_id("</tool_call>")
+    rng = np.random.default_rng(int(xml))
+    names = set()
+    for _ in range(12):
+        constraint = JsonConstraint(grammar, frozenset({stop}), end_ids=frozenset({close}))
+        tokens = []
+        for k in range(61):
+            token = int(rng.choice(constraint.allowed(60 - k)))
+            constraint.advance(token)
+            if token in (stop, close):
+                break
+            tokens.append(token)
+        text = tok.decode(tokens, skip_special=False)
+        assert text.lstrip().startswith("<function=" if xml else "{")
+        call = parse_tool_call(text)
+        names.add(call.name)
+        arguments = json.loads(call.arguments)
+        if call.name == "add":
+            assert isinstance(arguments["a"], int) and isinstance(arguments["b"], int)
+            assert set(arguments) <= {"a", "b", "note"}
+    assert names <= {"add", "now"} and names

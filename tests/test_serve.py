@@ -382,8 +382,8 @@ def scripted(tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
         yield srv
 
 
-def ask(client, **options):
-    return client.chat.completions.create(model="scripted", max_tokens=20, temperature=0,
+def ask(client, max_tokens: int = 20, **options):
+    return client.chat.completions.create(model="scripted", max_tokens=max_tokens, temperature=0,
                                           messages=[{"role": "user", "content": "Weather in Paris?"}], **options)
 
 
@@ -426,22 +426,27 @@ def test_without_tools_the_call_is_text_and_thinking_can_be_off(scripted: Runnin
 
 
 def test_tool_choice_required_or_named_forces_a_call(tmp_path) -> None:
-    """The model would answer "Sure"; with tool_choice "required" or a named tool the start of a call is written
-    after the prompt, so the answer is a call (streamed too); "auto" leaves the model free."""
-    script = ["Sure", "<|im_end|>", "<tool_call>", '\n{"name": "', "get_weather", '", "arguments": ',
-              '{"city": "Paris"}', "}\n", "</tool_call>", "<|im_end|>"]
-    path = scripted_qwen3(fixture_dir("qwen3-tiny"), tmp_path / "forced", script)
-    named = {"type": "function", "function": {"name": "get_weather"}}
+    """The model would answer "Sure"; with tool_choice "required" or a named tool the answer is a call of an
+    offered tool whose arguments follow its schema (constrained sampling), streamed too; "auto" leaves the model
+    free, and a plain JSON answer never becomes a call."""
+    jsonschema = pytest.importorskip("jsonschema")
+    path = scripted_qwen3(fixture_dir("qwen3-tiny"), tmp_path / "forced", ["Sure", '{"city": "Paris"}', "<|im_end|>"])
+    tools = TOOLS + [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+    named = {"type": "function", "function": {"name": "add"}}
     with running_server(path, model_name="scripted") as srv:
         client = srv.client()
-        free = ask(client, tools=TOOLS).choices[0]
-        assert free.message.content == "Sure" and free.finish_reason == "stop"
+        free = ask(client, tools=tools).choices[0]
+        assert free.message.content == 'Sure{"city": "Paris"}' and free.finish_reason == "stop"
+        assert free.message.tool_calls is None
         for choice in ("required", named):
-            reply = ask(client, tools=TOOLS, tool_choice=choice).choices[0]
+            reply = ask(client, 120, tools=tools, tool_choice=choice).choices[0]
             assert reply.finish_reason == "tool_calls" and reply.message.content is None, choice
             [call] = reply.message.tool_calls
-            assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
-            chunks = [c for c in ask(client, tools=TOOLS, tool_choice=choice, stream=True) if c.choices]
+            schema = {t["function"]["name"]: t["function"]["parameters"] for t in tools}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+            assert choice == "required" or call.function.name == "add"
+            chunks = [c for c in ask(client, 120, tools=tools, tool_choice=choice, stream=True) if c.choices]
             assert chunks[-1].choices[0].finish_reason == "tool_calls"
             assert not "".join(c.choices[0].delta.content or "" for c in chunks)
 

@@ -55,13 +55,3 @@ def test_qwen35_xml_tool_calls_and_broken_calls() -> None:
     reasoning, content, calls = split("Sure.<tool_call>{broken json</tool_call>", 5, reasoning=False,
                                       in_think=False, tools=True)
     assert calls == [] and content == "Sure.<tool_call>{broken json</tool_call>"
-
-
-def test_forced_call_starts_in_the_template_s_own_form() -> None:
-    xml_template = "... <tool_call>\n<function=example_function_name>\n<parameter=..."
-    assert outputs.forced_call_start(xml_template, "get") == "<tool_call>\n<function=get>\n"
-    assert outputs.forced_call_start(xml_template, "") == "<tool_call>\n<function="
-    start = outputs.forced_call_start('{"name": <function-name>, "arguments": <args-json-object>}', 'say "hi"')
-    assert start == '<tool_call>\n{"name": "say \\"hi\\"", "arguments": '
-    [call] = split(start + '{"x": 1}}\n</tool_call>', 3, reasoning=False, in_think=False, tools=True)[2]
-    assert (call.name, json.loads(call.arguments)) == ('say "hi"', {"x": 1})
