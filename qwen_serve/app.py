@@ -61,6 +61,7 @@ from .outputs import (
     XML_CALLS,
     MessageParser,
     ToolCall,
+    ToolCallStream,
     prompt_opens_thinking,
 )
 from .protocol import (
@@ -495,6 +496,11 @@ class ChatChoice:
         self.logprobs: list[dict[str, Any]] = []
         self.tool_calls: list[ToolCall] = []
         self.finish: str | None = None
+        self.calls = ToolCallStream()
+
+    def call_deltas(self) -> list[dict[str, Any]]:
+        """Streamed ``tool_calls`` deltas of the calls being written (after :meth:`push`)."""
+        return self.calls.update(self.parser.tool_text) if self.parser.tool_text else []
 
     def push(self, text: str) -> tuple[str, str]:
         r, c = self.parser.push(text)
@@ -577,15 +583,20 @@ async def stream_chat(state: ServerState, req: ChatRequest, channel: JobChannel,
             yield chunk(i, {"role": "assistant", "content": ""})
         async for event in channel.events():
             if isinstance(event, Delta):
-                delta = parts(*choices[event.choice].push(event.text))
+                c = choices[event.choice]
+                delta = parts(*c.push(event.text))
+                calls = c.call_deltas()
+                if calls:
+                    delta["tool_calls"] = calls
                 logprobs = {"content": chat_logprobs(state, event)} if req.logprobs is not None else None
                 if delta or logprobs:
                     yield chunk(event.choice, delta, logprobs=logprobs)
             elif isinstance(event, Finished):
                 c = choices[event.choice]
                 delta = parts(*c.end(event.reason))
-                if c.tool_calls:
-                    delta["tool_calls"] = [call.as_dict(k) for k, call in enumerate(c.tool_calls)]
+                calls = c.calls.finish(c.tool_calls)
+                if calls:
+                    delta["tool_calls"] = calls
                 yield chunk(event.choice, delta, c.finish)
             elif isinstance(event, Done) and req.fields.include_usage:
                 yield sse({**head, "object": "chat.completion.chunk", "system_fingerprint": None, "choices": [],
