@@ -126,7 +126,7 @@ class ServerState:
 def create_app(model: str | Path | Model, *, model_name: str | None = None, max_batch: int = 8,
                max_queue: int = 64, max_memory: int | None = None, api_key: str | None = None,
                prefill_chunk: int = 128, max_context: int | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+               max_body_bytes: int = MAX_BODY_BYTES, cache_memory: int | None = None) -> Starlette:
     """An ASGI app serving ``model`` (a path or a loaded :class:`Model`); its engine starts with the app.
 
     ``model_name`` is the name clients pass as ``model`` (default: the file or directory name); the other
@@ -140,7 +140,7 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
     metrics = Metrics()
     engine = Engine(model, fmt.tokenizer, fmt.stop_ids, max_batch=max_batch, max_queue=max_queue,
                     max_memory=max_memory, prefill_chunk=prefill_chunk, max_context=max_context, text_ids=text_ids,
-                    metrics=metrics)
+                    metrics=metrics, cache_memory=cache_memory)
     engine_gauges(metrics, engine)
     name = model_name or (model.path.stem if model.path.is_file() else model.path.name)
     state = ServerState(engine, fmt, name, generation_defaults(model), api_key, max_body_bytes, int(time.time()),
@@ -191,7 +191,8 @@ def startup_banner(app: Starlette, url: str) -> str:
         f"  context {engine.context} tokens per request, {engine.max_batch} rows, {engine.max_queue} queued at most, "
         f"prefill chunks of {engine.prefill_chunk} tokens",
         f"  memory budget {format_bytes(engine.memory_limit)} for cache and activations "
-        f"({format_bytes(engine.activations)} of activations)",
+        f"({format_bytes(engine.activations)} of activations; prefix cache up to "
+        f"{format_bytes(engine.prefix.capacity) if engine.prefix else 'off'})",
         f"  kernels: {kernels}, {ws.threads} threads",
         f"  listening on {url}" + ("; API key required on /v1 and /tokenize" if state.api_key else ""),
     ])
@@ -208,6 +209,13 @@ def engine_gauges(metrics: Metrics, engine: Engine) -> None:
     metrics.gauge("memory_limit_bytes", "the memory limit for cache and activations", lambda: engine.memory_limit)
     metrics.gauge("engine_restarts", "times the engine loop died and was restarted", lambda: engine.restarts)
     metrics.gauge("engine_up", "1 while the engine serves, 0 once it gave up", lambda: engine.error is None)
+    if engine.prefix is not None:
+        prefix = engine.prefix
+        metrics.gauge("prefix_cache_lookups", "prompts looked up in the prefix cache", lambda: prefix.lookups)
+        metrics.gauge("prefix_cache_hits", "prompts that found a cached prefix", lambda: prefix.hits)
+        metrics.gauge("prefix_cache_hit_tokens", "prompt tokens restored instead of prefilled",
+                      lambda: prefix.hit_tokens)
+        metrics.gauge("prefix_cache_bytes", "memory held by cached blocks", lambda: prefix.nbytes)
 
 
 # --- plumbing ---------------------------------------------------------------------------------------------

@@ -47,6 +47,8 @@ def configure_parser() -> argparse.ArgumentParser:
                    f"(default: the {API_KEY_ENV} environment variable, which ps does not show)")
     p.add_argument("--max-memory", type=parse_memory_size, default=None, metavar="SIZE",
                    help="memory for cache and activations, e.g. 4G (default: 80%% of MemAvailable)")
+    p.add_argument("--cache-memory", type=parse_memory_size, default=None, metavar="SIZE",
+                   help="prefix cache bound, e.g. 1G; 0 turns it off (default: a quarter of --max-memory)")
     p.add_argument("--model-name", default=None, help="the name clients use (default: the file or directory name)")
     p.add_argument("--max-context", type=positive, default=None, metavar="TOKENS",
                    help="tokens one request may hold, prompt + completion (default: the model's context)")
@@ -77,7 +79,7 @@ def run(args: argparse.Namespace) -> None:
     sock = listen(args.host, args.port)
     app = create_app(args.model, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                      max_memory=args.max_memory, api_key=args.api_key, prefill_chunk=args.prefill_chunk,
-                     max_context=args.max_context, max_body_bytes=args.max_body)
+                     max_context=args.max_context, max_body_bytes=args.max_body, cache_memory=args.cache_memory)
     host, port = sock.getsockname()[:2]
     logging.getLogger("qwen_serve").info(startup_banner(app, f"http://{host}:{port}"))
     uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])

@@ -38,6 +38,7 @@ from qwen_runtime.stepper import LENGTH, STOP, Constraint, RowStepper, Step
 from qwen_runtime.tokenizer import Tokenizer
 
 from .metrics import Metrics
+from .prefix_cache import PrefixCache
 from .slots import SlotCache
 
 log = logging.getLogger("qwen_serve")
@@ -146,12 +147,14 @@ class Engine:
     ``max_context`` tokens (default: the model's context, less if the memory limit cannot hold that many for
     one row); prompts are prefilled ``prefill_chunk`` tokens at a time; ``stop_ids`` end a choice; special
     tokens other than ``text_ids`` produce no text; tokens, steps and failures are counted in ``metrics``.
+    ``cache_memory`` bounds the prefix cache (:mod:`.prefix_cache`; None: a quarter of the memory limit,
+    0: off); its blocks live in the memory limit too and are evicted when a request needs the room.
     """
 
     def __init__(self, model: Model, tokenizer: Tokenizer, stop_ids: frozenset[int], *, max_batch: int = 8,
                  max_queue: int = 64, max_memory: int | None = None, prefill_chunk: int = 128,
                  max_context: int | None = None, text_ids: frozenset[int] = frozenset(),
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, cache_memory: int | None = None) -> None:
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or (max_context is not None and max_context < 2):
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0 and max_context >= 2")
         self.model, self.tokenizer, self.stop_ids = model, tokenizer, frozenset(stop_ids)
@@ -170,6 +173,8 @@ class Engine:
                                      f"{format_bytes(self.activations)}); raise --max-memory or lower --max-batch")
         self.context = min(context, room)  # tokens one row can hold (prompt + completion)
         self.slots = SlotCache(model, max_batch, self.context)
+        capacity = self.memory_limit // 4 if cache_memory is None else cache_memory
+        self.prefix = PrefixCache(self.slots, prefill_chunk, capacity) if capacity > 0 else None
         self.ws = model.lm_head.ws
         self.metrics = metrics or Metrics()
         self._cond = threading.Condition()
@@ -223,7 +228,12 @@ class Engine:
                     "prefilling": self._prefill is not None, "max_batch": self.max_batch,
                     "decode_steps": self.steps, "peak_rows": self.peak_rows,
                     "reserved_bytes": sum(self._reserved.values()), "memory_limit_bytes": self.memory_limit,
-                    "restarts": self.restarts, "last_error": self.last_error}
+                    "restarts": self.restarts, "last_error": self.last_error,
+                    "prefix_cache": None if self.prefix is None else {
+                        "bytes": self.prefix.nbytes, "capacity_bytes": self.prefix.capacity,
+                        "blocks": len(self.prefix.blocks), "block_tokens": self.prefix.block,
+                        "lookups": self.prefix.lookups, "hits": self.prefix.hits,
+                        "hit_tokens": self.prefix.hit_tokens}}
 
     def start(self) -> None:
         """Start the engine thread (a no-op while it runs, or once the engine has given up)."""
@@ -300,13 +310,19 @@ class Engine:
             return
         job = self._waiting[0]
         need = self.job_bytes(len(job.prompt_ids), job.max_tokens, job.n)
-        if len(self._rows) + job.n > self.max_batch or \
-                sum(self._reserved.values()) + need + self.activations > self.memory_limit:
+        if len(self._rows) + job.n > self.max_batch:
             return
+        over = sum(self._reserved.values()) + need + self.activations - self.memory_limit
+        if over > 0:
+            return
+        if self.prefix is not None and over + self.prefix.nbytes > 0:  # cached blocks give way to requests
+            self.prefix.evict(over + self.prefix.nbytes)
         self._waiting.popleft()
         self._reserved[id(job)] = need
-        self.slots.reset(len(self._rows))
-        self._prefill = (job, 0)
+        row = len(self._rows)
+        self.slots.reset(row)
+        chain = self.prefix.lookup(job.prompt_ids) if self.prefix else []
+        self._prefill = (job, self.prefix.restore(row, chain) if chain else 0)
 
     def _prefill_chunks(self) -> None:
         """Prefill chunks of admitted prompts, oldest first, up to ``prefill_chunk`` tokens in all (at least one
@@ -334,6 +350,8 @@ class Engine:
                                     last_only=True, release_scratch=False)  # [1, V]; decode steps follow
         self.metrics.prefill_step.observe(time.perf_counter() - start)
         done += len(chunk)
+        if self.prefix is not None and len(chunk) == self.prefill_chunk:  # a block ends here: keep it
+            self.prefix.store(slot, job.prompt_ids, done)
         if done < len(job.prompt_ids):
             self._prefill = (job, done)
             return

@@ -15,6 +15,7 @@ from qwen_runtime.models import Model
 from qwen_runtime.sampling import SamplingParams
 
 SlotCache = pytest.importorskip("qwen_serve.slots", reason="qwen_serve needs the serve extra").SlotCache
+PrefixCache = pytest.importorskip("qwen_serve.prefix_cache").PrefixCache
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +189,75 @@ def test_a_dead_loop_is_restarted_then_reported_and_refused_consistently(engine,
     assert "injected loop failure" in second.failed and engine.error is not None
     with pytest.raises(Engine.EngineStoppedError, match="injected loop failure"):
         engine.submit(Engine.Job(PROMPTS[2], 4, SamplingParams(), Outcome().emit))
+
+
+# --- the prefix cache ------------------------------------------------------------------------------------------
+
+
+class Logged(Outcome):
+    def __init__(self) -> None:
+        super().__init__()
+        self.logprobs: list[float] = []
+
+    def emit(self, event) -> None:
+        if isinstance(event, Engine.Delta):
+            self.logprobs.extend(lp.logprob for lp in event.logprobs)
+        super().emit(event)
+
+
+def turns(engine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """Each prompt in turn (greedy, 6 tokens, logprobs), the next one starting with the previous answer."""
+    out, previous = [], []
+    for prompt in prompts:
+        full = previous + prompt
+        outcome = Logged()
+        engine.submit(Engine.Job(full, 6, SamplingParams(), outcome.emit, logprobs=0))
+        assert outcome.ended.wait(60) and outcome.failed is None
+        out.append((outcome.tokens, outcome.logprobs))
+        previous = full + outcome.tokens
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3-tiny", "qwen35-tiny"])
+def test_prefix_cache_gives_the_same_tokens_and_logprobs(family: str) -> None:
+    """Turns of a conversation (each prompt the whole history) with the cache off and on: identical greedy
+    tokens and logprobs, bit for bit, while the later turns restore most of their prompt (for Qwen3.5 the
+    Gated DeltaNet state checkpointed at block ends)."""
+    model = qwen_runtime.load(fixture_dir(family))
+    tok = chat_format(model).tokenizer
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 400, n).tolist() for n in (37, 11, 20)]
+    results = {}
+    for cache in (0, 64 << 20):
+        engine = Engine.Engine(model, tok, frozenset(), max_batch=4, prefill_chunk=8, cache_memory=cache)
+        engine.start()
+        try:
+            results[cache] = turns(engine, prompts)
+            status = engine.status()["prefix_cache"]
+        finally:
+            engine.stop()
+    assert results[0] == results[64 << 20]
+    # turn 2 restores turn 1's 4 whole blocks, turn 3 those of turn 1 and 2 (prompt + answer are not stored)
+    assert status["hits"] == 2 and status["hit_tokens"] == 32 + 48 and status["blocks"] == 10
+
+
+def test_prefix_cache_evicts_the_least_recently_used_leaf() -> None:
+    """A block goes only when no cached block follows it (a chain is never cut in the middle); among those,
+    the least recently used goes first."""
+    model = qwen_runtime.load(fixture_dir("qwen35-tiny"))
+    slots = SlotCache(model, 1, 64)
+
+    def fill(prompt: list[int], cache: PrefixCache, last: int) -> None:
+        slots.reset(0)
+        for end in range(8, last + 1, 8):
+            model.forward(np.asarray([prompt[end - 8:end]]), slots.rows(0, 1))
+            cache.store(0, prompt, end)
+
+    a, b = list(range(30)), list(range(8)) + list(range(100, 122))
+    sizer = PrefixCache(slots, 8, 10**9)
+    fill(a, sizer, 8)
+    cache = PrefixCache(slots, 8, 2 * sizer.nbytes)
+    fill(a, cache, 24)  # the third block finds no leaf to evict but its own parent: not stored
+    assert len(cache.blocks) == 2 and cache.nbytes == 2 * sizer.nbytes
+    fill(b, cache, 16)  # shares a's first block; its second evicts a's second, the least recently used leaf
+    assert [len(cache.lookup(a)), len(cache.lookup(b))] == [1, 2]
