@@ -13,6 +13,11 @@ attends over exactly its own tokens, :mod:`qwen_runtime.cache`), decode products
 chunking, and every choice samples from its own random generator (seeded from the request's ``seed``).
 So a request's tokens are identical whether it runs alone or among others.
 
+A row's sampling, text, stop strings and finish reason are its :class:`~qwen_runtime.stepper.RowStepper`'s; the
+engine only schedules.  A prompt starts from the longest prefix the :mod:`.prefix_cache` holds.  A request
+whose code raises inside a step fails alone (a failed batched pass is retried row by row); a loop that dies
+is restarted, and after :data:`MAX_RESTARTS` deaths in a row the engine stops and says so.
+
 Admission: a request waits in a bounded queue until there are rows for its ``n`` choices and the memory
 for their tokens (prompt + ``max_tokens`` each) fits the limit next to the running ones.  The HTTP layer
 talks to the engine only through :meth:`Engine.submit`, :meth:`Job.cancel` and the events a job emits (called
