@@ -146,6 +146,15 @@ class ChatFormat:
         """A raw prompt (no template): BOS only when the model asks for it."""
         return self._with_bos(self.tokenizer.encode(text))
 
+    def encode_prompt_within(self, text: str, limit: int) -> list[int] | None:
+        """:meth:`encode_prompt`, or None once the prompt is known to exceed ``limit`` tokens
+        (:meth:`~qwen_runtime.tokenizer.Tokenizer.encode_within`: in pieces, other threads running)."""
+        ids = self.tokenizer.encode_within(text, limit)
+        if ids is None:
+            return None
+        ids = self._with_bos(ids)
+        return ids if len(ids) <= limit else None
+
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                enable_thinking: bool | None = None, **extra: Any) -> str:
         """The template's text for ``messages`` (``enable_thinking`` is passed only when given)."""
