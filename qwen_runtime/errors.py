@@ -53,14 +53,13 @@ class VerificationError(QwenError):
 
 
 # Exit codes shared by every CLI (documented in README.md).
-EXIT_CODES: dict[type[BaseException], int] = {
+EXIT_CODES: dict[type[QwenError], int] = {
     UnsupportedArchitectureError: 3,
     UnsupportedTokenizerError: 3,
     ConfigError: 4,
     FormatError: 2,
     OutputExistsError: 5,
     ResourceLimitError: 6,
-    MemoryError: 6,  # memory ran out all the same (a template that exhausts it is a TemplateError: 7)
     TemplateError: 7,
     ContextOverflowError: 8,
     VerificationError: 9,
@@ -68,7 +67,7 @@ EXIT_CODES: dict[type[BaseException], int] = {
 }
 
 
-def exit_code(err: BaseException) -> int:
+def exit_code(err: QwenError) -> int:
     """The CLI exit code for ``err`` (most specific class wins)."""
     for cls in type(err).__mro__:
         if cls in EXIT_CODES:
