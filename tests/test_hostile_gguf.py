@@ -227,12 +227,24 @@ print(status("VmHWM:") - before)
 """
 
 MIB = 1 << 20
+
+
+def most_keys_and_tensors() -> bytes:
+    """As many keys and tensors as allowed, with long names and string values (3.6 MB of text)."""
+    keys = b"".join(pack_string(f"k{i:0100d}") + struct.pack("<I", GGUFValueType.STRING) + pack_string("v" * 60)
+                    for i in range(MAX_KEYS))
+    tensors = b"".join(pack_string(f"t{i:060d}") + struct.pack("<IQQQIQ", 3, 32, 1, 1, 0, 128 * i)
+                       for i in range(MAX_TENSORS))  # F32 [1, 1, 32] each, one after the other
+    return minimal(MAX_KEYS, MAX_TENSORS) + keys + tensors + bytes(128 * MAX_TENSORS + 64)
+
+
 HOSTILE_SIZES = {  # what each file cost before numeric arrays stayed in the map and string arrays were indexed
     "INT16 array (+411 MB)": lambda: numeric_array_file(GGUFValueType.INT16, 20 * MIB),
     "FLOAT32 array": lambda: numeric_array_file(GGUFValueType.FLOAT32, 20 * MIB),
     "UINT8 array": lambda: numeric_array_file(GGUFValueType.UINT8, 20 * MIB),
     "empty strings (+95 MB)": lambda: string_array([b""] * (20 * MIB // 8), key="tokenizer.ggml.tokens"),
     "one long string": lambda: string_array([b"\xf0\x9f\x99\x82" * (5 * MIB)]),
+    "the most keys and tensors allowed": most_keys_and_tensors,
 }
 
 
