@@ -11,8 +11,10 @@ Face source directory:
    reason (:func:`qwen_runtime.naming.skip_reason`), and every output tensor must come from one.
 2. **Metadata.**  GGUF: every key of the model table (:data:`qwen_runtime.gguf_keys.MODEL_KEYS`) that llama.cpp
    reads for the architecture against ``config.json`` (an absent key passes only where llama.cpp's default is
-   the right value), plus the
-   tokenizer keys against the tokenizer files.  npy: the manifest and the copied config/tokenizer files.
+   the right value), plus the tokenizer keys against the tokenizer files, in full: every token's text and
+   type (added tokens included), every merge in order, every special-token id and add-token flag the
+   source's files give (and none they do not), the chat template.  npy: the manifest and the copied
+   config/tokenizer files.
 3. **Behaviour** (:mod:`qwen_convert.probe`): next-token distributions of source and output on a probe.
 
 Per-element bounds on ``e = |undo(output) - source|`` (the output's storage type, then the transform):
@@ -28,8 +30,12 @@ Per-element bounds on ``e = |undo(output) - source|`` (the output's storage type
   ``e <= step/2 + dist(source, grid range)`` from the stored sub-block (``Codec.rounding_bound``; IQ4's step
   is its largest gap between levels), plus 1/32 of a step for the float16 rounding of a 32-block scale the
   integers were computed with (<= 16·2^-11 steps) and float32 arithmetic.
-* (1 + w) norms: ``e <= eps_src·|output|`` on top: llama.cpp adds the 1 to the source-dtype torch tensor
-  (bf16: eps = 2^-7) before upcasting.  A +1 applied twice or not at all is off by exactly 1.
+* (1 + w) norms are compared as stored, exactly: the stored value must be ``1 + w`` as a converter computes
+  it, rounded to float32 (ours; llama.cpp's for bf16 and f32 sources, which it widens to float32 first) or to
+  the source's own dtype (llama.cpp's for an f16 source, which it keeps; torch arithmetic on a bf16 tensor),
+  then to the output's type; the tensor passes when every value equals one of these conventions' values
+  (quantized norms: within their type's bound of them).  A band such as ``eps_src·|output|`` would let
+  every norm scaled by 1.007 through; a +1 applied twice or not at all is off by exactly 1.
 * ``ssm_a = -exp(A_log)`` is undone as ``log(-ssm_a)`` in float64.  A relative error r of the stored exp
   becomes an *absolute* error ``log(1 + r) ≈ r`` in A_log (d log y = dy / y), so the bound is absolute:
   ``2·eps_src`` (float32 exp is within 2 ulp; measured max 1.7·2^-23 over [-8, 4]) plus half an ulp of
@@ -48,14 +54,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import Keys
+from gguf import Keys, TokenType
 
 from qwen_runtime.archs import NEG_EXP, NO_TRANSFORM, PLUS_ONE, VALUE_TRANSFORMS
 from qwen_runtime.config import ModelConfig
 from qwen_runtime.errors import FormatError, UnsupportedTokenizerError, VerificationError
 from qwen_runtime.formats import open_hf_dir, open_model_files
 from qwen_runtime.formats.base import TOKENIZER_FILES, V_HEAD_GROUPED, V_HEAD_TILED, ModelFiles
-from qwen_runtime.formats.gguf_config import is_metadata_array, without_mtp_blocks
+from qwen_runtime.formats.gguf_config import is_metadata_array, metadata_array, without_mtp_blocks
 from qwen_runtime.formats.hf_dir import plan_entries
 from qwen_runtime.formats.safetensors import SafetensorsEntry
 from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key
@@ -78,9 +84,6 @@ from .quantize import rows_per_chunk
 # Spacing of 1.0 in each source dtype: the precision a converter may compute a transform in.
 SOURCE_EPS = {QType.F32: 2.0**-23, QType.F16: 2.0**-10, QType.BF16: 2.0**-7}
 Q8_0_ROUNDING_SLACK = 1e-4  # x * (1/d) in float32 may round to the other side of a .5 by ~127 * 2^-22 steps
-SPECIAL_ID_KEYS = {"bos": Keys.Tokenizer.BOS_ID, "eos": Keys.Tokenizer.EOS_ID, "pad": Keys.Tokenizer.PAD_ID,
-                   "unk": Keys.Tokenizer.UNK_ID, "sep": Keys.Tokenizer.SEP_ID}
-ADD_TOKEN_KEYS = {"bos": Keys.Tokenizer.ADD_BOS, "eos": Keys.Tokenizer.ADD_EOS}
 FILE_TYPE_DTYPES = {int(ftype): name for name, (_, ftype) in DTYPES.items()}
 
 
@@ -92,7 +95,7 @@ class TensorCheck:
     source: str  # HF name
     type: str  # stored type in the output
     transform: str  # what was undone before comparing
-    max_error: float  # max |undo(output) - source|
+    max_error: float  # max |undo(output) - source|; (1 + w) norms: max |output - (1 + w)| as stored
     max_bound: float  # the largest per-element bound
     violations: int  # elements outside their bound
     ok: bool
@@ -293,8 +296,6 @@ def transform_bound(plan: TensorPlan, stored: np.ndarray, undone: np.ndarray, ba
                     source_qtype: QType) -> np.ndarray:
     """Widen the storage bound by the rounding of the converter's transform (module docstring)."""
     eps = SOURCE_EPS.get(source_qtype, SOURCE_EPS[QType.F32])
-    if plan.transform == PLUS_ONE:
-        return base + eps * np.abs(stored.astype(np.float64))
     if plan.transform == NEG_EXP:
         with np.errstate(divide="ignore", invalid="ignore"):
             relative = np.where(stored != 0, base / np.abs(stored.astype(np.float64)), np.inf)
@@ -302,8 +303,62 @@ def transform_bound(plan: TensorPlan, stored: np.ndarray, undone: np.ndarray, ba
     return base
 
 
+def round_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bf16 (ties to even), as float32; NaN stays NaN."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
+    return np.where(np.isnan(x), x, rounded)
+
+
+def plus_one_conventions(source: np.ndarray, source_qtype: QType) -> list[np.ndarray]:
+    """``1 + w`` as each converter convention computes it (module docstring): in float32, and rounded to the
+    source's dtype when that is narrower.  float32 ``[rows, n]`` each."""
+    exact = source.astype(np.float32) + np.float32(1)
+    if source_qtype == QType.F16:
+        return [exact, exact.astype(np.float16).astype(np.float32)]
+    if source_qtype == QType.BF16:
+        return [exact, round_to_bf16(exact)]
+    return [exact]
+
+
+def storage_rounding(qtype: QType, values: np.ndarray) -> np.ndarray | None:
+    """float32 ``values`` as a float output type stores them (round to nearest even); None for the quantized
+    types, whose stored values are compared within their bound instead."""
+    if qtype == QType.F32:
+        return values
+    if qtype == QType.F16:
+        return values.astype(np.float16).astype(np.float32)
+    if qtype == QType.BF16:
+        return round_to_bf16(values)
+    return None
+
+
+def compare_plus_one(out: StoredTensor, src: SourceTensor, config: ModelConfig) -> ErrorStats:
+    """A (1 + w) norm compared as stored: against each convention of :func:`plus_one_conventions` rounded to
+    the output's type, exactly (bound 0), or within a quantized type's bound; the convention with the fewest
+    violations is the tensor's (one converter wrote the whole tensor)."""
+    stats: list[ErrorStats] = []
+    stored_rows = out.rows2d()
+    for start, source in aligned_source(src.entry, src.plan, out.shape, config):
+        raw = stored_rows[start:start + len(source)]
+        stored = to_float32(out.qtype, raw)
+        for i, wanted in enumerate(plus_one_conventions(source, src.entry.qtype)):
+            if i == len(stats):
+                stats.append(ErrorStats())
+            expected = storage_rounding(out.qtype, wanted)
+            if expected is None:
+                expected, bound = wanted, storage_bound(out.qtype, raw, stored, wanted)
+            else:
+                bound = np.zeros(stored.shape)
+            stats[i].add(stored, expected, bound, start)
+    return min(stats, key=lambda s: s.violations, default=ErrorStats())
+
+
 def compare_tensor(out: StoredTensor, src: SourceTensor, config: ModelConfig) -> ErrorStats:
-    """Stream ``out`` against its source with ``src.plan`` undone; returns the accumulated error."""
+    """Stream ``out`` against its source with ``src.plan`` undone; returns the accumulated error.  (1 + w)
+    norms are compared as stored instead (:func:`compare_plus_one`)."""
+    if src.plan.transform == PLUS_ONE:
+        return compare_plus_one(out, src, config)
     stats = ErrorStats()
     stored_rows = out.rows2d()
     # Value transforms are undone on the output; the squeeze only reshapes, so the source is read as [C, K].
@@ -363,7 +418,8 @@ def _numeric_cause(plan: TensorPlan, stats: ErrorStats) -> str:
             hint = ": the (1 + w) norm offset is missing"
         return f"every value is off by {offset:+.6g}{hint}"
     if scale is not None:
-        return f"values are scaled by x{scale:.6g} relative to the source"
+        relative = "1 + w of the source" if plan.transform == PLUS_ONE else "the source"
+        return f"values are scaled by x{scale:.6g} relative to {relative}"
     if not math.isfinite(stats.max_error):
         return f"non-finite values where the source is finite{where}"
     return (f"{stats.violations} values outside the bound: max |error| {stats.max_error:.4g}, "
@@ -387,6 +443,8 @@ def compare_tensors(output: ModelFiles, planned: dict[str, SourceTensor], config
 
 
 def _same(expected: Any, actual: Any) -> bool:
+    if isinstance(actual, np.ndarray):  # a numeric array: a view of the file map
+        return isinstance(expected, (list, tuple, np.ndarray)) and np.array_equal(np.asarray(expected), actual)
     if isinstance(expected, float) or isinstance(actual, float):
         return (isinstance(actual, (int, float)) and not isinstance(actual, bool)
                 and np.float32(expected) == np.float32(actual))
@@ -445,22 +503,84 @@ def gguf_tokenizer_checks(meta: dict[str, Any], files: ModelFiles) -> list[Metad
     tokenizer_json = files.read_json("tokenizer.json")
     if tokenizer_json is None:
         return [MetadataCheck("tokenizer.json", "present", None, False, "the source has no tokenizer.json")]
-    tokens, _ = token_table(tokenizer_json, config.vocab_size, directory / "tokenizer.json")
-    checks = [_key_check(Keys.Tokenizer.MODEL, "gpt2", meta), _pre_check(files, tokenizer_json, meta),
-              _token_list_check(tokens, meta.get(Keys.Tokenizer.LIST))]
+    tokens, types = token_table(tokenizer_json, config.vocab_size, directory / "tokenizer.json")
+    added = {int(t["id"]) for t in tokenizer_json.get("added_tokens") or [] if isinstance(t, dict)}
     special = special_vocab(directory, tokenizer_json, config.vocab_size)
-    for kind, token_id in special.special_token_ids.items():
-        if kind in SPECIAL_ID_KEYS:
-            checks.append(_key_check(SPECIAL_ID_KEYS[kind], token_id, meta))
-    for kind, flag in special.add_special_token.items():
-        if kind in ADD_TOKEN_KEYS:
-            checks.append(_key_check(ADD_TOKEN_KEYS[kind], flag, meta))
-    if special.chat_template is not None:
-        checks.append(_key_check(Keys.Tokenizer.CHAT_TEMPLATE, special.chat_template, meta))
+    checks = [_key_check(Keys.Tokenizer.MODEL, "gpt2", meta), _pre_check(files, tokenizer_json, meta),
+              _token_list_check(tokens, meta.get(Keys.Tokenizer.LIST), added),
+              _token_type_check(types, tokens, meta.get(Keys.Tokenizer.TOKEN_TYPE), added),
+              _merges_check(special.merges, meta.get(Keys.Tokenizer.MERGES))]
+    for kind in sorted(set(special.special_token_types) | set(special.special_token_ids)):
+        key = getattr(Keys.Tokenizer, f"{kind.upper()}_ID", None)
+        if key is not None:
+            checks.append(_optional_key_check(key, special.special_token_ids.get(kind), meta))
+    for kind in sorted({"bos", "eos", "sep"} | set(special.add_special_token)):
+        key = getattr(Keys.Tokenizer, f"ADD_{kind.upper()}", None)
+        if key is not None:
+            checks.append(_optional_key_check(key, special.add_special_token.get(kind), meta, absent_means=False))
+    checks.append(_optional_key_check(Keys.Tokenizer.CHAT_TEMPLATE, special.chat_template, meta))
     return checks
 
 
-def _token_list_check(expected: list[str], actual: Any) -> MetadataCheck:
+def _optional_key_check(key: str, expected: Any, meta: dict[str, Any], absent_means: Any = None) -> MetadataCheck:
+    """A key the source's files may or may not give: when they give none, the output must not claim one
+    (``absent_means``: the value an absent key stands for, which a stored key may repeat)."""
+    if expected is not None:
+        return _key_check(key, expected, meta)
+    actual = meta.get(key)
+    ok = actual is None or (absent_means is not None and _same(absent_means, actual))
+    return MetadataCheck(key, None, actual, ok, "" if ok else f"is {_short(actual)}, the source's tokenizer files "
+                                                               f"give none")
+
+
+def _token_name(i: int, tokens: list[str], added: set[int]) -> str:
+    return f"{'added token' if i in added else 'token'} {i} ({tokens[i]!r})"
+
+
+def _token_type_check(expected: list[int], tokens: list[str], actual: Any, added: set[int]) -> MetadataCheck:
+    """Every token's GGUF type (NORMAL, CONTROL, USER_DEFINED, UNUSED) against tokenizer.json's rule."""
+    key = Keys.Tokenizer.TOKEN_TYPE
+    summary = f"{len(expected)} token types"
+    stored = metadata_array(actual)
+    if stored is None:
+        return MetadataCheck(key, summary, None, False, "missing or not an array of integers")
+    if len(stored) != len(expected):
+        return MetadataCheck(key, summary, f"{len(stored)} token types", False,
+                             f"has {len(stored)} entries for {len(expected)} tokens")
+    differ = np.flatnonzero(stored != np.asarray(expected, dtype=np.int64))
+    if len(differ):
+        i = int(differ[0])
+        return MetadataCheck(key, summary, summary, False,
+                             f"{len(differ)} token types differ from tokenizer.json's; first: "
+                             f"{_token_name(i, tokens, added)} is {_type_name(int(stored[i]))}, expected "
+                             f"{_type_name(expected[i])}")
+    return MetadataCheck(key, summary, summary, True)
+
+
+def _type_name(value: int) -> str:
+    try:
+        return TokenType(value).name
+    except ValueError:
+        return str(value)
+
+
+def _merges_check(expected: list[str], actual: Any) -> MetadataCheck:
+    """Every BPE merge, in order (their order is their priority)."""
+    key = Keys.Tokenizer.MERGES
+    summary = f"{len(expected)} merges"
+    if not is_metadata_array(actual):
+        return MetadataCheck(key, summary, None, False, "missing")
+    if len(actual) != len(expected):
+        return MetadataCheck(key, summary, f"{len(actual)} merges", False,
+                             f"has {len(actual)} merges, the source has {len(expected)}")
+    first = next((i for i, (a, b) in enumerate(zip(expected, actual, strict=True)) if a != b), None)
+    if first is not None:
+        return MetadataCheck(key, summary, summary, False,
+                             f"merge {first} is {actual[first]!r}, the source has {expected[first]!r}")
+    return MetadataCheck(key, summary, summary, True)
+
+
+def _token_list_check(expected: list[str], actual: Any, added: set[int]) -> MetadataCheck:
     key = Keys.Tokenizer.LIST
     summary = f"{len(expected)} tokens"
     if not is_metadata_array(actual):
@@ -470,8 +590,9 @@ def _token_list_check(expected: list[str], actual: Any) -> MetadataCheck:
                              f"has {len(actual)} tokens, config.json vocab_size is {len(expected)}")
     first = next((i for i, (a, b) in enumerate(zip(expected, actual, strict=True)) if a != b), None)
     if first is not None:
+        kind = "added token" if first in added else "token"
         return MetadataCheck(key, summary, summary, False,
-                             f"token {first} is {actual[first]!r}, tokenizer.json has {expected[first]!r}")
+                             f"{kind} {first} is {actual[first]!r}, tokenizer.json has {expected[first]!r}")
     return MetadataCheck(key, summary, summary, True)
 
 

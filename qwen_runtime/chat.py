@@ -29,7 +29,7 @@ from .errors import ContextOverflowError, FormatError, TemplateError
 from .formats import ModelFiles
 from .formats.base import read_text_file
 from .formats.gguf_config import is_metadata_array
-from .sandbox import BoundedEnvironment
+from .sandbox import BoundedEnvironment, json_size
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -49,6 +49,13 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def _tojson_size(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+                 separators: tuple[str, str] | None = None, sort_keys: bool = False) -> int:
+    """An upper bound of ``len(_tojson(...))``, before it is built."""
+    custom = isinstance(separators, (list, tuple)) and all(isinstance(s, str) for s in separators)
+    return json_size(value, indent, sum(map(len, separators)) + 1 if custom else 3)
+
+
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
@@ -58,7 +65,7 @@ class ChatTemplate:
 
     def __init__(self, source: str) -> None:
         env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = env.bounded_callable(_tojson)
+        env.filters["tojson"] = env.bounded_callable(_tojson, _tojson_size, "|tojson")
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         try:
             self.template = env.from_string(source)
@@ -138,6 +145,15 @@ class ChatFormat:
     def encode_prompt(self, text: str) -> list[int]:
         """A raw prompt (no template): BOS only when the model asks for it."""
         return self._with_bos(self.tokenizer.encode(text))
+
+    def encode_prompt_within(self, text: str, limit: int) -> list[int] | None:
+        """:meth:`encode_prompt`, or None once the prompt is known to exceed ``limit`` tokens
+        (:meth:`~qwen_runtime.tokenizer.Tokenizer.encode_within`: in pieces, other threads running)."""
+        ids = self.tokenizer.encode_within(text, limit)
+        if ids is None:
+            return None
+        ids = self._with_bos(ids)
+        return ids if len(ids) <= limit else None
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                enable_thinking: bool | None = None, **extra: Any) -> str:

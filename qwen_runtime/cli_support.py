@@ -7,11 +7,14 @@ import importlib.util
 import sys
 from collections.abc import Callable
 
-from .errors import MissingExtraError, QwenError, exit_code
+from .errors import EXIT_CODES, MissingExtraError, QwenError, ResourceLimitError, exit_code
 
 USAGE_ERROR = 2  # an invalid option value (argparse uses the same code for bad usage)
 INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 MISSING_FILE = 2  # the same code as FormatError: an input file is missing
+# Memory ran out: the code of a request over the allowed memory (ResourceLimitError is a MemoryError too).
+# A chat template that exhausts memory is refused by the sandbox as a TemplateError (7) instead.
+OUT_OF_MEMORY = EXIT_CODES[ResourceLimitError]
 
 
 def run_guarded(prog: str, main: Callable[[], int | None]) -> int:
@@ -21,6 +24,10 @@ def run_guarded(prog: str, main: Callable[[], int | None]) -> int:
     except QwenError as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
         return exit_code(exc)
+    except MemoryError as exc:
+        detail = f" ({exc})" if str(exc) else ""
+        sys.stderr.write(f"{prog}: error: out of memory{detail}\n")
+        return OUT_OF_MEMORY
     except KeyboardInterrupt:
         sys.stderr.write(f"\n{prog}: interrupted; no partial output was left\n")
         return INTERRUPTED

@@ -1,9 +1,10 @@
 """The prefill/decode loop over a left-padded batch, streaming text as it is produced.
 
 Prefill runs the prompts in chunks of ``prefill_chunk`` columns (bounding activation memory); decoding
-feeds one token per live row.  Rows stop on a stop id or after ``max_new_tokens``; finished rows are
-dropped from the cache so the rest of the batch runs on.  Each row sees exactly what it would see alone:
-its repetition-penalty history holds only its own prompt and output (never padding).
+feeds one token per live row.  Each row's tokens, text and end are its :class:`~qwen_runtime.stepper.RowStepper`'s
+(rows stop on a stop id or after ``max_new_tokens``); finished rows are dropped from the cache so the rest of
+the batch runs on.  Each row sees exactly what it would see alone: its repetition-penalty history holds only
+its own prompt and output (never padding).
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from .cache import Cache
 from .errors import ContextOverflowError
 from .limits import check_memory, generation_bytes
 from .models import Model
-from .sampling import SamplingParams, sample
-from .tokenizer import StreamDecoder, Tokenizer
-
-STOP, LENGTH = "stop", "length"
+from .sampling import SamplingParams
+from .stepper import RowStepper
+from .tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,9 @@ class Generation:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.results = [GenerationResult([int(t) for t in p]) for p in prompts]
         self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
-        self._decoders = [StreamDecoder(tokenizer) if tokenizer else None for _ in prompts]
+        rng = np.random.default_rng(config.seed)  # shared: rows draw in row order, as they always did
+        self._rows = [RowStepper(r.prompt_ids, params, rng, config.max_new_tokens, config.stop_ids, tokenizer)
+                      for r, params in zip(self.results, config.params_for(len(prompts)), strict=True)]
         self._iterator = self._run()
 
     def __iter__(self) -> Iterator[list[str]]:
@@ -128,8 +130,6 @@ class Generation:
 
     def _run(self) -> Iterator[list[str]]:
         cfg, model = self.config, self.model
-        rng = np.random.default_rng(cfg.seed)
-        params = cfg.params_for(len(self.results))
         ids, valid = left_pad([r.prompt_ids for r in self.results])
         t0, t1 = time.perf_counter(), None
         try:  # the times are kept even when the caller stops early (Ctrl-C in a chat)
@@ -140,22 +140,18 @@ class Generation:
                                        release_scratch=c1 >= ids.shape[1])  # [B, V]; scratch kept between chunks
             self.stats.prefill_seconds = time.perf_counter() - t0
             t1 = time.perf_counter()
-            yield from self._decode(model, cache, logits, params, rng)
+            yield from self._decode(model, cache, logits)
         finally:
             if t1 is None:
                 self.stats.prefill_seconds = time.perf_counter() - t0
             else:
                 self.stats.decode_seconds = time.perf_counter() - t1
 
-    def _decode(self, model: Model, cache: Cache, logits: np.ndarray, params: list[SamplingParams],
-                rng: np.random.Generator) -> Iterator[list[str]]:
+    def _decode(self, model: Model, cache: Cache, logits: np.ndarray) -> Iterator[list[str]]:
         cfg = self.config
         live = list(range(len(self.results)))  # original row of each cache row
-        for step in range(cfg.max_new_tokens):
-            seen = [np.asarray(self.results[r].prompt_ids + self.results[r].token_ids, np.int64) for r in live]
-            outputs = [np.asarray(self.results[r].token_ids, np.int64) for r in live]
-            tokens = sample(logits, [params[r] for r in live], seen, rng, outputs)  # [B_live]
-            texts, keep = self._record(live, tokens, last=step == cfg.max_new_tokens - 1)
+        for _ in range(cfg.max_new_tokens):
+            tokens, texts, keep = self._step(live, logits)  # [B_live]
             yield texts
             if not keep:
                 break
@@ -166,21 +162,20 @@ class Generation:
             logits = model.forward(tokens[:, None], cache, last_only=True)  # [B_live, V]
             self.stats.decoded_tokens += len(live)
 
-    def _record(self, live: list[int], tokens: np.ndarray, last: bool) -> tuple[list[str], list[int]]:
-        """Append each live row's token; return the new text per original row and the cache rows to keep."""
+    def _step(self, live: list[int], logits: np.ndarray) -> tuple[np.ndarray, list[str], list[int]]:
+        """Each live row's next token from its logits [B_live, V]: the tokens, the new text per original row
+        and the cache rows to keep."""
         texts = [""] * len(self.results)
-        keep = []
-        for i, (row, token) in enumerate(zip(live, tokens.tolist(), strict=True)):
-            result, decoder = self.results[row], self._decoders[row]
-            result.token_ids.append(token)
+        tokens, keep = np.empty(len(live), np.int64), []
+        for i, row in enumerate(live):
+            step = self._rows[row].step(logits[i])
+            result = self.results[row]
+            result.token_ids.append(step.token)
             self.stats.generated_tokens += 1
-            stopped = token in self.config.stop_ids
-            if decoder is not None and not stopped:
-                texts[row] = decoder.push(token)
-            if stopped or last:
-                result.finish_reason = STOP if stopped else LENGTH
-                texts[row] += decoder.flush() if decoder is not None else ""
-            else:
+            tokens[i], texts[row] = step.token, step.text
+            result.text += step.text
+            if step.finish is None:
                 keep.append(i)
-            result.text += texts[row]
-        return texts, keep
+            else:
+                result.finish_reason = step.finish
+        return tokens, texts, keep

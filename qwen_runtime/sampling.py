@@ -3,7 +3,9 @@
 Order follows transformers' logits processors: the penalties on the raw logits, then temperature, top-k,
 top-p and min-p.  The repetition penalty (transformers) covers the prompt and the output; the presence and
 frequency penalties (OpenAI's API) cover the output only and subtract ``presence`` once and ``frequency``
-per occurrence from a token's logit.  ``temperature == 0`` is greedy (argmax after the penalties).
+per occurrence from a token's logit.  ``temperature == 0`` is greedy (argmax after the penalties), and so is
+any temperature below :data:`GREEDY_BELOW`: dividing float32 logits by it would overflow to inf and make the
+probabilities NaN, and a distribution that sharp is the argmax anyway.
 Randomness comes only from the ``np.random.Generator`` passed in, so the same seed gives the same tokens.
 """
 
@@ -18,13 +20,14 @@ import numpy as np
 from .ops import softmax
 
 NEG_INF = np.float32(-np.inf)
+GREEDY_BELOW = 1e-6  # temperatures below this sample greedily (logits / 1e-6 still fit float32 with margin)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens from logits (all filters off by default: greedy decoding)."""
 
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) = greedy
     top_k: int = 0  # keep the k most likely tokens (0 = off)
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p (1 = off)
     min_p: float = 0.0  # drop tokens less likely than min_p * p(most likely token) (0 = off)
@@ -50,7 +53,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:

@@ -12,6 +12,7 @@ unknown routes and bugs, is OpenAI's ``{"error": {...}}`` shape; none stops the 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -33,16 +34,35 @@ import qwen_runtime
 from qwen_runtime import hub
 from qwen_runtime.chat import ChatFormat, chat_format
 from qwen_runtime.errors import TemplateError
+from qwen_runtime.limits import format_bytes
 from qwen_runtime.models import Model
+from qwen_runtime.stepper import Constraint
+from qwen_runtime.structured import GrammarCache, JsonConstraint, SchemaError
+from qwen_runtime.tokenizer import Tokenizer
 
-from .engine import Delta, Done, Engine, Event, Failed, Finished, Job, QueueFullError, RequestTooLargeError
+from .engine import (
+    Delta,
+    Done,
+    Engine,
+    EngineStoppedError,
+    Event,
+    Failed,
+    Finished,
+    Job,
+    QueueFullError,
+    RequestTooLargeError,
+)
+from .metrics import CONTENT_TYPE, Metrics
 from .outputs import (
+    FORCED_CALL_START,
     THINK_CLOSE,
     THINK_OPEN,
     TOOL_CLOSE,
     TOOL_OPEN,
+    XML_CALLS,
     MessageParser,
     ToolCall,
+    ToolCallStream,
     prompt_opens_thinking,
 )
 from .protocol import (
@@ -66,6 +86,7 @@ MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused with 413
 DEFAULT_MAX_TOKENS = 4096  # chat requests without max_tokens: at most this many (and what the context leaves)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 RETRY_AFTER_SECONDS = 2
+NFC_CHARS_PER_BYTE = 2
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -74,6 +95,13 @@ def generation_defaults(model: Model) -> dict[str, float]:
     config = model.files.read_json("generation_config.json") or {}
     return {k: float(v) for k, v in config.items()
             if k in SAMPLING_DEFAULT_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def max_prompt_chars(context: int, tokenizer: Tokenizer) -> int:
+    """Characters a prompt of ``context`` tokens can have at most: no token covers more than the
+    vocabulary's longest token, and NFC composition (a letter and its marks become one character) at most
+    doubles the characters per UTF-8 byte.  Longer texts are refused before any tokenizing."""
+    return context * NFC_CHARS_PER_BYTE * tokenizer.longest_token_bytes
 
 
 @dataclass
@@ -87,6 +115,9 @@ class ServerState:
     api_key: str | None
     max_body_bytes: int
     created: int
+    max_prompt_chars: int  # longer prompts are refused before tokenizing (max_prompt_chars())
+    metrics: Metrics
+    grammars: GrammarCache  # response_format's compiled schemas and their token masks
 
     @property
     def context(self) -> int:
@@ -96,7 +127,7 @@ class ServerState:
 def create_app(model: str | Path | Model, *, model_name: str | None = None, max_batch: int = 8,
                max_queue: int = 64, max_memory: int | None = None, api_key: str | None = None,
                prefill_chunk: int = 128, max_context: int | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+               max_body_bytes: int = MAX_BODY_BYTES, cache_memory: int | None = None) -> Starlette:
     """An ASGI app serving ``model`` (a path or a loaded :class:`Model`); its engine starts with the app.
 
     ``model_name`` is the name clients pass as ``model`` (default: the file or directory name); the other
@@ -107,10 +138,15 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
     fmt = chat_format(model)
     text_ids = frozenset(i for t in (THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE)
                          if (i := fmt.tokenizer.token_id(t)) is not None)
+    metrics = Metrics()
     engine = Engine(model, fmt.tokenizer, fmt.stop_ids, max_batch=max_batch, max_queue=max_queue,
-                    max_memory=max_memory, prefill_chunk=prefill_chunk, max_context=max_context, text_ids=text_ids)
+                    max_memory=max_memory, prefill_chunk=prefill_chunk, max_context=max_context, text_ids=text_ids,
+                    metrics=metrics, cache_memory=cache_memory)
+    engine_gauges(metrics, engine)
     name = model_name or hub.model_name(model.path)
-    state = ServerState(engine, fmt, name, generation_defaults(model), api_key, max_body_bytes, int(time.time()))
+    state = ServerState(engine, fmt, name, generation_defaults(model), api_key, max_body_bytes, int(time.time()),
+                        max_prompt_chars(engine.context, fmt.tokenizer), metrics,
+                        GrammarCache(fmt.tokenizer, model.config.vocab_size))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -125,6 +161,7 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
         Route("/v1/completions", _handler(state, completions), methods=["POST"]),
         Route("/v1/models", _handler(state, list_models, has_body=False), methods=["GET"]),
         Route("/health", _handler(state, health, has_body=False, auth=False), methods=["GET"]),
+        Route("/metrics", _handler(state, metrics_text, has_body=False, auth=False), methods=["GET"]),
         Route("/tokenize", _handler(state, tokenize), methods=["POST"]),
         Route("/detokenize", _handler(state, detokenize), methods=["POST"]),
     ]
@@ -132,6 +169,54 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.server = state
     return app
+
+
+def weight_types(model: Model) -> str:
+    """The stored types of the model's tensors, most weights first: ``"Q8_0 96%, F32 4%"``."""
+    counts: collections.Counter[str] = collections.Counter()
+    for tensor in model.files.tensors.values():
+        counts[tensor.qtype.name] += tensor.n_elements
+    total = sum(counts.values()) or 1
+    return ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in counts.most_common())
+
+
+def startup_banner(app: Starlette, url: str) -> str:
+    """What a server runs, with which limits, and where: printed once it listens."""
+    state: ServerState = app.state.server
+    engine, ws = state.engine, state.engine.model.workspace
+    model = engine.model
+    kernels = "BLAS products" if ws.blas_products else "tile kernels on the thread pool"
+    return "\n".join([
+        f"qwen-serve: {state.model_name}: {model.config.arch} ({model.files.format}, {weight_types(model)}) "
+        f"from {model.path}",
+        f"  context {engine.context} tokens per request, {engine.max_batch} rows, {engine.max_queue} queued at most, "
+        f"prefill chunks of {engine.prefill_chunk} tokens",
+        f"  memory budget {format_bytes(engine.memory_limit)} for cache and activations "
+        f"({format_bytes(engine.activations)} of activations; prefix cache up to "
+        f"{format_bytes(engine.prefix.capacity) if engine.prefix else 'off'})",
+        f"  kernels: {kernels}, {ws.threads} threads",
+        f"  listening on {url}" + ("; API key required on /v1 and /tokenize" if state.api_key else ""),
+    ])
+
+
+def engine_gauges(metrics: Metrics, engine: Engine) -> None:
+    """The engine's state as gauges read at each scrape."""
+    metrics.gauge("waiting_requests", "requests queued for rows or memory", lambda: engine.status()["waiting"])
+    metrics.gauge("running_rows", "rows (choices) decoding now", lambda: engine.status()["running_rows"])
+    metrics.gauge("prefilling", "1 while a prompt is being prefilled", lambda: engine.status()["prefilling"])
+    metrics.gauge("max_batch_rows", "rows the engine decodes together at most", lambda: engine.max_batch)
+    metrics.gauge("reserved_bytes", "cache memory reserved by admitted requests",
+                  lambda: engine.status()["reserved_bytes"])
+    metrics.gauge("memory_limit_bytes", "the memory limit for cache and activations", lambda: engine.memory_limit)
+    metrics.gauge("engine_restarts", "times the engine loop died and was restarted", lambda: engine.restarts)
+    metrics.gauge("engine_up", "1 while the engine serves, 0 once it gave up", lambda: engine.error is None)
+    if engine.prefix is not None:
+        prefix = engine.prefix
+        metrics.gauge("prefix_cache_lookups", "prompts looked up in the prefix cache", lambda: prefix.lookups)
+        metrics.gauge("prefix_cache_hits", "prompts that found a cached prefix", lambda: prefix.hits)
+        metrics.gauge("prefix_cache_hit_tokens", "prompt tokens restored instead of prefilled",
+                      lambda: prefix.hit_tokens)
+        metrics.gauge("prefix_cache_bytes", "memory held by cached blocks", lambda: prefix.nbytes)
 
 
 # --- plumbing ---------------------------------------------------------------------------------------------
@@ -186,9 +271,11 @@ def _handler(state: ServerState, handler: Handler, has_body: bool = True, auth: 
             if auth:
                 check_api_key(state, request)
             body = parse_json(await read_body(request, state.max_body_bytes)) if has_body else {}
-            return await handler(state, request, body)
+            response = await handler(state, request, body)
         except APIError as err:
-            return error_response(err)
+            response = error_response(err)
+        state.metrics.requests.inc(1, request.url.path, str(response.status_code))
+        return response
 
     return endpoint
 
@@ -197,6 +284,24 @@ def check_model(state: ServerState, name: str | None) -> None:
     if name is not None and name != state.model_name:
         raise APIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
                        "model", "model_not_found")
+
+
+def context_exceeded(state: ServerState, prompt: str, max_tokens: int | None, param: str) -> APIError:
+    asked = f" + {max_tokens} max_tokens" if max_tokens is not None else ""
+    return APIError(400, f"the maximum context length is {state.context} tokens; the request has more than "
+                    f"{state.context - (max_tokens or 1)} prompt tokens{asked} ({len(prompt)} characters)", param,
+                    "context_length_exceeded")
+
+
+def encode_within_context(state: ServerState, text: str, max_tokens: int | None, param: str) -> list[int]:
+    """The prompt's ids, refused with ``context_length_exceeded`` without tokenizing more than the context
+    can hold: a text longer than :attr:`ServerState.max_prompt_chars` is refused at once, others are encoded
+    in pieces that stop once past the room (run it off the event loop: each piece releases the GIL)."""
+    limit = state.context - (max_tokens or 1)
+    ids = state.fmt.encode_prompt_within(text, limit) if limit > 0 and len(text) <= state.max_prompt_chars else None
+    if ids is None:
+        raise context_exceeded(state, text, max_tokens, param)
+    return ids
 
 
 def check_context(state: ServerState, prompt_tokens: int, max_tokens: int | None, param: str) -> int:
@@ -215,14 +320,16 @@ class JobChannel:
     """The events of a request's jobs (one per prompt), moved from the engine thread to the event loop.
 
     Job ``i``'s choices are numbered after those of the jobs before it; the jobs' :class:`Done` events are
-    summed into one, sent after the last.
+    summed into one, sent after the last.  The time to the first token and to the end, from ``started`` (the
+    request's arrival), go to ``metrics``.
     """
 
-    def __init__(self, jobs: int) -> None:
+    def __init__(self, jobs: int, metrics: Metrics, started: float) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.jobs: list[Job] = []
         self.pending = jobs
+        self.metrics, self.started, self.first_token = metrics, started, True
 
     def emitter(self, offset: int) -> Callable[[Event], None]:
         def emit(event: Event) -> None:  # engine thread
@@ -246,30 +353,37 @@ class JobChannel:
                 self.cancel()
                 raise APIError(500, event.message, None, "internal_error", "server_error")
             if not isinstance(event, Done):
+                if self.first_token and isinstance(event, Delta):
+                    self.first_token = False
+                    self.metrics.ttft.observe(time.monotonic() - self.started)
                 yield event
                 continue
             prompt_tokens += event.prompt_tokens
             completion_tokens += event.completion_tokens
             self.pending -= 1
             if self.pending == 0:
+                self.metrics.latency.observe(time.monotonic() - self.started)
                 yield Done(prompt_tokens, completion_tokens)
                 return
 
 
 def submit(state: ServerState, prompts: list[list[int]], fields: GenerationFields, max_tokens: list[int],
-           logprobs: int | None) -> JobChannel:
+           logprobs: int | None, started: float, constraint: Callable[[], Constraint] | None = None) -> JobChannel:
     """One job per prompt, all or none (a refused job cancels those already queued)."""
-    channel = JobChannel(len(prompts))
+    channel = JobChannel(len(prompts), state.metrics, started)
     try:
         for i, (ids, limit) in enumerate(zip(prompts, max_tokens, strict=True)):
             job = Job(ids, limit, fields.sampling, channel.emitter(i * fields.n), n=fields.n, seed=fields.seed,
-                      stop=fields.stop, logprobs=logprobs)
+                      stop=fields.stop, logprobs=logprobs, constraint=constraint)
             state.engine.submit(job)
             channel.jobs.append(job)
     except QueueFullError as exc:
         channel.cancel()
         raise APIError(503, f"the server is busy ({exc}); retry later", None, "server_overloaded", "server_error",
                        {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except EngineStoppedError as exc:
+        channel.cancel()
+        raise APIError(503, str(exc), None, "engine_stopped", "server_error") from None
     except RequestTooLargeError as exc:
         channel.cancel()
         raise APIError(400, str(exc), "n" if "n=" in str(exc) else "max_tokens", "request_too_large") from None
@@ -334,7 +448,9 @@ def chat_logprobs(state: ServerState, delta: Delta) -> list[dict[str, Any]]:
 # --- chat -------------------------------------------------------------------------------------------------
 
 
-def render_chat(state: ServerState, req: ChatRequest) -> tuple[list[int], str]:
+def render_chat(state: ServerState, req: ChatRequest) -> tuple[list[int], str, str]:
+    """The prompt's ids and text, and the start of a forced tool call it ends with (""; on a worker thread:
+    rendering and tokenizing a large request take a while)."""
     kwargs = dict(req.template_kwargs)
     enable_thinking = kwargs.pop("enable_thinking", None)
     if req.tools is not None:
@@ -344,7 +460,39 @@ def render_chat(state: ServerState, req: ChatRequest) -> tuple[list[int], str]:
     except TemplateError as exc:
         raise APIError(400, f"the chat template failed on these messages: {exc}", "messages",
                        "template_error") from None
-    return state.fmt.encode_prompt(text), text
+    call = ""
+    if req.forced_tool is not None:
+        text += f"{THINK_CLOSE}\n\n" if prompt_opens_thinking(text) else ""
+        call = FORCED_CALL_START
+        text += call
+    return encode_within_context(state, text, req.fields.max_tokens, "messages"), text, call
+
+
+def json_constraint(state: ServerState, req: ChatRequest, prompt: str, reasoning: bool,
+                    max_tokens: int) -> Callable[[], Constraint]:
+    """What makes each choice's :class:`JsonConstraint`: a call of the offered tools when ``tool_choice`` forces
+    one (the prompt ends in its start), else ``response_format``'s JSON (on a worker thread: the first schema
+    compiles and reads the vocabulary)."""
+    forced = req.forced_tool is not None
+    template = state.fmt.template.source if state.fmt.template else ""
+    try:
+        grammar = state.grammars.get(None, req.tools, XML_CALLS in template) if forced else \
+            state.grammars.get(req.json_schema)
+    except SchemaError as exc:
+        raise APIError(400, f"response_format: {exc}", "response_format", "unsupported_schema") from None
+    what = "tool call" if forced else "JSON this response_format allows"
+    if grammar.min_tokens > max_tokens:
+        raise APIError(400, f"max_tokens: the shortest {what} takes up to {grammar.min_tokens} tokens, more than "
+                       f"max_tokens ({max_tokens})", "max_tokens", "invalid_value")
+    tok = state.fmt.tokenizer
+    if forced:
+        close = tok.token_id(TOOL_CLOSE)
+        return lambda: JsonConstraint(grammar, state.fmt.stop_ids, end_ids=frozenset({close} - {None}))
+    think = (tok.token_id(THINK_OPEN), tok.token_id(THINK_CLOSE))
+    think = think if None not in think else None
+    in_think = prompt_opens_thinking(prompt)
+    may_think = reasoning and not in_think and not prompt.rstrip().endswith(THINK_CLOSE)
+    return lambda: JsonConstraint(grammar, state.fmt.stop_ids, think, in_think, may_think)
 
 
 class ChatChoice:
@@ -357,6 +505,11 @@ class ChatChoice:
         self.logprobs: list[dict[str, Any]] = []
         self.tool_calls: list[ToolCall] = []
         self.finish: str | None = None
+        self.calls = ToolCallStream()
+
+    def call_deltas(self) -> list[dict[str, Any]]:
+        """Streamed ``tool_calls`` deltas of the calls being written (after :meth:`push`)."""
+        return self.calls.update(self.parser.tool_text) if self.parser.tool_text else []
 
     def push(self, text: str) -> tuple[str, str]:
         r, c = self.parser.push(text)
@@ -384,13 +537,19 @@ class ChatChoice:
 
 
 async def chat_completions(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
+    started = time.monotonic()
     req = chat_request(body, state.defaults, state.engine.max_batch)
     check_model(state, req.fields.model)
-    prompt_ids, prompt = render_chat(state, req)
+    prompt_ids, prompt, call = await asyncio.to_thread(render_chat, state, req)
     max_tokens = check_context(state, len(prompt_ids), req.fields.max_tokens, "messages")
-    channel = submit(state, [prompt_ids], req.fields, [max_tokens], req.logprobs)
     reasoning = THINK_OPEN in prompt or THINK_OPEN in (state.fmt.template.source if state.fmt.template else "")
-    choices = [ChatChoice(prompt, req.tools is not None, reasoning) for _ in range(req.fields.n)]
+    constraint = await asyncio.to_thread(json_constraint, state, req, prompt, reasoning, max_tokens) \
+        if req.json_output or call else None
+    channel = submit(state, [prompt_ids], req.fields, [max_tokens], req.logprobs, started, constraint)
+    choices = [ChatChoice(prompt[:len(prompt) - len(call)], req.tools is not None, reasoning)
+               for _ in range(req.fields.n)]
+    for c in choices:
+        c.push(call)  # the forced start of a call is part of the answer (held back until the call parses)
     head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": state.model_name}
     if req.fields.stream:
         return StreamingResponse(stream_chat(state, req, channel, choices, head), media_type="text/event-stream",
@@ -414,8 +573,10 @@ async def chat_completions(state: ServerState, request: Request, body: dict[str,
 
 async def stream_chat(state: ServerState, req: ChatRequest, channel: JobChannel, choices: list[ChatChoice],
                       head: dict[str, Any]) -> AsyncIterator[bytes]:
+    usage_field = {"usage": None} if req.fields.include_usage else {}  # null in every chunk but the last
+
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
-        return sse({**head, "object": "chat.completion.chunk", "system_fingerprint": None,
+        return sse({**head, "object": "chat.completion.chunk", "system_fingerprint": None, **usage_field,
                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
 
     def parts(reasoning: str, content: str) -> dict[str, Any]:
@@ -431,15 +592,20 @@ async def stream_chat(state: ServerState, req: ChatRequest, channel: JobChannel,
             yield chunk(i, {"role": "assistant", "content": ""})
         async for event in channel.events():
             if isinstance(event, Delta):
-                delta = parts(*choices[event.choice].push(event.text))
+                c = choices[event.choice]
+                delta = parts(*c.push(event.text))
+                calls = c.call_deltas()
+                if calls:
+                    delta["tool_calls"] = calls
                 logprobs = {"content": chat_logprobs(state, event)} if req.logprobs is not None else None
                 if delta or logprobs:
                     yield chunk(event.choice, delta, logprobs=logprobs)
             elif isinstance(event, Finished):
                 c = choices[event.choice]
                 delta = parts(*c.end(event.reason))
-                if c.tool_calls:
-                    delta["tool_calls"] = [call.as_dict(k) for k, call in enumerate(c.tool_calls)]
+                calls = c.calls.finish(c.tool_calls)
+                if calls:
+                    delta["tool_calls"] = calls
                 yield chunk(event.choice, delta, c.finish)
             elif isinstance(event, Done) and req.fields.include_usage:
                 yield sse({**head, "object": "chat.completion.chunk", "system_fingerprint": None, "choices": [],
@@ -455,8 +621,9 @@ async def stream_chat(state: ServerState, req: ChatRequest, channel: JobChannel,
 # --- completions ------------------------------------------------------------------------------------------
 
 
-def completion_logprobs(state: ServerState, deltas: list[Delta]) -> dict[str, Any]:
-    tokens, values, tops, offsets, offset = [], [], [], [], 0
+def completion_logprobs(state: ServerState, deltas: list[Delta], offset: int = 0) -> dict[str, Any]:
+    """The legacy logprobs object; ``text_offset`` counts from ``offset`` (where a streamed chunk starts)."""
+    tokens, values, tops, offsets = [], [], [], []
     for delta in deltas:
         for lp in delta.logprobs:
             text = token_text(state, lp.token_id)[0]
@@ -469,15 +636,17 @@ def completion_logprobs(state: ServerState, deltas: list[Delta]) -> dict[str, An
 
 
 async def completions(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
+    started = time.monotonic()
     req: CompletionRequest = completion_request(body, state.defaults, state.engine.max_batch,
                                                 state.engine.model.config.vocab_size)
     check_model(state, req.fields.model)
-    prompts = [p if isinstance(p, list) else state.fmt.encode_prompt(p) for p in req.prompts]
+    asked = req.fields.max_tokens or COMPLETION_MAX_TOKENS
+    prompts = [p if isinstance(p, list) else await asyncio.to_thread(encode_within_context, state, p, asked, "prompt")
+               for p in req.prompts]
     if not all(prompts):
         raise bad("prompt", "a prompt has no tokens")
-    limits = [check_context(state, len(ids), req.fields.max_tokens or COMPLETION_MAX_TOKENS, "prompt")
-              for ids in prompts]
-    channel = submit(state, prompts, req.fields, limits, req.logprobs)
+    limits = [check_context(state, len(ids), asked, "prompt") for ids in prompts]
+    channel = submit(state, prompts, req.fields, limits, req.logprobs, started)
     head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
     if req.fields.stream:
@@ -503,10 +672,17 @@ async def completions(state: ServerState, request: Request, body: dict[str, Any]
 
 async def stream_completion(state: ServerState, req: CompletionRequest, channel: JobChannel,
                             head: dict[str, Any]) -> AsyncIterator[bytes]:
+    if req.fields.include_usage:  # OpenAI sends "usage": null in every chunk but the last
+        head = {**head, "usage": None}
+    offsets: dict[int, int] = {}  # choice -> text_offset of its next token
     try:
         async for event in channel.events():
             if isinstance(event, Delta):
-                logprobs = completion_logprobs(state, [event]) if req.logprobs is not None else None
+                logprobs = None
+                if req.logprobs is not None:
+                    start = offsets.get(event.choice, 0)
+                    logprobs = completion_logprobs(state, [event], start)
+                    offsets[event.choice] = start + sum(len(t) for t in logprobs["tokens"])
                 yield sse({**head, "choices": [{"index": event.choice, "text": event.text, "logprobs": logprobs,
                                                 "finish_reason": None}]})
             elif isinstance(event, Finished):
@@ -533,13 +709,23 @@ async def list_models(state: ServerState, request: Request, body: dict[str, Any]
 
 async def health(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
     engine = state.engine
-    if engine.error is not None:
-        return JSONResponse({"status": "error", "error": engine.error}, status_code=500)
+    if engine.error is not None:  # the loop died too often in a row; submit() refuses with 503 as well
+        return JSONResponse({"status": "error", "error": engine.error, **engine.status()}, status_code=503)
     return JSONResponse({"status": "ok", "model": state.model_name, **engine.status()})
+
+
+async def metrics_text(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
 async def tokenize(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
     check_model(state, body.get("model") if isinstance(body.get("model"), str) else None)
+    ids = await asyncio.to_thread(tokenize_body, state, body)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.context})
+
+
+def tokenize_body(state: ServerState, body: dict[str, Any]) -> list[int]:
+    """/tokenize's ids (on a worker thread; a body has at most as many tokens as bytes)."""
     if "messages" in body:
         kwargs = template_kwargs(body)
         enable_thinking = kwargs.pop("enable_thinking", None)
@@ -552,14 +738,13 @@ async def tokenize(state: ServerState, request: Request, body: dict[str, Any]) -
         except TemplateError as exc:
             raise APIError(400, f"the chat template failed on these messages: {exc}", "messages",
                            "template_error") from None
-        ids = state.fmt.encode_prompt(text)
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise bad("prompt", "expected a string (or send messages)", "missing" if prompt is None else "invalid_type")
-        ids = state.fmt.encode_prompt(prompt) if get_bool(body, "add_special_tokens", True) \
-            else state.fmt.tokenizer.encode(prompt)
-    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.context})
+        return state.fmt.encode_prompt_within(text, len(text.encode()) + 1)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad("prompt", "expected a string (or send messages)", "missing" if prompt is None else "invalid_type")
+    limit = len(prompt.encode()) + 1
+    return state.fmt.encode_prompt_within(prompt, limit) if get_bool(body, "add_special_tokens", True) \
+        else state.fmt.tokenizer.encode_within(prompt, limit)
 
 
 async def detokenize(state: ServerState, request: Request, body: dict[str, Any]) -> Response:

@@ -3,20 +3,26 @@
     qwen-serve qwen2.5-0.5b-q8_0.gguf --port 8000 --max-batch 8
     curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
-It binds 127.0.0.1 unless ``--host`` says otherwise.  Errors loading the model print one line and exit with
-the code of :func:`qwen_runtime.errors.exit_code`.
+It binds 127.0.0.1 unless ``--host`` says otherwise, before loading the model (a busy port fails at once), and
+logs a banner once it listens.  The API key comes from ``--api-key`` or the ``QWEN_API_KEY`` environment
+variable (which, unlike argv, ``ps`` does not show).  Errors print one line and exit with the code of
+:func:`qwen_runtime.errors.exit_code`.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
 from collections.abc import Sequence
 
 from qwen_runtime.cli_support import HelpFormatter, require_extra, run_guarded
+from qwen_runtime.errors import QwenError
 from qwen_runtime.limits import parse_memory_size
 
+API_KEY_ENV = "QWEN_API_KEY"
 
 def positive(text: str) -> int:
     value = int(text)
@@ -48,9 +54,11 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting beyond the batch before the server answers 503 (default 64)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 request "
-                   "(default: no key)")
+                   f"(default: the {API_KEY_ENV} environment variable, which ps does not show; else no key)")
     p.add_argument("--max-memory", type=parse_memory_size, default=None, metavar="SIZE",
                    help="memory for cache and activations, e.g. 4G (default: 80%% of MemAvailable)")
+    p.add_argument("--cache-memory", type=parse_memory_size, default=None, metavar="SIZE",
+                   help="prefix cache bound, e.g. 1G; 0 turns it off (default: a quarter of --max-memory)")
     p.add_argument("--model-name", default=None, help="the name clients use (default: the file or directory name)")
     p.add_argument("-c", "--ctx", "--max-context", dest="max_context", type=positive, default=None, metavar="TOKENS",
                    help="tokens one request may hold, prompt + completion (default: the model's context)")
@@ -83,13 +91,31 @@ def run(args: argparse.Namespace) -> None:
     require_extra("uvicorn", "serve", "qwen-serve")
     import uvicorn
 
-    from .app import create_app
+    from .app import create_app, startup_banner
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sock = listen(args.host, args.port)
     app = create_app(args.model, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                      max_memory=args.max_memory, api_key=args.api_key, prefill_chunk=args.prefill_chunk,
-                     max_context=args.max_context, max_body_bytes=args.max_body)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+                     max_context=args.max_context, max_body_bytes=args.max_body, cache_memory=args.cache_memory)
+    host, port = sock.getsockname()[:2]
+    logging.getLogger("qwen_serve").info(startup_banner(app, f"http://{host}:{port}"))
+    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` (uvicorn serves it); a busy port is a one-line error, exit code 1."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen()  # connections wait in the backlog until uvicorn serves
+    except OSError as exc:
+        sock.close()
+        raise QwenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.ray and (args.address is not None or args.replicas != 1):
         parser.error("--replicas and --address need --ray")
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     return run_guarded("qwen-serve", lambda: run(args))
 
 

@@ -13,6 +13,11 @@ attends over exactly its own tokens, :mod:`qwen_runtime.cache`), decode products
 chunking, and every choice samples from its own random generator (seeded from the request's ``seed``).
 So a request's tokens are identical whether it runs alone or among others.
 
+A row's sampling, text, stop strings and finish reason are its :class:`~qwen_runtime.stepper.RowStepper`'s; the
+engine only schedules.  A prompt starts from the longest prefix the :mod:`.prefix_cache` holds.  A request
+whose code raises inside a step fails alone (a failed batched pass is retried row by row); a loop that dies
+is restarted, and after :data:`MAX_RESTARTS` deaths in a row the engine stops and says so.
+
 Admission: a request waits in a bounded queue until there are rows for its ``n`` choices and the memory
 for their tokens (prompt + ``max_tokens`` each) fits the limit next to the running ones.  The HTTP layer
 talks to the engine only through :meth:`Engine.submit`, :meth:`Job.cancel` and the events a job emits (called
@@ -33,15 +38,23 @@ import numpy as np
 from qwen_runtime.errors import ResourceLimitError
 from qwen_runtime.limits import activation_bytes, default_memory_limit, format_bytes, kv_cache_bytes
 from qwen_runtime.models import Model
-from qwen_runtime.sampling import SamplingParams, sample
-from qwen_runtime.tokenizer import StreamDecoder, Tokenizer
+from qwen_runtime.sampling import SamplingParams
+from qwen_runtime.stepper import LENGTH, STOP, Constraint, RowStepper, Step
+from qwen_runtime.tokenizer import Tokenizer
 
+from .metrics import Metrics
+from .prefix_cache import PrefixCache
 from .slots import SlotCache
 
 log = logging.getLogger("qwen_serve")
 
-STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+CANCELLED = "cancelled"
 MAX_TOP_LOGPROBS = 20
+MAX_RESTARTS = 3  # loop deaths in a row (no step completing between them) before the engine gives up
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop died more than :data:`MAX_RESTARTS` times in a row: nothing will be served."""
 
 
 class QueueFullError(Exception):
@@ -109,6 +122,7 @@ class Job:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the k most likely
+    constraint: Callable[[], Constraint] | None = None  # makes each choice's constraint (structured output)
     cancelled: bool = False
     completion_tokens: int = 0  # sampled so far over all choices
     submitted: float = field(default_factory=time.monotonic)
@@ -118,54 +132,16 @@ class Job:
         self.cancelled = True
 
 
-class StopStrings:
-    """Text that is released only once it cannot be the start of a stop string."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """Add generated text; return the text safe to release and whether a stop string was reached."""
-        self.pending += text
-        if not self.stops:
-            out, self.pending = self.pending, ""
-            return out, False
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[:min(hits)], ""
-            return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        cut = len(self.pending) - hold
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
 class Row:
-    """One choice of a job while it runs: its tokens, text state and random generator."""
+    """One choice of a job while it runs: its job, its number and its :class:`RowStepper`."""
 
-    def __init__(self, job: Job, choice: int, tokenizer: Tokenizer, hidden_ids: frozenset[int]) -> None:
-        self.job, self.choice = job, choice
-        self.tokens: list[int] = []
-        self.decoder = StreamDecoder(tokenizer, skip_special=False)
-        self.hidden_ids = hidden_ids
-        self.stops = StopStrings(job.stop)
-        seed = None if job.seed is None else [job.seed % 2**64, choice]  # SeedSequence takes no negatives
-        self.rng = np.random.default_rng(seed)
-        self.finish: str | None = None
+    def __init__(self, job: Job, choice: int, stepper: RowStepper) -> None:
+        self.job, self.choice, self.stepper = job, choice, stepper
+        self.finish: str | None = None  # the stepper's finish reason, or CANCELLED
 
     @property
     def last(self) -> int:
-        return self.tokens[-1]
+        return self.stepper.last
 
 
 class Engine:
@@ -175,12 +151,15 @@ class Engine:
     and activations (default: :func:`qwen_runtime.limits.default_memory_limit`); a row holds at most
     ``max_context`` tokens (default: the model's context, less if the memory limit cannot hold that many for
     one row); prompts are prefilled ``prefill_chunk`` tokens at a time; ``stop_ids`` end a choice; special
-    tokens other than ``text_ids`` produce no text.
+    tokens other than ``text_ids`` produce no text; tokens, steps and failures are counted in ``metrics``.
+    ``cache_memory`` bounds the prefix cache (:mod:`.prefix_cache`; None: a quarter of the memory limit,
+    0: off); its blocks live in the memory limit too and are evicted when a request needs the room.
     """
 
     def __init__(self, model: Model, tokenizer: Tokenizer, stop_ids: frozenset[int], *, max_batch: int = 8,
                  max_queue: int = 64, max_memory: int | None = None, prefill_chunk: int = 128,
-                 max_context: int | None = None, text_ids: frozenset[int] = frozenset()) -> None:
+                 max_context: int | None = None, text_ids: frozenset[int] = frozenset(),
+                 metrics: Metrics | None = None, cache_memory: int | None = None) -> None:
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or (max_context is not None and max_context < 2):
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0 and max_context >= 2")
         self.model, self.tokenizer, self.stop_ids = model, tokenizer, frozenset(stop_ids)
@@ -199,7 +178,10 @@ class Engine:
                                      f"{format_bytes(self.activations)}); raise --max-memory or lower --max-batch")
         self.context = min(context, room)  # tokens one row can hold (prompt + completion)
         self.slots = SlotCache(model, max_batch, self.context)
+        capacity = self.memory_limit // 4 if cache_memory is None else cache_memory
+        self.prefix = PrefixCache(self.slots, prefill_chunk, capacity) if capacity > 0 else None
         self.ws = model.lm_head.ws
+        self.metrics = metrics or Metrics()
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._rows: list[Row] = []
@@ -209,7 +191,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps = 0  # decode steps run so far
         self.peak_rows = 0  # the most rows one decode step ran
-        self.error: str | None = None  # set if the loop itself died (a bug)
+        self.restarts = 0  # times the loop died (a bug) and was restarted
+        self.last_error: str | None = None  # why it last died
+        self.error: str | None = None  # set when it died too often in a row and was not restarted
+        self._deaths_in_a_row = 0
 
     # --- the HTTP side ----------------------------------------------------------------------------------
 
@@ -231,7 +216,10 @@ class Engine:
                 f"the request needs about {format_bytes(need)} of cache, more than the server's memory limit of "
                 f"{format_bytes(self.memory_limit)} allows; use a shorter prompt, fewer choices or max_tokens")
         with self._cond:
-            busy = len(self._rows) + (self._prefill[0].n if self._prefill else 0)
+            if self.error is not None:
+                raise EngineStoppedError(f"the engine stopped after repeated internal errors: {self.error}")
+            prefill = self._prefill  # written by the engine thread: read once
+            busy = len(self._rows) + (prefill[0].n if prefill else 0)
             free = max(0, self.max_batch - busy - sum(j.n for j in self._waiting))
             if job.n > free and len(self._waiting) >= self.max_queue:
                 raise QueueFullError(f"{busy} of {self.max_batch} rows busy and {len(self._waiting)} requests waiting")
@@ -244,13 +232,20 @@ class Engine:
             return {"running_rows": len(self._rows), "waiting": len(self._waiting),
                     "prefilling": self._prefill is not None, "max_batch": self.max_batch,
                     "decode_steps": self.steps, "peak_rows": self.peak_rows,
-                    "reserved_bytes": sum(self._reserved.values()), "memory_limit_bytes": self.memory_limit}
+                    "reserved_bytes": sum(self._reserved.values()), "memory_limit_bytes": self.memory_limit,
+                    "restarts": self.restarts, "last_error": self.last_error,
+                    "prefix_cache": None if self.prefix is None else {
+                        "bytes": self.prefix.nbytes, "capacity_bytes": self.prefix.capacity,
+                        "blocks": len(self.prefix.blocks), "block_tokens": self.prefix.block,
+                        "lookups": self.prefix.lookups, "hits": self.prefix.hits,
+                        "hit_tokens": self.prefix.hit_tokens}}
 
     def start(self) -> None:
+        """Start the engine thread (a no-op while it runs, or once the engine has given up)."""
         with self._cond:
-            if self._thread is None or not self._thread.is_alive():
+            if self.error is None and (self._thread is None or not self._thread.is_alive()):
                 self._stopping = False
-                self._thread = threading.Thread(target=self._loop, name="qwen-serve-engine", daemon=True)
+                self._thread = threading.Thread(target=self._run, name="qwen-serve-engine", daemon=True)
                 self._thread.start()
 
     def stop(self) -> None:
@@ -264,26 +259,47 @@ class Engine:
 
     # --- the engine thread ------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        try:
-            while True:
+    def _run(self) -> None:
+        """The thread: the loop, restarted when it dies (a bug outside any step).  The jobs in flight fail,
+        waiting ones stay queued; after :data:`MAX_RESTARTS` deaths in a row the engine gives up: every job
+        fails, :meth:`submit` raises :class:`EngineStoppedError` and ``/health`` reports the error."""
+        while True:
+            try:
+                self._loop()
+                self._abandon_all("the server is shutting down")
+                return
+            except Exception as exc:
+                log.exception("engine loop died")
+                message = f"{type(exc).__name__}: {exc}"
                 with self._cond:
-                    while not (self._stopping or self._waiting or self._rows or self._prefill):
-                        self._cond.wait()
-                    if self._stopping:
-                        break
-                self._drop_cancelled()
-                self._prefill_chunks()
-                if self._rows:
-                    self._guarded(self._decode_step, list({id(r.job): r.job for r in self._rows}.values()))
-        except Exception as exc:  # a bug in the loop itself: report it on /health, fail everyone
-            log.exception("engine loop died")
-            self.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self._abandon_all()
+                    self.last_error = message
+                    self._deaths_in_a_row += 1
+                    if self._deaths_in_a_row > MAX_RESTARTS:
+                        self.error = message
+                    else:
+                        self.restarts += 1
+                if self.error is not None:
+                    self._abandon_all(f"internal error: {message}")
+                    return
+                self._abandon_in_flight(f"internal error: {message}")
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._waiting or self._rows or self._prefill):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            self._drop_cancelled()
+            self._prefill_chunks()
+            if self._rows:
+                self._guarded(self._decode_step, list({id(r.job): r.job for r in self._rows}.values()))
+            self._deaths_in_a_row = 0
 
     def _guarded(self, step: Callable[[], None], jobs: list[Job]) -> None:
-        """Run a step; if it raises (a bug), fail the jobs it touched and clear their rows, keep serving."""
+        """Run a step; if it raises in a way no single request explains, fail the jobs it touched, keep
+        serving (failures a request causes are isolated inside the steps: :meth:`_decode_step`,
+        :meth:`_advance`)."""
         try:
             step()
         except Exception as exc:
@@ -299,13 +315,19 @@ class Engine:
             return
         job = self._waiting[0]
         need = self.job_bytes(len(job.prompt_ids), job.max_tokens, job.n)
-        if len(self._rows) + job.n > self.max_batch or \
-                sum(self._reserved.values()) + need + self.activations > self.memory_limit:
+        if len(self._rows) + job.n > self.max_batch:
             return
+        over = sum(self._reserved.values()) + need + self.activations - self.memory_limit
+        if over > 0:
+            return
+        if self.prefix is not None and over + self.prefix.nbytes > 0:  # cached blocks give way to requests
+            self.prefix.evict(over + self.prefix.nbytes)
         self._waiting.popleft()
         self._reserved[id(job)] = need
-        self.slots.reset(len(self._rows))
-        self._prefill = (job, 0)
+        row = len(self._rows)
+        self.slots.reset(row)
+        chain = self.prefix.lookup(job.prompt_ids) if self.prefix else []
+        self._prefill = (job, self.prefix.restore(row, chain) if chain else 0)
 
     def _prefill_chunks(self) -> None:
         """Prefill chunks of admitted prompts, oldest first, up to ``prefill_chunk`` tokens in all (at least one
@@ -328,56 +350,91 @@ class Engine:
         job, done = self._prefill
         slot = len(self._rows)
         chunk = job.prompt_ids[done:done + self.prefill_chunk]
+        start = time.perf_counter()
         logits = self.model.forward(np.asarray([chunk], np.int64), self.slots.rows(slot, slot + 1),
                                     last_only=True, release_scratch=False)  # [1, V]; decode steps follow
+        self.metrics.prefill_step.observe(time.perf_counter() - start)
         done += len(chunk)
+        if self.prefix is not None and len(chunk) == self.prefill_chunk:  # a block ends here: keep it
+            self.prefix.store(slot, job.prompt_ids, done)
         if done < len(job.prompt_ids):
             self._prefill = (job, done)
             return
         self._prefill = None
-        rows = [Row(job, i, self.tokenizer, self.hidden_ids) for i in range(job.n)]
+        rows = [Row(job, i, self._stepper(job, i)) for i in range(job.n)]
         for i in range(1, job.n):
             self.slots.copy(slot, slot + i)
         self._rows.extend(rows)
         self._advance(rows, np.repeat(logits, job.n, axis=0))
 
+    def _stepper(self, job: Job, choice: int) -> RowStepper:
+        seed = None if job.seed is None else [job.seed % 2**64, choice]  # SeedSequence takes no negatives
+        limit = min(job.max_tokens, self.context - len(job.prompt_ids))  # the row's cache holds no more
+        return RowStepper(job.prompt_ids, job.sampling, np.random.default_rng(seed), limit, self.stop_ids,
+                          self.tokenizer, job.stop, self.hidden_ids, job.constraint() if job.constraint else None)
+
     def _decode_step(self) -> None:
-        tokens = np.asarray([[row.last] for row in self._rows], np.int64)  # [B, 1]
-        with self.ws.rowwise():
-            logits = self.model.forward(tokens, self.slots.rows(0, len(self._rows)), last_only=True)  # [B, V]
+        """One token for every running row.  If the batched pass raises, each row is run alone (a row's numbers
+        do not depend on its neighbours, so the others get the same logits): the rows that still raise fail
+        their request, the others go on.  Models with a recurrent state cannot retry (a failed pass may have
+        advanced some layers' state), so there the step's requests fail together."""
+        rows = list(self._rows)
+        tokens = np.asarray([[row.last] for row in rows], np.int64)  # [B, 1]
+        lengths = self.slots.lengths[:len(rows)].copy()  # [B] what the rows held before the pass
+        start = time.perf_counter()
+        try:
+            with self.ws.rowwise():
+                logits = self.model.forward(tokens, self.slots.rows(0, len(rows)), last_only=True)  # [B, V]
+        except Exception:
+            if self.row_bytes:
+                raise
+            log.exception("a decode step failed; retrying its rows one by one")
+            self.slots.lengths[:len(rows)] = lengths  # keys and values past a row's length are rewritten
+            logits = self._decode_alone(rows, tokens)
+        self.metrics.decode_step.observe(time.perf_counter() - start)
+        self.metrics.batch_rows.observe(len(rows))
         self.steps += 1
         self.peak_rows = max(self.peak_rows, len(tokens))
-        self._advance(list(self._rows), logits)
+        self._advance(rows, logits)
 
-    def _advance(self, rows: list[Row], logits: np.ndarray) -> None:
-        """Sample each row's next token from its logits [B, V], emit what it adds, retire finished rows."""
-        seen = [np.asarray(r.job.prompt_ids + r.tokens, np.int64) for r in rows]
-        outputs = [np.asarray(r.tokens, np.int64) for r in rows]
-        tokens = sample(logits, [r.job.sampling for r in rows], seen, [r.rng for r in rows], outputs)
-        for row, token, row_logits in zip(rows, tokens.tolist(), logits, strict=True):
-            self._record(row, token, row_logits)
+    def _decode_alone(self, rows: list[Row], tokens: np.ndarray) -> list[np.ndarray | None]:
+        """Each row's logits [V] from a pass of its own, None for rows whose pass raised (their job fails)."""
+        out: list[np.ndarray | None] = []
+        for i, row in enumerate(rows):
+            try:
+                with self.ws.rowwise():
+                    out.append(self.model.forward(tokens[i:i + 1], self.slots.rows(i, i + 1), last_only=True)[0])
+            except Exception as exc:
+                out.append(None)
+                self._fail_row(row, exc)
+        return out
+
+    def _advance(self, rows: list[Row], logits: Sequence[np.ndarray | None]) -> None:
+        """Sample each row's next token from its logits [V], emit what it adds, retire finished rows.  A row that
+        raises fails its own request only."""
+        for row, row_logits in zip(rows, logits, strict=True):
+            if row.finish is not None or row_logits is None:
+                continue
+            try:
+                self._emit(row, row.stepper.step(row_logits), row_logits)
+            except Exception as exc:
+                self._fail_row(row, exc)
         self._retire()
 
-    def _record(self, row: Row, token: int, logits: np.ndarray) -> None:
-        row.tokens.append(token)
+    def _fail_row(self, row: Row, exc: Exception) -> None:
+        log.error("a request failed inside a step", exc_info=exc)
+        self._fail(row.job, f"internal error: {type(exc).__name__}: {exc}", retire=False)
+
+    def _emit(self, row: Row, step: Step, logits: np.ndarray) -> None:
+        """Send what a row's step produced (its logprobs from the raw ``logits`` [V] when asked)."""
         job = row.job
         job.completion_tokens += 1
-        logprobs = (token_logprobs(logits, token, job.logprobs),) if job.logprobs is not None else ()
-        stopped = token in self.stop_ids
-        text = "" if stopped or token in self.hidden_ids else row.decoder.push(token)
-        full = len(row.tokens) >= job.max_tokens or len(job.prompt_ids) + len(row.tokens) >= self.context
-        if stopped or full:
-            text += row.decoder.flush()
-        out, hit = row.stops.push(text)
-        if hit:
-            row.finish = STOP
-        elif stopped or full:
-            out += row.stops.flush()
-            row.finish = STOP if stopped else LENGTH
-        if out or logprobs or row.finish:
-            job.emit(Delta(row.choice, out, (token,), logprobs))
-        if row.finish:
-            job.emit(Finished(row.choice, row.finish))
+        logprobs = (token_logprobs(logits, step.token, job.logprobs),) if job.logprobs is not None else ()
+        if step.text or logprobs or step.finish:
+            job.emit(Delta(row.choice, step.text, (step.token,), logprobs))
+        if step.finish:
+            row.finish = step.finish
+            job.emit(Finished(row.choice, step.finish))
 
     def _retire(self) -> None:
         """Drop finished rows (the last row moves into each hole) and finish jobs with no rows left."""
@@ -396,41 +453,63 @@ class Engine:
         if self._prefill is not None:  # the prompt being prefilled keeps the row right after the running ones
             self.slots.move(before, len(self._rows))
 
+    def _release(self, job: Job) -> None:
+        with self._cond:  # status() and submit() sum the reservations under the lock
+            self._reserved.pop(id(job), None)
+
     def _complete(self, job: Job) -> None:
-        self._reserved.pop(id(job), None)
+        self._release(job)
+        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        self.metrics.completion_tokens.inc(job.completion_tokens)
         if not job.cancelled:
             job.emit(Done(len(job.prompt_ids), job.completion_tokens))
 
     def _drop_cancelled(self) -> None:
-        if self._prefill is not None and self._prefill[0].cancelled:
-            self._reserved.pop(id(self._prefill[0]), None)
+        prefill = self._prefill
+        if prefill is not None and prefill[0].cancelled:
+            self._release(prefill[0])
             self._prefill = None
         for row in self._rows:
             if row.job.cancelled:
                 row.finish = CANCELLED
         self._retire()
 
-    def _fail(self, job: Job, message: str) -> None:
+    def _fail(self, job: Job, message: str, retire: bool = True) -> None:
+        """End ``job`` with :class:`Failed` (its rows leave at the next :meth:`_retire`, at once if ``retire``)."""
         if self._prefill is not None and self._prefill[0] is job:
             self._prefill = None
         for row in self._rows:
             if row.job is job:
                 row.finish = CANCELLED
+        listening = not job.cancelled
+        self.metrics.failed_jobs.inc()
         job.cancel()
-        self._retire()
-        self._reserved.pop(id(job), None)
-        job.emit(Failed(message))
+        if retire:
+            self._retire()
+        self._release(job)
+        if listening:
+            job.emit(Failed(message))
 
-    def _abandon_all(self) -> None:
-        with self._cond:
-            jobs = list(self._waiting) + [r.job for r in self._rows] + ([self._prefill[0]] if self._prefill else [])
-            self._waiting.clear()
+    def _abandon_in_flight(self, message: str) -> None:
+        """Fail the running and prefilling jobs (after the loop died); waiting jobs stay queued."""
+        jobs = [r.job for r in self._rows] + ([self._prefill[0]] if self._prefill else [])
+        self._rows, self._prefill = [], None
         for job in {id(j): j for j in jobs}.values():
+            self._release(job)
             if not job.cancelled:
                 job.cancel()
-                job.emit(Failed(self.error or "the server is shutting down"))
-        self._rows, self._prefill = [], None
-        self._reserved.clear()
+                job.emit(Failed(message))
+
+    def _abandon_all(self, message: str) -> None:
+        with self._cond:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        self._abandon_in_flight(message)
+        for job in waiting:
+            self._release(job)
+            if not job.cancelled:
+                job.cancel()
+                job.emit(Failed(message))
 
 
 def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
@@ -447,5 +526,6 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(int(token), float(x[token] - logz), best)
 
 
-__all__ = ["CANCELLED", "LENGTH", "STOP", "Delta", "Done", "Engine", "Event", "Failed", "Finished", "Job",
+__all__ = ["CANCELLED", "LENGTH", "STOP", "Delta", "Done", "Engine", "EngineStoppedError", "Event", "Failed",
+           "Finished", "Job",
            "QueueFullError", "RequestTooLargeError", "TokenLogprob"]

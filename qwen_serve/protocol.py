@@ -175,6 +175,9 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None  # as the template takes them (None: no tools offered)
     logprobs: int | None  # None: off; else the number of alternatives per token
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    forced_tool: str | None = None  # tool_choice "required" (""), or the named tool's name: a call is forced
+    json_output: bool = False  # response_format json_object or json_schema: the answer is constrained JSON
+    json_schema: dict[str, Any] | None = None  # json_schema's schema (None with json_object: any object)
 
 
 def _content_text(value: Any, param: str) -> str | None:
@@ -267,6 +270,30 @@ def chat_tools(body: dict) -> list[dict[str, Any]] | None:
               "\"function\": {\"name\": ...}}", "invalid_type")
 
 
+def forced_tool(body: dict, tools: list[dict[str, Any]] | None) -> str | None:
+    """What ``tool_choice`` forces: None (nothing), "" (a call of any tool: "required") or a tool's name."""
+    choice = body.get("tool_choice")
+    if tools is None or choice in (None, "auto", "none"):
+        return None
+    return "" if choice == "required" else tools[0]["function"]["name"]  # chat_tools kept only the named one
+
+
+def response_format(body: dict) -> tuple[bool, dict[str, Any] | None]:
+    """Whether the answer must be JSON, and the schema it must follow (None: any JSON object)."""
+    fmt = get_object(body, "response_format")
+    kind = fmt.get("type") if fmt is not None else "text"
+    if kind == "text":
+        return False, None
+    if kind == "json_object":
+        return True, None
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad("response_format.json_schema", "expected {\"name\": ..., \"schema\": {...}}", "invalid_type")
+        return True, spec["schema"]
+    raise bad("response_format.type", "expected \"text\", \"json_object\" or \"json_schema\"")
+
+
 def template_kwargs(body: dict) -> dict[str, Any]:
     kwargs = get_object(body, "chat_template_kwargs") or {}
     reserved = sorted(RESERVED_TEMPLATE_KEYS & kwargs.keys())
@@ -283,8 +310,9 @@ def chat_request(body: dict, defaults: dict[str, float], max_n: int) -> ChatRequ
     top = get_int(body, "top_logprobs", None, 0, 20)
     if top is not None and not want:
         raise bad("top_logprobs", "requires logprobs to be true")
-    return ChatRequest(fields, chat_messages(body), chat_tools(body), (top or 0) if want else None,
-                       template_kwargs(body))
+    tools = chat_tools(body)
+    return ChatRequest(fields, chat_messages(body), tools, (top or 0) if want else None, template_kwargs(body),
+                       forced_tool(body, tools), *response_format(body))
 
 
 # --- completions --------------------------------------------------------------------------------------------

@@ -128,7 +128,8 @@ def serve_on_ray(args: Any) -> None:
     app = deployment(args.model, replicas=args.replicas, num_cpus=args.replica_cpus, max_batch=args.max_batch,
                      max_queue=args.max_queue, max_memory=args.max_memory, model_name=args.model_name,
                      api_key=args.api_key, prefill_chunk=args.prefill_chunk,
-                     max_body_bytes=getattr(args, "max_body", MAX_BODY_BYTES))
+                     max_body_bytes=getattr(args, "max_body", MAX_BODY_BYTES),
+                     cache_memory=getattr(args, "cache_memory", None))
     serve.run(app, name="qwen-serve", route_prefix="/")
     print(f"qwen-serve: {args.replicas} replica(s) of {args.model} on Ray Serve at http://{args.host}:{args.port}",
           flush=True)

@@ -263,6 +263,9 @@ def values_equal(a: Any, b: Any) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         return isinstance(a, (int, float)) and isinstance(b, (int, float)) and (
             np.float32(a) == np.float32(b) or (math.isnan(a) and math.isnan(b)))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):  # numeric arrays: views of the file map
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
+                and np.array_equal(a, b, equal_nan=a.dtype.kind == "f" and b.dtype.kind == "f"))
     if isinstance(a, list) and isinstance(b, list):
         return a == b or (len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b, strict=True)))
     return type(a) is type(b) and a == b

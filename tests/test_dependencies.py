@@ -25,7 +25,8 @@ RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("weights: multiplying stored tensors", ("weights",)),
     ("models: the forward pass", ("models", "reference")),
     ("text: tokenizer and chat template", ("tokenizer", "sandbox", "chat")),
-    ("generation: sampling, the generation loop, evaluation", ("sampling", "generate", "evaluate")),
+    ("generation: sampling, one row's step, the generation loop, evaluation",
+     ("sampling", "stepper", "structured", "generate", "evaluate")),
     ("tools: the package's face, its command lines and where their jobs run",
      ("__init__", "cli_support", "cli", "eval_cli", "executor")),
 )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import struct
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -15,7 +17,17 @@ from hostile_helpers import RawGGUF, converted, pack_string
 from qwen_runtime.chat import load_chat_format
 from qwen_runtime.errors import ConfigError, FormatError, TemplateError, UnsupportedArchitectureError
 from qwen_runtime.formats import open_gguf
-from qwen_runtime.formats.gguf_parse import GGUFStrings, parse_gguf
+from qwen_runtime.formats.gguf_parse import (
+    MAX_DECODED_TEXT,
+    MAX_KEYS,
+    MAX_OTHER_STRINGS,
+    MAX_TENSORS,
+    SCALAR_FORMATS,
+    TENSOR_INFO_MIN_BYTES,
+    UTF8_SLICE,
+    GGUFStrings,
+    parse_gguf,
+)
 
 ARCH = "qwen3"
 
@@ -107,9 +119,9 @@ def test_malformed_key_values(body: bytes, fragment: str, tmp_path: Path) -> Non
     fails(minimal() + body + bytes(64), tmp_path, fragment)
 
 
-def string_array(elements: list[bytes]) -> bytes:
-    """A one-key GGUF with no tensors whose key 'k' is a string array of ``elements``."""
-    return (minimal() + pack_string("k") + struct.pack("<IIQ", GGUFValueType.ARRAY, GGUFValueType.STRING,
+def string_array(elements: list[bytes], key: str = "k") -> bytes:
+    """A one-key GGUF with no tensors whose key ``key`` is a string array of ``elements``."""
+    return (minimal() + pack_string(key) + struct.pack("<IIQ", GGUFValueType.ARRAY, GGUFValueType.STRING,
                                                        len(elements)) + b"".join(map(pack_string, elements)))
 
 
@@ -150,15 +162,111 @@ def test_string_arrays_are_read_from_the_map(tmp_path: Path) -> None:
 def test_string_arrays_cost_no_str_per_element(tmp_path: Path) -> None:
     n = 100_000
     path = tmp_path / "vocab.gguf"
-    path.write_bytes(string_array([f"tok{i}".encode() for i in range(n)]))
+    path.write_bytes(string_array([f"tok{i}".encode() for i in range(n)], key="tokenizer.ggml.tokens"))
     tracemalloc.start()
     try:
         layout = parse_gguf(path)
         kept, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert layout.metadata["k"][-1] == f"tok{n - 1}"
-    assert kept < 12 * n  # int64 offsets; a list of str would keep ~60 bytes per element
+    assert layout.metadata["tokenizer.ggml.tokens"][-1] == f"tok{n - 1}"
+    assert kept < n  # one int64 offset per INDEX_STRIDE elements; a list of str would keep ~60 bytes each
+
+
+def test_utf8_is_checked_across_slices(tmp_path: Path) -> None:
+    """Elements whose characters and length fields straddle the UTF-8 check's slice boundaries."""
+    first = b"a" * (UTF8_SLICE - 9) + "é".encode()  # the "é" straddles the first boundary
+    elements = [first, b"x" * 3, "中".encode() * (UTF8_SLICE // 3), b"", b"ok"] + [b"y"] * 200
+    path = tmp_path / "slices.gguf"
+    path.write_bytes(string_array(elements))
+    value = parse_gguf(path).metadata["k"]
+    assert list(value) == [e.decode() for e in elements] and value[4] == "ok" and value[150] == "y"
+    elements[150] = "中".encode()[:2]
+    fails(string_array(elements), tmp_path, "element 150 of 'k' is not valid UTF-8 (unexpected end of data at "
+                                            "byte 0)")
+    at = 3 * (UTF8_SLICE // 6)  # between two characters, before the bad element 150
+    elements[2] = elements[2][:at] + b"\xff" + elements[2][at:]
+    fails(string_array(elements), tmp_path, f"element 2 of 'k' is not valid UTF-8 (invalid start byte at byte {at})")
+
+
+def test_numeric_arrays_are_read_only_views_of_the_map(tmp_path: Path) -> None:
+    path = tmp_path / "ints.gguf"
+    path.write_bytes(minimal() + pack_string("k") + struct.pack("<IIQ", GGUFValueType.ARRAY, GGUFValueType.INT16, 3)
+                     + struct.pack("<3h", -1, 2, 300))
+    value = parse_gguf(path).metadata["k"]
+    assert isinstance(value, np.ndarray) and value.dtype == np.int16 and value.tolist() == [-1, 2, 300]
+    assert not value.flags.owndata and not value.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        value[0] = 1
+
+
+def numeric_array_file(etype: GGUFValueType, nbytes: int) -> bytes:
+    """One key 'k' holding ``nbytes`` of ``etype`` elements (each element's bytes 0x01 0x02 ...)."""
+    size = struct.calcsize(SCALAR_FORMATS[etype])
+    n = nbytes // size
+    return (minimal() + pack_string("k") + struct.pack("<IIQ", GGUFValueType.ARRAY, etype, n)
+            + bytes(range(1, size + 1)) * n)
+
+
+RSS_PROBE = """
+import sys
+from qwen_runtime.formats.gguf_parse import parse_gguf
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) * 1024
+
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak to the current RSS
+except OSError:
+    pass  # the peak then includes the imports': the measure only errs upwards
+before = status("VmRSS:")
+layout = parse_gguf(sys.argv[1])
+print(status("VmHWM:") - before)
+"""
+
+MIB = 1 << 20
+
+
+def most_keys_and_tensors() -> bytes:
+    """As many keys and tensors as allowed, with long names and string values (3.6 MB of text)."""
+    keys = b"".join(pack_string(f"k{i:0100d}") + struct.pack("<I", GGUFValueType.STRING) + pack_string("v" * 60)
+                    for i in range(MAX_KEYS))
+    tensors = b"".join(pack_string(f"t{i:060d}") + struct.pack("<IQQQIQ", 3, 32, 1, 1, 0, 128 * i)
+                       for i in range(MAX_TENSORS))  # F32 [1, 1, 32] each, one after the other
+    return minimal(MAX_KEYS, MAX_TENSORS) + keys + tensors + bytes(128 * MAX_TENSORS + 64)
+
+
+HOSTILE_SIZES = {  # what each file cost before numeric arrays stayed in the map and string arrays were indexed
+    "INT16 array (+411 MB)": lambda: numeric_array_file(GGUFValueType.INT16, 20 * MIB),
+    "FLOAT32 array": lambda: numeric_array_file(GGUFValueType.FLOAT32, 20 * MIB),
+    "UINT8 array": lambda: numeric_array_file(GGUFValueType.UINT8, 20 * MIB),
+    "empty strings (+95 MB)": lambda: string_array([b""] * (20 * MIB // 8), key="tokenizer.ggml.tokens"),
+    "one long string": lambda: string_array([b"\xf0\x9f\x99\x82" * (5 * MIB)]),
+    "the most keys and tensors allowed": most_keys_and_tensors,
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_SIZES))
+def test_parsing_a_hostile_file_costs_at_most_its_size_plus_32_mib(name: str, tmp_path: Path) -> None:
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(HOSTILE_SIZES[name]() + bytes(64))
+    run = subprocess.run([sys.executable, "-c", RSS_PROBE, str(path)], capture_output=True, text=True, check=True)
+    peak = int(run.stdout)
+    assert peak <= path.stat().st_size + 32 * MIB, f"{name}: +{peak / MIB:.1f} MiB for {path.stat().st_size} bytes"
+
+
+def test_decoded_text_keys_and_tensors_are_bounded(tmp_path: Path) -> None:
+    value = pack_string("k") + struct.pack("<I", GGUFValueType.STRING) + pack_string(b"x" * (MAX_DECODED_TEXT + 1))
+    fails(minimal() + value, tmp_path, "'k'", f"at most {MAX_DECODED_TEXT} bytes of text")
+    keys = b"".join(pack_string(f"k{i}") + struct.pack("<IB", GGUFValueType.UINT8, 0) for i in range(MAX_KEYS + 1))
+    fails(minimal(MAX_KEYS + 1) + keys, tmp_path, f"{MAX_KEYS + 1} metadata keys, more than the {MAX_KEYS}")
+    fails(minimal(0, MAX_TENSORS + 1) + bytes(TENSOR_INFO_MIN_BYTES * (MAX_TENSORS + 1)), tmp_path,
+          f"{MAX_TENSORS + 1} tensors, more than the {MAX_TENSORS}")
+    fails(string_array([b""] * (MAX_OTHER_STRINGS + 1)), tmp_path,
+          f"key 'k': a string array of {MAX_OTHER_STRINGS + 1} elements, more than the {MAX_OTHER_STRINGS} allowed "
+          f"outside the vocabulary")
 
 
 def test_duplicate_key(raw: RawGGUF, tmp_path: Path) -> None:
@@ -260,6 +368,24 @@ def test_wrong_typed_or_absurd_key(raw: RawGGUF, tmp_path: Path, key: str, vtype
     fails(raw, tmp_path, fragment, error=ConfigError)
 
 
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory: pytest.TempPathFactory) -> RawGGUF:
+    return RawGGUF.from_file(converted("qwen35-tiny", tmp_path_factory.mktemp("gguf35"), "gguf"))
+
+
+@pytest.mark.parametrize(("key", "value", "etype", "fragment"), [
+    ("qwen35.attention.recurrent_layers", [1, 0, 1, 1], GGUFValueType.INT32, "should be an array of booleans"),
+    ("qwen35.attention.recurrent_layers", [True] * 5000, GGUFValueType.BOOL, "5000 entries, more than 4096"),
+    ("qwen35.rope.dimension_sections", [1.0, 2.0], GGUFValueType.FLOAT32, "array of non-negative integers"),
+    ("qwen35.rope.dimension_sections", [-1, 2, 0, 0], GGUFValueType.INT32, "array of non-negative integers"),
+])
+def test_wrong_typed_model_arrays(qwen35: RawGGUF, tmp_path: Path, key: str, value: list, etype: GGUFValueType,
+                                  fragment: str) -> None:
+    raw = copy.deepcopy(qwen35)
+    raw.set_kv(key, GGUFValueType.ARRAY, value, etype)
+    fails(raw, tmp_path, repr(key), fragment, error=ConfigError)
+
+
 def test_unsupported_architecture(raw: RawGGUF, tmp_path: Path) -> None:
     raw.set_kv("general.architecture", GGUFValueType.STRING, "llama")
     fails(raw, tmp_path, "'llama'", error=UnsupportedArchitectureError)
@@ -291,7 +417,10 @@ def test_same_metadata_and_tensors_as_gguf_reader(tmp_path_factory: pytest.TempP
     path = converted("qwen35-tiny", tmp_path_factory.mktemp("gguf-compat"), "gguf", "q8_0")
     reader = GGUFReader(path)
     files = open_gguf(path)
-    assert files.metadata == {n: f.contents() for n, f in reader.fields.items() if not n.startswith("GGUF.")}
+    ours = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in files.metadata.items()}
+    assert ours == {n: f.contents() for n, f in reader.fields.items() if not n.startswith("GGUF.")}
+    arrays = [v for v in files.metadata.values() if isinstance(v, np.ndarray)]  # token types, rope sections, ...
+    assert len(arrays) >= 2 and all(not a.flags.owndata and not a.flags.writeable for a in arrays)
     for t in reader.tensors:
         data = files.tensors[t.name].data
         assert not data.flags.owndata and not data.flags.writeable  # a view of the read-only map

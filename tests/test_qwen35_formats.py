@@ -142,7 +142,7 @@ def test_any_layer_pattern_round_trips_through_gguf(tmp_path: Path) -> None:
     src = with_layers_swapped(FIXTURES / "qwen35-tiny", tmp_path / "swapped", 1, 3)
     out = convert(src, tmp_path / "swapped.gguf", "gguf", "fp32").output
     meta = parse_gguf(out).metadata
-    assert meta["qwen35.attention.recurrent_layers"] == [True, False, True, True]
+    assert meta["qwen35.attention.recurrent_layers"].tolist() == [True, False, True, True]
     assert meta["qwen35.full_attention_interval"] == 4
     model = load(out)
     assert model.config.layer_types == ("linear_attention", "full_attention", "linear_attention", "linear_attention")

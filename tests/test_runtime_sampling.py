@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from qwen_runtime.sampling import (
+    GREEDY_BELOW,
     SamplingParams,
     apply_presence_frequency,
     apply_repetition_penalty,
@@ -44,6 +45,18 @@ def test_temperature_sharpens_and_flattens() -> None:
     for t in (0.5, 2.0):
         p = PROBS ** (1 / t)
         np.testing.assert_allclose(filtered_probs(LOGITS, SamplingParams(temperature=t)), p / p.sum(), atol=1e-6)
+
+
+def test_tiny_temperatures_are_greedy_never_nan() -> None:
+    """Below GREEDY_BELOW the division would overflow float32 (1e-40 gave NaN probabilities and always the last
+    id); at and just above it the distribution is finite and already the argmax."""
+    logits = np.array([3.0, 5.0, -1.0, 4.5], np.float32)
+    for t in (1e-40, 1e-7, GREEDY_BELOW, 2e-6):
+        params = SamplingParams(temperature=t)
+        assert params.greedy == (t < GREEDY_BELOW)
+        probs = filtered_probs(logits, params)
+        assert np.isfinite(probs).all() and probs.tolist() == [0.0, 1.0, 0.0, 0.0]
+        assert sample(logits[None], [params], [np.array([], np.int64)], np.random.default_rng(0)).tolist() == [1]
 
 
 def test_top_p_uses_the_sorted_distribution() -> None:

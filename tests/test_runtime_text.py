@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from runtime_helpers import fixture_dir
 from shared_data import MODEL_CONFIGS, tokenizer_json
@@ -12,7 +13,7 @@ from shared_data import MODEL_CONFIGS, tokenizer_json
 from qwen_runtime.chat import ChatFormat, ChatTemplate, _token_text, load_chat_format
 from qwen_runtime.errors import TemplateError
 from qwen_runtime.formats import open_model_files
-from qwen_runtime.tokenizer import StreamDecoder, Tokenizer
+from qwen_runtime.tokenizer import PIECE_CHARS, StreamDecoder, Tokenizer, cut_text
 
 TEXTS = ("Hello world! The quick brown fox's 12345 jumps\r\n  over\tthe lazy dog.",
          "日本語のテキスト、中文句子，한국어 문장 🎉🙂👍🏽 naïve café",
@@ -160,3 +161,24 @@ def test_template_errors_are_template_errors() -> None:
 def test_template_helpers() -> None:
     out = ChatTemplate("{{ {'a': 'é'} | tojson }} {{ strftime_now('%Y') | length }}").render(HI)
     assert out == '{"a": "é"} 4'
+
+
+@pytest.mark.parametrize("name", ["qwen2_qwen3", "qwen3_5"])
+def test_encoding_in_pieces_equals_encoding_whole(name: str) -> None:
+    """Cut points never split a token (real Qwen tokenizers, texts full of cuts, marks and special tokens);
+    encode_within stops once past the limit and the longest token bounds the characters per token."""
+    tok = Tokenizer.from_file(tokenizer_json(name))
+    assert tok.can_cut
+    rng = np.random.default_rng(0)
+    alphabet = list("ab xy\n\n\t  .,'é") + ["e\u0301", "\u0301", "日本", "😀", "<|im_start|>", "<think>", "12", "\r\n"]
+    texts = list(TEXTS) + ["".join(rng.choice(alphabet, 400)) for _ in range(30)]
+    for text in texts:
+        pieces = cut_text(text, 7)
+        assert "".join(pieces) == text
+        assert [i for p in pieces for i in tok.encode(p)] == tok.encode(text), repr(text)
+        assert tok.encode_within(text, 10**6) == tok.encode(text)
+    long_text = " ".join(texts) * 40
+    whole = tok.encode(long_text)
+    assert tok.encode_within(long_text, len(whole)) == whole and len(cut_text(long_text, PIECE_CHARS)) > 2
+    assert tok.encode_within(long_text, len(whole) - 1) is None
+    assert len(long_text) <= len(whole) * tok.longest_token_bytes * 2

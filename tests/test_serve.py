@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from serve_helpers import RunningServer, http, openai, running_server, scripted_
 
 from qwen_runtime.errors import ResourceLimitError
 from qwen_serve import create_app
+from qwen_serve.slots import SlotCache
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"temperature": 0.0}
@@ -41,6 +43,49 @@ def test_models_and_health(server: RunningServer) -> None:
     assert [m.id for m in client.models.list().data] == ["qwen3-tiny"]
     status, _, health = http("GET", f"{server.url}/health")
     assert status == 200 and health["status"] == "ok" and health["max_batch"] == 16
+
+
+def scrape(url: str) -> dict[str, float]:
+    """``/metrics`` as {sample name with labels: value}, checking the text format on the way: every sample
+    follows its metric's HELP and TYPE lines, histogram buckets are cumulative and end in +Inf = _count."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+        text = response.read().decode()
+    samples, declared = {}, set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            declared.add(line.split()[2])
+        elif not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            base = name.split("{")[0]
+            assert base in declared or base.rsplit("_", 1)[0] in declared, line
+            samples[name] = float(value)
+    for name in declared:
+        buckets = [v for k, v in samples.items() if k.startswith(f"{name}_bucket{{")]
+        if buckets:
+            assert buckets == sorted(buckets) and buckets[-1] == samples[f"{name}_count"]
+            assert f'{name}_bucket{{le="+Inf"}}' in samples
+    return samples
+
+
+def test_metrics_in_prometheus_text(server: RunningServer) -> None:
+    before = scrape(server.url)
+    reply = chat(server.client(), "Explain attention", max_tokens=5)
+    status, _, _ = http("POST", f"{server.url}/v1/completions", {"prompt": "x", "max_tokens": 0})
+    server.wait_idle()
+    after = scrape(server.url)
+    done = 'qwen_serve_requests_total{route="/v1/chat/completions",status="200"}'
+    refused = 'qwen_serve_requests_total{route="/v1/completions",status="400"}'
+    assert after[done] == before.get(done, 0) + 1 and after[refused] == before.get(refused, 0) + 1 and status == 400
+    assert after["qwen_serve_completion_tokens_total"] - before["qwen_serve_completion_tokens_total"] == 5
+    assert after["qwen_serve_prompt_tokens_total"] - before["qwen_serve_prompt_tokens_total"] == \
+        reply.usage.prompt_tokens
+    for histogram, grew in (("time_to_first_token_seconds", 1), ("request_duration_seconds", 1),
+                            ("decode_step_seconds", 4), ("decode_batch_rows", 4)):
+        name = f"qwen_serve_{histogram}_count"
+        assert after[name] - before[name] >= grew, name
+    assert after["qwen_serve_waiting_requests"] == 0 and after["qwen_serve_max_batch_rows"] == 16
+    assert after["qwen_serve_engine_up"] == 1
 
 
 def test_chat_streamed_equals_not_streamed(server: RunningServer) -> None:
@@ -173,6 +218,18 @@ def test_logprobs_of_chat_and_completions(server: RunningServer) -> None:
     lp = text.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(t) <= 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
+    # streamed: text_offset goes on across chunks, and include_usage puts "usage": null in every chunk but the last
+    streamed = list(client.completions.create(model="qwen3-tiny", prompt="import numpy", max_tokens=4, logprobs=2,
+                                              stream=True, stream_options={"include_usage": True}, **GREEDY))
+    offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+    for path, body in (("completions", {"prompt": "import numpy"}),
+                       ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        status, _, raw = http("POST", f"{server.url}/v1/{path}", {**body, "max_tokens": 3, "stream": True,
+                                                                   "stream_options": {"include_usage": True}})
+        events = [json.loads(line[6:]) for line in raw.decode().split("\n\n") if line.startswith("data: {")]
+        assert status == 200 and all("usage" in e and e["usage"] is None for e in events[:-1])
+        assert events[-1]["usage"]["completion_tokens"] == 3
 
 
 def test_penalties_change_the_output(server: RunningServer) -> None:
@@ -325,8 +382,8 @@ def scripted(tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
         yield srv
 
 
-def ask(client, **options):
-    return client.chat.completions.create(model="scripted", max_tokens=20, temperature=0,
+def ask(client, max_tokens: int = 20, **options):
+    return client.chat.completions.create(model="scripted", max_tokens=max_tokens, temperature=0,
                                           messages=[{"role": "user", "content": "Weather in Paris?"}], **options)
 
 
@@ -340,13 +397,15 @@ def test_tool_call_and_reasoning_are_split(scripted: RunningServer) -> None:
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     assert call.id.startswith("call_") and call.type == "function"
-    # the same, streamed: reasoning arrives in deltas before the call, which comes whole with the finish reason
+    # the same, streamed: reasoning arrives in deltas, then the call as soon as it is written (here one token)
     chunks = [c for c in ask(client, tools=TOOLS, stream=True) if c.choices]
     reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
     assert reasoning == choice.message.reasoning_content
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    [streamed_call] = chunks[-1].choices[0].delta.tool_calls
-    assert streamed_call.function.name == "get_weather" and streamed_call.index == 0
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert deltas and not chunks[-1].choices[0].delta.tool_calls  # nothing was left for the end
+    assert {d.index for d in deltas} == {0} and deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
     # the call's result goes back through the template (arguments as JSON text, a tool message)
     history = [{"role": "user", "content": "Weather in Paris?"},
                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
@@ -366,6 +425,32 @@ def test_without_tools_the_call_is_text_and_thinking_can_be_off(scripted: Runnin
     assert getattr(off.message, "reasoning_content", None) is None and off.finish_reason == "tool_calls"
     none = ask(client, tools=TOOLS, tool_choice="none").choices[0]
     assert none.finish_reason == "stop" and none.message.tool_calls is None
+
+
+def test_tool_choice_required_or_named_forces_a_call(tmp_path) -> None:
+    """The model would answer "Sure"; with tool_choice "required" or a named tool the answer is a call of an
+    offered tool whose arguments follow its schema (constrained sampling), streamed too; "auto" leaves the model
+    free, and a plain JSON answer never becomes a call."""
+    jsonschema = pytest.importorskip("jsonschema")
+    path = scripted_qwen3(fixture_dir("qwen3-tiny"), tmp_path / "forced", ["Sure", '{"city": "Paris"}', "<|im_end|>"])
+    tools = TOOLS + [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+    named = {"type": "function", "function": {"name": "add"}}
+    with running_server(path, model_name="scripted") as srv:
+        client = srv.client()
+        free = ask(client, tools=tools).choices[0]
+        assert free.message.content == 'Sure{"city": "Paris"}' and free.finish_reason == "stop"
+        assert free.message.tool_calls is None
+        for choice in ("required", named):
+            reply = ask(client, 120, tools=tools, tool_choice=choice).choices[0]
+            assert reply.finish_reason == "tool_calls" and reply.message.content is None, choice
+            [call] = reply.message.tool_calls
+            schema = {t["function"]["name"]: t["function"]["parameters"] for t in tools}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+            assert choice == "required" or call.function.name == "add"
+            chunks = [c for c in ask(client, 120, tools=tools, tool_choice=choice, stream=True) if c.choices]
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            assert not "".join(c.choices[0].delta.content or "" for c in chunks)
 
 
 def test_streamed_text_never_splits_a_character(tmp_path) -> None:
@@ -444,6 +529,34 @@ def test_cli_errors_are_one_line_with_the_exit_code(tmp_path) -> None:
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("qwen-serve: error:")
 
 
+def test_cli_banner_api_key_from_the_environment_and_a_busy_port(tmp_path) -> None:
+    """The banner says what runs where; QWEN_API_KEY guards /v1; a busy port is exit code 1 in one line, before
+    the model loads (uvicorn's own startup failure was 3, README's code for an unsupported architecture)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "QWEN_API_KEY": "sesame"}
+    proc = subprocess.Popen([sys.executable, "-m", "qwen_serve", str(fixture_dir("qwen3-tiny")), "--port", "0"],
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        banner = []
+        while not banner or "listening on" not in banner[-1]:
+            line = proc.stderr.readline()
+            assert line, "the server exited before its banner: " + "".join(banner)
+            banner.append(line)
+        text = "".join(banner)
+        assert "qwen3-tiny: qwen3 (hf, BF16" in text and "context 40960 tokens" in text and "threads" in text
+        assert "memory budget" in text and "API key required" in text
+        url = banner[-1].split("listening on ")[1].split(";")[0].strip()
+        assert http("GET", f"{url}/v1/models")[0] == 401
+        assert http("GET", f"{url}/v1/models", headers={"Authorization": "Bearer sesame"})[0] == 200
+        port = int(url.rsplit(":", 1)[1])
+        busy = subprocess.run([sys.executable, "-m", "qwen_serve", str(tmp_path / "never-loaded"), "--port",
+                               str(port)], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+        assert busy.returncode == 1 and busy.stderr.count("\n") == 1
+        assert busy.stderr.startswith(f"qwen-serve: error: cannot listen on 127.0.0.1:{port}")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_a_long_prompt_is_prefilled_between_decode_steps_of_the_others() -> None:
     with running_server(fixture_dir("qwen3-tiny"), prefill_chunk=8) as srv:
         running = srv.client().completions.create(model="qwen3-tiny", prompt="def fib(n):", max_tokens=5000,
@@ -456,6 +569,56 @@ def test_a_long_prompt_is_prefilled_between_decode_steps_of_the_others() -> None
         assert reply.usage.prompt_tokens == tokens > 100
         assert srv.engine.steps - before >= tokens // 8 - 1  # the running row went on after every chunk
         running.close()
+
+
+def test_a_huge_prompt_does_not_stall_the_other_streams() -> None:
+    """While 2 MiB prompts arrive and are refused, a running stream's largest gap between tokens stays below
+    one prefill chunk's time (measured here, on the same model): one text is refused by its length alone
+    (more characters than the context's tokens can hold), the other by tokenizing pieces, GIL released,
+    only until the context is exceeded.  Tokenizing 2 MiB at once, holding the GIL, stalled every stream for
+    seconds."""
+    chunk = 1024
+    with running_server(fixture_dir("qwen3-tiny"), prefill_chunk=chunk) as srv:
+        model = srv.engine.model
+        seconds = []
+        for _ in range(3):
+            slots = SlotCache(model, 1, chunk)
+            start = time.perf_counter()
+            model.forward(np.arange(chunk)[None] % 400, slots.rows(0, 1), last_only=True, release_scratch=False)
+            seconds.append(time.perf_counter() - start)
+        chunk_seconds = sorted(seconds)[1]
+        arrivals: list[float] = []
+        stream = srv.client().completions.create(model="qwen3-tiny", prompt="def fib(n):", max_tokens=30000,
+                                                 stream=True, **GREEDY)
+        enough = threading.Event()
+
+        def read() -> None:
+            for _ in stream:
+                arrivals.append(time.perf_counter())
+                if enough.is_set():
+                    break
+            stream.close()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        while len(arrivals) < 20:
+            time.sleep(0.01)
+        sentence = "The quick brown fox jumps over the lazy dog.\n"
+        by_length = sentence * ((2 << 20) // len(sentence))  # more characters than the context can hold
+        by_pieces = sentence * (srv.app.state.server.max_prompt_chars // len(sentence) - 1)  # refused by tokens
+        began = time.perf_counter()
+        for prompt in (by_length, by_pieces):
+            status, _, reply = http("POST", f"{srv.url}/v1/completions", {"prompt": prompt, "max_tokens": 4})
+            assert status == 400 and error_of(status, reply)["code"] == "context_length_exceeded"
+        ended = time.perf_counter()
+        count = len(arrivals)
+        while len(arrivals) < count + 5:
+            time.sleep(0.01)
+        enough.set()
+        reader.join(timeout=30)
+    assert len(by_length) > (2 << 20) - len(sentence) and len(by_pieces) > 10**6
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if b > began and a < ended]
+    assert gaps and max(gaps) < chunk_seconds, (max(gaps), chunk_seconds, ended - began)
 
 
 def test_completions_take_a_batch_of_prompts(server: RunningServer) -> None:
@@ -492,3 +655,53 @@ def test_failing_and_vanishing_clients_do_not_disturb_the_others(server: Running
     results = run_concurrently(jobs)
     assert results[:4] == solo
     server.wait_idle()
+
+
+# --- structured output ---------------------------------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer"},
+    "height": {"type": "number"},
+    "member": {"type": "boolean"},
+    "nothing": {"type": "null"},
+    "role": {"enum": ["admin", "user", 3]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                 "zip": {"type": ["integer", "null"]}},
+                "required": ["city"]}},
+    "required": ["name", "age", "role", "address"]}
+
+
+@pytest.mark.parametrize("family", ["qwen3-tiny", "qwen35-tiny"])
+def test_response_format_json_on_random_weights(family: str) -> None:
+    """Every answer parses and validates, sampled hot from random weights, thinking on and off, streamed or
+    not: tokens are masked to the schema's language and to what still fits in max_tokens."""
+    jsonschema = pytest.importorskip("jsonschema")
+    formats = [{"type": "json_object"},
+               {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}]
+    with running_server(fixture_dir(family), model_name="m") as srv:
+        client = srv.client()
+        for seed in range(4):
+            for fmt in formats:
+                for thinking in (True, False):
+                    options = dict(model="m", messages=[{"role": "user", "content": "Describe someone"}],
+                                   temperature=1.5, seed=seed, max_tokens=90, response_format=fmt,
+                                   extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+                    content = client.chat.completions.create(**options).choices[0].message.content
+                    streamed = "".join(c.choices[0].delta.content or "" for c in
+                                       client.chat.completions.create(**options, stream=True) if c.choices)
+                    assert streamed == content
+                    value = json.loads(content)
+                    assert isinstance(value, dict), content
+                    if fmt["type"] == "json_schema":
+                        jsonschema.validate(value, PERSON)
+        status, _, reply = http("POST", f"{srv.url}/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 5,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}})
+        assert status == 400 and error_of(status, reply)["param"] == "max_tokens"
+        status, _, reply = http("POST", f"{srv.url}/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string",
+                                                                                 "pattern": "a+"}}}})
+        assert status == 400 and "pattern" in error_of(status, reply)["message"]

@@ -55,3 +55,23 @@ def test_qwen35_xml_tool_calls_and_broken_calls() -> None:
     reasoning, content, calls = split("Sure.<tool_call>{broken json</tool_call>", 5, reasoning=False,
                                       in_think=False, tools=True)
     assert calls == [] and content == "Sure.<tool_call>{broken json</tool_call>"
+
+
+@pytest.mark.parametrize("block", [
+    '\n{"name": "add", "arguments": {"a": 12, "b": {"x": [1, "}"]}, "c": "hi \\" there"}}\n',
+    '\n<function=add>\n<parameter=a>\n12\n</parameter>\n<parameter=b>\nsome text\n</parameter>\n</function>\n',
+])
+def test_tool_call_arguments_stream_one_argument_at_a_time(block: str) -> None:
+    """Written a character at a time, a call streams its name first, then each argument once it is complete
+    (a number only once something follows it); the pieces add up to the parsed call's arguments."""
+    text = "<tool_call>" + block + "</tool_call>"
+    stream, deltas, seen = outputs.ToolCallStream(), [], ""
+    for ch in text:
+        seen += ch
+        deltas.extend(stream.update(seen))
+    call = parse_tool_call(block)
+    assert deltas[0]["function"]["name"] == "add" and deltas[0]["id"].startswith("call_")
+    pieces = [d["function"]["arguments"] for d in deltas]
+    assert "".join(pieces) == call.arguments and len([p for p in pieces if p]) >= 3
+    assert not any('"a": 1}' in p or p.endswith('"a": 1') for p in pieces)  # 12 was never cut to 1
+    assert stream.finish([call]) == []

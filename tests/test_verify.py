@@ -12,17 +12,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 from convert_helpers import ALL_FIXTURES, fixture
+from gguf import GGUFValueType, TokenType
+from hostile_helpers import RawGGUF
 
 from qwen_convert.cli import convert_main, inspect_main
 from qwen_convert.convert import convert
 from qwen_convert.demo import bundled_model_path
 from qwen_convert.probe import BehaviourCheck, behaviour_check
-from qwen_convert.verify import FAILED_SUFFIX, report_json, verify_against
+from qwen_convert.verify import FAILED_SUFFIX, report_json, round_to_bf16, verify_against
+from qwen_runtime.archs import PLUS_ONE
 from qwen_runtime.errors import EXIT_CODES, FormatError, VerificationError
 from qwen_runtime.formats import open_hf_dir
 from qwen_runtime.formats.base import V_HEAD_GROUPED
 from qwen_runtime.formats.gguf_parse import parse_gguf
 from qwen_runtime.formats.hf_dir import shard_entries
+from qwen_runtime.naming import TRANSFORM_NOTES
 from qwen_runtime.tensors import Q8_0_DTYPE, to_float32
 
 convert_module = importlib.import_module("qwen_convert.convert")
@@ -226,6 +230,123 @@ def test_report_raises_verification_error_with_exit_code(converted, tmp_path: Pa
     with pytest.raises(VerificationError, match="'output_norm.weight'.*scaled by x1.5") as info:
         verify_against(bad, fixture("qwen3-tiny"), behaviour=False).raise_for_failure()
     assert EXIT_CODES[type(info.value)] == 9
+
+
+# --- (1 + w) norms are compared exactly, as stored ----------------------------------------------------------
+
+def plus_one_norms(path: Path, source: str) -> dict[str, np.ndarray]:
+    """Output name -> float32 source w of every (1 + w) norm of a converted fixture."""
+    entries = shard_entries(fixture(source))
+    report = verify_against(path, fixture(source), behaviour=False)
+    return {t.name: to_float32(entries[t.source].qtype, entries[t.source].view()).reshape(-1)
+            for t in report.tensors if TRANSFORM_NOTES[PLUS_ONE] in t.transform}
+
+
+def test_every_norm_scaled_by_1_007_in_a_qwen35_q8_0_gguf_fails_naming_each(converted, tmp_path: Path) -> None:
+    # A band of eps_bf16·|output| (2^-7) let this through, and the probe's KL (0.019) stays under its limit.
+    bad = copy_of(converted("qwen35-tiny", "gguf", "q8_0"), tmp_path)
+    norms = plus_one_norms(bad, "qwen35-tiny")
+    assert len(norms) >= 10 and not any("ssm_norm" in name for name in norms)
+    for name in norms:
+        edit_f32(bad, name, lambda w: w * np.float32(1.007))
+    report = verify_against(bad, fixture("qwen35-tiny"), behaviour=False)
+    failed = {t.name: t.cause for t in report.tensors if not t.ok}
+    assert set(failed) == set(norms)
+    assert all("values are scaled by x1.007 relative to 1 + w of the source" in cause for cause in failed.values())
+    assert all(f"tensor {name!r}" in "\n".join(report.failures()) for name in norms)
+
+
+def test_norms_rounded_as_another_converter_rounds_them_verify(converted, tmp_path: Path) -> None:
+    """1 + w rounded to the bf16 source's own dtype (torch arithmetic on the bf16 tensor) is a convention too;
+    one value one float32 ulp away from both conventions is not."""
+    good = copy_of(converted("qwen35-tiny", "gguf", "fp32"), tmp_path)
+    norms = plus_one_norms(good, "qwen35-tiny")
+    for name, w in norms.items():
+        edit_f32(good, name, lambda _, w=w: round_to_bf16(w + np.float32(1)))
+    assert any(not np.array_equal(round_to_bf16(w + np.float32(1)), w + np.float32(1)) for w in norms.values())
+    assert verify_against(good, fixture("qwen35-tiny"), behaviour=False).ok
+    name = next(iter(norms))
+    edit_f32(good, name, lambda v: np.concatenate([np.nextafter(v[:1], np.float32(3)), v[1:]]))
+    failure = first_failure(good, "qwen35-tiny")
+    assert f"tensor {name!r}" in failure and "1 values outside the bound" in failure
+
+
+# --- the tokenizer is compared in full -----------------------------------------------------------------------
+
+def metadata_bytes(path: Path, key: str) -> np.memmap:
+    """A writable map of a numeric array value's bytes in a GGUF file."""
+    layout = parse_gguf(path)
+    value = layout.metadata[key]
+    offset = value.__array_interface__["data"][0] - layout.data.__array_interface__["data"][0]
+    return np.memmap(path, dtype=value.dtype, mode="r+", offset=offset, shape=value.shape)
+
+
+def test_twenty_normal_tokens_retyped_as_control_fail(converted, tmp_path: Path) -> None:
+    bad = copy_of(converted("qwen3-tiny", "gguf", "q8_0"), tmp_path)
+    types = metadata_bytes(bad, "tokenizer.ggml.token_type")
+    retyped = np.flatnonzero(types == TokenType.NORMAL)[100:120]
+    types[retyped] = TokenType.CONTROL
+    types.flush()
+    tokens = parse_gguf(bad).metadata["tokenizer.ggml.tokens"]
+    first = int(retyped[0])
+    assert first_failure(bad, "qwen3-tiny") == (
+        f"metadata 'tokenizer.ggml.token_type': 20 token types differ from tokenizer.json's; first: token {first} "
+        f"({tokens[first]!r}) is CONTROL, expected NORMAL")
+
+
+def test_added_token_retyped_or_renamed_fails_naming_it(converted, tmp_path: Path) -> None:
+    bad = copy_of(converted("qwen3-tiny", "gguf", "fp16"), tmp_path)
+    tokens = parse_gguf(bad).metadata["tokenizer.ggml.tokens"]
+    im_end = list(tokens).index("<|im_end|>")
+    types = metadata_bytes(bad, "tokenizer.ggml.token_type")
+    types[im_end] = TokenType.USER_DEFINED
+    types.flush()
+    assert first_failure(bad, "qwen3-tiny") == (
+        f"metadata 'tokenizer.ggml.token_type': 1 token types differ from tokenizer.json's; first: added token "
+        f"{im_end} ('<|im_end|>') is USER_DEFINED, expected CONTROL")
+    (tmp_path / "renamed").mkdir()
+    renamed = copy_of(converted("qwen3-tiny", "gguf", "fp16"), tmp_path / "renamed")
+    raw = bytearray(renamed.read_bytes())
+    at = raw.index(b"<|im_end|>")
+    raw[at:at + 10] = b"<|im_eNd|>"
+    renamed.write_bytes(bytes(raw))
+    assert first_failure(renamed, "qwen3-tiny") == (f"metadata 'tokenizer.ggml.tokens': added token {im_end} is "
+                                                    f"'<|im_eNd|>', tokenizer.json has '<|im_end|>'")
+
+
+def test_two_merges_swapped_fail(converted, tmp_path: Path) -> None:
+    bad = copy_of(converted("qwen3-tiny", "gguf", "q8_0"), tmp_path)
+    merges = list(parse_gguf(bad).metadata["tokenizer.ggml.merges"])
+    i = len(merges) // 2
+    j = next(k for k in range(i + 1, len(merges)) if len(merges[k].encode()) == len(merges[i].encode()))
+    raw = bytearray(bad.read_bytes())
+    start = raw.index(b"tokenizer.ggml.merges")
+    a, b = (raw.index(struct.pack("<Q", len(m.encode())) + m.encode(), start) for m in (merges[i], merges[j]))
+    width = 8 + len(merges[i].encode())
+    raw[a:a + width], raw[b:b + width] = raw[b:b + width], raw[a:a + width]
+    bad.write_bytes(bytes(raw))
+    assert first_failure(bad, "qwen3-tiny") == (f"metadata 'tokenizer.ggml.merges': merge {i} is {merges[j]!r}, "
+                                                f"the source has {merges[i]!r}")
+
+
+def test_special_token_ids_are_compared_in_full(converted, tmp_path: Path) -> None:
+    good = converted("qwen3-tiny", "gguf", "q8_0")
+    eos = parse_gguf(good).metadata["tokenizer.ggml.eos_token_id"]
+    raw = RawGGUF.from_file(good)
+    raw.set_kv("tokenizer.ggml.eos_token_id", GGUFValueType.UINT32, eos + 1)
+    bad = raw.write(tmp_path / "eos.gguf")
+    assert first_failure(bad, "qwen3-tiny") == (f"metadata 'tokenizer.ggml.eos_token_id': is {eos + 1}, the source "
+                                                f"says {eos}")
+    raw = RawGGUF.from_file(good)
+    raw.set_kv("tokenizer.ggml.mask_token_id", GGUFValueType.UINT32, 5)
+    raw.set_kv("tokenizer.ggml.add_eos_token", GGUFValueType.BOOL, True)
+    report = verify_against(raw.write(tmp_path / "extra.gguf"), fixture("qwen3-tiny"), behaviour=False)
+    assert report.failures() == [
+        "metadata 'tokenizer.ggml.mask_token_id': is 5, the source's tokenizer files give none",
+        "metadata 'tokenizer.ggml.add_eos_token': is True, the source's tokenizer files give none"]
+    raw.set_kv("tokenizer.ggml.add_eos_token", GGUFValueType.BOOL, False)  # what an absent flag means anyway
+    raw.drop_kv("tokenizer.ggml.mask_token_id")
+    assert verify_against(raw.write(tmp_path / "false.gguf"), fixture("qwen3-tiny"), behaviour=False).ok
 
 
 # --- faults a tensor check might miss fail on behaviour alone (qwen_convert/probe.py) ------------------------

@@ -7,27 +7,30 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from gguf import GGUFValueType, Keys
 
 from ..archs import SUPPORTED_ARCHS
-from ..config import ModelConfig, build_config, check_layer_count
+from ..config import MAX_LAYERS, ModelConfig, build_config, check_layer_count
 from ..errors import ConfigError, UnsupportedArchitectureError
 from ..gguf_keys import MODEL_KEYS, ModelKey, gguf_key
 from .base import is_int, is_number
 
+MAX_MODEL_ARRAY = 4 * MAX_LAYERS  # entries of a per-layer (or rope-section) array of the model table
 
 def _meta_value(meta: Mapping[str, Any], key: str, source: str, value_type: GGUFValueType,
                 array: bool = False) -> Any:
     """The value stored under ``key``, of ``value_type`` (the elements', for an array); ConfigError names the key."""
     value = meta[key]
-    if array and value_type == GGUFValueType.BOOL:
-        if not isinstance(value, list) or not all(isinstance(v, bool) for v in value):
-            raise ConfigError(f"{source}: metadata key {key!r} should be an array of booleans")
-        return value
     if array:
-        if not isinstance(value, list) or not all(is_int(v) and v >= 0 for v in value):
-            raise ConfigError(f"{source}: metadata key {key!r} should be an array of non-negative integers")
-        return value
+        kind = "booleans" if value_type == GGUFValueType.BOOL else "non-negative integers"
+        values = metadata_array(value, boolean=value_type == GGUFValueType.BOOL)
+        if values is None or (values.dtype.kind != "b" and (values < 0).any()):
+            raise ConfigError(f"{source}: metadata key {key!r} should be an array of {kind}")
+        if len(values) > MAX_MODEL_ARRAY:
+            raise ConfigError(f"{source}: metadata key {key!r} has {len(values)} entries, more than "
+                              f"{MAX_MODEL_ARRAY}")
+        return values.tolist()
     if value_type == GGUFValueType.FLOAT32:
         if not is_number(value):
             raise ConfigError(f"{source}: metadata key {key!r} should be float, got {type(value).__name__} {value!r}")
@@ -75,8 +78,24 @@ def _token_id(meta: Mapping[str, Any], key: str, source: str) -> int | None:
 
 
 def is_metadata_array(value: Any) -> bool:
-    """Whether a GGUF metadata value is an array: a list of numbers or the parser's ``GGUFStrings``."""
-    return isinstance(value, Sequence) and not isinstance(value, str)
+    """Whether a GGUF metadata value is an array: the parser's read-only numpy view of numbers or its
+    ``GGUFStrings`` (or a list, in metadata built by hand)."""
+    return (isinstance(value, Sequence) and not isinstance(value, str)) or (
+        isinstance(value, np.ndarray) and value.ndim == 1)
+
+
+def metadata_array(value: Any, boolean: bool = False) -> np.ndarray | None:
+    """A GGUF array of integers (``boolean``: of booleans) as a 1-D numpy array, without copying the parser's
+    view; None when ``value`` is not one.  Lists (metadata built by hand) are converted."""
+    if isinstance(value, list):
+        if not all(isinstance(v, bool) if boolean else is_int(v) for v in value):
+            return None
+        value = np.array(value, dtype=bool if boolean else np.int64)
+    if not isinstance(value, np.ndarray) or value.ndim != 1:
+        return None
+    if boolean:
+        return value if value.dtype.kind == "b" else None
+    return value if value.dtype.kind in "iu" else None
 
 
 def mtp_block_count(meta: Mapping[str, Any], arch: str) -> int:

@@ -2,8 +2,12 @@
 
 ``gguf.GGUFReader`` trusts the file: it allocates from claimed string lengths and array counts and builds
 views from claimed offsets.  This parser checks each claim against the bytes that remain before acting on
-it, so a hostile file costs at most its own size.  Layout (GGUF v2/v3, little-endian; see
-docs/qwen-architectures.md §4.1):
+it, and keeps what it reads in the map, so a hostile file costs at most its own size (its pages, once read)
+plus a few MiB: numeric arrays are read-only numpy views of the map, a string array keeps one offset per
+:data:`INDEX_STRIDE` elements, and the text it decodes (keys, string values, tensor names) is bounded by
+:data:`MAX_DECODED_TEXT`, the key and tensor counts by :data:`MAX_KEYS` and :data:`MAX_TENSORS`, string
+arrays outside the vocabulary (keys other readers add) by :data:`MAX_OTHER_STRINGS` elements.
+Layout (GGUF v2/v3, little-endian; see docs/qwen-architectures.md §4.1):
 
 1. magic ``GGUF``, version u32, tensor_count u64, kv_count u64;
 2. kv_count key/values: key string (u64 length + UTF-8), value type u32, value;
@@ -13,12 +17,13 @@ docs/qwen-architectures.md §4.1):
 
 from __future__ import annotations
 
+import bisect
+import codecs
 import operator
 import struct
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 from typing import Any, overload
 
@@ -37,30 +42,44 @@ SCALAR_FORMATS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }
 STRING_MIN_BYTES = 8  # the u64 length of an empty string
+_U64 = struct.Struct("<Q")
 KV_MIN_BYTES = STRING_MIN_BYTES + 4 + 1  # key, value type, smallest value
 TENSOR_INFO_MIN_BYTES = STRING_MIN_BYTES + 4 + 8 + 4 + 8  # name, n_dims, one dim, type, offset
-ITER_CHUNK = 4096  # offsets turned into Python ints at a time while iterating a string array
+INDEX_STRIDE = 16  # elements of a string array per stored offset: <= 1/16 of the array's bytes (>= 8 each)
+ITER_CHUNK = 256 * INDEX_STRIDE  # elements read from the map at a time while iterating a string array
+UTF8_SLICE = 1 << 20  # bytes of a string array copied at a time for its UTF-8 check
+# What a header may make us hold beyond its own pages.  Real models: ~50 keys, ~1,100 tensors (405B dense,
+# or a MoE with merged experts) and ~20 KB of text (the chat template); a hostile file of small keys or
+# tensors costs a few hundred bytes of Python objects per entry, and decoded text up to 4 bytes per byte.
+MAX_KEYS = 1 << 14
+MAX_TENSORS = 1 << 14
+MAX_DECODED_TEXT = 4 << 20  # UTF-8 bytes of keys, string values and tensor names decoded into ``str``
+# String arrays are walked element by element: the vocabulary's (tokens, merges) up to a vocabulary's size,
+# any other key's (tags, languages, ...) far fewer.  Numeric arrays are views of the map and cost nothing.
+VOCABULARY_ARRAYS = frozenset({Keys.Tokenizer.LIST, Keys.Tokenizer.MERGES})
+MAX_VOCABULARY_STRINGS = 1 << 22  # qwen_runtime.config.MAX_VOCAB
+MAX_OTHER_STRINGS = 1 << 16
 
 
 class GGUFStrings(Sequence[str]):
     """A GGUF string array left in the file map; an element is decoded from its UTF-8 bytes when read.
 
     Token and merge lists hold 150k-250k strings: as ``str`` objects they would cost ~30 MB for the life of
-    the model, here 8 bytes each.  ``buf`` is the uint8 map of the whole file; ``offsets`` [n + 1] int64:
-    ``offsets[i]`` is the file offset of element ``i``'s u64 length, ``offsets[n]`` the end of the array, so
-    element ``i`` is the bytes ``offsets[i] + 8 .. offsets[i + 1]``.  The parser has checked every bound and
-    every element's UTF-8.  Slices are lists; a ``GGUFStrings`` equals a list of the same strings, or another
-    ``GGUFStrings`` of the same strings.
+    the model, here 8 bytes per :data:`INDEX_STRIDE` elements.  ``buf`` is the uint8 map of the whole file;
+    ``index`` [ceil(n / INDEX_STRIDE)] int64: ``index[k]`` is the file offset of element ``k·INDEX_STRIDE``'s
+    u64 length; ``end`` the offset past the last element.  Element ``i`` is found by walking the lengths from
+    ``index[i // INDEX_STRIDE]``.  The parser has checked every bound and every element's UTF-8.  Slices are
+    lists; a ``GGUFStrings`` equals a list of the same strings, or another ``GGUFStrings`` of the same strings.
     """
 
-    __slots__ = ("_view", "_offsets")
+    __slots__ = ("_view", "_index", "_n", "_end")
 
-    def __init__(self, buf: np.ndarray, offsets: np.ndarray) -> None:
+    def __init__(self, buf: np.ndarray, index: np.ndarray, n: int, end: int) -> None:
         self._view = memoryview(buf)  # slicing a memoryview costs far less than slicing an np.memmap
-        self._offsets = offsets
+        self._index, self._n, self._end = index, n, end
 
     def __len__(self) -> int:
-        return len(self._offsets) - 1
+        return self._n
 
     @overload
     def __getitem__(self, index: int) -> str: ...
@@ -78,12 +97,17 @@ class GGUFStrings(Sequence[str]):
         return self._element(i % n)
 
     def __iter__(self) -> Iterator[str]:
+        length_at = _U64.unpack_from
         for start in range(0, len(self), ITER_CHUNK):
-            bounds = self._offsets[start:start + ITER_CHUNK + 1].tolist()
-            base = bounds[0]
-            raw = self._view[base:bounds[-1]].tobytes()  # slices of bytes decode faster than of a memoryview
-            for begin, end in pairwise(bounds):
-                yield raw[begin - base + STRING_MIN_BYTES:end - base].decode("utf-8")
+            base = int(self._index[start // INDEX_STRIDE])
+            stop = start + ITER_CHUNK
+            end = int(self._index[stop // INDEX_STRIDE]) if stop < len(self) else self._end
+            raw = self._view[base:end].tobytes()  # slices of bytes decode faster than of a memoryview
+            pos = 0
+            for _ in range(min(ITER_CHUNK, len(self) - start)):
+                (length,) = length_at(raw, pos)
+                pos += STRING_MIN_BYTES + length
+                yield raw[pos - length:pos].decode("utf-8")
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, GGUFStrings):  # same strings <=> same length-prefixed bytes
@@ -97,11 +121,14 @@ class GGUFStrings(Sequence[str]):
         return f"GGUFStrings([{', '.join(map(repr, self[:3]))}{more}], len={len(self)})"
 
     def _element(self, i: int) -> str:
-        begin, end = self._offsets[i:i + 2].tolist()
-        return str(self._view[begin + STRING_MIN_BYTES:end], "utf-8")
+        pos = int(self._index[i // INDEX_STRIDE])
+        for _ in range(i % INDEX_STRIDE):
+            pos += STRING_MIN_BYTES + _U64.unpack_from(self._view, pos)[0]
+        (length,) = _U64.unpack_from(self._view, pos)
+        return str(self._view[pos + STRING_MIN_BYTES:pos + STRING_MIN_BYTES + length], "utf-8")
 
     def _raw(self) -> memoryview:
-        return self._view[int(self._offsets[0]):int(self._offsets[-1])]
+        return self._view[int(self._index[0]):self._end] if self._n else self._view[:0]
 
 
 @dataclass(frozen=True)
@@ -121,7 +148,7 @@ class GGUFLayout:
 
     path: Path
     version: int
-    metadata: dict[str, Any]  # str, int, float, bool; arrays: list of numbers or GGUFStrings
+    metadata: dict[str, Any]  # str, int, float, bool; arrays: read-only 1-D numpy views, or GGUFStrings
     tensors: tuple[GGUFTensorInfo, ...]
     alignment: int
     data_offset: int  # absolute offset of the data section
@@ -133,6 +160,7 @@ class _Cursor:
 
     def __init__(self, path: Path, buf: np.ndarray) -> None:
         self.path, self.buf, self.pos, self.size = path, buf, 0, buf.size
+        self.text_left = MAX_DECODED_TEXT
 
     @property
     def remaining(self) -> int:
@@ -151,8 +179,13 @@ class _Cursor:
         return value
 
     def string(self, what: str) -> str:
+        """A string decoded into ``str``, counted against :data:`MAX_DECODED_TEXT`."""
         length = self.scalar("<Q", f"length of {what}")
         self.need(length, what)
+        if length > self.text_left:
+            raise FormatError(f"{self.path}: {what} is {length} bytes long: the header's keys, string values and "
+                              f"tensor names may hold at most {MAX_DECODED_TEXT} bytes of text in all")
+        self.text_left -= length
         raw = self.buf[self.pos:self.pos + length]
         self.pos += length
         return self.text(raw, what)
@@ -165,44 +198,31 @@ class _Cursor:
 
     def strings(self, n: int, what: str) -> GGUFStrings:
         """``n`` strings in a row with :meth:`string`'s checks, left in the map (token lists hold ~250k)."""
-        view, pos, size, offsets = memoryview(self.buf), self.pos, self.size, array("q")
-        length_at, add = struct.Struct("<Q").unpack_from, offsets.append
-        for i in range(n):
-            add(pos)
-            try:
-                (length,) = length_at(view, pos)
-            except struct.error:  # fewer than 8 bytes left
-                self.pos = pos
-                self.need(STRING_MIN_BYTES, f"length of element {i} of {what}")
-            pos += STRING_MIN_BYTES + length
-            if pos > size:
-                self.pos = pos - length
-                self.need(length, f"element {i} of {what}")
-        add(pos)
+        view, pos, size, index, heads = memoryview(self.buf), self.pos, self.size, array("q"), array("q")
+        length_at, utf8 = _U64.unpack_from, _Utf8Check(self, what, pos)
+        add_head = heads.append
+        for block in range(0, n, INDEX_STRIDE):
+            index.append(pos)
+            for i in range(block, min(block + INDEX_STRIDE, n)):
+                add_head(pos)
+                try:
+                    (length,) = length_at(view, pos)
+                except struct.error:  # fewer than 8 bytes left
+                    self.pos = pos
+                    self.need(STRING_MIN_BYTES, f"length of element {i} of {what}")
+                pos += STRING_MIN_BYTES + length
+                if pos > size:
+                    self.pos = pos - length
+                    self.need(length, f"element {i} of {what}")
+            if pos - utf8.done >= UTF8_SLICE:
+                utf8.feed(heads, pos, index)
+                heads = array("q")
+                add_head = heads.append
+        utf8.feed(heads, pos, index, final=True)
         self.pos = pos
-        bounds = np.frombuffer(offsets, dtype=np.int64)
-        bounds.flags.writeable = False
-        self.check_utf8(bounds, what)
-        return GGUFStrings(self.buf, bounds)
-
-    def check_utf8(self, bounds: np.ndarray, what: str) -> None:
-        """Every element of a string array (``bounds`` as in :class:`GGUFStrings`) is valid UTF-8.
-
-        One decode of a copy of the array whose u64 lengths are overwritten with ASCII spaces: no multi-byte
-        sequence spans an ASCII byte, so the copy decodes iff every element does, and its first error lies
-        in the first bad element, which is then decoded alone for :meth:`text`'s message.
-        """
-        heads = bounds[:-1] - bounds[0]  # [n] where each length sits in the copy
-        region = np.array(self.buf[bounds[0]:bounds[-1]])
-        for k in range(STRING_MIN_BYTES):
-            region[heads + k] = ord(" ")
-        try:
-            str(region, "utf-8")
-        except UnicodeDecodeError as exc:
-            i = int(np.searchsorted(heads, exc.start, side="right")) - 1
-            begin, end = bounds[i:i + 2].tolist()
-            self.text(self.buf[begin + STRING_MIN_BYTES:end], f"element {i} of {what}")
-            raise  # unreachable: element i holds the first error, so text() raised
+        offsets = np.frombuffer(index, dtype=np.int64) if index else np.zeros(0, np.int64)
+        offsets.flags.writeable = False
+        return GGUFStrings(self.buf, offsets, n, pos)
 
     def count(self, min_bytes: int, what: str) -> int:
         """A u64 element count, refused when even minimal elements could not fit in the rest of the file."""
@@ -220,6 +240,57 @@ class _Cursor:
             raise FormatError(f"{self.path}: {what} has unknown value type {raw}") from None
 
 
+class _Utf8Check:
+    """The UTF-8 check of a string array, streamed while it is parsed: its bytes, each u64 length overwritten
+    with ASCII spaces, go through one incremental decoder :data:`UTF8_SLICE` bytes at a time.  No multi-byte
+    sequence spans an ASCII byte, so the stream decodes iff every element does, and its first error lies in the
+    first bad element, which is then decoded alone for the message."""
+
+    def __init__(self, cur: _Cursor, what: str, start: int) -> None:
+        self.cur, self.what, self.done = cur, what, start
+        self.decoder = codecs.getincrementaldecoder("utf-8")()
+
+    def feed(self, heads: array, upto: int, index: array, final: bool = False) -> None:
+        """Check bytes ``done .. upto``; ``heads``: offsets of the lengths that start in them."""
+        where = np.frombuffer(heads, dtype=np.int64) if heads else np.zeros(0, np.int64)
+        for begin in range(self.done, max(upto, self.done + 1), UTF8_SLICE):  # once at least, to end a final
+            stop = min(begin + UTF8_SLICE, upto)
+            region = np.array(self.cur.buf[begin:stop])  # a copy, to overwrite the lengths in
+            for k in range(STRING_MIN_BYTES):
+                at = where + (k - begin)
+                region[at[(at >= 0) & (at < stop - begin)]] = ord(" ")
+            pending = len(self.decoder.getstate()[0])
+            try:
+                self.decoder.decode(memoryview(region), final and stop == upto)
+            except UnicodeDecodeError as exc:
+                self.fail(begin - pending + exc.start, index)
+        self.done = upto
+
+    def fail(self, offset: int, index: array) -> None:
+        """Raise the FormatError of the element holding the first bad byte (at file ``offset``)."""
+        view, length_at = memoryview(self.cur.buf), _U64.unpack_from
+        block = bisect.bisect_right(index, offset) - 1
+        i, pos = block * INDEX_STRIDE, index[block]
+        while pos + STRING_MIN_BYTES + length_at(view, pos)[0] <= offset:  # the bad byte is past element i
+            pos += STRING_MIN_BYTES + length_at(view, pos)[0]
+            i += 1
+        begin = pos + STRING_MIN_BYTES
+        end = begin + length_at(view, pos)[0]
+        decoder, done = codecs.getincrementaldecoder("utf-8")(), begin
+        try:
+            while True:
+                stop = min(done + UTF8_SLICE, end)
+                pending = len(decoder.getstate()[0])
+                decoder.decode(view[done:stop], stop == end)
+                if stop == end:
+                    break
+                done = stop
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"{self.cur.path}: element {i} of {self.what} is not valid UTF-8 ({exc.reason} at "
+                              f"byte {done - pending + exc.start - begin})") from None
+        raise AssertionError("unreachable: the stream's first error lies in this element")
+
+
 def _value(cur: _Cursor, vtype: GGUFValueType, key: str) -> Any:
     if vtype == GGUFValueType.STRING:
         return cur.string(f"value of {key!r}")
@@ -228,16 +299,21 @@ def _value(cur: _Cursor, vtype: GGUFValueType, key: str) -> Any:
     return cur.scalar(SCALAR_FORMATS[vtype], f"value of {key!r}")
 
 
-def _array(cur: _Cursor, key: str) -> list[Any] | GGUFStrings:
+def _array(cur: _Cursor, key: str) -> np.ndarray | GGUFStrings:
     etype = cur.value_type(f"array {key!r}")
     if etype == GGUFValueType.ARRAY:
         raise FormatError(f"{cur.path}: key {key!r}: nested arrays are not supported")
     if etype == GGUFValueType.STRING:
         n = cur.count(STRING_MIN_BYTES, f"array {key!r}")
+        limit = MAX_VOCABULARY_STRINGS if key in VOCABULARY_ARRAYS else MAX_OTHER_STRINGS
+        if n > limit:
+            raise FormatError(f"{cur.path}: key {key!r}: a string array of {n} elements, more than the {limit} "
+                              f"allowed {'for a vocabulary' if key in VOCABULARY_ARRAYS else 'outside the vocabulary'}")
         return cur.strings(n, f"{key!r}")
     dtype = np.dtype(SCALAR_FORMATS[etype])
     n = cur.count(dtype.itemsize, f"array {key!r}")
-    values = np.frombuffer(cur.buf, dtype=dtype, count=n, offset=cur.pos).tolist()
+    values = np.frombuffer(cur.buf, dtype=dtype, count=n, offset=cur.pos)  # a view of the map, read-only
+    values.flags.writeable = False
     cur.pos += n * dtype.itemsize
     return values
 
@@ -334,6 +410,9 @@ def _header(cur: _Cursor) -> tuple[int, int, int]:
     if tensor_count * TENSOR_INFO_MIN_BYTES > cur.remaining:
         raise FormatError(f"{cur.path}: tensor count {tensor_count} cannot fit in the {cur.remaining} bytes "
                           f"left (at least {TENSOR_INFO_MIN_BYTES} bytes of info each)")
+    for count, limit, what in ((kv_count, MAX_KEYS, "metadata keys"), (tensor_count, MAX_TENSORS, "tensors")):
+        if count > limit:
+            raise FormatError(f"{cur.path}: {count} {what}, more than the {limit} a model file may have")
     return version, tensor_count, kv_count
 
 

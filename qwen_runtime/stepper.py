@@ -1,0 +1,138 @@
+"""One sequence's generation step, shared by :class:`~qwen_runtime.generate.Generation` and the server's engine.
+
+A :class:`RowStepper` turns a row's logits into its next token and the text that token completes: the
+sampling parameters and the row's random generator pick the token (within what a :class:`Constraint`
+allows, if the row has one), the stream decoder turns tokens into whole UTF-8 characters, text that may be
+the start of a stop string is held back, and the row finishes on a stop token, a stop string or its token
+budget.  The loops around it only schedule: which rows run, with which cache, in which batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from .sampling import NEG_INF, SamplingParams, sample
+from .tokenizer import StreamDecoder, Tokenizer
+
+STOP, LENGTH = "stop", "length"
+
+
+class Constraint(Protocol):
+    """Which tokens a row may take next (structured output); advanced with every token the row takes."""
+
+    def allowed(self, remaining: int) -> np.ndarray | None:
+        """Token ids allowed now, given ``remaining`` tokens of budget (this one included); None: any."""
+
+    def advance(self, token: int) -> None:
+        """The row took ``token``."""
+
+
+class StopStrings:
+    """Text that is released only once it cannot be the start of a stop string."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add generated text; return the text safe to release and whether a stop string was reached."""
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one token did: the token, the text it released (stop strings removed) and, at the end, why."""
+
+    token: int
+    text: str
+    finish: str | None
+
+
+class RowStepper:
+    """The generation state of one sequence.
+
+    ``max_tokens`` bounds the tokens generated; ``stop_ids`` end the row (their text is never shown);
+    ``hidden_ids`` produce no text (default: the tokenizer's special tokens); ``stop`` strings end the row
+    before them.  Without a ``tokenizer`` no text is produced.  ``rng`` may be shared by several rows (they
+    then draw in the order they are stepped).
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, rng: np.random.Generator,
+                 max_tokens: int, stop_ids: frozenset[int], tokenizer: Tokenizer | None = None,
+                 stop: Sequence[str] = (), hidden_ids: frozenset[int] | None = None,
+                 constraint: Constraint | None = None) -> None:
+        self.prompt_ids = [int(t) for t in prompt_ids]
+        self.params, self.rng, self.max_tokens = params, rng, max_tokens
+        self.stop_ids = stop_ids
+        self.decoder = StreamDecoder(tokenizer, skip_special=False) if tokenizer is not None else None
+        self.hidden_ids = hidden_ids if hidden_ids is not None else \
+            (tokenizer.special_ids if tokenizer is not None else frozenset())
+        self.stops = StopStrings(stop)
+        self.constraint = constraint
+        self.tokens: list[int] = []
+        self.finish: str | None = None
+
+    @property
+    def last(self) -> int:
+        return self.tokens[-1]
+
+    def sample(self, logits: np.ndarray) -> int:
+        """The next token from the row's logits [V] (penalties over its own prompt and output)."""
+        if self.constraint is not None:
+            ids = self.constraint.allowed(self.max_tokens - len(self.tokens))
+            if ids is not None:
+                masked = np.full(logits.shape, NEG_INF, np.float32)
+                masked[ids] = logits[ids]
+                logits = masked
+        seen = np.asarray(self.prompt_ids + self.tokens, np.int64)
+        output = np.asarray(self.tokens, np.int64)
+        return int(sample(logits[None], [self.params], [seen], [self.rng], [output])[0])
+
+    def record(self, token: int) -> Step:
+        """Take ``token``: the text it completes and whether the row ends."""
+        self.tokens.append(token)
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        stopped = token in self.stop_ids
+        full = len(self.tokens) >= self.max_tokens
+        text = "" if stopped or token in self.hidden_ids or self.decoder is None else self.decoder.push(token)
+        if (stopped or full) and self.decoder is not None:
+            text += self.decoder.flush()
+        out, hit = self.stops.push(text)
+        if hit:
+            self.finish = STOP
+        elif stopped or full:
+            out += self.stops.flush()
+            self.finish = STOP if stopped else LENGTH
+        return Step(token, out, self.finish)
+
+    def step(self, logits: np.ndarray) -> Step:
+        """:meth:`sample` then :meth:`record`."""
+        return self.record(self.sample(logits))
+
+
+__all__ = ["LENGTH", "STOP", "Constraint", "RowStepper", "Step", "StopStrings"]
