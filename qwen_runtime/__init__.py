@@ -19,6 +19,7 @@ from pathlib import Path
 from .chat import ChatFormat, chat_format
 from .generate import Generation, GenerationConfig, GenerationResult, GenerationStats
 from .models import Model, build_model
+from .pool import resolve_kernels
 from .sampling import SamplingParams
 from .weights import TILE_ELEMENTS
 
@@ -29,13 +30,17 @@ Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 GREEDY = SamplingParams()
 
 
-def load(path: str | Path, tile_elements: int = TILE_ELEMENTS) -> Model:
+def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int | None = None,
+         kernels: str | None = None) -> Model:
     """Open a model (HF directory, npy directory or GGUF file) for inference.
 
     Weights are memory-mapped and used in their stored type; ``tile_elements`` sets how many weights of a
-    non-F32 matrix (any type of :mod:`qwen_runtime.quants`) are widened to float32 at a time.
+    non-F32 matrix (any type of :mod:`qwen_runtime.quants`) a pool task multiplies.  ``threads``: the pool's
+    threads (and BLAS's for float32 models; default: the cores).  ``kernels``: ``"auto"`` (compiled kernels when
+    numba imports), ``"numba"`` or ``"numpy"`` (the reference path); default: the ``QWEN_KERNELS`` environment
+    variable, else ``auto``.  ``model.workspace.kernels`` says which run.
     """
-    return build_model(path, tile_elements)
+    return build_model(path, tile_elements, threads, resolve_kernels(kernels))
 
 
 def encode_prompts(model: Model, prompts: Prompts, chat: bool = False, system: str | None = None,

@@ -48,6 +48,10 @@ class ContextOverflowError(QwenError, ValueError):
     """A prompt plus the requested new tokens does not fit the model's context length."""
 
 
+class KernelsError(QwenError, ValueError):
+    """The kernels asked for cannot run: an unknown choice, or compiled kernels without an importable numba."""
+
+
 class VerificationError(QwenError):
     """A converted model does not match its source (the message names the first failing tensor or key)."""
 

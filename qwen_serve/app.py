@@ -95,14 +95,16 @@ class ServerState:
 def create_app(model: str | Path | Model, *, model_name: str | None = None, max_batch: int = 8,
                max_queue: int = 64, max_memory: int | None = None, api_key: str | None = None,
                prefill_chunk: int = 128, max_context: int | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+               max_body_bytes: int = MAX_BODY_BYTES, threads: int | None = None,
+               kernels: str | None = None) -> Starlette:
     """An ASGI app serving ``model`` (a path or a loaded :class:`Model`); its engine starts with the app.
 
-    ``model_name`` is the name clients pass as ``model`` (default: the file or directory name); the other
-    options are :class:`~qwen_serve.engine.Engine`'s.
+    ``model_name`` is the name clients pass as ``model`` (default: the file or directory name); ``threads`` and
+    ``kernels`` are :func:`qwen_runtime.load`'s (for a path); the other options are
+    :class:`~qwen_serve.engine.Engine`'s.
     """
     if not isinstance(model, Model):
-        model = qwen_runtime.load(model)
+        model = qwen_runtime.load(model, threads=threads, kernels=kernels)
     fmt = chat_format(model)
     text_ids = frozenset(i for t in (THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE)
                          if (i := fmt.tokenizer.token_id(t)) is not None)
@@ -534,7 +536,9 @@ async def health(state: ServerState, request: Request, body: dict[str, Any]) -> 
     engine = state.engine
     if engine.error is not None:
         return JSONResponse({"status": "error", "error": engine.error}, status_code=500)
-    return JSONResponse({"status": "ok", "model": state.model_name, **engine.status()})
+    ws = engine.model.workspace
+    return JSONResponse({"status": "ok", "model": state.model_name, "kernels": ws.kernels, "threads": ws.threads,
+                         **engine.status()})
 
 
 async def tokenize(state: ServerState, request: Request, body: dict[str, Any]) -> Response:

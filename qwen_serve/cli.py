@@ -14,7 +14,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from qwen_runtime.cli_support import run_guarded
+from qwen_runtime.cli_support import add_machine_options, run_guarded
 from qwen_runtime.limits import parse_memory_size
 
 from .app import MAX_BODY_BYTES, create_app
@@ -47,6 +47,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body", type=positive, default=MAX_BODY_BYTES, metavar="BYTES",
                    help=f"largest request body accepted (default {MAX_BODY_BYTES})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_machine_options(p)
     ray = p.add_argument_group("Ray Serve (the ray extra; qwen_serve/ray_app.py)")
     ray.add_argument("--ray", action="store_true", help="serve through Ray Serve: --replicas copies of the app, "
                      "each with its own engine, behind Ray's HTTP proxy on --host:--port")
@@ -68,7 +69,10 @@ def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(args.model, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                      max_memory=args.max_memory, api_key=args.api_key, prefill_chunk=args.prefill_chunk,
-                     max_context=args.max_context, max_body_bytes=args.max_body)
+                     max_context=args.max_context, max_body_bytes=args.max_body, threads=args.threads,
+                     kernels=args.kernels)
+    ws = app.state.server.engine.model.workspace
+    logging.getLogger("qwen_serve").info("%s: %s kernels, %d thread(s)", args.model, ws.kernels, ws.threads)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
