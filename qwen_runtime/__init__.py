@@ -19,7 +19,6 @@ from pathlib import Path
 from .chat import ChatFormat, chat_format
 from .generate import Generation, GenerationConfig, GenerationResult, GenerationStats
 from .models import Model, build_model
-from .pool import resolve_kernels
 from .sampling import SamplingParams
 from .weights import TILE_ELEMENTS
 
@@ -40,7 +39,7 @@ def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int |
     numba imports), ``"numba"`` or ``"numpy"`` (the reference path); default: the ``QWEN_KERNELS`` environment
     variable, else ``auto``.  ``model.workspace.kernels`` says which run.
     """
-    return build_model(path, tile_elements, threads, resolve_kernels(kernels))
+    return build_model(path, tile_elements, threads, kernels)
 
 
 def encode_prompts(model: Model, prompts: Prompts, chat: bool = False, system: str | None = None,

@@ -14,8 +14,8 @@ __all__ = ["MIXERS", "BatchState", "Block", "Mixer", "Model", "WeightStore", "bu
 
 
 def build_model(source: str | Path | ModelFiles, tile_elements: int = TILE_ELEMENTS, threads: int | None = None,
-                kernels: str = "numpy") -> Model:
+                kernels: str | None = None) -> Model:
     """Open a model path (HF dir, npy dir or GGUF file) or wrap already-opened files; ``threads`` and
-    ``kernels`` (resolved: "numba" or "numpy") are its :class:`~qwen_runtime.pool.Workspace`'s."""
+    ``kernels`` are :func:`qwen_runtime.load`'s."""
     files = source if isinstance(source, ModelFiles) else open_model_files(source)
     return Model(files, WeightStore(files, tile_elements, threads, kernels))
