@@ -49,10 +49,11 @@ F32_2D_C = types.float32[:, ::1]
 F32_2D = types.float32[:, :]  # output column blocks: any row stride
 
 
-def compiled(signature: object):  # -> a decorator
+def compiled(signature: object, contract: bool = True):  # -> a decorator
     """``numba.njit`` as every kernel uses it: explicit signature (compiled at import, one specialisation),
-    no GIL, the on-disk cache, and FMA contraction as the only fast-math licence."""
-    return numba.njit(signature, nogil=True, cache=True, fastmath={"contract"})
+    no GIL, the on-disk cache, and FMA contraction as the only fast-math licence (``contract=False`` for
+    decoders, whose ``scale * q - minimum`` must round twice, as the reference does)."""
+    return numba.njit(signature, nogil=True, cache=True, fastmath={"contract"} if contract else False)
 
 
 @intrinsic

@@ -1,0 +1,247 @@
+"""Compiled K-quant kernels (numba): Q4_K and Q6_K, the blocks of :mod:`.kquants` read in place.
+
+Bit layouts are those of :mod:`.kquants`' docstring.  Per super-block of 256 values the sub-block scales are
+decoded (a few integer operations) and folded into the activations: lane ``l`` of a row adds
+``f32(q) * (x * (d * sc_j))`` for each sub-block ``j`` that feeds it.
+
+* Q4_K: 4 chunks of 32 bytes; lane ``l`` of chunk ``c`` takes the low nibble (value ``64c + l``, sub-block
+  ``2c``) and the high nibble (value ``64c + 32 + l``, sub-block ``2c + 1``).  The ``dmin * m_j`` terms are
+  ``(dmin * m_j) * sum(x over sub-block j)``, from per-32 activation sums computed once per product
+  (:meth:`Q4_KJitKernel.activations`) and kept in one scalar per row.
+* Q6_K: 2 halves of 128 values; in half ``h``, step ``s`` (0..3), lane ``l`` is value ``128h + 32s + l``:
+  nibble ``s // 2`` of ``ql[64h + 32(s % 2) + l]`` and bits ``2s, 2s+1`` of ``qh[32h + l]`` as bits 4-5,
+  minus 32; lanes 0-15 and 16-31 belong to sub-blocks ``8h + 2s`` and ``8h + 2s + 1``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import carray, types
+
+from .jit_base import (
+    ACC_FLOATS,
+    F16_TABLE,
+    F32_1D,
+    F32_2D,
+    F32_2D_C,
+    GEMV_ROWS,
+    LANES,
+    U8_2D,
+    JitKernel,
+    compiled,
+    stack_f32,
+)
+
+QK_K = 256
+Q4_K_BYTES, Q6_K_BYTES = 144, 210
+# uint8 constants keep the bit arithmetic in 8-bit lanes (numba widens uint8 op int64 to int64, which does not
+# vectorize); f32(q) - 32 equals f32(q - 32) exactly for 6-bit q.
+M4, M2, S4 = np.uint8(15), np.uint8(3), np.uint8(4)
+Q6_BIAS = np.float32(32)
+
+
+@compiled(types.UniTuple(types.float32, 2)(types.Array(types.uint8, 1, "C", readonly=True), types.int64))
+def scale_min_k4(blk, j):
+    """(sc_j, m_j) of a Q4_K/Q5_K block as float32: 6-bit values packed in bytes 4..15."""
+    s = blk[4:16]
+    if j < 4:
+        return np.float32(s[j] & 63), np.float32(s[j + 4] & 63)
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4)
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4)
+    return np.float32(sc), np.float32(m)
+
+
+@compiled(types.void(U8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D))
+def q4_k_gemv1(raw, x, xsum, table, out):
+    """``out[0, r] = x[0] @ W[r]`` for Q4_K rows ``raw`` [R, nb * 144]; ``xsum`` [1, nb * 8] sums x per 32."""
+    nb = x.shape[1] // 256
+    acc = carray(stack_f32(LANES), (LANES,))
+    xr, sr = x[0], xsum[0]
+    for r in range(raw.shape[0]):
+        for k in range(32):
+            acc[k] = 0
+        mins = np.float32(0)
+        for b in range(nb):
+            blk = raw[r, b * 144: b * 144 + 144]
+            d = table[np.int64(blk[0]) | (np.int64(blk[1]) << 8)]
+            dmin = table[np.int64(blk[2]) | (np.int64(blk[3]) << 8)]
+            for c in range(4):
+                sc0, m0 = scale_min_k4(blk, 2 * c)
+                sc1, m1 = scale_min_k4(blk, 2 * c + 1)
+                d0, d1 = d * sc0, d * sc1
+                mins += (dmin * m0) * sr[b * 8 + 2 * c] + (dmin * m1) * sr[b * 8 + 2 * c + 1]
+                qs = blk[16 + 32 * c: 48 + 32 * c]
+                x0 = xr[b * 256 + 64 * c: b * 256 + 64 * c + 32]
+                x1 = xr[b * 256 + 64 * c + 32: b * 256 + 64 * c + 64]
+                for k in range(32):
+                    acc[k] += np.float32(qs[k] & M4) * (x0[k] * d0) + np.float32(qs[k] >> S4) * (x1[k] * d1)
+        s = np.float32(0)
+        for k in range(32):
+            s += acc[k]
+        out[0, r] = s - mins
+
+
+@compiled(types.void(U8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D))
+def q4_k_gemv(raw, x, xsum, table, out):
+    """:func:`q4_k_gemv1` for 1..GEMV_ROWS rows, each by the same operations; blocks read once for all rows."""
+    n, nb = x.shape[0], x.shape[1] // 256
+    acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
+    mins = carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
+    for r in range(raw.shape[0]):
+        for i in range(n):
+            mins[i] = 0
+            for k in range(32):
+                acc[i, k] = 0
+        for b in range(nb):
+            blk = raw[r, b * 144: b * 144 + 144]
+            d = table[np.int64(blk[0]) | (np.int64(blk[1]) << 8)]
+            dmin = table[np.int64(blk[2]) | (np.int64(blk[3]) << 8)]
+            for c in range(4):
+                sc0, m0 = scale_min_k4(blk, 2 * c)
+                sc1, m1 = scale_min_k4(blk, 2 * c + 1)
+                d0, d1 = d * sc0, d * sc1
+                dm0, dm1 = dmin * m0, dmin * m1
+                qs = blk[16 + 32 * c: 48 + 32 * c]
+                for i in range(n):
+                    mins[i] += dm0 * xsum[i, b * 8 + 2 * c] + dm1 * xsum[i, b * 8 + 2 * c + 1]
+                    x0 = x[i, b * 256 + 64 * c: b * 256 + 64 * c + 32]
+                    x1 = x[i, b * 256 + 64 * c + 32: b * 256 + 64 * c + 64]
+                    a = acc[i]
+                    for k in range(32):
+                        a[k] += np.float32(qs[k] & M4) * (x0[k] * d0) + np.float32(qs[k] >> S4) * (x1[k] * d1)
+        for i in range(n):
+            s = np.float32(0)
+            for k in range(32):
+                s += acc[i, k]
+            out[i, r] = s - mins[i]
+
+
+@compiled(types.void(U8_2D, F32_1D, F32_2D_C), contract=False)
+def q4_k_decode(raw, table, tile):
+    """``tile`` [R, nb * 256] = the Q4_K rows decoded (``(d * sc) * q - dmin * m``, as the reference)."""
+    nb = tile.shape[1] // 256
+    for r in range(raw.shape[0]):
+        row = tile[r]
+        for b in range(nb):
+            blk = raw[r, b * 144: b * 144 + 144]
+            d = table[np.int64(blk[0]) | (np.int64(blk[1]) << 8)]
+            dmin = table[np.int64(blk[2]) | (np.int64(blk[3]) << 8)]
+            for c in range(4):
+                sc0, m0 = scale_min_k4(blk, 2 * c)
+                sc1, m1 = scale_min_k4(blk, 2 * c + 1)
+                d0, d1, dm0, dm1 = d * sc0, d * sc1, dmin * m0, dmin * m1
+                qs = blk[16 + 32 * c: 48 + 32 * c]
+                base = b * 256 + 64 * c
+                for k in range(32):
+                    row[base + k] = d0 * np.float32(qs[k] & M4) - dm0
+                    row[base + 32 + k] = d1 * np.float32(qs[k] >> S4) - dm1
+
+
+@compiled(types.void(U8_2D, F32_2D_C, F32_1D, F32_2D))
+def q6_k_gemv1(raw, x, table, out):
+    """``out[0, r] = x[0] @ W[r]`` for Q6_K rows ``raw`` [R, nb * 210]."""
+    nb = x.shape[1] // 256
+    acc = carray(stack_f32(LANES), (LANES,))
+    xr = x[0]
+    for r in range(raw.shape[0]):
+        for k in range(32):
+            acc[k] = 0
+        for b in range(nb):
+            blk = raw[r, b * 210: b * 210 + 210]
+            d = table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)]
+            for h in range(2):
+                qh = blk[128 + 32 * h: 160 + 32 * h]
+                for s in range(4):
+                    ql = blk[64 * h + 32 * (s % 2): 64 * h + 32 * (s % 2) + 32]
+                    shift, high = np.uint8(4 * (s // 2)), np.uint8(2 * s)
+                    j = 8 * h + 2 * s
+                    d0 = d * np.float32(np.int8(blk[192 + j]))
+                    d1 = d * np.float32(np.int8(blk[193 + j]))
+                    xs = xr[b * 256 + 128 * h + 32 * s: b * 256 + 128 * h + 32 * s + 32]
+                    for k in range(32):
+                        q = ((ql[k] >> shift) & M4) | (((qh[k] >> high) & M2) << S4)
+                        acc[k] += (np.float32(q) - Q6_BIAS) * (xs[k] * (d0 if k < 16 else d1))
+        s = np.float32(0)
+        for k in range(32):
+            s += acc[k]
+        out[0, r] = s
+
+
+@compiled(types.void(U8_2D, F32_2D_C, F32_1D, F32_2D))
+def q6_k_gemv(raw, x, table, out):
+    """:func:`q6_k_gemv1` for 1..GEMV_ROWS rows, each by the same operations; blocks read once for all rows."""
+    n, nb = x.shape[0], x.shape[1] // 256
+    acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
+    for r in range(raw.shape[0]):
+        for i in range(n):
+            for k in range(32):
+                acc[i, k] = 0
+        for b in range(nb):
+            blk = raw[r, b * 210: b * 210 + 210]
+            d = table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)]
+            for h in range(2):
+                qh = blk[128 + 32 * h: 160 + 32 * h]
+                for s in range(4):
+                    ql = blk[64 * h + 32 * (s % 2): 64 * h + 32 * (s % 2) + 32]
+                    shift, high = np.uint8(4 * (s // 2)), np.uint8(2 * s)
+                    j = 8 * h + 2 * s
+                    d0 = d * np.float32(np.int8(blk[192 + j]))
+                    d1 = d * np.float32(np.int8(blk[193 + j]))
+                    for i in range(n):
+                        xs = x[i, b * 256 + 128 * h + 32 * s: b * 256 + 128 * h + 32 * s + 32]
+                        a = acc[i]
+                        for k in range(32):
+                            q = ((ql[k] >> shift) & M4) | (((qh[k] >> high) & M2) << S4)
+                            a[k] += (np.float32(q) - Q6_BIAS) * (xs[k] * (d0 if k < 16 else d1))
+        for i in range(n):
+            s = np.float32(0)
+            for k in range(32):
+                s += acc[i, k]
+            out[i, r] = s
+
+
+@compiled(types.void(U8_2D, F32_1D, F32_2D_C), contract=False)
+def q6_k_decode(raw, table, tile):
+    """``tile`` [R, nb * 256] = the Q6_K rows decoded (``(d * sc) * (q - 32)``, as the reference)."""
+    nb = tile.shape[1] // 256
+    for r in range(raw.shape[0]):
+        row = tile[r]
+        for b in range(nb):
+            blk = raw[r, b * 210: b * 210 + 210]
+            d = table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)]
+            for h in range(2):
+                qh = blk[128 + 32 * h: 160 + 32 * h]
+                for s in range(4):
+                    ql = blk[64 * h + 32 * (s % 2): 64 * h + 32 * (s % 2) + 32]
+                    shift, high = np.uint8(4 * (s // 2)), np.uint8(2 * s)
+                    j = 8 * h + 2 * s
+                    d0 = d * np.float32(np.int8(blk[192 + j]))
+                    d1 = d * np.float32(np.int8(blk[193 + j]))
+                    base = b * 256 + 128 * h + 32 * s
+                    for k in range(32):
+                        q = ((ql[k] >> shift) & M4) | (((qh[k] >> high) & M2) << S4)
+                        row[base + k] = (d0 if k < 16 else d1) * (np.float32(q) - Q6_BIAS)
+
+
+def sums_per_32(x: np.ndarray) -> np.ndarray:
+    """Each row's sums over consecutive groups of 32 values (the sub-blocks of minimums).  # [N, n] -> [N, n/32]"""
+    return x.reshape(len(x), -1, 32).sum(axis=2, dtype=np.float32)
+
+
+class Q4_KJitKernel(JitKernel):
+    block, type_size = QK_K, Q4_K_BYTES
+    constants = (F16_TABLE,)
+    gemv1 = staticmethod(q4_k_gemv1)
+    gemv = staticmethod(q4_k_gemv)
+    decode = staticmethod(q4_k_decode)
+
+    def activations(self, x: np.ndarray) -> tuple:
+        return (sums_per_32(x),)
+
+
+class Q6_KJitKernel(JitKernel):
+    block, type_size = QK_K, Q6_K_BYTES
+    constants = (F16_TABLE,)
+    gemv1 = staticmethod(q6_k_gemv1)
+    gemv = staticmethod(q6_k_gemv)
+    decode = staticmethod(q6_k_decode)
