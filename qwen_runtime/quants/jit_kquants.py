@@ -36,19 +36,21 @@ QK_K = 256
 Q4_K_BYTES, Q6_K_BYTES = 144, 210
 # uint8 constants keep the bit arithmetic in 8-bit lanes (numba widens uint8 op int64 to int64, which does not
 # vectorize); f32(q) - 32 equals f32(q - 32) exactly for 6-bit q.
-M4, M2, S4 = np.uint8(15), np.uint8(3), np.uint8(4)
+M6, M4, M2, S6, S4 = np.uint8(63), np.uint8(15), np.uint8(3), np.uint8(6), np.uint8(4)
 Q6_BIAS = np.float32(32)
 
 
-@compiled(types.UniTuple(types.float32, 2)(types.Array(types.uint8, 1, "C", readonly=True), types.int64))
-def scale_min_k4(blk, j):
-    """(sc_j, m_j) of a Q4_K/Q5_K block as float32: 6-bit values packed in bytes 4..15."""
-    s = blk[4:16]
-    if j < 4:
-        return np.float32(s[j] & 63), np.float32(s[j + 4] & 63)
-    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4)
-    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4)
-    return np.float32(sc), np.float32(m)
+@compiled(types.void(types.Array(types.uint8, 1, "C", readonly=True), F32_1D, F32_1D, F32_1D))
+def q4_k_scales(blk, table, ds, dm):
+    """``ds[j] = d * sc_j`` and ``dm[j] = dmin * m_j`` (j < 8) of one Q4_K/Q5_K block (6-bit values packed in
+    bytes 4..15, float16 d and dmin in bytes 0..3), as the reference computes them."""
+    d = table[np.int64(blk[0]) | (np.int64(blk[1]) << 8)]
+    dmin = table[np.int64(blk[2]) | (np.int64(blk[3]) << 8)]
+    for j in range(4):
+        ds[j] = d * np.float32(blk[4 + j] & M6)
+        dm[j] = dmin * np.float32(blk[8 + j] & M6)
+        ds[j + 4] = d * np.float32((blk[12 + j] & M4) | ((blk[4 + j] >> S6) << S4))
+        dm[j + 4] = dmin * np.float32((blk[12 + j] >> S4) | ((blk[8 + j] >> S6) << S4))
 
 
 @compiled(types.void(U8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D))
@@ -56,6 +58,7 @@ def q4_k_gemv1(raw, x, xsum, table, out):
     """``out[0, r] = x[0] @ W[r]`` for Q4_K rows ``raw`` [R, nb * 144]; ``xsum`` [1, nb * 8] sums x per 32."""
     nb = x.shape[1] // 256
     acc = carray(stack_f32(LANES), (LANES,))
+    ds, dm = carray(stack_f32(8), (8,)), carray(stack_f32(8), (8,))
     xr, sr = x[0], xsum[0]
     for r in range(raw.shape[0]):
         for k in range(32):
@@ -63,18 +66,16 @@ def q4_k_gemv1(raw, x, xsum, table, out):
         mins = np.float32(0)
         for b in range(nb):
             blk = raw[r, b * 144: b * 144 + 144]
-            d = table[np.int64(blk[0]) | (np.int64(blk[1]) << 8)]
-            dmin = table[np.int64(blk[2]) | (np.int64(blk[3]) << 8)]
+            q4_k_scales(blk, table, ds, dm)
             for c in range(4):
-                sc0, m0 = scale_min_k4(blk, 2 * c)
-                sc1, m1 = scale_min_k4(blk, 2 * c + 1)
-                d0, d1 = d * sc0, d * sc1
-                mins += (dmin * m0) * sr[b * 8 + 2 * c] + (dmin * m1) * sr[b * 8 + 2 * c + 1]
+                d0, d1 = ds[2 * c], ds[2 * c + 1]
+                mins += dm[2 * c] * sr[b * 8 + 2 * c] + dm[2 * c + 1] * sr[b * 8 + 2 * c + 1]
                 qs = blk[16 + 32 * c: 48 + 32 * c]
                 x0 = xr[b * 256 + 64 * c: b * 256 + 64 * c + 32]
                 x1 = xr[b * 256 + 64 * c + 32: b * 256 + 64 * c + 64]
                 for k in range(32):
-                    acc[k] += np.float32(qs[k] & M4) * (x0[k] * d0) + np.float32(qs[k] >> S4) * (x1[k] * d1)
+                    acc[k] += np.float32(np.uint8(qs[k] & M4)) * (x0[k] * d0) + \
+                        np.float32(np.uint8(qs[k] >> S4)) * (x1[k] * d1)
         s = np.float32(0)
         for k in range(32):
             s += acc[k]
@@ -87,6 +88,7 @@ def q4_k_gemv(raw, x, xsum, table, out):
     n, nb = x.shape[0], x.shape[1] // 256
     acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
     mins = carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
+    ds, dm = carray(stack_f32(8), (8,)), carray(stack_f32(8), (8,))
     for r in range(raw.shape[0]):
         for i in range(n):
             mins[i] = 0
@@ -94,21 +96,18 @@ def q4_k_gemv(raw, x, xsum, table, out):
                 acc[i, k] = 0
         for b in range(nb):
             blk = raw[r, b * 144: b * 144 + 144]
-            d = table[np.int64(blk[0]) | (np.int64(blk[1]) << 8)]
-            dmin = table[np.int64(blk[2]) | (np.int64(blk[3]) << 8)]
+            q4_k_scales(blk, table, ds, dm)
             for c in range(4):
-                sc0, m0 = scale_min_k4(blk, 2 * c)
-                sc1, m1 = scale_min_k4(blk, 2 * c + 1)
-                d0, d1 = d * sc0, d * sc1
-                dm0, dm1 = dmin * m0, dmin * m1
+                d0, d1 = ds[2 * c], ds[2 * c + 1]
                 qs = blk[16 + 32 * c: 48 + 32 * c]
                 for i in range(n):
-                    mins[i] += dm0 * xsum[i, b * 8 + 2 * c] + dm1 * xsum[i, b * 8 + 2 * c + 1]
+                    mins[i] += dm[2 * c] * xsum[i, b * 8 + 2 * c] + dm[2 * c + 1] * xsum[i, b * 8 + 2 * c + 1]
                     x0 = x[i, b * 256 + 64 * c: b * 256 + 64 * c + 32]
                     x1 = x[i, b * 256 + 64 * c + 32: b * 256 + 64 * c + 64]
                     a = acc[i]
                     for k in range(32):
-                        a[k] += np.float32(qs[k] & M4) * (x0[k] * d0) + np.float32(qs[k] >> S4) * (x1[k] * d1)
+                        a[k] += np.float32(np.uint8(qs[k] & M4)) * (x0[k] * d0) + \
+                            np.float32(np.uint8(qs[k] >> S4)) * (x1[k] * d1)
         for i in range(n):
             s = np.float32(0)
             for k in range(32):
@@ -120,16 +119,14 @@ def q4_k_gemv(raw, x, xsum, table, out):
 def q4_k_decode(raw, table, tile):
     """``tile`` [R, nb * 256] = the Q4_K rows decoded (``(d * sc) * q - dmin * m``, as the reference)."""
     nb = tile.shape[1] // 256
+    ds, dm = carray(stack_f32(8), (8,)), carray(stack_f32(8), (8,))
     for r in range(raw.shape[0]):
         row = tile[r]
         for b in range(nb):
             blk = raw[r, b * 144: b * 144 + 144]
-            d = table[np.int64(blk[0]) | (np.int64(blk[1]) << 8)]
-            dmin = table[np.int64(blk[2]) | (np.int64(blk[3]) << 8)]
+            q4_k_scales(blk, table, ds, dm)
             for c in range(4):
-                sc0, m0 = scale_min_k4(blk, 2 * c)
-                sc1, m1 = scale_min_k4(blk, 2 * c + 1)
-                d0, d1, dm0, dm1 = d * sc0, d * sc1, dmin * m0, dmin * m1
+                d0, d1, dm0, dm1 = ds[2 * c], ds[2 * c + 1], dm[2 * c], dm[2 * c + 1]
                 qs = blk[16 + 32 * c: 48 + 32 * c]
                 base = b * 256 + 64 * c
                 for k in range(32):
@@ -159,7 +156,7 @@ def q6_k_gemv1(raw, x, table, out):
                     d1 = d * np.float32(np.int8(blk[193 + j]))
                     xs = xr[b * 256 + 128 * h + 32 * s: b * 256 + 128 * h + 32 * s + 32]
                     for k in range(32):
-                        q = ((ql[k] >> shift) & M4) | (((qh[k] >> high) & M2) << S4)
+                        q = np.uint8(((ql[k] >> shift) & M4) | (((qh[k] >> high) & M2) << S4))
                         acc[k] += (np.float32(q) - Q6_BIAS) * (xs[k] * (d0 if k < 16 else d1))
         s = np.float32(0)
         for k in range(32):
@@ -191,7 +188,7 @@ def q6_k_gemv(raw, x, table, out):
                         xs = x[i, b * 256 + 128 * h + 32 * s: b * 256 + 128 * h + 32 * s + 32]
                         a = acc[i]
                         for k in range(32):
-                            q = ((ql[k] >> shift) & M4) | (((qh[k] >> high) & M2) << S4)
+                            q = np.uint8(((ql[k] >> shift) & M4) | (((qh[k] >> high) & M2) << S4))
                             a[k] += (np.float32(q) - Q6_BIAS) * (xs[k] * (d0 if k < 16 else d1))
         for i in range(n):
             s = np.float32(0)
@@ -219,7 +216,7 @@ def q6_k_decode(raw, table, tile):
                     d1 = d * np.float32(np.int8(blk[193 + j]))
                     base = b * 256 + 128 * h + 32 * s
                     for k in range(32):
-                        q = ((ql[k] >> shift) & M4) | (((qh[k] >> high) & M2) << S4)
+                        q = np.uint8(((ql[k] >> shift) & M4) | (((qh[k] >> high) & M2) << S4))
                         row[base + k] = (d0 if k < 16 else d1) * (np.float32(q) - Q6_BIAS)
 
 
