@@ -42,6 +42,11 @@ JIT_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q8_0: ("jit_q8_0", "Q8_0JitKernel"),
     QType.Q4_K: ("jit_kquants", "Q4_KJitKernel"),
     QType.Q6_K: ("jit_kquants", "Q6_KJitKernel"),
+    QType.Q4_0: ("jit_legacy", "Q4_0JitKernel"),
+    QType.Q4_1: ("jit_legacy", "Q4_1JitKernel"),
+    QType.Q5_0: ("jit_legacy", "Q5_0JitKernel"),
+    QType.Q5_1: ("jit_legacy", "Q5_1JitKernel"),
+    QType.IQ4_NL: ("jit_legacy", "IQ4_NLJitKernel"),
 }
 
 __all__ = ["BLOCK_SUM_ROWS", "CODECS", "Codec", "DENSE_TYPES", "JIT_KERNELS", "READ_TYPES", "TileKernel", "codec",
