@@ -41,6 +41,7 @@ DENSE_TYPES = (QType.F32, QType.F16, QType.BF16)
 JIT_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q8_0: ("jit_q8_0", "Q8_0JitKernel"),
     QType.Q4_K: ("jit_kquants", "Q4_KJitKernel"),
+    QType.Q5_K: ("jit_kquants", "Q5_KJitKernel"),
     QType.Q6_K: ("jit_kquants", "Q6_KJitKernel"),
     QType.Q4_0: ("jit_legacy", "Q4_0JitKernel"),
     QType.Q4_1: ("jit_legacy", "Q4_1JitKernel"),

@@ -1,11 +1,12 @@
-"""Compiled K-quant kernels (numba): Q4_K and Q6_K, the blocks of :mod:`.kquants` read in place.
+"""Compiled K-quant kernels (numba): Q4_K, Q5_K and Q6_K, the blocks of :mod:`.kquants` read in place.
 
 Bit layouts are those of :mod:`.kquants`' docstring.  Per super-block of 256 values the sub-block scales are
 decoded (a few integer operations) and folded into the activations: lane ``l`` of a row adds
 ``f32(q) * (x * (d * sc_j))`` for each sub-block ``j`` that feeds it.
 
 * Q4_K: 4 chunks of 32 bytes; lane ``l`` of chunk ``c`` takes the low nibble (value ``64c + l``, sub-block
-  ``2c``) and the high nibble (value ``64c + 32 + l``, sub-block ``2c + 1``).  The ``dmin * m_j`` terms are
+  ``2c``) and the high nibble (value ``64c + 32 + l``, sub-block ``2c + 1``); Q5_K adds bits ``2c`` and
+  ``2c + 1`` of ``qh[l]`` as bit 4 (one generic body, :func:`k45_gemv`, inlined with each type's size).  The ``dmin * m_j`` terms are
   ``(dmin * m_j) * sum(x over sub-block j)``, from per-32 activation sums computed once per product
   (:meth:`Q4_KJitKernel.activations`) and kept in one scalar per row.
 * Q6_K: 2 halves of 128 values; in half ``h``, step ``s`` (0..3), lane ``l`` is value ``128h + 32s + l``:
@@ -15,6 +16,7 @@ decoded (a few integer operations) and folded into the activations: lane ``l`` o
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import carray, types
 
@@ -33,10 +35,10 @@ from .jit_base import (
 )
 
 QK_K = 256
-Q4_K_BYTES, Q6_K_BYTES = 144, 210
+Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = 144, 176, 210
 # uint8 constants keep the bit arithmetic in 8-bit lanes (numba widens uint8 op int64 to int64, which does not
 # vectorize); f32(q) - 32 equals f32(q - 32) exactly for 6-bit q.
-M6, M4, M2, S6, S4 = np.uint8(63), np.uint8(15), np.uint8(3), np.uint8(6), np.uint8(4)
+M6, M4, M2, S6, S4, ONE = np.uint8(63), np.uint8(15), np.uint8(3), np.uint8(6), np.uint8(4), np.uint8(1)
 Q6_BIAS = np.float32(32)
 
 
@@ -53,85 +55,107 @@ def q4_k_scales(blk, table, ds, dm):
         dm[j + 4] = dmin * np.float32((blk[12 + j] >> S4) | ((blk[8 + j] >> S6) << S4))
 
 
-@compiled(types.void(U8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D))
-def q4_k_gemv1(raw, x, xsum, table, out):
-    """``out[0, r] = x[0] @ W[r]`` for Q4_K rows ``raw`` [R, nb * 144]; ``xsum`` [1, nb * 8] sums x per 32."""
-    nb = x.shape[1] // 256
-    acc = carray(stack_f32(LANES), (LANES,))
-    ds, dm = carray(stack_f32(8), (8,)), carray(stack_f32(8), (8,))
-    xr, sr = x[0], xsum[0]
-    for r in range(raw.shape[0]):
-        for k in range(32):
-            acc[k] = 0
-        mins = np.float32(0)
-        for b in range(nb):
-            blk = raw[r, b * 144: b * 144 + 144]
-            q4_k_scales(blk, table, ds, dm)
-            for c in range(4):
-                d0, d1 = ds[2 * c], ds[2 * c + 1]
-                mins += dm[2 * c] * sr[b * 8 + 2 * c] + dm[2 * c + 1] * sr[b * 8 + 2 * c + 1]
-                qs = blk[16 + 32 * c: 48 + 32 * c]
-                x0 = xr[b * 256 + 64 * c: b * 256 + 64 * c + 32]
-                x1 = xr[b * 256 + 64 * c + 32: b * 256 + 64 * c + 64]
-                for k in range(32):
-                    acc[k] += np.float32(np.uint8(qs[k] & M4)) * (x0[k] * d0) + \
-                        np.float32(np.uint8(qs[k] >> S4)) * (x1[k] * d1)
-        s = np.float32(0)
-        for k in range(32):
-            s += acc[k]
-        out[0, r] = s - mins
+@numba.njit(inline="always")
+def k45_value(blk, qs, k, c, high, size):
+    """Values ``64c + k`` (``high`` 0) or ``64c + 32 + k`` (1) of a Q4_K (size 144) or Q5_K (176) block, as
+    float32: a nibble of ``qs[k]``, plus for Q5_K bit ``2c + high`` of ``qh[k]`` (bytes 16..47) as bit 4."""
+    q = np.uint8(qs[k] >> S4) if high else np.uint8(qs[k] & M4)
+    if size == Q5_K_BYTES:
+        q |= np.uint8(((blk[16 + k] >> np.uint8(2 * c + high)) & ONE) << S4)
+    return np.float32(q)
 
 
-@compiled(types.void(U8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D))
-def q4_k_gemv(raw, x, xsum, table, out):
-    """:func:`q4_k_gemv1` for 1..GEMV_ROWS rows, each by the same operations; blocks read once for all rows."""
+@numba.njit(inline="always")
+def k45_gemv(raw, x, xsum, table, out, size, one_row):
+    """``out[i, r] = x[i] @ W[r]`` for Q4_K/Q5_K rows ``raw`` [R, nb * size]; ``xsum`` [N, nb * 8] sums x per 32;
+    ``one_row``: a single activation row, lanes in registers."""
     n, nb = x.shape[0], x.shape[1] // 256
+    qs_at = size - 128
     acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
+    lanes = carray(stack_f32(LANES), (LANES,))
     mins = carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
     ds, dm = carray(stack_f32(8), (8,)), carray(stack_f32(8), (8,))
+    rows = 1 if one_row else n
     for r in range(raw.shape[0]):
-        for i in range(n):
+        for i in range(rows):
             mins[i] = 0
             for k in range(32):
                 acc[i, k] = 0
+        for k in range(32):
+            lanes[k] = 0
         for b in range(nb):
-            blk = raw[r, b * 144: b * 144 + 144]
+            blk = raw[r, b * size: b * size + size]
             q4_k_scales(blk, table, ds, dm)
             for c in range(4):
                 d0, d1 = ds[2 * c], ds[2 * c + 1]
-                qs = blk[16 + 32 * c: 48 + 32 * c]
-                for i in range(n):
+                qs = blk[qs_at + 32 * c: qs_at + 32 * c + 32]
+                for i in range(rows):
                     mins[i] += dm[2 * c] * xsum[i, b * 8 + 2 * c] + dm[2 * c + 1] * xsum[i, b * 8 + 2 * c + 1]
                     x0 = x[i, b * 256 + 64 * c: b * 256 + 64 * c + 32]
                     x1 = x[i, b * 256 + 64 * c + 32: b * 256 + 64 * c + 64]
-                    a = acc[i]
+                    a = lanes if one_row else acc[i]
                     for k in range(32):
-                        a[k] += np.float32(np.uint8(qs[k] & M4)) * (x0[k] * d0) + \
-                            np.float32(np.uint8(qs[k] >> S4)) * (x1[k] * d1)
-        for i in range(n):
+                        a[k] += k45_value(blk, qs, k, c, 0, size) * (x0[k] * d0) + \
+                            k45_value(blk, qs, k, c, 1, size) * (x1[k] * d1)
+        for i in range(rows):
+            a = lanes if one_row else acc[i]
             s = np.float32(0)
             for k in range(32):
-                s += acc[i, k]
+                s += a[k]
             out[i, r] = s - mins[i]
 
 
-@compiled(types.void(U8_2D, F32_1D, F32_2D_C), contract=False)
-def q4_k_decode(raw, table, tile):
-    """``tile`` [R, nb * 256] = the Q4_K rows decoded (``(d * sc) * q - dmin * m``, as the reference)."""
+@numba.njit(inline="always")
+def k45_decode(raw, table, tile, size):
+    """``tile`` [R, nb * 256] = Q4_K/Q5_K rows decoded (``(d * sc) * q - dmin * m``, as the reference)."""
     nb = tile.shape[1] // 256
+    qs_at = size - 128
     ds, dm = carray(stack_f32(8), (8,)), carray(stack_f32(8), (8,))
     for r in range(raw.shape[0]):
         row = tile[r]
         for b in range(nb):
-            blk = raw[r, b * 144: b * 144 + 144]
+            blk = raw[r, b * size: b * size + size]
             q4_k_scales(blk, table, ds, dm)
             for c in range(4):
-                d0, d1, dm0, dm1 = ds[2 * c], ds[2 * c + 1], dm[2 * c], dm[2 * c + 1]
-                qs = blk[16 + 32 * c: 48 + 32 * c]
+                qs = blk[qs_at + 32 * c: qs_at + 32 * c + 32]
                 base = b * 256 + 64 * c
                 for k in range(32):
-                    row[base + k] = d0 * np.float32(qs[k] & M4) - dm0
-                    row[base + 32 + k] = d1 * np.float32(qs[k] >> S4) - dm1
+                    row[base + k] = ds[2 * c] * k45_value(blk, qs, k, c, 0, size) - dm[2 * c]
+                    row[base + 32 + k] = ds[2 * c + 1] * k45_value(blk, qs, k, c, 1, size) - dm[2 * c + 1]
+
+
+K45_GEMV = types.void(U8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
+K_DECODE = types.void(U8_2D, F32_1D, F32_2D_C)
+
+
+@compiled(K45_GEMV)
+def q4_k_gemv1(raw, x, xsum, table, out):
+    k45_gemv(raw, x, xsum, table, out, Q4_K_BYTES, True)
+
+
+@compiled(K45_GEMV)
+def q4_k_gemv(raw, x, xsum, table, out):
+    k45_gemv(raw, x, xsum, table, out, Q4_K_BYTES, False)
+
+
+@compiled(K_DECODE, contract=False)
+def q4_k_decode(raw, table, tile):
+    k45_decode(raw, table, tile, Q4_K_BYTES)
+
+
+@compiled(K45_GEMV)
+def q5_k_gemv1(raw, x, xsum, table, out):
+    k45_gemv(raw, x, xsum, table, out, Q5_K_BYTES, True)
+
+
+@compiled(K45_GEMV)
+def q5_k_gemv(raw, x, xsum, table, out):
+    k45_gemv(raw, x, xsum, table, out, Q5_K_BYTES, False)
+
+
+@compiled(K_DECODE, contract=False)
+def q5_k_decode(raw, table, tile):
+    k45_decode(raw, table, tile, Q5_K_BYTES)
 
 
 @compiled(types.void(U8_2D, F32_2D_C, F32_1D, F32_2D))
@@ -234,6 +258,13 @@ class Q4_KJitKernel(JitKernel):
 
     def activations(self, x: np.ndarray) -> tuple:
         return (sums_per_32(x),)
+
+
+class Q5_KJitKernel(Q4_KJitKernel):
+    type_size = Q5_K_BYTES
+    gemv1 = staticmethod(q5_k_gemv1)
+    gemv = staticmethod(q5_k_gemv)
+    decode = staticmethod(q5_k_decode)
 
 
 class Q6_KJitKernel(JitKernel):
