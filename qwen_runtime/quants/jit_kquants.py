@@ -6,9 +6,9 @@ decoded (a few integer operations) and folded into the activations: lane ``l`` o
 
 * Q4_K: 4 chunks of 32 bytes; lane ``l`` of chunk ``c`` takes the low nibble (value ``64c + l``, sub-block
   ``2c``) and the high nibble (value ``64c + 32 + l``, sub-block ``2c + 1``); Q5_K adds bits ``2c`` and
-  ``2c + 1`` of ``qh[l]`` as bit 4 (one generic body, :func:`k45_gemv`, inlined with each type's size).  The ``dmin * m_j`` terms are
-  ``(dmin * m_j) * sum(x over sub-block j)``, from per-32 activation sums computed once per product
-  (:meth:`Q4_KJitKernel.activations`) and kept in one scalar per row.
+  ``2c + 1`` of ``qh[l]`` as bit 4 (one generic body, :func:`k45_gemv`, inlined with each type's size).
+  The ``dmin * m_j`` terms are ``(dmin * m_j) * sum(x over sub-block j)``, from per-32 activation sums
+  computed once per product (:meth:`Q4_KJitKernel.activations`) and kept in one scalar per row.
 * Q6_K: 2 halves of 128 values; in half ``h``, step ``s`` (0..3), lane ``l`` is value ``128h + 32s + l``:
   nibble ``s // 2`` of ``ql[64h + 32(s % 2) + l]`` and bits ``2s, 2s+1`` of ``qh[32h + l]`` as bits 4-5,
   minus 32; lanes 0-15 and 16-31 belong to sub-blocks ``8h + 2s`` and ``8h + 2s + 1``.
