@@ -48,6 +48,7 @@ JIT_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q5_0: ("jit_legacy", "Q5_0JitKernel"),
     QType.Q5_1: ("jit_legacy", "Q5_1JitKernel"),
     QType.IQ4_NL: ("jit_legacy", "IQ4_NLJitKernel"),
+    QType.IQ4_XS: ("jit_legacy", "IQ4_XSJitKernel"),
     QType.F16: ("jit_dense", "F16JitKernel"),
     QType.BF16: ("jit_dense", "BF16JitKernel"),
 }

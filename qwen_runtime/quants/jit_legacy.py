@@ -1,5 +1,6 @@
-"""Compiled kernels of the 32-value block types with 4-bit indices (numba): Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL,
-the blocks of :mod:`.legacy` and :mod:`.iq4` read in place.
+"""Compiled kernels of the types whose 32-value (sub-)blocks hold 4-bit indices in 16 bytes (numba): Q4_0, Q4_1,
+Q5_0, Q5_1, IQ4_NL and IQ4_XS (8 such sub-blocks per 256, with 6-bit scales), the blocks of :mod:`.legacy`
+and :mod:`.iq4` read in place.
 
 Lane ``k`` of a block is value ``k``: the low nibble of ``qs[k]`` for k < 16, the high nibble of ``qs[k - 16]``
 above, plus bit ``k`` of the little-endian ``qh`` as bit 4 for the 5-bit types; minus the type's bias (Q4_0:
@@ -243,3 +244,83 @@ class IQ4_NLJitKernel(LegacyJitKernel):
     type_size = 18
     constants = (F16_TABLE, IQ4_LEVELS_F32)
     gemv1, gemv, decode = staticmethod(iq4_nl_gemv1), staticmethod(iq4_nl_gemv), staticmethod(iq4_nl_decode)
+
+
+@numba.njit(inline="always")
+def iq4_xs_scale(blk, d, j):
+    """``d * (ls_j - 32)`` of sub-block ``j`` of an IQ4_XS block: nibble ``j % 2`` of ``scales_l[j // 2]``
+    (bytes 4..7) and bits ``2j, 2j + 1`` of the little-endian ``scales_h`` (bytes 2..3) as bits 4-5."""
+    high = np.int64(blk[2]) | (np.int64(blk[3]) << 8)
+    ls = ((np.int64(blk[4 + j // 2]) >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)
+    return d * np.float32(ls - 32)
+
+
+@numba.njit(inline="always")
+def iq4_xs_rows(raw, x, table, levels, out, one_row):
+    """``out[i, r] = x[i] @ W[r]`` for IQ4_XS rows [R, nb * 136]: per sub-block j of 32, lanes k and k + 16 take
+    the levels of the nibbles of ``qs[16j + k]`` (bytes 8..135), scaled by :func:`iq4_xs_scale`."""
+    n, nb = x.shape[0], x.shape[1] // 256
+    half = x.shape[1] // (nb * 16)  # 16, hidden from the compiler so that the lane loop is vectorized
+    acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
+    lanes = carray(stack_f32(LANES), (LANES,))
+    rows = 1 if one_row else n
+    for r in range(raw.shape[0]):
+        for i in range(rows):
+            for k in range(32):
+                acc[i, k] = 0
+        for k in range(32):
+            lanes[k] = 0
+        for b in range(nb):
+            blk = raw[r, b * 136: b * 136 + 136]
+            d = table[np.int64(blk[0]) | (np.int64(blk[1]) << 8)]
+            for j in range(8):
+                dl = iq4_xs_scale(blk, d, j)
+                qs = blk[8 + 16 * j: 24 + 16 * j]
+                for i in range(rows):
+                    xs = x[i, b * 256 + 32 * j: b * 256 + 32 * j + 32]
+                    a = lanes if one_row else acc[i]
+                    for k in range(half):
+                        a[k] += levels[qs[k] & M4] * (xs[k] * dl)
+                        a[k + 16] += levels[qs[k] >> S4] * (xs[k + 16] * dl)
+        for i in range(rows):
+            a = lanes if one_row else acc[i]
+            s = np.float32(0)
+            for k in range(32):
+                s += a[k]
+            out[i, r] = s
+
+
+IQ4_XS_GEMV = types.void(U8_2D, F32_2D_C, F32_1D, F32_1D, F32_2D)
+
+
+@compiled(IQ4_XS_GEMV)
+def iq4_xs_gemv1(raw, x, table, levels, out):
+    iq4_xs_rows(raw, x, table, levels, out, True)
+
+
+@compiled(IQ4_XS_GEMV)
+def iq4_xs_gemv(raw, x, table, levels, out):
+    iq4_xs_rows(raw, x, table, levels, out, False)
+
+
+@compiled(DECODE, contract=False)
+def iq4_xs_decode(raw, table, levels, tile):
+    """``tile`` [R, nb * 256] = IQ4_XS rows decoded (``(d * (ls - 32)) * level``, as the reference)."""
+    nb = tile.shape[1] // 256
+    for r in range(raw.shape[0]):
+        row = tile[r]
+        for b in range(nb):
+            blk = raw[r, b * 136: b * 136 + 136]
+            d = table[np.int64(blk[0]) | (np.int64(blk[1]) << 8)]
+            for j in range(8):
+                dl = iq4_xs_scale(blk, d, j)
+                for k in range(16):
+                    byte = blk[8 + 16 * j + k]
+                    row[b * 256 + 32 * j + k] = dl * levels[byte & M4]
+                    row[b * 256 + 32 * j + 16 + k] = dl * levels[byte >> S4]
+
+
+class IQ4_XSJitKernel(JitKernel):
+    block, type_size = 256, 136
+    constants = (F16_TABLE, IQ4_LEVELS_F32)
+    gemv1, gemv, decode = staticmethod(iq4_xs_gemv1), staticmethod(iq4_xs_gemv), staticmethod(iq4_xs_decode)
