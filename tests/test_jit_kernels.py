@@ -169,3 +169,15 @@ def test_resolve_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QWEN_KERNELS", "fast")
     with pytest.raises(ValueError, match="QWEN_KERNELS"):
         resolve_kernels()
+
+
+def test_numba_thread_pool_never_starts() -> None:
+    """The compiled kernels run on the tile pool's threads: numba's own pool (parallel=True) is never launched."""
+    from numba.np.ufunc import parallel
+
+    raw = random_blocks(QType.Q8_0, 256, 256, seed=8)
+    weight = make_weight(StoredTensor("w", QType.Q8_0, (256, 256), "mem", data=raw),
+                         Workspace(threads=2, kernels="numba"), tile_elements=32 * 256)
+    for n in (1, 5, 40):
+        weight.matmul(np.ones((n, 256), np.float32))
+    assert not parallel._is_initialized
