@@ -1,4 +1,5 @@
-"""Compiled K-quant kernels (numba): Q4_K, Q5_K and Q6_K, the blocks of :mod:`.kquants` read in place.
+"""Compiled K-quant kernels (numba): Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, the blocks of :mod:`.kquants` read in
+place.
 
 Bit layouts are those of :mod:`.kquants`' docstring.  Per super-block of 256 values the sub-block scales are
 decoded (a few integer operations) and folded into the activations: lane ``l`` of a row adds
@@ -12,6 +13,8 @@ decoded (a few integer operations) and folded into the activations: lane ``l`` o
 * Q6_K: 2 halves of 128 values; in half ``h``, step ``s`` (0..3), lane ``l`` is value ``128h + 32s + l``:
   nibble ``s // 2`` of ``ql[64h + 32(s % 2) + l]`` and bits ``2s, 2s+1`` of ``qh[32h + l]`` as bits 4-5,
   minus 32; lanes 0-15 and 16-31 belong to sub-blocks ``8h + 2s`` and ``8h + 2s + 1``.
+* Q2_K and Q3_K: the same steps over 2-bit fields (Q3_K minus 4 where its hmask bit is clear), 16 sub-block
+  scales per block; Q2_K's ``dmin * m_j`` terms from per-16 activation sums, as Q4_K's.
 """
 
 from __future__ import annotations
@@ -244,9 +247,136 @@ def q6_k_decode(raw, table, tile):
                         row[base + k] = (d0 if k < 16 else d1) * (np.float32(q) - Q6_BIAS)
 
 
+@numba.njit(inline="always")
+def k23_scales(blk, table, ds, dm, q3):
+    """The 16 sub-block scales ``ds[j]`` (and Q2_K's minimums ``dm[j]``) of a Q2_K or (``q3``) Q3_K block, as the
+    reference computes them: Q2_K ``d * (scales[j] & 15)``, ``dmin * (scales[j] >> 4)``; Q3_K
+    ``d * (s_j - 32)`` with the 6-bit ``s_j`` of :mod:`.kquants`' docstring."""
+    if q3:
+        d = table[np.int64(blk[108]) | (np.int64(blk[109]) << 8)]
+        for j in range(16):
+            low = (blk[96 + j % 8] >> np.uint8(4 * (j // 8))) & M4
+            high = (blk[104 + j % 4] >> np.uint8(2 * (j // 4))) & M2
+            ds[j] = d * np.float32(np.int32(low | (high << S4)) - 32)
+        return
+    d = table[np.int64(blk[80]) | (np.int64(blk[81]) << 8)]
+    dmin = table[np.int64(blk[82]) | (np.int64(blk[83]) << 8)]
+    for j in range(16):
+        ds[j] = d * np.float32(blk[j] & M4)
+        dm[j] = dmin * np.float32(blk[j] >> S4)
+
+
+@numba.njit(inline="always")
+def k23_value(blk, k, h, s, q3):
+    """Value ``128h + 32s + k`` of a Q2_K or (``q3``) Q3_K block before scaling, as float32: bits ``2s, 2s+1``
+    of ``qs[32h + k]``, for Q3_K minus 4 where bit ``4h + s`` of ``hmask[k]`` is clear."""
+    if q3:
+        low = (blk[32 + 32 * h + k] >> np.uint8(2 * s)) & M2
+        set_bit = (blk[k] >> np.uint8(4 * h + s)) & ONE
+        return np.float32(low) - np.float32(4) * np.float32(ONE - set_bit)
+    return np.float32((blk[16 + 32 * h + k] >> np.uint8(2 * s)) & M2)
+
+
+@numba.njit(inline="always")
+def k23_gemv(raw, x, xsum, table, out, q3, one_row):
+    """``out[i, r] = x[i] @ W[r]`` for Q2_K/Q3_K rows; ``xsum`` [N, nb * 16] sums x per 16 (Q2_K's minimums);
+    ``one_row``: a single activation row, lanes in registers.  Lanes 0-15 and 16-31 of step (h, s) belong to
+    sub-blocks ``8h + 2s`` and ``8h + 2s + 1``."""
+    size = 110 if q3 else 84
+    n, nb = x.shape[0], x.shape[1] // 256
+    acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
+    lanes = carray(stack_f32(LANES), (LANES,))
+    mins = carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
+    ds, dm = carray(stack_f32(16), (16,)), carray(stack_f32(16), (16,))
+    rows = 1 if one_row else n
+    for r in range(raw.shape[0]):
+        for i in range(rows):
+            mins[i] = 0
+            for k in range(32):
+                acc[i, k] = 0
+        for k in range(32):
+            lanes[k] = 0
+        for b in range(nb):
+            blk = raw[r, b * size: b * size + size]
+            k23_scales(blk, table, ds, dm, q3)
+            for h in range(2):
+                for s in range(4):
+                    j = 8 * h + 2 * s
+                    d0, d1 = ds[j], ds[j + 1]
+                    for i in range(rows):
+                        if not q3:
+                            mins[i] += dm[j] * xsum[i, b * 16 + j] + dm[j + 1] * xsum[i, b * 16 + j + 1]
+                        xs = x[i, b * 256 + 128 * h + 32 * s: b * 256 + 128 * h + 32 * s + 32]
+                        a = lanes if one_row else acc[i]
+                        for k in range(32):
+                            a[k] += k23_value(blk, k, h, s, q3) * (xs[k] * (d0 if k < 16 else d1))
+        for i in range(rows):
+            a = lanes if one_row else acc[i]
+            total = np.float32(0)
+            for k in range(32):
+                total += a[k]
+            out[i, r] = total - mins[i]
+
+
+@numba.njit(inline="always")
+def k23_decode(raw, table, tile, q3):
+    """``tile`` [R, nb * 256] = Q2_K/Q3_K rows decoded as the reference does."""
+    size = 110 if q3 else 84
+    nb = tile.shape[1] // 256
+    ds, dm = carray(stack_f32(16), (16,)), carray(stack_f32(16), (16,))
+    for r in range(raw.shape[0]):
+        row = tile[r]
+        for b in range(nb):
+            blk = raw[r, b * size: b * size + size]
+            k23_scales(blk, table, ds, dm, q3)
+            for h in range(2):
+                for s in range(4):
+                    j = 8 * h + 2 * s
+                    base = b * 256 + 128 * h + 32 * s
+                    for k in range(32):
+                        jk = j if k < 16 else j + 1
+                        v = ds[jk] * k23_value(blk, k, h, s, q3)
+                        row[base + k] = v if q3 else v - dm[jk]
+
+
+@compiled(K45_GEMV)
+def q2_k_gemv1(raw, x, xsum, table, out):
+    k23_gemv(raw, x, xsum, table, out, False, True)
+
+
+@compiled(K45_GEMV)
+def q2_k_gemv(raw, x, xsum, table, out):
+    k23_gemv(raw, x, xsum, table, out, False, False)
+
+
+@compiled(K_DECODE, contract=False)
+def q2_k_decode(raw, table, tile):
+    k23_decode(raw, table, tile, False)
+
+
+@compiled(K45_GEMV)
+def q3_k_gemv1(raw, x, xsum, table, out):
+    k23_gemv(raw, x, xsum, table, out, True, True)
+
+
+@compiled(K45_GEMV)
+def q3_k_gemv(raw, x, xsum, table, out):
+    k23_gemv(raw, x, xsum, table, out, True, False)
+
+
+@compiled(K_DECODE, contract=False)
+def q3_k_decode(raw, table, tile):
+    k23_decode(raw, table, tile, True)
+
+
 def sums_per_32(x: np.ndarray) -> np.ndarray:
     """Each row's sums over consecutive groups of 32 values (the sub-blocks of minimums).  # [N, n] -> [N, n/32]"""
     return x.reshape(len(x), -1, 32).sum(axis=2, dtype=np.float32)
+
+
+def sums_per_16(x: np.ndarray) -> np.ndarray:
+    """Each row's sums over consecutive groups of 16 values (Q2_K's sub-blocks).  # [N, n] -> [N, n/16]"""
+    return x.reshape(len(x), -1, 16).sum(axis=2, dtype=np.float32)
 
 
 class Q4_KJitKernel(JitKernel):
@@ -265,6 +395,23 @@ class Q5_KJitKernel(Q4_KJitKernel):
     gemv1 = staticmethod(q5_k_gemv1)
     gemv = staticmethod(q5_k_gemv)
     decode = staticmethod(q5_k_decode)
+
+
+class Q2_KJitKernel(JitKernel):
+    block, type_size = QK_K, 84
+    constants = (F16_TABLE,)
+    gemv1, gemv, decode = staticmethod(q2_k_gemv1), staticmethod(q2_k_gemv), staticmethod(q2_k_decode)
+
+    def activations(self, x: np.ndarray) -> tuple:
+        return (sums_per_16(x),)
+
+
+class Q3_KJitKernel(Q2_KJitKernel):
+    type_size = 110
+    gemv1, gemv, decode = staticmethod(q3_k_gemv1), staticmethod(q3_k_gemv), staticmethod(q3_k_decode)
+
+    def activations(self, x: np.ndarray) -> tuple:
+        return (np.zeros((len(x), 1), np.float32),)  # no minimums: the shared signature's unused sums
 
 
 class Q6_KJitKernel(JitKernel):
