@@ -151,9 +151,9 @@ def test_prefill_scratch_is_released_before_decoding(converted: Converted, monke
     depends on timing, but no thread ever needs more than the single thread that runs every task.
     """
     path = converted.get("qwen2-tiny", "gguf", "q8_0")
-    pooled = load(path)
+    pooled = load(path, kernels="numpy")  # the compiled kernels decode steps need no tile scratch
     monkeypatch.setattr(pool, "default_threads", lambda: 1)
-    alone = load(path)
+    alone = load(path, kernels="numpy")
     assert not alone.workspace.pooled
     one = _decode_scratch(alone, 4)
     assert one[0] > 0 and one == [one[0]] * 4
@@ -162,7 +162,7 @@ def test_prefill_scratch_is_released_before_decoding(converted: Converted, monke
 
 def test_chunked_passes_keep_scratch_until_told(converted: Converted) -> None:
     """Chunks of one prompt (and a server's prefill steps) keep the scratch; a pass with the default drops it."""
-    model = load(converted.get("qwen2-tiny", "gguf", "q8_0"))
+    model = load(converted.get("qwen2-tiny", "gguf", "q8_0"), kernels="numpy")  # whose tiles are scratch
     cache = model.make_cache(1, 24)
     model.forward(np.arange(1, 9)[None], cache, last_only=True, release_scratch=False)
     kept = model.workspace.nbytes
