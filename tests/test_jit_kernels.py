@@ -44,7 +44,7 @@ def random_blocks(qtype: QType, rows: int, cols: int, seed: int) -> np.ndarray:
         raw = raw.astype(np.uint16)
         flat = raw.reshape(-1)
         picks = rng.random(flat.size) < 0.05
-        edges = EDGE_F16 if qtype == QType.F16 else np.array([0, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F], np.uint16)
+        edges = EDGE_F16 if qtype == QType.F16 else np.array([0, 0x8000, 0x0001, 0x807F, 0x477F, 0xC77F], np.uint16)
         flat[picks] = rng.choice(edges, int(picks.sum()))
         return raw.view(np.float16) if qtype == QType.F16 else raw
     raw = rng.integers(0, 256, (rows, cols // c.block_size * c.type_size), dtype=np.uint8)
