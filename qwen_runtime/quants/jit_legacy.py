@@ -10,29 +10,34 @@ value's integer part as float32, ``q - 8`` or ``q - 16`` for the ``_0`` types (e
 (:meth:`LegacyJitKernel.activations`) and shared by every weight row.
 
 Each kernel is one of the shared loops (:func:`gemv1_loop`, :func:`gemv_loop`, :func:`decode_loop`) around a
-per-block step passed as an argument (numba compiles one specialization per step, inlined): ``_q4``/``_q5``
-unpack the nibbles with uint8 operations (:func:`low_nibble`, :func:`high_nibble`, :func:`with_bit4`: numba's
-own ``&``/``>>`` widen to 64 bits), convert to float32 and update the lanes.  Both row loops run the same
-float32 operations on every row, so a row gives the same bits alone and in a batch of up to GEMV_ROWS.
+per-block step passed as an argument (numba compiles one specialization per step, inlined).  The steps are
+small LLVM intrinsics on explicit ``<16 x ...>`` vectors (:func:`nibbles_fma`, :func:`nibbles_decode`): the
+16 quant bytes loaded once, nibbles and Q5's bit 4 unpacked in int8/int32 vector arithmetic (numba's own
+``&``/``>>`` widen scalars to 64 bits and did not vectorize), converted to float32 and fused into the lanes
+with ``llvm.fma``; Q4_0's row kernels keep an equivalent scalar-lane step (:func:`_q4_lanes`, see there).
+Both row loops run the same float32 operations on every row, so a row gives the same bits alone and in a
+batch of up to GEMV_ROWS; the decoders round ``d * w`` and ``+ m`` separately, as the reference.
 
-Assembly (numba 0.68, this Xeon with AVX-512; ``inspect_asm``): the 1-row loop keeps the lanes in 4 ymm
-registers; per block ``vmovq`` of the bytes, ``vpand``/``vgf2p8affineqb`` (the nibbles), ``vpaddb`` (Q4_0: the
-``- 8`` folded into the bytes), ``vpmovsxbd``/``vpmovzxbd``, ``vcvtdq2ps``, ``vmulps`` (x * d) and
-``vfmadd231ps``, all packed on ymm; Q5 adds ``vpsrlvd``/``vpmovdb``/``vpternlogq`` for bit 4.  The multi-row
-loop unpacks a block once (LLVM hoists it out of the loop over rows) and per row does a packed ``vmulps`` and
-``vfmadd213ps`` on lanes kept on the stack.  The Q5 decoders are packed likewise; the Q4 ones (prefill only)
-compiled to scalar ``vcvtsi2ss``/``vmulss``: LLVM unrolls their short 16-step loops before it vectorizes.
+Assembly (numba 0.68, this Xeon with AVX-512; ``inspect_asm``): per block one 16-byte load, ``vpand`` and
+``vgf2p8affineqb`` (the nibbles), ``vpaddb`` (Q4_0's ``- 8`` in int8), ``vpmovsxbd``/``vpmovzxbd``,
+``vcvtdq2ps``, ``vmulps`` (x * d) and ``vfmadd...ps`` on zmm (Q4_0's row kernels: the same on 4 ymm), Q5 adds
+``vpsrlvd``/``vpmovdb``/``vpternlogq`` for bit 4; the 1-row loop keeps the lanes in registers, the multi-row
+loop unpacks a block once (hoisted out of the loop over rows) and per row does ``vmulps`` and
+``vfmadd213ps``.  The decoders are packed likewise (``vcvtdq2ps``, ``vmulps``, ``vaddps``).
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import carray, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .base import QType
+from .iq4 import IQ4_LEVELS
 from .jit_base import (
     ACC_FLOATS,
     F16_TABLE,
@@ -49,55 +54,129 @@ from .jit_base import (
 from .legacy import Q4_0, Q4_1, Q5_0, Q5_1
 
 HALF = LANES // 2
+NEGATIVE_ZERO = np.float32(-0.0)
+X86 = llvm.get_process_triple().startswith(("x86_64", "i386", "i686"))  # pshufb for the IQ4 levels
 
 inline = numba.njit(inline="always", cache=True, fastmath={"contract"})
+I8, I32, F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+V16_I8, V16_I32, V16_F32 = ir.VectorType(I8, HALF), ir.VectorType(I32, HALF), ir.VectorType(F32, HALF)
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
+    """``value`` in every element of ``vector``."""
+    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, I32(0))
+    return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), ir.Constant(V16_I32, [0] * HALF))
+
+
+def _data(context: object, builder: ir.IRBuilder, array_type: types.Array, array: ir.Value) -> ir.Value:
+    return context.make_array(array_type)(context, builder, array).data
+
+
+def _values(context: object, builder: ir.IRBuilder, signature: object, args: list, levels: bool) -> list:
+    """The two halves (values 0-15, 16-31) of a block as ``<16 x float>``: from the 16 bytes at ``args[1]`` of
+    the row ``args[0]``, low then high nibbles, bit 4 from ``args[2]`` (a uint32, or None), then ``- bias``
+    (``args[3]``) in int8 or the IQ4 level of the index (pshufb on x86, a select chain elsewhere)."""
+    blocks, at, qh, bias = args[:4]
+    source = builder.bitcast(builder.gep(_data(context, builder, signature.args[0], blocks), [at]),
+                             V16_I8.as_pointer())
+    q = builder.load(source, align=1)
+    halves = [builder.and_(q, ir.Constant(V16_I8, [15] * HALF)), builder.lshr(q, ir.Constant(V16_I8, [4] * HALF))]
+    if signature.args[2] != types.none:
+        bits = _splat(builder, builder.trunc(qh, I32) if qh.type.width > 32 else builder.zext(qh, I32)
+                      if qh.type.width < 32 else qh, V16_I32)
+        for h in range(2):
+            bit = builder.lshr(bits, ir.Constant(V16_I32, list(range(HALF * h, HALF * h + HALF))))
+            bit = builder.shl(builder.and_(bit, ir.Constant(V16_I32, [1] * HALF)), ir.Constant(V16_I32, [4] * HALF))
+            halves[h] = builder.or_(halves[h], builder.trunc(bit, V16_I8))
+    if levels:
+        halves = [_levels(builder, h) for h in halves]
+    else:
+        offset = _splat(builder, builder.trunc(bias, I8), V16_I8)
+        halves = [builder.sub(h, offset) for h in halves]
+    return [builder.sitofp(h, V16_F32) for h in halves]
+
+
+def _levels(builder: ir.IRBuilder, index: ir.Value) -> ir.Value:
+    """``IQ4_LEVELS[index]`` for 16 int8 indices (0..15)."""
+    if X86:
+        pshufb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_I8, [V16_I8, V16_I8]),
+                                                "llvm.x86.ssse3.pshuf.b.128")
+        return builder.call(pshufb, [ir.Constant(V16_I8, [int(v) for v in IQ4_LEVELS]), index])
+    out = ir.Constant(V16_I8, [0] * HALF)
+    for j, level in enumerate(IQ4_LEVELS):
+        hit = builder.icmp_unsigned("==", index, ir.Constant(V16_I8, [j] * HALF))
+        out = builder.select(hit, ir.Constant(V16_I8, [int(level)] * HALF), out)
+    return out
+
+
+def _lanes_fma(levels: bool) -> object:
+    """An intrinsic ``(blocks, at, qh, bias, xs, d, acc)``: ``acc[k] = fma(w[k], xs[k] * d, acc[k])`` for the
+    32 values ``w`` of the block whose 16 quant bytes start at ``blocks[at]`` (see :func:`_values`)."""
+
+    @intrinsic
+    def lanes_fma(typingctx, blocks, at, qh, bias, xs, d, acc):  # noqa: ARG001 (numba's intrinsic protocol)
+        def codegen(context, builder, signature, args):
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3),
+                                                 "llvm.fma.v16f32")
+            xs_at = builder.bitcast(_data(context, builder, signature.args[4], args[4]), V16_F32.as_pointer())
+            acc_at = builder.bitcast(_data(context, builder, signature.args[6], args[6]), V16_F32.as_pointer())
+            scale = _splat(builder, args[5], V16_F32)
+            for h, w in enumerate(_values(context, builder, signature, args, levels)):
+                x = builder.load(builder.gep(xs_at, [I32(h)]), align=4)
+                lanes = builder.gep(acc_at, [I32(h)])
+                builder.store(builder.call(fma, [w, builder.fmul(x, scale), builder.load(lanes, align=4)]), lanes,
+                              align=4)
+            return context.get_dummy_value()
+
+        return types.void(blocks, at, qh, bias, xs, d, acc), codegen
+
+    return lanes_fma
+
+
+def _lanes_decode(levels: bool) -> object:
+    """An intrinsic ``(blocks, at, qh, bias, d, start, out)``: ``out[k] = w[k] * d + start``, rounded after the
+    product and after the sum as the reference (``start``: the minimum, or -0.0: -0.0 + y is y)."""
+
+    @intrinsic
+    def lanes_decode(typingctx, blocks, at, qh, bias, d, start, out):  # noqa: ARG001
+        def codegen(context, builder, signature, args):
+            out_at = builder.bitcast(_data(context, builder, signature.args[6], args[6]), V16_F32.as_pointer())
+            scale, first = _splat(builder, args[4], V16_F32), _splat(builder, args[5], V16_F32)
+            for h, w in enumerate(_values(context, builder, signature, args, levels)):
+                builder.store(builder.fadd(builder.fmul(w, scale), first), builder.gep(out_at, [I32(h)]), align=4)
+            return context.get_dummy_value()
+
+        return types.void(blocks, at, qh, bias, d, start, out), codegen
+
+    return lanes_decode
+
+
+nibbles_fma, nibbles_decode = _lanes_fma(levels=False), _lanes_decode(levels=False)
+levels_fma, levels_decode = _lanes_fma(levels=True), _lanes_decode(levels=True)
 
 
 @intrinsic
-def low_nibble(typingctx, byte):  # noqa: ARG001 (numba's intrinsic protocol)
-    """``byte & 15`` as uint8 (numba's own ``&`` widens to uint64, which does not vectorize)."""
+def low_nibble(typingctx, byte):  # noqa: ARG001
+    """``byte & 15`` as int8 (numba's own ``&`` widens to 64 bits, which does not vectorize)."""
     if byte != types.uint8:
         return None
 
     def codegen(context, builder, signature, args):
         return builder.and_(args[0], args[0].type(15))
 
-    return types.uint8(types.uint8), codegen
+    return types.int8(types.uint8), codegen
 
 
 @intrinsic
 def high_nibble(typingctx, byte):  # noqa: ARG001
-    """``byte >> 4`` as uint8."""
+    """``byte >> 4`` as int8."""
     if byte != types.uint8:
         return None
 
     def codegen(context, builder, signature, args):
         return builder.lshr(args[0], args[0].type(4))
 
-    return types.uint8(types.uint8), codegen
-
-
-@intrinsic
-def with_bit4(typingctx, nibble, qh, k):  # noqa: ARG001
-    """``nibble | ((qh >> k) & 1) << 4`` as uint8, in 32-bit arithmetic, for the low 32 bits of ``qh`` and a lane
-    ``k`` < 32."""
-    if nibble != types.uint8 or not isinstance(qh, types.Integer) or not isinstance(k, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        nib, bits, lane = (_as_i32(builder, a) for a in args)
-        bit = builder.and_(builder.lshr(bits, lane), bits.type(1))
-        return builder.trunc(builder.or_(nib, builder.shl(bit, bits.type(4))), args[0].type)
-
-    return types.uint8(types.uint8, qh, k), codegen
-
-
-def _as_i32(builder: object, value: object) -> object:
-    """An LLVM integer truncated or zero-extended to 32 bits."""
-    i32 = ir.IntType(32)
-    if value.type.width > 32:
-        return builder.trunc(value, i32)
-    return builder.zext(value, i32) if value.type.width < 32 else value
+    return types.int8(types.uint8), codegen
 
 
 @inline
@@ -115,9 +194,24 @@ def _block_at(table, blocks, b, geo):
 
 
 @inline
+def _u32(blocks, at):
+    """The little-endian 32 bits at byte ``at``."""
+    return (np.uint32(blocks[at]) | (np.uint32(blocks[at + 1]) << np.uint32(8))
+            | (np.uint32(blocks[at + 2]) << np.uint32(16)) | (np.uint32(blocks[at + 3]) << np.uint32(24)))
+
+
+@inline
 def _q4(blocks, o, geo, xs, d, a):
     """``a[k] += w[k] * (xs[k] * d)`` for the 32 values ``w`` (``q - bias``) of the 4-bit block at byte ``o``."""
-    at, bias = o + geo[1], geo[2]
+    nibbles_fma(blocks, o + geo[1], None, geo[2], xs, d, a)
+
+
+@inline
+def _q4_lanes(blocks, o, geo, xs, d, a):
+    """:func:`_q4` written as 16 steps on float32 scalars (LLVM vectorizes them; the same values and rounding).
+    Q4_0's row kernels use it: with :func:`_q4` LLVM unrolls Q4_0's block loop twice and the 1-row product
+    took 1.5x the CPU time (0.213 against 0.144 ms per million weights, A/B in one process)."""
+    at, bias = o + geo[1], np.float32(geo[2])
     for k in range(HALF):
         byte = blocks[at + k]
         a[k] += (np.float32(low_nibble(byte)) - bias) * (xs[k] * d)
@@ -127,43 +221,19 @@ def _q4(blocks, o, geo, xs, d, a):
 @inline
 def _q5(blocks, o, geo, xs, d, a):
     """As :func:`_q4`, bit 4 of value ``k`` from bit ``k`` of the block's little-endian ``qh`` (before ``qs``)."""
-    at, bias = o + geo[1], geo[2]
-    qh = _u32(blocks, at - 4)
-    for k in range(HALF):
-        byte = blocks[at + k]
-        a[k] += (np.float32(with_bit4(low_nibble(byte), qh, k)) - bias) * (xs[k] * d)
-        a[HALF + k] += (np.float32(with_bit4(high_nibble(byte), qh, HALF + k)) - bias) * (xs[HALF + k] * d)
+    nibbles_fma(blocks, o + geo[1], _u32(blocks, o + geo[1] - 4), geo[2], xs, d, a)
 
 
 @inline
-def _u32(blocks, at):
-    """The little-endian 32 bits at byte ``at``."""
-    return (np.uint32(blocks[at]) | (np.uint32(blocks[at + 1]) << np.uint32(8))
-            | (np.uint32(blocks[at + 2]) << np.uint32(16)) | (np.uint32(blocks[at + 3]) << np.uint32(24)))
+def _q4_values(blocks, o, geo, d, start, out):
+    """``out[k]`` = value ``k`` of the 4-bit block at byte ``o`` plus ``start``, as the reference rounds it."""
+    nibbles_decode(blocks, o + geo[1], None, geo[2], d, start, out)
 
 
 @inline
-def _q4_values(blocks, o, geo, d, m, row):
-    """``row[k]`` = value ``k`` of the 4-bit block at byte ``o``, as the reference computes it."""
-    at, bias = o + geo[1], geo[2]
-    for k in range(HALF):
-        byte = blocks[at + k]
-        lo, hi = np.float32(low_nibble(byte)) - bias, np.float32(high_nibble(byte)) - bias
-        row[k] = d * lo + m if geo[3] else d * lo
-        row[HALF + k] = d * hi + m if geo[3] else d * hi
-
-
-@inline
-def _q5_values(blocks, o, geo, d, m, row):
+def _q5_values(blocks, o, geo, d, start, out):
     """As :func:`_q4_values` for a 5-bit block."""
-    at, bias = o + geo[1], geo[2]
-    qh = _u32(blocks, at - 4)
-    for k in range(HALF):
-        byte = blocks[at + k]
-        lo = np.float32(with_bit4(low_nibble(byte), qh, k)) - bias
-        hi = np.float32(with_bit4(high_nibble(byte), qh, HALF + k)) - bias
-        row[k] = d * lo + m if geo[3] else d * lo
-        row[HALF + k] = d * hi + m if geo[3] else d * hi
+    nibbles_decode(blocks, o + geo[1], _u32(blocks, o + geo[1] - 4), geo[2], d, start, out)
 
 
 @inline
@@ -218,31 +288,31 @@ def gemv_loop(update, locate, geo, raw, x, sums, table, out):
 
 @inline
 def decode_loop(values, locate, geo, raw, table, tile):
-    """``tile`` [R, nb * 32] = the rows decoded by ``values`` (as the reference computes them)."""
+    """``tile`` [R, nb * 32] = the rows decoded as the reference computes them: ``d * w`` or ``d * w + m``."""
     nb = tile.shape[1] // LANES
     for r in range(raw.shape[0]):
         blocks, row = raw[r], tile[r]
         for b in range(nb):
             o, d, m = locate(table, blocks, b, geo)
-            values(blocks, o, geo, d, m, row[b * LANES: b * LANES + LANES])
+            values(blocks, o, geo, d, m if geo[3] else NEGATIVE_ZERO, row[b * LANES: b * LANES + LANES])
 
 
 GEMV = types.void(U8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
 DECODE = types.void(U8_2D, F32_1D, F32_2D_C)
 # Block geometry as compile-time constants: bytes per block, first byte of qs, bias subtracted from q, minimum.
-Q4_0_GEO = (Q4_0().type_size, Q4_0.qs_at, np.float32(Q4_0.bias), False)
-Q4_1_GEO = (Q4_1().type_size, Q4_1.qs_at, np.float32(Q4_1.bias), True)
-Q5_0_GEO = (Q5_0().type_size, Q5_0.qs_at, np.float32(Q5_0.bias), False)
-Q5_1_GEO = (Q5_1().type_size, Q5_1.qs_at, np.float32(Q5_1.bias), True)
+Q4_0_GEO = (Q4_0().type_size, Q4_0.qs_at, Q4_0.bias, False)
+Q4_1_GEO = (Q4_1().type_size, Q4_1.qs_at, Q4_1.bias, True)
+Q5_0_GEO = (Q5_0().type_size, Q5_0.qs_at, Q5_0.bias, False)
+Q5_1_GEO = (Q5_1().type_size, Q5_1.qs_at, Q5_1.bias, True)
 
 @compiled(GEMV)
 def q4_0_gemv1(raw, x, sums, table, out):
-    gemv1_loop(_q4, _block_at, Q4_0_GEO, raw, x, sums, table, out)
+    gemv1_loop(_q4_lanes, _block_at, Q4_0_GEO, raw, x, sums, table, out)
 
 
 @compiled(GEMV)
 def q4_0_gemv(raw, x, sums, table, out):
-    gemv_loop(_q4, _block_at, Q4_0_GEO, raw, x, sums, table, out)
+    gemv_loop(_q4_lanes, _block_at, Q4_0_GEO, raw, x, sums, table, out)
 
 
 @compiled(DECODE, contract=False)
