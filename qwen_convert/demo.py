@@ -152,10 +152,12 @@ def prepare_outputs(src: Path, out_dir: Path, progress: Progress | None = None) 
 
 
 def measure_quality(src: Path, outputs: Sequence[DemoOutput], text: str, eval_tokens: int, ctx: int,
-                    stride: int, progress: Callable[[int], None] | None = None) -> list[EvalResult]:
-    """Perplexity of every output on ``text`` and its divergence from the source (one lockstep pass)."""
-    models = [load(o.path) for o in outputs]
-    reference = load(src)
+                    stride: int, progress: Callable[[int], None] | None = None, threads: int | None = None,
+                    kernels: str | None = None) -> list[EvalResult]:
+    """Perplexity of every output on ``text`` and its divergence from the source (one lockstep pass);
+    ``threads`` and ``kernels`` are :func:`qwen_runtime.load`'s."""
+    models = [load(o.path, threads=threads, kernels=kernels) for o in outputs]
+    reference = load(src, threads=threads, kernels=kernels)
     ctx = min(ctx, reference.config.max_position_embeddings)
     ids = encode_text(reference, text, eval_tokens)
     return evaluate_ids(models, ids, ctx, min(stride, ctx), reference, progress=progress)
@@ -173,10 +175,11 @@ def peak_rss_kb() -> int:
     return 0
 
 
-def complete(path: str | Path, prompt: str, max_new_tokens: int) -> Completion:
+def complete(path: str | Path, prompt: str, max_new_tokens: int, threads: int | None = None,
+             kernels: str | None = None) -> Completion:
     """Load ``path`` and complete ``prompt`` greedily; measured in (and for) the calling process."""
     t0 = time.perf_counter()
-    model = load(path)
+    model = load(path, threads=threads, kernels=kernels)
     chat_format(model)  # load the tokenizer before timing generation
     load_seconds = time.perf_counter() - t0
     generation = stream(model, prompt, max_new_tokens=max_new_tokens)
@@ -185,9 +188,10 @@ def complete(path: str | Path, prompt: str, max_new_tokens: int) -> Completion:
                       load_seconds, peak_rss_kb())
 
 
-def complete_in_fresh_process(path: str | Path, prompt: str, max_new_tokens: int) -> Completion:
+def complete_in_fresh_process(path: str | Path, prompt: str, max_new_tokens: int, threads: int | None = None,
+                              kernels: str | None = None) -> Completion:
     """:func:`complete` in a newly spawned interpreter, so its peak RSS covers this output alone."""
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(complete, str(path), prompt, max_new_tokens).result()
+        return pool.submit(complete, str(path), prompt, max_new_tokens, threads, kernels).result()
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qwen_runtime.cli_support import run_guarded
+from qwen_runtime.cli_support import add_machine_options, run_guarded
 from qwen_runtime.evaluate import METHOD, EvalResult, count_targets, read_text
 
 from .batch import human_size
@@ -54,6 +54,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=256, help="perplexity window (default 256, the bundled model's "
                    "training context)")
     p.add_argument("--stride", type=int, default=128, help="tokens between perplexity windows (default 128)")
+    add_machine_options(p)
     return p
 
 
@@ -98,13 +99,15 @@ def run(args: argparse.Namespace) -> None:
           f"{METHOD.format(ctx=args.ctx, stride=args.stride)}; KL(source || output) per token")
     with tqdm(total=count_targets(args.eval_tokens, args.ctx, args.stride), desc="scoring", unit="tok",
               leave=False, dynamic_ncols=True, disable=None) as bar:
-        results = measure_quality(src, outputs, text, args.eval_tokens, args.ctx, args.stride, bar.update)
+        results = measure_quality(src, outputs, text, args.eval_tokens, args.ctx, args.stride, bar.update,
+                                  args.threads, args.kernels)
     print(quality_table(outputs, results))
     print(f"\n3. Greedy completion of {args.prompt!r}, {args.max_new_tokens} new tokens; each output runs in a "
           "fresh subprocess (peak RSS = its VmHWM, memory-mapped weights included)")
     for output in outputs:
-        print(completion_line(output, complete_in_fresh_process(output.path, args.prompt, args.max_new_tokens)),
-              flush=True)
+        completion = complete_in_fresh_process(output.path, args.prompt, args.max_new_tokens, args.threads,
+                                               args.kernels)
+        print(completion_line(output, completion), flush=True)
     print(f"\nqwen-demo: done in {time.perf_counter() - started:.1f} s")
 
 

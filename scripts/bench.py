@@ -1,7 +1,7 @@
 """Benchmark qwen_runtime and qwen-convert against llama.cpp, in one run, on full-size random-weight models.
 
     python scripts/bench.py [--quick] [--models qwen2.5-0.5b,...] [--dtypes fp32,fp16,q8_0,q4_0,q4_k_m] [--repeat 3]
-                            [--cache-dir ~/.cache/qwen-numpy-bench] [--tokenizers DIR]
+                            [--kernels numba,numpy] [--cache-dir ~/.cache/qwen-numpy-bench] [--tokenizers DIR]
 
 1. Builds (once, cached) bf16 checkpoints with the shapes of Qwen2.5-0.5B, Qwen3-0.6B and Qwen3.5-0.8B.
 2. Converts each to GGUF fp32 / fp16 / q8_0 with ``qwen-convert`` and with llama.cpp's ``convert_hf_to_gguf.py``
@@ -13,7 +13,14 @@
    (``numpy_peer.py``: whole-matrix ``x @ W.T`` with BLAS's own threads; Qwen2/Qwen3 only) and llama.cpp on
    *our* GGUF with the same thread count, interleaved, ``--repeat`` times: a 128-token prompt + 128 greedy
    tokens, 8 such prompts at once (ours), and decoding after a 2,048-token prompt.
-4. Prints medians and ours/llama.cpp ratios (and ours / plain numpy / llama.cpp side by side) and writes
+   ``--kernels``: the first (default numba) runs every measurement; the others (default numpy, the reference
+   path) the single-stream prompt + decode, as a column beside it.
+4. Measures, once per run: the compiled kernels' first-ever compile and warm-cache start-up (importing numba
+   and every kernel module, with a fresh ``NUMBA_CACHE_DIR``, then again from that cache), and a plain read
+   bandwidth (numpy sums over the largest GGUF, larger than any cache, on ``--threads`` threads), printed
+   beside each decode row with that row's decode bandwidth (stored bytes of the matrices read per token x
+   tokens/s).
+5. Prints medians and ours/llama.cpp ratios (and ours / plain numpy / llama.cpp side by side) and writes
    everything (with every sample) to a JSON file.
 
 For stable numbers run it alone on the machine; ratios within one run are what to compare.
@@ -133,21 +140,23 @@ def quantize_llama(f32: Path, out: Path, dtype: str, env: dict[str, str]) -> dic
 # ------------------------------------------------------------------------------------------- measurements
 
 def measure(engine: str, gguf: Path, prompt: int, new: int, batch: int, env: dict[str, str],
-            threads: int) -> dict[str, float]:
+            threads: int, kernels: str = "numba") -> dict[str, float]:
     cmd = [sys.executable, str(WORKER), engine, str(gguf), "--prompt", str(prompt), "--new", str(new),
-           "--batch", str(batch), "--threads", str(threads)]
+           "--batch", str(batch), "--threads", str(threads), "--kernels", kernels]
     sample = json.loads(run_measured(cmd, env)[2].strip().splitlines()[-1])
     sample["loadavg_1min"] = os.getloadavg()[0]  # the machine's load while it ran (shared machines)
     return sample
 
 
 def runtime_round(gguf: Path, plan: Plan, llama: bool, peer: bool, env: dict[str, str],
-                  threads: int, with_batch: bool = True, with_context: bool = True) -> dict[str, dict]:
+                  threads: int, with_batch: bool = True, with_context: bool = True,
+                  kernels: Sequence[str] = ("numba",)) -> dict[str, dict]:
     """One repetition of every runtime measurement of one file, ours, the numpy peer and llama.cpp interleaved.
 
     Keys: ``ours``/``numpy``/``llama`` (prompt + decode), ``ours_batch`` (``plan.batch`` rows), ``*_context``
-    (long prompt).
+    (long prompt), all of ours with ``kernels[0]``; ``ours_<k>`` (prompt + decode) for each other kernel ``k``.
     """
+    main_kernels = kernels[0]
     jobs = {"ours": ("ours", plan.prompt, plan.new, 1), "numpy": ("numpy", plan.prompt, plan.new, 1),
             "llama": ("llama", plan.prompt, plan.new, 1),
             "ours_batch": ("ours", plan.prompt, plan.batch_new, plan.batch),
@@ -158,8 +167,28 @@ def runtime_round(gguf: Path, plan: Plan, llama: bool, peer: bool, env: dict[str
         if (name == "ours_batch" and not with_batch) or (name.endswith("_context") and not with_context):
             continue
         if engine == "ours" or (engine == "llama" and llama) or (engine == "numpy" and peer):
-            results[name] = measure(engine, gguf, prompt, new, batch, env, threads)
+            results[name] = measure(engine, gguf, prompt, new, batch, env, threads, main_kernels)
+    for other in kernels[1:]:
+        results[f"ours_{other}"] = measure("ours", gguf, plan.prompt, plan.new, 1, env, threads, other)
     return results
+
+
+def jit_startup(env: dict[str, str]) -> dict[str, dict[str, float]]:
+    """The compiled kernels' start-up: ``first`` compile (a fresh, empty numba cache), then ``warm`` (medians of
+    3 fresh processes loading that cache): seconds to import numba and each kernel module."""
+    with tempfile.TemporaryDirectory() as cache:
+        cold_env = {**env, "NUMBA_CACHE_DIR": cache}
+        cmd = [sys.executable, str(WORKER), "jit", "-"]
+        first = json.loads(run_measured(cmd, cold_env)[2].strip().splitlines()[-1])
+        warm = [json.loads(run_measured(cmd, cold_env)[2].strip().splitlines()[-1]) for _ in range(3)]
+    return {"first": first, "warm": medians(warm)}
+
+
+def read_bandwidth(files: Sequence[Path], env: dict[str, str], threads: int) -> dict[str, float]:
+    """Plain read bandwidth over the largest of ``files`` (see bench_worker.run_read)."""
+    largest = max(files, key=lambda f: f.stat().st_size)
+    cmd = [sys.executable, str(WORKER), "read", str(largest), "--threads", str(threads)]
+    return {**json.loads(run_measured(cmd, env)[2].strip().splitlines()[-1]), "file": largest.name}
 
 
 def cache_mib(config: dict[str, Any], slots: int, batch: int = 1) -> float:
@@ -216,11 +245,21 @@ def triple(ours: dict, plain: dict, peer: dict, key: str) -> str:
     return f"{fmt(x)} / {fmt(plain.get(key, NAN))} / {fmt(y)} ({fmt(ratio(x, y), 2)})"
 
 
-def runtime_row(model: str, dtype: str, m: dict[str, dict]) -> str:
+def decode_bandwidth(ours: dict, read_gbps: float) -> str:
+    """``decode GB/s (x read bandwidth)``: stored bytes of the matrices read per token x tokens/s."""
+    gbps = ours.get("weight_gb_per_token", NAN) * ours.get("decode_tps", NAN)
+    return f"{fmt(gbps)} ({fmt(ratio(gbps, read_gbps), 2)})"
+
+
+def runtime_row(model: str, dtype: str, m: dict[str, dict], others: Sequence[str] = (),
+                read_gbps: float = NAN) -> str:
     o, ll, pl = m.get("ours", {}), m.get("llama", {}), m.get("numpy", {})
     ob, oc, lc = m.get("ours_batch", {}), m.get("ours_context", {}), m.get("llama_context", {})
     batch, single, context = (d.get("decode_tps", NAN) for d in (ob, ll, oc))
+    other_cells = [f"{fmt(m.get(f'ours_{k}', {}).get('prefill_tps', NAN))} / "
+                   f"{fmt(m.get(f'ours_{k}', {}).get('decode_tps', NAN))}" for k in others]
     cells = [model, dtype, triple(o, pl, ll, "prefill_tps"), triple(o, pl, ll, "decode_tps"),
+             decode_bandwidth(o, read_gbps), *other_cells,
              f"{fmt(batch)} ({fmt(ratio(batch, single), 2)})",
              f"{pair(oc, lc, 'decode_tps', with_ratio=False)} ({fmt(ratio(context, o.get('decode_tps', NAN)), 2)})",
              pair(o, ll, "ttft_s", 2, False), pair(o, ll, "load_s", 2, False), pair(o, ll, "VmHWM", 0),
@@ -228,15 +267,32 @@ def runtime_row(model: str, dtype: str, m: dict[str, dict]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def runtime_table(summary: dict, plan: Plan) -> list[str]:
+def runtime_table(summary: dict, plan: Plan, kernels: Sequence[str] = ("numba",), read_gbps: float = NAN,
+                  ) -> list[str]:
+    others = list(kernels[1:])
     head = ["model", "type", f"prefill({plan.prompt}) tok/s ours / numpy / llama (× llama)",
             f"decode({plan.new}) tok/s ours / numpy / llama (× llama)",
+            f"decode GB/s ours (× read {fmt(read_gbps)} GB/s)",
+            *(f"ours with {k} kernels: prefill / decode tok/s" for k in others),
             f"batch-{plan.batch} agg. tok/s ours (× llama 1-stream)",
             f"decode @{plan.context} ours / llama (ours × own decode)", "TTFT s ours / llama",
             "load s ours / llama", "peak RSS MiB ours / llama (×)", "anon MiB ours / llama",
             "machine load"]
-    rows = [runtime_row(model, dtype, m) for model, dtypes in summary.items() for dtype, m in dtypes.items()]
+    rows = [runtime_row(model, dtype, m, others, read_gbps) for model, dtypes in summary.items()
+            for dtype, m in dtypes.items()]
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows]
+
+
+def jit_lines(jit: dict[str, dict[str, float]]) -> list[str]:
+    """The compiled kernels' first-ever compile and warm-cache start-up, in seconds."""
+    if not jit:
+        return []
+    keys = [k for k in jit["first"] if k.endswith("_s")]
+    head = "| | " + " | ".join(k.removesuffix("_s").replace("_", " ") for k in keys) + " |"
+    rows = [f"| {label} | " + " | ".join(fmt(jit[label].get(k, NAN), 2) for k in keys) + " |"
+            for label in ("first", "warm")]
+    return ["Compiled kernels' start-up, seconds (first: empty numba cache; warm: median of 3 processes):",
+            head, "|" + "---|" * (len(keys) + 1), *rows, ""]
 
 
 def conversion_table(summary: dict) -> list[str]:
@@ -347,6 +403,8 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversion-repeat", type=int, default=None,
                    help="repetitions of every conversion (default: --repeat; the GGUF is always written once)")
     p.add_argument("--threads", type=int, default=2, help="threads of both runtimes")
+    p.add_argument("--kernels", default="numba,numpy", help="our kernels, comma list of numba, numpy: the first runs "
+                   "every measurement, the others prompt + decode (default: numba,numpy)")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "qwen-numpy-bench")
     p.add_argument("--tokenizers", type=Path, default=None,
                    help="directory of <name>/tokenizer.json (default: the repository's, tests/data/tokenizers)")
@@ -396,7 +454,7 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
             with_batch = not single and (args.batch_dtypes is None or dtype in args.batch_dtypes.split(","))
             with_context = not single and (args.context_dtypes is None or dtype in args.context_dtypes.split(","))
             for name, sample in runtime_round(gguf, plan, script is not None, with_peer, env, args.threads,
-                                              with_batch, with_context).items():
+                                              with_batch, with_context, args.kernels.split(",")).items():
                 runtime.setdefault(dtype, {}).setdefault(name, []).append(sample)
             save()
 
@@ -408,7 +466,9 @@ def report(results: dict[str, Any], plan: Plan) -> list[str]:
              f"numpy {results['machine']['numpy']}, llama-cpp-python {results['machine']['llama_cpp_python']}, "
              f"{results['machine']['date']}; medians of {results['repeat']} runs "
              f"({results.get('conversion_repeat', results['repeat'])} of each conversion)", "",
-             *runtime_table(runs, plan), "", *conversion_table(conv), ""]
+             *runtime_table(runs, plan, results.get("kernels", ["numba"]),
+                            results.get("read", {}).get("read_gbps", NAN)), "",
+             *jit_lines(results.get("jit", {})), *conversion_table(conv), ""]
     for model in runs:
         found = [t for t in targets(runs[model], conv.get(model, {}), results["configs"][model], plan)
                  if t.value == t.value]  # NaN: not measured in this run (--quick, --dtypes, --no-llama)
@@ -430,7 +490,10 @@ def run(args: argparse.Namespace) -> None:
     script = llama_interop.converter_script(args.cache_dir) if version else None
     results: dict[str, Any] = {"machine": machine(), "plan": plan.__dict__, "repeat": args.repeat,
                                "conversion_repeat": max(1, args.conversion_repeat or args.repeat),
-                               "conversion": {}, "runtime": {}, "configs": {}}
+                               "conversion": {}, "runtime": {}, "configs": {}, "kernels": args.kernels.split(",")}
+    if "numba" in results["kernels"]:
+        log("compiled kernels: first compile and warm start-up")
+        results["jit"] = jit_startup(env)
     out = args.json or args.cache_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     others = args.other_dtypes.split(",") if args.other_dtypes else dtypes
     for i, name in enumerate(names):
@@ -441,6 +504,10 @@ def run(args: argparse.Namespace) -> None:
         bench_model(src, dtypes if i == 0 else others, args, plan, script, env,
                     results["conversion"].setdefault(name, {}), results["runtime"].setdefault(name, {}),
                     lambda: out.write_text(json.dumps(results, indent=1)), single=i > 0 and args.others_single)
+    files = sorted((args.cache_dir / "gguf").glob("*.gguf"))
+    if files:
+        log("plain read bandwidth")
+        results["read"] = read_bandwidth(files, env, args.threads)
     results["machine"]["loadavg_end"] = os.getloadavg()
     sys.stdout.write("\n".join(report(results, plan)) + "\n")
     out.write_text(json.dumps(results, indent=1))

@@ -3,6 +3,7 @@
 Error model of a product row (``qwen_runtime/quants/jit_base.py``): each term ``f32(q) * (x * d)`` is rounded
 twice (the activation times the scale, then the product or its fused add), every lane sums its ``nb`` terms
 in order and the 32 lanes are summed in order, so ``|got - exact| <= (nb + 32 + 2) * eps32 * sum |x| |w|``
+(``nb``: the terms of one lane, blocks per row, or ``n / 32`` for F16/BF16)
 (the classic bound ``gamma_m``, first order).  Types with a minimum (``w = dl * q - ml``) apply it to the
 activation sums separately, so ``|w|`` is replaced by ``|dl * q| + |ml|`` there (what the kernel actually adds).
 Decoded tiles multiplied by BLAS (more rows than ``direct_rows``) sum up to ``n`` terms per output:
@@ -33,9 +34,12 @@ EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF, 0x1
 COMPILED = sorted(JIT_KERNELS, key=lambda q: q.name)
 
 
-def random_blocks(qtype: QType, rows: int, cols: int, seed: int) -> np.ndarray:
+def random_blocks(qtype: QType, rows: int, cols: int, seed: int, edges: float = 0.1) -> np.ndarray:
     """Stored rows of random bytes (every quant value, ±max included), float16 fields finite: mostly scales
-    of about 1e-3, some edge values (zero, negative zero, subnormal, largest)."""
+    of about 1e-3, a fraction ``edges`` of edge values (zero, negative zero, subnormal, largest).  F16/BF16:
+    normal(0, 0.05) weights, half that fraction replaced by edge values (BF16's largest: 2**24, so that products
+    with the test's largest activations stay finite, as for the quantized types).  Timings need ``edges=0``:
+    subnormal arithmetic takes microcode assists, 5-20x slower."""
     rng = np.random.default_rng(seed)
     c = codec(qtype)
     if not c.quantized:
@@ -43,8 +47,8 @@ def random_blocks(qtype: QType, rows: int, cols: int, seed: int) -> np.ndarray:
         raw = bits.astype(np.float16).view(np.uint16) if qtype == QType.F16 else (bits.view(np.uint32) >> 16)
         raw = raw.astype(np.uint16)
         flat = raw.reshape(-1)
-        picks = rng.random(flat.size) < 0.05
-        edges = EDGE_F16 if qtype == QType.F16 else np.array([0, 0x8000, 0x0001, 0x807F, 0x477F, 0xC77F], np.uint16)
+        picks = rng.random(flat.size) < edges / 2
+        edges = EDGE_F16 if qtype == QType.F16 else np.array([0, 0x8000, 0x0001, 0x807F, 0x4B00, 0xCB00], np.uint16)
         flat[picks] = rng.choice(edges, int(picks.sum()))
         return raw.view(np.float16) if qtype == QType.F16 else raw
     raw = rng.integers(0, 256, (rows, cols // c.block_size * c.type_size), dtype=np.uint8)
@@ -52,7 +56,7 @@ def random_blocks(qtype: QType, rows: int, cols: int, seed: int) -> np.ndarray:
     for at in F16_FIELDS[qtype]:
         scales = np.float16(rng.uniform(2e-4, 2e-3, blocks.shape[:2])) * rng.choice([-1, 1], blocks.shape[:2])
         bits = scales.astype(np.float16).view(np.uint16)
-        edge = rng.random(bits.shape) < 0.1
+        edge = rng.random(bits.shape) < edges
         bits[edge] = rng.choice(EDGE_F16, int(edge.sum()))
         blocks[:, :, at:at + 2] = bits[..., None].view(np.uint8).reshape(*bits.shape, 2)
     return raw
@@ -76,7 +80,8 @@ def magnitudes(qtype: QType, raw: np.ndarray) -> np.ndarray:
 
 def bound(qtype: QType, raw: np.ndarray, x: np.ndarray, direct: bool) -> np.ndarray:
     n = x.shape[1]
-    terms = (n // codec(qtype).block_size + 32 + 2) if direct and codec(qtype).quantized else n + 34
+    per_lane = n // max(codec(qtype).block_size, 32)  # terms each of the 32 lanes sums
+    terms = per_lane + 32 + 2 if direct else n + 2
     return terms * EPS32 * (np.abs(x.astype(np.float64)) @ magnitudes(qtype, raw).T) + 1e-30
 
 
@@ -164,3 +169,15 @@ def test_resolve_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QWEN_KERNELS", "fast")
     with pytest.raises(ValueError, match="QWEN_KERNELS"):
         resolve_kernels()
+
+
+def test_numba_thread_pool_never_starts() -> None:
+    """The compiled kernels run on the tile pool's threads: numba's own pool (parallel=True) is never launched."""
+    from numba.np.ufunc import parallel
+
+    raw = random_blocks(QType.Q8_0, 256, 256, seed=8)
+    weight = make_weight(StoredTensor("w", QType.Q8_0, (256, 256), "mem", data=raw),
+                         Workspace(threads=2, kernels="numba"), tile_elements=32 * 256)
+    for n in (1, 5, 40):
+        weight.matmul(np.ones((n, 256), np.float32))
+    assert not parallel._is_initialized

@@ -40,7 +40,10 @@ DENSE_TYPES = (QType.F32, QType.F16, QType.BF16)
 # that numba loads only for ``kernels="numba"`` and each family compiles only when a model uses it.
 JIT_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q8_0: ("jit_q8_0", "Q8_0JitKernel"),
+    QType.Q2_K: ("jit_kquants", "Q2_KJitKernel"),
+    QType.Q3_K: ("jit_kquants", "Q3_KJitKernel"),
     QType.Q4_K: ("jit_kquants", "Q4_KJitKernel"),
+    QType.Q5_K: ("jit_kquants", "Q5_KJitKernel"),
     QType.Q6_K: ("jit_kquants", "Q6_KJitKernel"),
     QType.F16: ("jit_dense", "F16JitKernel"),
     QType.BF16: ("jit_dense", "BF16JitKernel"),

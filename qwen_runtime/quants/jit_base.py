@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -71,14 +72,16 @@ def stack_f32(typingctx, size):  # noqa: ARG001 (numba's intrinsic protocol)
 
 @intrinsic
 def bits_to_f32(typingctx, bits):  # noqa: ARG001
-    """The float32 whose bit pattern is the uint32 ``bits``."""
-    if bits != types.uint32:
+    """The float32 whose bit pattern is the low 32 bits of the unsigned integer ``bits`` (numba widens uint32
+    arithmetic to uint64)."""
+    if not isinstance(bits, types.Integer) or bits.signed or bits.bitwidth < 32:
         return None
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
+        low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
+        return builder.bitcast(low, context.get_value_type(types.float32))
 
-    return types.float32(types.uint32), codegen
+    return types.float32(bits), codegen
 
 
 class JitKernel:

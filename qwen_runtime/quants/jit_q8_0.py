@@ -78,12 +78,13 @@ def q8_0_gemv(raw, x, table, out):
 def q8_0_decode(raw, table, tile):
     """``tile`` [R, nb * 32] = the Q8_0 rows decoded (``d * q`` in float32, as the reference)."""
     nb = tile.shape[1] // 32
+    width = tile.shape[1] // nb  # 32, hidden from the compiler: a constant trip count compiled to scalar code
     for r in range(raw.shape[0]):
         blocks, row = raw[r], tile[r]
         for b in range(nb):
             q = blocks[b * 34: b * 34 + 34]
             d = table[np.int64(np.uint8(q[0])) | (np.int64(np.uint8(q[1])) << 8)]
-            for k in range(32):
+            for k in range(width):
                 row[b * 32 + k] = d * np.float32(q[2 + k])
 
 
