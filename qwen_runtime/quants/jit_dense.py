@@ -13,6 +13,7 @@ Assembly (numba 0.68, this Xeon with AVX-512 and F16C): in the column loop F16 w
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import carray, types
@@ -20,7 +21,8 @@ from numba.extending import intrinsic
 
 from .base import QType
 from .jit_base import ACC_FLOATS, F32_2D, F32_2D_C, GEMV_ROWS, LANES, U16_2D, JitKernel, compiled, stack_f32
-from .jit_legacy import inline
+
+inline = numba.njit(inline="always", cache=True, fastmath={"contract"})  # steps inlined into the kernels
 
 
 @intrinsic
