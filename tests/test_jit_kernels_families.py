@@ -173,3 +173,26 @@ def test_compiled_kernels_refuse_shapes_they_were_not_built_for(qtype: QType) ->
         kernel.prepare(np.ones((1, cols + 32), np.float32))  # activations of another width
     with pytest.raises(ValueError):
         kernel.product(0, 4, kernel.prepare(np.ones((1, cols), np.float32)), np.empty((1, 3), np.float32), Scratch())
+
+
+def test_iq4_levels_without_pshufb_equal_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The portable level lookup (a select chain, for CPUs other than x86) decodes as the reference."""
+    import numba
+
+    from qwen_runtime.quants import jit_legacy
+    from qwen_runtime.quants.jit_base import F16_TABLE
+
+    monkeypatch.setattr(jit_legacy, "X86", False)  # read when a function using the intrinsic is compiled
+
+    @numba.njit(cache=False)
+    def decode(raw, table, tile):  # IQ4_NL: 18-byte blocks, qs from byte 2
+        for r in range(raw.shape[0]):
+            for b in range(tile.shape[1] // 32):
+                d = table[np.int64(raw[r, 18 * b]) | (np.int64(raw[r, 18 * b + 1]) << 8)]
+                jit_legacy.levels_decode(raw[r], 18 * b + 2, None, 0, d, np.float32(-0.0),
+                                         tile[r, 32 * b: 32 * b + 32])
+
+    raw = random_rows(QType.IQ4_NL, 9, 128, seed=9)
+    tile = np.empty((9, 128), np.float32)
+    decode(raw, F16_TABLE, tile)
+    assert np.array_equal(tile.view(np.uint32), codec(QType.IQ4_NL).reference(raw).view(np.uint32))
