@@ -24,6 +24,7 @@ from qwen_runtime.weights import make_weight
 
 pytest.importorskip("numba")
 from qwen_runtime.quants.jit_base import GEMV_ROWS  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.quants.jit_q8_0 import Q8_0JitKernel  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 # Byte offsets of the float16 fields of each block (scales and minimums): set to edge values below.
@@ -150,9 +151,10 @@ def test_weights_pick_the_compiled_kernel_and_agree_with_numpy(qtype: QType) -> 
 def test_compiled_kernels_refuse_shapes_they_were_not_built_for() -> None:
     raw = quants.quantize(np.ones((4, 64), np.float32), QType.Q8_0)
     with pytest.raises(ValueError):
-        jit_kernel(QType.Q8_0, raw[:, :50])  # not whole blocks
+        jit_kernel(QType.Q8_0, np.ascontiguousarray(raw[:, :50]))  # not whole blocks
+    assert jit_kernel(QType.Q8_0, np.asfortranarray(raw)) is None  # not contiguous: the numpy kernel instead
     with pytest.raises(ValueError):
-        jit_kernel(QType.Q8_0, np.asfortranarray(raw))  # not contiguous rows
+        Q8_0JitKernel(np.asfortranarray(raw))
     kernel = jit_kernel(QType.Q8_0, raw)
     with pytest.raises(ValueError):
         kernel.prepare(np.ones((1, 96), np.float32))  # activations of another width

@@ -69,9 +69,10 @@ def codec(qtype: QType | int) -> Codec:
 
 
 def jit_kernel(qtype: QType, raw: np.ndarray) -> TileKernel | None:
-    """The compiled tile kernel of a matrix stored as ``raw`` (None for a type without one)."""
+    """The compiled tile kernel of a matrix stored as ``raw`` (None for a type without one, and for rows that are
+    not one contiguous array, e.g. a Fortran-ordered npy file: the numpy kernels handle any strides)."""
     entry = JIT_KERNELS.get(qtype)
-    if entry is None:
+    if entry is None or not np.asarray(raw).flags.c_contiguous:
         return None
     module, name = entry
     return getattr(importlib.import_module(f".{module}", __name__), name)(raw)

@@ -16,6 +16,10 @@ only behind such checks and ran 1.3-4x slower).  Only ``contract`` of fastmath i
 fused into FMA); sums keep their order, so a row's result is the same whatever the other rows
 (:data:`GEMV_ROWS`).
 
+**Start-up** (measured on 2 shared, loaded vCPUs): the first-ever compile of every module takes about 1.5
+minutes (most in jit_legacy and jit_kquants); with a warm cache a process pays ``import numba`` (0.2-0.9 s) and
+numba's code generator start on the first cached kernel it loads (about 1.2 s), then a few ms per module.
+
 For more than ``direct_rows`` activation rows (prefill, large batches) a tile is decoded into float32 scratch
 by compiled code and multiplied by BLAS; inside ``Workspace.rowwise()`` (serving) every row goes through the
 row kernel instead (groups of :data:`GEMV_ROWS`), so a row's numbers never depend on the batch.
