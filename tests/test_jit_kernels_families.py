@@ -165,9 +165,11 @@ def test_compiled_kernels_refuse_shapes_they_were_not_built_for(qtype: QType) ->
     raw = random_rows(qtype, 4, cols, seed=8)
     if codec(qtype).quantized:
         with pytest.raises(FormatError):
-            jit_kernel(qtype, raw[:, :-1])  # not whole blocks
+            jit_kernel(qtype, np.ascontiguousarray(raw[:, :-1]))  # not whole blocks
+    strided = raw[:, ::2] if not codec(qtype).quantized else np.asfortranarray(raw)
+    assert jit_kernel(qtype, strided) is None  # not one contiguous array: the numpy kernel instead
     with pytest.raises(FormatError):
-        jit_kernel(qtype, raw[:, ::2] if not codec(qtype).quantized else np.asfortranarray(raw))  # not contiguous
+        type(jit_kernel(qtype, raw))(strided)
     kernel = jit_kernel(qtype, raw)
     with pytest.raises(ValueError):
         kernel.prepare(np.ones((1, cols + 32), np.float32))  # activations of another width
