@@ -77,7 +77,7 @@ def run_jit() -> dict[str, float]:
     import numba  # noqa: F401
 
     out = {"import_numba_s": time.perf_counter() - t0}
-    for module in ("jit_base", "jit_q8_0", "jit_kquants", "jit_legacy", "jit_dense"):
+    for module in ("jit_base", "jit_q8_0", "jit_kquants", "jit_legacy", "jit_iq4", "jit_dense"):
         t = time.perf_counter()
         importlib.import_module(f"qwen_runtime.quants.{module}")
         out[f"{module}_s"] = time.perf_counter() - t

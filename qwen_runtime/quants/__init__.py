@@ -45,14 +45,14 @@ JIT_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q4_K: ("jit_kquants", "Q4_KJitKernel"),
     QType.Q5_K: ("jit_kquants", "Q5_KJitKernel"),
     QType.Q6_K: ("jit_kquants", "Q6_KJitKernel"),
+    QType.F16: ("jit_dense", "F16JitKernel"),
+    QType.BF16: ("jit_dense", "BF16JitKernel"),
     QType.Q4_0: ("jit_legacy", "Q4_0JitKernel"),
     QType.Q4_1: ("jit_legacy", "Q4_1JitKernel"),
     QType.Q5_0: ("jit_legacy", "Q5_0JitKernel"),
     QType.Q5_1: ("jit_legacy", "Q5_1JitKernel"),
-    QType.IQ4_NL: ("jit_legacy", "IQ4_NLJitKernel"),
-    QType.IQ4_XS: ("jit_legacy", "IQ4_XSJitKernel"),
-    QType.F16: ("jit_dense", "F16JitKernel"),
-    QType.BF16: ("jit_dense", "BF16JitKernel"),
+    QType.IQ4_NL: ("jit_iq4", "IQ4_NLJitKernel"),
+    QType.IQ4_XS: ("jit_iq4", "IQ4_XSJitKernel"),
 }
 
 __all__ = ["BLOCK_SUM_ROWS", "CODECS", "Codec", "DENSE_TYPES", "JIT_KERNELS", "READ_TYPES", "TileKernel", "codec",
