@@ -118,11 +118,12 @@ class Workspace:
     models with different policies can live in one process.  Without threadpoolctl tasks run in turn.
     """
 
-    def __init__(self, threads: int | None = None, blas_products: bool = False) -> None:
+    def __init__(self, threads: int | None = None, blas_products: bool = False, kernels: str = "numpy") -> None:
         blas = blas_controller()
         self._libs = [] if blas is None else list(blas.lib_controllers)
         self.threads = max(1, threads or default_threads())
         self.blas_products = blas_products
+        self.kernels = kernels
         self.blas_threads = self.threads if blas_products else 1  # what BLAS runs with for this model
         self.pooled = self.threads > 1 and not blas_products and bool(self._libs)  # run() spreads tasks
         self.scratch = [Scratch() for _ in range(self.threads)]
