@@ -32,7 +32,9 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-JIT = {"nogil": True, "cache": True}
+# error_model="numpy": IEEE division as numpy's (x/0 = inf), not Python's ZeroDivisionError check, which kept a
+# SiLU loop scalar and 30x slower
+JIT = {"nogil": True, "cache": True, "error_model": "numpy"}
 SUMS = {"reassoc"}  # fast-math flags of the functions that only sum: their terms may be regrouped, nothing else
 
 F32 = np.float32

@@ -46,8 +46,10 @@ OPS: list[tuple[Any, str, str]] = [
     (ops_jit, "rms_norm", "rms_norm (block, final)"), (ops_jit, "add_rms_norm", "rms_norm (block, final)"),
     (attention_jit, "prepare_heads", "q/k/v: bias, norm, rope, cache write"),
     (attention_jit, "attend", "attention over the cache"), (attention_jit, "gate", "sigmoid gate"),
+    (attention_jit, "attention_step", "q/k/v prep + attention (one compiled call)"),
     (gated_delta_jit, "conv_step", "conv1d step"),
     (gated_delta_jit, "delta_step", "delta rule step (+ l2 norms, gates, gated norm)"),
+    (gated_delta_jit, "linear_attention_step", "conv1d + delta rule step (one compiled call)"),
     (transformer.Block, "__call__", "block glue (residual adds)"),
     (transformer.Model, "forward", "model glue (embedding ids, head slicing)"),
 ]

@@ -189,6 +189,30 @@ def test_ragged_attention_reads_only_own_slots() -> None:
     assert np.all(np.abs(got - want) <= 2 * attention_bound(q, np.nan_to_num(keys), np.nan_to_num(values), state))
 
 
+def test_attention_step_is_its_parts() -> None:
+    """The fused call equals prepare_heads of q, k, v and attention over the written cache, bit for bit."""
+    rng = np.random.default_rng(9)
+    b, t, heads, kv, hd, cap = 2, 2, 4, 2, 16, 12
+    yq, yk, yv = rand(rng, b, t, heads, 2 * hd), rand(rng, b, t, kv, hd), rand(rng, b, t, kv, hd)
+    norms = rand(rng, hd), rand(rng, hd)
+    valid = np.ones((b, 5 + t), bool)
+    valid[0, :2] = False
+    state = aligned_state(valid, 5, t)
+    cos, sin = state.rotary(8, 10000.0)
+    slots, real = state.slots()
+    keys, values = rand(rng, b, kv, cap, hd), rand(rng, b, kv, cap, hd)
+    keys2, values2 = keys.copy(), values.copy()
+    eps = F32(1e-6)
+    got = aj.attention_step(yq, yk, yv, None, None, None, *norms, eps, cos, sin, slots, real, keys, values)
+    q = np.empty((b, heads, t, hd), F32)
+    aj.prepare_heads(yq, None, norms[0], eps, cos, sin, None, q)
+    aj.prepare_heads(yk, None, norms[1], eps, cos, sin, slots, keys2)
+    aj.prepare_heads(yv, None, None, eps, None, None, slots, values2)
+    np.testing.assert_array_equal(keys, keys2)
+    np.testing.assert_array_equal(values, values2)
+    np.testing.assert_array_equal(got, aj.attend(q, keys2, values2, slots, real))
+
+
 def test_sigmoid_gate() -> None:
     rng = np.random.default_rng(5)
     b, heads, t, hd = 2, 3, 2, 8
@@ -333,3 +357,20 @@ def test_delta_step_tokens_in_turn_and_padding() -> None:
     err_out, err_state = delta_bound(strong, hk, order)
     assert np.all(np.abs(got_state - want_state) <= 2 * err_state)
     assert np.all(np.abs(got - want) <= 2 * err_out)
+
+
+def test_linear_attention_step_is_its_parts() -> None:
+    rng = np.random.default_rng(10)
+    hk, hv, order = 2, 4, V_HEAD_GROUPED
+    inp = delta_inputs(rng, 2, 2, hk, hv, 16, 8)
+    valid = np.array([[False, True], [True, True]])
+    taps, conv_state = rand(rng, 4, inp["mixed"].shape[2]), rand(rng, 2, 3, inp["mixed"].shape[2])
+    mixed, conv2, state = inp["mixed"].copy(), conv_state.copy(), inp["state"].copy()
+    keys = gd.key_head_index(hk, hv, order)
+    args = (inp["z"], inp["b_gate"], inp["a_gate"], keys, inp["ssm_a"], inp["dt_bias"], inp["norm"], F32(1e-6), valid)
+    got = gdj.linear_attention_step(inp["mixed"], taps, conv_state, *args, inp["state"])
+    gdj.conv_step(mixed, taps, conv2, valid)
+    want = np.empty_like(got)
+    gdj.delta_step(mixed, *args, state, want)
+    for a, b in ((got, want), (inp["mixed"], mixed), (conv_state, conv2), (inp["state"], state)):
+        np.testing.assert_array_equal(a, b)

@@ -173,17 +173,14 @@ class Attention:
 
     def _compiled(self, yq: np.ndarray, yk: np.ndarray, yv: np.ndarray, cache: KVCache, state: BatchState,
                   ) -> np.ndarray:
-        """Biases, q/k norms, RoPE, the cache writes and attention in compiled code (a few new tokens).
+        """Biases, q/k norms, RoPE, the cache writes and attention in one compiled call (a few new tokens).
 
         yq [B*T, nh*hd], yk/yv [B*T, nkv*hd] -> [B, nh, T, hd]
         """
-        aj, c, hd = jit(), self.config, self.head_dim
+        c, hd = self.config, self.head_dim
         b, t = state.batch, state.length
-        eps = np.float32(c.rms_norm_eps)
         cos, sin = state.rotary(c.rotary_dim, c.rope_theta)  # [B, T, r/2]
-        slots = state.slots()[0]  # [B, T]
-        q = np.empty((b, self.n_heads, t, hd), np.float32)
-        aj.prepare_heads(yq.reshape(b, t, self.n_heads, hd), self.bq, self.q_norm, eps, cos, sin, None, q)
-        aj.prepare_heads(yk.reshape(b, t, self.n_kv, hd), self.bk, self.k_norm, eps, cos, sin, slots, cache.keys)
-        aj.prepare_heads(yv.reshape(b, t, self.n_kv, hd), self.bv, None, eps, None, None, slots, cache.values)
-        return attend(q, cache.keys, cache.values, state, self.ws)
+        return jit().attention_step(yq.reshape(b, t, self.n_heads, hd), yk.reshape(b, t, self.n_kv, hd),
+                                    yv.reshape(b, t, self.n_kv, hd), self.bq, self.bk, self.bv, self.q_norm,
+                                    self.k_norm, np.float32(c.rms_norm_eps), cos, sin, *state.slots(), cache.keys,
+                                    cache.values)

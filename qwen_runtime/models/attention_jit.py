@@ -68,8 +68,8 @@ def attend_slots(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_slot
     token always sees its own); out [B, nh, T, hd].  Query head h reads kv head h // (nh / nkv).
 
     Each cached key is read once for all query heads of its kv head (dot products in lanes over hd); the weighted
-    sum of values runs in lanes over hd.  (Scores from a transposed tile of keys, a lane per slot, ran 4x slower:
-    numba keeps such accumulators in memory.)
+    sum of values runs in lanes over hd (:func:`_weighted_sum`).  (Scores from a transposed tile of keys, a lane
+    per slot, ran 4x slower: numba keeps such accumulators in memory.)
     """
     batch, heads, length, hd = q.shape
     kv_heads = keys.shape[1]
@@ -93,12 +93,24 @@ def attend_slots(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_slot
                         scores[g, s] = dot(qs[g], k) if visible else MASKED
                 for g in range(group):
                     _softmax_masked(scores, g, seen)
-                    o = out[b, kv * group + g, t]  # [hd]
-                    o[:] = ZERO
-                    for s in range(seen):
-                        p = scores[g, s]
-                        for i in range(hd):
-                            o[i] += p * vb[s, i]
+                    _weighted_sum(scores, g, seen, vb, out[b, kv * group + g, t])
+
+
+@njit(**JIT)
+def _weighted_sum(p: np.ndarray, row: int, n: int, values: np.ndarray, o: np.ndarray) -> None:
+    """o ← Σ_s p[row, s]·values[s] over s < n, four slots per update of o (o stays in memory: a quarter of the
+    loads and stores), each group of four summed pairwise.  # [R, ≥n], [≥n, hd] -> [hd]"""
+    o[:] = ZERO
+    body = n - n % 4
+    for s in range(0, body, 4):
+        p0, p1, p2, p3 = p[row, s], p[row, s + 1], p[row, s + 2], p[row, s + 3]
+        v0, v1, v2, v3 = values[s], values[s + 1], values[s + 2], values[s + 3]
+        for i in range(o.shape[0]):
+            o[i] += (p0 * v0[i] + p1 * v1[i]) + (p2 * v2[i] + p3 * v3[i])
+    for s in range(body, n):
+        ps, vs = p[row, s], values[s]
+        for i in range(o.shape[0]):
+            o[i] += ps * vs[i]
 
 
 @njit(**JIT)
@@ -127,6 +139,29 @@ def sigmoid_gate(o: np.ndarray, q_gate: np.ndarray, out: np.ndarray) -> None:
             for h in range(heads):
                 for i in range(hd):
                     out[b * length + t, h * hd + i] = o[b, h, t, i] * sigmoid32(q_gate[b, t, h, hd + i])
+
+
+@njit(**JIT)
+def attention_step(yq: np.ndarray, yk: np.ndarray, yv: np.ndarray, bq: np.ndarray | None, bk: np.ndarray | None,
+                   bv: np.ndarray | None, q_norm: np.ndarray | None, k_norm: np.ndarray | None, eps: float,
+                   cos: np.ndarray, sin: np.ndarray, slots: np.ndarray, key_valid: np.ndarray, keys: np.ndarray,
+                   values: np.ndarray) -> np.ndarray:
+    """A few new tokens' attention from their projections, in one call: :func:`prepare_heads` of q (its own array),
+    k and v (into the cache at ``slots``), then :func:`attend_slots`.
+
+    yq [B, T, nh, ≥hd]; yk/yv [B, T, nkv, hd]; biases [heads·hd] or None; norms [hd] or None; cos/sin
+    [B, T, r/2]; slots int [B, T] and key_valid bool [B, ≥S] (:meth:`BatchState.slots`); keys/values
+    [B, nkv, S, hd] (the cache, written) -> [B, nh, T, hd]
+    """
+    batch, length, heads, _ = yq.shape
+    hd = keys.shape[3]
+    q = np.empty((batch, heads, length, hd), np.float32)
+    prepare_heads(yq, bq, q_norm, eps, cos, sin, None, q)
+    prepare_heads(yk, bk, k_norm, eps, cos, sin, slots, keys)
+    prepare_heads(yv, bv, None, eps, None, None, slots, values)
+    out = np.empty((batch, heads, length, hd), np.float32)
+    attend_slots(q, keys, values, slots, key_valid, out)
+    return out
 
 
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_slots: np.ndarray, key_valid: np.ndarray,

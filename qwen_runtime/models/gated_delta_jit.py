@@ -52,8 +52,8 @@ def conv_step(x: np.ndarray, taps: np.ndarray, state: np.ndarray, valid: np.ndar
                 acc[c] += current[c] * taps[kernel - 1, c]
             for j in range(kernel - 2):
                 state[b, j] = state[b, j + 1]
-            for c in range(channels):
-                state[b, kernel - 2, c] = current[c]
+            state[b, kernel - 2] = current
+            for c in range(channels):  # a loop of its own, so that it vectorises
                 current[c] = silu32(acc[c])
 
 
@@ -125,3 +125,16 @@ def delta_step(mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.
                 zt = z[b, t, h]
                 for d in range(dv):
                     o[d] = o[d] * silu32(zt[d])
+
+
+@njit(**JIT)
+def linear_attention_step(mixed: np.ndarray, taps: np.ndarray, conv_state: np.ndarray, z: np.ndarray,
+                          b_gate: np.ndarray, a_gate: np.ndarray, key_heads: np.ndarray, ssm_a: np.ndarray,
+                          dt_bias: np.ndarray, norm: np.ndarray, eps: float, valid: np.ndarray,
+                          state: np.ndarray) -> np.ndarray:
+    """:func:`conv_step` then :func:`delta_step` in one call (arguments as there; ``mixed`` is overwritten by the
+    conv output).  # -> [B, T, Hv, dv]"""
+    conv_step(mixed, taps, conv_state, valid)
+    out = np.empty((mixed.shape[0], mixed.shape[1], state.shape[1], state.shape[3]), np.float32)
+    delta_step(mixed, z, b_gate, a_gate, key_heads, ssm_a, dt_bias, norm, eps, valid, state, out)
+    return out

@@ -81,20 +81,17 @@ class GatedAttention:
 
     def _compiled(self, q_gate: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, state: BatchState,
                   ) -> np.ndarray:
-        """q/k norms, RoPE, the cache writes, attention and the gate in compiled code (a few new tokens).
+        """q/k norms, RoPE, the cache writes and attention in one compiled call, then the gate (a few new tokens).
 
         q_gate [B, T, nh, 2hd], k/v [B*T, nkv*hd] -> [B*T, nh*hd]
         """
         aj, c, hd = jit(), self.config, self.head_dim
         b, t = state.batch, state.length
-        eps = np.float32(c.rms_norm_eps)
         cos, sin = state.rotary(c.rotary_dim, c.rope_theta)  # [B, T, r/2]
-        slots = state.slots()[0]  # [B, T]
-        q = np.empty((b, self.n_heads, t, hd), np.float32)
-        aj.prepare_heads(q_gate, None, self.q_norm, eps, cos, sin, None, q)
-        aj.prepare_heads(k.reshape(b, t, self.n_kv, hd), None, self.k_norm, eps, cos, sin, slots, cache.keys)
-        aj.prepare_heads(v.reshape(b, t, self.n_kv, hd), None, None, eps, None, None, slots, cache.values)
-        return aj.gate(attend(q, cache.keys, cache.values, state, self.ws), q_gate)
+        out = aj.attention_step(q_gate, k.reshape(b, t, self.n_kv, hd), v.reshape(b, t, self.n_kv, hd), None, None,
+                                None, self.q_norm, self.k_norm, np.float32(c.rms_norm_eps), cos, sin, *state.slots(),
+                                cache.keys, cache.values)  # [B, nh, T, hd]
+        return aj.gate(out, q_gate)
 
 
 class LinearAttentionCache:
@@ -189,13 +186,10 @@ class GatedDeltaNet:
         b, t = state.batch, state.length
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         mixed, z, b_gate, a_gate = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x)
-        mixed = mixed.reshape(b, t, -1)  # [B, T, C]
-        gdj = gated_delta_jit()
-        gdj.conv_step(mixed, self.conv_taps, cache.conv, state.valid)
-        o = np.empty((b, t, hv, dv), np.float32)  # [B, T, Hv, dv]
-        gdj.delta_step(mixed, z.reshape(b, t, hv, dv), b_gate.reshape(b, t, hv), a_gate.reshape(b, t, hv),
-                       self.key_heads, self.ssm_a, self.dt_bias, self.norm, np.float32(c.rms_norm_eps), state.valid,
-                       cache.state, o)
+        o = gated_delta_jit().linear_attention_step(
+            mixed.reshape(b, t, -1), self.conv_taps, cache.conv, z.reshape(b, t, hv, dv), b_gate.reshape(b, t, hv),
+            a_gate.reshape(b, t, hv), self.key_heads, self.ssm_a, self.dt_bias, self.norm, np.float32(c.rms_norm_eps),
+            state.valid, cache.state)  # [B, T, Hv, dv]
         return o.reshape(b * t, hv * dv)
 
     def _project(self, x: np.ndarray, batch: int, conv_state: np.ndarray, valid: np.ndarray | None,
