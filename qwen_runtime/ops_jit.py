@@ -138,6 +138,24 @@ def add_rms_norm_rows(h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps:
         norm_row(total[r], weight, eps, out[r])
 
 
+@njit(**JIT)
+def silu_mul_rows(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    """out ← SiLU(gate)·up, rounded as :func:`.ops.silu_mul` but for exp32.  # 3 x [N, I] (``out`` may be ``gate``;
+    any row strides: elementwise, so the layout changes no result)"""
+    for r in range(gate.shape[0]):
+        for i in range(gate.shape[1]):
+            x = gate[r, i]
+            out[r, i] = x / (ONE + exp32(-x)) * up[r, i]
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Twin of :func:`.ops.silu_mul` (SwiGLU's activation; its caller, ``weights.gated_matmul``, picks it by the
+    workspace's kernels).  # [N, I], [N, I] -> [N, I]"""
+    out = np.empty(gate.shape, np.float32) if out is None else out
+    silu_mul_rows(gate, up, out)
+    return out
+
+
 def rows2d(x: np.ndarray) -> np.ndarray:
     """``x`` [..., D] as C-contiguous rows [N, D] (a copy only when ``x`` is a strided view)."""
     return np.ascontiguousarray(x).reshape(-1, x.shape[-1])

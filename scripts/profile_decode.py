@@ -81,6 +81,20 @@ class Timers:
             setattr(owner, name, self.wrap(getattr(owner, name), label))
 
 
+def stub_products() -> None:
+    """Every matrix product returns a fresh array of 0.01 of its result's shape (the ops after it run as usual)."""
+    def product(w: weights.Weight, x: np.ndarray) -> np.ndarray:
+        return np.full((x.shape[0], w.out_features), 0.01, np.float32)
+
+    def many(ws: list[weights.Weight], x: np.ndarray) -> list[np.ndarray]:
+        return [product(w, x) for w in ws]
+
+    weights.Weight.matmul = product
+    for module in (attention, qwen35):
+        module.matmul_many = many
+    transformer.gated_matmul = lambda gate, up, x: product(gate, x)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
@@ -88,15 +102,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--kernels", default="numpy,numba")
+    parser.add_argument("--stub-products", action="store_true",
+                        help="after the prefill, replace every matrix product by an array of 0.01 of its shape, so "
+                             "that a step is all outside the products (no wrappers either: one clean number)")
     args = parser.parse_args()
     kernel_sets = args.kernels.split(",")
     model = qwen_runtime.load(args.model)
     timers = Timers()
-    timers.install()
+    if not args.stub_products:
+        timers.install()
     rng = np.random.default_rng(0)
     ids = rng.integers(1000, 100000, (args.batch, args.prompt))
     cache = model.make_cache(args.batch, args.prompt + args.steps * len(kernel_sets) + 2)
     logits = model.forward(ids, cache, last_only=True)
+    if args.stub_products:
+        stub_products()
     for kernels in kernel_sets:  # warm-up: compile (or load from numba's cache) and grow the scratch
         model.workspace.kernels = kernels
         logits = model.forward(logits.argmax(-1)[:, None], cache, last_only=True)

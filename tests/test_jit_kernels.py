@@ -77,6 +77,21 @@ def test_add_rms_norm() -> None:
     assert np.all(np.abs(normed - want) <= (96 + 10) * U * np.abs(want))
 
 
+def test_silu_mul() -> None:
+    """Within SiLU's bound of ops.silu_mul (plus the product's rounding), on a column block of a wider array as
+    ``weights.gated_matmul`` passes it, and in place."""
+    rng = np.random.default_rng(11)
+    gate, up = rand(rng, 3, 50, scale=6.0), rand(rng, 3, 50)
+    want = ops.silu_mul(gate.copy(), up)
+    bound = (SIGMOID + U) * np.abs(want) + np.finfo(F32).tiny
+    assert np.all(np.abs(ops_jit.silu_mul(gate, up) - want) <= bound)
+    wide = np.zeros((3, 80), F32)
+    wide[:, 10:60] = gate
+    block = wide[:, 10:60]
+    assert ops_jit.silu_mul(block, up, out=block) is block
+    assert np.all(np.abs(wide[:, 10:60] - want) <= bound) and not wide[:, :10].any() and not wide[:, 60:].any()
+
+
 # --- attention ---------------------------------------------------------------------------------------------------
 
 
