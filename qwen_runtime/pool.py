@@ -140,6 +140,7 @@ class Workspace:
         self._libs = [] if blas is None else list(blas.lib_controllers)
         self.threads = max(1, threads or default_threads())
         self.blas_products = blas_products
+        self.kernels = kernels
         self.blas_threads = self.threads if blas_products else 1  # what BLAS runs with for this model
         self.pooled = self.threads > 1 and not blas_products and bool(self._libs)  # run() spreads tasks
         self.scratch = [Scratch() for _ in range(self.threads)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from float_error import check_greedy, check_rows, reference64
-from runtime_helpers import DENSE_FAMILIES, Converted, fixture_dir, reference
+from runtime_helpers import DENSE_FAMILIES, Converted, fixture_dir, reference, use_kernels
 
 from qwen_runtime import load, pool
 from qwen_runtime.generate import left_pad
@@ -26,11 +26,12 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Converted:
     return Converted(tmp_path_factory.mktemp("converted"))
 
 
-@pytest.fixture(scope="module", params=[(n, f) for n in DENSE_FAMILIES for f in FORMATS],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[(n, f, "numpy") for n in DENSE_FAMILIES for f in FORMATS]
+                + [(n, "gguf", "numba") for n in DENSE_FAMILIES], ids=lambda p: "-".join(p))
 def model_and_ref(request: pytest.FixtureRequest, converted: Converted):
-    name, fmt = request.param
-    return load(converted.get(name, fmt)), reference(name)
+    """Each family from each format with the numpy kernels, and from GGUF with the compiled twins too."""
+    name, fmt, kernels = request.param
+    return use_kernels(load(converted.get(name, fmt)), kernels), reference(name)
 
 
 def greedy_decode(model, prompt: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
