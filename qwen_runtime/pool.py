@@ -135,12 +135,11 @@ class Workspace:
     def __init__(self, threads: int | None = None, blas_products: bool = False, kernels: str = "numpy") -> None:
         if kernels not in ("numba", "numpy"):
             raise KernelsError(f"kernels must be 'numba' or 'numpy' (resolve_kernels), got {kernels!r}")
-        self.kernels = kernels  # which tile kernels the weights of this model use
+        self.kernels = kernels  # which kernels this model's products and decode-step ops use
         blas = blas_controller()
         self._libs = [] if blas is None else list(blas.lib_controllers)
         self.threads = max(1, threads or default_threads())
         self.blas_products = blas_products
-        self.kernels = kernels
         self.blas_threads = self.threads if blas_products else 1  # what BLAS runs with for this model
         self.pooled = self.threads > 1 and not blas_products and bool(self._libs)  # run() spreads tasks
         self.scratch = [Scratch() for _ in range(self.threads)]
