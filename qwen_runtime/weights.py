@@ -35,8 +35,8 @@ from functools import partial
 
 import numpy as np
 
+from . import ops
 from .errors import FormatError
-from .ops import silu_mul
 from .pool import Scratch, Workspace
 from .quants import TileKernel, codec, jit_kernel
 from .quants.base import RowTileKernel
@@ -212,7 +212,7 @@ def gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
     """
     if gate.blocks() != up.blocks():
         g, u = matmul_many([gate, up], x)
-        return silu_mul(g, u, out=g)
+        return swiglu(gate.ws)(g, u, out=g)
     out = np.empty((x.shape[0], gate.out_features), np.float32)
     prepared: dict[QType, object] = {}
     xg, xu = gate.prepared(x, prepared), up.prepared(x, prepared)
@@ -225,7 +225,16 @@ def _gated_block(gate: Weight, up: Weight, r0: int, r1: int, xg: object, xu: obj
     gate.block_product(r0, r1, xg, out, scratch)
     u = np.empty(out.shape, np.float32)  # [N, R]
     up.block_product(r0, r1, xu, u, scratch)
-    silu_mul(out, u, out=out)
+    swiglu(gate.ws)(out, u, out=out)
+
+
+def swiglu(ws: Workspace) -> Callable[..., np.ndarray]:
+    """SwiGLU's activation ``silu(gate) * up`` of the workspace's kernels (numba's twin is imported on first use)."""
+    if ws.kernels == "numba":
+        from .ops_jit import silu_mul
+
+        return silu_mul
+    return ops.silu_mul
 
 
 def make_weight(tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> Weight:
