@@ -26,8 +26,8 @@ from qwen_runtime.formats.base import ModelFiles
 
 from .gguf_writer import GGUFFileWriter
 from .npy_writer import NpyDirWriter
-from .policy import TensorSpec, check_dtype, plan_outputs
-from .quantize import stream_rows
+from .policy import ModelFacts, QuantOptions, TensorSpec, block_size, check_dtype, plan_outputs
+from .quantize import encode_rows, stream_rows
 
 FORMATS = ("npy", "gguf")
 
@@ -190,10 +190,28 @@ def verify_written_checksums(path: Path, fmt: str, checksums: dict[str, str]) ->
 Verifier = Callable[[Path, str, dict[str, str]], None]
 
 
+def check_writable(specs: Sequence[TensorSpec]) -> None:
+    """:class:`FormatError` naming the first tensor whose planned type the converter cannot encode (before any
+    output is created)."""
+    for qtype in dict.fromkeys(spec.qtype for spec in specs):
+        try:
+            encode_rows(np.zeros((1, block_size(qtype)), np.float32), qtype)
+        except FormatError:
+            first = next(spec.name for spec in specs if spec.qtype == qtype)
+            raise FormatError(f"tensor {first!r}: this converter cannot write type {qtype.name} yet") from None
+
+
+def plan_model(files: ModelFiles, dtype: str, options: QuantOptions | None = None) -> list[TensorSpec]:
+    """The output tensors of ``files`` converted to ``dtype`` with ``options`` (llama-quantize's choices)."""
+    shapes = {n: t.shape for n, t in files.tensors.items()}
+    return plan_outputs(shapes, dtype, ModelFacts.from_config(files.config), options)
+
+
 def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str = "fp16", force: bool = False,
             name: str | None = None, verify: Verifier | None = None, progress: Progress | None = None,
-            tmp_tag: str | None = None) -> ConvertResult:
-    """Convert the HF model ``src`` to ``out`` (``fmt`` npy or gguf; ``dtype`` fp32, fp16 or q8_0).
+            tmp_tag: str | None = None, options: QuantOptions | None = None) -> ConvertResult:
+    """Convert the HF model ``src`` to ``out`` (``fmt`` npy or gguf; ``dtype`` a key of ``policy.DTYPES``,
+    ``options`` llama-quantize's per-tensor options).
 
     ``verify`` (e.g. :func:`verify_written_checksums`) runs on the complete temporary output, before the
     rename; ``tmp_tag`` names the temporary output (:func:`temp_path`), so a retried attempt replaces a killed
@@ -205,7 +223,8 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str
     target, fmt, dtype = Path(out), infer_format(out, fmt), check_dtype(dtype)
     check_output(target, force)
     files = open_source(src)
-    specs = plan_outputs({n: t.shape for n, t in files.tensors.items()}, dtype)
+    specs = plan_model(files, dtype, options)
+    check_writable(specs)
     if progress is not None:
         progress.start(target.name, specs)
     try:
