@@ -20,6 +20,7 @@ from qwen_runtime.formats import open_model_files, verify_model_files
 
 from .batch import FAILED, Job, JobResult, plan_jobs, run_batch, summary_table
 from .convert import FORMATS, convert, infer_format
+from .imatrix import load_importance
 from .inspect import compare, compare_json, compare_table, model_stats, open_pair, stats_json, stats_table
 from .policy import (
     CONVERTER_DTYPES,
@@ -88,6 +89,9 @@ def convert_parser() -> argparse.ArgumentParser:
                    "repeatable, the first match wins; needs a quantized --dtype (llama-quantize --tensor-type)")
     p.add_argument("--output-tensor-type", metavar="TYPE", help="type of output.weight (and, with a mix, of a "
                    "tied token embedding); default: the mix's choice")
+    p.add_argument("--imatrix", metavar="FILE", help="importance matrix (llama-imatrix's GGUF or legacy .dat, or "
+                   "qwen-imatrix's): weights the rounding of every tensor llama.cpp weights by it (all quantized "
+                   "types but Q8_0), and the iq4 mixes drop their ffn_down bump as llama.cpp does with one")
     p.add_argument("--token-embedding-type", metavar="TYPE", help="type of token_embd.weight; default: the "
                    "dtype's choice")
     p.add_argument("--jobs", type=int, default=1, help="batch mode: conversions run in parallel (local executor)")
@@ -120,10 +124,12 @@ def _run_single(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error("-o converts one SRC to one format and dtype; use --out-dir for several")
     fmt = infer_format(args.output, args.format[0] if args.format else None)
     options = quant_options(args)
+    importance = load_importance(args.imatrix) if args.imatrix else None
     verifier = ConversionVerifier(args.sources[0], args.output, args.keep_failed) if args.verify else None
     try:
         result = convert(args.sources[0], args.output, fmt, args.dtype[0], force=args.force, name=args.name,
-                         verify=verifier, progress=TqdmProgress(), options=options)
+                         verify=verifier, progress=TqdmProgress(), options=options,
+                         importance=importance)
     finally:
         if verifier is not None and verifier.report is not None:
             print(report_summary(verifier.report))
@@ -213,9 +219,9 @@ def convert_main(argv: Sequence[str] | None = None) -> int:
     if args.address is not None and args.executor != RAY:
         parser.error("--address needs --executor ray")
     per_tensor = args.pure or args.tensor_type or args.output_tensor_type or args.token_embedding_type
-    if per_tensor and args.out_dir is not None:
-        parser.error("--pure, --tensor-type, --output-tensor-type and --token-embedding-type convert one model: "
-                     "use -o OUT")
+    if (per_tensor or args.imatrix) and args.out_dir is not None:
+        parser.error("--pure, --tensor-type, --output-tensor-type, --token-embedding-type and --imatrix convert "
+                     "one model: use -o OUT")
     _logging(args.verbose)
     if args.output is not None:
         return run_guarded("qwen-convert", lambda: _run_single(args, parser))

@@ -13,7 +13,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -25,6 +25,7 @@ from qwen_runtime.formats import detect_format, open_gguf, open_hf_dir, open_npy
 from qwen_runtime.formats.base import ModelFiles
 
 from .gguf_writer import GGUFFileWriter
+from .imatrix import Importance
 from .npy_writer import NpyDirWriter
 from .policy import ModelFacts, QuantOptions, TensorSpec, block_size, check_dtype, plan_outputs
 from .quantize import encode_rows, stream_rows
@@ -143,18 +144,19 @@ def atomic_output(target: Path, force: bool, tag: str | None = None) -> Iterator
 
 
 def open_sink(fmt: str, tmp: Path, files: ModelFiles, dtype: str, specs: Sequence[TensorSpec],
-              name: str) -> OutputSink:
-    """The writer for ``fmt`` writing to ``tmp``."""
+              name: str, extra: dict[str, str | int] | None = None) -> OutputSink:
+    """The writer for ``fmt`` writing to ``tmp`` (``extra``: more metadata keys)."""
     if fmt == "gguf":
-        return GGUFFileWriter(tmp, files, dtype, specs, name)
-    return NpyDirWriter(tmp, files, dtype)
+        return GGUFFileWriter(tmp, files, dtype, specs, name, extra)
+    return NpyDirWriter(tmp, files, dtype, extra)
 
 
 def _write_all(sink: OutputSink, files: ModelFiles, specs: Sequence[TensorSpec], target: Path,
-               progress: Progress | None) -> None:
+               progress: Progress | None, importance: Importance | None = None) -> None:
     """Stream every tensor into ``sink``; I/O errors name the output and the tensor."""
     for spec in specs:
-        chunks = stream_rows(files.tensors[spec.name], spec.qtype)
+        weights = importance.for_tensor(spec.name, spec.shape[-1], spec.qtype) if importance is not None else None
+        chunks = stream_rows(files.tensors[spec.name], spec.qtype, weights)
         if progress is not None:
             chunks = _reporting(chunks, spec, progress)
         try:
@@ -190,15 +192,20 @@ def verify_written_checksums(path: Path, fmt: str, checksums: dict[str, str]) ->
 Verifier = Callable[[Path, str, dict[str, str]], None]
 
 
-def check_writable(specs: Sequence[TensorSpec]) -> None:
-    """:class:`FormatError` naming the first tensor whose planned type the converter cannot encode (before any
-    output is created)."""
-    for qtype in dict.fromkeys(spec.qtype for spec in specs):
+def check_writable(specs: Sequence[TensorSpec], importance: Importance | None = None) -> None:
+    """:class:`FormatError` naming the first tensor whose planned type the converter cannot encode (with its
+    importance vector, if any), before any output is created."""
+    kinds = {}  # (type, weighted) -> first tensor
+    for spec in specs:
+        weights = importance.for_tensor(spec.name, spec.shape[-1], spec.qtype) if importance is not None else None
+        kinds.setdefault((spec.qtype, weights is not None), spec.name)
+    for (qtype, weighted), first in kinds.items():
+        width = block_size(qtype)
         try:
-            encode_rows(np.zeros((1, block_size(qtype)), np.float32), qtype)
+            encode_rows(np.zeros((1, width), np.float32), qtype, np.ones(width, np.float32) if weighted else None)
         except FormatError:
-            first = next(spec.name for spec in specs if spec.qtype == qtype)
-            raise FormatError(f"tensor {first!r}: this converter cannot write type {qtype.name} yet") from None
+            how = "importance-weighted " if weighted else ""
+            raise FormatError(f"tensor {first!r}: this converter cannot write {how}type {qtype.name} yet") from None
 
 
 def plan_model(files: ModelFiles, dtype: str, options: QuantOptions | None = None) -> list[TensorSpec]:
@@ -209,9 +216,11 @@ def plan_model(files: ModelFiles, dtype: str, options: QuantOptions | None = Non
 
 def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str = "fp16", force: bool = False,
             name: str | None = None, verify: Verifier | None = None, progress: Progress | None = None,
-            tmp_tag: str | None = None, options: QuantOptions | None = None) -> ConvertResult:
+            tmp_tag: str | None = None, options: QuantOptions | None = None,
+            importance: Importance | None = None) -> ConvertResult:
     """Convert the HF model ``src`` to ``out`` (``fmt`` npy or gguf; ``dtype`` a key of ``policy.DTYPES``,
-    ``options`` llama-quantize's per-tensor options).
+    ``options`` llama-quantize's per-tensor options, ``importance`` an imatrix file's vectors: each quantized
+    tensor llama.cpp would weight is weighted by its vector, and the mixes make their imatrix choices).
 
     ``verify`` (e.g. :func:`verify_written_checksums`) runs on the complete temporary output, before the
     rename; ``tmp_tag`` names the temporary output (:func:`temp_path`), so a retried attempt replaces a killed
@@ -223,18 +232,21 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str
     target, fmt, dtype = Path(out), infer_format(out, fmt), check_dtype(dtype)
     check_output(target, force)
     files = open_source(src)
+    if importance is not None:
+        options = replace(options or QuantOptions(), imatrix=True)
     specs = plan_model(files, dtype, options)
-    check_writable(specs)
+    check_writable(specs, importance)
     if progress is not None:
         progress.start(target.name, specs)
     try:
         with atomic_output(target, force, tmp_tag) as tmp:
             try:
-                sink = open_sink(fmt, tmp, files, dtype, specs, name or files.path.resolve().name)
+                sink = open_sink(fmt, tmp, files, dtype, specs, name or files.path.resolve().name,
+                                 importance.metadata() if importance is not None else None)
             except OSError as exc:
                 raise OutputError(f"{target}: cannot create output ({exc.strerror or exc})") from None
             with sink:
-                _write_all(sink, files, specs, target, progress)
+                _write_all(sink, files, specs, target, progress, importance)
             if verify is not None:
                 verify(tmp, fmt, sink.checksums)
     finally:

@@ -110,10 +110,10 @@ def test_cli_options_reach_the_plan(tmp_path: Path) -> None:
 def test_unwritable_type_is_refused_before_any_output(tmp_path: Path, monkeypatch) -> None:
     convert_module = sys.modules[convert.__module__]
 
-    def no_q8(x: np.ndarray, qtype: QType) -> np.ndarray:
+    def no_q8(x: np.ndarray, qtype: QType, importance: np.ndarray | None = None) -> np.ndarray:
         if qtype == QType.Q8_0:
             raise FormatError("cannot write tensors of type Q8_0")
-        return encode_rows(x, qtype)
+        return encode_rows(x, qtype, importance)
 
     monkeypatch.setattr(convert_module, "encode_rows", no_q8)
     with pytest.raises(FormatError, match="tensor 'token_embd.weight': this converter cannot write type Q8_0"):
