@@ -168,6 +168,7 @@ class MixFiles:
         self.dirs = {name: interop_models.build_mix_model(name, root) for name in self.models}
         self.f32 = {name: convert(d, root / f"{name}-f32.gguf", fmt="gguf", dtype="fp32").output
                     for name, d in self.dirs.items()}
+        self._importance: dict[str, dict[str, np.ndarray]] = {}
 
     def llama(self, model: str, mix: str, label: str, **kwargs) -> Path:
         import llama_interop as li
@@ -176,6 +177,16 @@ class MixFiles:
         if not path.is_file():
             li.llama_quantize(self.f32[model], path, mix.upper(), **kwargs)
         return path
+
+    def importance(self, model: str) -> dict[str, np.ndarray]:
+        """llama-quantize's vectors of a qwen-imatrix run on the model (computed once)."""
+        from qwen_convert.imatrix_collect import compute_imatrix
+
+        if model not in self._importance:
+            calibration = " ".join(f"def f{i}(x):\n    return x * {i} + len('{model}')" for i in range(120))
+            imatrix = compute_imatrix(self.f32[model], calibration, "calib", n_ctx=64)
+            self._importance[model] = {n: e.sums[0] / np.float32(e.counts[0]) for n, e in imatrix.entries.items()}
+        return self._importance[model]
 
     def ours(self, model: str, mix: str, options: QuantOptions) -> dict[str, QType]:
         files = open_hf_dir(self.dirs[model])
@@ -190,28 +201,32 @@ def mix_files(tmp_path_factory: pytest.TempPathFactory) -> MixFiles:
     return MixFiles(tmp_path_factory.mktemp("quant-mixes"))
 
 
-def _writable(qtype: QType) -> bool:
+def _writable(qtype: QType, weighted: bool = False) -> bool:
     try:
-        encode_rows(np.zeros((1, 256), np.float32), qtype)
+        encode_rows(np.zeros((1, 256), np.float32), qtype, np.ones(256, np.float32) if weighted else None)
     except FormatError:
         return False
     return True
 
 
-def compare_with_llama(files: MixFiles, model: str, theirs_path: Path, ours: dict[str, QType]) -> list[QType]:
-    """Assert types equal and bytes equal for writable types; returns the types compared by type only."""
+def compare_with_llama(files: MixFiles, model: str, theirs_path: Path, ours: dict[str, QType],
+                       importance: dict[str, np.ndarray] | None = None) -> list[QType]:
+    """Assert types equal and bytes equal for writable types (weighted by ``importance`` where llama.cpp
+    weights); returns the types compared by type only."""
+    from qwen_convert.imatrix import WEIGHTED_TYPES
     from qwen_runtime.formats.gguf_parse import parse_gguf, tensor_view
 
     theirs, source = parse_gguf(theirs_path), open_model_files(files.f32[model])
     assert {t.name: t.qtype.name for t in theirs.tensors} == {n: q.name for n, q in ours.items()}
     pending = []
     for info in theirs.tensors:
-        if not _writable(info.qtype):
+        weights = (importance or {}).get(info.name) if info.qtype in WEIGHTED_TYPES else None
+        if not _writable(info.qtype, weights is not None):
             pending.append(info.qtype)
             continue
         values = np.ascontiguousarray(source.tensors[info.name].data, dtype=np.float32)
         rows = values.reshape(-1, values.shape[-1]) if values.ndim > 1 else values.reshape(1, -1)
-        encoded = np.ascontiguousarray(encode_rows(rows, info.qtype))
+        encoded = np.ascontiguousarray(encode_rows(rows, info.qtype, weights))
         assert encoded.tobytes() == bytes(tensor_view(theirs, info)), f"{theirs_path.name}: {info.name} bytes"
     if ENCODERS_MERGED:
         assert not pending, f"types still without an encoder: {sorted({q.name for q in pending})}"
@@ -250,6 +265,20 @@ def test_per_tensor_options_match_llama_quantize(mix_files: MixFiles, case: str)
     for model in mix_files.models:
         theirs = mix_files.llama(model, mix, case, **llama_kwargs)
         compare_with_llama(mix_files, model, theirs, mix_files.ours(model, mix, options))
+
+
+@pytest.mark.peer
+@pytest.mark.oracle
+@pytest.mark.slow
+@pytest.mark.parametrize("mix", ["q2_k", "q4_k_m", "iq4_xs"])
+def test_imatrix_weighted_tensors_match_llama_quantize(mix_files: MixFiles, mix: str) -> None:
+    """Given the same importance vectors (from qwen-imatrix on the model), llama.cpp's types and, for the
+    weighted types encode_rows writes, its bytes."""
+    for model in ("qwen3-mix", "qwen2-odd"):
+        vectors = mix_files.importance(model)
+        theirs = mix_files.llama(model, mix, "weighted", imatrix=vectors)
+        compare_with_llama(mix_files, model, theirs, mix_files.ours(model, mix, QuantOptions(imatrix=True)),
+                           vectors)
 
 
 @pytest.mark.peer
