@@ -308,7 +308,8 @@ def build_quant_model(name: str, out: Path) -> Path:
 # Models for llama.cpp's per-tensor type choice (tests/test_quant_mixes.py): enough layers for the per-layer bumps
 # (use_more_bits, the first eighth / sixteenth, the first 2 / 4 attn_v), query groups on both sides of llama.cpp's
 # threshold of 4, tied and untied heads.  "qwen2-odd" has rows of 384 (K-quants fall back to their 32-value twin)
-# and an intermediate size of 200 (ffn_down rows fit no block: F16).  The fixtures' 512-token tokenizers.
+# and an intermediate size of 200 (ffn_down rows fit no block: F16); "qwen35-mix" has ssm_out rows of 384 (6 value
+# heads of 64: llama.cpp's loader needs equal key and value head sizes).  The fixtures' 512-token tokenizers.
 _QWEN35_MIX_LAYERS = ["linear_attention"] * 3 + ["full_attention"]
 MIX_MODELS: dict[str, tuple[Path, dict[str, Any]]] = {
     "qwen2-mix": (FIXTURE_TOKENIZER, {
@@ -322,8 +323,8 @@ MIX_MODELS: dict[str, tuple[Path, dict[str, Any]]] = {
     "qwen35-mix": (REPO_ROOT / "tests" / "fixtures" / "qwen35-tiny", {
         "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
         "intermediate_size": 512, "num_hidden_layers": 8, "layer_types": _QWEN35_MIX_LAYERS * 2,
-        "linear_key_head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-        "linear_value_head_dim": 32}),
+        "linear_key_head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 6,
+        "linear_value_head_dim": 64}),
     "qwen2-odd": (FIXTURE_TOKENIZER, {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 384, "num_attention_heads": 3,
         "num_key_value_heads": 1, "head_dim": 128, "intermediate_size": 200, "num_hidden_layers": 3,

@@ -210,7 +210,11 @@ def test_convert_passes_each_tensor_its_vector(tmp_path: Path, monkeypatch) -> N
 
 ORACLE_MODELS = ("qwen3-mix", "qwen35-mix", "qwen2-odd")  # tied / hybrid Gated DeltaNet / untied, odd rows
 ORACLE_CTX, ORACLE_CHUNKS = 64, 4
-REL_TOLERANCE = 1e-3  # the issue's bound (KV cache in F32 on both sides, as in test_llama_interop)
+# The issue's bound.  llama-imatrix runs with an F32 KV cache and without flash attention: its CPU flash
+# attention rounds to F16 inside, which alone moves the last layers' sums by 1.0e-3 of their largest (measured
+# on qwen3-mix, 2026-12-01); without it ours and llama.cpp's differ by at most 4.9e-6 (qwen35-mix; 1.6e-6
+# qwen3-mix, 8.5e-7 qwen2-odd).
+REL_TOLERANCE = 1e-3
 
 
 class ImatrixOracle:
@@ -234,7 +238,7 @@ class ImatrixOracle:
         if not out.is_file():
             cmd = [str(self.tools["llama-imatrix"]), "-m", str(self.f32[model]), "-f", str(self.text), "-o",
                    str(out), "-c", str(ORACLE_CTX), "--chunks", str(ORACLE_CHUNKS), "-t", "2", "--no-ppl",
-                   "-ctk", "f32", "-ctv", "f32", "--output-format", fmt]
+                   "-ctk", "f32", "-ctv", "f32", "-fa", "off", "--output-format", fmt]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
             assert done.returncode == 0 and out.is_file(), done.stderr[-3000:]
         return out
