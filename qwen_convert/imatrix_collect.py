@@ -11,7 +11,9 @@ its input rows to the matrix's sums and the row count to its count.  llama-imatr
 
 Inputs are observed where every matrix product of the runtime starts, :meth:`Weight.prepared` (shared by
 :func:`~qwen_runtime.weights.matmul_many` and :func:`~qwen_runtime.weights.gated_matmul`), on the weights of a
-model built for this run: the loaded model's objects are wrapped, nothing global changes.
+model built for this run: the loaded model's objects are wrapped, nothing global changes.  A Hugging Face
+directory is read with Qwen3.5's value heads in llama.cpp's tiled order, the order the converter writes, so
+``ssm_out``'s columns (and their sums) are those of every converted file whatever the source.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qwen_runtime.archs import V_HEAD_TILED
 from qwen_runtime.chat import load_chat_format
 from qwen_runtime.errors import QwenError
 from qwen_runtime.formats import ModelFiles, open_model_files
@@ -102,7 +105,7 @@ def chunk_tokens(ids: list[int], n_ctx: int, chunks: int | None, bos: int | None
 def compute_imatrix(model_path: str | Path, text: str, dataset: str, n_ctx: int = 512, chunks: int | None = None,
                     progress: Callable[[int, int], None] | None = None) -> Imatrix:
     """The importance matrix of the model at ``model_path`` over ``text`` (named ``dataset`` in the file)."""
-    files = open_model_files(model_path)
+    files = open_model_files(model_path, v_head_order=V_HEAD_TILED)  # columns in the order files are written
     store = RecordingStore(files)
     model = Model(files, store)
     collector = Collector()

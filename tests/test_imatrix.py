@@ -316,3 +316,16 @@ def test_llama_quantize_reads_our_imatrix_file(oracle: ImatrixOracle) -> None:
     assert li.data_diff(tool_file, unweighted)  # the vectors did change llama.cpp's rounding
     for key, value in importance.metadata().items():
         assert tool_file.metadata[key] == value, key
+
+
+def test_hf_source_gives_the_converted_files_column_order(tmp_path: Path) -> None:
+    """Qwen3.5 with more value than key heads: the converter reorders ssm_out's columns (tiled value heads);
+    an imatrix computed on the HF directory has its sums in the converted file's order."""
+    src = fixture("qwen35-tiny-gqa")
+    converted = convert(src, tmp_path / "m.gguf", "gguf", "fp32").output
+    from_hf = compute_imatrix(src, TEXT, "calib.txt", n_ctx=32, chunks=2)
+    from_gguf = compute_imatrix(converted, TEXT, "calib.txt", n_ctx=32, chunks=2)
+    assert from_hf.entries.keys() == from_gguf.entries.keys()
+    for name, entry in from_gguf.entries.items():
+        scale = float(entry.sums.max())
+        assert np.abs(from_hf.entries[name].sums - entry.sums).max() <= 1e-5 * scale, name
