@@ -26,7 +26,6 @@ values divided by ``ncall``.  Checks, with llama.cpp's rules where it has one:
 from __future__ import annotations
 
 import logging
-import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,10 +249,3 @@ def write_imatrix(path: str | Path, imatrix: Imatrix) -> None:
     finally:
         writer.close()
 
-
-def chunk_count(imatrix: Imatrix) -> int:
-    """Chunks the largest count covers (llama-imatrix's ``m_last_chunk``)."""
-    if imatrix.chunk_size <= 0:
-        return 0
-    largest = max((int(e.counts.max()) for e in imatrix.entries.values() if e.counts.size), default=0)
-    return math.floor(largest / imatrix.chunk_size)
