@@ -21,6 +21,7 @@ from qwen_runtime.hub import resolve_model
 
 from .batch import FAILED, Job, JobResult, plan_jobs, run_batch, summary_table
 from .convert import FORMATS, convert, infer_format
+from .imatrix import load_importance
 from .inspect import (
     compare,
     compare_json,
@@ -32,7 +33,16 @@ from .inspect import (
     stats_json,
     stats_table,
 )
-from .policy import DTYPES, TensorSpec
+from .policy import (
+    CONVERTER_DTYPES,
+    DTYPES,
+    MIXES,
+    OVERRIDE_TYPES,
+    QuantOptions,
+    TensorSpec,
+    parse_tensor_type,
+    parse_type,
+)
 from .verify import BatchVerifier, ConversionVerifier, report_json, report_summary, report_table, verify_against
 
 
@@ -85,7 +95,21 @@ def convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", type=lambda v: _csv(v, FORMATS, "format"), help="npy or gguf (batch: comma list; "
                    "default: from the -o suffix, .gguf or else npy; batch: npy)")
     p.add_argument("--dtype", type=lambda v: _csv(v, tuple(DTYPES), "dtype"), default=["fp16"],
-                   help=f"{', '.join(DTYPES)} (batch: comma list; default fp16)")
+                   help=f"{', '.join(CONVERTER_DTYPES)} (every matrix that type), or one of llama.cpp's mixes "
+                   f"{', '.join(MIXES)} (llama-quantize's type per tensor) (batch: comma list; default fp16)")
+    types = ", ".join(q.name.lower() for q in OVERRIDE_TYPES)
+    p.add_argument("--pure", action="store_true", help="with a mix: every quantizable matrix the mix's base type "
+                   "(llama-quantize --pure; rows its block does not divide still fall back)")
+    p.add_argument("--tensor-type", action="append", default=[], metavar="REGEX=TYPE",
+                   help=f"store tensors whose name matches REGEX (searched, lower-cased) as TYPE ({types}); "
+                   "repeatable, the first match wins; needs a quantized --dtype (llama-quantize --tensor-type)")
+    p.add_argument("--output-tensor-type", metavar="TYPE", help="type of output.weight (and, with a mix, of a "
+                   "tied token embedding); default: the mix's choice")
+    p.add_argument("--imatrix", metavar="FILE", help="importance matrix (llama-imatrix's GGUF or legacy .dat, or "
+                   "qwen-imatrix's): weights the rounding of every tensor llama.cpp weights by it (all quantized "
+                   "types but Q8_0), and the iq4 mixes drop their ffn_down bump as llama.cpp does with one")
+    p.add_argument("--token-embedding-type", metavar="TYPE", help="type of token_embd.weight; default: the "
+                   "dtype's choice")
     p.add_argument("--jobs", type=int, default=1, help="batch mode: conversions run in parallel (local executor)")
     p.add_argument("--executor", choices=EXECUTORS, default=LOCAL, help="batch mode: run the conversions in this "
                    "process (local) or as Ray tasks, one per output, each declaring the memory it needs (ray; "
@@ -103,15 +127,26 @@ def convert_parser() -> argparse.ArgumentParser:
     return p
 
 
+def quant_options(args: argparse.Namespace) -> QuantOptions:
+    """The per-tensor options of the command line (:class:`QwenError` for a bad type or pattern)."""
+    output = args.output_tensor_type and parse_type(args.output_tensor_type, "--output-tensor-type")
+    embedding = args.token_embedding_type and parse_type(args.token_embedding_type, "--token-embedding-type")
+    return QuantOptions(pure=args.pure, tensor_types=tuple(map(parse_tensor_type, args.tensor_type)),
+                        output_type=output or None, token_embedding_type=embedding or None)
+
+
 def _run_single(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if len(args.sources) != 1 or len(args.dtype) > 1 or (args.format and len(args.format) > 1):
         parser.error("-o converts one MODEL to one format and dtype; use --output-dir for several")
     args.sources = [resolve_model(args.sources[0])]
     fmt = infer_format(args.output, args.format[0] if args.format else None)
+    options = quant_options(args)
+    importance = load_importance(args.imatrix) if args.imatrix else None
     verifier = ConversionVerifier(args.sources[0], args.output, args.keep_failed) if args.verify else None
     try:
         result = convert(args.sources[0], args.output, fmt, args.dtype[0], force=args.force, name=args.name,
-                         verify=verifier, progress=TqdmProgress())
+                         verify=verifier, progress=TqdmProgress(), options=options,
+                         importance=importance)
     finally:
         if verifier is not None and verifier.report is not None:
             print(report_summary(verifier.report))
@@ -200,6 +235,10 @@ def convert_main(argv: Sequence[str] | None = None) -> int:
         parser.error("--executor ray runs batches: use --output-dir DIR")
     if args.address is not None and args.executor != RAY:
         parser.error("--address needs --executor ray")
+    per_tensor = args.pure or args.tensor_type or args.output_tensor_type or args.token_embedding_type
+    if (per_tensor or args.imatrix) and args.out_dir is not None:
+        parser.error("--pure, --tensor-type, --output-tensor-type, --token-embedding-type and --imatrix convert "
+                     "one model: use -o OUT")
     _logging(args.verbose)
     if args.output is not None:
         return run_guarded("qwen-convert", lambda: _run_single(args, parser))

@@ -52,8 +52,14 @@ def quantize_q8_0(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def encode_rows(x: np.ndarray, qtype: QType) -> np.ndarray:
-    """Float32 ``[rows, n]`` -> the stored layout of ``qtype`` for those rows."""
+def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = None) -> np.ndarray:
+    """Float32 ``[rows, n]`` -> the stored layout of ``qtype`` for those rows.
+
+    ``importance`` (float32 ``[n]``, llama.cpp's ``quant_weights``) weights each column's rounding error for the
+    types llama.cpp weights by it; Q8_0 and the dense types ignore it, as llama.cpp does.
+    """
+    if importance is not None and qtype in GGUF_QUANTIZED:
+        raise FormatError(f"cannot write importance-weighted tensors of type {qtype.name} yet")
     if qtype == QType.F32:
         return x
     if qtype == QType.F16:
@@ -69,8 +75,9 @@ def rows_per_chunk(row_length: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(row_length, 1))
 
 
-def stream_rows(tensor: StoredTensor, qtype: QType) -> Iterator[np.ndarray]:
-    """The tensor converted to ``qtype`` as C-contiguous chunks of whole rows (``[rows, row bytes]``).
+def stream_rows(tensor: StoredTensor, qtype: QType, importance: np.ndarray | None = None) -> Iterator[np.ndarray]:
+    """The tensor converted to ``qtype`` as C-contiguous chunks of whole rows (``[rows, row bytes]``), weighted
+    by ``importance`` (:func:`encode_rows`).
 
     Concatenated, the chunks are the bytes of the tensor stored as ``qtype``.  A chunk may reuse the
     previous chunk's buffer: consume it (write, hash) before asking for the next one.
@@ -86,7 +93,7 @@ def stream_rows(tensor: StoredTensor, qtype: QType) -> Iterator[np.ndarray]:
     buffer = np.empty((min(step, len(source)), width), np.float32)
     for start in range(0, len(source), step):
         rows = source[start:start + step]
-        yield encode_rows(to_float32(tensor.qtype, rows, buffer[: len(rows)]), qtype)
+        yield encode_rows(to_float32(tensor.qtype, rows, buffer[: len(rows)]), qtype, importance)
         release_pages(source)
 
 
