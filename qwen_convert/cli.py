@@ -102,12 +102,14 @@ def convert_parser() -> argparse.ArgumentParser:
                    "(llama-quantize --pure; rows its block does not divide still fall back)")
     p.add_argument("--tensor-type", action="append", default=[], metavar="REGEX=TYPE",
                    help=f"store tensors whose name matches REGEX (searched, lower-cased) as TYPE ({types}); "
-                   "repeatable, the first match wins; needs a quantized --dtype (llama-quantize --tensor-type)")
+                   "repeatable, the first match wins; needs a quantized --dtype (llama-quantize --tensor-type; "
+                   "default: none)")
     p.add_argument("--output-tensor-type", metavar="TYPE", help="type of output.weight (and, with a mix, of a "
                    "tied token embedding); default: the mix's choice")
     p.add_argument("--imatrix", metavar="FILE", help="importance matrix (llama-imatrix's GGUF or legacy .dat, or "
                    "qwen-imatrix's): weights the rounding of every tensor llama.cpp weights by it (all quantized "
-                   "types but Q8_0), and the iq4 mixes drop their ffn_down bump as llama.cpp does with one")
+                   "types but Q8_0), and the iq4 mixes drop their ffn_down bump as llama.cpp does with one "
+                   "(default: none)")
     p.add_argument("--token-embedding-type", metavar="TYPE", help="type of token_embd.weight; default: the "
                    "dtype's choice")
     p.add_argument("--jobs", type=int, default=1, help="batch mode: conversions run in parallel (local executor)")

@@ -14,8 +14,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from qwen_runtime.cli_support import run_guarded
+from qwen_runtime.cli_support import HelpFormatter, add_machine_options, run_guarded
 from qwen_runtime.evaluate import read_text
+from qwen_runtime.hub import resolve_model
 
 from .convert import atomic_output
 from .imatrix import write_imatrix
@@ -28,15 +29,19 @@ def imatrix_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen-imatrix", description="Compute an importance matrix (per weight matrix "
                                 "of the layers: sums of squared input activations per column and token counts) "
                                 "over a text, as llama-imatrix does, and write it in llama-imatrix's GGUF format "
-                                "for qwen-convert --imatrix or llama-quantize --imatrix.")
-    p.add_argument("model", metavar="MODEL", help="model to run: HF directory, npy directory or GGUF file")
-    p.add_argument("-f", "--file", required=True, metavar="TEXT", help="calibration text (UTF-8)")
-    p.add_argument("-o", "--output", required=True, metavar="FILE", help="imatrix file to write (GGUF)")
-    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, metavar="N",
+                                "for qwen-convert --imatrix or llama-quantize --imatrix.",
+                                formatter_class=HelpFormatter)
+    p.add_argument("model", metavar="MODEL", help="model to run: HF directory, npy directory, GGUF file or Hub id "
+                   "ORG/NAME[:QUANT][@REVISION]")
+    p.add_argument("-f", "--file", required=True, metavar="TEXT", help="calibration text (UTF-8; required, no default)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="imatrix file to write (GGUF; required, no "
+                   "default)")
+    p.add_argument("-c", "--ctx", type=int, default=DEFAULT_CTX, metavar="N",
                    help=f"tokens per chunk, each run from an empty cache (default {DEFAULT_CTX}; at least 16)")
     p.add_argument("--chunks", type=int, default=None, metavar="N",
                    help="use at most N chunks (default: every whole chunk of the text)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output")
+    add_machine_options(p)
     return p
 
 
@@ -48,7 +53,8 @@ def _run(args: argparse.Namespace) -> int:
         if done == total:
             sys.stderr.write("\n")
 
-    imatrix = compute_imatrix(args.model, text, args.file, args.ctx, args.chunks, progress)
+    imatrix = compute_imatrix(resolve_model(args.model), text, args.file, args.ctx, args.chunks, progress,
+                              args.threads, args.kernels)
     with atomic_output(Path(args.output), args.force) as tmp:
         write_imatrix(tmp, imatrix)
     print(f"wrote {args.output} ({len(imatrix.entries)} matrices, {imatrix.chunk_count} chunks of {args.ctx} tokens)")

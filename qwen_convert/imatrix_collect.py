@@ -40,8 +40,8 @@ LAYER_PREFIX = "blk."
 class RecordingStore(WeightStore):
     """A :class:`WeightStore` that remembers every matrix it hands out."""
 
-    def __init__(self, files: ModelFiles) -> None:
-        super().__init__(files)
+    def __init__(self, files: ModelFiles, threads: int | None = None, kernels: str | None = None) -> None:
+        super().__init__(files, threads=threads, kernels=kernels)
         self.handed: dict[str, Weight] = {}
 
     def matrix(self, kind, layer=None) -> Weight:  # noqa: ANN001 (WeightStore's signature)
@@ -103,10 +103,12 @@ def chunk_tokens(ids: list[int], n_ctx: int, chunks: int | None, bos: int | None
 
 
 def compute_imatrix(model_path: str | Path, text: str, dataset: str, n_ctx: int = 512, chunks: int | None = None,
-                    progress: Callable[[int, int], None] | None = None) -> Imatrix:
-    """The importance matrix of the model at ``model_path`` over ``text`` (named ``dataset`` in the file)."""
+                    progress: Callable[[int, int], None] | None = None, threads: int | None = None,
+                    kernels: str | None = None) -> Imatrix:
+    """The importance matrix of the model at ``model_path`` over ``text`` (named ``dataset`` in the file);
+    ``threads`` and ``kernels`` as :func:`qwen_runtime.load`'s."""
     files = open_model_files(model_path, v_head_order=V_HEAD_TILED)  # columns in the order files are written
-    store = RecordingStore(files)
+    store = RecordingStore(files, threads, kernels)
     model = Model(files, store)
     collector = Collector()
     for name, weight in store.handed.items():
