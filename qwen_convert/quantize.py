@@ -4,7 +4,9 @@ Each chunk is widened to float32 (``[rows, n]``) and encoded to the output type'
 (``[rows, row bytes]``), so memory scales with the chunk, never with the tensor.  The Q8_0 kernel gives
 exactly the bytes of ``gguf.quants.quantize`` (llama.cpp's reference) with fewer temporaries; Q4_0, Q4_1, Q5_0
 and Q5_1 are ``gguf.quants.quantize`` itself, which gives the bytes of llama.cpp's quantizer
-(tests/test_convert_quantize.py and tests/test_quant_writers.py check both).
+(tests/test_convert_quantize.py and tests/test_quant_writers.py check both).  The K-quants and IQ4 types are
+:mod:`qwen_convert.kquant_encode` and :mod:`qwen_convert.iq4_encode`, llama.cpp's searches re-done in float32
+(tests/test_kquant_writers.py).
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from gguf import quants
 from qwen_runtime.errors import FormatError
 from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_BYTES, QType, StoredTensor, stored_shape, to_float32
 
+from . import iq4_encode, kquant_encode
+
 CHUNK_ELEMENTS = 1 << 20  # float32 elements widened at once (4 MiB)
 GGUF_QUANTIZED = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)  # encoded by gguf.quants
+SEARCHED = {**kquant_encode.ENCODERS, **iq4_encode.ENCODERS}  # the K-quants and IQ4: llama.cpp's searches
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
@@ -52,8 +57,16 @@ def quantize_q8_0(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def encode_rows(x: np.ndarray, qtype: QType) -> np.ndarray:
-    """Float32 ``[rows, n]`` -> the stored layout of ``qtype`` for those rows."""
+def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = None) -> np.ndarray:
+    """Float32 ``[rows, n]`` -> the stored layout of ``qtype`` for those rows.
+
+    ``importance`` is the tensor's per-column importance ``[n]`` (an importance matrix entry): the K-quants
+    and IQ4 types are then encoded as ``llama-quantize --imatrix`` does; the other types ignore it, as
+    llama.cpp's quantizers of those types do without one.
+    """
+    if qtype in SEARCHED:
+        with np.errstate(all="ignore"):  # inf/NaN intermediates of all-tiny blocks are part of llama.cpp's path
+            return SEARCHED[qtype](x, importance)
     if qtype == QType.F32:
         return x
     if qtype == QType.F16:
