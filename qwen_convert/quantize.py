@@ -21,11 +21,10 @@ from gguf import quants
 from qwen_runtime.errors import FormatError
 from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_BYTES, QType, StoredTensor, stored_shape, to_float32
 
-from . import iq4_encode, kquant_encode
-
 CHUNK_ELEMENTS = 1 << 20  # float32 elements widened at once (4 MiB)
 GGUF_QUANTIZED = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)  # encoded by gguf.quants
-SEARCHED = {**kquant_encode.ENCODERS, **iq4_encode.ENCODERS}  # the K-quants and IQ4: llama.cpp's searches
+# The K-quants and IQ4: llama.cpp's searches, compiled with numba (imported on first use).
+SEARCHED = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS)
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
@@ -65,8 +64,11 @@ def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = Non
     llama.cpp's quantizers of those types do without one.
     """
     if qtype in SEARCHED:
+        from . import iq4_encode, kquant_encode
+
+        encoder = {**kquant_encode.ENCODERS, **iq4_encode.ENCODERS}[qtype]
         with np.errstate(all="ignore"):  # inf/NaN intermediates of all-tiny blocks are part of llama.cpp's path
-            return SEARCHED[qtype](x, importance)
+            return encoder(x, importance)
     if qtype == QType.F32:
         return x
     if qtype == QType.F16:
