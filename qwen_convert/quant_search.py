@@ -23,10 +23,10 @@ importance matrix ``qw`` holds the weights of one row's (sub-)blocks, ``[S_row, 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 F32 = np.float32
 MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: adding it leaves round(f) in the low mantissa bits
@@ -35,24 +35,22 @@ ZERO = np.float32(0.0)
 ONE = np.float32(1.0)
 
 
-@njit(cache=True)
-def _mantissa_rounding(v: float) -> int:
-    """``(bits(v) & 0x7fffff) - 0x400000`` for a float32 ``v`` outside [2**23, 2**24) (the slow path)."""
-    if v != v:
-        return 0  # the default NaN 0xffc00000 has mantissa 0x400000
-    if v == 0.0 or math.isinf(v):
-        return -0x400000
-    m, _ = math.frexp(abs(v))  # |v| = m * 2**e, m in [0.5, 1): the mantissa bits are (2m - 1) * 2**23
-    return int((2.0 * m - 1.0) * 8388608.0) - 0x400000
+@intrinsic
+def _float32_bits(typingctx, value):  # noqa: ARG001 (numba's intrinsic signature)
+    """The bits of a float32 as an int32 (a register move, as C's ``memcpy``)."""
+    signature = types.int32(types.float32)
+
+    def codegen(context, builder, sig, args):  # noqa: ARG001
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return signature, codegen
 
 
 @njit(cache=True, inline="always")
 def nearest_int(f: float) -> int:
-    """ggml's ``nearest_int`` of a float32: round half to even for |f| <= 4194303, its bit formula beyond."""
-    v = F32(f) + MAGIC
-    if v >= F32(8388608.0) and v < F32(16777216.0):
-        return int(v) - 12582912
-    return _mantissa_rounding(v)
+    """ggml's ``nearest_int`` of a float32: the low 23 bits of ``f + 1.5 * 2**23``, minus 2**22 (round half to
+    even for |f| <= 4194303; the same wrapped values beyond, and for infinities and NaN)."""
+    return (_float32_bits(F32(f) + MAGIC) & 0x7FFFFF) - 0x400000
 
 
 @njit(cache=True, inline="always")
