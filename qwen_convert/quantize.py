@@ -84,8 +84,9 @@ def rows_per_chunk(row_length: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(row_length, 1))
 
 
-def stream_rows(tensor: StoredTensor, qtype: QType) -> Iterator[np.ndarray]:
-    """The tensor converted to ``qtype`` as C-contiguous chunks of whole rows (``[rows, row bytes]``).
+def stream_rows(tensor: StoredTensor, qtype: QType, importance: np.ndarray | None = None) -> Iterator[np.ndarray]:
+    """The tensor converted to ``qtype`` as C-contiguous chunks of whole rows (``[rows, row bytes]``), with
+    the per-column ``importance`` ``[n]`` when given (see :func:`encode_rows`).
 
     Concatenated, the chunks are the bytes of the tensor stored as ``qtype``.  A chunk may reuse the
     previous chunk's buffer: consume it (write, hash) before asking for the next one.
@@ -101,7 +102,7 @@ def stream_rows(tensor: StoredTensor, qtype: QType) -> Iterator[np.ndarray]:
     buffer = np.empty((min(step, len(source)), width), np.float32)
     for start in range(0, len(source), step):
         rows = source[start:start + step]
-        yield encode_rows(to_float32(tensor.qtype, rows, buffer[: len(rows)]), qtype)
+        yield encode_rows(to_float32(tensor.qtype, rows, buffer[: len(rows)]), qtype, importance)
         release_pages(source)
 
 
