@@ -71,9 +71,11 @@ def varied_rows(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
 
 
 def varied_importance(rng: np.random.Generator, n: int, kind: int) -> np.ndarray:
-    """float32 [n] importance weights: uniform, log-normal (6 decades), 30 % zeros, or all ones."""
+    """float32 [n] importance weights: uniform, log-normal (6 decades), 30 % zeros, all ones, or zero over
+    every other run of 16 columns (whole sub-blocks without weight: llama.cpp divides by zero sums)."""
     choices = (lambda: rng.uniform(0, 10, n), lambda: rng.lognormal(0, 3, n),
-               lambda: np.where(rng.random(n) < 0.3, 0, rng.uniform(0, 1, n)), lambda: np.ones(n))
+               lambda: np.where(rng.random(n) < 0.3, 0, rng.uniform(0, 1, n)), lambda: np.ones(n),
+               lambda: np.where(np.arange(n) // 16 % 2 == 0, 0, rng.uniform(0, 1, n)))
     return choices[kind % len(choices)]().astype(np.float32)
 
 
@@ -184,7 +186,7 @@ def test_bytes_equal_ggml_quantize_chunk(qtype: QType, weighted: bool) -> None:
     widths = (896, 4864) if qtype == QType.IQ4_NL else (256, 4864)
     for width in widths:
         x = varied_rows(rng, 3 * len(KINDS), width)
-        for kind in range(4 if weighted else 1):
+        for kind in range(5 if weighted else 1):
             importance = varied_importance(rng, width, kind) if weighted else None
             ours, theirs = encode_rows(x, qtype, importance), ggml_quantize(lib, x, qtype, importance)
             assert block_mismatches(ours, theirs, qtype) == 0, f"{qtype.name} width {width} kind {kind}"
