@@ -9,6 +9,7 @@ integers and float32 scales it returns are the ones llama.cpp computes:
   ggml-base is compiled for baseline x86-64 even with ``GGML_NATIVE=ON``, only ggml-cpu gets ``-march``), and
   numba without ``fastmath`` neither contracts ``a * b + c`` nor reorders sums, so no FMA is emulated;
 * a float division by zero gives C's infinity or NaN (``error_model="numpy"``), never a Python exception;
+  the kernels release the GIL (``nogil``), so threads may encode parts of a chunk at once;
 * integers meet floats as C converts them: ``w * l`` is ``w * (float)l``, promoted by hand here because numba
   would widen ``float32 * int`` to float64;
 * :func:`nearest_int` is ggml's magic-number rounding (``fval + 12582912.f``, then the low 23 bits of the
@@ -47,14 +48,14 @@ def _float32_bits(typingctx, value):  # noqa: ARG001 (numba's intrinsic signatur
     return signature, codegen
 
 
-@njit(cache=True, error_model="numpy", inline="always")
+@njit(cache=True, error_model="numpy", nogil=True, inline="always")
 def nearest_int(f: float) -> int:
     """ggml's ``nearest_int`` of a float32: the low 23 bits of ``f + 1.5 * 2**23``, minus 2**22 (round half to
     even for |f| <= 4194303; the same wrapped values beyond, and for infinities and NaN)."""
     return (_float32_bits(F32(f) + MAGIC) & 0x7FFFFF) - 0x400000
 
 
-@njit(cache=True, error_model="numpy", inline="always")
+@njit(cache=True, error_model="numpy", nogil=True, inline="always")
 def best_index_int8(values: np.ndarray, x: float) -> int:
     """Index of the level of ``values`` (16 sorted int8) nearest to float32 ``x`` (llama.cpp's bisection)."""
     n = len(values)
@@ -72,7 +73,7 @@ def best_index_int8(values: np.ndarray, x: float) -> int:
     return hi - 1 if x - F32(values[hi - 1]) < F32(values[hi]) - x else hi
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", nogil=True)
 def make_qkx2_quants(x: np.ndarray, w: np.ndarray, L: np.ndarray, Laux: np.ndarray, nmax: int, rmin: float,
                      rdelta: float, nstep: int, use_mad: bool) -> tuple[float, float]:
     """llama.cpp's ``make_qkx2_quants`` (and ``make_qkx3_quants``, the same search given its weights) on one
@@ -133,7 +134,7 @@ def make_qkx2_quants(x: np.ndarray, w: np.ndarray, L: np.ndarray, Laux: np.ndarr
     return scale, -lo
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", nogil=True)
 def make_qx_quants(x: np.ndarray, L: np.ndarray, nmax: int, qw: np.ndarray, use_qw: bool) -> float:
     """llama.cpp's ``make_qx_quants`` with ``rmse_type`` 1 (weights ``qw`` or x*x): fills ``L`` with
     l + nmax (0..2 nmax - 1), returns the scale."""
@@ -177,9 +178,10 @@ def make_qx_quants(x: np.ndarray, L: np.ndarray, nmax: int, qw: np.ndarray, use_
     return scale
 
 
-@njit(cache=True, error_model="numpy")
-def make_q3_quants(x: np.ndarray, L: np.ndarray, nmax: int) -> float:
-    """llama.cpp's ``make_q3_quants`` with ``do_rmse``: fills ``L`` with l + nmax, returns the scale."""
+@njit(cache=True, error_model="numpy", nogil=True)
+def make_q3_quants(x: np.ndarray, L: np.ndarray, nmax: int, ls: np.ndarray) -> float:
+    """llama.cpp's ``make_q3_quants`` with ``do_rmse``: fills ``L`` with l + nmax, returns the scale (``ls``:
+    int32 scratch [n] for the signed integers)."""
     n = len(x)
     amax, vmax = ZERO, ZERO
     for i in range(n):
@@ -191,7 +193,6 @@ def make_q3_quants(x: np.ndarray, L: np.ndarray, nmax: int) -> float:
         L[:] = 0
         return ZERO
     iscale = F32(-nmax) / vmax
-    ls = np.empty(n, np.int32)
     sumlx, suml2 = ZERO, ZERO
     for i in range(n):
         q = max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
@@ -225,10 +226,10 @@ def make_q3_quants(x: np.ndarray, L: np.ndarray, nmax: int) -> float:
     return sumlx / suml2 if suml2 > ZERO else ZERO
 
 
-@njit(cache=True, error_model="numpy")
-def make_qp_quants(x: np.ndarray, L: np.ndarray, nmax: int, qw: np.ndarray) -> float:
+@njit(cache=True, error_model="numpy", nogil=True)
+def make_qp_quants(x: np.ndarray, L: np.ndarray, nmax: int, qw: np.ndarray, ls: np.ndarray) -> float:
     """llama.cpp's ``make_qp_quants``: non-negative ``x`` [n] (scales or minimums) to ``L`` (stored as C's
-    uint8 would hold them) with weights ``qw``; returns the scale."""
+    uint8 would hold them) with weights ``qw``; returns the scale (``ls``: int32 scratch [n])."""
     n = len(x)
     vmax = ZERO
     for i in range(n):
@@ -238,7 +239,6 @@ def make_qp_quants(x: np.ndarray, L: np.ndarray, nmax: int, qw: np.ndarray) -> f
         return ZERO
     fmax = F32(nmax)
     iscale = fmax / vmax
-    ls = np.empty(n, np.int32)
     for i in range(n):
         ls[i] = nearest_int(iscale * x[i]) & 255  # L is uint8_t
     scale = ONE / iscale
@@ -293,7 +293,7 @@ def make_qp_quants(x: np.ndarray, L: np.ndarray, nmax: int, qw: np.ndarray) -> f
 
 # ------------------------------------------------------------------------ without an importance matrix
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", nogil=True)
 def qkx2_subblocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int, mad: bool,
                    rms_weights: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q2_K/Q4_K/Q5_K reference search of every sub-block of ``x`` [S, n]: weights ``|x|`` (Q2_K) or
@@ -318,7 +318,7 @@ def qkx2_subblocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: 
     return scales, mins, L
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", nogil=True)
 def qx_subblocks(x: np.ndarray, qw: np.ndarray, use_qw: bool, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     """Q6_K search (``make_qx_quants`` rmse 1) of every sub-block of ``x`` [S, n], weights ``qw`` [S, n] or
     x*x; returns scales [S] and L [S, n] (l + nmax)."""
@@ -330,20 +330,21 @@ def qx_subblocks(x: np.ndarray, qw: np.ndarray, use_qw: bool, nmax: int) -> tupl
     return scales, L
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", nogil=True)
 def q3_subblocks(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     """Q3_K reference search (``make_q3_quants``) of every sub-block of ``x`` [S, n]: scales [S], L [S, n]."""
     count, n = x.shape
     scales = np.empty(count, np.float32)
     L = np.empty((count, n), np.uint8)
+    ls = np.empty(n, np.int32)
     for s in range(count):
-        scales[s] = make_q3_quants(x[s], L[s], nmax)
+        scales[s] = make_q3_quants(x[s], L[s], nmax, ls)
     return scales, L
 
 
 # --------------------------------------------------------------------------- with an importance matrix
 
-@njit(cache=True, error_model="numpy", inline="always")
+@njit(cache=True, error_model="numpy", nogil=True, inline="always")
 def _sum_squares(x: np.ndarray) -> float:
     total = ZERO
     for i in range(len(x)):
@@ -351,7 +352,7 @@ def _sum_squares(x: np.ndarray) -> float:
     return total
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", nogil=True)
 def kx3_superblocks(x: np.ndarray, qw: np.ndarray, sub: int, nmax: int, scale_max: int, half_sigma: bool
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``quantize_row_q{2,4,5}_K_impl`` up to the block scales, for super-blocks ``x`` [B, 256] with
@@ -370,6 +371,7 @@ def kx3_superblocks(x: np.ndarray, qw: np.ndarray, sub: int, nmax: int, scale_ma
     scales = np.empty(nsub, np.float32)
     mins = np.empty(nsub, np.float32)
     sw = np.empty(nsub, np.float32)
+    ls = np.empty(nsub, np.int32)
     for b in range(count):
         xb, qb = x[b], qw[b % len(qw)]
         sum_x2 = _sum_squares(xb)
@@ -383,12 +385,12 @@ def kx3_superblocks(x: np.ndarray, qw: np.ndarray, sub: int, nmax: int, scale_ma
             sw[j] = total
             scales[j], mins[j] = make_qkx2_quants(xs, w, L[b, j * sub:(j + 1) * sub], Laux, nmax, -0.9, 0.05, 36,
                                                   False)
-        d[b] = make_qp_quants(scales, Ls[b], scale_max, sw)
-        m[b] = make_qp_quants(mins, Lm[b], scale_max, sw)
+        d[b] = make_qp_quants(scales, Ls[b], scale_max, sw, ls)
+        m[b] = make_qp_quants(mins, Lm[b], scale_max, sw, ls)
     return Ls, Lm, d, m, L
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", nogil=True)
 def q3k_superblocks(x: np.ndarray, qw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``quantize_row_q3_K_impl`` up to the block scales, for ``x`` and importance ``qw`` [B, 256]: returns
     Ls [B, 16] (6-bit, l + 32), d [B] (float32) and L [B, 256] (l + 4)."""
@@ -416,7 +418,7 @@ def q3k_superblocks(x: np.ndarray, qw: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 # ------------------------------------------------------------------------------------------------ IQ4
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", nogil=True)
 def iq4_superblocks(x: np.ndarray, qw: np.ndarray, use_qw: bool, values: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``quantize_row_iq4_nl_impl`` (ntry 7, blocks of 32) for super-blocks ``x`` [B, n] (n = 32: IQ4_NL,

@@ -11,14 +11,17 @@ and Q5_1 are ``gguf.quants.quantize`` itself, which gives the bytes of llama.cpp
 
 from __future__ import annotations
 
+import itertools
 import mmap
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 import numpy as np
 from gguf import quants
 
 from qwen_runtime.errors import FormatError
+from qwen_runtime.pool import default_threads
 from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_BYTES, QType, StoredTensor, stored_shape, to_float32
 
 CHUNK_ELEMENTS = 1 << 20  # float32 elements widened at once (4 MiB)
@@ -56,19 +59,17 @@ def quantize_q8_0(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = None) -> np.ndarray:
+def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = None,
+                threads: int | None = None) -> np.ndarray:
     """Float32 ``[rows, n]`` -> the stored layout of ``qtype`` for those rows.
 
     ``importance`` is the tensor's per-column importance ``[n]`` (an importance matrix entry): the K-quants
     and IQ4 types are then encoded as ``llama-quantize --imatrix`` does; the other types ignore it, as
-    llama.cpp's quantizers of those types do without one.
+    llama.cpp's quantizers of those types do without one.  The K-quants and IQ4 split the rows over
+    ``threads`` threads (default: :func:`~qwen_runtime.pool.default_threads`); the bytes do not depend on it.
     """
     if qtype in SEARCHED:
-        from . import iq4_encode, kquant_encode
-
-        encoder = {**kquant_encode.ENCODERS, **iq4_encode.ENCODERS}[qtype]
-        with np.errstate(all="ignore"):  # inf/NaN intermediates of all-tiny blocks are part of llama.cpp's path
-            return encoder(x, importance)
+        return encode_searched(x, qtype, importance, threads)
     if qtype == QType.F32:
         return x
     if qtype == QType.F16:
@@ -78,6 +79,25 @@ def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = Non
     if qtype in GGUF_QUANTIZED:
         return quants.quantize(x, qtype)
     raise FormatError(f"cannot write tensors of type {qtype.name}")
+
+
+def encode_searched(x: np.ndarray, qtype: QType, importance: np.ndarray | None, threads: int | None) -> np.ndarray:
+    """A K-quant or IQ4 encoding of float32 ``[rows, n]``, its rows split into up to ``threads`` parts encoded
+    at once (the compiled searches release the GIL; blocks never span rows, so the parts are independent)."""
+    from . import iq4_encode, kquant_encode
+
+    encoder = {**kquant_encode.ENCODERS, **iq4_encode.ENCODERS}[qtype]
+    parts = max(1, min(len(x), default_threads() if threads is None else threads))
+
+    def encode(rows: np.ndarray) -> np.ndarray:
+        with np.errstate(all="ignore"):  # inf/NaN intermediates of all-tiny blocks are part of llama.cpp's path
+            return encoder(rows, importance)
+
+    if parts == 1:
+        return encode(x)
+    bounds = np.linspace(0, len(x), parts + 1).astype(int)
+    with ThreadPoolExecutor(parts) as pool:
+        return np.concatenate(list(pool.map(encode, [x[a:b] for a, b in itertools.pairwise(bounds)])))
 
 
 def rows_per_chunk(row_length: int) -> int:
