@@ -355,3 +355,12 @@ def test_llama_quantize_tool_with_imatrix_file(files: Files, qtype: QType, tmp_p
 
 def test_searched_types_are_the_writers_listed() -> None:
     assert set(SEARCHED) == set(K_TYPES)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.IQ4_XS], ids=lambda q: q.name)
+def test_bytes_do_not_depend_on_threads(qtype: QType) -> None:
+    rng = np.random.default_rng(3)
+    x, importance = varied_rows(rng, 23, 512), varied_importance(rng, 512, 1)
+    one = encode_rows(x, qtype, importance, threads=1)
+    assert np.array_equal(one, encode_rows(x, qtype, importance, threads=4))
+    assert np.array_equal(one[5:9], encode_rows(x[5:9], qtype, importance, threads=1))
