@@ -56,10 +56,12 @@ def _requantize(x: np.ndarray, L: np.ndarray, d: np.ndarray, offset: np.ndarray 
                 ) -> np.ndarray:
     """``L [B, S, sub]`` re-rounded: ``clamp(nearest_int((x + offset) / d), lo, hi) - lo`` where the decoded
     sub-block scale ``d [B, S]`` is non-zero; where it is 0 llama.cpp keeps the search's ``L``."""
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        shifted = x if offset is None else x + offset[:, :, None]
-        q = np.clip(nearest_int(shifted / d[:, :, None]), lo, hi) - lo
-    return np.where((d != 0)[:, :, None], q, L).astype(np.uint8)
+    sub = x.shape[-1]
+    d = np.ascontiguousarray(d, np.float32).reshape(-1)
+    m = d if offset is None else np.ascontiguousarray(offset, np.float32).reshape(-1)
+    q = np.ascontiguousarray(L, np.uint8).reshape(-1, sub)
+    qs.requantize(x.reshape(-1, sub), q, d, m, offset is not None, lo, hi)
+    return q.reshape(L.shape)
 
 
 def _pack_2bit(L: np.ndarray) -> np.ndarray:

@@ -342,6 +342,23 @@ def q3_subblocks(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     return scales, L
 
 
+@njit(cache=True, error_model="numpy", nogil=True)
+def requantize(x: np.ndarray, L: np.ndarray, d: np.ndarray, m: np.ndarray, use_m: bool, lo: int, hi: int
+               ) -> None:
+    """The K-quants' last step, in place on ``L`` [S, n]: ``clamp(nearest_int((x + m) / d), lo, hi) - lo`` for
+    every sub-block of ``x`` [S, n] whose decoded scale ``d`` [S] is non-zero (``m`` [S]: decoded minimums,
+    added when ``use_m``); llama.cpp keeps the search's integers where ``d`` is 0."""
+    count, n = x.shape
+    for s in range(count):
+        ds = d[s]
+        if ds == ZERO:
+            continue
+        ms = m[s] if use_m else ZERO
+        for i in range(n):
+            v = x[s, i] + ms if use_m else x[s, i]
+            L[s, i] = min(hi, max(lo, nearest_int(v / ds))) - lo
+
+
 # --------------------------------------------------------------------------- with an importance matrix
 
 @njit(cache=True, error_model="numpy", nogil=True, inline="always")
