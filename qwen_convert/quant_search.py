@@ -135,9 +135,9 @@ def make_qkx2_quants(x: np.ndarray, w: np.ndarray, L: np.ndarray, Laux: np.ndarr
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def make_qx_quants(x: np.ndarray, L: np.ndarray, nmax: int, qw: np.ndarray, use_qw: bool) -> float:
-    """llama.cpp's ``make_qx_quants`` with ``rmse_type`` 1 (weights ``qw`` or x*x): fills ``L`` with
-    l + nmax (0..2 nmax - 1), returns the scale."""
+def make_qx_quants(x: np.ndarray, L: np.ndarray, nmax: int, w: np.ndarray) -> float:
+    """llama.cpp's ``make_qx_quants`` with ``rmse_type`` 1 and weights ``w`` [n] (its ``qw``, or x*x when that
+    is NULL): fills ``L`` with l + nmax (0..2 nmax - 1), returns the scale."""
     n = len(x)
     amax, vmax = ZERO, ZERO
     for i in range(n):
@@ -154,10 +154,9 @@ def make_qx_quants(x: np.ndarray, L: np.ndarray, nmax: int, qw: np.ndarray, use_
     for i in range(n):
         q = max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
         L[i] = q + nmax
-        w = qw[i] if use_qw else x[i] * x[i]
         fq = F32(q)
-        sumlx += w * x[i] * fq
-        suml2 += w * fq * fq
+        sumlx += w[i] * x[i] * fq
+        suml2 += w[i] * fq * fq
     scale = sumlx / suml2 if suml2 != ZERO else ZERO
     best = scale * sumlx
     for step in range(-9, 10):
@@ -167,9 +166,8 @@ def make_qx_quants(x: np.ndarray, L: np.ndarray, nmax: int, qw: np.ndarray, use_
         sumlx, suml2 = ZERO, ZERO
         for i in range(n):
             fq = F32(max(-nmax, min(nmax - 1, nearest_int(iscale * x[i]))))
-            w = qw[i] if use_qw else x[i] * x[i]
-            sumlx += w * x[i] * fq
-            suml2 += w * fq * fq
+            sumlx += w[i] * x[i] * fq
+            suml2 += w[i] * fq * fq
         if suml2 > ZERO and sumlx * sumlx > best * suml2:
             for i in range(n):
                 L[i] = nmax + max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
@@ -325,8 +323,15 @@ def qx_subblocks(x: np.ndarray, qw: np.ndarray, use_qw: bool, nmax: int) -> tupl
     count, n = x.shape
     scales = np.empty(count, np.float32)
     L = np.empty((count, n), np.uint8)
+    w = np.empty(n, np.float32)
     for s in range(count):
-        scales[s] = make_qx_quants(x[s], L[s], nmax, qw[s % len(qw)], use_qw)
+        xs = x[s]
+        if use_qw:
+            w[:] = qw[s % len(qw)]
+        else:
+            for i in range(n):
+                w[i] = xs[i] * xs[i]
+        scales[s] = make_qx_quants(xs, L[s], nmax, w)
     return scales, L
 
 
@@ -428,8 +433,8 @@ def q3k_superblocks(x: np.ndarray, qw: np.ndarray) -> tuple[np.ndarray, np.ndarr
                 w[i] = qb[16 * j + i] * F32(np.sqrt(sigma2 + xs[i] * xs[i]))
                 total += w[i]
             sw[j] = total
-            scales[j] = make_qx_quants(xs, L[b, 16 * j:16 * j + 16], 4, w, True)
-        d[b] = make_qx_quants(scales, Ls[b], 32, sw, True)
+            scales[j] = make_qx_quants(xs, L[b, 16 * j:16 * j + 16], 4, w)
+        d[b] = make_qx_quants(scales, Ls[b], 32, sw)
     return Ls, d, L
 
 
