@@ -325,7 +325,7 @@ def write_legacy_imatrix(path: Path, importance: dict[str, np.ndarray]) -> None:
 
 @pytest.mark.peer
 @pytest.mark.slow
-@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K, QType.IQ4_XS], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
 def test_llama_quantize_tool_with_imatrix_file(files: Files, qtype: QType, tmp_path: Path) -> None:
     import subprocess
 
