@@ -438,6 +438,37 @@ def q3k_superblocks(x: np.ndarray, qw: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return Ls, d, L
 
 
+@njit(cache=True, error_model="numpy", nogil=True)
+def legacy_weighted_rows(x: np.ndarray, qw: np.ndarray, nmax: int, offset: bool
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``quantize_row_q{4,5}_{0,1}_impl`` (an importance matrix given) of rows ``x`` [R, n] with importance
+    ``qw`` [n // 32, 32]: weights ``qw * sqrt(sigma2 + x^2)`` with sigma2 the row's mean square, then per block
+    of 32 ``make_qx_quants`` (nmax 8 or 16; Q4_0, Q5_0) or, with ``offset``, ``make_qkx3_quants`` (nmax 15 or
+    31, Q4_1, Q5_1).  Returns d, m [R * n // 32] (float32, before float16; m = -the_min, 0 without offset) and
+    L [R * n // 32, 32] (stored integers)."""
+    rows, n = x.shape
+    nb = n // 32
+    d = np.empty(rows * nb, np.float32)
+    m = np.zeros(rows * nb, np.float32)
+    L = np.empty((rows * nb, 32), np.uint8)
+    w = np.empty(32, np.float32)
+    Laux = np.empty(32, np.uint8)
+    for r in range(rows):
+        xr = x[r]
+        sigma2 = _sum_squares(xr) / F32(n)
+        for ib in range(nb):
+            xb = xr[32 * ib:32 * ib + 32]
+            for j in range(32):
+                w[j] = qw[ib, j] * F32(np.sqrt(sigma2 + xb[j] * xb[j]))
+            k = r * nb + ib
+            if offset:
+                d[k], the_min = make_qkx2_quants(xb, w, L[k], Laux, nmax, -0.9, 0.05, 36, False)
+                m[k] = -the_min
+            else:
+                d[k] = make_qx_quants(xb, L[k], nmax, w)
+    return d, m, L
+
+
 # ------------------------------------------------------------------------------------------------ IQ4
 
 @njit(cache=True, error_model="numpy", nogil=True)

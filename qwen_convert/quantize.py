@@ -63,12 +63,12 @@ def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = Non
                 threads: int | None = None) -> np.ndarray:
     """Float32 ``[rows, n]`` -> the stored layout of ``qtype`` for those rows.
 
-    ``importance`` is the tensor's per-column importance ``[n]`` (an importance matrix entry): the K-quants
-    and IQ4 types are then encoded as ``llama-quantize --imatrix`` does; the other types ignore it, as
-    llama.cpp's quantizers of those types do without one.  The K-quants and IQ4 split the rows over
+    ``importance`` is the tensor's per-column importance ``[n]`` (an importance matrix entry, llama.cpp's
+    ``quant_weights``): the K-quants, IQ4 and Q4_0..Q5_1 are then encoded as ``llama-quantize --imatrix``
+    does; Q8_0 and the dense types ignore it, as llama.cpp does.  The K-quants and IQ4 split the rows over
     ``threads`` threads (default: :func:`~qwen_runtime.pool.default_threads`); the bytes do not depend on it.
     """
-    if qtype in SEARCHED:
+    if qtype in SEARCHED or (importance is not None and qtype in GGUF_QUANTIZED):
         return encode_searched(x, qtype, importance, threads)
     if qtype == QType.F32:
         return x
@@ -82,11 +82,16 @@ def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = Non
 
 
 def encode_searched(x: np.ndarray, qtype: QType, importance: np.ndarray | None, threads: int | None) -> np.ndarray:
-    """A K-quant or IQ4 encoding of float32 ``[rows, n]``, its rows split into up to ``threads`` parts encoded
-    at once (the compiled searches release the GIL; blocks never span rows, so the parts are independent)."""
-    from . import iq4_encode, kquant_encode
+    """A K-quant, IQ4 or importance-weighted Q4_0..Q5_1 encoding of float32 ``[rows, n]``, its rows split into
+    up to ``threads`` parts encoded at once (the compiled searches release the GIL; blocks never span rows, so
+    the parts are independent)."""
+    from . import iq4_encode, kquant_encode, legacy_encode
 
-    encoder = {**kquant_encode.ENCODERS, **iq4_encode.ENCODERS}[qtype]
+    if qtype in GGUF_QUANTIZED:
+        def encoder(rows: np.ndarray, weights: np.ndarray | None) -> np.ndarray:
+            return legacy_encode.quantize_weighted(rows, qtype, weights)
+    else:
+        encoder = {**kquant_encode.ENCODERS, **iq4_encode.ENCODERS}[qtype]
     parts = max(1, min(len(x), default_threads() if threads is None else threads))
 
     def encode(rows: np.ndarray) -> np.ndarray:

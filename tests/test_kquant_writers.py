@@ -8,7 +8,9 @@
   statistics, without and with importance weights; and, whole files, those of ``llama_model_quantize --pure``
   run on an F32 GGUF of a model with 1024/4864 (K-quants, IQ4) and 896 (IQ4_NL) columns, tensor by tensor and
   streamed in chunks, again without and with an importance matrix (passed as ``llama-quantize`` passes what it
-  reads from a file).  Our reference decoder of our bytes equals ggml's ``dequantize_row_*`` of its bytes.
+  reads from a file), including the Q5_0/Q5_1 that Q4_K/Q5_K files fall back to for 896-column rows (weighted
+  by the importance too: ``qwen_convert/legacy_encode.py``).  Our reference decoder of our bytes equals
+  ggml's ``dequantize_row_*`` of its bytes.
 * ``peer`` + ``slow``: the ``llama-quantize`` tool built from the sdist's vendored source
   (``scripts/llama_tools.py``) with an importance matrix file (legacy ``.dat``) written here.
 
@@ -195,6 +197,21 @@ def test_bytes_equal_ggml_quantize_chunk(qtype: QType, weighted: bool) -> None:
         assert np.array_equal(decoded, expected, equal_nan=True)
 
 
+@pytest.mark.peer
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1], ids=lambda q: q.name)
+def test_weighted_32_blocks_equal_ggml_quantize_chunk(qtype: QType) -> None:
+    """With importance llama.cpp's Q4_0..Q5_1 run their own weighted search (llama-quantize's fallback for
+    rows not a multiple of 256 in the K mixes); without, the reference ``gguf.quants`` reproduces."""
+    lib = _ggml()
+    rng = np.random.default_rng(int(qtype))
+    x = varied_rows(rng, 3 * len(KINDS), 896)
+    for kind in range(5):
+        importance = varied_importance(rng, 896, kind)
+        ours, theirs = encode_rows(x, qtype, importance), ggml_quantize(lib, x, qtype, importance)
+        assert block_mismatches(ours, theirs, qtype) == 0, f"{qtype.name} importance kind {kind}"
+    assert block_mismatches(encode_rows(x, qtype), ggml_quantize(lib, x, qtype, None), qtype) == 0
+
+
 # ------------------------------------------------------------------------------ whole files, llama_model_quantize
 
 def write_model(root: Path, hidden: int, intermediate: int, seed: int) -> Path:
@@ -282,8 +299,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
     return Files(tmp_path_factory.mktemp("kquant-files"))
 
 
-FILE_CASES = [(model, q, w) for q in K_TYPES for model in (("k", "nl") if q == QType.IQ4_NL else ("k",))
+# "nl" (896 columns): IQ4_NL everywhere; Q4_K and Q5_K files hold them only in ffn_down (4864 columns) and fall
+# back to Q5_0 / Q5_1 elsewhere, weighted by the importance too
+FILE_CASES = [(model, q, w) for q in K_TYPES
+              for model in (("k", "nl") if q in (QType.IQ4_NL, QType.Q4_K, QType.Q5_K) else ("k",))
               for w in (False, True)]
+WRITTEN = (*K_TYPES, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)
 
 
 @pytest.mark.peer
@@ -297,13 +318,14 @@ def test_streamed_tensors_equal_llama_model_quantize(files: Files, model: str, q
 
     source = open_model_files(files.f32[model])
     layout = parse_gguf(files.quantized(model, qtype, weighted))
-    ours_types = [t for t in layout.tensors if t.qtype == qtype]
+    ours_types = [t for t in layout.tensors if t.qtype in WRITTEN]
     assert len(ours_types) == 9  # every matrix of the layer, the embedding and the output
+    assert any(t.qtype == qtype for t in ours_types)
     for t in ours_types:
         importance = files.importance[model, t.name] if weighted else None
-        ours = np.concatenate([c.reshape(-1) for c in stream_rows(source.tensors[t.name], qtype, importance)])
+        ours = np.concatenate([c.reshape(-1) for c in stream_rows(source.tensors[t.name], t.qtype, importance)])
         theirs = np.frombuffer(bytes(tensor_view(layout, t)), np.uint8)
-        assert block_mismatches(ours, theirs, qtype) == 0, t.name
+        assert block_mismatches(ours, theirs, t.qtype) == 0, t.name
     if weighted:  # the importance changed llama.cpp's bytes, so it was used
         plain = parse_gguf(files.quantized(model, qtype, False))
         name = ours_types[0].name
