@@ -375,6 +375,27 @@ def test_llama_quantize_tool_with_imatrix_file(files: Files, qtype: QType, tmp_p
         assert block_mismatches(ours, np.frombuffer(bytes(tensor_view(layout, t)), np.uint8), qtype) == 0, t.name
 
 
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+def test_npy_files_hold_the_blocks(qtype: QType, tmp_path: Path) -> None:
+    """An npy tensor file (the npy writer's header, then the encoded rows) loads as the type's block dtype,
+    one row of blocks per tensor row, with the bytes of the encoding and the scale ``d`` in its field."""
+    from qwen_convert.npy_writer import npy_header
+    from qwen_convert.policy import TensorSpec
+    from qwen_runtime.formats.npy_dir import npy_dtype, npy_shape
+
+    x = varied_rows(np.random.default_rng(5), 4, 512)
+    encoded = encode_rows(x, qtype)
+    path = tmp_path / "t.npy"
+    path.write_bytes(npy_header(TensorSpec("t", x.shape, qtype)) + encoded.tobytes())
+    array = np.load(path, mmap_mode="r")
+    assert array.dtype == npy_dtype(qtype)
+    assert array.shape == npy_shape(qtype, x.shape) == (4, 512 // CODECS[qtype].block_size)
+    assert np.array_equal(np.asarray(array).view(np.uint8).reshape(4, -1), encoded)
+    d_at = {QType.Q2_K: 80, QType.Q3_K: 108, QType.Q6_K: 208}.get(qtype, 0)
+    first_d = encoded[:, d_at:d_at + 2].copy().view("<f2")[:, 0]
+    assert np.array_equal(array["d"][:, 0], first_d, equal_nan=True)
+
+
 def test_searched_types_are_the_writers_listed() -> None:
     assert set(SEARCHED) == set(K_TYPES)
 
