@@ -87,6 +87,9 @@ def encode_searched(x: np.ndarray, qtype: QType, importance: np.ndarray | None, 
     the parts are independent)."""
     from . import iq4_encode, kquant_encode, legacy_encode
 
+    stored_shape(qtype, x.shape)  # refuses a row length that is not a multiple of the block
+    if importance is not None and np.shape(importance) != x.shape[-1:]:
+        raise FormatError(f"importance has shape {np.shape(importance)}, the rows have {x.shape[-1]} columns")
     if qtype in GGUF_QUANTIZED:
         def encoder(rows: np.ndarray, weights: np.ndarray | None) -> np.ndarray:
             return legacy_encode.quantize_weighted(rows, qtype, weights)

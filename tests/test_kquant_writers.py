@@ -396,6 +396,16 @@ def test_npy_files_hold_the_blocks(qtype: QType, tmp_path: Path) -> None:
     assert np.array_equal(array["d"][:, 0], first_d, equal_nan=True)
 
 
+def test_bad_shapes_are_refused() -> None:
+    from qwen_runtime.errors import FormatError
+
+    x = np.zeros((2, 512), np.float32)
+    with pytest.raises(FormatError, match="divisible by 256"):
+        encode_rows(x[:, :384], QType.Q4_K)
+    with pytest.raises(FormatError, match="importance has shape"):
+        encode_rows(x, QType.Q6_K, np.ones(256, np.float32))
+
+
 def test_searched_types_are_the_writers_listed() -> None:
     assert set(SEARCHED) == set(K_TYPES)
 
