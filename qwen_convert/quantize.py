@@ -65,7 +65,7 @@ def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = Non
 
     ``importance`` is the tensor's per-column importance ``[n]`` (an importance matrix entry, llama.cpp's
     ``quant_weights``): the K-quants, IQ4 and Q4_0..Q5_1 are then encoded as ``llama-quantize --imatrix``
-    does; Q8_0 and the dense types ignore it, as llama.cpp does.  The K-quants and IQ4 split the rows over
+    does; Q8_0 and the dense types ignore it, as llama.cpp does.  These searched encodings split the rows over
     ``threads`` threads (default: :func:`~qwen_runtime.pool.default_threads`); the bytes do not depend on it.
     """
     if qtype in SEARCHED or (importance is not None and qtype in GGUF_QUANTIZED):
