@@ -5,9 +5,8 @@ groups, Qwen3 tied, Qwen3.5 with Gated DeltaNet layers, and a Qwen2 whose rows a
 ``llama_model_quantize`` for every mix, with and without ``pure``, and with the per-tensor options; our
 ``plan_types`` must give every tensor llama.cpp's type, and ``general.file_type`` must be llama.cpp's.
 
-Bytes: every tensor of llama.cpp's output whose type ``encode_rows`` can write is encoded by us from the same
-float32 values and compared byte for byte; the others are compared by type only until the K-quant / IQ4 encoders
-are merged.  Then set :data:`ENCODERS_MERGED` to True: every type must be writable, and our own converted file
+Bytes: every tensor of llama.cpp's output is encoded by us from the same float32 values (weighted by the same
+importance vectors where llama.cpp weights) and compared byte for byte, and our own converted file
 (``convert(dtype=mix)``) must equal llama.cpp's tensor by tensor.
 """
 
@@ -35,9 +34,6 @@ from qwen_convert.quantize import encode_rows
 from qwen_runtime.errors import FormatError, QwenError
 from qwen_runtime.formats import open_hf_dir, open_model_files
 from qwen_runtime.tensors import QType
-
-ENCODERS_MERGED = False  # flip once encode_rows writes Q2_K..Q6_K, IQ4_NL and IQ4_XS (the kquants branch)
-
 
 # ------------------------------------------------------------------------------------------------ unit
 
@@ -201,36 +197,21 @@ def mix_files(tmp_path_factory: pytest.TempPathFactory) -> MixFiles:
     return MixFiles(tmp_path_factory.mktemp("quant-mixes"))
 
 
-def _writable(qtype: QType, weighted: bool = False) -> bool:
-    try:
-        encode_rows(np.zeros((1, 256), np.float32), qtype, np.ones(256, np.float32) if weighted else None)
-    except FormatError:
-        return False
-    return True
-
-
 def compare_with_llama(files: MixFiles, model: str, theirs_path: Path, ours: dict[str, QType],
-                       importance: dict[str, np.ndarray] | None = None) -> list[QType]:
-    """Assert types equal and bytes equal for writable types (weighted by ``importance`` where llama.cpp
-    weights); returns the types compared by type only."""
+                       importance: dict[str, np.ndarray] | None = None) -> None:
+    """Assert types equal and bytes equal, tensor by tensor (weighted by ``importance`` where llama.cpp
+    weights)."""
     from qwen_convert.imatrix import WEIGHTED_TYPES
     from qwen_runtime.formats.gguf_parse import parse_gguf, tensor_view
 
     theirs, source = parse_gguf(theirs_path), open_model_files(files.f32[model])
     assert {t.name: t.qtype.name for t in theirs.tensors} == {n: q.name for n, q in ours.items()}
-    pending = []
     for info in theirs.tensors:
         weights = (importance or {}).get(info.name) if info.qtype in WEIGHTED_TYPES else None
-        if not _writable(info.qtype, weights is not None):
-            pending.append(info.qtype)
-            continue
         values = np.ascontiguousarray(source.tensors[info.name].data, dtype=np.float32)
         rows = values.reshape(-1, values.shape[-1]) if values.ndim > 1 else values.reshape(1, -1)
         encoded = np.ascontiguousarray(encode_rows(rows, info.qtype, weights))
         assert encoded.tobytes() == bytes(tensor_view(theirs, info)), f"{theirs_path.name}: {info.name} bytes"
-    if ENCODERS_MERGED:
-        assert not pending, f"types still without an encoder: {sorted({q.name for q in pending})}"
-    return pending
 
 
 @pytest.mark.peer
@@ -239,21 +220,19 @@ def compare_with_llama(files: MixFiles, model: str, theirs_path: Path, ours: dic
 @pytest.mark.parametrize("pure", [False, True], ids=["mix", "pure"])
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_types_and_file_type_match_llama_quantize(mix_files: MixFiles, mix: str, pure: bool) -> None:
+    import llama_interop as li
+
     from qwen_runtime.formats.gguf_parse import parse_gguf
 
     for model in mix_files.models:
         theirs = mix_files.llama(model, mix, "pure" if pure else "mix", pure=pure)
         assert parse_gguf(theirs).metadata["general.file_type"] == int(MIXES[mix].file_type)
         compare_with_llama(mix_files, model, theirs, mix_files.ours(model, mix, QuantOptions(pure=pure)))
-        if ENCODERS_MERGED:
-            import llama_interop as li
-
-            options = QuantOptions(pure=pure)
-            ours = convert(mix_files.dirs[model], mix_files.root / f"ours-{model}-{mix}-{pure}.gguf", "gguf", mix,
-                           options=options).output
-            ours_file, theirs_file = li.gguf_structure(ours), li.gguf_structure(theirs)
-            assert ours_file.tensors == theirs_file.tensors
-            assert li.data_diff(ours_file, theirs_file) == []
+        ours = convert(mix_files.dirs[model], mix_files.root / f"ours-{model}-{mix}-{pure}.gguf", "gguf", mix,
+                       options=QuantOptions(pure=pure)).output
+        ours_file, theirs_file = li.gguf_structure(ours), li.gguf_structure(theirs)
+        assert ours_file.tensors == theirs_file.tensors
+        assert li.data_diff(ours_file, theirs_file) == []
 
 
 @pytest.mark.peer
