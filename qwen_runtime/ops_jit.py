@@ -32,6 +32,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from .jit_setup import prepare_numba
+
+prepare_numba()  # before the first compile or cache load of the compiled ops
+
 # error_model="numpy": IEEE division as numpy's (x/0 = inf), not Python's ZeroDivisionError check, which kept a
 # SiLU loop scalar and 30x slower
 JIT = {"nogil": True, "cache": True, "error_model": "numpy"}

@@ -2,6 +2,7 @@
 
     python scripts/bench_worker.py ENGINE MODEL_FILE --prompt N --new N [--batch B] [--threads 2] [--kernels K]
     python scripts/bench_worker.py jit -          import numba and every compiled-kernel module, timed
+    python scripts/bench_worker.py start FILE     load FILE (--kernels K) and generate one token: CPU seconds
     python scripts/bench_worker.py read FILE      plain read bandwidth: numpy sums over FILE on --threads threads
 
 ENGINE is ``ours`` (qwen_runtime, with ``--kernels`` numba or numpy), ``numpy`` (the plain numpy peer,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -85,6 +87,18 @@ def run_jit() -> dict[str, float]:
     return out
 
 
+def run_start(path: str, kernels: str) -> dict[str, float]:
+    """CPU seconds (user + system, every thread) from process start to the first token of one 5-token prompt:
+    the start-up a user waits for.  ``--kernels numba`` minus ``numpy`` is the compiled kernels' start-up."""
+    import qwen_runtime
+
+    model = qwen_runtime.load(path, threads=1, kernels=kernels)
+    prompt = [list(range(1, 6))]  # ids below any vocabulary's size (the bundled model has 4,160)
+    next(iter(qwen_runtime.stream(model, prompt, max_new_tokens=2, use_tokenizer=False)))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"cpu_s": usage.ru_utime + usage.ru_stime}
+
+
 def run_read(path: str, threads: int) -> dict[str, float]:
     """GB/s of plain numpy sums over the memory-mapped ``path`` (read once first so it is in the page cache),
     split over ``threads`` threads (numpy releases the GIL in reductions): the physical limit of a decode step
@@ -140,7 +154,7 @@ def run_llama(path: str, batch: int, prompt: int, new: int, threads: int) -> dic
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("engine", choices=("ours", "numpy", "llama", "jit", "read"))
+    p.add_argument("engine", choices=("ours", "numpy", "llama", "jit", "start", "read"))
     p.add_argument("model")
     p.add_argument("--prompt", type=int, default=0)
     p.add_argument("--new", type=int, default=0)
@@ -150,6 +164,8 @@ def main() -> None:
     args = p.parse_args()
     if args.engine == "jit":
         result = run_jit()
+    elif args.engine == "start":
+        result = run_start(args.model, args.kernels)
     elif args.engine == "read":
         result = run_read(args.model, args.threads)
     elif args.engine == "ours":

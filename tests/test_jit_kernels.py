@@ -13,6 +13,9 @@ compiled decoder reproduces bit for bit.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from gguf import quants
@@ -183,3 +186,16 @@ def test_numba_thread_pool_never_starts() -> None:
     for n in (1, 5, 40):
         weight.matmul(np.ones((n, 256), np.float32))
     assert not parallel._is_initialized
+
+
+def test_numba_set_up_without_scipy_linalg() -> None:
+    """A process that loads a compiled kernel never imports SciPy's linear algebra (qwen_runtime.jit_setup), and
+    numba's BLAS probe reads as it would have, so numba's np.dot still compiles and agrees with numpy."""
+    code = ("import sys; import numpy as np, numba; import qwen_runtime.quants.jit_q8_0\n"
+            "from numba.np import arraymath\n"
+            "print('scipy.linalg' in sys.modules, arraymath._HAVE_BLAS, 'scipy' in sys.modules)\n"
+            "x = np.arange(1, 9, dtype=np.float64)\n"
+            "if 'scipy' in sys.modules: print(numba.njit(lambda a: np.dot(a, a))(x) == np.dot(x, x))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "False" and out[1] == out[2]
+    assert out[3:] == (["True"] if out[2] == "True" else [])

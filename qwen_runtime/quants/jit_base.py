@@ -16,9 +16,12 @@ only behind such checks and ran 1.3-4x slower).  Only ``contract`` of fastmath i
 fused into FMA); sums keep their order, so a row's result is the same whatever the other rows
 (:data:`GEMV_ROWS`).
 
-**Start-up** (measured on 2 shared, loaded vCPUs): the first-ever compile of every module takes about 1.5
-minutes (most in jit_legacy and jit_kquants); with a warm cache a process pays ``import numba`` (0.2-0.9 s) and
-numba's code generator start on the first cached kernel it loads (about 1.2 s), then a few ms per module.
+**Start-up** (measured on 2 shared, loaded vCPUs; CPU time, as waiting for a core is not start-up): the
+first-ever compile of every module takes about 1.5 minutes of wall time (most in jit_legacy and jit_kquants);
+with a warm cache a process reaches its first token about 0.3 s later than with ``kernels="numpy"``:
+``import numba`` (0.13 s), numba's target set-up on the first kernel it compiles or loads (0.13 s, without the
+SciPy import it would add: :mod:`..jit_setup`), then 2-10 ms per cached function (3 per type; a module loads
+all its types).
 
 For more than ``direct_rows`` activation rows (prefill, large batches) a tile is decoded into float32 scratch
 by compiled code and multiplied by BLAS; inside ``Workspace.rowwise()`` (serving) every row goes through the
@@ -35,7 +38,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..errors import FormatError
+from ..jit_setup import prepare_numba
 from ..pool import Scratch
+
+prepare_numba()  # before this package's first compile or cache load (which happens at import)
 
 # Activation rows a row kernel multiplies at once, each by the same operations (the accumulators it holds).
 GEMV_ROWS = 16
