@@ -24,6 +24,7 @@ towards the budget without being allocated.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -180,7 +181,7 @@ def allocate(sensitivities: list[Sensitivity], target_bpw: float, fixed_bits: in
                         f"{bounds[0]:.4f} to {bounds[1]:.4f} bits per weight")
     budget = target_bpw * weights
     steps = [(-_gain(by_name[name], a, b), order, name, i)
-             for order, (name, hull) in enumerate(hulls.items()) for i, (a, b) in enumerate(zip(hull, hull[1:]))]
+             for order, (name, hull) in enumerate(hulls.items()) for i, (a, b) in enumerate(itertools.pairwise(hull))]
     level = {name: 0 for name in hulls}
     stopped: set[str] = set()
     used = lowest
