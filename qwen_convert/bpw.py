@@ -25,7 +25,7 @@ towards the budget without being allocated.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,9 +127,12 @@ def fixed_types(files: ModelFiles, dtype: str, options: QuantOptions | None = No
 
 
 def model_sensitivities(files: ModelFiles, importance: Importance | None = None,
-                        skip: Mapping[str, QType] | None = None) -> list[Sensitivity]:
-    """:func:`tensor_sensitivity` of every quantizable tensor of ``files`` not in ``skip``, in llama.cpp's order."""
-    names = [n for n, t in files.tensors.items() if allows_quantization(n, t.shape) and n not in (skip or {})]
+                        skip: Mapping[str, QType] | None = None, names: Iterable[str] | None = None,
+                        ) -> list[Sensitivity]:
+    """:func:`tensor_sensitivity` of every quantizable tensor of ``files`` (or of ``names``) not in ``skip``, in
+    llama.cpp's order."""
+    names = [n for n in (files.tensors if names is None else names)
+             if allows_quantization(n, files.tensors[n].shape) and n not in (skip or {})]
     return [tensor_sensitivity(files.tensors[n], importance) for n in sorted(names, key=llama_order)]
 
 

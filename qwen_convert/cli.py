@@ -31,6 +31,7 @@ from .inspect import (
     model_stats,
     model_summary,
     open_pair,
+    selected,
     stats_json,
     stats_table,
 )
@@ -301,7 +302,7 @@ def _inspect(args: argparse.Namespace) -> int:
     files = open_model_files(args.path)
     if args.sensitivity:
         importance = load_importance(args.imatrix) if args.imatrix else None
-        print(sensitivity_table(model_sensitivities(files, importance)))
+        print(sensitivity_table(model_sensitivities(files, importance, names=selected(files, args.filter))))
         return 0
     summary = model_summary(files)
     if args.meta:
