@@ -28,7 +28,7 @@ from qwen_runtime.hub import model_name
 from .gguf_writer import GGUFFileWriter
 from .imatrix import Importance
 from .npy_writer import NpyDirWriter
-from .policy import ModelFacts, QuantOptions, TensorSpec, block_size, check_dtype, plan_outputs
+from .policy import MIXES, ModelFacts, QuantOptions, TensorSpec, block_size, check_dtype, ordered_specs, plan_outputs
 from .quantize import encode_rows, stream_rows
 
 FORMATS = ("npy", "gguf")
@@ -67,6 +67,7 @@ class ConvertResult:
     dtype: str
     nbytes: int  # bytes on disk
     seconds: float
+    bpw: tuple[float, float] | None = None  # --target-bpw: bits per weight of the quantizable matrices, of the file
 
 
 def infer_format(out: str | Path, fmt: str | None) -> str:
@@ -218,10 +219,12 @@ def plan_model(files: ModelFiles, dtype: str, options: QuantOptions | None = Non
 def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str = "fp16", force: bool = False,
             name: str | None = None, verify: Verifier | None = None, progress: Progress | None = None,
             tmp_tag: str | None = None, options: QuantOptions | None = None,
-            importance: Importance | None = None) -> ConvertResult:
+            importance: Importance | None = None, target_bpw: float | None = None) -> ConvertResult:
     """Convert the HF model ``src`` to ``out`` (``fmt`` npy or gguf; ``dtype`` a key of ``policy.DTYPES``,
-    ``options`` llama-quantize's per-tensor options, ``importance`` an imatrix file's vectors: each quantized
-    tensor llama.cpp would weight is weighted by its vector, and the mixes make their imatrix choices).
+    ``options`` llama-quantize's per-tensor options, ``target_bpw`` types chosen by :mod:`qwen_convert.bpw` to
+    reach that many bits per weight (``dtype`` a mix: its output rule and file type), ``importance`` an imatrix
+    file's vectors: each quantized tensor llama.cpp would weight is weighted by its vector, and the mixes make
+    their imatrix choices).
 
     ``verify`` (e.g. :func:`verify_written_checksums`) runs on the complete temporary output, before the
     rename; ``tmp_tag`` names the temporary output (:func:`temp_path`), so a retried attempt replaces a killed
@@ -235,7 +238,16 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str
     files = open_source(src)
     if importance is not None:
         options = replace(options or QuantOptions(), imatrix=True)
-    specs = plan_model(files, dtype, options)
+    allocation = None
+    if target_bpw is None:
+        specs = plan_model(files, dtype, options)
+    else:
+        from .bpw import plan_target
+
+        if dtype not in MIXES:
+            raise QwenError(f"--target-bpw needs one of llama.cpp's mixes as --dtype, not {dtype}")
+        types, allocation = plan_target(files, target_bpw, dtype, importance, options)
+        specs = ordered_specs({n: t.shape for n, t in files.tensors.items()}, types)
     check_writable(specs, importance)
     if progress is not None:
         progress.start(target.name, specs)
@@ -253,4 +265,8 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str
     finally:
         if progress is not None:
             progress.stop()
-    return ConvertResult(target, fmt, dtype, path_size(target), time.perf_counter() - started)
+    nbytes = path_size(target)
+    bpw = None
+    if allocation is not None:
+        bpw = (allocation.bpw, nbytes * 8 / sum(int(np.prod(t.shape)) for t in files.tensors.values()))
+    return ConvertResult(target, fmt, dtype, nbytes, time.perf_counter() - started, bpw)

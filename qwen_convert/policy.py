@@ -412,7 +412,11 @@ def _order_key(name: str) -> tuple[int, int, str]:
 def plan_outputs(shapes: dict[str, tuple[int, ...]], dtype: str, facts: ModelFacts | None = None,
                  options: QuantOptions | None = None) -> list[TensorSpec]:
     """Output specs for tensors ``{name: shape}``, in file order (embedding, layers 0..L-1, head)."""
-    types = plan_types(shapes, dtype, facts, options)
+    return ordered_specs(shapes, plan_types(shapes, dtype, facts, options))
+
+
+def ordered_specs(shapes: dict[str, tuple[int, ...]], types: dict[str, QType]) -> list[TensorSpec]:
+    """Specs for tensors ``{name: shape}`` stored as ``types``, in file order (embedding, layers, head)."""
     return [TensorSpec(name, shapes[name], types[name]) for name in sorted(shapes, key=_order_key)]
 
 
