@@ -448,6 +448,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="results file (default: CACHE_DIR/bench-<date>.json)")
     p.add_argument("--no-llama", action="store_true", help="measure our runtime and converter only")
     p.add_argument("--no-peer", action="store_true", help="skip the plain numpy peer")
+    p.add_argument("--no-runtime", action="store_true", help="the conversions only (no runtime measurements)")
     p.add_argument("--report", type=Path, metavar="JSON", help="only print the tables of an earlier results file")
     return p
 
@@ -487,7 +488,8 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
                 scratch.unlink(missing_ok=True)
             elif script is not None and dtype in llama_interop.OUTTYPES:
                 conv.setdefault("llama", []).append(convert_llama(script, src, scratch, dtype, env))
-        for rep in range(args.repeat):
+        save()
+        for rep in range(0 if args.no_runtime else args.repeat):
             log(f"{src.name} {dtype}: runtime {rep + 1}/{args.repeat}")
             with_peer = peer and dtype in args.peer_dtypes.split(",")
             with_batch = not single and (args.batch_dtypes is None or dtype in args.batch_dtypes.split(","))
@@ -505,11 +507,11 @@ def report(results: dict[str, Any], plan: Plan) -> list[str]:
              f"numpy {results['machine']['numpy']}, llama-cpp-python {results['machine']['llama_cpp_python']}, "
              f"{results['machine']['date']}; medians of {results['repeat']} runs "
              f"({results.get('conversion_repeat', results['repeat'])} of each conversion)", "",
-             *runtime_table(runs, plan, results.get("kernels", ["numba"]),
-                            results.get("read", {}).get("read_gbps", NAN)), "",
+             *(runtime_table(runs, plan, results.get("kernels", ["numba"]),
+                             results.get("read", {}).get("read_gbps", NAN)) + [""] if any(runs.values()) else []),
              *jit_lines(results.get("jit", {})), *conversion_table(conv), ""]
-    for model in runs:
-        found = [t for t in targets(runs[model], conv.get(model, {}), results["configs"][model], plan)
+    for model in dict.fromkeys([*runs, *conv]):
+        found = [t for t in targets(runs.get(model, {}), conv.get(model, {}), results["configs"][model], plan)
                  if t.value == t.value]  # NaN: not measured in this run (--quick, --dtypes, --no-llama)
         results.setdefault("targets", {})[model] = [{"name": t.name, "value": t.value, "goal": t.goal, "met": t.met}
                                                      for t in found]
@@ -530,7 +532,7 @@ def run(args: argparse.Namespace) -> None:
     results: dict[str, Any] = {"machine": machine(), "plan": plan.__dict__, "repeat": args.repeat,
                                "conversion_repeat": max(1, args.conversion_repeat or args.repeat),
                                "conversion": {}, "runtime": {}, "configs": {}, "kernels": args.kernels.split(",")}
-    if "numba" in results["kernels"]:
+    if "numba" in results["kernels"] and not args.no_runtime:
         log("compiled kernels: first compile and warm start-up")
         results["jit"] = jit_startup(env)
     out = args.json or args.cache_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -544,7 +546,7 @@ def run(args: argparse.Namespace) -> None:
                     results["conversion"].setdefault(name, {}), results["runtime"].setdefault(name, {}),
                     lambda: out.write_text(json.dumps(results, indent=1)), single=i > 0 and args.others_single)
     files = sorted((args.cache_dir / "gguf").glob("*.gguf"))
-    if files:
+    if files and not args.no_runtime:
         log("plain read bandwidth")
         results["read"] = read_bandwidth(files, env, args.threads)
     results["machine"]["loadavg_end"] = os.getloadavg()
