@@ -7,8 +7,10 @@
 2. Converts each to GGUF fp32 / fp16 / q8_0 with ``qwen-convert`` and with llama.cpp's ``convert_hf_to_gguf.py``
    (from the installed llama-cpp-python's sdist, fetched with ``pip download`` into the cache), measuring
    wall time and peak RSS of each converter process.  q4_0: ``qwen-convert --dtype q4_0`` against llama.cpp's
-   quantizer (``llama_model_quantize``, pure Q4_0, from the fp32 GGUF: the same bytes); q4_k_m: llama.cpp's
-   quantizer only (its Q4_K_M mixture from the fp32 GGUF), the file both runtimes then run.
+   quantizer (``llama_model_quantize``, pure Q4_0, from the fp32 GGUF: the same bytes); q4_k_m: end to end from
+   the HF bf16 checkpoint, ``qwen-convert --dtype q4_k_m`` against llama.cpp's two steps (its converter to a
+   bf16 GGUF, then its quantizer to Q4_K_M), timed together (wall: the sum; peak RSS: the larger of the two
+   processes'); our file is the one both runtimes then run.
 3. Runs every measurement in a fresh process (``bench_worker.py``), for our runtime, the plain numpy peer
    (``numpy_peer.py``: whole-matrix ``x @ W.T`` with BLAS's own threads; Qwen2/Qwen3 only) and llama.cpp on
    *our* GGUF with the same thread count, interleaved, ``--repeat`` times: a 128-token prompt + 128 greedy
@@ -55,8 +57,11 @@ DATA = REPO / "tests" / "data"
 BUNDLED = REPO / "qwen_runtime" / "assets" / "qwen3-stdlib"
 DTYPES = ("fp32", "fp16", "q8_0", "q4_0", "q4_k_m")
 # dtype -> llama.cpp's quantizer file type (and pure or not) for the rows quantized from the fp32 GGUF.
-LLAMA_QUANTIZED = {"q4_0": ("Q4_0", True), "q4_k_m": ("Q4_K_M", False)}
-OURS = ("fp32", "fp16", "q8_0", "q4_0")  # the dtypes qwen-convert writes
+LLAMA_QUANTIZED = {"q4_0": ("Q4_0", True)}
+# dtype -> (llama.cpp converter --outtype, quantizer file type): the rows made by its two steps from HF.
+LLAMA_TWO_STEP = {"q4_k_m": ("bf16", "Q4_K_M")}
+OURS = ("fp32", "fp16", "q8_0", "q4_0", "q4_k_m")  # the dtypes qwen-convert writes here
+TWO_STEP_NOTE = " (from HF bf16; llama: convert to bf16 + quantize)"
 
 
 @dataclass(frozen=True)
@@ -117,26 +122,50 @@ def convert_ours(src: Path, out: Path, dtype: str, env: dict[str, str]) -> dict[
     return {"wall_s": wall, "peak_rss_mib": rss, "file_gb": out.stat().st_size / 1e9}
 
 
-def convert_llama(script: Path, src: Path, out: Path, dtype: str, env: dict[str, str]) -> dict[str, float]:
-    cmd = [sys.executable, str(script), str(src), "--outtype", llama_interop.OUTTYPES[dtype], "--outfile", str(out)]
+def convert_llama(script: Path, src: Path, out: Path, dtype: str, env: dict[str, str], keep: bool = False
+                  ) -> dict[str, float]:
+    """llama.cpp's converter in its own process to ``out`` (``dtype``: ours, or one of its --outtype names),
+    deleted afterwards unless ``keep``."""
+    outtype = llama_interop.OUTTYPES.get(dtype, dtype)
+    cmd = [sys.executable, str(script), str(src), "--outtype", outtype, "--outfile", str(out)]
     if "qwen3.5" in src.name and llama_interop.supports_flag(script, "--no-mtp"):
         cmd.append("--no-mtp")
     try:
         wall, rss, _ = run_measured(cmd, env)
         return {"wall_s": wall, "peak_rss_mib": rss, "file_gb": out.stat().st_size / 1e9}
     finally:
-        out.unlink(missing_ok=True)
+        if not keep:
+            out.unlink(missing_ok=True)
 
 
-def quantize_llama(f32: Path, out: Path, dtype: str, env: dict[str, str]) -> dict[str, float]:
-    """llama.cpp's quantizer in its own process (wall time and peak RSS measured), fp32 GGUF -> ``out``."""
-    ftype, pure = LLAMA_QUANTIZED[dtype]
+def quantize_llama(f32: Path, out: Path, dtype: str, env: dict[str, str], ftype: str | None = None,
+                   pure: bool = False) -> dict[str, float]:
+    """llama.cpp's quantizer in its own process (wall time and peak RSS measured), GGUF -> ``out``: the file
+    type of :data:`LLAMA_QUANTIZED` for ``dtype`` unless ``ftype`` (and ``pure``) are given."""
+    if ftype is None:
+        ftype, pure = LLAMA_QUANTIZED[dtype]
     code = ("import sys, pathlib, llama_interop; llama_interop.llama_quantize(pathlib.Path(sys.argv[1]), "
             "pathlib.Path(sys.argv[2]), sys.argv[3], pure=sys.argv[4] == '1')")
     scripts = str(Path(__file__).resolve().parent)
     cmd = [sys.executable, "-c", code, str(f32), str(out), ftype, "1" if pure else "0"]
     wall, rss, _ = run_measured(cmd, {**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], scripts])})
     return {"wall_s": wall, "peak_rss_mib": rss, "file_gb": out.stat().st_size / 1e9}
+
+
+def two_step_llama(script: Path, src: Path, out: Path, dtype: str, env: dict[str, str]) -> dict[str, float]:
+    """llama.cpp's way from a HF checkpoint to ``dtype`` (:data:`LLAMA_TWO_STEP`): its converter to an
+    intermediate GGUF, then its quantizer; wall time summed, peak RSS the larger of the two processes'."""
+    outtype, ftype = LLAMA_TWO_STEP[dtype]
+    middle = out.with_name(f"{out.stem}-{outtype}.gguf")
+    try:
+        first = convert_llama(script, src, middle, outtype, env, keep=True)
+        second = quantize_llama(middle, out, dtype, env, ftype)
+    finally:
+        middle.unlink(missing_ok=True)
+    return {"wall_s": first["wall_s"] + second["wall_s"],
+            "peak_rss_mib": max(first["peak_rss_mib"], second["peak_rss_mib"]), "file_gb": second["file_gb"],
+            "convert_wall_s": first["wall_s"], "quantize_wall_s": second["wall_s"],
+            "convert_peak_rss_mib": first["peak_rss_mib"], "quantize_peak_rss_mib": second["peak_rss_mib"]}
 
 
 # ------------------------------------------------------------------------------------------- measurements
@@ -320,7 +349,8 @@ def jit_lines(jit: dict[str, Any]) -> list[str]:
 
 def conversion_table(summary: dict) -> list[str]:
     head = ["model", "type", "GGUF GB", "wall s ours / llama (×)", "peak RSS MiB ours / llama (×)"]
-    rows = [f"| {model} | {dtype} | {fmt((m.get('ours') or m.get('llama', {})).get('file_gb', NAN), 2)} "
+    rows = [f"| {model} | {dtype + (TWO_STEP_NOTE if dtype in LLAMA_TWO_STEP else '')} "
+            f"| {fmt((m.get('ours') or m.get('llama', {})).get('file_gb', NAN), 2)} "
             f"| {pair(m.get('ours', {}), m.get('llama', {}), 'wall_s')} "
             f"| {pair(m.get('ours', {}), m.get('llama', {}), 'peak_rss_mib', 0)} |"
             for model, dtypes in summary.items() for dtype, m in dtypes.items()]
@@ -376,6 +406,12 @@ def targets(runs: dict, conversions: dict, config: dict[str, Any], plan: Plan) -
                        ratio(q8["ours"]["wall_s"], q8["llama"]["wall_s"]), -0.5),
                 Target("q8_0 conversion peak RSS / llama converter",
                        ratio(q8["ours"]["peak_rss_mib"], q8["llama"]["peak_rss_mib"]), -0.3)]
+    k4 = conversions.get("q4_k_m", {})
+    if "llama" in k4 and "ours" in k4:
+        out += [Target("q4_k_m from HF bf16, wall / llama convert + quantize",
+                       ratio(k4["ours"]["wall_s"], k4["llama"]["wall_s"]), -1.0),
+                Target("q4_k_m from HF bf16, peak RSS / llama convert + quantize",
+                       ratio(k4["ours"]["peak_rss_mib"], k4["llama"]["peak_rss_mib"]), -0.25)]
     return out
 
 
@@ -435,6 +471,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="results file (default: CACHE_DIR/bench-<date>.json)")
     p.add_argument("--no-llama", action="store_true", help="measure our runtime and converter only")
     p.add_argument("--no-peer", action="store_true", help="skip the plain numpy peer")
+    p.add_argument("--no-runtime", action="store_true", help="the conversions only (no runtime measurements)")
     p.add_argument("--report", type=Path, metavar="JSON", help="only print the tables of an earlier results file")
     return p
 
@@ -469,9 +506,13 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
                 target = scratch if dtype in OURS else gguf
                 conv.setdefault("llama", []).append(quantize_llama(f32, target, dtype, env))
                 scratch.unlink(missing_ok=True)
+            elif dtype in LLAMA_TWO_STEP and script is not None:
+                conv.setdefault("llama", []).append(two_step_llama(script, src, scratch, dtype, env))
+                scratch.unlink(missing_ok=True)
             elif script is not None and dtype in llama_interop.OUTTYPES:
                 conv.setdefault("llama", []).append(convert_llama(script, src, scratch, dtype, env))
-        for rep in range(args.repeat):
+        save()
+        for rep in range(0 if args.no_runtime else args.repeat):
             log(f"{src.name} {dtype}: runtime {rep + 1}/{args.repeat}")
             with_peer = peer and dtype in args.peer_dtypes.split(",")
             with_batch = not single and (args.batch_dtypes is None or dtype in args.batch_dtypes.split(","))
@@ -489,11 +530,11 @@ def report(results: dict[str, Any], plan: Plan) -> list[str]:
              f"numpy {results['machine']['numpy']}, llama-cpp-python {results['machine']['llama_cpp_python']}, "
              f"{results['machine']['date']}; medians of {results['repeat']} runs "
              f"({results.get('conversion_repeat', results['repeat'])} of each conversion)", "",
-             *runtime_table(runs, plan, results.get("kernels", ["numba"]),
-                            results.get("read", {}).get("read_gbps", NAN)), "",
+             *(runtime_table(runs, plan, results.get("kernels", ["numba"]),
+                             results.get("read", {}).get("read_gbps", NAN)) + [""] if any(runs.values()) else []),
              *jit_lines(results.get("jit", {})), *conversion_table(conv), ""]
-    for model in runs:
-        found = [t for t in targets(runs[model], conv.get(model, {}), results["configs"][model], plan)
+    for model in dict.fromkeys([*runs, *conv]):
+        found = [t for t in targets(runs.get(model, {}), conv.get(model, {}), results["configs"][model], plan)
                  if t.value == t.value]  # NaN: not measured in this run (--quick, --dtypes, --no-llama)
         results.setdefault("targets", {})[model] = [{"name": t.name, "value": t.value, "goal": t.goal, "met": t.met}
                                                      for t in found]
@@ -514,7 +555,7 @@ def run(args: argparse.Namespace) -> None:
     results: dict[str, Any] = {"machine": machine(), "plan": plan.__dict__, "repeat": args.repeat,
                                "conversion_repeat": max(1, args.conversion_repeat or args.repeat),
                                "conversion": {}, "runtime": {}, "configs": {}, "kernels": args.kernels.split(",")}
-    if "numba" in results["kernels"]:
+    if "numba" in results["kernels"] and not args.no_runtime:
         log("compiled kernels: first compile and warm start-up")
         results["jit"] = jit_startup(env, args.cache_dir)
     out = args.json or args.cache_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -528,7 +569,7 @@ def run(args: argparse.Namespace) -> None:
                     results["conversion"].setdefault(name, {}), results["runtime"].setdefault(name, {}),
                     lambda: out.write_text(json.dumps(results, indent=1)), single=i > 0 and args.others_single)
     files = sorted((args.cache_dir / "gguf").glob("*.gguf"))
-    if files:
+    if files and not args.no_runtime:
         log("plain read bandwidth")
         results["read"] = read_bandwidth(files, env, args.threads)
     results["machine"]["loadavg_end"] = os.getloadavg()
