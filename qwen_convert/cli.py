@@ -20,7 +20,9 @@ from qwen_runtime.formats import open_model_files, verify_model_files
 from qwen_runtime.hub import resolve_model
 
 from .batch import FAILED, Job, JobResult, plan_jobs, run_batch, summary_table
+from .bpw import DEFAULT_MIX, model_sensitivities, sensitivity_table
 from .convert import FORMATS, convert, infer_format
+from .imatrix import load_importance
 from .inspect import (
     compare,
     compare_json,
@@ -29,10 +31,20 @@ from .inspect import (
     model_stats,
     model_summary,
     open_pair,
+    selected,
     stats_json,
     stats_table,
 )
-from .policy import DTYPES, TensorSpec
+from .policy import (
+    CONVERTER_DTYPES,
+    DTYPES,
+    MIXES,
+    OVERRIDE_TYPES,
+    QuantOptions,
+    TensorSpec,
+    parse_tensor_type,
+    parse_type,
+)
 from .verify import BatchVerifier, ConversionVerifier, report_json, report_summary, report_table, verify_against
 
 
@@ -84,8 +96,28 @@ def convert_parser() -> argparse.ArgumentParser:
                    help="batch mode: write <model>-<dtype>.gguf / <model>-<dtype>/ here (no default)")
     p.add_argument("--format", type=lambda v: _csv(v, FORMATS, "format"), help="npy or gguf (batch: comma list; "
                    "default: from the -o suffix, .gguf or else npy; batch: npy)")
-    p.add_argument("--dtype", type=lambda v: _csv(v, tuple(DTYPES), "dtype"), default=["fp16"],
-                   help=f"{', '.join(DTYPES)} (batch: comma list; default fp16)")
+    p.add_argument("--dtype", type=lambda v: _csv(v, tuple(DTYPES), "dtype"), default=None,
+                   help=f"{', '.join(CONVERTER_DTYPES)} (every matrix that type), or one of llama.cpp's mixes "
+                   f"{', '.join(MIXES)} (llama-quantize's type per tensor) (batch: comma list; default fp16)")
+    types = ", ".join(q.name.lower() for q in OVERRIDE_TYPES)
+    p.add_argument("--pure", action="store_true", help="with a mix: every quantizable matrix the mix's base type "
+                   "(llama-quantize --pure; rows its block does not divide still fall back)")
+    p.add_argument("--tensor-type", action="append", default=[], metavar="REGEX=TYPE",
+                   help=f"store tensors whose name matches REGEX (searched, lower-cased) as TYPE ({types}); "
+                   "repeatable, the first match wins; needs a quantized --dtype (llama-quantize --tensor-type; "
+                   "default: none)")
+    p.add_argument("--output-tensor-type", metavar="TYPE", help="type of output.weight (and, with a mix, of a "
+                   "tied token embedding); default: the mix's choice")
+    p.add_argument("--imatrix", metavar="FILE", help="importance matrix (llama-imatrix's GGUF or legacy .dat, or "
+                   "qwen-imatrix's): weights the rounding of every tensor llama.cpp weights by it (all quantized "
+                   "types but Q8_0), and the iq4 mixes drop their ffn_down bump as llama.cpp does with one "
+                   "(default: none)")
+    p.add_argument("--target-bpw", type=float, metavar="X", help="choose each quantizable matrix's type among "
+                   "Q2_K..Q6_K and Q8_0 by its measured sensitivity (importance-weighted with --imatrix) to reach at "
+                   f"most X bits per weight over them; output, tied embedding and file type from --dtype's mix "
+                   f"(default {DEFAULT_MIX} with this option); see qwen-inspect --sensitivity (default: off)")
+    p.add_argument("--token-embedding-type", metavar="TYPE", help="type of token_embd.weight; default: the "
+                   "dtype's choice")
     p.add_argument("--jobs", type=int, default=1, help="batch mode: conversions run in parallel (local executor)")
     p.add_argument("--executor", choices=EXECUTORS, default=LOCAL, help="batch mode: run the conversions in this "
                    "process (local) or as Ray tasks, one per output, each declaring the memory it needs (ray; "
@@ -103,20 +135,34 @@ def convert_parser() -> argparse.ArgumentParser:
     return p
 
 
+def quant_options(args: argparse.Namespace) -> QuantOptions:
+    """The per-tensor options of the command line (:class:`QwenError` for a bad type or pattern)."""
+    output = args.output_tensor_type and parse_type(args.output_tensor_type, "--output-tensor-type")
+    embedding = args.token_embedding_type and parse_type(args.token_embedding_type, "--token-embedding-type")
+    return QuantOptions(pure=args.pure, tensor_types=tuple(map(parse_tensor_type, args.tensor_type)),
+                        output_type=output or None, token_embedding_type=embedding or None)
+
+
 def _run_single(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if len(args.sources) != 1 or len(args.dtype) > 1 or (args.format and len(args.format) > 1):
         parser.error("-o converts one MODEL to one format and dtype; use --output-dir for several")
     args.sources = [resolve_model(args.sources[0])]
     fmt = infer_format(args.output, args.format[0] if args.format else None)
+    options = quant_options(args)
+    importance = load_importance(args.imatrix) if args.imatrix else None
     verifier = ConversionVerifier(args.sources[0], args.output, args.keep_failed) if args.verify else None
     try:
         result = convert(args.sources[0], args.output, fmt, args.dtype[0], force=args.force, name=args.name,
-                         verify=verifier, progress=TqdmProgress())
+                         verify=verifier, progress=TqdmProgress(), options=options,
+                         importance=importance, target_bpw=args.target_bpw)
     finally:
         if verifier is not None and verifier.report is not None:
             print(report_summary(verifier.report))
     print(f"wrote {result.output} ({result.nbytes:,} bytes, {result.format} {result.dtype}, "
           f"{result.seconds:.1f} s)")
+    if result.bpw is not None:
+        print(f"bits per weight: {result.bpw[0]:.4f} over the quantizable matrices (target {args.target_bpw:g}), "
+              f"{result.bpw[1]:.4f} over the whole file")
     return 0
 
 
@@ -200,6 +246,13 @@ def convert_main(argv: Sequence[str] | None = None) -> int:
         parser.error("--executor ray runs batches: use --output-dir DIR")
     if args.address is not None and args.executor != RAY:
         parser.error("--address needs --executor ray")
+    per_tensor = args.pure or args.tensor_type or args.output_tensor_type or args.token_embedding_type
+    if (per_tensor or args.imatrix or args.target_bpw is not None) and args.out_dir is not None:
+        parser.error("--pure, --tensor-type, --output-tensor-type, --token-embedding-type, --imatrix and "
+                     "--target-bpw convert one model: use -o OUT")
+    if args.target_bpw is not None and args.pure:
+        parser.error("--target-bpw chooses a type per tensor: it cannot be combined with --pure")
+    args.dtype = args.dtype or ([DEFAULT_MIX] if args.target_bpw is not None else ["fp16"])
     _logging(args.verbose)
     if args.output is not None:
         return run_guarded("qwen-convert", lambda: _run_single(args, parser))
@@ -218,6 +271,11 @@ def inspect_parser() -> argparse.ArgumentParser:
                    "default: no comparison)")
     p.add_argument("--filter", metavar="REGEX", help="only tensors whose canonical name matches (default: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--sensitivity", action="store_true", help="per quantizable matrix, the relative "
+                   "importance-weighted squared error of each type qwen-convert --target-bpw chooses among "
+                   "(encoded and decoded with our codecs; slow on big models)")
+    p.add_argument("--imatrix", metavar="FILE", help="with --sensitivity: weight the errors and encodings by this "
+                   "importance matrix (default: unweighted)")
     p.add_argument("--verify", action="store_true", help="check MODEL's integrity on its own: npy checksums, GGUF "
                    "structure (alignment, bounds, type sizes), the architecture's tensor set; exit code 2 on failure")
     p.add_argument("--verify-against", metavar="SRC", help="verify MODEL (npy directory or GGUF) against its HF "
@@ -242,6 +300,10 @@ def _inspect(args: argparse.Namespace) -> int:
         print(json.dumps(compare_json(result), indent=1) if args.json else compare_table(result))
         return 0
     files = open_model_files(args.path)
+    if args.sensitivity:
+        importance = load_importance(args.imatrix) if args.imatrix else None
+        print(sensitivity_table(model_sensitivities(files, importance, names=selected(files, args.filter))))
+        return 0
     summary = model_summary(files)
     if args.meta:
         print(json.dumps(summary, indent=1) if args.json else metadata_table(summary))

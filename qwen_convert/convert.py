@@ -13,7 +13,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -25,9 +25,10 @@ from qwen_runtime.formats.base import V_HEAD_TILED, ModelFiles
 from qwen_runtime.hub import model_name
 
 from .gguf_writer import GGUFFileWriter
+from .imatrix import Importance
 from .npy_writer import NpyDirWriter
-from .policy import TensorSpec, check_dtype, plan_outputs
-from .quantize import stream_rows
+from .policy import MIXES, ModelFacts, QuantOptions, TensorSpec, block_size, check_dtype, ordered_specs, plan_outputs
+from .quantize import encode_rows, stream_rows
 
 FORMATS = ("npy", "gguf")
 
@@ -65,6 +66,7 @@ class ConvertResult:
     dtype: str
     nbytes: int  # bytes on disk
     seconds: float
+    bpw: tuple[float, float] | None = None  # --target-bpw: bits per weight of the quantizable matrices, of the file
 
 
 def infer_format(out: str | Path, fmt: str | None) -> str:
@@ -143,18 +145,19 @@ def atomic_output(target: Path, force: bool, tag: str | None = None) -> Iterator
 
 
 def open_sink(fmt: str, tmp: Path, files: ModelFiles, dtype: str, specs: Sequence[TensorSpec],
-              name: str) -> OutputSink:
-    """The writer for ``fmt`` writing to ``tmp``."""
+              name: str, extra: dict[str, str | int] | None = None) -> OutputSink:
+    """The writer for ``fmt`` writing to ``tmp`` (``extra``: more metadata keys)."""
     if fmt == "gguf":
-        return GGUFFileWriter(tmp, files, dtype, specs, name)
-    return NpyDirWriter(tmp, files, dtype)
+        return GGUFFileWriter(tmp, files, dtype, specs, name, extra)
+    return NpyDirWriter(tmp, files, dtype, extra)
 
 
 def _write_all(sink: OutputSink, files: ModelFiles, specs: Sequence[TensorSpec], target: Path,
-               progress: Progress | None) -> None:
+               progress: Progress | None, importance: Importance | None = None) -> None:
     """Stream every tensor into ``sink``; I/O errors name the output and the tensor."""
     for spec in specs:
-        chunks = stream_rows(files.tensors[spec.name], spec.qtype)
+        weights = importance.for_tensor(spec.name, spec.shape[-1], spec.qtype) if importance is not None else None
+        chunks = stream_rows(files.tensors[spec.name], spec.qtype, weights)
         if progress is not None:
             chunks = _reporting(chunks, spec, progress)
         try:
@@ -190,10 +193,37 @@ def verify_written_checksums(path: Path, fmt: str, checksums: dict[str, str]) ->
 Verifier = Callable[[Path, str, dict[str, str]], None]
 
 
+def check_writable(specs: Sequence[TensorSpec], importance: Importance | None = None) -> None:
+    """:class:`FormatError` naming the first tensor whose planned type the converter cannot encode (with its
+    importance vector, if any), before any output is created."""
+    kinds = {}  # (type, weighted) -> first tensor
+    for spec in specs:
+        weights = importance.for_tensor(spec.name, spec.shape[-1], spec.qtype) if importance is not None else None
+        kinds.setdefault((spec.qtype, weights is not None), spec.name)
+    for (qtype, weighted), first in kinds.items():
+        width = block_size(qtype)
+        try:
+            encode_rows(np.zeros((1, width), np.float32), qtype, np.ones(width, np.float32) if weighted else None)
+        except FormatError:
+            how = "importance-weighted " if weighted else ""
+            raise FormatError(f"tensor {first!r}: this converter cannot write {how}type {qtype.name} yet") from None
+
+
+def plan_model(files: ModelFiles, dtype: str, options: QuantOptions | None = None) -> list[TensorSpec]:
+    """The output tensors of ``files`` converted to ``dtype`` with ``options`` (llama-quantize's choices)."""
+    shapes = {n: t.shape for n, t in files.tensors.items()}
+    return plan_outputs(shapes, dtype, ModelFacts.from_config(files.config), options)
+
+
 def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str = "fp16", force: bool = False,
             name: str | None = None, verify: Verifier | None = None, progress: Progress | None = None,
-            tmp_tag: str | None = None) -> ConvertResult:
-    """Convert the HF model ``src`` to ``out`` (``fmt`` npy or gguf; ``dtype`` fp32, fp16 or q8_0).
+            tmp_tag: str | None = None, options: QuantOptions | None = None,
+            importance: Importance | None = None, target_bpw: float | None = None) -> ConvertResult:
+    """Convert the HF model ``src`` to ``out`` (``fmt`` npy or gguf; ``dtype`` a key of ``policy.DTYPES``,
+    ``options`` llama-quantize's per-tensor options, ``target_bpw`` types chosen by :mod:`qwen_convert.bpw` to
+    reach that many bits per weight (``dtype`` a mix: its output rule and file type), ``importance`` an imatrix
+    file's vectors: each quantized tensor llama.cpp would weight is weighted by its vector, and the mixes make
+    their imatrix choices).
 
     ``verify`` (e.g. :func:`verify_written_checksums`) runs on the complete temporary output, before the
     rename; ``tmp_tag`` names the temporary output (:func:`temp_path`), so a retried attempt replaces a killed
@@ -205,20 +235,37 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str
     target, fmt, dtype = Path(out), infer_format(out, fmt), check_dtype(dtype)
     check_output(target, force)
     files = open_source(src)
-    specs = plan_outputs({n: t.shape for n, t in files.tensors.items()}, dtype)
+    if importance is not None:
+        options = replace(options or QuantOptions(), imatrix=True)
+    allocation = None
+    if target_bpw is None:
+        specs = plan_model(files, dtype, options)
+    else:
+        from .bpw import plan_target
+
+        if dtype not in MIXES:
+            raise QwenError(f"--target-bpw needs one of llama.cpp's mixes as --dtype, not {dtype}")
+        types, allocation = plan_target(files, target_bpw, dtype, importance, options)
+        specs = ordered_specs({n: t.shape for n, t in files.tensors.items()}, types)
+    check_writable(specs, importance)
     if progress is not None:
         progress.start(target.name, specs)
     try:
         with atomic_output(target, force, tmp_tag) as tmp:
             try:
-                sink = open_sink(fmt, tmp, files, dtype, specs, name or model_name(files.path))
+                sink = open_sink(fmt, tmp, files, dtype, specs, name or model_name(files.path),
+                                 importance.metadata() if importance is not None else None)
             except OSError as exc:
                 raise OutputError(f"{target}: cannot create output ({exc.strerror or exc})") from None
             with sink:
-                _write_all(sink, files, specs, target, progress)
+                _write_all(sink, files, specs, target, progress, importance)
             if verify is not None:
                 verify(tmp, fmt, sink.checksums)
     finally:
         if progress is not None:
             progress.stop()
-    return ConvertResult(target, fmt, dtype, path_size(target), time.perf_counter() - started)
+    nbytes = path_size(target)
+    bpw = None
+    if allocation is not None:
+        bpw = (allocation.bpw, nbytes * 8 / sum(int(np.prod(t.shape)) for t in files.tensors.values()))
+    return ConvertResult(target, fmt, dtype, nbytes, time.perf_counter() - started, bpw)

@@ -9,6 +9,11 @@ Steps (each a library function; ``qwen-demo`` prints their results):
    :func:`qwen_convert.inspect.compare`.
 2. :func:`measure_quality` scores the held-out text with the six outputs and the source in lockstep
    (:func:`qwen_runtime.evaluate.evaluate_ids`): perplexity, KL(source || output), top-1 agreement, Δppl.
+   With ``kquants`` (``qwen-demo --kquants``), :func:`prepare_kquant_outputs` adds a GGUF per llama.cpp
+   mix of each new type (:data:`KQUANT_MIXES`), without and with an importance matrix that
+   :func:`qwen_convert.imatrix_collect.compute_imatrix` computes on a calibration text other than the
+   evaluation text (:func:`calibration_text`: standard-library modules, the bundled model's kind of text,
+   none of them in its held-out text), and scores them in the same lockstep pass.
 3. :func:`complete_in_fresh_process` generates greedily from each output in a freshly spawned Python
    process, so its peak RSS (``VmHWM``) is that of loading and running this one output only.
 
@@ -19,6 +24,7 @@ The demo drives both halves of the project, so it lives in :mod:`qwen_convert`, 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import multiprocessing
 import struct
@@ -32,9 +38,12 @@ from pathlib import Path
 from qwen_runtime import chat_format, load, stream
 from qwen_runtime.errors import QwenError
 from qwen_runtime.evaluate import EvalResult, encode_text, evaluate_ids
+from qwen_runtime.hub import model_name
 
 from .batch import Job, output_is_complete, plan_jobs
 from .convert import Progress, convert, path_size, verify_written_checksums
+from .imatrix import load_importance, write_imatrix
+from .imatrix_collect import compute_imatrix
 from .inspect import compare, open_pair
 
 BUNDLED_MODEL = "qwen3-stdlib"
@@ -43,6 +52,14 @@ DEFAULT_OUT = Path("qwen-demo-out")
 FORMATS = ("npy", "gguf")
 DTYPES = ("fp32", "fp16", "q8_0")
 STAMP_FILE = "demo-source.json"
+# One llama.cpp mix per type the converter writes beyond the 32-value ones (Q2_K ... Q6_K, IQ4_NL, IQ4_XS).
+KQUANT_MIXES = ("q2_k", "q3_k_m", "q4_k_m", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs")
+# Calibration text for the importance matrix: standard-library modules (what the bundled model was trained
+# on), each used only when none of its lines of code appears in the evaluation text.
+CALIBRATION_MODULES = ("argparse", "textwrap", "string", "shlex", "fnmatch", "difflib", "heapq", "bisect",
+                       "dataclasses", "functools", "pprint", "calendar", "ipaddress", "fractions")
+CALIBRATION_BYTES = 60_000
+IMATRIX_CTX = 256
 REUSED, CONVERTED = "reused", "converted"
 
 
@@ -64,9 +81,11 @@ class DemoOutput:
     snr_db: float
     min_cosine: float
 
+    imatrix: bool = False  # quantized with the demo's importance matrix
+
     @property
     def label(self) -> str:
-        return f"{self.format} {self.dtype}"
+        return f"{self.format} {self.dtype}" + (" +imatrix" if self.imatrix else "")
 
 
 @dataclass(frozen=True)
@@ -131,13 +150,13 @@ def _convert_job(job: Job, reuse: bool, progress: Progress | None) -> str:
     return CONVERTED
 
 
-def _describe(job: Job, status: str) -> DemoOutput:
+def _describe(job: Job, status: str, imatrix: bool = False) -> DemoOutput:
     source, output = open_pair(job.src, job.out)
     diff = compare(source, output)
     params = sum(t.n_elements for t in output.tensors.values())
     tensor_bytes = sum(t.nbytes for t in output.tensors.values())
     return DemoOutput(job.out, job.format, job.dtype, status, path_size(job.out), tensor_bytes / params,
-                      diff.rmse, diff.snr_db, diff.min_cosine)
+                      diff.rmse, diff.snr_db, diff.min_cosine, imatrix)
 
 
 def prepare_outputs(src: Path, out_dir: Path, progress: Progress | None = None) -> list[DemoOutput]:
@@ -151,11 +170,64 @@ def prepare_outputs(src: Path, out_dir: Path, progress: Progress | None = None) 
     return [_describe(job, status) for job, status in zip(jobs, statuses, strict=True)]
 
 
+def calibration_text(evaluation: str, limit: int = CALIBRATION_BYTES) -> str:
+    """Up to ``limit`` bytes of :data:`CALIBRATION_MODULES`' sources, skipping any module that shares a line of
+    code (over 40 characters) with ``evaluation``, so the importance matrix never sees the scored text."""
+    seen = {line.strip() for line in evaluation.splitlines() if len(line.strip()) > 40}
+    parts: list[str] = []
+    for name in CALIBRATION_MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+            continue
+        source = Path(spec.origin).read_text(encoding="utf-8")
+        if any(line.strip() in seen for line in source.splitlines()):
+            continue
+        parts.append(source)
+        if sum(map(len, parts)) >= limit:
+            break
+    if not parts:
+        raise MissingAssetError("no standard-library module to calibrate the importance matrix on")
+    return "\n\n".join(parts)[:limit]
+
+
+def prepare_kquant_outputs(src: Path, out_dir: Path, calibration: str, progress: Progress | None = None
+                           ) -> list[DemoOutput]:
+    """GGUFs of :data:`KQUANT_MIXES` under ``out_dir``, each without and with an importance matrix computed
+    over ``calibration`` (``<model>.imatrix.gguf`` there); call after :func:`prepare_outputs`, whose stamp
+    decides reuse (the imatrix and its outputs are reused only with the same calibration text)."""
+    digest = hashlib.sha256(calibration.encode("utf-8")).hexdigest()[:12]
+    stamp = out_dir / f"{STAMP_FILE}.imatrix"
+    reuse = _stamp_matches(out_dir, src)
+    reuse_weighted = reuse and stamp.is_file() and stamp.read_text(encoding="utf-8") == digest
+    stamp.unlink(missing_ok=True)
+    imatrix_path = out_dir / f"{model_name(src)}.imatrix.gguf"
+    if not (reuse_weighted and imatrix_path.is_file()):
+        write_imatrix(imatrix_path, compute_imatrix(src, calibration, "demo-calibration", n_ctx=IMATRIX_CTX))
+    importance = load_importance(imatrix_path)
+    outputs = []
+    for weighted in (False, True):
+        for job in plan_jobs([src], out_dir, ("gguf",), KQUANT_MIXES):
+            if weighted:
+                job = Job(job.src, job.out.with_name(job.out.name.replace(".gguf", "-imatrix.gguf")), job.format,
+                          job.dtype)
+            if (reuse_weighted if weighted else reuse) and output_is_complete(job):
+                status = REUSED
+            else:
+                convert(job.src, job.out, job.format, job.dtype, force=True, verify=verify_written_checksums,
+                        progress=progress, importance=importance if weighted else None)
+                status = CONVERTED
+            outputs.append(_describe(job, status, weighted))
+    stamp.write_text(digest, encoding="utf-8")
+    return outputs
+
+
 def measure_quality(src: Path, outputs: Sequence[DemoOutput], text: str, eval_tokens: int, ctx: int,
-                    stride: int, progress: Callable[[int], None] | None = None) -> list[EvalResult]:
-    """Perplexity of every output on ``text`` and its divergence from the source (one lockstep pass)."""
-    models = [load(o.path) for o in outputs]
-    reference = load(src)
+                    stride: int, progress: Callable[[int], None] | None = None, threads: int | None = None,
+                    kernels: str | None = None) -> list[EvalResult]:
+    """Perplexity of every output on ``text`` and its divergence from the source (one lockstep pass);
+    ``threads`` and ``kernels`` are :func:`qwen_runtime.load`'s."""
+    models = [load(o.path, threads=threads, kernels=kernels) for o in outputs]
+    reference = load(src, threads=threads, kernels=kernels)
     ctx = min(ctx, reference.config.max_position_embeddings)
     ids = encode_text(reference, text, eval_tokens)
     return evaluate_ids(models, ids, ctx, min(stride, ctx), reference, progress=progress)
@@ -173,10 +245,11 @@ def peak_rss_kb() -> int:
     return 0
 
 
-def complete(path: str | Path, prompt: str, max_new_tokens: int) -> Completion:
+def complete(path: str | Path, prompt: str, max_new_tokens: int, threads: int | None = None,
+             kernels: str | None = None) -> Completion:
     """Load ``path`` and complete ``prompt`` greedily; measured in (and for) the calling process."""
     t0 = time.perf_counter()
-    model = load(path)
+    model = load(path, threads=threads, kernels=kernels)
     chat_format(model)  # load the tokenizer before timing generation
     load_seconds = time.perf_counter() - t0
     generation = stream(model, prompt, max_new_tokens=max_new_tokens)
@@ -185,9 +258,10 @@ def complete(path: str | Path, prompt: str, max_new_tokens: int) -> Completion:
                       load_seconds, peak_rss_kb())
 
 
-def complete_in_fresh_process(path: str | Path, prompt: str, max_new_tokens: int) -> Completion:
+def complete_in_fresh_process(path: str | Path, prompt: str, max_new_tokens: int, threads: int | None = None,
+                              kernels: str | None = None) -> Completion:
     """:func:`complete` in a newly spawned interpreter, so its peak RSS covers this output alone."""
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(complete, str(path), prompt, max_new_tokens).result()
+        return pool.submit(complete, str(path), prompt, max_new_tokens, threads, kernels).result()
 
 

@@ -16,19 +16,22 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qwen_runtime.cli_support import HelpFormatter, run_guarded
+from qwen_runtime.cli_support import HelpFormatter, add_machine_options, run_guarded
 from qwen_runtime.evaluate import METHOD, EvalResult, count_targets, read_text
 
 from .batch import human_size
 from .cli import TqdmProgress
 from .demo import (
     DEFAULT_OUT,
+    KQUANT_MIXES,
     Completion,
     DemoOutput,
     bundled_model_path,
+    calibration_text,
     complete_in_fresh_process,
     heldout_text_path,
     measure_quality,
+    prepare_kquant_outputs,
     prepare_outputs,
 )
 
@@ -49,6 +52,10 @@ def configure_parser() -> argparse.ArgumentParser:
                    help="HF model directory to use instead of the bundled one (default: the bundled qwen3-stdlib)")
     p.add_argument("-f", "--file", "--text", dest="text", type=Path, default=None, metavar="FILE",
                    help="text to evaluate on (default: the model's heldout.txt, else the bundled model's)")
+    p.add_argument("--kquants", action="store_true",
+                   help=f"also score a GGUF per K-quant/IQ4 mix ({', '.join(KQUANT_MIXES)}), without and with "
+                   "an importance matrix computed on standard-library modules absent from the text, in the quality "
+                   "table (default: off: 14 more outputs to convert and score; completions stay the six above)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT,
                    help=f"prompt completed by every output (default: {DEFAULT_PROMPT!r})")
     p.add_argument("-n", "--max-new-tokens", type=int, default=32, metavar="N",
@@ -57,6 +64,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx", type=int, default=256, help="perplexity window (default 256, the bundled model's "
                    "training context)")
     p.add_argument("--stride", type=int, default=128, help="tokens between perplexity windows (default 128)")
+    add_machine_options(p)
     return p
 
 
@@ -74,12 +82,15 @@ def outputs_table(outputs: Sequence[DemoOutput]) -> str:
 def quality_table(outputs: Sequence[DemoOutput], results: Sequence[EvalResult]) -> str:
     """Perplexity, Δppl, KL(source || output) mean/p99/max and top-1 agreement per output."""
     ref = results[0].vs_reference
-    lines = [f"{'output':<10}  {'ppl':>9}  {'Δppl':>9}  {'KL mean':>9}  {'KL p99':>9}  {'KL max':>9}  {'top-1':>7}",
-             f"{'source':<10}  {ref.reference_perplexity:>9.4f}  {'(ref)':>9}"]
+    width = max([10] + [len(o.label) for o in outputs])
+    lines = [f"{'output':<{width}}  {'size':>9}  {'bpw':>5}  {'ppl':>9}  {'Δppl':>9}  {'KL mean':>9}  {'KL p99':>9}  "
+             f"{'KL max':>9}  {'top-1':>7}",
+             f"{'source':<{width}}  {'':>9}  {'':>5}  {ref.reference_perplexity:>9.4f}  {'(ref)':>9}"]
     for o, r in zip(outputs, results, strict=True):
         v = r.vs_reference
-        lines.append(f"{o.label:<10}  {r.perplexity:>9.4f}  {v.delta_perplexity:>+9.4f}  {v.kl_mean:>9.2e}  "
-                     f"{v.kl_p99:>9.2e}  {v.kl_max:>9.2e}  {100 * v.top1_agreement:>6.2f}%")
+        lines.append(f"{o.label:<{width}}  {human_size(o.nbytes):>9}  {8 * o.bytes_per_parameter:>5.2f}  "
+                     f"{r.perplexity:>9.4f}  {v.delta_perplexity:>+9.4f}  {v.kl_mean:>9.2e}  {v.kl_p99:>9.2e}  "
+                     f"{v.kl_max:>9.2e}  {100 * v.top1_agreement:>6.2f}%")
     return "\n".join(lines)
 
 
@@ -96,18 +107,23 @@ def run(args: argparse.Namespace) -> None:
     print(f"qwen-demo: source {src}\n\n1. Outputs in {args.out} (written by qwen_convert, compared with "
           "qwen_convert.inspect.compare against the source)")
     outputs = prepare_outputs(src, args.out, TqdmProgress())
-    print(outputs_table(outputs))
+    scored = list(outputs)
+    if args.kquants:
+        scored += prepare_kquant_outputs(src, args.out, calibration_text(text), TqdmProgress())
+    print(outputs_table(scored))
     print(f"\n2. Quality on {text_path}: first {args.eval_tokens} tokens, "
           f"{METHOD.format(ctx=args.ctx, stride=args.stride)}; KL(source || output) per token")
     with tqdm(total=count_targets(args.eval_tokens, args.ctx, args.stride), desc="scoring", unit="tok",
               leave=False, dynamic_ncols=True, disable=None) as bar:
-        results = measure_quality(src, outputs, text, args.eval_tokens, args.ctx, args.stride, bar.update)
-    print(quality_table(outputs, results))
+        results = measure_quality(src, scored, text, args.eval_tokens, args.ctx, args.stride, bar.update,
+                                  args.threads, args.kernels)
+    print(quality_table(scored, results))
     print(f"\n3. Greedy completion of {args.prompt!r}, {args.max_new_tokens} new tokens; each output runs in a "
           "fresh subprocess (peak RSS = its VmHWM, memory-mapped weights included)")
     for output in outputs:
-        print(completion_line(output, complete_in_fresh_process(output.path, args.prompt, args.max_new_tokens)),
-              flush=True)
+        completion = complete_in_fresh_process(output.path, args.prompt, args.max_new_tokens, args.threads,
+                                               args.kernels)
+        print(completion_line(output, completion), flush=True)
     print(f"\nqwen-demo: done in {time.perf_counter() - started:.1f} s")
 
 

@@ -83,7 +83,9 @@ def _add_info(writer: GGUFWriter, spec: TensorSpec) -> None:
 class GGUFFileWriter:
     """Writes one GGUF file: metadata and tensor infos on creation, then tensors in plan order."""
 
-    def __init__(self, path: Path, files: ModelFiles, dtype: str, specs: Sequence[TensorSpec], name: str) -> None:
+    def __init__(self, path: Path, files: ModelFiles, dtype: str, specs: Sequence[TensorSpec], name: str,
+                 extra: dict[str, str | int] | None = None) -> None:
+        """``extra``: more keys (strings, or integers stored as u32), e.g. ``quantize.imatrix.*``."""
         if files.directory is None:
             raise ValueError("GGUF output needs a model directory with tokenizer files")
         self.path = path
@@ -91,6 +93,11 @@ class GGUFFileWriter:
         self._writer = StreamingGGUFWriter(path, files.config.arch)
         add_model_metadata(self._writer, files.config, dtype, name)
         add_tokenizer_metadata(self._writer, files.directory, files.config)
+        for key, value in (extra or {}).items():
+            if isinstance(value, str):
+                self._writer.add_string(key, value)
+            else:
+                self._writer.add_uint32(key, value)
         for spec in specs:
             _add_info(self._writer, spec)
         try:

@@ -360,11 +360,12 @@ def _shape(shape: tuple[int, ...]) -> str:
 def stats_table(stats: Sequence[TensorStats]) -> str:
     """Fixed-width table of :class:`TensorStats` rows followed by the totals."""
     width = max([4] + [len(s.name) for s in stats])
-    head = (f"{'name':<{width}}  {'shape':<14} {'type':<5} {'bytes':>11} {'min':>11} {'max':>11} {'mean':>11} "
-            f"{'std':>11} {'absmax':>11} {'nan':>6} {'inf':>6}")
+    tw = max([5] + [len(s.type) for s in stats])  # IQ4_NL, IQ4_XS: 6
+    head = (f"{'name':<{width}}  {'shape':<14} {'type':<{tw}} {'bytes':>11} {'min':>11} {'max':>11} "
+            f"{'mean':>11} {'std':>11} {'absmax':>11} {'nan':>6} {'inf':>6}")
     lines = [head]
     for s in stats:
-        lines.append(f"{s.name:<{width}}  {_shape(s.shape):<14} {s.type:<5} {s.nbytes:>11} {_num(s.min)} "
+        lines.append(f"{s.name:<{width}}  {_shape(s.shape):<14} {s.type:<{tw}} {s.nbytes:>11} {_num(s.min)} "
                      f"{_num(s.max)} {_num(s.mean)} {_num(s.std)} {_num(s.absmax)} {s.nan:>6} {s.inf:>6}")
     t = totals(stats)
     lines.append(f"total: {t['tensors']} tensors, {t['parameters']:,} parameters, {t['bytes']:,} bytes, "
@@ -375,10 +376,11 @@ def stats_table(stats: Sequence[TensorStats]) -> str:
 def compare_table(result: Comparison) -> str:
     """Fixed-width table of per-tensor errors followed by the whole-model summary."""
     width = max([4] + [len(r.name) for r in result.tensors])
-    lines = [f"{'name':<{width}}  {'shape':<14} {'A':<5} {'B':<5} {'rmse':>11} {'max_abs':>11} {'snr_db':>11} "
-             f"{'cosine':>11}"]
+    tw = max([5] + [len(t) for r in result.tensors for t in (r.type_a, r.type_b)])  # IQ4_NL, IQ4_XS: 6
+    lines = [f"{'name':<{width}}  {'shape':<14} {'A':<{tw}} {'B':<{tw}} {'rmse':>11} {'max_abs':>11} "
+             f"{'snr_db':>11} {'cosine':>11}"]
     for r in result.tensors:
-        lines.append(f"{r.name:<{width}}  {_shape(r.shape):<14} {r.type_a:<5} {r.type_b:<5} {_num(r.rmse)} "
+        lines.append(f"{r.name:<{width}}  {_shape(r.shape):<14} {r.type_a:<{tw}} {r.type_b:<{tw}} {_num(r.rmse)} "
                      f"{_num(r.max_abs)} {_num(r.snr_db)} {r.cosine:>11.8f}")
     lines.append(f"model: {len(result.tensors)} tensors compared, rmse {result.rmse:.4g}, max abs error "
                  f"{result.max_abs:.4g}, snr {result.snr_db:.2f} dB, min cosine {result.min_cosine:.8f}")

@@ -37,13 +37,16 @@ def npy_header(spec: TensorSpec) -> bytes:
 class NpyDirWriter:
     """Writes the tensors of one model into ``directory`` (created here), then its manifest and side files."""
 
-    def __init__(self, directory: Path, files: ModelFiles, dtype: str) -> None:
+    def __init__(self, directory: Path, files: ModelFiles, dtype: str,
+                 extra: dict[str, str | int] | None = None) -> None:
+        """``extra``: more manifest fields (e.g. the ``quantize.imatrix.*`` keys a GGUF would carry)."""
         if files.directory is None or files.hf_config is None:
             raise ValueError("npy output needs a source model directory with config.json")
         directory.mkdir()
         self.path = directory
         self._files = files
         self._dtype = dtype
+        self._extra = dict(extra or {})
         self.checksums: dict[str, str] = {}
         self._entries: dict[str, dict[str, Any]] = {}
 
@@ -68,7 +71,7 @@ class NpyDirWriter:
         assert files.directory is not None
         manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "architecture": files.config.arch,
                     "source": str(files.path), "dtype": self._dtype, "v_head_order": files.v_head_order,
-                    "tied_embeddings": files.config.tie_word_embeddings, "tensors": self._entries}
+                    "tied_embeddings": files.config.tie_word_embeddings, **self._extra, "tensors": self._entries}
         (self.path / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
         (self.path / "config.json").write_text(json.dumps(files.hf_config, indent=2, ensure_ascii=False) + "\n",
                                                encoding="utf-8")

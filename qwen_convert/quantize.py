@@ -4,23 +4,30 @@ Each chunk is widened to float32 (``[rows, n]``) and encoded to the output type'
 (``[rows, row bytes]``), so memory scales with the chunk, never with the tensor.  The Q8_0 kernel gives
 exactly the bytes of ``gguf.quants.quantize`` (llama.cpp's reference) with fewer temporaries; Q4_0, Q4_1, Q5_0
 and Q5_1 are ``gguf.quants.quantize`` itself, which gives the bytes of llama.cpp's quantizer
-(tests/test_convert_quantize.py and tests/test_quant_writers.py check both).
+(tests/test_convert_quantize.py and tests/test_quant_writers.py check both).  The K-quants and IQ4 types are
+:mod:`qwen_convert.kquant_encode` and :mod:`qwen_convert.iq4_encode`, llama.cpp's searches re-done in float32
+(tests/test_kquant_writers.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 import numpy as np
 from gguf import quants
 
 from qwen_runtime.errors import FormatError
+from qwen_runtime.pool import default_threads
 from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_BYTES, QType, StoredTensor, stored_shape, to_float32
 
 CHUNK_ELEMENTS = 1 << 20  # float32 elements widened at once (4 MiB)
 GGUF_QUANTIZED = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)  # encoded by gguf.quants
+# The K-quants and IQ4: llama.cpp's searches, compiled with numba (imported on first use).
+SEARCHED = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS)
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
@@ -52,8 +59,17 @@ def quantize_q8_0(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def encode_rows(x: np.ndarray, qtype: QType) -> np.ndarray:
-    """Float32 ``[rows, n]`` -> the stored layout of ``qtype`` for those rows."""
+def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = None,
+                threads: int | None = None) -> np.ndarray:
+    """Float32 ``[rows, n]`` -> the stored layout of ``qtype`` for those rows.
+
+    ``importance`` is the tensor's per-column importance ``[n]`` (an importance matrix entry, llama.cpp's
+    ``quant_weights``): the K-quants, IQ4 and Q4_0..Q5_1 are then encoded as ``llama-quantize --imatrix``
+    does; Q8_0 and the dense types ignore it, as llama.cpp does.  These searched encodings split the rows over
+    ``threads`` threads (default: :func:`~qwen_runtime.pool.default_threads`); the bytes do not depend on it.
+    """
+    if qtype in SEARCHED or (importance is not None and qtype in GGUF_QUANTIZED):
+        return encode_searched(x, qtype, importance, threads)
     if qtype == QType.F32:
         return x
     if qtype == QType.F16:
@@ -65,12 +81,40 @@ def encode_rows(x: np.ndarray, qtype: QType) -> np.ndarray:
     raise FormatError(f"cannot write tensors of type {qtype.name}")
 
 
+def encode_searched(x: np.ndarray, qtype: QType, importance: np.ndarray | None, threads: int | None) -> np.ndarray:
+    """A K-quant, IQ4 or importance-weighted Q4_0..Q5_1 encoding of float32 ``[rows, n]``, its rows split into
+    up to ``threads`` parts encoded at once (the compiled searches release the GIL; blocks never span rows, so
+    the parts are independent)."""
+    from . import iq4_encode, kquant_encode, legacy_encode
+
+    stored_shape(qtype, x.shape)  # refuses a row length that is not a multiple of the block
+    if importance is not None and np.shape(importance) != x.shape[-1:]:
+        raise FormatError(f"importance has shape {np.shape(importance)}, the rows have {x.shape[-1]} columns")
+    if qtype in GGUF_QUANTIZED:
+        def encoder(rows: np.ndarray, weights: np.ndarray | None) -> np.ndarray:
+            return legacy_encode.quantize_weighted(rows, qtype, weights)
+    else:
+        encoder = {**kquant_encode.ENCODERS, **iq4_encode.ENCODERS}[qtype]
+    parts = max(1, min(len(x), default_threads() if threads is None else threads))
+
+    def encode(rows: np.ndarray) -> np.ndarray:
+        with np.errstate(all="ignore"):  # inf/NaN intermediates of all-tiny blocks are part of llama.cpp's path
+            return encoder(rows, importance)
+
+    if parts == 1:
+        return encode(x)
+    bounds = np.linspace(0, len(x), parts + 1).astype(int)
+    with ThreadPoolExecutor(parts) as pool:
+        return np.concatenate(list(pool.map(encode, [x[a:b] for a, b in itertools.pairwise(bounds)])))
+
+
 def rows_per_chunk(row_length: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(row_length, 1))
 
 
-def stream_rows(tensor: StoredTensor, qtype: QType) -> Iterator[np.ndarray]:
-    """The tensor converted to ``qtype`` as C-contiguous chunks of whole rows (``[rows, row bytes]``).
+def stream_rows(tensor: StoredTensor, qtype: QType, importance: np.ndarray | None = None) -> Iterator[np.ndarray]:
+    """The tensor converted to ``qtype`` as C-contiguous chunks of whole rows (``[rows, row bytes]``), with
+    the per-column ``importance`` ``[n]`` when given (see :func:`encode_rows`).
 
     Concatenated, the chunks are the bytes of the tensor stored as ``qtype``.  A chunk may reuse the
     previous chunk's buffer: consume it (write, hash) before asking for the next one.
@@ -86,7 +130,7 @@ def stream_rows(tensor: StoredTensor, qtype: QType) -> Iterator[np.ndarray]:
     buffer = np.empty((min(step, len(source)), width), np.float32)
     for start in range(0, len(source), step):
         rows = source[start:start + step]
-        yield encode_rows(to_float32(tensor.qtype, rows, buffer[: len(rows)]), qtype)
+        yield encode_rows(to_float32(tensor.qtype, rows, buffer[: len(rows)]), qtype, importance)
         release_pages(source)
 
 

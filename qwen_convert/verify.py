@@ -30,6 +30,13 @@ Per-element bounds on ``e = |undo(output) - source|`` (the output's storage type
   ``e <= step/2 + dist(source, grid range)`` from the stored sub-block (``Codec.rounding_bound``; IQ4's step
   is its largest gap between levels), plus 1/32 of a step for the float16 rounding of a 32-block scale the
   integers were computed with (<= 16·2^-11 steps) and float32 arithmetic.
+* With an importance matrix (the file records ``quantize.imatrix.file``), llama.cpp's 32-value types (Q4_0 ...
+  Q5_1) keep the integers of their search (one trial scale, rounded to nearest) and store the *weighted*
+  least-squares scale (and minimum) for them, so a value may lie several steps from the source (measured: up
+  to 20 on heavy-tailed importances).  Without the weights, a block is accepted when it is what such a search
+  writes (:func:`weighted_search_blocks`): integers non-decreasing in the source, residuals satisfying the
+  normal equation for some positive weights (both signs), else it must meet the nearest-grid bound above.
+  The K-quants and IQ4 re-round to the stored scales with or without weights: their bound is unchanged.
 * (1 + w) norms are compared as stored, exactly: the stored value must be ``1 + w`` as a converter computes
   it, rounded to float32 (ours; llama.cpp's for bf16 and f32 sources, which it widens to float32 first) or to
   the source's own dtype (llama.cpp's for an f16 source, which it keeps; torch arithmetic on a bf16 tensor),
@@ -78,11 +85,14 @@ from qwen_runtime.quants.blocks import BlockCodec
 from qwen_runtime.tensors import Q8_0_BLOCK, QType, StoredTensor, to_float32
 
 from .gguf_metadata import special_vocab, token_table, tokenizer_pre
+from .imatrix import QUANTIZE_FILE_KEY
 from .policy import DTYPES
 from .quantize import rows_per_chunk
 
 # Spacing of 1.0 in each source dtype: the precision a converter may compute a transform in.
 SOURCE_EPS = {QType.F32: 2.0**-23, QType.F16: 2.0**-10, QType.BF16: 2.0**-7}
+# With an importance matrix llama.cpp's 32-value types keep their search's integers (module docstring).
+WEIGHTED_SEARCH_TYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1})
 Q8_0_ROUNDING_SLACK = 1e-4  # x * (1/d) in float32 may round to the other side of a .5 by ~127 * 2^-22 steps
 FILE_TYPE_DTYPES = {int(ftype): name for name, (_, ftype) in DTYPES.items()}
 
@@ -272,8 +282,10 @@ def aligned_source(entry: SafetensorsEntry, plan: TensorPlan, out_shape: tuple[i
 GRID_SLACK = 1 / 32  # steps, for the 4- to 6-bit types (module docstring)
 
 
-def storage_bound(qtype: QType, raw: np.ndarray, stored: np.ndarray, source: np.ndarray) -> np.ndarray:
-    """Per-element bound of the output's storage rounding (module docstring), float64 ``[rows, n]``."""
+def storage_bound(qtype: QType, raw: np.ndarray, stored: np.ndarray, source: np.ndarray,
+                  weighted: bool = False) -> np.ndarray:
+    """Per-element bound of the output's storage rounding (module docstring), float64 ``[rows, n]``;
+    ``weighted``: the file was quantized with an importance matrix (:func:`weighted_search_blocks`)."""
     if qtype == QType.F32:
         return np.zeros(stored.shape)
     if qtype == QType.F16:
@@ -288,8 +300,50 @@ def storage_bound(qtype: QType, raw: np.ndarray, stored: np.ndarray, source: np.
         bound = d * (0.5 + Q8_0_ROUNDING_SLACK) + 127 * np.abs(d16 - d)
         return np.broadcast_to(bound, blocks.shape).reshape(source.shape)
     if isinstance(CODECS.get(qtype), BlockCodec):
-        return CODECS[qtype].rounding_bound(np.ascontiguousarray(raw), source, GRID_SLACK)
+        bound = CODECS[qtype].rounding_bound(np.ascontiguousarray(raw), source, GRID_SLACK)
+        if weighted and qtype in WEIGHTED_SEARCH_TYPES:
+            searched = np.repeat(weighted_search_blocks(qtype, raw, source), CODECS[qtype].block_size, axis=1)
+            error = np.abs(stored.astype(np.float64) - source)
+            bound = np.where(searched, np.maximum(bound, error), bound)
+        return bound
     raise FormatError(f"cannot verify tensors stored as {qtype.name}")
+
+
+def weighted_search_blocks(qtype: QType, raw: np.ndarray, source: np.ndarray) -> np.ndarray:
+    """Which 32-blocks of ``raw`` [R, nb * type_size] are what llama.cpp's importance-weighted search of the
+    32-value types writes for ``source`` [R, nb * 32] (module docstring): integers non-decreasing in the source
+    (against the scale's sign), and residuals ``r = decode - source`` satisfying the weighted least-squares
+    normal equation for some positive weights: ``L·r`` (Q4_0, Q5_0: the fit ``d·L``; Q4_1, Q5_1 whose
+    minimum was clamped to 0 too) or ``r`` (Q4_1, Q5_1: the fit ``d·L + m``) of both signs, within a
+    float16 step of the stored scale (times ``|L|``) and minimum (their rounding; float32 sums lie far below).
+    bool ``[R, nb]``."""
+    codec = CODECS[qtype]
+    rows, block = len(raw), codec.block_size
+    fields = np.ascontiguousarray(raw).reshape(rows, -1, codec.type_size)  # [R, nb, bytes]
+    d16 = fields[..., 0:2].copy().view("<f2")  # [R, nb, 1]
+    m16 = fields[..., 2:4].copy().view("<f2") if codec.has_offset else np.zeros_like(d16)
+    d, m = d16.astype(np.float64), m16.astype(np.float64)
+    values = codec.reference(fields.reshape(rows, -1)).reshape(rows, -1, block).astype(np.float64)
+    x = source.reshape(rows, -1, block).astype(np.float64)  # [R, nb, 32]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        L = np.where(d != 0, np.rint((values - m) / d), 0.0)
+    ranked = np.take_along_axis(L * np.where(d < 0, -1.0, 1.0), np.argsort(x, axis=2, kind="stable"), axis=2)
+    monotone = (np.diff(ranked, axis=2) >= 0).all(axis=2)
+    r = values - x
+    ulp = [np.spacing(np.abs(v)).astype(np.float64) for v in (d16, m16)]  # float16 steps, subnormals too
+    tol = np.abs(L) * ulp[0] + ulp[1]  # a float16 step of the scale and of the minimum
+
+    def straddles(lever: np.ndarray, used: np.ndarray) -> np.ndarray:
+        s = np.sign(lever) * r
+        low, high = (used & (s <= tol)).any(axis=2), (used & (s >= -tol)).any(axis=2)
+        return (low & high) | ~used.any(axis=2)
+
+    through_origin = straddles(L, L != 0)
+    if codec.has_offset:
+        fitted = straddles(np.ones_like(L), np.ones(L.shape, bool)) | (through_origin & (m[..., 0] == 0))
+    else:
+        fitted = through_origin
+    return monotone & fitted
 
 
 def transform_bound(plan: TensorPlan, stored: np.ndarray, undone: np.ndarray, base: np.ndarray,
@@ -333,7 +387,7 @@ def storage_rounding(qtype: QType, values: np.ndarray) -> np.ndarray | None:
     return None
 
 
-def compare_plus_one(out: StoredTensor, src: SourceTensor, config: ModelConfig) -> ErrorStats:
+def compare_plus_one(out: StoredTensor, src: SourceTensor, config: ModelConfig, weighted: bool = False) -> ErrorStats:
     """A (1 + w) norm compared as stored: against each convention of :func:`plus_one_conventions` rounded to
     the output's type, exactly (bound 0), or within a quantized type's bound; the convention with the fewest
     violations is the tensor's (one converter wrote the whole tensor)."""
@@ -347,18 +401,18 @@ def compare_plus_one(out: StoredTensor, src: SourceTensor, config: ModelConfig) 
                 stats.append(ErrorStats())
             expected = storage_rounding(out.qtype, wanted)
             if expected is None:
-                expected, bound = wanted, storage_bound(out.qtype, raw, stored, wanted)
+                expected, bound = wanted, storage_bound(out.qtype, raw, stored, wanted, weighted)
             else:
                 bound = np.zeros(stored.shape)
             stats[i].add(stored, expected, bound, start)
     return min(stats, key=lambda s: s.violations, default=ErrorStats())
 
 
-def compare_tensor(out: StoredTensor, src: SourceTensor, config: ModelConfig) -> ErrorStats:
+def compare_tensor(out: StoredTensor, src: SourceTensor, config: ModelConfig, weighted: bool = False) -> ErrorStats:
     """Stream ``out`` against its source with ``src.plan`` undone; returns the accumulated error.  (1 + w)
     norms are compared as stored instead (:func:`compare_plus_one`)."""
     if src.plan.transform == PLUS_ONE:
-        return compare_plus_one(out, src, config)
+        return compare_plus_one(out, src, config, weighted)
     stats = ErrorStats()
     stored_rows = out.rows2d()
     # Value transforms are undone on the output; the squeeze only reshapes, so the source is read as [C, K].
@@ -368,14 +422,16 @@ def compare_tensor(out: StoredTensor, src: SourceTensor, config: ModelConfig) ->
         stored = to_float32(out.qtype, raw)
         with np.errstate(invalid="ignore", divide="ignore"):
             undone = inverse(stored)
-        base = storage_bound(out.qtype, raw, stored, source)
+        base = storage_bound(out.qtype, raw, stored, source, weighted)
         bound = transform_bound(src.plan, stored, undone, base, src.entry.qtype)
         stats.add(undone, source, bound, start)
     return stats
 
 
-def check_tensor(out: StoredTensor, src: SourceTensor, config: ModelConfig, order: str) -> TensorCheck:
-    """Compare one output tensor with its source; a failure carries its most likely cause."""
+def check_tensor(out: StoredTensor, src: SourceTensor, config: ModelConfig, order: str,
+                 weighted: bool = False) -> TensorCheck:
+    """Compare one output tensor with its source (``weighted``: the file was quantized with an importance
+    matrix); a failure carries its most likely cause."""
     plan = src.plan
     notes = "; ".join(filter(None, [TRANSFORM_NOTES.get(plan.transform, ""),
                                     "value heads tiled" if plan.v_axis is not None else ""]))
@@ -383,25 +439,26 @@ def check_tensor(out: StoredTensor, src: SourceTensor, config: ModelConfig, orde
     if out.shape != expected:
         return TensorCheck(out.name, plan.source, out.qtype.name, notes, math.inf, 0.0, 0, False,
                            f"shape {list(out.shape)}, expected {list(expected)} from the source")
-    stats = compare_tensor(out, src, config)
+    stats = compare_tensor(out, src, config, weighted)
     ok = stats.violations == 0
-    cause = "" if ok else diagnose(out, src, config, order, stats)
+    cause = "" if ok else diagnose(out, src, config, order, stats, weighted)
     return TensorCheck(out.name, plan.source, out.qtype.name, notes, stats.max_error, stats.max_bound,
                        stats.violations, ok, cause)
 
 
-def diagnose(out: StoredTensor, src: SourceTensor, config: ModelConfig, order: str, stats: ErrorStats) -> str:
+def diagnose(out: StoredTensor, src: SourceTensor, config: ModelConfig, order: str, stats: ErrorStats,
+             weighted: bool = False) -> str:
     """The most specific explanation of a failed comparison."""
     plan = src.plan
     other = V_HEAD_GROUPED if order == V_HEAD_TILED else V_HEAD_TILED
     alternative = plan_tensor(plan.source, src.entry.shape, config, tiled_v_heads=other == V_HEAD_TILED)
     if alternative.v_axis != plan.v_axis and not compare_tensor(out, SourceTensor(src.entry, alternative),
-                                                               config).violations:
+                                                               config, weighted).violations:
         return (f"value heads are in {other} order, but the output declares {order} "
                 f"(Hv={config.linear_num_value_heads} > Hk={config.linear_num_key_heads})")
     if plan.transform in VALUE_TRANSFORMS:
         untransformed = dataclasses.replace(plan, transform="")
-        if not compare_tensor(out, SourceTensor(src.entry, untransformed), config).violations:
+        if not compare_tensor(out, SourceTensor(src.entry, untransformed), config, weighted).violations:
             return f"stored without the transform ({TRANSFORM_NOTES[plan.transform]})"
     return _numeric_cause(plan, stats)
 
@@ -429,11 +486,12 @@ def _numeric_cause(plan: TensorPlan, stats: ErrorStats) -> str:
 def compare_tensors(output: ModelFiles, planned: dict[str, SourceTensor], config: ModelConfig,
                   report: VerifyReport) -> None:
     """Every output tensor against its source; every planned source tensor present in the output."""
+    weighted = QUANTIZE_FILE_KEY in output.metadata
     for name, tensor in output.tensors.items():
         if name not in planned:
             report.problems.append(f"unexpected tensor {name!r}: no source tensor maps to it")
             continue
-        report.tensors.append(check_tensor(tensor, planned[name], config, output.v_head_order))
+        report.tensors.append(check_tensor(tensor, planned[name], config, output.v_head_order, weighted))
     for name, src in planned.items():
         if name not in output.tensors:
             report.problems.append(f"missing tensor {name!r} (source {src.plan.source!r} was not converted)")

@@ -30,14 +30,18 @@ Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 GREEDY = SamplingParams()
 
 
-def load(path: str | Path, tile_elements: int = TILE_ELEMENTS) -> Model:
+def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int | None = None,
+         kernels: str | None = None) -> Model:
     """Open a model (HF directory, npy directory or GGUF file, or a Hugging Face Hub id
     ``ORG/NAME[:QUANT][@REVISION]``: :func:`qwen_runtime.hub.resolve_model`) for inference.
 
     Weights are memory-mapped and used in their stored type; ``tile_elements`` sets how many weights of a
-    non-F32 matrix (any type of :mod:`qwen_runtime.quants`) are widened to float32 at a time.
+    non-F32 matrix (any type of :mod:`qwen_runtime.quants`) a pool task multiplies.  ``threads``: the pool's
+    threads (and BLAS's for float32 models; default: the cores).  ``kernels``: ``"auto"`` (compiled kernels when
+    numba imports), ``"numba"`` or ``"numpy"`` (the reference path); default: the ``QWEN_KERNELS`` environment
+    variable, else ``auto``.  ``model.workspace.kernels`` says which run.
     """
-    return build_model(resolve_model(path), tile_elements)
+    return build_model(resolve_model(path), tile_elements, threads, kernels)
 
 
 def encode_prompts(model: Model, prompts: Prompts, chat: bool = False, system: str | None = None,

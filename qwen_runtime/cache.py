@@ -107,6 +107,23 @@ class BatchState:
             self._memo["hidden"] = result
         return result
 
+    def slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """The cache slot of each new token and which slots hold real tokens, for kernels that index the cache
+        themselves; once per pass.  # int64 [B, T], bool [B, S]
+
+        A token sees the real slots before its own and its own; a ragged batch's row ``b`` writes after its own
+        ``lengths[b]`` tokens, all real.
+        """
+        if "slots" not in self._memo:
+            steps = np.arange(self.length)  # [T]
+            if self.lengths is None:
+                own, real = np.broadcast_to(self.start + steps, self.positions.shape), self.key_valid
+            else:
+                own = self.lengths[:, None] + steps  # [B, T]
+                real = np.ones((self.batch, int(own.max(initial=0)) + 1), bool)
+            self._memo["slots"] = (np.ascontiguousarray(own, np.int64), real)
+        return self._memo["slots"]
+
     @cached_property
     def rows(self) -> list[BatchState]:
         """Each row of a ragged batch as a one-row state: its new tokens after its own slots, all real."""

@@ -18,7 +18,7 @@ from typing import TextIO
 
 from . import Generation, Model, SamplingParams, chat_format, encode_prompts, load, stream
 from .chat import fit_chat, reply_budget
-from .cli_support import HelpFormatter, run_guarded
+from .cli_support import HelpFormatter, add_machine_options, run_guarded
 from .errors import ContextOverflowError
 from .limits import parse_memory_size
 
@@ -64,7 +64,8 @@ def configure_parser() -> argparse.ArgumentParser:
                    "run; greedy decoding needs none)")
     p.add_argument("--max-memory", type=parse_memory_size, default=None, metavar="SIZE",
                    help="memory allowed for cache and activations, e.g. 2G (default: 80%% of MemAvailable)")
-    p.add_argument("--stats", action="store_true", help="print speed and memory on stderr")
+    p.add_argument("--stats", action="store_true", help="print speed, memory, threads and kernels on stderr")
+    add_machine_options(p)
     return p
 
 
@@ -83,13 +84,14 @@ def memory_status() -> dict[str, int]:
 
 
 def print_stats(gen: Generation, out: TextIO) -> None:
-    s, mem = gen.stats, memory_status()
+    s, mem, ws = gen.stats, memory_status(), gen.model.workspace
     out.write(f"prefill: {s.prompt_tokens} tokens in {s.prefill_seconds:.2f} s "
               f"({s.prefill_tokens_per_second:.1f} tok/s)\n")
     out.write(f"decode: {s.decoded_tokens} tokens in {s.decode_seconds:.2f} s "
               f"({s.decode_tokens_per_second:.1f} tok/s)\n")
     out.write(f"memory: peak RSS {mem.get('VmHWM', 0) / 1024:.1f} MiB, "
               f"anonymous RSS {mem.get('RssAnon', 0) / 1024:.1f} MiB\n")
+    out.write(f"kernels: {ws.kernels}, {ws.threads} thread(s)\n")
 
 
 def context_length(model: Model, args: argparse.Namespace) -> int:
@@ -219,7 +221,7 @@ def read_prompt_file(path: Path) -> str:
 def run(args: argparse.Namespace) -> None:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
                               args.presence_penalty, args.frequency_penalty)
-    model = load(args.model)
+    model = load(args.model, threads=args.threads, kernels=args.kernels)
     args.prompt = [*args.prompt, *(read_prompt_file(f) for f in args.file)]
     if args.prompt:
         run_prompts(model, args, sampling)

@@ -1,4 +1,5 @@
-"""What every command-line entry point shares: turning failures into one line and an exit code."""
+"""What every command-line entry point shares: turning failures into one line and an exit code, and the
+options of the machine a model runs on (``-t/--threads``, ``--kernels``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from collections.abc import Callable
 
 from .errors import EXIT_CODES, MissingExtraError, QwenError, ResourceLimitError, exit_code
+from .pool import KERNEL_CHOICES, KERNELS_VARIABLE
 
 USAGE_ERROR = 2  # an invalid option value (argparse uses the same code for bad usage)
 INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
@@ -64,3 +66,22 @@ def require_extra(module: str, extra: str, feature: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise MissingExtraError(f"{feature} needs the {extra} extra, which is not installed "
                                 f"(no module {module!r}): pip install 'qwen-numpy[{extra}]'")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def add_machine_options(p: argparse.ArgumentParser, kernels: bool = True) -> None:
+    """``-t/--threads N`` (the pool's threads, BLAS's and the compiled kernels'; default: the cores) and, with
+    ``kernels``, ``--kernels {auto,numba,numpy}`` (default: the QWEN_KERNELS environment variable, else auto)."""
+    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N",
+                   help="threads that multiply (tile pool, BLAS, compiled kernels; default: the cores)")
+    if kernels:
+        p.add_argument("--kernels", choices=KERNEL_CHOICES, default=None,
+                       help="matrix-product kernels: auto (compiled with numba when it imports), numba, or numpy "
+                       f"(the reference path); default: ${KERNELS_VARIABLE}, else auto")

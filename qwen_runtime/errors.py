@@ -57,6 +57,10 @@ class MissingExtraError(QwenError, ImportError):
     """An optional extra (``serve``, ``ray``, ...) that the requested feature needs is not installed."""
 
 
+class KernelsError(QwenError, ValueError):
+    """The kernels asked for cannot run: an unknown choice, or compiled kernels without an importable numba."""
+
+
 class VerificationError(QwenError):
     """A converted model does not match its source (the message names the first failing tensor or key)."""
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from tqdm import tqdm
 
 from . import load
-from .cli_support import HelpFormatter, run_guarded
+from .cli_support import HelpFormatter, add_machine_options, run_guarded
 from .evaluate import (
     EvalResult,
     check_models,
@@ -31,7 +31,6 @@ from .evaluate import (
 from .executor import EXECUTORS, LOCAL, RAY, ExecutorError, RemoteJob, Throttle, connect, run_on_ray
 from .limits import generation_bytes
 from .models import Model
-from .pool import blas_controller, default_threads
 from .tensors import QType
 
 DEFAULT_CTX = 512
@@ -65,6 +64,7 @@ def configure_parser() -> argparse.ArgumentParser:
                    "the reference then runs in every task)")
     p.add_argument("--address", metavar="ADDR", help="with --executor ray: the Ray cluster to use (auto, "
                    "HOST:6379 or ray://HOST:10001; default: the RAY_ADDRESS variable, else a local instance)")
+    add_machine_options(p)
     return p
 
 
@@ -73,7 +73,7 @@ def configure_parser() -> argparse.ArgumentParser:
 EVAL_BASE_BYTES = 300 << 20  # interpreter, numpy, tokenizers and both models' tokenizers, with margin
 LOGIT_COPIES = 8  # float64 [chunk, V] arrays alive at once: logits, log-softmax and its exp temporary for the
 # model and the reference, the reference's probabilities and the KL difference
-Q8_0_SCALE_FRACTION = 4 / 34  # Q8_0 matrices keep their block scales widened to float32 (4 of 34 bytes)
+Q8_0_SCALE_FRACTION = 4 / 34  # numpy kernels keep Q8_0 block scales widened to float32 (4 of 34 bytes)
 
 
 def eval_memory(model: Model, reference: Model | None, ctx: int, chunk: int | None) -> int:
@@ -83,28 +83,20 @@ def eval_memory(model: Model, reference: Model | None, ctx: int, chunk: int | No
         c = m.config
         step = chunk or default_chunk(c.vocab_size)
         need += generation_bytes(c, 1, ctx, step) + LOGIT_COPIES * step * c.vocab_size * 8
-        need += int(Q8_0_SCALE_FRACTION * sum(t.nbytes for t in m.files.tensors.values() if t.qtype == QType.Q8_0))
+        if m.workspace.kernels == "numpy":
+            need += int(Q8_0_SCALE_FRACTION * sum(t.nbytes for t in m.files.tensors.values()
+                                                  if t.qtype == QType.Q8_0))
     return need
 
 
-def use_threads(threads: int) -> None:
-    """Make models loaded from now on in this process run ``threads`` pool workers (a Ray worker's BLAS starts
-    with one thread per declared CPU, and the runtime takes its thread count from BLAS)."""
-    blas = blas_controller()
-    if blas is not None:
-        for lib in blas.lib_controllers:
-            lib.set_num_threads(threads)
-    default_threads.cache_clear()
-
-
 def evaluate_task(path: str, ids: object, ctx: int, stride: int, reference: str | None, chunk: int | None,
-                  threads: int, report: Callable[[int], None]) -> EvalResult:
+                  threads: int, kernels: str, report: Callable[[int], None]) -> EvalResult:
     """One model's evaluation as a Ray task: the local lockstep run with this model alone, on the driver's
-    thread count (float32 sums are split by thread, so the count is part of the result)."""
-    use_threads(threads)
+    thread count and kernels (float32 sums are split by thread and kernel, so both are part of the result)."""
     progress = Throttle(report)
-    [result] = evaluate_ids([load(path)], ids, ctx, stride, load(reference) if reference else None, chunk,
-                            progress.add)
+    model = load(path, threads=threads, kernels=kernels)
+    ref = load(reference, threads=threads, kernels=kernels) if reference else None
+    [result] = evaluate_ids([model], ids, ctx, stride, ref, chunk, progress.add)
     progress.flush()
     return result
 
@@ -114,8 +106,8 @@ def evaluate_on_ray(args: argparse.Namespace, models: list[Model], reference: Mo
     """One Ray task per model over the same token ids; the driver has checked the models (vocabulary, ctx)."""
     check_models(models, reference, ctx)
     connect(args.address)
-    threads = default_threads()
-    jobs = [RemoteJob((path, ids, ctx, stride, args.reference, args.chunk, threads),
+    threads, kernels = models[0].workspace.threads, models[0].workspace.kernels
+    jobs = [RemoteJob((path, ids, ctx, stride, args.reference, args.chunk, threads, kernels),
                       eval_memory(model, reference, ctx, args.chunk), num_cpus=threads, name=f"qwen-eval {path}")
             for path, model in zip(args.models, models, strict=True)]
     def lost(i: int, exc: BaseException) -> EvalResult:
@@ -125,8 +117,8 @@ def evaluate_on_ray(args: argparse.Namespace, models: list[Model], reference: Mo
 
 
 def run(args: argparse.Namespace) -> None:
-    models = [load(path) for path in args.models]
-    reference = load(args.reference) if args.reference else None
+    models = [load(path, threads=args.threads, kernels=args.kernels) for path in args.models]
+    reference = load(args.reference, threads=args.threads, kernels=args.kernels) if args.reference else None
     ctx = args.ctx or min(DEFAULT_CTX, *(m.config.max_position_embeddings for m in models))
     stride = args.stride or max(1, ctx // 2)
     ids = encode_text(models[0], read_text(args.file), args.max_tokens)

@@ -25,6 +25,14 @@ forth between BLAS and the pool leaves a spinning thread on the core the pool ne
   bound by memory bandwidth, which OpenBLAS splits over its threads with no Python in between.
 * ``blas_products=False`` (a stored type must be widened before BLAS can read it): the pool's threads widen
   and multiply tiles in parallel, with BLAS held to one thread.
+
+The compiled kernels (``kernels="numba"``, :func:`resolve_kernels`) follow the same policy: they are
+single-threaded ``nogil`` functions that the pool's threads call, so numba's own thread pool never starts and
+no third set of threads competes for the cores.
+
+**Kernels.**  ``Workspace.kernels`` is ``"numba"`` (compiled kernels, numba imported only then) or ``"numpy"``
+(the reference path); :func:`resolve_kernels` turns the user's choice (``auto``, ``numba``, ``numpy``; default:
+the ``QWEN_KERNELS`` environment variable, else ``auto``) into one of them.
 """
 
 from __future__ import annotations
@@ -33,11 +41,17 @@ import contextlib
 import functools
 import math
 import mmap
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
+
+from .errors import KernelsError
+
+KERNEL_CHOICES = ("auto", "numba", "numpy")
+KERNELS_VARIABLE = "QWEN_KERNELS"  # the default choice (the one environment setting of the runtime)
 
 
 class Scratch:
@@ -118,7 +132,10 @@ class Workspace:
     models with different policies can live in one process.  Without threadpoolctl tasks run in turn.
     """
 
-    def __init__(self, threads: int | None = None, blas_products: bool = False) -> None:
+    def __init__(self, threads: int | None = None, blas_products: bool = False, kernels: str = "numpy") -> None:
+        if kernels not in ("numba", "numpy"):
+            raise KernelsError(f"kernels must be 'numba' or 'numpy' (resolve_kernels), got {kernels!r}")
+        self.kernels = kernels  # which kernels this model's products and decode-step ops use
         blas = blas_controller()
         self._libs = [] if blas is None else list(blas.lib_controllers)
         self.threads = max(1, threads or default_threads())
@@ -272,6 +289,37 @@ def single_threaded_blas() -> Iterator[None]:
     finally:
         for lib, n in zip(libs, saved, strict=True):
             lib.set_num_threads(n)
+
+
+def resolve_kernels(choice: str | None = None) -> str:
+    """``"numba"`` or ``"numpy"`` for a user's ``choice`` of kernels (None: ``$QWEN_KERNELS``, else ``auto``).
+
+    ``auto`` is numba when it imports, else numpy; ``numba`` when numba does not import is a
+    :class:`KernelsError` (as is an unknown choice).  ``numpy`` never imports numba.
+    """
+    where = "kernels"
+    if choice is None:
+        choice, where = os.environ.get(KERNELS_VARIABLE) or "auto", KERNELS_VARIABLE
+    if choice not in KERNEL_CHOICES:
+        raise KernelsError(f"{where}: expected one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
+    if choice == "numpy":
+        return "numpy"
+    problem = numba_problem()
+    if problem is None:
+        return "numba"
+    if choice == "numba":
+        raise KernelsError(f"{where}=numba: numba does not import ({problem}); use --kernels numpy")
+    return "numpy"
+
+
+@functools.lru_cache(maxsize=1)
+def numba_problem() -> str | None:
+    """Why numba cannot be used (None when it imports)."""
+    try:
+        import numba  # noqa: F401
+    except Exception as exc:  # an ImportError, or a numba built for another numpy
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 @functools.lru_cache(maxsize=1)

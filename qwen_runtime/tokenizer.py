@@ -117,8 +117,10 @@ class Tokenizer:
         return ids
 
     def _encode_pieces(self, pieces: list[str]) -> list[int]:
-        """The concatenated ids of ``pieces`` encoded separately (the batch call releases the GIL)."""
-        return [i for enc in self.backend.encode_batch_fast(pieces, add_special_tokens=False) for i in enc.ids]
+        """The concatenated ids of ``pieces`` encoded separately (the batch calls release the GIL; the fast one,
+        without offsets, exists from tokenizers 0.21)."""
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        return [i for enc in encode(pieces, add_special_tokens=False) for i in enc.ids]
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)

@@ -35,10 +35,10 @@ from functools import partial
 
 import numpy as np
 
+from . import ops
 from .errors import FormatError
-from .ops import silu_mul
 from .pool import Scratch, Workspace
-from .quants import TileKernel, codec
+from .quants import TileKernel, codec, jit_kernel
 from .quants.base import RowTileKernel
 from .tensors import QType, StoredTensor
 
@@ -153,10 +153,12 @@ class TiledWeight(Weight):
         super().__init__(tensor, ws, tile_elements)
         self.codec = codec(tensor.qtype)
         self.raw = np.asarray(tensor.rows2d())  # [out, stored row length]
-        self.kernel: TileKernel = self.codec.kernel(self.raw)
+        compiled = jit_kernel(tensor.qtype, self.raw) if ws.kernels == "numba" else None
+        self.kernel: TileKernel = compiled if compiled is not None else self.codec.kernel(self.raw)
+        self.compiled = compiled is not None  # its row kernel is row-invariant by construction
 
     def prepare(self, x: np.ndarray) -> object:
-        if not self.ws.row_invariant:
+        if not self.ws.row_invariant or self.compiled:
             return self.kernel.prepare(x)
         if isinstance(self.kernel, RowTileKernel):
             return [self.kernel.prepare(x[i:i + 1]) for i in range(len(x))]
@@ -165,7 +167,7 @@ class TiledWeight(Weight):
     def block_product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
         if not self.ws.row_invariant:
             self.kernel.product(r0, r1, xk, out, scratch)
-        elif isinstance(self.kernel, RowTileKernel):
+        elif isinstance(self.kernel, RowTileKernel):  # the compiled kernels too
             self.kernel.product_rows(r0, r1, xk, out, scratch)
         else:  # any other kernel: decode the tile exactly, then one matrix-vector product per row
             raw = self.raw[r0:r1]
@@ -210,7 +212,7 @@ def gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
     """
     if gate.blocks() != up.blocks():
         g, u = matmul_many([gate, up], x)
-        return silu_mul(g, u, out=g)
+        return swiglu(gate.ws)(g, u, out=g)
     out = np.empty((x.shape[0], gate.out_features), np.float32)
     prepared: dict[QType, object] = {}
     xg, xu = gate.prepared(x, prepared), up.prepared(x, prepared)
@@ -223,7 +225,16 @@ def _gated_block(gate: Weight, up: Weight, r0: int, r1: int, xg: object, xu: obj
     gate.block_product(r0, r1, xg, out, scratch)
     u = np.empty(out.shape, np.float32)  # [N, R]
     up.block_product(r0, r1, xu, u, scratch)
-    silu_mul(out, u, out=out)
+    swiglu(gate.ws)(out, u, out=out)
+
+
+def swiglu(ws: Workspace) -> Callable[..., np.ndarray]:
+    """SwiGLU's activation ``silu(gate) * up`` of the workspace's kernels (numba's twin is imported on first use)."""
+    if ws.kernels == "numba":
+        from .ops_jit import silu_mul
+
+        return silu_mul
+    return ops.silu_mul
 
 
 def make_weight(tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> Weight:

@@ -127,14 +127,16 @@ class ServerState:
 def create_app(model: str | Path | Model, *, model_name: str | None = None, max_batch: int = 8,
                max_queue: int = 64, max_memory: int | None = None, api_key: str | None = None,
                prefill_chunk: int = 128, max_context: int | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, cache_memory: int | None = None) -> Starlette:
+               max_body_bytes: int = MAX_BODY_BYTES, cache_memory: int | None = None, threads: int | None = None,
+               kernels: str | None = None) -> Starlette:
     """An ASGI app serving ``model`` (a path or a loaded :class:`Model`); its engine starts with the app.
 
-    ``model_name`` is the name clients pass as ``model`` (default: the file or directory name); the other
-    options are :class:`~qwen_serve.engine.Engine`'s.
+    ``model_name`` is the name clients pass as ``model`` (default: the file or directory name); ``threads`` and
+    ``kernels`` are :func:`qwen_runtime.load`'s (for a path); the other options are
+    :class:`~qwen_serve.engine.Engine`'s.
     """
     if not isinstance(model, Model):
-        model = qwen_runtime.load(model)
+        model = qwen_runtime.load(model, threads=threads, kernels=kernels)
     fmt = chat_format(model)
     text_ids = frozenset(i for t in (THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE)
                          if (i := fmt.tokenizer.token_id(t)) is not None)
@@ -185,7 +187,7 @@ def startup_banner(app: Starlette, url: str) -> str:
     state: ServerState = app.state.server
     engine, ws = state.engine, state.engine.model.workspace
     model = engine.model
-    kernels = "BLAS products" if ws.blas_products else "tile kernels on the thread pool"
+    products = "BLAS products" if ws.blas_products else "tile kernels on the thread pool"
     return "\n".join([
         f"qwen-serve: {state.model_name}: {model.config.arch} ({model.files.format}, {weight_types(model)}) "
         f"from {model.path}",
@@ -194,7 +196,7 @@ def startup_banner(app: Starlette, url: str) -> str:
         f"  memory budget {format_bytes(engine.memory_limit)} for cache and activations "
         f"({format_bytes(engine.activations)} of activations; prefix cache up to "
         f"{format_bytes(engine.prefix.capacity) if engine.prefix else 'off'})",
-        f"  kernels: {kernels}, {ws.threads} threads",
+        f"  kernels: {ws.kernels} ({products}), {ws.threads} threads",
         f"  listening on {url}" + ("; API key required on /v1 and /tokenize" if state.api_key else ""),
     ])
 
@@ -711,7 +713,9 @@ async def health(state: ServerState, request: Request, body: dict[str, Any]) -> 
     engine = state.engine
     if engine.error is not None:  # the loop died too often in a row; submit() refuses with 503 as well
         return JSONResponse({"status": "error", "error": engine.error, **engine.status()}, status_code=503)
-    return JSONResponse({"status": "ok", "model": state.model_name, **engine.status()})
+    ws = engine.model.workspace
+    return JSONResponse({"status": "ok", "model": state.model_name, "kernels": ws.kernels, "threads": ws.threads,
+                         **engine.status()})
 
 
 async def metrics_text(state: ServerState, request: Request, body: dict[str, Any]) -> Response:

@@ -18,7 +18,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from qwen_runtime.cli_support import HelpFormatter, require_extra, run_guarded
+from qwen_runtime.cli_support import HelpFormatter, add_machine_options, require_extra, run_guarded
 from qwen_runtime.errors import QwenError
 from qwen_runtime.limits import parse_memory_size
 
@@ -68,6 +68,7 @@ def configure_parser() -> argparse.ArgumentParser:
                    help="largest request body accepted")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's and the server's log level")
+    add_machine_options(p)
     ray = p.add_argument_group("Ray Serve (the ray extra; qwen_serve/ray_app.py)")
     ray.add_argument("--ray", action="store_true", help="serve through Ray Serve: --replicas copies of the app, "
                      "each with its own engine, behind Ray's HTTP proxy on --host:--port")
@@ -97,7 +98,8 @@ def run(args: argparse.Namespace) -> None:
     sock = listen(args.host, args.port)
     app = create_app(args.model, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                      max_memory=args.max_memory, api_key=args.api_key, prefill_chunk=args.prefill_chunk,
-                     max_context=args.max_context, max_body_bytes=args.max_body, cache_memory=args.cache_memory)
+                     max_context=args.max_context, max_body_bytes=args.max_body, cache_memory=args.cache_memory,
+                     threads=args.threads, kernels=args.kernels)
     host, port = sock.getsockname()[:2]
     logging.getLogger("qwen_serve").info(startup_banner(app, f"http://{host}:{port}"))
     uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])

@@ -71,9 +71,9 @@ def deployment(model: str | Path, *, replicas: int = 1, num_cpus: float = 1.0, m
                max_queue: int = 64, max_memory: int | None = None, name: str = "qwen-serve",
                **app_options: Any) -> Any:
     """The Ray Serve application: ``replicas`` copies of ``create_app(model, ...)`` (``app_options`` are
-    create_app's: model_name, api_key, prefill_chunk, max_body_bytes), each declaring ``num_cpus`` and
-    :func:`replica_memory`.  Run it with ``serve.run(deployment(...), route_prefix="/")``.  A Hub id is
-    resolved here, once: the replicas get its local path."""
+    create_app's: model_name, api_key, prefill_chunk, max_body_bytes, cache_memory, threads, kernels), each declaring
+    ``num_cpus`` and :func:`replica_memory`.  Run it with ``serve.run(deployment(...), route_prefix="/")``.  A Hub
+    id is resolved here, once: the replicas get its local path."""
     from ray import serve
 
     model = resolve_model(model)
@@ -98,17 +98,18 @@ def deployment(model: str | Path, *, replicas: int = 1, num_cpus: float = 1.0, m
 
 def build(args: dict[str, str]) -> Any:
     """Application builder for ``serve run qwen_serve.ray_app:build model=PATH [replicas=N] [num_cpus=C]
-    [max_batch=N] [max_queue=N] [max_memory=SIZE] [model_name=NAME] [api_key=KEY] [prefill_chunk=N]``."""
+    [max_batch=N] [max_queue=N] [max_memory=SIZE] [model_name=NAME] [api_key=KEY] [prefill_chunk=N] [threads=N]
+    [kernels=auto|numba|numpy]``."""
     known = {"model", "replicas", "num_cpus", "max_batch", "max_queue", "max_memory", "model_name", "api_key",
-             "prefill_chunk", "max_body_bytes"}
+             "prefill_chunk", "max_body_bytes", "threads", "kernels"}
     unknown = sorted(set(args) - known)
     if unknown or "model" not in args:
         optional = ", ".join(sorted(known - {"model"}))
         raise ValueError(f"qwen_serve.ray_app:build takes model=PATH and optionally {optional}"
                          + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
-    ints = {k: int(args[k]) for k in ("replicas", "max_batch", "max_queue", "prefill_chunk", "max_body_bytes")
-            if k in args}
-    rest = {k: args[k] for k in ("model_name", "api_key") if k in args}
+    ints = {k: int(args[k]) for k in ("replicas", "max_batch", "max_queue", "prefill_chunk", "max_body_bytes",
+                                      "threads") if k in args}
+    rest = {k: args[k] for k in ("model_name", "api_key", "kernels") if k in args}
     return deployment(args["model"], num_cpus=float(args.get("num_cpus", 1.0)),
                       max_memory=parse_memory_size(args["max_memory"]) if "max_memory" in args else None,
                       **ints, **rest)
@@ -129,7 +130,8 @@ def serve_on_ray(args: Any) -> None:
                      max_queue=args.max_queue, max_memory=args.max_memory, model_name=args.model_name,
                      api_key=args.api_key, prefill_chunk=args.prefill_chunk,
                      max_body_bytes=getattr(args, "max_body", MAX_BODY_BYTES),
-                     cache_memory=getattr(args, "cache_memory", None))
+                     cache_memory=getattr(args, "cache_memory", None), threads=getattr(args, "threads", None),
+                     kernels=getattr(args, "kernels", None))
     serve.run(app, name="qwen-serve", route_prefix="/")
     print(f"qwen-serve: {args.replicas} replica(s) of {args.model} on Ray Serve at http://{args.host}:{args.port}",
           flush=True)

@@ -1,19 +1,29 @@
 """Benchmark qwen_runtime and qwen-convert against llama.cpp, in one run, on full-size random-weight models.
 
     python scripts/bench.py [--quick] [--models qwen2.5-0.5b,...] [--dtypes fp32,fp16,q8_0,q4_0,q4_k_m] [--repeat 3]
-                            [--cache-dir ~/.cache/qwen-numpy-bench] [--tokenizers DIR]
+                            [--kernels numba,numpy] [--cache-dir ~/.cache/qwen-numpy-bench] [--tokenizers DIR]
 
 1. Builds (once, cached) bf16 checkpoints with the shapes of Qwen2.5-0.5B, Qwen3-0.6B and Qwen3.5-0.8B.
 2. Converts each to GGUF fp32 / fp16 / q8_0 with ``qwen-convert`` and with llama.cpp's ``convert_hf_to_gguf.py``
    (from the installed llama-cpp-python's sdist, fetched with ``pip download`` into the cache), measuring
    wall time and peak RSS of each converter process.  q4_0: ``qwen-convert --dtype q4_0`` against llama.cpp's
-   quantizer (``llama_model_quantize``, pure Q4_0, from the fp32 GGUF: the same bytes); q4_k_m: llama.cpp's
-   quantizer only (its Q4_K_M mixture from the fp32 GGUF), the file both runtimes then run.
+   quantizer (``llama_model_quantize``, pure Q4_0, from the fp32 GGUF: the same bytes); q4_k_m: end to end from
+   the HF bf16 checkpoint, ``qwen-convert --dtype q4_k_m`` against llama.cpp's two steps (its converter to a
+   bf16 GGUF, then its quantizer to Q4_K_M), timed together (wall: the sum; peak RSS: the larger of the two
+   processes'); our file is the one both runtimes then run.
 3. Runs every measurement in a fresh process (``bench_worker.py``), for our runtime, the plain numpy peer
    (``numpy_peer.py``: whole-matrix ``x @ W.T`` with BLAS's own threads; Qwen2/Qwen3 only) and llama.cpp on
    *our* GGUF with the same thread count, interleaved, ``--repeat`` times: a 128-token prompt + 128 greedy
    tokens, 8 such prompts at once (ours), and decoding after a 2,048-token prompt.
-4. Prints medians and ours/llama.cpp ratios (and ours / plain numpy / llama.cpp side by side) and writes
+   ``--kernels``: the first (default numba) runs every measurement; the others (default numpy, the reference
+   path) the single-stream prompt + decode, as a column beside it.
+4. Measures, once per run: the compiled kernels' first-ever compile (importing numba and every kernel module,
+   with a fresh ``NUMBA_CACHE_DIR``) and warm-cache start-up (from that cache: process start to the first token
+   of the bundled model in q8_0, numba minus numpy, CPU and wall seconds), and a plain read
+   bandwidth (numpy sums over the largest GGUF, larger than any cache, on ``--threads`` threads), printed
+   beside each decode row with that row's decode bandwidth (stored bytes of the matrices read per token x
+   tokens/s).
+5. Prints medians and ours/llama.cpp ratios (and ours / plain numpy / llama.cpp side by side) and writes
    everything (with every sample) to a JSON file.
 
 For stable numbers run it alone on the machine; ratios within one run are what to compare.
@@ -44,10 +54,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 WORKER = Path(__file__).resolve().with_name("bench_worker.py")
 DATA = REPO / "tests" / "data"
+BUNDLED = REPO / "qwen_runtime" / "assets" / "qwen3-stdlib"
 DTYPES = ("fp32", "fp16", "q8_0", "q4_0", "q4_k_m")
 # dtype -> llama.cpp's quantizer file type (and pure or not) for the rows quantized from the fp32 GGUF.
-LLAMA_QUANTIZED = {"q4_0": ("Q4_0", True), "q4_k_m": ("Q4_K_M", False)}
-OURS = ("fp32", "fp16", "q8_0", "q4_0")  # the dtypes qwen-convert writes
+LLAMA_QUANTIZED = {"q4_0": ("Q4_0", True)}
+# dtype -> (llama.cpp converter --outtype, quantizer file type): the rows made by its two steps from HF.
+LLAMA_TWO_STEP = {"q4_k_m": ("bf16", "Q4_K_M")}
+OURS = ("fp32", "fp16", "q8_0", "q4_0", "q4_k_m")  # the dtypes qwen-convert writes here
+TWO_STEP_NOTE = " (from HF bf16; llama: convert to bf16 + quantize)"
 
 
 @dataclass(frozen=True)
@@ -108,20 +122,28 @@ def convert_ours(src: Path, out: Path, dtype: str, env: dict[str, str]) -> dict[
     return {"wall_s": wall, "peak_rss_mib": rss, "file_gb": out.stat().st_size / 1e9}
 
 
-def convert_llama(script: Path, src: Path, out: Path, dtype: str, env: dict[str, str]) -> dict[str, float]:
-    cmd = [sys.executable, str(script), str(src), "--outtype", llama_interop.OUTTYPES[dtype], "--outfile", str(out)]
+def convert_llama(script: Path, src: Path, out: Path, dtype: str, env: dict[str, str], keep: bool = False
+                  ) -> dict[str, float]:
+    """llama.cpp's converter in its own process to ``out`` (``dtype``: ours, or one of its --outtype names),
+    deleted afterwards unless ``keep``."""
+    outtype = llama_interop.OUTTYPES.get(dtype, dtype)
+    cmd = [sys.executable, str(script), str(src), "--outtype", outtype, "--outfile", str(out)]
     if "qwen3.5" in src.name and llama_interop.supports_flag(script, "--no-mtp"):
         cmd.append("--no-mtp")
     try:
         wall, rss, _ = run_measured(cmd, env)
         return {"wall_s": wall, "peak_rss_mib": rss, "file_gb": out.stat().st_size / 1e9}
     finally:
-        out.unlink(missing_ok=True)
+        if not keep:
+            out.unlink(missing_ok=True)
 
 
-def quantize_llama(f32: Path, out: Path, dtype: str, env: dict[str, str]) -> dict[str, float]:
-    """llama.cpp's quantizer in its own process (wall time and peak RSS measured), fp32 GGUF -> ``out``."""
-    ftype, pure = LLAMA_QUANTIZED[dtype]
+def quantize_llama(f32: Path, out: Path, dtype: str, env: dict[str, str], ftype: str | None = None,
+                   pure: bool = False) -> dict[str, float]:
+    """llama.cpp's quantizer in its own process (wall time and peak RSS measured), GGUF -> ``out``: the file
+    type of :data:`LLAMA_QUANTIZED` for ``dtype`` unless ``ftype`` (and ``pure``) are given."""
+    if ftype is None:
+        ftype, pure = LLAMA_QUANTIZED[dtype]
     code = ("import sys, pathlib, llama_interop; llama_interop.llama_quantize(pathlib.Path(sys.argv[1]), "
             "pathlib.Path(sys.argv[2]), sys.argv[3], pure=sys.argv[4] == '1')")
     scripts = str(Path(__file__).resolve().parent)
@@ -130,24 +152,42 @@ def quantize_llama(f32: Path, out: Path, dtype: str, env: dict[str, str]) -> dic
     return {"wall_s": wall, "peak_rss_mib": rss, "file_gb": out.stat().st_size / 1e9}
 
 
+def two_step_llama(script: Path, src: Path, out: Path, dtype: str, env: dict[str, str]) -> dict[str, float]:
+    """llama.cpp's way from a HF checkpoint to ``dtype`` (:data:`LLAMA_TWO_STEP`): its converter to an
+    intermediate GGUF, then its quantizer; wall time summed, peak RSS the larger of the two processes'."""
+    outtype, ftype = LLAMA_TWO_STEP[dtype]
+    middle = out.with_name(f"{out.stem}-{outtype}.gguf")
+    try:
+        first = convert_llama(script, src, middle, outtype, env, keep=True)
+        second = quantize_llama(middle, out, dtype, env, ftype)
+    finally:
+        middle.unlink(missing_ok=True)
+    return {"wall_s": first["wall_s"] + second["wall_s"],
+            "peak_rss_mib": max(first["peak_rss_mib"], second["peak_rss_mib"]), "file_gb": second["file_gb"],
+            "convert_wall_s": first["wall_s"], "quantize_wall_s": second["wall_s"],
+            "convert_peak_rss_mib": first["peak_rss_mib"], "quantize_peak_rss_mib": second["peak_rss_mib"]}
+
+
 # ------------------------------------------------------------------------------------------- measurements
 
 def measure(engine: str, gguf: Path, prompt: int, new: int, batch: int, env: dict[str, str],
-            threads: int) -> dict[str, float]:
+            threads: int, kernels: str = "numba") -> dict[str, float]:
     cmd = [sys.executable, str(WORKER), engine, str(gguf), "--prompt", str(prompt), "--new", str(new),
-           "--batch", str(batch), "--threads", str(threads)]
+           "--batch", str(batch), "--threads", str(threads), "--kernels", kernels]
     sample = json.loads(run_measured(cmd, env)[2].strip().splitlines()[-1])
     sample["loadavg_1min"] = os.getloadavg()[0]  # the machine's load while it ran (shared machines)
     return sample
 
 
 def runtime_round(gguf: Path, plan: Plan, llama: bool, peer: bool, env: dict[str, str],
-                  threads: int, with_batch: bool = True, with_context: bool = True) -> dict[str, dict]:
+                  threads: int, with_batch: bool = True, with_context: bool = True,
+                  kernels: Sequence[str] = ("numba",)) -> dict[str, dict]:
     """One repetition of every runtime measurement of one file, ours, the numpy peer and llama.cpp interleaved.
 
     Keys: ``ours``/``numpy``/``llama`` (prompt + decode), ``ours_batch`` (``plan.batch`` rows), ``*_context``
-    (long prompt).
+    (long prompt), all of ours with ``kernels[0]``; ``ours_<k>`` (prompt + decode) for each other kernel ``k``.
     """
+    main_kernels = kernels[0]
     jobs = {"ours": ("ours", plan.prompt, plan.new, 1), "numpy": ("numpy", plan.prompt, plan.new, 1),
             "llama": ("llama", plan.prompt, plan.new, 1),
             "ours_batch": ("ours", plan.prompt, plan.batch_new, plan.batch),
@@ -158,8 +198,45 @@ def runtime_round(gguf: Path, plan: Plan, llama: bool, peer: bool, env: dict[str
         if (name == "ours_batch" and not with_batch) or (name.endswith("_context") and not with_context):
             continue
         if engine == "ours" or (engine == "llama" and llama) or (engine == "numpy" and peer):
-            results[name] = measure(engine, gguf, prompt, new, batch, env, threads)
+            results[name] = measure(engine, gguf, prompt, new, batch, env, threads, main_kernels)
+    for other in kernels[1:]:
+        results[f"ours_{other}"] = measure("ours", gguf, plan.prompt, plan.new, 1, env, threads, other)
     return results
+
+
+def jit_startup(env: dict[str, str], cache_dir: Path, pairs: int = 5) -> dict[str, Any]:
+    """The compiled kernels' start-up.  ``first``: seconds to import numba and compile each kernel module, with a
+    fresh, empty numba cache.  ``warm``: the start-up they add with that cache warm, process start to the first
+    token of the bundled model (q8_0) with ``kernels="numba"`` minus the same with ``"numpy"``, in CPU seconds
+    (the fair measure on a shared machine: it does not count waiting for a core) and wall seconds, medians over
+    ``pairs`` alternating pairs of processes."""
+    model = cache_dir / "qwen3-stdlib-q8_0.gguf"
+    if not model.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "qwen_convert", str(BUNDLED), "-o", str(model), "--dtype", "q8_0"]
+        subprocess.run(cmd, env=env, check=True, capture_output=True)
+    with tempfile.TemporaryDirectory() as cache:
+        cold_env = {**env, "NUMBA_CACHE_DIR": cache}
+        out = run_measured([sys.executable, str(WORKER), "jit", "-"], cold_env)[2]
+        first = json.loads(out.strip().splitlines()[-1])
+
+        def start(kernels: str) -> dict[str, float]:
+            cmd = [sys.executable, str(WORKER), "start", str(model), "--kernels", kernels]
+            wall, _, out = run_measured(cmd, cold_env)
+            return {**json.loads(out.strip().splitlines()[-1]), "wall_s": wall}
+
+        start("numba")  # compiles the step's lazily compiled ops into the cache
+        samples = [{"numba": start("numba"), "numpy": start("numpy")} for _ in range(pairs)]
+    added = [{key: s["numba"][key] - s["numpy"][key] for key in ("cpu_s", "wall_s")} for s in samples]
+    return {"first": first, "warm": medians(added), "numpy": medians([s["numpy"] for s in samples]),
+            "samples": samples}
+
+
+def read_bandwidth(files: Sequence[Path], env: dict[str, str], threads: int) -> dict[str, float]:
+    """Plain read bandwidth over the largest of ``files`` (see bench_worker.run_read)."""
+    largest = max(files, key=lambda f: f.stat().st_size)
+    cmd = [sys.executable, str(WORKER), "read", str(largest), "--threads", str(threads)]
+    return {**json.loads(run_measured(cmd, env)[2].strip().splitlines()[-1]), "file": largest.name}
 
 
 def cache_mib(config: dict[str, Any], slots: int, batch: int = 1) -> float:
@@ -216,11 +293,21 @@ def triple(ours: dict, plain: dict, peer: dict, key: str) -> str:
     return f"{fmt(x)} / {fmt(plain.get(key, NAN))} / {fmt(y)} ({fmt(ratio(x, y), 2)})"
 
 
-def runtime_row(model: str, dtype: str, m: dict[str, dict]) -> str:
+def decode_bandwidth(ours: dict, read_gbps: float) -> str:
+    """``decode GB/s (x read bandwidth)``: stored bytes of the matrices read per token x tokens/s."""
+    gbps = ours.get("weight_gb_per_token", NAN) * ours.get("decode_tps", NAN)
+    return f"{fmt(gbps)} ({fmt(ratio(gbps, read_gbps), 2)})"
+
+
+def runtime_row(model: str, dtype: str, m: dict[str, dict], others: Sequence[str] = (),
+                read_gbps: float = NAN) -> str:
     o, ll, pl = m.get("ours", {}), m.get("llama", {}), m.get("numpy", {})
     ob, oc, lc = m.get("ours_batch", {}), m.get("ours_context", {}), m.get("llama_context", {})
     batch, single, context = (d.get("decode_tps", NAN) for d in (ob, ll, oc))
+    other_cells = [f"{fmt(m.get(f'ours_{k}', {}).get('prefill_tps', NAN))} / "
+                   f"{fmt(m.get(f'ours_{k}', {}).get('decode_tps', NAN))}" for k in others]
     cells = [model, dtype, triple(o, pl, ll, "prefill_tps"), triple(o, pl, ll, "decode_tps"),
+             decode_bandwidth(o, read_gbps), *other_cells,
              f"{fmt(batch)} ({fmt(ratio(batch, single), 2)})",
              f"{pair(oc, lc, 'decode_tps', with_ratio=False)} ({fmt(ratio(context, o.get('decode_tps', NAN)), 2)})",
              pair(o, ll, "ttft_s", 2, False), pair(o, ll, "load_s", 2, False), pair(o, ll, "VmHWM", 0),
@@ -228,20 +315,42 @@ def runtime_row(model: str, dtype: str, m: dict[str, dict]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def runtime_table(summary: dict, plan: Plan) -> list[str]:
+def runtime_table(summary: dict, plan: Plan, kernels: Sequence[str] = ("numba",), read_gbps: float = NAN,
+                  ) -> list[str]:
+    others = list(kernels[1:])
     head = ["model", "type", f"prefill({plan.prompt}) tok/s ours / numpy / llama (× llama)",
             f"decode({plan.new}) tok/s ours / numpy / llama (× llama)",
+            f"decode GB/s ours (× read {fmt(read_gbps)} GB/s)",
+            *(f"ours with {k} kernels: prefill / decode tok/s" for k in others),
             f"batch-{plan.batch} agg. tok/s ours (× llama 1-stream)",
             f"decode @{plan.context} ours / llama (ours × own decode)", "TTFT s ours / llama",
             "load s ours / llama", "peak RSS MiB ours / llama (×)", "anon MiB ours / llama",
             "machine load"]
-    rows = [runtime_row(model, dtype, m) for model, dtypes in summary.items() for dtype, m in dtypes.items()]
+    rows = [runtime_row(model, dtype, m, others, read_gbps) for model, dtypes in summary.items()
+            for dtype, m in dtypes.items()]
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows]
+
+
+def jit_lines(jit: dict[str, Any]) -> list[str]:
+    """The compiled kernels' first-ever compile and warm-cache start-up, in seconds."""
+    if not jit:
+        return []
+    keys = [k for k in jit["first"] if k.endswith("_s")]
+    head = "| | " + " | ".join(k.removesuffix("_s").replace("_", " ") for k in keys) + " |"
+    warm, numpy = jit["warm"], jit["numpy"]
+    return ["Compiled kernels' first-ever compile, seconds (empty numba cache):", head,
+            "|" + "---|" * (len(keys) + 1), "| first | " + " | ".join(fmt(jit["first"][k], 2) for k in keys) + " |",
+            "",
+            f"Compiled kernels' warm-cache start-up (bundled model, q8_0, process start to first token, numba minus "
+            f"numpy, median of {len(jit['samples'])} alternating pairs): {fmt(warm['cpu_s'], 2)} s CPU "
+            f"({fmt(numpy['cpu_s'], 2)} s with numpy), {fmt(warm['wall_s'], 2)} s wall "
+            f"({fmt(numpy['wall_s'], 2)} s with numpy).", ""]
 
 
 def conversion_table(summary: dict) -> list[str]:
     head = ["model", "type", "GGUF GB", "wall s ours / llama (×)", "peak RSS MiB ours / llama (×)"]
-    rows = [f"| {model} | {dtype} | {fmt((m.get('ours') or m.get('llama', {})).get('file_gb', NAN), 2)} "
+    rows = [f"| {model} | {dtype + (TWO_STEP_NOTE if dtype in LLAMA_TWO_STEP else '')} "
+            f"| {fmt((m.get('ours') or m.get('llama', {})).get('file_gb', NAN), 2)} "
             f"| {pair(m.get('ours', {}), m.get('llama', {}), 'wall_s')} "
             f"| {pair(m.get('ours', {}), m.get('llama', {}), 'peak_rss_mib', 0)} |"
             for model, dtypes in summary.items() for dtype, m in dtypes.items()]
@@ -297,6 +406,12 @@ def targets(runs: dict, conversions: dict, config: dict[str, Any], plan: Plan) -
                        ratio(q8["ours"]["wall_s"], q8["llama"]["wall_s"]), -0.5),
                 Target("q8_0 conversion peak RSS / llama converter",
                        ratio(q8["ours"]["peak_rss_mib"], q8["llama"]["peak_rss_mib"]), -0.3)]
+    k4 = conversions.get("q4_k_m", {})
+    if "llama" in k4 and "ours" in k4:
+        out += [Target("q4_k_m from HF bf16, wall / llama convert + quantize",
+                       ratio(k4["ours"]["wall_s"], k4["llama"]["wall_s"]), -1.0),
+                Target("q4_k_m from HF bf16, peak RSS / llama convert + quantize",
+                       ratio(k4["ours"]["peak_rss_mib"], k4["llama"]["peak_rss_mib"]), -0.25)]
     return out
 
 
@@ -347,6 +462,8 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversion-repeat", type=int, default=None,
                    help="repetitions of every conversion (default: --repeat; the GGUF is always written once)")
     p.add_argument("--threads", type=int, default=2, help="threads of both runtimes")
+    p.add_argument("--kernels", default="numba,numpy", help="our kernels, comma list of numba, numpy: the first runs "
+                   "every measurement, the others prompt + decode (default: numba,numpy)")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "qwen-numpy-bench")
     p.add_argument("--tokenizers", type=Path, default=None,
                    help="directory of <name>/tokenizer.json (default: the repository's, tests/data/tokenizers)")
@@ -354,6 +471,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="results file (default: CACHE_DIR/bench-<date>.json)")
     p.add_argument("--no-llama", action="store_true", help="measure our runtime and converter only")
     p.add_argument("--no-peer", action="store_true", help="skip the plain numpy peer")
+    p.add_argument("--no-runtime", action="store_true", help="the conversions only (no runtime measurements)")
     p.add_argument("--report", type=Path, metavar="JSON", help="only print the tables of an earlier results file")
     return p
 
@@ -388,15 +506,19 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
                 target = scratch if dtype in OURS else gguf
                 conv.setdefault("llama", []).append(quantize_llama(f32, target, dtype, env))
                 scratch.unlink(missing_ok=True)
+            elif dtype in LLAMA_TWO_STEP and script is not None:
+                conv.setdefault("llama", []).append(two_step_llama(script, src, scratch, dtype, env))
+                scratch.unlink(missing_ok=True)
             elif script is not None and dtype in llama_interop.OUTTYPES:
                 conv.setdefault("llama", []).append(convert_llama(script, src, scratch, dtype, env))
-        for rep in range(args.repeat):
+        save()
+        for rep in range(0 if args.no_runtime else args.repeat):
             log(f"{src.name} {dtype}: runtime {rep + 1}/{args.repeat}")
             with_peer = peer and dtype in args.peer_dtypes.split(",")
             with_batch = not single and (args.batch_dtypes is None or dtype in args.batch_dtypes.split(","))
             with_context = not single and (args.context_dtypes is None or dtype in args.context_dtypes.split(","))
             for name, sample in runtime_round(gguf, plan, script is not None, with_peer, env, args.threads,
-                                              with_batch, with_context).items():
+                                              with_batch, with_context, args.kernels.split(",")).items():
                 runtime.setdefault(dtype, {}).setdefault(name, []).append(sample)
             save()
 
@@ -408,9 +530,11 @@ def report(results: dict[str, Any], plan: Plan) -> list[str]:
              f"numpy {results['machine']['numpy']}, llama-cpp-python {results['machine']['llama_cpp_python']}, "
              f"{results['machine']['date']}; medians of {results['repeat']} runs "
              f"({results.get('conversion_repeat', results['repeat'])} of each conversion)", "",
-             *runtime_table(runs, plan), "", *conversion_table(conv), ""]
-    for model in runs:
-        found = [t for t in targets(runs[model], conv.get(model, {}), results["configs"][model], plan)
+             *(runtime_table(runs, plan, results.get("kernels", ["numba"]),
+                             results.get("read", {}).get("read_gbps", NAN)) + [""] if any(runs.values()) else []),
+             *jit_lines(results.get("jit", {})), *conversion_table(conv), ""]
+    for model in dict.fromkeys([*runs, *conv]):
+        found = [t for t in targets(runs.get(model, {}), conv.get(model, {}), results["configs"][model], plan)
                  if t.value == t.value]  # NaN: not measured in this run (--quick, --dtypes, --no-llama)
         results.setdefault("targets", {})[model] = [{"name": t.name, "value": t.value, "goal": t.goal, "met": t.met}
                                                      for t in found]
@@ -430,7 +554,10 @@ def run(args: argparse.Namespace) -> None:
     script = llama_interop.converter_script(args.cache_dir) if version else None
     results: dict[str, Any] = {"machine": machine(), "plan": plan.__dict__, "repeat": args.repeat,
                                "conversion_repeat": max(1, args.conversion_repeat or args.repeat),
-                               "conversion": {}, "runtime": {}, "configs": {}}
+                               "conversion": {}, "runtime": {}, "configs": {}, "kernels": args.kernels.split(",")}
+    if "numba" in results["kernels"] and not args.no_runtime:
+        log("compiled kernels: first compile and warm start-up")
+        results["jit"] = jit_startup(env, args.cache_dir)
     out = args.json or args.cache_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     others = args.other_dtypes.split(",") if args.other_dtypes else dtypes
     for i, name in enumerate(names):
@@ -441,6 +568,10 @@ def run(args: argparse.Namespace) -> None:
         bench_model(src, dtypes if i == 0 else others, args, plan, script, env,
                     results["conversion"].setdefault(name, {}), results["runtime"].setdefault(name, {}),
                     lambda: out.write_text(json.dumps(results, indent=1)), single=i > 0 and args.others_single)
+    files = sorted((args.cache_dir / "gguf").glob("*.gguf"))
+    if files and not args.no_runtime:
+        log("plain read bandwidth")
+        results["read"] = read_bandwidth(files, env, args.threads)
     results["machine"]["loadavg_end"] = os.getloadavg()
     sys.stdout.write("\n".join(report(results, plan)) + "\n")
     out.write_text(json.dumps(results, indent=1))

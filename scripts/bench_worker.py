@@ -1,9 +1,12 @@
 """One benchmark measurement in a fresh process; prints one JSON object on stdout's last line.
 
-    python scripts/bench_worker.py ENGINE MODEL_FILE --prompt N --new N [--batch B] [--threads 2]
+    python scripts/bench_worker.py ENGINE MODEL_FILE --prompt N --new N [--batch B] [--threads 2] [--kernels K]
+    python scripts/bench_worker.py jit -          import numba and every compiled-kernel module, timed
+    python scripts/bench_worker.py start FILE     load FILE (--kernels K) and generate one token: CPU seconds
+    python scripts/bench_worker.py read FILE      plain read bandwidth: numpy sums over FILE on --threads threads
 
-ENGINE is ``ours`` (qwen_runtime), ``numpy`` (the plain numpy peer, ``numpy_peer.py``) or ``llama``
-(llama-cpp-python).  It loads the model, prefills ``--batch``
+ENGINE is ``ours`` (qwen_runtime, with ``--kernels`` numba or numpy), ``numpy`` (the plain numpy peer,
+``numpy_peer.py``) or ``llama`` (llama-cpp-python).  It loads the model, prefills ``--batch``
 prompts of ``--prompt`` tokens and greedily decodes ``--new`` tokens per row, and reports load time, time
 to first token, prefill tokens/s and (aggregate) decode tokens/s.  Prompts are seeded random token ids
 (the same for both engines) and decoding never stops early, so both engines do exactly the same work.
@@ -15,10 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import qwen_runtime
 
 FIRST_ID, LAST_ID = 1000, 100000  # ordinary BPE tokens in every Qwen vocabulary
 
@@ -39,11 +47,19 @@ def memory_mib() -> dict[str, float]:
     return values
 
 
-def run_ours(path: str, batch: int, prompt: int, new: int) -> dict[str, float]:
+def weight_bytes_per_token(model: qwen_runtime.Model) -> int:
+    """Stored bytes of the matrices one decode step reads: every matrix but the embedding, which only gives
+    rows, unless it is also the (tied) output matrix."""
+    matrices = {t.name: t.nbytes for t in model.files.tensors.values() if len(t.shape) == 2}
+    tied = "output.weight" not in matrices
+    return sum(n for name, n in matrices.items() if tied or name != "token_embd.weight")
+
+
+def run_ours(path: str, batch: int, prompt: int, new: int, threads: int, kernels: str) -> dict[str, float]:
     import qwen_runtime
 
     t0 = time.perf_counter()
-    model = qwen_runtime.load(path)
+    model = qwen_runtime.load(path, threads=threads, kernels=kernels)
     loaded = time.perf_counter()
     gen = qwen_runtime.stream(model, prompts(batch, prompt), max_new_tokens=new, use_tokenizer=False)
     next(iter(gen))
@@ -51,7 +67,54 @@ def run_ours(path: str, batch: int, prompt: int, new: int) -> dict[str, float]:
     gen.run()
     s = gen.stats
     return {"load_s": loaded - t0, "ttft_s": first - loaded, "prefill_tps": s.prefill_tokens_per_second,
-            "decode_tps": s.decode_tokens_per_second, **memory_mib()}
+            "decode_tps": s.decode_tokens_per_second, "weight_gb_per_token": weight_bytes_per_token(model) / 1e9,
+            **memory_mib()}
+
+
+def run_jit() -> dict[str, float]:
+    """Seconds to import numba, then each compiled-kernel module (compiling, or loading numba's cache)."""
+    import importlib
+
+    t0 = time.perf_counter()
+    import numba  # noqa: F401
+
+    out = {"import_numba_s": time.perf_counter() - t0}
+    for module in ("jit_base", "jit_q8_0", "jit_kquants", "jit_legacy", "jit_iq4", "jit_dense"):
+        t = time.perf_counter()
+        importlib.import_module(f"qwen_runtime.quants.{module}")
+        out[f"{module}_s"] = time.perf_counter() - t
+    out["total_s"] = time.perf_counter() - t0
+    return out
+
+
+def run_start(path: str, kernels: str) -> dict[str, float]:
+    """CPU seconds (user + system, every thread) from process start to the first token of one 5-token prompt:
+    the start-up a user waits for.  ``--kernels numba`` minus ``numpy`` is the compiled kernels' start-up."""
+    import qwen_runtime
+
+    model = qwen_runtime.load(path, threads=1, kernels=kernels)
+    prompt = [list(range(1, 6))]  # ids below any vocabulary's size (the bundled model has 4,160)
+    next(iter(qwen_runtime.stream(model, prompt, max_new_tokens=2, use_tokenizer=False)))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"cpu_s": usage.ru_utime + usage.ru_stime}
+
+
+def run_read(path: str, threads: int) -> dict[str, float]:
+    """GB/s of plain numpy sums over the memory-mapped ``path`` (read once first so it is in the page cache),
+    split over ``threads`` threads (numpy releases the GIL in reductions): the physical limit of a decode step
+    that reads its weights once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = np.memmap(path, np.uint8, "r")
+    words = data[: data.size // 8 * 8].view(np.int64)  # integer sums: no subnormal slow paths
+    parts = np.array_split(words, threads)
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(4):  # the first pass faults the pages in
+            t = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = max(best, words.nbytes / (time.perf_counter() - t) / 1e9)
+    return {"read_gbps": best, "file_gb": words.nbytes / 1e9}
 
 
 def run_numpy(path: str, batch: int, prompt: int, new: int) -> dict[str, float]:
@@ -91,15 +154,22 @@ def run_llama(path: str, batch: int, prompt: int, new: int, threads: int) -> dic
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("engine", choices=("ours", "numpy", "llama"))
+    p.add_argument("engine", choices=("ours", "numpy", "llama", "jit", "start", "read"))
     p.add_argument("model")
-    p.add_argument("--prompt", type=int, required=True)
-    p.add_argument("--new", type=int, required=True)
+    p.add_argument("--prompt", type=int, default=0)
+    p.add_argument("--new", type=int, default=0)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kernels", default="numba", choices=("numba", "numpy"), help="ours: the kernels to use")
     args = p.parse_args()
-    if args.engine == "ours":
-        result = run_ours(args.model, args.batch, args.prompt, args.new)
+    if args.engine == "jit":
+        result = run_jit()
+    elif args.engine == "start":
+        result = run_start(args.model, args.kernels)
+    elif args.engine == "read":
+        result = run_read(args.model, args.threads)
+    elif args.engine == "ours":
+        result = run_ours(args.model, args.batch, args.prompt, args.new, args.threads, args.kernels)
     elif args.engine == "numpy":
         result = run_numpy(args.model, args.batch, args.prompt, args.new)
     else:

@@ -99,17 +99,48 @@ def llama_convert(script: Path, src: Path, out: Path, dtype: str, extra: Sequenc
     return out
 
 
-def llama_quantize(src: Path, dst: Path, ftype: str, pure: bool = False, threads: int = 2) -> Path:
+def llama_quantize(src: Path, dst: Path, ftype: str, pure: bool = False, threads: int = 2,
+                   tensor_types: Sequence[tuple[str, str]] = (), output_tensor_type: str | None = None,
+                   token_embedding_type: str | None = None,
+                   imatrix: dict[str, np.ndarray] | None = None) -> Path:
     """Quantize GGUF ``src`` (F32/F16/BF16) to ``dst`` with llama.cpp's quantizer; ``ftype`` is a
     ``LLAMA_FTYPE_MOSTLY_*`` suffix (``Q4_K_M``, ``IQ4_XS``, ``BF16``, ...).  Without ``pure`` llama.cpp picks
     its mixture per tensor; with it every quantizable tensor gets the file type's base type (both fall back to
-    a 32-block type where a row length is not a multiple of 256, as ``llama-quantize`` does)."""
+    a 32-block type where a row length is not a multiple of 256, as ``llama-quantize`` does).
+
+    ``tensor_types`` ((regex, GGML type name) pairs), ``output_tensor_type`` and ``token_embedding_type`` are
+    llama-quantize's ``--tensor-type``, ``--output-tensor-type`` and ``--token-embedding-type``; ``imatrix`` maps
+    tensor names to their importance vectors (what llama-quantize passes after reading an imatrix file).
+    """
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.pure = pure
     params.nthread = threads
+    if output_tensor_type is not None:
+        params.output_tensor_type = getattr(llama_cpp, f"GGML_TYPE_{output_tensor_type.upper()}")
+    if token_embedding_type is not None:
+        params.token_embedding_type = getattr(llama_cpp, f"GGML_TYPE_{token_embedding_type.upper()}")
+    keep: list[Any] = []  # what the C structures point into, alive for the call
+    if tensor_types:
+        overrides = (llama_cpp.llama_model_tensor_override * (len(tensor_types) + 1))()
+        for slot, (pattern, type_name) in zip(overrides, tensor_types, strict=False):
+            slot.pattern = pattern.lower().encode()
+            slot.type = getattr(llama_cpp, f"GGML_TYPE_{type_name.upper()}")
+        overrides[len(tensor_types)].type = llama_cpp.GGML_TYPE_COUNT
+        params.tt_overrides = overrides
+        keep.append(overrides)
+    if imatrix:
+        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
+        for slot, (name, values) in zip(entries, imatrix.items(), strict=False):
+            values = np.ascontiguousarray(values, dtype=np.float32)
+            keep.append(values)
+            slot.name = name.encode()
+            slot.data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            slot.size = values.size
+        params.imatrix = entries
+        keep.append(entries)
     with captured_llama_logs() as logs:
         status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
     if status != 0 or not dst.is_file():

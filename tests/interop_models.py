@@ -301,3 +301,51 @@ def build_quant_model(name: str, out: Path) -> Path:
     tensors = {n: torch.from_numpy(init_tensor(n, s, False)) for n, s in sorted(hf_tensor_shapes(config).items())}
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     return target
+
+
+# ------------------------------------------------------------------------------------------------ mix models
+
+# Models for llama.cpp's per-tensor type choice (tests/test_quant_mixes.py): enough layers for the per-layer bumps
+# (use_more_bits, the first eighth / sixteenth, the first 2 / 4 attn_v), query groups on both sides of llama.cpp's
+# threshold of 4, tied and untied heads.  "qwen2-odd" has rows of 384 (K-quants fall back to their 32-value twin)
+# and an intermediate size of 200 (ffn_down rows fit no block: F16); "qwen35-mix" has ssm_out rows of 384 (6 value
+# heads of 64: llama.cpp's loader needs equal key and value head sizes).  The fixtures' 512-token tokenizers.
+_QWEN35_MIX_LAYERS = ["linear_attention"] * 3 + ["full_attention"]
+MIX_MODELS: dict[str, tuple[Path, dict[str, Any]]] = {
+    "qwen2-mix": (FIXTURE_TOKENIZER, {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 512, "num_hidden_layers": 10,
+        "tie_word_embeddings": False}),
+    "qwen3-mix": (FIXTURE_TOKENIZER, {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "num_hidden_layers": 9,
+        "tie_word_embeddings": True}),
+    "qwen35-mix": (REPO_ROOT / "tests" / "fixtures" / "qwen35-tiny", {
+        "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
+        "intermediate_size": 512, "num_hidden_layers": 8, "layer_types": _QWEN35_MIX_LAYERS * 2,
+        "linear_key_head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 6,
+        "linear_value_head_dim": 64}),
+    "qwen2-odd": (FIXTURE_TOKENIZER, {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 384, "num_attention_heads": 3,
+        "num_key_value_heads": 1, "head_dim": 128, "intermediate_size": 200, "num_hidden_layers": 3,
+        "tie_word_embeddings": False}),
+}
+
+
+def build_mix_model(name: str, out: Path) -> Path:
+    """Write ``out/<name>/`` for a :data:`MIX_MODELS` entry: float32 safetensors, a fixture's tokenizer files."""
+    import torch
+    from safetensors.torch import save_file
+
+    tokenizer_dir, fields = MIX_MODELS[name]
+    target = out / name
+    target.mkdir(parents=True, exist_ok=True)
+    config = _read_json(tokenizer_dir / "config.json")
+    config.update(fields, torch_dtype="float32", dtype="float32")
+    _write_json(target / "config.json", config)
+    for file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (target / file).write_bytes((tokenizer_dir / file).read_bytes())
+    qwen35 = config["model_type"] == "qwen3_5_text"
+    tensors = {n: torch.from_numpy(init_tensor(n, s, qwen35)) for n, s in sorted(hf_tensor_shapes(config).items())}
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from qwen_runtime.models import Model
+
 FIXTURES = Path(__file__).parent / "fixtures"
 DENSE_FAMILIES = ("qwen2-tiny", "qwen3-tiny", "deepseek-tiny")
 
@@ -57,3 +59,14 @@ class Converted:
             return src
         suffix = ".gguf" if fmt == "gguf" else ""
         return convert(src, self.root / f"{name}-{dtype}{suffix}", fmt, dtype)
+
+
+KERNELS = ("numpy", "numba")  # the reference kernels and their compiled twins
+
+
+def use_kernels(model: Model, kernels: str) -> Model:
+    """``model`` running on ``kernels`` (skips "numba" where numba is not installed)."""
+    if kernels == "numba":
+        pytest.importorskip("numba")
+    model.workspace.kernels = kernels
+    return model

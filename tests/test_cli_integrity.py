@@ -15,7 +15,7 @@ from hostile_helpers import converted, copy_fixture
 from runtime_helpers import fixture_dir
 
 from qwen_convert import cli as convert_cli
-from qwen_convert import demo_cli
+from qwen_convert import demo_cli, imatrix_cli
 from qwen_convert.cli import convert_main, inspect_main
 from qwen_runtime import cli as run_cli
 from qwen_runtime import eval_cli
@@ -33,7 +33,8 @@ from qwen_serve import cli as serve_cli
 
 PARSERS = {"qwen-run": run_cli.configure_parser, "qwen-eval": eval_cli.configure_parser,
            "qwen-convert": convert_cli.convert_parser, "qwen-inspect": convert_cli.inspect_parser,
-           "qwen-demo": demo_cli.configure_parser, "qwen-serve": serve_cli.configure_parser}
+           "qwen-demo": demo_cli.configure_parser, "qwen-serve": serve_cli.configure_parser,
+           "qwen-imatrix": imatrix_cli.imatrix_parser}
 # The shared short flags and the one long name each stands for in every tool that has it.
 SHARED = {"-o": "--output", "-n": "--max-new-tokens", "-c": "--ctx", "-f": "--file"}
 

@@ -216,7 +216,7 @@ def test_interrupt_leaves_nothing_and_keeps_the_old_output(capsys, monkeypatch, 
     before = open_model_files(out).tensors["blk.0.ffn_up.weight"].to_float32()
     convert_module = importlib.import_module("qwen_convert.convert")
 
-    def interrupted(tensor, qtype):
+    def interrupted(tensor, qtype, importance=None):
         yield np.zeros((1, 1), np.uint8)
         raise KeyboardInterrupt
 

@@ -127,3 +127,33 @@ def test_demo_errors_are_one_line(tmp_path: Path, capsys) -> None:
     assert demo_main(_demo(tmp_path / "out", "--text", str(tmp_path / "missing.txt"))) == 2
     err = capsys.readouterr().err
     assert err.startswith("qwen-demo: error:") and "missing.txt" in err and err.count("\n") == 1
+
+
+def test_calibration_text_leaves_out_modules_in_the_evaluation_text() -> None:
+    import argparse
+
+    from qwen_convert.demo import calibration_text
+
+    evaluation = Path(argparse.__file__).read_text(encoding="utf-8")
+    assert calibration_text("").startswith(evaluation[:1000])  # argparse is the first calibration module
+    calibration = calibration_text(evaluation)
+    assert calibration and len(calibration) <= demo.CALIBRATION_BYTES
+    assert not {line for line in evaluation.splitlines() if len(line.strip()) > 40} & set(calibration.splitlines())
+
+
+def test_kquant_outputs_without_and_with_an_imatrix_are_reused(tmp_path: Path) -> None:
+    from qwen_convert.demo import KQUANT_MIXES, prepare_kquant_outputs
+    from qwen_runtime.formats.gguf_parse import parse_gguf
+
+    src, out = fixture_dir("qwen3-tiny"), tmp_path / "out"
+    prepare_outputs(src, out)
+    calibration = " ".join(f"def f{i}(x):\n    return x * {i}" for i in range(100))
+    first = prepare_kquant_outputs(src, out, calibration)
+    assert [(o.dtype, o.imatrix, o.status) for o in first] == [
+        (m, w, CONVERTED) for w in (False, True) for m in KQUANT_MIXES]
+    assert first[-1].label == "gguf iq4_xs +imatrix" and first[-1].path.name == "qwen3-tiny-iq4_xs-imatrix.gguf"
+    for o in first:
+        assert ("quantize.imatrix.file" in parse_gguf(o.path).metadata) == o.imatrix
+    assert [o.status for o in prepare_kquant_outputs(src, out, calibration)] == [REUSED] * 14
+    again = prepare_kquant_outputs(src, out, calibration + " ")  # another calibration text: weighted ones remade
+    assert [o.status for o in again] == [REUSED] * 7 + [CONVERTED] * 7

@@ -86,7 +86,7 @@ def test_symlink_to_a_device_is_refused(model: Path) -> None:
 @pytest.mark.parametrize(("changes", "fragment"), [
     ({"shape": [2, 64], "nbytes": 2 * 2 * 34}, "manifest says"), ({"shape": [-1]}, "positive integers"),
     ({"shape": "64"}, "positive"), ({"shape": [1, 1, 1, 1, 32]}, "positive integers"),
-    ({"type": "F16"}, "disagrees with F16"), ({"type": "Q4_K"}, "unsupported type"), ({"type": 7}, "unknown type"),
+    ({"type": "F16"}, "disagrees with F16"), ({"type": "IQ2_XXS"}, "unsupported type"), ({"type": 7}, "unknown type"),
     ({"nbytes": 1}, "nbytes"), ({"shape": [33]}, "divisible by 32"),
 ])
 def test_manifest_disagrees_with_the_file(model: Path, changes: dict, fragment: str) -> None:

@@ -11,7 +11,8 @@ each file:
   importance matrix) rounds every value to the nearest point of its stored sub-block grid, the bound of
   ``qwen_convert.verify``;
 * our logits equal transformers' on the same GGUF (``from_pretrained(dir, gguf_file=...)``, which dequantizes
-  through gguf-py to float32) within 1e-4 absolute: both multiply the same float32 weights;
+  through gguf-py to float32) within 1e-4 absolute, with the compiled kernels (``auto``) and with the numpy
+  ones: both multiply the same float32 weights;
 * llama.cpp's logits are within :data:`LLAMA_FACTOR` x ``E8`` + 1 % of max |logit|.  llama.cpp quantizes the
   *activations* of every matrix product before its integer dot products: to Q8_0 blocks (32 values, step
   amax/127) for the 32-block weight types, to Q8_K blocks (256 values, step amax/127) for the K-quants and
@@ -95,8 +96,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
     return Files(tmp_path_factory.mktemp("quant-interop"))
 
 
-def ours(path: Path) -> np.ndarray:
-    return qwen_runtime.load(path).logits([PROMPT])[0]
+def ours(path: Path, kernels: str = "auto") -> np.ndarray:
+    return qwen_runtime.load(path, kernels=kernels).logits([PROMPT])[0]
 
 
 def hf_gguf_logits(path: Path) -> np.ndarray:
@@ -133,10 +134,12 @@ def test_llama_quantized_file_matches_transformers_and_llama(files: Files, model
             assert set(types.values()) == {wanted}, types
     report = verify_against(path, files.dirs[model], behaviour=False)
     assert report.ok, report.failures()
-    got = ours(path)
+    got = ours(path)  # the compiled kernels where numba imports
     expected = hf_gguf_logits(path)
     hf_error = float(np.abs(got - expected).max())
     assert hf_error <= HF_ABS, f"{path.parent.name}: max |ours - transformers| = {hf_error:.3g}"
+    numpy_error = float(np.abs(ours(path, "numpy") - expected).max())  # and the numpy reference kernels
+    assert numpy_error <= HF_ABS, f"{path.parent.name}: numpy kernels: max |ours - transformers| = {numpy_error:.3g}"
     _, e8 = files.reference(model)
     theirs = llama_logits(path)
     llama_error = float(np.abs(theirs - got).max())

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from float_error import check_greedy, check_rows, reference64
+from runtime_helpers import KERNELS, use_kernels
 
 from qwen_runtime.models import Model, build_model, qwen35
 
@@ -31,9 +32,10 @@ def name(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.fixture(scope="module")
-def model(name: str) -> Model:
-    return build_model(FIXTURES / name)
+@pytest.fixture(scope="module", params=KERNELS)
+def model(name: str, request: pytest.FixtureRequest) -> Model:
+    """Each fixture with the numpy kernels and with their compiled twins."""
+    return use_kernels(build_model(FIXTURES / name), request.param)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from runtime_helpers import KERNELS
 
 from qwen_runtime.cache import BatchState
 from qwen_runtime.models import attention
@@ -28,11 +29,12 @@ def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_valid: np
     return out
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("start, t", [(0, 9), (9, 1), (6, 3)])  # prefill, one decode step, a chunk after a cache
 @pytest.mark.parametrize("score_elements", [1 << 22, 40])  # 40: queries tiled one or two at a time
 def test_attend_matches_reference(monkeypatch: pytest.MonkeyPatch, threads: int, start: int, t: int,
-                                  score_elements: int) -> None:
+                                  score_elements: int, kernels: str) -> None:
     monkeypatch.setattr(attention, "SCORE_ELEMENTS", score_elements)
     monkeypatch.setattr(attention, "POOL_WORK", 0)  # the pool even for these few scores
     rng = np.random.default_rng(0)
@@ -43,12 +45,15 @@ def test_attend_matches_reference(monkeypatch: pytest.MonkeyPatch, threads: int,
     key_valid[1, :3] = False  # row 1 is left-padded by three slots
     positions = np.arange(start, s)[None].repeat(b, 0)
     state = BatchState(positions=positions, valid=key_valid[:, start:], start=start, key_valid=key_valid)
-    got = attention.attend(q, keys, values, state, Workspace(threads=threads))
+    if kernels == "numba":
+        pytest.importorskip("numba")
+    got = attention.attend(q, keys, values, state, Workspace(threads=threads, kernels=kernels))
     expected = reference(q, keys, values, key_valid, start)
     rows = key_valid[:, start:]  # outputs of padding queries are ignored by the model
     np.testing.assert_allclose(got.transpose(0, 2, 1, 3)[rows], expected.transpose(0, 2, 1, 3)[rows],
                                rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(got, attention.attend(q, keys, values, state))  # pool == serial, bit for bit
+    serial = attention.attend(q, keys, values, state, Workspace(threads=1, kernels=kernels))
+    np.testing.assert_array_equal(got, serial)  # pool == serial, bit for bit
 
 
 def test_batch_state_derives_once_per_pass() -> None:

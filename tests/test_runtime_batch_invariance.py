@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import quants
+from runtime_helpers import KERNELS
 from test_runtime_weights import stored
 
 from qwen_runtime.cache import BatchState
@@ -46,8 +47,12 @@ def test_rowwise_products_equal_each_row_alone(qtype: QType, n: int) -> None:
     if qtype in (QType.F32, QType.F16, QType.BF16):
         assert np.array_equal(alone[:1], weight.matmul(x[:1]))  # a lone row: the numbers of the plain kernel
 
-def test_ragged_attention_equals_each_row_alone() -> None:
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_ragged_attention_equals_each_row_alone(kernels: str) -> None:
     """Rows holding 3, 11 and 7 tokens attend over exactly their own slots, as if each were alone."""
+    if kernels == "numba":
+        pytest.importorskip("numba")
+    ws = Workspace(threads=1, kernels=kernels)
     rng = np.random.default_rng(2)
     lengths, t, heads, kv, hd, cap = np.array([3, 11, 7]), 2, 4, 2, 16, 20
     q = rng.normal(size=(3, heads, t, hd)).astype(np.float32)
@@ -55,11 +60,11 @@ def test_ragged_attention_equals_each_row_alone() -> None:
     values = rng.normal(size=(3, kv, cap, hd)).astype(np.float32)
     valid = np.ones((3, t), bool)
     state = BatchState(lengths[:, None] + np.arange(t), valid, 0, valid, lengths)
-    got = attend(q, keys, values, state)
+    got = attend(q, keys, values, state, ws)
     for b, length in enumerate(lengths.tolist()):
         end = length + t
         alone = BatchState(state.positions[b:b + 1], valid[b:b + 1], length, np.ones((1, end), bool))
-        expected = attend(q[b:b + 1], keys[b:b + 1, :, :end], values[b:b + 1, :, :end], alone)
+        expected = attend(q[b:b + 1], keys[b:b + 1, :, :end], values[b:b + 1, :, :end], alone, ws)
         assert np.array_equal(got[b:b + 1], expected)
     keys[0, :, 5:] = np.nan  # slots past a row's tokens are never read
-    assert np.isfinite(attend(q, keys, values, state)[0]).all()
+    assert np.isfinite(attend(q, keys, values, state, ws)[0]).all()

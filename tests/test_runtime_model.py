@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from float_error import check_greedy, check_rows, reference64
-from runtime_helpers import DENSE_FAMILIES, Converted, fixture_dir, reference
+from runtime_helpers import DENSE_FAMILIES, Converted, fixture_dir, reference, use_kernels
 
 from qwen_runtime import load, pool
 from qwen_runtime.generate import left_pad
@@ -26,11 +26,12 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Converted:
     return Converted(tmp_path_factory.mktemp("converted"))
 
 
-@pytest.fixture(scope="module", params=[(n, f) for n in DENSE_FAMILIES for f in FORMATS],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[(n, f, "numpy") for n in DENSE_FAMILIES for f in FORMATS]
+                + [(n, "gguf", "numba") for n in DENSE_FAMILIES], ids=lambda p: "-".join(p))
 def model_and_ref(request: pytest.FixtureRequest, converted: Converted):
-    name, fmt = request.param
-    return load(converted.get(name, fmt)), reference(name)
+    """Each family from each format with the numpy kernels, and from GGUF with the compiled twins too."""
+    name, fmt, kernels = request.param
+    return use_kernels(load(converted.get(name, fmt)), kernels), reference(name)
 
 
 def greedy_decode(model, prompt: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
@@ -151,9 +152,9 @@ def test_prefill_scratch_is_released_before_decoding(converted: Converted, monke
     depends on timing, but no thread ever needs more than the single thread that runs every task.
     """
     path = converted.get("qwen2-tiny", "gguf", "q8_0")
-    pooled = load(path)
+    pooled = load(path, kernels="numpy")  # the compiled kernels decode steps need no tile scratch
     monkeypatch.setattr(pool, "default_threads", lambda: 1)
-    alone = load(path)
+    alone = load(path, kernels="numpy")
     assert not alone.workspace.pooled
     one = _decode_scratch(alone, 4)
     assert one[0] > 0 and one == [one[0]] * 4
@@ -162,7 +163,7 @@ def test_prefill_scratch_is_released_before_decoding(converted: Converted, monke
 
 def test_chunked_passes_keep_scratch_until_told(converted: Converted) -> None:
     """Chunks of one prompt (and a server's prefill steps) keep the scratch; a pass with the default drops it."""
-    model = load(converted.get("qwen2-tiny", "gguf", "q8_0"))
+    model = load(converted.get("qwen2-tiny", "gguf", "q8_0"), kernels="numpy")  # whose tiles are scratch
     cache = model.make_cache(1, 24)
     model.forward(np.arange(1, 9)[None], cache, last_only=True, release_scratch=False)
     kept = model.workspace.nbytes

@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from runtime_helpers import Converted, fixture_dir
+from runtime_helpers import Converted, fixture_dir, use_kernels
 
 import qwen_runtime
 from qwen_runtime.chat import chat_format
@@ -41,13 +41,15 @@ def decode_logits(model: Model, prompts: list[list[int]], steps: int) -> np.ndar
     return np.stack(out)
 
 
-@pytest.mark.parametrize(("family", "fmt", "dtype"), [
-    ("qwen3-tiny", "hf", "fp32"), ("qwen2-tiny", "gguf", "q8_0"), ("qwen35-tiny", "hf", "fp32"),
-    ("qwen35-tiny-gqa", "gguf", "q8_0"), ("qwen3-tiny", "gguf", "fp16"),
+@pytest.mark.parametrize(("family", "fmt", "dtype", "kernels"), [
+    ("qwen3-tiny", "hf", "fp32", "numpy"), ("qwen2-tiny", "gguf", "q8_0", "numpy"),
+    ("qwen35-tiny", "hf", "fp32", "numpy"), ("qwen35-tiny-gqa", "gguf", "q8_0", "numpy"),
+    ("qwen3-tiny", "gguf", "fp16", "numpy"), ("qwen2-tiny", "gguf", "q8_0", "numba"),
+    ("qwen35-tiny-gqa", "gguf", "q8_0", "numba"),
 ])
 def test_a_row_decodes_the_same_alone_and_among_others(converted: Converted, family: str, fmt: str,
-                                                       dtype: str) -> None:
-    model = qwen_runtime.load(converted.get(family, fmt, dtype))
+                                                       dtype: str, kernels: str) -> None:
+    model = use_kernels(qwen_runtime.load(converted.get(family, fmt, dtype)), kernels)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.config.vocab_size, int(rng.integers(2, 30))).tolist() for _ in range(9)]
     together = decode_logits(model, prompts, 6)

@@ -1,9 +1,9 @@
 """Directories of memory-mappable ``.npy`` files written by ``qwen-convert --format npy``.
 
 Layout: one ``<canonical name>.npy`` per tensor, ``manifest.json`` (schema below), the normalised
-``config.json`` and the source's tokenizer files.  Quantized tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are stored
-as arrays of their type's structured block dtype (``Codec.npy_dtype``, e.g. 34-byte Q8_0 blocks of an fp16
-``d`` and 32 int8 ``qs``), one row of blocks per tensor row, so the bytes equal a GGUF's.
+``config.json`` and the source's tokenizer files.  Quantized tensors (Q8_0, Q4_0 to Q5_1, the K-quants, IQ4_NL,
+IQ4_XS) are stored as arrays of their type's structured block dtype (``Codec.npy_dtype``, e.g. 34-byte Q8_0
+blocks of an fp16 ``d`` and 32 int8 ``qs``), one row of blocks per tensor row, so the bytes equal a GGUF's.
 
 ``manifest.json``::
 

@@ -13,7 +13,9 @@ from .transformer import Block, Model
 __all__ = ["MIXERS", "BatchState", "Block", "Mixer", "Model", "WeightStore", "build_model", "register_mixer"]
 
 
-def build_model(source: str | Path | ModelFiles, tile_elements: int = TILE_ELEMENTS) -> Model:
-    """Open a model path (HF dir, npy dir or GGUF file) or wrap already-opened files."""
+def build_model(source: str | Path | ModelFiles, tile_elements: int = TILE_ELEMENTS, threads: int | None = None,
+                kernels: str | None = None) -> Model:
+    """Open a model path (HF dir, npy dir or GGUF file) or wrap already-opened files; ``threads`` and
+    ``kernels`` are :func:`qwen_runtime.load`'s."""
     files = source if isinstance(source, ModelFiles) else open_model_files(source)
-    return Model(files, WeightStore(files, tile_elements))
+    return Model(files, WeightStore(files, tile_elements, threads, kernels))

@@ -9,7 +9,9 @@ variants (Qwen3.5's gated attention) can reuse them.
 
 from __future__ import annotations
 
+import functools
 from functools import partial
+from types import ModuleType
 
 import numpy as np
 from gguf import MODEL_TENSOR
@@ -32,6 +34,21 @@ GEMV_ROWS = 4
 # memory bandwidth, and the pool's wake-up and GIL hand-offs cost more than a second core gives (measured
 # at 2,048 cached tokens too).
 POOL_WORK = 1 << 21
+# New tokens per row up to which a workspace with ``kernels="numba"`` runs a step's attention outside the products
+# in compiled code (:mod:`.attention_jit`); longer passes (prefills) stay on BLAS.
+JIT_TOKENS = 4
+
+
+@functools.cache
+def jit() -> ModuleType:
+    """:mod:`.attention_jit`, imported (numba with it) on first use."""
+    from . import attention_jit
+    return attention_jit
+
+
+def compiled(ws: Workspace | None, tokens: int) -> bool:
+    """Whether a step of ``tokens`` new tokens per row runs :mod:`.attention_jit`'s kernels."""
+    return ws is not None and ws.kernels == "numba" and tokens <= JIT_TOKENS
 
 
 def split_heads(x: np.ndarray, batch: int, heads: int, head_dim: int) -> np.ndarray:
@@ -53,9 +70,12 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchStat
 
     Query tokens see the slots :meth:`BatchState.hidden` does not hide.  A ragged batch (``state.lengths``) is
     attended row by row, each over exactly its own slots, so a row's result is bit-identical whatever the other
-    rows hold or how many there are.
+    rows hold or how many there are.  With compiled kernels (:func:`compiled`) keys/values may be whole cache
+    buffers: only the slots :meth:`BatchState.slots` names are read.
     """
     b, nh, t, hd = q.shape
+    if compiled(ws, t):
+        return jit().attend(q, keys, values, *state.slots())
     nkv = keys.shape[1]
     q = q.reshape(b, nkv, nh // nkv, t, hd) * np.float32(1.0 / np.sqrt(hd))  # [B, nkv, g, T, hd]
     out = np.empty(q.shape, np.float32)
@@ -137,6 +157,8 @@ class Attention:
     def __call__(self, x: np.ndarray, cache: KVCache, state: BatchState) -> np.ndarray:
         b, t, h = x.shape
         yq, yk, yv = matmul_many([self.wq, self.wk, self.wv], x.reshape(b * t, h))  # tiles of all three at once
+        if compiled(self.ws, t):
+            return self.wo.matmul(merge_heads(self._compiled(yq, yk, yv, cache, state))).reshape(b, t, h)
         q = self._heads(yq, self.bq, self.n_heads, b)  # [B, nh, T, hd]
         k = self._heads(yk, self.bk, self.n_kv, b)  # [B, nkv, T, hd]
         v = self._heads(yv, self.bv, self.n_kv, b)  # [B, nkv, T, hd]
@@ -148,3 +170,17 @@ class Attention:
         keys, values = cache.update(k, v, state)  # [B, nkv, S, hd]
         out = attend(q, keys, values, state, self.ws)  # [B, nh, T, hd]
         return self.wo.matmul(merge_heads(out)).reshape(b, t, h)
+
+    def _compiled(self, yq: np.ndarray, yk: np.ndarray, yv: np.ndarray, cache: KVCache, state: BatchState,
+                  ) -> np.ndarray:
+        """Biases, q/k norms, RoPE, the cache writes and attention in one compiled call (a few new tokens).
+
+        yq [B*T, nh*hd], yk/yv [B*T, nkv*hd] -> [B, nh, T, hd]
+        """
+        c, hd = self.config, self.head_dim
+        b, t = state.batch, state.length
+        cos, sin = state.rotary(c.rotary_dim, c.rope_theta)  # [B, T, r/2]
+        return jit().attention_step(yq.reshape(b, t, self.n_heads, hd), yk.reshape(b, t, self.n_kv, hd),
+                                    yv.reshape(b, t, self.n_kv, hd), self.bq, self.bk, self.bv, self.q_norm,
+                                    self.k_norm, np.float32(c.rms_norm_eps), cos, sin, *state.slots(), cache.keys,
+                                    cache.values)

@@ -31,7 +31,7 @@ from ..config import ModelConfig
 from ..errors import FormatError
 from ..formats import ModelFiles
 from ..naming import tensor_name
-from ..pool import Workspace
+from ..pool import Workspace, resolve_kernels
 from ..tensors import QType
 from ..weights import TILE_ELEMENTS, Weight, load_vector, make_weight
 
@@ -39,9 +39,10 @@ from ..weights import TILE_ELEMENTS, Weight, load_vector, make_weight
 class WeightStore:
     """Hands out a model's weights by canonical kind: matrices as :class:`Weight`, small tensors as float32."""
 
-    def __init__(self, files: ModelFiles, tile_elements: int = TILE_ELEMENTS) -> None:
+    def __init__(self, files: ModelFiles, tile_elements: int = TILE_ELEMENTS, threads: int | None = None,
+                 kernels: str | None = None) -> None:
         self.files = files
-        self.workspace = Workspace(blas_products=all_float32(files))
+        self.workspace = Workspace(threads, blas_products=all_float32(files), kernels=resolve_kernels(kernels))
         self.tile_elements = tile_elements
         self._matrices: dict[str, Weight] = {}
 

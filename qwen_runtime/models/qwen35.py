@@ -11,7 +11,9 @@ Hk/Hv key/value heads and dk/dv their dims in linear attention.
 
 from __future__ import annotations
 
+import functools
 from functools import partial
+from types import ModuleType
 
 import numpy as np
 from gguf import MODEL_TENSOR
@@ -23,7 +25,7 @@ from ..ops import apply_rope, rms_norm, sigmoid
 from ..pool import Scratch
 from ..weights import balanced_rows, matmul_many
 from . import gated_delta as gd
-from .attention import attend, merge_heads, split_heads
+from .attention import attend, compiled, jit, merge_heads, split_heads
 from .base import WeightStore, register_mixer
 
 # Value heads per task of a prefill's delta rule (Qwen3.5-0.8B's 16: one task per pool thread).  The batched
@@ -31,6 +33,13 @@ from .base import WeightStore, register_mixer
 HEAD_GROUP = 8
 # Channels per task of a prefill's causal conv (its scratch buffers hold 3 x T x this many floats).
 CONV_CHANNELS = 1024
+
+
+@functools.cache
+def gated_delta_jit() -> ModuleType:
+    """:mod:`.gated_delta_jit`, imported (numba with it) on first use."""
+    from . import gated_delta_jit as module
+    return module
 
 
 @register_mixer(FULL_ATTENTION, QWEN35)
@@ -58,6 +67,8 @@ class GatedAttention:
         eps, hd = self.config.rms_norm_eps, self.head_dim
         q_gate, k, v = matmul_many([self.wq, self.wk, self.wv], x.reshape(b * t, h))
         q_gate = q_gate.reshape(b, t, self.n_heads, 2 * hd)  # [B, T, nh, 2hd]
+        if compiled(self.ws, t):
+            return self.wo.matmul(self._compiled(q_gate, k, v, cache, state)).reshape(b, t, h)
         q = rms_norm(q_gate[..., :hd], self.q_norm, eps).transpose(0, 2, 1, 3)  # [B, nh, T, hd]
         gate = q_gate[..., hd:].reshape(b * t, self.n_heads * hd)  # [B*T, nh*hd]
         k = rms_norm(split_heads(k, b, self.n_kv, hd), self.k_norm, eps)  # [B, nkv, T, hd]
@@ -67,6 +78,20 @@ class GatedAttention:
         keys, values = cache.update(k, v, state)  # [B, nkv, S, hd]
         out = merge_heads(attend(q, keys, values, state, self.ws)) * sigmoid(gate)  # [B*T, nh*hd]
         return self.wo.matmul(out).reshape(b, t, h)
+
+    def _compiled(self, q_gate: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, state: BatchState,
+                  ) -> np.ndarray:
+        """q/k norms, RoPE, the cache writes and attention in one compiled call, then the gate (a few new tokens).
+
+        q_gate [B, T, nh, 2hd], k/v [B*T, nkv*hd] -> [B*T, nh*hd]
+        """
+        aj, c, hd = jit(), self.config, self.head_dim
+        b, t = state.batch, state.length
+        cos, sin = state.rotary(c.rotary_dim, c.rope_theta)  # [B, T, r/2]
+        out = aj.attention_step(q_gate, k.reshape(b, t, self.n_kv, hd), v.reshape(b, t, self.n_kv, hd), None, None,
+                                None, self.q_norm, self.k_norm, np.float32(c.rms_norm_eps), cos, sin, *state.slots(),
+                                cache.keys, cache.values)  # [B, nh, T, hd]
+        return aj.gate(out, q_gate)
 
 
 class LinearAttentionCache:
@@ -124,6 +149,7 @@ class GatedDeltaNet:
         c = config
         self.key_heads = gd.key_head_index(c.linear_num_key_heads, c.linear_num_value_heads,
                                            store.files.v_head_perm)  # [Hv]
+        self.conv_taps = np.ascontiguousarray(self.conv.T)  # [K, C], the compiled conv's layout
 
     def make_cache(self, batch: int, max_len: int) -> LinearAttentionCache:
         return LinearAttentionCache(batch, self.config)
@@ -132,6 +158,8 @@ class GatedDeltaNet:
         c = self.config
         b, t, h = x.shape
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+        if self._compiled_step(t):
+            return self.w_out.matmul(self._compiled(x.reshape(b * t, h), cache, state)).reshape(b, t, h)
         valid = None if state.valid.all() else state.valid  # [B, T]
         mixed, z, b_gate, a_gate = self._project(x.reshape(b * t, h), b, cache.conv, valid)
         q, k, v = gd.split_qkv(mixed.reshape(b, t, -1), c.linear_num_key_heads, c.linear_key_head_dim, dv)
@@ -144,6 +172,26 @@ class GatedDeltaNet:
             self.ws.run([partial(heads, slice(row, row + 1), h0, min(h0 + HEAD_GROUP, hv))
                          for row in range(b) for h0 in range(0, hv, HEAD_GROUP)])
         return self.w_out.matmul(o.reshape(b * t, hv * dv)).reshape(b, t, h)
+
+    def _compiled_step(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` new tokens per row runs :mod:`.gated_delta_jit`'s kernels (a recurrent
+        step with compiled kernels; the conv kernel needs K ≥ 2, Qwen3.5's is 4)."""
+        return self.ws.kernels == "numba" and tokens <= gd.RECURRENT_MAX_TOKENS and self.conv_taps.shape[0] >= 2
+
+    def _compiled(self, x: np.ndarray, cache: LinearAttentionCache, state: BatchState) -> np.ndarray:
+        """The projections, then the conv step and every value head's delta-rule step in compiled code.
+
+        x [B*T, H] -> [B*T, Hv*dv]
+        """
+        c = self.config
+        b, t = state.batch, state.length
+        hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+        mixed, z, b_gate, a_gate = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x)
+        o = gated_delta_jit().linear_attention_step(
+            mixed.reshape(b, t, -1), self.conv_taps, cache.conv, z.reshape(b, t, hv, dv), b_gate.reshape(b, t, hv),
+            a_gate.reshape(b, t, hv), self.key_heads, self.ssm_a, self.dt_bias, self.norm, np.float32(c.rms_norm_eps),
+            state.valid, cache.state)  # [B, T, Hv, dv]
+        return o.reshape(b * t, hv * dv)
 
     def _project(self, x: np.ndarray, batch: int, conv_state: np.ndarray, valid: np.ndarray | None,
                  ) -> list[np.ndarray]:

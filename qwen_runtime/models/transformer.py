@@ -8,7 +8,9 @@ H hidden size, I intermediate size, V vocabulary.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 from gguf import MODEL_TENSOR
@@ -20,6 +22,13 @@ from ..limits import check_memory, kv_cache_bytes
 from ..ops import rms_norm
 from ..weights import gated_matmul
 from .base import Mixer, WeightStore, make_mixer
+
+
+@functools.cache
+def ops_jit() -> ModuleType:
+    """:mod:`..ops_jit`, imported (numba with it) on first use."""
+    from .. import ops_jit as module
+    return module
 
 
 class MLP:
@@ -38,6 +47,7 @@ class Block:
 
     def __init__(self, config: ModelConfig, layer: int, store: WeightStore) -> None:
         self.eps = config.rms_norm_eps
+        self.ws = store.workspace
         self.mixer: Mixer = make_mixer(config, layer, store)
         self.mixer_norm = store.vector(MODEL_TENSOR.ATTN_NORM, layer)
         self.mlp_norm = store.vector(config.spec.mlp_norm, layer)
@@ -45,6 +55,10 @@ class Block:
 
     def __call__(self, h: np.ndarray, cache: LayerCache, state: BatchState) -> np.ndarray:
         b, t, d = h.shape
+        if self.ws.kernels == "numba":  # the residual add and the second norm in one pass
+            h, x = ops_jit().add_rms_norm(h, self.mixer(ops_jit().rms_norm(h, self.mixer_norm, self.eps), cache, state),
+                                          self.mlp_norm, self.eps)
+            return h + self.mlp(x.reshape(b * t, d)).reshape(b, t, d)
         h = h + self.mixer(rms_norm(h, self.mixer_norm, self.eps), cache, state)  # [B, T, H]
         return h + self.mlp(rms_norm(h, self.mlp_norm, self.eps).reshape(b * t, d)).reshape(b, t, d)
 
@@ -92,7 +106,8 @@ class Model:
         b, t = h.shape[:2]
         if last_only:
             h = h[:, -1:]
-        h = rms_norm(h, self.norm, self.config.rms_norm_eps)
+        norm = ops_jit().rms_norm if self.workspace.kernels == "numba" else rms_norm
+        h = norm(h, self.norm, self.config.rms_norm_eps)
         logits = self.lm_head.matmul(h.reshape(-1, h.shape[-1])).reshape(b, h.shape[1], -1)  # [B, T|1, V]
         if t > 1 and release_scratch:
             self.workspace.release_scratch()

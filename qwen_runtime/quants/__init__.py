@@ -17,6 +17,8 @@ Block sizes and bytes per block come from ``gguf.GGML_QUANT_SIZES``.
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 
 from ..errors import FormatError
@@ -34,8 +36,27 @@ CODECS: dict[QType, Codec] = {c.qtype: c for c in (
 READ_TYPES = tuple(CODECS)
 DENSE_TYPES = (QType.F32, QType.F16, QType.BF16)
 
-__all__ = ["BLOCK_SUM_ROWS", "CODECS", "Codec", "DENSE_TYPES", "READ_TYPES", "TileKernel", "codec",
-           "stored_nbytes", "stored_shape", "to_float32"]
+# The compiled kernel of each type that has one: (module of this package, class), imported on first use so
+# that numba loads only for ``kernels="numba"`` and each family compiles only when a model uses it.
+JIT_KERNELS: dict[QType, tuple[str, str]] = {
+    QType.Q8_0: ("jit_q8_0", "Q8_0JitKernel"),
+    QType.Q2_K: ("jit_kquants", "Q2_KJitKernel"),
+    QType.Q3_K: ("jit_kquants", "Q3_KJitKernel"),
+    QType.Q4_K: ("jit_kquants", "Q4_KJitKernel"),
+    QType.Q5_K: ("jit_kquants", "Q5_KJitKernel"),
+    QType.Q6_K: ("jit_kquants", "Q6_KJitKernel"),
+    QType.F16: ("jit_dense", "F16JitKernel"),
+    QType.BF16: ("jit_dense", "BF16JitKernel"),
+    QType.Q4_0: ("jit_legacy", "Q4_0JitKernel"),
+    QType.Q4_1: ("jit_legacy", "Q4_1JitKernel"),
+    QType.Q5_0: ("jit_legacy", "Q5_0JitKernel"),
+    QType.Q5_1: ("jit_legacy", "Q5_1JitKernel"),
+    QType.IQ4_NL: ("jit_iq4", "IQ4_NLJitKernel"),
+    QType.IQ4_XS: ("jit_iq4", "IQ4_XSJitKernel"),
+}
+
+__all__ = ["BLOCK_SUM_ROWS", "CODECS", "Codec", "DENSE_TYPES", "JIT_KERNELS", "READ_TYPES", "TileKernel", "codec",
+           "jit_kernel", "stored_nbytes", "stored_shape", "to_float32"]
 
 
 def codec(qtype: QType | int) -> Codec:
@@ -45,6 +66,16 @@ def codec(qtype: QType | int) -> Codec:
         name = QType(qtype).name if qtype in QType._value2member_map_ else str(qtype)
         raise FormatError(f"type {name} is not supported (supported: {', '.join(q.name for q in READ_TYPES)})")
     return found
+
+
+def jit_kernel(qtype: QType, raw: np.ndarray) -> TileKernel | None:
+    """The compiled tile kernel of a matrix stored as ``raw`` (None for a type without one, and for rows that are
+    not one contiguous array, e.g. a Fortran-ordered npy file: the numpy kernels handle any strides)."""
+    entry = JIT_KERNELS.get(qtype)
+    if entry is None or not np.asarray(raw).flags.c_contiguous:
+        return None
+    module, name = entry
+    return getattr(importlib.import_module(f".{module}", __name__), name)(raw)
 
 
 def stored_shape(qtype: QType, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -31,6 +31,7 @@ def _levels(indices: np.ndarray, out: np.ndarray) -> None:
 class IQ4_NL(BlockCodec):
     qtype = QType.IQ4_NL
     sub, int_range, max_gap = 32, (int(IQ4_LEVELS[0]), int(IQ4_LEVELS[-1])), int(np.diff(IQ4_LEVELS).max())
+    npy_dtype = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
 
     def reference(self, raw: np.ndarray) -> np.ndarray:
         blocks = raw.reshape(-1, self.type_size)
@@ -50,6 +51,7 @@ class IQ4_NL(BlockCodec):
 class IQ4_XS(BlockCodec):
     qtype = QType.IQ4_XS
     sub, int_range, max_gap = 32, (int(IQ4_LEVELS[0]), int(IQ4_LEVELS[-1])), int(np.diff(IQ4_LEVELS).max())
+    npy_dtype = np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", (4,)), ("qs", "u1", (128,))])
 
     def reference(self, raw: np.ndarray) -> np.ndarray:
         blocks = raw.reshape(-1, self.type_size)

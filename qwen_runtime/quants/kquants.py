@@ -60,6 +60,7 @@ def _by_sub(values: np.ndarray, sub: int) -> np.ndarray:
 class Q2_K(BlockCodec):
     qtype = QType.Q2_K
     sub, has_offset, subtracts, int_range = 16, True, True, (0, 3)
+    npy_dtype = np.dtype([("scales", "u1", (16,)), ("qs", "u1", (64,)), ("d", "<f2"), ("dmin", "<f2")])
 
     def reference(self, raw: np.ndarray) -> np.ndarray:
         blocks = raw.reshape(-1, self.type_size)
@@ -91,6 +92,7 @@ class Q2_K(BlockCodec):
 class Q3_K(BlockCodec):
     qtype = QType.Q3_K
     sub, int_range = 16, (-4, 3)
+    npy_dtype = np.dtype([("hmask", "u1", (32,)), ("qs", "u1", (64,)), ("scales", "u1", (12,)), ("d", "<f2")])
 
     def reference(self, raw: np.ndarray) -> np.ndarray:
         blocks = raw.reshape(-1, self.type_size)
@@ -180,16 +182,20 @@ class _Q45_K(BlockCodec):
 class Q4_K(_Q45_K):
     qtype = QType.Q4_K
     qs_at, int_range = 16, (0, 15)
+    npy_dtype = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qs", "u1", (128,))])
 
 
 class Q5_K(_Q45_K):
     qtype = QType.Q5_K
     qs_at, int_range = 48, (0, 31)
+    npy_dtype = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qh", "u1", (32,)),
+                          ("qs", "u1", (128,))])
 
 
 class Q6_K(BlockCodec):
     qtype = QType.Q6_K
     sub, int_range = 16, (-32, 31)
+    npy_dtype = np.dtype([("ql", "u1", (128,)), ("qh", "u1", (64,)), ("scales", "i1", (16,)), ("d", "<f2")])
 
     def reference(self, raw: np.ndarray) -> np.ndarray:
         blocks = raw.reshape(-1, self.type_size)

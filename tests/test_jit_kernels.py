@@ -1,0 +1,201 @@
+"""The compiled (numba) tile kernels against each codec's plain reference decoder.
+
+Error model of a product row (``qwen_runtime/quants/jit_base.py``): each term ``f32(q) * (x * d)`` is rounded
+twice (the activation times the scale, then the product or its fused add), every lane sums its ``nb`` terms
+in order and the 32 lanes are summed in order, so ``|got - exact| <= (nb + 32 + 2) * eps32 * sum |x| |w|``
+(``nb``: the terms of one lane, blocks per row, or ``n / 32`` for F16/BF16)
+(the classic bound ``gamma_m``, first order).  Types with a minimum (``w = dl * q - ml``) apply it to the
+activation sums separately, so ``|w|`` is replaced by ``|dl * q| + |ml|`` there (what the kernel actually adds).
+Decoded tiles multiplied by BLAS (more rows than ``direct_rows``) sum up to ``n`` terms per output:
+``(n + 2) * eps32``.  ``exact`` is computed in float64 from the reference decoder's float32 weights, which the
+compiled decoder reproduces bit for bit.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import quants
+
+from qwen_runtime.pool import Scratch, Workspace, resolve_kernels
+from qwen_runtime.quants import JIT_KERNELS, QType, codec, jit_kernel
+from qwen_runtime.tensors import StoredTensor
+from qwen_runtime.weights import make_weight
+
+pytest.importorskip("numba")
+from qwen_runtime.quants.jit_base import GEMV_ROWS  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.quants.jit_q8_0 import Q8_0JitKernel  # noqa: E402
+
+EPS32 = float(np.finfo(np.float32).eps)
+# Byte offsets of the float16 fields of each block (scales and minimums): set to edge values below.
+F16_FIELDS = {QType.Q8_0: (0,), QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q5_0: (0,), QType.Q5_1: (0, 2),
+              QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2),
+              QType.Q6_K: (208,), QType.IQ4_NL: (0,), QType.IQ4_XS: (0,)}
+EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF, 0x1C00, 0x9C00], np.uint16)
+COMPILED = sorted(JIT_KERNELS, key=lambda q: q.name)
+
+
+def random_blocks(qtype: QType, rows: int, cols: int, seed: int, edges: float = 0.1) -> np.ndarray:
+    """Stored rows of random bytes (every quant value, ±max included), float16 fields finite: mostly scales
+    of about 1e-3, a fraction ``edges`` of edge values (zero, negative zero, subnormal, largest).  F16/BF16:
+    normal(0, 0.05) weights, half that fraction replaced by edge values (BF16's largest: 2**24, so that products
+    with the test's largest activations stay finite, as for the quantized types).  Timings need ``edges=0``:
+    subnormal arithmetic takes microcode assists, 5-20x slower."""
+    rng = np.random.default_rng(seed)
+    c = codec(qtype)
+    if not c.quantized:
+        bits = rng.normal(0, 0.05, (rows, cols)).astype(np.float32)
+        raw = bits.astype(np.float16).view(np.uint16) if qtype == QType.F16 else (bits.view(np.uint32) >> 16)
+        raw = raw.astype(np.uint16)
+        flat = raw.reshape(-1)
+        picks = rng.random(flat.size) < edges / 2
+        edges = EDGE_F16 if qtype == QType.F16 else np.array([0, 0x8000, 0x0001, 0x807F, 0x4B00, 0xCB00], np.uint16)
+        flat[picks] = rng.choice(edges, int(picks.sum()))
+        return raw.view(np.float16) if qtype == QType.F16 else raw
+    raw = rng.integers(0, 256, (rows, cols // c.block_size * c.type_size), dtype=np.uint8)
+    blocks = raw.reshape(rows, -1, c.type_size)
+    for at in F16_FIELDS[qtype]:
+        scales = np.float16(rng.uniform(2e-4, 2e-3, blocks.shape[:2])) * rng.choice([-1, 1], blocks.shape[:2])
+        bits = scales.astype(np.float16).view(np.uint16)
+        edge = rng.random(bits.shape) < edges
+        bits[edge] = rng.choice(EDGE_F16, int(edge.sum()))
+        blocks[:, :, at:at + 2] = bits[..., None].view(np.uint8).reshape(*bits.shape, 2)
+    return raw
+
+
+def magnitudes(qtype: QType, raw: np.ndarray) -> np.ndarray:
+    """``|w|`` as the kernels add it: ``|dl * q| + |ml|`` for types with a minimum, else ``|w|``.  float64."""
+    c = codec(qtype)
+    w = c.reference(raw).astype(np.float64)
+    if not getattr(c, "has_offset", False):
+        return np.abs(w)
+    scratch = Scratch()
+    fields = c.field_major(raw, scratch)
+    _, offset = c.sub_scales(fields, scratch)
+    group = c.layout(offset.shape[1])[0]
+    natural = offset.reshape(c.n_sub, group, -1, len(raw)).transpose(3, 2, 1, 0).astype(np.float64)
+    m = np.repeat(natural, c.sub, axis=3).reshape(len(raw), -1)  # the minimum of each element's sub-block
+    scaled = w + m if c.subtracts else w - m  # dl * q
+    return np.abs(scaled) + np.abs(m)
+
+
+def bound(qtype: QType, raw: np.ndarray, x: np.ndarray, direct: bool) -> np.ndarray:
+    n = x.shape[1]
+    per_lane = n // max(codec(qtype).block_size, 32)  # terms each of the 32 lanes sums
+    terms = per_lane + 32 + 2 if direct else n + 2
+    return terms * EPS32 * (np.abs(x.astype(np.float64)) @ magnitudes(qtype, raw).T) + 1e-30
+
+
+@pytest.mark.parametrize("qtype", COMPILED, ids=lambda q: q.name)
+def test_decode_equals_reference_bit_for_bit(qtype: QType) -> None:
+    raw = random_blocks(qtype, 37, 512, seed=1)
+    kernel = jit_kernel(qtype, raw)
+    tile = np.empty((37, 512), np.float32)
+    kernel.decode(kernel.raw, *kernel.constants, tile)
+    ref = codec(qtype).reference(raw)
+    assert np.array_equal(tile.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", COMPILED, ids=lambda q: q.name)
+@pytest.mark.parametrize("n", [1, 2, 7, 16, 40])
+def test_product_within_float32_error_model(qtype: QType, n: int) -> None:
+    rows, cols = 70, 512
+    raw = random_blocks(qtype, rows, cols, seed=2)
+    kernel = jit_kernel(qtype, raw)
+    x = np.random.default_rng(3).normal(0, 1, (n, cols)).astype(np.float32)
+    x[0, :7] = [0.0, -0.0, 1e-40, -1e28, 1e28, 1.0, -1.0]  # zeros, a subnormal, values whose products with
+    # the largest weights (65504 * 127) still fit float32
+    exact = x.astype(np.float64) @ codec(qtype).reference(raw).astype(np.float64).T
+    scratch = Scratch()
+    got = np.full((n, rows), np.nan, np.float32)
+    for r0, r1 in ((0, 33), (33, 64), (64, 70)):  # tiles not a multiple of anything
+        kernel.product(r0, r1, kernel.prepare(x), got[:, r0:r1], scratch)
+    assert np.all(np.abs(got - exact) <= bound(qtype, raw, x, n <= kernel.direct_rows))
+    rowwise = np.empty_like(got)
+    kernel.product_rows(0, rows, kernel.prepare(x), rowwise, scratch)
+    assert np.all(np.abs(rowwise - exact) <= bound(qtype, raw, x, True))
+
+
+@pytest.mark.parametrize("qtype", COMPILED, ids=lambda q: q.name)
+def test_each_row_is_the_same_alone_and_in_any_batch(qtype: QType) -> None:
+    raw = random_blocks(qtype, 40, 256, seed=4)
+    kernel = jit_kernel(qtype, raw)
+    x = np.random.default_rng(5).normal(0, 1, (GEMV_ROWS + 3, 256)).astype(np.float32)
+    scratch = Scratch()
+    alone = np.empty((len(x), 40), np.float32)
+    for i in range(len(x)):
+        kernel.product(0, 40, kernel.prepare(x[i:i + 1]), alone[i:i + 1], scratch)
+    for n in (2, 5, GEMV_ROWS, len(x)):
+        together = np.empty((n, 40), np.float32)
+        kernel.product_rows(0, 40, kernel.prepare(x[:n]), together, scratch)
+        assert np.array_equal(together, alone[:n])
+        if n <= kernel.direct_rows:
+            kernel.product(0, 40, kernel.prepare(x[:n]), together, scratch)
+            assert np.array_equal(together, alone[:n])
+
+
+@pytest.mark.parametrize("qtype", COMPILED, ids=lambda q: q.name)
+def test_weights_pick_the_compiled_kernel_and_agree_with_numpy(qtype: QType) -> None:
+    raw = random_blocks(qtype, 90, 256, seed=6)
+    tensor = StoredTensor("w", qtype, (90, 256), "mem", data=raw)
+    compiled = make_weight(tensor, Workspace(threads=2, kernels="numba"), tile_elements=20 * 256)
+    plain = make_weight(tensor, Workspace(threads=2, kernels="numpy"), tile_elements=20 * 256)
+    assert compiled.compiled and not plain.compiled
+    x = np.random.default_rng(7).normal(0, 1, (3, 256)).astype(np.float32)
+    exact = x.astype(np.float64) @ codec(qtype).reference(raw).astype(np.float64).T
+    limit = bound(qtype, raw, x, True) + bound(qtype, raw, x, False)  # numpy's block sums: within the BLAS bound
+    assert np.all(np.abs(compiled.matmul(x) - exact) <= limit)
+    assert np.all(np.abs(plain.matmul(x) - exact) <= limit)
+
+
+def test_compiled_kernels_refuse_shapes_they_were_not_built_for() -> None:
+    raw = quants.quantize(np.ones((4, 64), np.float32), QType.Q8_0)
+    with pytest.raises(ValueError):
+        jit_kernel(QType.Q8_0, np.ascontiguousarray(raw[:, :50]))  # not whole blocks
+    assert jit_kernel(QType.Q8_0, np.asfortranarray(raw)) is None  # not contiguous: the numpy kernel instead
+    with pytest.raises(ValueError):
+        Q8_0JitKernel(np.asfortranarray(raw))
+    kernel = jit_kernel(QType.Q8_0, raw)
+    with pytest.raises(ValueError):
+        kernel.prepare(np.ones((1, 96), np.float32))  # activations of another width
+    with pytest.raises(ValueError):
+        kernel.product(0, 4, kernel.prepare(np.ones((1, 64), np.float32)), np.empty((1, 3), np.float32), Scratch())
+
+
+def test_resolve_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("QWEN_KERNELS", raising=False)
+    assert resolve_kernels() == "numba" and resolve_kernels("auto") == "numba"
+    assert resolve_kernels("numpy") == "numpy"
+    monkeypatch.setenv("QWEN_KERNELS", "numpy")
+    assert resolve_kernels() == "numpy" and resolve_kernels("numba") == "numba"
+    monkeypatch.setenv("QWEN_KERNELS", "fast")
+    with pytest.raises(ValueError, match="QWEN_KERNELS"):
+        resolve_kernels()
+
+
+def test_numba_thread_pool_never_starts() -> None:
+    """The compiled kernels run on the tile pool's threads: numba's own pool (parallel=True) is never launched."""
+    from numba.np.ufunc import parallel
+
+    raw = random_blocks(QType.Q8_0, 256, 256, seed=8)
+    weight = make_weight(StoredTensor("w", QType.Q8_0, (256, 256), "mem", data=raw),
+                         Workspace(threads=2, kernels="numba"), tile_elements=32 * 256)
+    for n in (1, 5, 40):
+        weight.matmul(np.ones((n, 256), np.float32))
+    assert not parallel._is_initialized
+
+
+def test_numba_set_up_without_scipy_linalg() -> None:
+    """A process that loads a compiled kernel never imports SciPy's linear algebra (qwen_runtime.jit_setup), and
+    numba's BLAS probe reads as it would have, so numba's np.dot still compiles and agrees with numpy."""
+    code = ("import sys; import numpy as np, numba; import qwen_runtime.quants.jit_q8_0\n"
+            "from numba.np import arraymath\n"
+            "print('scipy.linalg' in sys.modules, arraymath._HAVE_BLAS, 'scipy' in sys.modules)\n"
+            "x = np.arange(1, 9, dtype=np.float64)\n"
+            "if 'scipy' in sys.modules: print(numba.njit(lambda a: np.dot(a, a))(x) == np.dot(x, x))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "False" and out[1] == out[2]
+    assert out[3:] == (["True"] if out[2] == "True" else [])

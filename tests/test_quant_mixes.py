@@ -1,0 +1,287 @@
+"""llama.cpp's mixes (``--dtype q4_k_m`` ...) and llama-quantize's per-tensor options, against llama.cpp itself.
+
+The oracle tests quantize an F32 GGUF of each ``interop_models.MIX_MODELS`` model (Qwen2 untied with 4 query
+groups, Qwen3 tied, Qwen3.5 with Gated DeltaNet layers, and a Qwen2 whose rows are 384 and 200 values) with
+``llama_model_quantize`` for every mix, with and without ``pure``, and with the per-tensor options; our
+``plan_types`` must give every tensor llama.cpp's type, and ``general.file_type`` must be llama.cpp's.
+
+Bytes: every tensor of llama.cpp's output is encoded by us from the same float32 values (weighted by the same
+importance vectors where llama.cpp weights) and compared byte for byte, and our own converted file
+(``convert(dtype=mix)``) must equal llama.cpp's tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from convert_helpers import fixture
+
+from qwen_convert.cli import convert_main, convert_parser, quant_options
+from qwen_convert.convert import check_writable, convert
+from qwen_convert.policy import (
+    MIXES,
+    ModelFacts,
+    QuantOptions,
+    fallback,
+    parse_tensor_type,
+    plan_types,
+    use_more_bits,
+)
+from qwen_convert.quantize import encode_rows
+from qwen_runtime.errors import FormatError, QwenError
+from qwen_runtime.formats import open_hf_dir, open_model_files
+from qwen_runtime.tensors import QType
+
+# ------------------------------------------------------------------------------------------------ unit
+
+def test_use_more_bits_is_llama_cpp_table() -> None:
+    # n = 10: the first eighth (i < 1), the last eighth (i >= 8), and i - 1 = 2 mod 3
+    assert [i for i in range(10) if use_more_bits(i, 10)] == [0, 3, 6, 8, 9]
+    assert [i for i in range(24) if use_more_bits(i, 24)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23]
+
+
+@pytest.mark.parametrize(("qtype", "row", "expected"), [
+    (QType.Q4_K, 512, QType.Q4_K), (QType.Q4_K, 384, QType.Q5_0), (QType.Q5_K, 384, QType.Q5_1),
+    (QType.Q6_K, 384, QType.Q8_0), (QType.Q2_K, 384, QType.Q4_0), (QType.Q3_K, 384, QType.Q4_0),
+    (QType.IQ4_XS, 384, QType.IQ4_NL), (QType.Q4_K, 200, QType.F16), (QType.Q8_0, 200, QType.F16),
+    (QType.IQ4_NL, 200, QType.F16), (QType.F16, 200, QType.F16),
+])
+def test_fallback_is_llama_cpp_twin(qtype: QType, row: int, expected: QType) -> None:
+    assert fallback("blk.0.ffn_down.weight", row, qtype) == expected
+
+
+def test_fallback_refuses_type_without_twin() -> None:
+    with pytest.raises(QwenError, match="blk.0.x.weight: row length 384 .* no fallback type for Q8_K"):
+        fallback("blk.0.x.weight", 384, QType.Q8_K)
+
+
+def test_tensor_type_parsing() -> None:
+    assert parse_tensor_type("attn_v=Q8_0") == ("attn_v", QType.Q8_0)
+    assert parse_tensor_type(r"blk\.[0-3]\.ffn_down=q6_k") == (r"blk\.[0-3]\.ffn_down", QType.Q6_K)
+    for bad in ("attn_v", "=q8_0", "attn_v=", "attn_v=q8_k", "attn_v=iq2_xxs"):
+        with pytest.raises(QwenError, match="--tensor-type"):
+            parse_tensor_type(bad)
+    with pytest.raises(QwenError, match="not a regular expression"):
+        QuantOptions(tensor_types=(("attn_[v", QType.Q8_0),))
+
+
+def _tiny(name: str = "qwen3-tiny") -> tuple[dict[str, tuple[int, ...]], ModelFacts]:
+    files = open_hf_dir(fixture(name))
+    return {n: t.shape for n, t in files.tensors.items()}, ModelFacts.from_config(files.config)
+
+
+def test_overrides_precedence_on_tiny_model() -> None:
+    shapes, facts = _tiny()  # tied, rows of 64 and 128
+    options = QuantOptions(tensor_types=(("ffn_down", QType.Q4_0), ("blk.0", QType.Q8_0)),
+                           output_type=QType.Q5_1)
+    types = plan_types(shapes, "q4_k_m", facts, options)
+    assert types["blk.1.ffn_down.weight"] == QType.Q4_0  # first match wins
+    assert types["blk.0.attn_q.weight"] == QType.Q8_0
+    assert types["token_embd.weight"] == QType.Q5_1  # tied: the output type
+    assert types["blk.1.attn_q.weight"] == QType.Q5_0  # Q4_K falls back: rows of 64
+    assert types["blk.0.attn_norm.weight"] == QType.F32
+    with pytest.raises(QwenError, match="--token-embedding-type Q4_K: tensor token_embd.weight has rows of 64"):
+        plan_types(shapes, "q4_k_m", facts, QuantOptions(token_embedding_type=QType.Q4_K))
+    with pytest.raises(QwenError, match="need a quantized --dtype"):
+        plan_types(shapes, "fp16", facts, QuantOptions(pure=True))
+
+
+def test_cli_options_reach_the_plan(tmp_path: Path) -> None:
+    args = convert_parser().parse_args([str(fixture("qwen3-tiny")), "-o", "x.gguf", "--dtype", "q5_k_m",
+                                        "--tensor-type", "attn_K=Q8_0", "--tensor-type", "ffn=q4_1",
+                                        "--output-tensor-type", "f16", "--pure"])
+    options = quant_options(args)
+    assert options == QuantOptions(pure=True, tensor_types=(("attn_K", QType.Q8_0), ("ffn", QType.Q4_1)),
+                                   output_type=QType.F16)
+    assert convert_main([str(fixture("qwen3-tiny")), "-o", str(tmp_path / "a.gguf"), "--dtype", "fp16",
+                         "--tensor-type", "attn=q8_0"]) == 1
+    assert not (tmp_path / "a.gguf").exists()
+    with pytest.raises(SystemExit):
+        convert_main([str(fixture("qwen3-tiny")), "--out-dir", str(tmp_path), "--dtype", "q4_k_m", "--pure"])
+
+
+def test_unwritable_type_is_refused_before_any_output(tmp_path: Path, monkeypatch) -> None:
+    convert_module = sys.modules[convert.__module__]
+
+    def no_q8(x: np.ndarray, qtype: QType, importance: np.ndarray | None = None) -> np.ndarray:
+        if qtype == QType.Q8_0:
+            raise FormatError("cannot write tensors of type Q8_0")
+        return encode_rows(x, qtype, importance)
+
+    monkeypatch.setattr(convert_module, "encode_rows", no_q8)
+    with pytest.raises(FormatError, match="tensor 'token_embd.weight': this converter cannot write type Q8_0"):
+        convert(fixture("qwen3-tiny"), tmp_path / "m.gguf", "gguf", "q4_k_m")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype", ["q4_k_m", "q3_k_l"])
+def test_mix_on_tiny_model_npy_equals_gguf(tmp_path: Path, dtype: str) -> None:
+    """Rows of 64 and 128: every K-quant falls back to a 32-value type the converter writes today."""
+    shapes, facts = _tiny()
+    planned = plan_types(shapes, dtype, facts)
+    gguf_out = convert(fixture("qwen3-tiny"), tmp_path / "m.gguf", "gguf", dtype).output
+    npy_out = convert(fixture("qwen3-tiny"), tmp_path / "m", "npy", dtype).output
+    gguf, npy = open_model_files(gguf_out), open_model_files(npy_out)
+    assert gguf.metadata["general.file_type"] == int(MIXES[dtype].file_type)
+    assert {n: t.qtype for n, t in gguf.tensors.items()} == planned
+    for name, tensor in npy.tensors.items():
+        assert tensor.qtype == planned[name], name
+        assert np.array_equal(tensor.data, gguf.tensors[name].data), name
+
+
+def test_check_writable_accepts_converter_types() -> None:
+    from qwen_convert.policy import TensorSpec
+
+    check_writable([TensorSpec("a.weight", (4, 32), q) for q in (QType.F32, QType.F16, QType.Q8_0, QType.Q4_1)])
+
+
+# ------------------------------------------------------------------------------------------------ oracle
+
+OPTION_CASES = {  # name: (mix, QuantOptions, the same for llama_quantize)
+    "tensor-types": ("q4_k_m", QuantOptions(tensor_types=((r"blk\.[01]\.attn_v", QType.Q8_0), ("ffn_up", QType.Q5_K),
+                                                          ("ssm_out", QType.Q6_K))),
+                     {"tensor_types": [(r"blk\.[01]\.attn_v", "Q8_0"), ("ffn_up", "Q5_K"), ("ssm_out", "Q6_K")]}),
+    "output-embedding": ("q3_k_m", QuantOptions(output_type=QType.Q8_0, token_embedding_type=QType.Q4_1),
+                         {"output_tensor_type": "Q8_0", "token_embedding_type": "Q4_1"}),
+    "tied-output": ("q5_k_s", QuantOptions(output_type=QType.Q4_0), {"output_tensor_type": "Q4_0"}),
+    "pure-override": ("q6_k", QuantOptions(pure=True, tensor_types=(("attn_q", QType.Q4_0),)),
+                      {"pure": True, "tensor_types": [("attn_q", "Q4_0")]}),
+    "iq4-with-imatrix-rule": ("iq4_xs", QuantOptions(imatrix=True), None),
+}
+
+
+class MixFiles:
+    """The mix models, their F32 GGUFs (ours) and llama.cpp's quantizations of them, made on demand."""
+
+    def __init__(self, root: Path) -> None:
+        import interop_models
+
+        self.root = root
+        self.models = list(interop_models.MIX_MODELS)
+        self.dirs = {name: interop_models.build_mix_model(name, root) for name in self.models}
+        self.f32 = {name: convert(d, root / f"{name}-f32.gguf", fmt="gguf", dtype="fp32").output
+                    for name, d in self.dirs.items()}
+        self._importance: dict[str, dict[str, np.ndarray]] = {}
+
+    def llama(self, model: str, mix: str, label: str, **kwargs) -> Path:
+        import llama_interop as li
+
+        path = self.root / f"{model}-{mix}-{label}.gguf"
+        if not path.is_file():
+            li.llama_quantize(self.f32[model], path, mix.upper(), **kwargs)
+        return path
+
+    def importance(self, model: str) -> dict[str, np.ndarray]:
+        """llama-quantize's vectors of a qwen-imatrix run on the model (computed once)."""
+        from qwen_convert.imatrix_collect import compute_imatrix
+
+        if model not in self._importance:
+            calibration = " ".join(f"def f{i}(x):\n    return x * {i} + len('{model}')" for i in range(120))
+            imatrix = compute_imatrix(self.f32[model], calibration, "calib", n_ctx=64)
+            self._importance[model] = {n: e.sums[0] / np.float32(e.counts[0]) for n, e in imatrix.entries.items()}
+        return self._importance[model]
+
+    def ours(self, model: str, mix: str, options: QuantOptions) -> dict[str, QType]:
+        files = open_hf_dir(self.dirs[model])
+        return plan_types({n: t.shape for n, t in files.tensors.items()}, mix, ModelFacts.from_config(files.config),
+                          options)
+
+
+@pytest.fixture(scope="module")
+def mix_files(tmp_path_factory: pytest.TempPathFactory) -> MixFiles:
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `peer` extra) is not installed")
+    pytest.importorskip("transformers", reason="the mix models are built with transformers (the `oracle` extra)")
+    return MixFiles(tmp_path_factory.mktemp("quant-mixes"))
+
+
+def compare_with_llama(files: MixFiles, model: str, theirs_path: Path, ours: dict[str, QType],
+                       importance: dict[str, np.ndarray] | None = None) -> None:
+    """Assert types equal and bytes equal, tensor by tensor (weighted by ``importance`` where llama.cpp
+    weights)."""
+    from qwen_convert.imatrix import WEIGHTED_TYPES
+    from qwen_runtime.formats.gguf_parse import parse_gguf, tensor_view
+
+    theirs, source = parse_gguf(theirs_path), open_model_files(files.f32[model])
+    assert {t.name: t.qtype.name for t in theirs.tensors} == {n: q.name for n, q in ours.items()}
+    for info in theirs.tensors:
+        weights = (importance or {}).get(info.name) if info.qtype in WEIGHTED_TYPES else None
+        values = np.ascontiguousarray(source.tensors[info.name].data, dtype=np.float32)
+        rows = values.reshape(-1, values.shape[-1]) if values.ndim > 1 else values.reshape(1, -1)
+        encoded = np.ascontiguousarray(encode_rows(rows, info.qtype, weights))
+        assert encoded.tobytes() == bytes(tensor_view(theirs, info)), f"{theirs_path.name}: {info.name} bytes"
+
+
+@pytest.mark.peer
+@pytest.mark.oracle
+@pytest.mark.slow
+@pytest.mark.parametrize("pure", [False, True], ids=["mix", "pure"])
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_types_and_file_type_match_llama_quantize(mix_files: MixFiles, mix: str, pure: bool) -> None:
+    import llama_interop as li
+
+    from qwen_runtime.formats.gguf_parse import parse_gguf
+
+    for model in mix_files.models:
+        theirs = mix_files.llama(model, mix, "pure" if pure else "mix", pure=pure)
+        assert parse_gguf(theirs).metadata["general.file_type"] == int(MIXES[mix].file_type)
+        compare_with_llama(mix_files, model, theirs, mix_files.ours(model, mix, QuantOptions(pure=pure)))
+        ours = convert(mix_files.dirs[model], mix_files.root / f"ours-{model}-{mix}-{pure}.gguf", "gguf", mix,
+                       options=QuantOptions(pure=pure)).output
+        ours_file, theirs_file = li.gguf_structure(ours), li.gguf_structure(theirs)
+        assert ours_file.tensors == theirs_file.tensors
+        assert li.data_diff(ours_file, theirs_file) == []
+
+
+@pytest.mark.peer
+@pytest.mark.oracle
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c, v in OPTION_CASES.items() if v[2] is not None])
+def test_per_tensor_options_match_llama_quantize(mix_files: MixFiles, case: str) -> None:
+    mix, options, llama_kwargs = OPTION_CASES[case]
+    for model in mix_files.models:
+        theirs = mix_files.llama(model, mix, case, **llama_kwargs)
+        compare_with_llama(mix_files, model, theirs, mix_files.ours(model, mix, options))
+
+
+@pytest.mark.peer
+@pytest.mark.oracle
+@pytest.mark.slow
+@pytest.mark.parametrize("mix", ["q2_k", "q4_k_m", "iq4_xs"])
+def test_imatrix_weighted_tensors_match_llama_quantize(mix_files: MixFiles, mix: str) -> None:
+    """Given the same importance vectors (from qwen-imatrix on the model), llama.cpp's types and, for the
+    weighted types encode_rows writes, its bytes."""
+    for model in ("qwen3-mix", "qwen2-odd"):
+        vectors = mix_files.importance(model)
+        theirs = mix_files.llama(model, mix, "weighted", imatrix=vectors)
+        compare_with_llama(mix_files, model, theirs, mix_files.ours(model, mix, QuantOptions(imatrix=True)),
+                           vectors)
+
+
+@pytest.mark.peer
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_imatrix_changes_iq4_ffn_down_as_llama_quantize(mix_files: MixFiles) -> None:
+    """With an importance matrix llama.cpp drops the IQ4 mixes' Q5_K bump of the first eighth of ffn_down."""
+    import llama_interop as li
+
+    model = "qwen2-mix"  # 10 layers: the bump covers blk.0
+    source = open_model_files(mix_files.f32[model])
+    ones = {n: np.ones(t.shape[-1], np.float32) for n, t in source.tensors.items()
+            if n.startswith("blk.") and len(t.shape) == 2}
+    mix, options, _ = OPTION_CASES["iq4-with-imatrix-rule"]
+    theirs = mix_files.root / f"{model}-{mix}-imatrix.gguf"
+    li.llama_quantize(mix_files.f32[model], theirs, mix.upper(), imatrix=ones)
+    ours = mix_files.ours(model, mix, options)
+    assert ours["blk.0.ffn_down.weight"] == QType.IQ4_XS
+    assert mix_files.ours(model, mix, QuantOptions())["blk.0.ffn_down.weight"] == QType.Q5_K
+    from qwen_runtime.formats.gguf_parse import parse_gguf
+
+    assert {t.name: t.qtype for t in parse_gguf(theirs).tensors} == ours
+
+
+def test_quant_options_argparse_defaults() -> None:
+    args = convert_parser().parse_args(["src", "-o", "x.gguf"])
+    assert quant_options(args) == QuantOptions()
