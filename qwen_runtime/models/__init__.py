@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from ..formats import ModelFiles, open_model_files
 from ..weights import TILE_ELEMENTS
 from . import attention, qwen35  # noqa: F401  (register the mixers of each layer type)
@@ -18,4 +20,15 @@ def build_model(source: str | Path | ModelFiles, tile_elements: int = TILE_ELEME
     """Open a model path (HF dir, npy dir or GGUF file) or wrap already-opened files; ``threads`` and
     ``kernels`` are :func:`qwen_runtime.load`'s."""
     files = source if isinstance(source, ModelFiles) else open_model_files(source)
-    return Model(files, WeightStore(files, tile_elements, threads, kernels))
+    model = Model(files, WeightStore(files, tile_elements, threads, kernels))
+    if model.workspace.kernels == "numba":
+        warm_up(model)
+    return model
+
+
+def warm_up(model: Model) -> None:
+    """One decode step of one token, thrown away: the compiled decode-step ops are loaded from numba's cache (or
+    compiled, the first time on a machine) while the model loads, not inside the first prompt, as llama.cpp
+    warms up too.  The products' kernels are already compiled when their weights are built."""
+    cache = model.make_cache(1, 1)
+    model.forward(np.zeros((1, 1), np.int64), cache, last_only=True)
