@@ -30,6 +30,7 @@ from typing import Any
 
 from gguf import GGML_QUANT_VERSION, GGUFValueType, GGUFWriter, SpecialVocab, TokenType
 
+from qwen_runtime.chat import token_text
 from qwen_runtime.config import ModelConfig
 from qwen_runtime.errors import FormatError, UnsupportedTokenizerError
 from qwen_runtime.formats.base import read_json_file
@@ -63,13 +64,6 @@ def add_model_metadata(writer: GGUFWriter, config: ModelConfig, dtype: str, name
             writer.add_key_value(gguf_key(row.key, config.arch), row.value(config), value_type, sub_type=sub_type)
 
 
-def _token_text(entry: Any) -> str | None:
-    """A tokenizer_config ``*_token`` entry (a string or an AddedToken dict) as its text."""
-    if isinstance(entry, dict):
-        entry = entry.get("content")
-    return entry if isinstance(entry, str) else None
-
-
 def tokenizer_pre(config: ModelConfig, tokenizer: dict[str, Any], tokenizer_config: dict[str, Any],
                   source: Path) -> str:
     """``tokenizer.ggml.pre`` for the model (rule in the module docstring), after checking that GGUF's keys
@@ -81,7 +75,7 @@ def tokenizer_pre(config: ModelConfig, tokenizer: dict[str, Any], tokenizer_conf
         raise UnsupportedTokenizerError(
             f"{source}: the pre-tokenizer splits with the regex {pattern!r}, which is none of the splits GGUF "
             f"readers know for tokenizer.ggml.pre ({', '.join(PRE_PATTERNS)})")
-    preferred = config.spec.pre_tokenizer(_token_text(tokenizer_config.get("bos_token")))
+    preferred = config.spec.pre_tokenizer(token_text(tokenizer_config.get("bos_token")))
     name = preferred if preferred in names else names[0]
     ignore = bool(tokenizer["model"].get("ignore_merges", False))
     if ignore != (name in IGNORE_MERGES):

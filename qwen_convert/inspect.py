@@ -391,22 +391,25 @@ def compare_table(result: Comparison) -> str:
     return "\n".join(lines)
 
 
-def _finite(value: Any) -> Any:
-    """JSON has no inf/NaN: write them as strings."""
+def json_safe(value: Any) -> Any:
+    """``value`` with what JSON cannot hold made printable: inf/NaN as strings, dict keys as strings, tuples as
+    lists, any other object as its repr."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
+        return [json_safe(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)
 
 
 def stats_json(stats: Sequence[TensorStats]) -> dict[str, Any]:
     """JSON-ready form of :func:`model_stats` output with totals."""
-    return _finite({"tensors": [asdict(s) for s in stats], "totals": totals(stats)})
+    return json_safe({"tensors": [asdict(s) for s in stats], "totals": totals(stats)})
 
 
 def compare_json(result: Comparison) -> dict[str, Any]:
     """JSON-ready form of a :class:`Comparison`."""
-    return _finite(asdict(result))
+    return json_safe(asdict(result))

@@ -86,6 +86,7 @@ from qwen_runtime.tensors import Q8_0_BLOCK, QType, StoredTensor, to_float32
 
 from .gguf_metadata import special_vocab, token_table, tokenizer_pre
 from .imatrix import QUANTIZE_FILE_KEY
+from .inspect import json_safe
 from .policy import DTYPES
 from .quantize import rows_per_chunk
 
@@ -755,19 +756,9 @@ def report_json(report: VerifyReport) -> dict[str, Any]:
             "tensors": [asdict(t) for t in report.tensors], "metadata": [asdict(m) for m in report.metadata],
             "skipped": report.skipped, "problems": report.problems,
             "behaviour": asdict(report.behaviour) if report.behaviour is not None else None}
-    return _finite(data)
+    return json_safe(data)
 
 
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return repr(value)
 
 
 # ---------------------------------------------------------------------------------------------- converter hook

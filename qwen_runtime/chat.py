@@ -85,7 +85,7 @@ class ChatTemplate:
             raise TemplateError(f"chat template failed to render: {type(exc).__name__}: {exc}") from None
 
 
-def _token_text(value: Any) -> str | None:
+def token_text(value: Any) -> str | None:
     """``bos_token``-style entries are a string or ``{"content": ...}``."""
     if isinstance(value, dict):
         value = value.get("content")
@@ -253,7 +253,7 @@ def load_chat_format(files: ModelFiles) -> ChatFormat:
             raise FormatError(f"{path}: file not found (the model directory has no tokenizer)")
         tokenizer = Tokenizer.from_file(path)
         tok_config = files.read_json("tokenizer_config.json") or {}
-        bos, eos = _token_text(tok_config.get("bos_token")), _token_text(tok_config.get("eos_token"))
+        bos, eos = token_text(tok_config.get("bos_token")), token_text(tok_config.get("eos_token"))
         add_bos = bool(tok_config.get("add_bos_token", False))
         if bos is None and files.config.bos_token_id is not None and add_bos:
             bos = tokenizer.id_to_token(files.config.bos_token_id)

@@ -10,7 +10,7 @@ import pytest
 from runtime_helpers import fixture_dir
 from shared_data import MODEL_CONFIGS, tokenizer_json
 
-from qwen_runtime.chat import ChatFormat, ChatTemplate, _token_text, load_chat_format
+from qwen_runtime.chat import ChatFormat, ChatTemplate, load_chat_format, token_text
 from qwen_runtime.errors import TemplateError
 from qwen_runtime.formats import open_model_files
 from qwen_runtime.tokenizer import PIECE_CHARS, StreamDecoder, Tokenizer, cut_text
@@ -30,8 +30,8 @@ def real_tokenizer() -> Tokenizer:
 def real_format(tokenizer: Tokenizer, model: str) -> ChatFormat:
     """A ChatFormat from a published tokenizer_config.json (template, bos/eos, add_bos)."""
     cfg = json.loads((MODEL_CONFIGS / model / "tokenizer_config.json").read_text())
-    return ChatFormat(tokenizer, ChatTemplate(cfg["chat_template"]), _token_text(cfg.get("bos_token")),
-                      _token_text(cfg.get("eos_token")), bool(cfg.get("add_bos_token", False)), frozenset())
+    return ChatFormat(tokenizer, ChatTemplate(cfg["chat_template"]), token_text(cfg.get("bos_token")),
+                      token_text(cfg.get("eos_token")), bool(cfg.get("add_bos_token", False)), frozenset())
 
 
 def gguf_metadata(tokenizer_json: Path, vocab_size: int, pre: str) -> dict:
