@@ -56,6 +56,18 @@ def nearest_int(f: float) -> int:
 
 
 @njit(cache=True, error_model="numpy", nogil=True, inline="always")
+def signed_absmax(x: np.ndarray) -> tuple[float, float]:
+    """(max |x|, the value of x where it is first reached), as llama.cpp's searches find them (first wins ties)."""
+    amax, vmax = ZERO, ZERO
+    for i in range(len(x)):
+        ax = abs(x[i])
+        if ax > amax:
+            amax = ax
+            vmax = x[i]
+    return amax, vmax
+
+
+@njit(cache=True, error_model="numpy", nogil=True, inline="always")
 def best_index_int8(values: np.ndarray, x: float) -> int:
     """Index of the level of ``values`` (16 sorted int8) nearest to float32 ``x`` (llama.cpp's bisection)."""
     n = len(values)
@@ -139,12 +151,7 @@ def make_qx_quants(x: np.ndarray, L: np.ndarray, nmax: int, w: np.ndarray) -> fl
     """llama.cpp's ``make_qx_quants`` with ``rmse_type`` 1 and weights ``w`` [n] (its ``qw``, or x*x when that
     is NULL): fills ``L`` with l + nmax (0..2 nmax - 1), returns the scale."""
     n = len(x)
-    amax, vmax = ZERO, ZERO
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            vmax = x[i]
+    amax, vmax = signed_absmax(x)
     if amax < GROUP_MAX_EPS:
         L[:] = 0
         return ZERO
@@ -181,12 +188,7 @@ def make_q3_quants(x: np.ndarray, L: np.ndarray, nmax: int, ls: np.ndarray) -> f
     """llama.cpp's ``make_q3_quants`` with ``do_rmse``: fills ``L`` with l + nmax, returns the scale (``ls``:
     int32 scratch [n] for the signed integers)."""
     n = len(x)
-    amax, vmax = ZERO, ZERO
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            vmax = x[i]
+    amax, vmax = signed_absmax(x)
     if amax < GROUP_MAX_EPS:
         L[:] = 0
         return ZERO
@@ -494,12 +496,7 @@ def iq4_superblocks(x: np.ndarray, qw: np.ndarray, use_qw: bool, values: np.ndar
             xs = xb[32 * ib:32 * ib + 32]
             for j in range(32):
                 w[j] = qw[b % len(qw), 32 * ib + j] * F32(np.sqrt(sigma2 + xs[j] * xs[j])) if use_qw else xs[j] * xs[j]
-            amax, vmax = ZERO, ZERO
-            for j in range(32):
-                ax = abs(xs[j])
-                if ax > amax:
-                    amax = ax
-                    vmax = xs[j]
+            amax, vmax = signed_absmax(xs)
             if amax < GROUP_MAX_EPS:
                 scales[ib] = ZERO
                 continue

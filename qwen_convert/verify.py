@@ -623,6 +623,11 @@ def _type_name(value: int) -> str:
         return str(value)
 
 
+def _first_difference(expected: list[str], actual: Any) -> int | None:
+    """The first index where two sequences of the same length differ, or None."""
+    return next((i for i, (a, b) in enumerate(zip(expected, actual, strict=True)) if a != b), None)
+
+
 def _merges_check(expected: list[str], actual: Any) -> MetadataCheck:
     """Every BPE merge, in order (their order is their priority)."""
     key = Keys.Tokenizer.MERGES
@@ -632,7 +637,7 @@ def _merges_check(expected: list[str], actual: Any) -> MetadataCheck:
     if len(actual) != len(expected):
         return MetadataCheck(key, summary, f"{len(actual)} merges", False,
                              f"has {len(actual)} merges, the source has {len(expected)}")
-    first = next((i for i, (a, b) in enumerate(zip(expected, actual, strict=True)) if a != b), None)
+    first = _first_difference(expected, actual)
     if first is not None:
         return MetadataCheck(key, summary, summary, False,
                              f"merge {first} is {actual[first]!r}, the source has {expected[first]!r}")
@@ -647,7 +652,7 @@ def _token_list_check(expected: list[str], actual: Any, added: set[int]) -> Meta
     if len(actual) != len(expected):
         return MetadataCheck(key, summary, f"{len(actual)} tokens", False,
                              f"has {len(actual)} tokens, config.json vocab_size is {len(expected)}")
-    first = next((i for i, (a, b) in enumerate(zip(expected, actual, strict=True)) if a != b), None)
+    first = _first_difference(expected, actual)
     if first is not None:
         kind = "added token" if first in added else "token"
         return MetadataCheck(key, summary, summary, False,
