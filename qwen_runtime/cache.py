@@ -121,7 +121,8 @@ class BatchState:
             else:
                 own = self.lengths[:, None] + steps  # [B, T]
                 real = np.ones((self.batch, int(own.max(initial=0)) + 1), bool)
-            self._memo["slots"] = (np.ascontiguousarray(own, np.int64), real)
+            self._memo["slots"] = (np.array(own, np.int64), np.array(real, bool))  # fresh, C-ordered and writable:
+            # one type whatever the batch, so the compiled kernels warmed up at load are the ones used
         return self._memo["slots"]
 
     @cached_property

@@ -222,10 +222,11 @@ def gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
 
 def _gated_block(gate: Weight, up: Weight, r0: int, r1: int, xg: object, xu: object, out: np.ndarray,
                  scratch: Scratch) -> None:
-    gate.block_product(r0, r1, xg, out, scratch)
+    g = np.empty(out.shape, np.float32)  # [N, R], contiguous whatever the rows: one compiled swiglu for all batches
+    gate.block_product(r0, r1, xg, g, scratch)
     u = np.empty(out.shape, np.float32)  # [N, R]
     up.block_product(r0, r1, xu, u, scratch)
-    swiglu(gate.ws)(out, u, out=out)
+    out[...] = swiglu(gate.ws)(g, u, out=g)
 
 
 def swiglu(ws: Workspace) -> Callable[..., np.ndarray]:

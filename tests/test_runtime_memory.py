@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from convert_helpers import qwen2_shapes
-from runtime_helpers import FIXTURES, convert, converter_available
+from runtime_helpers import FIXTURES, convert, converter_available, fixture_dir
 from safetensors.numpy import save_file
 
 ALLOWED_GROWTH_MB = 24  # tile buffer, activations, logits, KV cache of this small run, allocator slack
@@ -91,3 +91,35 @@ def test_anonymous_memory_stays_bounded(random_models, tmp_path: Path, kind: str
     before, peak = probe(path)
     assert weights_mb > (1.5 if kind == "q8_0" else 3) * ALLOWED_GROWTH_MB  # q8_0 widened whole: 180 MB
     assert peak - before < ALLOWED_GROWTH_MB, f"{kind}: anonymous memory grew {peak - before:.1f} MiB"
+
+
+def compiled_signatures() -> dict[str, int]:
+    """How many machine-code versions each of the runtime's numba functions holds now."""
+    from numba.core.dispatcher import Dispatcher
+
+    return {f"{name}.{attr}": len(value.signatures) for name, module in list(sys.modules.items())
+            if name.startswith("qwen_runtime") for attr, value in vars(module).items()
+            if isinstance(value, Dispatcher)}
+
+
+@pytest.mark.parametrize("family", ["qwen2-tiny", "qwen3-tiny", "qwen35-tiny", "qwen2-tiny:q8_0", "qwen35-tiny:q4_k_m"])
+def test_generation_compiles_nothing_after_load(tmp_path: Path, family: str) -> None:
+    """Every compiled function a generation calls was compiled (or read from numba's cache) while the model
+    loaded: a batch of ragged prompts, its prefill and its decode steps add no new signature.  A new one would be
+    compiled inside the first prompt, and LLVM's tens of MiB of anonymous memory would land in generation (the
+    fp32 probe above once grew 50 MiB that way, from a read-only slot array of a one-row batch)."""
+    pytest.importorskip("numba")
+    from qwen_runtime import GenerationConfig, load
+    from qwen_runtime.generate import Generation
+
+    name, _, dtype = family.partition(":")
+    path = fixture_dir(name)
+    if dtype:
+        path = convert(path, tmp_path / "model.gguf", "gguf", dtype)
+    model = load(path, kernels="numba")
+    loaded = compiled_signatures()
+    for prompts in ([list(range(1, 40)), list(range(5, 12))], [list(range(3, 20))]):
+        for _ in Generation(model, prompts, GenerationConfig(max_new_tokens=3, prefill_chunk=16)):
+            pass
+    grown = {name: n - loaded.get(name, 0) for name, n in compiled_signatures().items() if n != loaded.get(name, 0)}
+    assert not grown, f"compiled after load: {grown}"
