@@ -5,6 +5,9 @@ every skip with its reason. With ``CI=true`` (``.ci/run`` sets it) a skip is a f
 and the repository carries every file the tests read, so a skip there means a test that did not run. Each such
 test is also written to the JSON file named by ``QWEN_SKIP_REPORT`` (node id, markers, reason), which ``.ci/run``
 reads to fail if any ``oracle`` or ``peer`` test did not run.
+
+One fixture is shared by the whole suite: ``converted``, the committed fixtures converted in-process once per
+session and (name, format, dtype) (``runtime_helpers.Converted``).
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from runtime_helpers import Converted
 
 STRICT = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 _skipped: list[dict[str, Any]] = []
@@ -53,6 +59,14 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
         _record(report.nodeid, ["collection", "oracle", "peer"], reason)
         report.outcome = "failed"
         report.longrepr = f"module skipped under CI=true (a test that cannot run is a failure there): {reason}"
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Converted:
+    """``converted(name, fmt, dtype)``: the path of a fixture converted once per session (read, never change)."""
+    from runtime_helpers import Converted  # imported here: tests/test_ci.py runs this file on its own
+
+    return Converted(tmp_path_factory.mktemp("converted"))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -1,4 +1,4 @@
-"""Helpers for the hostile-input and fuzz tests: converted copies of the fixtures and a raw GGUF packer."""
+"""Helpers for the hostile-input and fuzz tests: private copies of the fixtures and a raw GGUF packer."""
 
 from __future__ import annotations
 
@@ -29,15 +29,6 @@ def copy_fixture(name: str, dest: Path) -> Path:
     target = dest / name
     shutil.copytree(FIXTURES / name, target)
     return target
-
-
-def converted(name: str, root: Path, fmt: str, dtype: str = "fp32") -> Path:
-    """The fixture converted in-process by qwen_convert (skipped while the converter is missing)."""
-    convert_module = pytest.importorskip("qwen_convert.convert")
-    out = root / f"{name}-{dtype}{'.gguf' if fmt == 'gguf' else '.npy'}"
-    if not out.exists():
-        convert_module.convert(FIXTURES / name, out, fmt, dtype)
-    return out
 
 
 # Types given to the matrices of quantized_mix(), in turn: every quantized type the runtime reads.

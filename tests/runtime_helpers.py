@@ -1,15 +1,14 @@
-"""Shared helpers of the runtime tests: fixture paths, converted copies, reference arrays."""
+"""Shared helpers of the runtime tests: fixture paths, the session's converted copies, reference arrays."""
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from qwen_convert.convert import convert, verify_written_checksums
+from qwen_convert.demo import bundled_model_path
 from qwen_runtime.models import Model
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -31,34 +30,25 @@ def reference(name: str) -> dict[str, np.ndarray]:
         return dict(data)
 
 
-def converter_available() -> bool:
-    return importlib.util.find_spec("qwen_convert") is not None and \
-        importlib.util.find_spec("qwen_convert.__main__") is not None
-
-
-def convert(src: Path, out: Path, fmt: str, dtype: str) -> Path:
-    """Run ``python -m qwen_convert`` (skips the test while the converter has not landed)."""
-    if not converter_available():
-        pytest.skip("qwen_convert is not available yet")
-    if not out.exists():
-        cmd = [sys.executable, "-m", "qwen_convert", str(src), "-o", str(out), "--format", fmt, "--dtype", dtype]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"conversion failed: {proc.stderr[-2000:]}"
-    return out
-
-
 class Converted:
-    """Per-session cache of converted fixtures: ``get(name, "npy"|"gguf"|"hf", dtype)``."""
+    """The committed fixtures converted in-process by qwen_convert, each (name, format, dtype) once per session:
+    ``converted(name, "npy" | "gguf" | "hf", dtype)`` is its path (``"hf"``: the fixture directory itself;
+    ``"bundled"`` names the bundled model).  Each output was read back against the checksums written
+    (``verify_written_checksums``).  The session shares them: read them, copy one before changing it.  Provided
+    by ``tests/conftest.py`` as the session fixture ``converted``."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.paths: dict[tuple[str, str, str], Path] = {}
 
-    def get(self, name: str, fmt: str, dtype: str = "fp32") -> Path:
-        src = fixture_dir(name)
+    def __call__(self, name: str, fmt: str, dtype: str = "fp32") -> Path:
+        src = bundled_model_path() if name == "bundled" else fixture_dir(name)
         if fmt == "hf":
             return src
-        suffix = ".gguf" if fmt == "gguf" else ""
-        return convert(src, self.root / f"{name}-{dtype}{suffix}", fmt, dtype)
+        if (name, fmt, dtype) not in self.paths:
+            out = self.root / f"{name}-{dtype}{'.gguf' if fmt == 'gguf' else ''}"
+            self.paths[name, fmt, dtype] = convert(src, out, fmt, dtype, verify=verify_written_checksums).output
+        return self.paths[name, fmt, dtype]
 
 
 KERNELS = ("numpy", "numba")  # the reference kernels and their compiled twins

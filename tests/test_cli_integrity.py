@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hostile_helpers import converted, copy_fixture
-from runtime_helpers import fixture_dir
+from hostile_helpers import copy_fixture
+from runtime_helpers import Converted, fixture_dir
 
 from qwen_convert import cli as convert_cli
 from qwen_convert import demo_cli, imatrix_cli
@@ -40,9 +40,8 @@ SHARED = {"-o": "--output", "-n": "--max-new-tokens", "-c": "--ctx", "-f": "--fi
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("cli")
-    return {fmt: converted("qwen3-tiny", root, fmt, "q8_0") for fmt in ("npy", "gguf")}
+def outputs(converted: Converted) -> dict[str, Path]:
+    return {fmt: converted("qwen3-tiny", fmt, "q8_0") for fmt in ("npy", "gguf")}
 
 
 def one_error_line(capsys: pytest.CaptureFixture[str], prog: str) -> str:

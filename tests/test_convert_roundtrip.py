@@ -1,4 +1,7 @@
-"""Every fixture x {npy, gguf} x {fp32, fp16, q8_0}: read back with our readers and compare with the source."""
+"""Every fixture x {npy, gguf} x {fp32, fp16, q8_0}: read back with our readers and compare with the source.
+
+The conversions are the session's (``converted``, tests/conftest.py), each checked against the checksums written
+(``verify_written_checksums``) before it is renamed into place."""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ import numpy as np
 import pytest
 from convert_helpers import ALL_FIXTURES, fixture
 from gguf import GGUFReader, GGUFValueType, Keys, LlamaFileType, SpecialVocab, TokenType, quants
+from runtime_helpers import Converted
 
-from qwen_convert.convert import convert, verify_written_checksums
 from qwen_convert.gguf_metadata import special_vocab
 from qwen_convert.policy import tensor_qtype
 from qwen_runtime.formats import open_hf_dir, open_model_files
@@ -21,22 +24,6 @@ from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_DTYPE, QType
 
 FORMATS = ("npy", "gguf")
 DTYPES = ("fp32", "fp16", "q8_0")
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("converted")
-    cache: dict[tuple[str, str, str], Path] = {}
-
-    def get(name: str, fmt: str, dtype: str) -> Path:
-        key = (name, fmt, dtype)
-        if key not in cache:
-            out = root / (f"{name}-{dtype}" + (".gguf" if fmt == "gguf" else ""))
-            convert(fixture(name), out, fmt, dtype, verify=verify_written_checksums)
-            cache[key] = out
-        return cache[key]
-
-    return get
 
 
 def q8_0_bound(reference: np.ndarray) -> np.ndarray:
@@ -51,7 +38,7 @@ def q8_0_bound(reference: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", ALL_FIXTURES)
-def test_round_trip(converted, name: str, fmt: str, dtype: str) -> None:
+def test_round_trip(converted: Converted, name: str, fmt: str, dtype: str) -> None:
     source = open_hf_dir(fixture(name), v_head_order=V_HEAD_TILED)
     result = open_model_files(converted(name, fmt, dtype))
     assert sorted(result.tensors) == sorted(source.tensors)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runtime_helpers import fixture_dir
+from runtime_helpers import Converted, fixture_dir
 
 import qwen_runtime
 from qwen_runtime.eval_cli import main as eval_main
@@ -143,22 +143,9 @@ def test_ctx_beyond_the_model_context_is_refused(qwen3) -> None:
 KL_BOUNDS = {"fp32": (1e-6, 1e-6, 1.0), "fp16": (1e-6, 1e-6, 1.0), "q8_0": (1e-2, 6e-2, 0.85)}
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> dict[tuple[str, str], Path]:
-    from qwen_convert import convert
-
-    root, src = tmp_path_factory.mktemp("eval-converted"), fixture_dir("qwen3-tiny")
-    paths = {}
-    for fmt in ("npy", "gguf"):
-        for dtype in KL_BOUNDS:
-            paths[fmt, dtype] = convert(src, root / f"qwen3-{dtype}{'.gguf' if fmt == 'gguf' else ''}", fmt,
-                                        dtype).output
-    return paths
-
-
 @pytest.mark.parametrize("fmt", ["npy", "gguf"])
-def test_converted_copies_stay_within_kl_bounds(converted, qwen3, fmt: str) -> None:
-    models = [qwen_runtime.load(converted[fmt, dtype]) for dtype in KL_BOUNDS]
+def test_converted_copies_stay_within_kl_bounds(converted: Converted, qwen3, fmt: str) -> None:
+    models = [qwen_runtime.load(converted("qwen3-tiny", fmt, dtype)) for dtype in KL_BOUNDS]
     results = evaluate(models, TEXT, ctx=64, stride=32, reference=qwen3, max_tokens=400)
     for dtype, r in zip(KL_BOUNDS, results, strict=True):
         mean_bound, max_bound, top1_bound = KL_BOUNDS[dtype]

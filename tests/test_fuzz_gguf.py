@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 from gguf import GGUFValueType
-from hostile_helpers import FUZZ, MIX_TYPES, RawGGUF, converted, mutated, quantized_mix, touch
+from hostile_helpers import FUZZ, MIX_TYPES, RawGGUF, mutated, quantized_mix, touch
 from hypothesis import event, given
 from hypothesis import strategies as st
+from runtime_helpers import Converted
 
 from qwen_runtime.chat import load_chat_format
 from qwen_runtime.errors import FormatError, TemplateError
@@ -20,10 +21,10 @@ SOURCES = (("qwen3-tiny", "fp32"), ("qwen35-tiny", "q8_0"), ("qwen2-tiny", "q4_0
 
 
 @pytest.fixture(scope="module")
-def raws(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RawGGUF]:
+def raws(converted: Converted, tmp_path_factory: pytest.TempPathFactory) -> dict[str, RawGGUF]:
     """The files mutated: fixtures as we convert them, and one whose matrices hold every quantized type."""
     root = tmp_path_factory.mktemp("fuzz-gguf")
-    files = {name: RawGGUF.from_file(converted(name, root, "gguf", dtype)) for name, dtype in SOURCES}
+    files = {name: RawGGUF.from_file(converted(name, "gguf", dtype)) for name, dtype in SOURCES}
     return {**files, "quantized-mix": RawGGUF.from_file(quantized_mix(root))}
 
 

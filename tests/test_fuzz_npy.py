@@ -10,9 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from hostile_helpers import FUZZ, converted, mutated, npy_header_length, touch
+from hostile_helpers import FUZZ, mutated, npy_header_length, touch
 from hypothesis import event, given
 from hypothesis import strategies as st
+from runtime_helpers import Converted
 
 from qwen_runtime.errors import FormatError
 from qwen_runtime.formats import open_npy_dir
@@ -26,9 +27,9 @@ MANIFEST_VALUES = st.one_of(
 
 
 @pytest.fixture(scope="module", params=["q8_0", "q5_1"])  # q5_1: a 4-field block dtype (d, m, qh, qs)
-def model(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+def model(converted: Converted, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     root = tmp_path_factory.mktemp("fuzz-npy")
-    return Path(shutil.copytree(converted("qwen3-tiny", root, "npy", request.param), root / "model"))
+    return Path(shutil.copytree(converted("qwen3-tiny", "npy", request.param), root / "model"))
 
 
 @contextmanager

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
-from hostile_helpers import RawGGUF, converted, pack_string
+from hostile_helpers import RawGGUF, pack_string
+from runtime_helpers import Converted
 
 from qwen_runtime.chat import load_chat_format
 from qwen_runtime.errors import ConfigError, FormatError, TemplateError, UnsupportedArchitectureError
@@ -33,8 +34,8 @@ ARCH = "qwen3"
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> RawGGUF:
-    return RawGGUF.from_file(converted("qwen3-tiny", tmp_path_factory.mktemp("gguf"), "gguf"))
+def base(converted: Converted) -> RawGGUF:
+    return RawGGUF.from_file(converted("qwen3-tiny", "gguf"))
 
 
 @pytest.fixture
@@ -369,8 +370,8 @@ def test_wrong_typed_or_absurd_key(raw: RawGGUF, tmp_path: Path, key: str, vtype
 
 
 @pytest.fixture(scope="module")
-def qwen35(tmp_path_factory: pytest.TempPathFactory) -> RawGGUF:
-    return RawGGUF.from_file(converted("qwen35-tiny", tmp_path_factory.mktemp("gguf35"), "gguf"))
+def qwen35(converted: Converted) -> RawGGUF:
+    return RawGGUF.from_file(converted("qwen35-tiny", "gguf"))
 
 
 @pytest.mark.parametrize(("key", "value", "etype", "fragment"), [
@@ -413,8 +414,8 @@ def test_hostile_chat_template_in_metadata(raw: RawGGUF, tmp_path: Path) -> None
         fmt.render([{"role": "user", "content": "hi"}])
 
 
-def test_same_metadata_and_tensors_as_gguf_reader(tmp_path_factory: pytest.TempPathFactory) -> None:
-    path = converted("qwen35-tiny", tmp_path_factory.mktemp("gguf-compat"), "gguf", "q8_0")
+def test_same_metadata_and_tensors_as_gguf_reader(converted: Converted) -> None:
+    path = converted("qwen35-tiny", "gguf", "q8_0")
     reader = GGUFReader(path)
     files = open_gguf(path)
     ours = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in files.metadata.items()}

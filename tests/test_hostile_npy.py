@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hostile_helpers import converted, npy_header_length
+from hostile_helpers import npy_header_length
+from runtime_helpers import Converted
 
 from qwen_runtime.errors import FormatError
 from qwen_runtime.formats import open_npy_dir
@@ -19,8 +20,8 @@ from qwen_runtime.tensors import Q8_0_DTYPE
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return converted("qwen3-tiny", tmp_path_factory.mktemp("npy"), "npy", "q8_0")
+def source(converted: Converted) -> Path:
+    return converted("qwen3-tiny", "npy", "q8_0")
 
 
 @pytest.fixture

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
+from runtime_helpers import Converted
 
 from qwen_convert.cli import convert_main, inspect_main
-from qwen_convert.convert import convert
 from qwen_convert.gguf_metadata import add_model_metadata, add_tokenizer_metadata
 from qwen_convert.gguf_writer import StreamingGGUFWriter
 from qwen_runtime import cli, eval_cli, load
@@ -78,11 +78,9 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.fixture(scope="module")
-def ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+def ggufs(converted: Converted) -> dict[str, bytes]:
     """qwen2-tiny converted to q8_0 and fp16 GGUF files (the contents of a GGUF repo)."""
-    out = tmp_path_factory.mktemp("gguf")
-    return {dtype: convert(QWEN2, out / f"{dtype}.gguf", "gguf", dtype).output.read_bytes()
-            for dtype in ("q8_0", "fp16")}
+    return {dtype: converted("qwen2-tiny", "gguf", dtype).read_bytes() for dtype in ("q8_0", "fp16")}
 
 
 def gguf_repo(cache: Path, ggufs: dict[str, bytes], repo: str = "org/tiny-GGUF") -> Path:

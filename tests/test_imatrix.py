@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from convert_helpers import fixture
+from runtime_helpers import Converted
 
 from qwen_convert.convert import convert
 from qwen_convert.imatrix import (
@@ -113,14 +114,13 @@ def test_zero_count_is_repaired_with_ones_as_llama_cpp(tmp_path: Path, caplog) -
     assert "zero.gguf: tensor blk.0.attn_q.weight: no tokens were counted" in caplog.text
 
 
-def test_not_an_imatrix_is_refused(tmp_path: Path) -> None:
+def test_not_an_imatrix_is_refused(converted: Converted, tmp_path: Path) -> None:
     path = tmp_path / "x.dat"
     path.write_bytes(b"\0\0\0\0")
     with pytest.raises(FormatError, match="x.dat: neither a GGUF nor a legacy imatrix"):
         read_imatrix(path)
-    model = convert(fixture("qwen3-tiny"), tmp_path / "m.gguf", "gguf", "fp16").output
     with pytest.raises(FormatError, match="not an importance matrix"):
-        read_imatrix(model)
+        read_imatrix(converted("qwen3-tiny", "gguf", "fp16"))
 
 
 def test_chunks_follow_llama_imatrix() -> None:

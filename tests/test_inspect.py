@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from convert_helpers import fixture
+from runtime_helpers import Converted
 
 from qwen_convert import inspect as inspect_module
 from qwen_convert.cli import inspect_main
-from qwen_convert.convert import convert
 from qwen_convert.inspect import compare, open_pair, tensor_stats
 from qwen_runtime.formats import open_model_files
 from qwen_runtime.tensors import QType, StoredTensor
@@ -53,10 +53,8 @@ def test_json_totals_match_the_files(capsys: pytest.CaptureFixture[str]) -> None
 
 
 @pytest.fixture(scope="module")
-def gqa_q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("inspect") / "gqa-q8_0.gguf"
-    convert(fixture("qwen35-tiny-gqa"), out, "gguf", "q8_0")
-    return out
+def gqa_q8(converted: Converted) -> Path:
+    return converted("qwen35-tiny-gqa", "gguf", "q8_0")
 
 
 def test_compare_hf_against_tiled_gguf(gqa_q8: Path) -> None:
@@ -93,11 +91,8 @@ def test_bad_path_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path
 
 
 @pytest.fixture(scope="module")
-def three_formats(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("meta")
-    convert(fixture("qwen3-tiny"), root / "q8.gguf", "gguf", "q8_0")
-    convert(fixture("qwen3-tiny"), root / "q8", "npy", "q8_0")
-    return {"hf": fixture("qwen3-tiny"), "gguf": root / "q8.gguf", "npy": root / "q8"}
+def three_formats(converted: Converted) -> dict[str, Path]:
+    return {fmt: converted("qwen3-tiny", fmt, "q8_0") for fmt in ("hf", "gguf", "npy")}
 
 
 def test_metadata_view_of_all_three_formats(three_formats: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from convert_helpers import fixture
+from runtime_helpers import Converted
 
 from qwen_convert.cli import convert_main, convert_parser, quant_options
 from qwen_convert.convert import check_writable, convert
@@ -118,13 +119,12 @@ def test_unwritable_type_is_refused_before_any_output(tmp_path: Path, monkeypatc
 
 
 @pytest.mark.parametrize("dtype", ["q4_k_m", "q3_k_l"])
-def test_mix_on_tiny_model_npy_equals_gguf(tmp_path: Path, dtype: str) -> None:
+def test_mix_on_tiny_model_npy_equals_gguf(converted: Converted, dtype: str) -> None:
     """Rows of 64 and 128: every K-quant falls back to a 32-value type the converter writes today."""
     shapes, facts = _tiny()
     planned = plan_types(shapes, dtype, facts)
-    gguf_out = convert(fixture("qwen3-tiny"), tmp_path / "m.gguf", "gguf", dtype).output
-    npy_out = convert(fixture("qwen3-tiny"), tmp_path / "m", "npy", dtype).output
-    gguf, npy = open_model_files(gguf_out), open_model_files(npy_out)
+    gguf = open_model_files(converted("qwen3-tiny", "gguf", dtype))
+    npy = open_model_files(converted("qwen3-tiny", "npy", dtype))
     assert gguf.metadata["general.file_type"] == int(MIXES[dtype].file_type)
     assert {n: t.qtype for n, t in gguf.tensors.items()} == planned
     for name, tensor in npy.tensors.items():

@@ -6,7 +6,6 @@ Byte-identity with llama.cpp's own quantizer on the same float32 input is in tes
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,9 +14,9 @@ from gguf import quants
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from runtime_helpers import Converted
 
 import qwen_runtime
-from qwen_convert.convert import convert
 from qwen_convert.quantize import encode_rows
 from qwen_convert.verify import verify_against
 from qwen_runtime.formats import open_model_files
@@ -37,10 +36,9 @@ def test_encoding_is_gguf_quants(qtype: QType, x: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("dtype", WRITTEN)
-def test_npy_and_gguf_hold_the_same_blocks_and_verify(tmp_path: Path, dtype: str) -> None:
+def test_npy_and_gguf_hold_the_same_blocks_and_verify(converted: Converted, dtype: str) -> None:
     qtype = WRITTEN[dtype]
-    npy_out = convert(fixture("qwen3-tiny"), tmp_path / dtype, "npy", dtype).output
-    gguf_out = convert(fixture("qwen3-tiny"), tmp_path / f"{dtype}.gguf", "gguf", dtype).output
+    npy_out, gguf_out = converted("qwen3-tiny", "npy", dtype), converted("qwen3-tiny", "gguf", dtype)
     npy, gguf = open_model_files(npy_out), open_model_files(gguf_out)
     manifest = json.loads((npy_out / "manifest.json").read_text())
     assert manifest["dtype"] == dtype

@@ -42,11 +42,6 @@ NAMES = ("qwen35-tiny", "qwen35-tiny-gqa", "qwen35-vl-tiny")
 ATOL = 1e-4  # a quantized model against the float32 model of its own dequantized weights
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Converted:
-    return Converted(tmp_path_factory.mktemp("qwen35-converted"))
-
-
 def with_tensors(files: ModelFiles, arrays: dict[str, np.ndarray]) -> Model:
     """A model of ``files`` whose named tensors are replaced by float32 arrays."""
     tensors = dict(files.tensors)
@@ -65,7 +60,7 @@ def quantized_names(files: ModelFiles) -> list[str]:
 @pytest.mark.parametrize("name", NAMES)
 def test_fp32_copy_matches_transformers(converted: Converted, name: str, fmt: str) -> None:
     ref = reference(name)
-    model = load(converted.get(name, fmt))
+    model = load(converted(name, fmt))
     if model.config.linear_num_value_heads > model.config.linear_num_key_heads:
         assert model.files.v_head_order == V_HEAD_TILED
     for i in range(3):
@@ -84,7 +79,7 @@ def test_fp32_copy_matches_transformers(converted: Converted, name: str, fmt: st
 @pytest.mark.parametrize("name", NAMES)
 def test_quantized_model_is_exact_for_its_weights(converted: Converted, name: str, fmt: str, dtype: str) -> None:
     prompt = reference(name)["prompt_2"][None]
-    files = open_model_files(converted.get(name, fmt, dtype))
+    files = open_model_files(converted(name, fmt, dtype))
     assert quantized_names(files), "expected some tensors stored in a quantized type"
     dequantized = with_tensors(files, {n: files.tensors[n].to_float32() for n in quantized_names(files)})
     np.testing.assert_allclose(Model(files, WeightStore(files)).logits(prompt), dequantized.logits(prompt),
@@ -94,13 +89,13 @@ def test_quantized_model_is_exact_for_its_weights(converted: Converted, name: st
 @pytest.mark.parametrize("name", NAMES)
 def test_quantized_types_stay_close_to_fp32(converted: Converted, name: str) -> None:
     prompt = reference(name)["prompt_2"][None]
-    fp32 = open_model_files(converted.get(name, "gguf"))
+    fp32 = open_model_files(converted(name, "gguf"))
     base = Model(fp32, WeightStore(fp32)).logits(prompt)[0]
     scale = float(np.abs(base).max())
-    fp16 = load(converted.get(name, "gguf", "fp16")).logits(prompt)[0]
+    fp16 = load(converted(name, "gguf", "fp16")).logits(prompt)[0]
     assert float(np.abs(fp16 - base).max()) <= 20 * 2.0**-11 * scale
 
-    q8 = open_model_files(converted.get(name, "gguf", "q8_0"))
+    q8 = open_model_files(converted(name, "gguf", "q8_0"))
     q8_error = float(np.abs(Model(q8, WeightStore(q8)).logits(prompt)[0] - base).max())
     twin_error = max(float(np.abs(rounding_twin(fp32, q8, seed).logits(prompt)[0] - base).max())
                      for seed in range(TWIN_DRAWS))
@@ -108,9 +103,9 @@ def test_quantized_types_stay_close_to_fp32(converted: Converted, name: str) -> 
 
 
 def test_converted_files_are_read_in_tiled_order(converted: Converted) -> None:
-    path: Path = converted.get("qwen35-tiny-gqa", "gguf")
+    path: Path = converted("qwen35-tiny-gqa", "gguf")
     assert open_model_files(path).v_head_order == V_HEAD_TILED
-    assert open_model_files(converted.get("qwen35-tiny-gqa", "hf")).v_head_order != V_HEAD_TILED
+    assert open_model_files(converted("qwen35-tiny-gqa", "hf")).v_head_order != V_HEAD_TILED
 
 
 def with_layers_swapped(src: Path, out: Path, a: int, b: int) -> Path:

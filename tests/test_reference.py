@@ -22,11 +22,6 @@ FAMILIES = ("qwen2-tiny", "deepseek-tiny", "qwen3-tiny", "qwen35-tiny", "qwen35-
 # same bound of the fixture's prompt_2.
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Converted:
-    return Converted(tmp_path_factory.mktemp("converted"))
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_equals_the_stored_transformers_logits(name: str) -> None:
     files, ref = open_model_files(fixture_dir(name)), reference(name)
@@ -39,7 +34,7 @@ def test_equals_the_stored_transformers_logits(name: str) -> None:
 @pytest.mark.parametrize("name", ["qwen2-tiny", "qwen3-tiny", "qwen35-tiny-gqa"])
 def test_equals_the_fast_path_on_the_same_file(name: str, fmt: str, dtype: str, converted: Converted) -> None:
     """Both read the same stored weights (a GGUF's tiled value heads, q8_0 blocks), so they agree to float32."""
-    path = converted.get(name, fmt, dtype)
+    path = converted(name, fmt, dtype)
     ref = reference(name)
     prompt = ref["prompt_2"]
     check_rows(load(path).logits(prompt[None])[0], forward(open_model_files(path), prompt), ref["bound_2"],

@@ -17,8 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from convert_helpers import qwen2_shapes
-from runtime_helpers import FIXTURES, convert, converter_available, fixture_dir
+from runtime_helpers import FIXTURES, Converted
 from safetensors.numpy import save_file
+
+from qwen_convert.convert import convert
 
 ALLOWED_GROWTH_MB = 24  # tile buffer, activations, logits, KV cache of this small run, allocator slack
 
@@ -81,9 +83,7 @@ def random_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[P
 @pytest.mark.parametrize("kind", ["fp32", "fp16", "q8_0"])
 def test_anonymous_memory_stays_bounded(random_models, tmp_path: Path, kind: str) -> None:
     if kind == "q8_0":
-        if not converter_available():
-            pytest.skip("qwen_convert is not available yet")
-        path = convert(random_models["fp32"][0], tmp_path / "q8.gguf", "gguf", "q8_0")
+        path = convert(random_models["fp32"][0], tmp_path / "q8.gguf", "gguf", "q8_0").output
         weights_mb = path.stat().st_size / 2**20
     else:
         path, nbytes = random_models[kind]
@@ -103,7 +103,7 @@ def compiled_signatures() -> dict[str, int]:
 
 
 @pytest.mark.parametrize("family", ["qwen2-tiny", "qwen3-tiny", "qwen35-tiny", "qwen2-tiny:q8_0", "qwen35-tiny:q4_k_m"])
-def test_generation_compiles_nothing_after_load(tmp_path: Path, family: str) -> None:
+def test_generation_compiles_nothing_after_load(converted: Converted, family: str) -> None:
     """Every compiled function a generation calls was compiled (or read from numba's cache) while the model
     loaded: a batch of ragged prompts, its prefill and its decode steps add no new signature.  A new one would be
     compiled inside the first prompt, and LLVM's tens of MiB of anonymous memory would land in generation (the
@@ -113,10 +113,7 @@ def test_generation_compiles_nothing_after_load(tmp_path: Path, family: str) -> 
     from qwen_runtime.generate import Generation
 
     name, _, dtype = family.partition(":")
-    path = fixture_dir(name)
-    if dtype:
-        path = convert(path, tmp_path / "model.gguf", "gguf", dtype)
-    model = load(path, kernels="numba")
+    model = load(converted(name, "gguf" if dtype else "hf", dtype or "fp32"), kernels="numba")
     loaded = compiled_signatures()
     for prompts in ([list(range(1, 40)), list(range(5, 12))], [list(range(3, 20))]):
         for _ in Generation(model, prompts, GenerationConfig(max_new_tokens=3, prefill_chunk=16)):

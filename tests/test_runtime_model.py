@@ -21,17 +21,12 @@ from qwen_runtime.generate import left_pad
 FORMATS = ("hf", "npy", "gguf")
 
 
-@pytest.fixture(scope="session")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Converted:
-    return Converted(tmp_path_factory.mktemp("converted"))
-
-
 @pytest.fixture(scope="module", params=[(n, f, "numpy") for n in DENSE_FAMILIES for f in FORMATS]
                 + [(n, "gguf", "numba") for n in DENSE_FAMILIES], ids=lambda p: "-".join(p))
 def model_and_ref(request: pytest.FixtureRequest, converted: Converted):
     """Each family from each format with the numpy kernels, and from GGUF with the compiled twins too."""
     name, fmt, kernels = request.param
-    return use_kernels(load(converted.get(name, fmt)), kernels), reference(name)
+    return use_kernels(load(converted(name, fmt)), kernels), reference(name)
 
 
 def greedy_decode(model, prompt: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
@@ -107,10 +102,10 @@ def test_quantized_types_stay_close_to_fp32(converted: Converted, name: str, fmt
     """
     ref = reference(name)
     prompt = ref["prompt_2"][None]
-    base = load(converted.get(name, "hf")).logits(prompt)[0]
+    base = load(converted(name, "hf")).logits(prompt)[0]
     scale = float(np.abs(base).max())
     for dtype, rel in (("fp16", 15 * 2.0**-11), ("q8_0", 15 / 254)):
-        got = load(converted.get(name, fmt, dtype)).logits(prompt)[0]
+        got = load(converted(name, fmt, dtype)).logits(prompt)[0]
         assert float(np.abs(got - base).max()) <= rel * scale, dtype
         top2 = np.sort(base, axis=-1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > 2 * rel * scale
@@ -151,7 +146,7 @@ def test_prefill_scratch_is_released_before_decoding(converted: Converted, monke
     On one thread the buffers are exactly those of the first step.  In the pool, which helper claims which tile
     depends on timing, but no thread ever needs more than the single thread that runs every task.
     """
-    path = converted.get("qwen2-tiny", "gguf", "q8_0")
+    path = converted("qwen2-tiny", "gguf", "q8_0")
     pooled = load(path, kernels="numpy")  # the compiled kernels decode steps need no tile scratch
     monkeypatch.setattr(pool, "default_threads", lambda: 1)
     alone = load(path, kernels="numpy")
@@ -163,7 +158,7 @@ def test_prefill_scratch_is_released_before_decoding(converted: Converted, monke
 
 def test_chunked_passes_keep_scratch_until_told(converted: Converted) -> None:
     """Chunks of one prompt (and a server's prefill steps) keep the scratch; a pass with the default drops it."""
-    model = load(converted.get("qwen2-tiny", "gguf", "q8_0"), kernels="numpy")  # whose tiles are scratch
+    model = load(converted("qwen2-tiny", "gguf", "q8_0"), kernels="numpy")  # whose tiles are scratch
     cache = model.make_cache(1, 24)
     model.forward(np.arange(1, 9)[None], cache, last_only=True, release_scratch=False)
     kept = model.workspace.nbytes

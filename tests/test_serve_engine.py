@@ -18,11 +18,6 @@ SlotCache = pytest.importorskip("qwen_serve.slots", reason="qwen_serve needs the
 PrefixCache = pytest.importorskip("qwen_serve.prefix_cache").PrefixCache
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Converted:
-    return Converted(tmp_path_factory.mktemp("serve-converted"))
-
-
 def decode_logits(model: Model, prompts: list[list[int]], steps: int) -> np.ndarray:
     """Prefill each prompt in a row of its own, then decode all rows together greedily.  # -> [steps, B, V]"""
     slots = SlotCache(model, len(prompts), 64)
@@ -49,7 +44,7 @@ def decode_logits(model: Model, prompts: list[list[int]], steps: int) -> np.ndar
 ])
 def test_a_row_decodes_the_same_alone_and_among_others(converted: Converted, family: str, fmt: str,
                                                        dtype: str, kernels: str) -> None:
-    model = use_kernels(qwen_runtime.load(converted.get(family, fmt, dtype)), kernels)
+    model = use_kernels(qwen_runtime.load(converted(family, fmt, dtype)), kernels)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.config.vocab_size, int(rng.integers(2, 30))).tolist() for _ in range(9)]
     together = decode_logits(model, prompts, 6)

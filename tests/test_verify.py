@@ -14,6 +14,7 @@ import pytest
 from convert_helpers import ALL_FIXTURES, fixture
 from gguf import GGUFValueType, TokenType
 from hostile_helpers import RawGGUF
+from runtime_helpers import Converted
 
 from qwen_convert.cli import convert_main, inspect_main
 from qwen_convert.convert import convert
@@ -31,21 +32,6 @@ from qwen_runtime.tensors import Q8_0_DTYPE, to_float32
 
 convert_module = importlib.import_module("qwen_convert.convert")
 DTYPES = ("fp32", "fp16", "q8_0")
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str, str], Path]:
-    """Conversions of the fixtures, made once per module."""
-    root = tmp_path_factory.mktemp("verify")
-    cache: dict[tuple[str, str, str], Path] = {}
-
-    def get(name: str, fmt: str, dtype: str) -> Path:
-        if (name, fmt, dtype) not in cache:
-            out = root / (f"{name}-{dtype}" + (".gguf" if fmt == "gguf" else ""))
-            cache[name, fmt, dtype] = convert(fixture(name), out, fmt, dtype).output
-        return cache[name, fmt, dtype]
-
-    return get
 
 
 def copy_of(path: Path, tmp_path: Path) -> Path:
@@ -359,23 +345,6 @@ FAULT_CASES = [("bundled", "q8_0"), ("bundled", "fp16"), ("qwen2-tiny", "fp32"),
                ("qwen3-tiny", "q8_0"), ("qwen35-tiny", "fp32"), ("qwen35-tiny-gqa", "fp32")]
 
 
-def source_dir(name: str) -> Path:
-    return bundled_model_path() if name == "bundled" else fixture(name)
-
-
-@pytest.fixture(scope="module")
-def correct(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
-    root = tmp_path_factory.mktemp("faults")
-    cache: dict[tuple[str, str], Path] = {}
-
-    def get(name: str, dtype: str) -> Path:
-        if (name, dtype) not in cache:
-            cache[name, dtype] = convert(source_dir(name), root / f"{name}-{dtype}.gguf", "gguf", dtype).output
-        return cache[name, dtype]
-
-    return get
-
-
 def apply_fault(path: Path, fault: str, source: Path) -> None:
     """Edit a GGUF in place: scale blk.1.ffn_down, swap the rotary halves of query head 0 (of the first
     full-attention layer), or add 1 to blk.1.attn_norm."""
@@ -405,25 +374,26 @@ def apply_fault(path: Path, fault: str, source: Path) -> None:
         rows.flush()
 
 
-def test_a_correct_conversion_of_trained_weights_passes_with_margin(correct) -> None:
-    check = behaviour_alone(correct("bundled", "q8_0"), bundled_model_path(), "q8_0")
+def test_a_correct_conversion_of_trained_weights_passes_with_margin(converted: Converted) -> None:
+    check = behaviour_alone(converted("bundled", "gguf", "q8_0"), bundled_model_path(), "q8_0")
     assert check.ok and check.mean_kl <= check.thresholds.mean_kl / 2 and check.max_kl <= check.thresholds.max_kl / 2
 
 
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize(("name", "dtype"), FAULT_CASES, ids=[f"{n}-{d}" for n, d in FAULT_CASES])
-def test_fault_fails_on_behaviour_alone(correct, tmp_path: Path, name: str, dtype: str, fault: str) -> None:
-    bad = copy_of(correct(name, dtype), tmp_path)
-    apply_fault(bad, fault, source_dir(name))
-    check = behaviour_alone(bad, source_dir(name), dtype)
+def test_fault_fails_on_behaviour_alone(converted: Converted, tmp_path: Path, name: str, dtype: str,
+                                        fault: str) -> None:
+    bad = copy_of(converted(name, "gguf", dtype), tmp_path)
+    apply_fault(bad, fault, converted(name, "hf"))
+    check = behaviour_alone(bad, converted(name, "hf"), dtype)
     assert not check.ok, check.summary()
 
 
 @pytest.mark.parametrize("name", ["qwen35-tiny", "qwen35-tiny-gqa"])
-def test_norm_fault_in_qwen35_q8_0_fails_on_behaviour_alone(correct, tmp_path: Path, name: str) -> None:
-    good = behaviour_alone(correct(name, "q8_0"), fixture(name), "q8_0")
+def test_norm_fault_in_qwen35_q8_0_fails_on_behaviour_alone(converted: Converted, tmp_path: Path, name: str) -> None:
+    good = behaviour_alone(converted(name, "gguf", "q8_0"), fixture(name), "q8_0")
     assert good.ok
-    bad = copy_of(correct(name, "q8_0"), tmp_path)
+    bad = copy_of(converted(name, "gguf", "q8_0"), tmp_path)
     apply_fault(bad, "norm +1", fixture(name))
     assert not behaviour_alone(bad, fixture(name), "q8_0").ok
 
