@@ -35,7 +35,7 @@ it:
   0.42-2.17 max on the bundled model and the Qwen2 and Qwen3.5 fixtures). Types we do not write (llama.cpp's
   K-quant and IQ4 files) get the q4_0 floors and a twin whose grid has 2^floor(bits per weight) - 1 steps
   over each 32 values' span (:func:`_generic_levels`), an approximation of their sub-block grids.
-* What fails on behaviour alone (tests/test_verify.py): one matrix scaled by 1.25, the rotary halves of one
+* What fails on behaviour alone (tests/convert/test_verify.py): one matrix scaled by 1.25, the rotary halves of one
   query head's rows swapped and one layer's norm off by +1, on the bundled trained model (q8_0, fp16), the Qwen2
   and Qwen3 fixtures (fp32, q8_0) and the Qwen3.5 fixtures (fp32; at q8_0 their own rounding moves the probe as
   much as a swapped head or a 1.25 scale, mean KL 1.7e-2..3.8e-2 vs 3.1e-2..1.1e-1, so there only the norm

@@ -4,9 +4,9 @@ Each chunk is widened to float32 (``[rows, n]``) and encoded to the output type'
 (``[rows, row bytes]``), so memory scales with the chunk, never with the tensor.  The Q8_0 kernel gives
 exactly the bytes of ``gguf.quants.quantize`` (llama.cpp's reference) with fewer temporaries; Q4_0, Q4_1, Q5_0
 and Q5_1 are ``gguf.quants.quantize`` itself, which gives the bytes of llama.cpp's quantizer
-(tests/test_convert_quantize.py and tests/test_quant_writers.py check both).  The K-quants and IQ4 types are
+(tests/convert/: test_convert_quantize.py and test_quant_writers.py check both).  The K-quants and IQ4 types are
 :mod:`qwen_convert.kquant_encode` and :mod:`qwen_convert.iq4_encode`, llama.cpp's searches re-done in float32
-(tests/test_kquant_writers.py).
+(tests/convert/test_kquant_writers.py).
 """
 
 from __future__ import annotations

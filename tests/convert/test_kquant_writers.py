@@ -36,7 +36,7 @@ from qwen_convert.quantize import SEARCHED, encode_rows, stream_rows
 from qwen_runtime.quants import CODECS
 from qwen_runtime.tensors import QType
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "qwen3-tiny"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3-tiny"
 K_TYPES = (QType.Q4_K, QType.Q6_K, QType.Q5_K, QType.Q3_K, QType.Q2_K, QType.IQ4_NL, QType.IQ4_XS)
 # llama_model_quantize file type whose --pure files hold each type
 PURE_FTYPE = {QType.Q2_K: "Q2_K", QType.Q3_K: "Q3_K_M", QType.Q4_K: "Q4_K_M", QType.Q5_K: "Q5_K_M",

@@ -1,6 +1,6 @@
 """The 4- and 5-bit writers (``--dtype q4_0, q4_1, q5_0, q5_1``): gguf-py's bytes, npy = GGUF, verified outputs.
 
-Byte-identity with llama.cpp's own quantizer on the same float32 input is in tests/test_quant_interop.py.
+Byte-identity with llama.cpp's own quantizer on the same float32 input is in tests/interop/test_quant_interop.py.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from qwen_runtime.formats import open_gguf
 from qwen_runtime.quants import codec
 from qwen_runtime.tensors import QType
 
-BUNDLED = Path(__file__).resolve().parents[1] / "qwen_runtime" / "assets" / "qwen3-stdlib"
+BUNDLED = Path(__file__).resolve().parents[2] / "qwen_runtime" / "assets" / "qwen3-stdlib"
 
 
 def _importance(vectors: dict[str, np.ndarray]) -> Importance:

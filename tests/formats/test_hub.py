@@ -29,7 +29,7 @@ from qwen_runtime import cli, eval_cli, load
 from qwen_runtime.errors import FormatError, ModelNotFoundError
 from qwen_runtime.hub import HubId, model_name, parse_hub_id, resolve_model
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 QWEN2 = FIXTURES / "qwen2-tiny"  # two shards and an index
 QWEN3 = FIXTURES / "qwen3-tiny"  # one model.safetensors
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40

@@ -8,7 +8,7 @@ import pytest
 
 from qwen_runtime import chat_format, generate, load
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 @pytest.fixture(scope="module", params=["qwen35-tiny", "qwen35-vl-tiny"])

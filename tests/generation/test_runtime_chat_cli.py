@@ -19,7 +19,7 @@ from qwen_convert.demo import MissingAssetError, bundled_model_path
 from qwen_runtime import chat_format, cli, load, stream
 from qwen_runtime.errors import EXIT_CODES, ContextOverflowError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_history_reset_and_exit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,7 @@ from qwen_runtime.formats import ModelFiles
 from qwen_runtime.formats.gguf_parse import SCALAR_FORMATS
 from qwen_runtime.formats.npy_dir import read_npy_header
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def copy_fixture(name: str, dest: Path) -> Path:

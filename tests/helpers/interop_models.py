@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from shared_data import MODEL_CONFIGS, tokenizer_json
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 QWEN35_TEMPLATE_SOURCE = REPO_ROOT / "tests" / "fixtures" / "qwen35-tiny" / "tokenizer_config.json"
 
 BASE_SEED = 20250611
@@ -271,7 +271,7 @@ def build_all(out: Path, names: list[str] | None = None) -> dict[str, Path]:
 # ------------------------------------------------------------------------------------- quantization models
 
 FIXTURE_TOKENIZER = REPO_ROOT / "tests" / "fixtures" / "qwen3-tiny"
-# Models for llama.cpp's quantizer (tests/test_quant_interop.py): head_dim 128 (transformers' GGUF loader
+# Models for llama.cpp's quantizer (tests/interop/test_quant_interop.py): head_dim 128 (transformers' GGUF loader
 # assumes it for qwen3), the fixtures' small tokenizer (llama.cpp's quantizer and runtime do not need a
 # pre-tokenizer hash, only its converter does).  "qwen3": every row length a multiple of 256, so K-quants are
 # used everywhere; "qwen2": hidden 384 (not a multiple of 256), untied, biases, so mixtures fall back to
@@ -305,7 +305,7 @@ def build_quant_model(name: str, out: Path) -> Path:
 
 # ------------------------------------------------------------------------------------------------ mix models
 
-# Models for llama.cpp's per-tensor type choice (tests/test_quant_mixes.py): enough layers for the per-layer bumps
+# Models for llama.cpp's per-tensor type choice (tests/convert/test_quant_mixes.py): enough layers for the layer bumps
 # (use_more_bits, the first eighth / sixteenth, the first 2 / 4 attn_v), query groups on both sides of llama.cpp's
 # threshold of 4, tied and untied heads.  "qwen2-odd" has rows of 384 (K-quants fall back to their 32-value twin)
 # and an intermediate size of 200 (ffn_down rows fit no block: F16); "qwen35-mix" has ssm_out rows of 384 (6 value

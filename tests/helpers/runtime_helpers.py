@@ -11,7 +11,7 @@ from qwen_convert.convert import convert, verify_written_checksums
 from qwen_convert.demo import bundled_model_path
 from qwen_runtime.models import Model
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DENSE_FAMILIES = ("qwen2-tiny", "qwen3-tiny", "deepseek-tiny")
 
 

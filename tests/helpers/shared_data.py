@@ -10,7 +10,7 @@ from pathlib import Path
 
 from real_tokenizers import tokenizer_json, tokenizers_dir
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 MODEL_CONFIGS = DATA / "model-configs"
 
 __all__ = ["DATA", "MODEL_CONFIGS", "tokenizer_json", "tokenizers_dir"]

@@ -1,4 +1,4 @@
-"""Interoperability with llama.cpp, both directions, on full-vocabulary tiny models (tests/interop_models.py).
+"""Interoperability with llama.cpp, both directions, on full-vocabulary tiny models (tests/helpers/interop_models.py).
 
 * Our GGUF in llama.cpp: loads without new warnings, tokenizes like ``tokenizers`` on the source
   tokenizer.json, gives our runtime's logits and greedy tokens, carries the same chat template.
@@ -86,7 +86,7 @@ SSM_A_MAX_ULPS = 4
 
 
 def repo_root() -> Path:
-    return Path(__file__).resolve().parents[1]
+    return Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ from qwen_runtime.formats.gguf_parse import parse_gguf
 from qwen_runtime.models import Model, WeightStore
 from qwen_runtime.tensors import QType, StoredTensor
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 NAMES = ("qwen35-tiny", "qwen35-tiny-gqa", "qwen35-vl-tiny")
 ATOL = 1e-4  # a quantized model against the float32 model of its own dequantized weights
 

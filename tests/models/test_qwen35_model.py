@@ -16,7 +16,7 @@ from runtime_helpers import KERNELS, use_kernels
 
 from qwen_runtime.models import Model, build_model, qwen35
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 QWEN35_FIXTURES = ["qwen35-tiny", "qwen35-tiny-gqa", "qwen35-vl-tiny"]
 # Comparisons with transformers use its float64 logits and the float32 error bound of float_error.py: 1e-4, or
 # more where a random fixture amplifies rounding beyond it (qwen35-vl-tiny's greedy step 3, ~20x).

@@ -23,7 +23,7 @@ from qwen_runtime.errors import ResourceLimitError
 from qwen_serve import create_app
 from qwen_serve.slots import SlotCache
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GREEDY = {"temperature": 0.0}
 
 
