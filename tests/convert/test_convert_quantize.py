@@ -97,6 +97,7 @@ def _rss_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
+@pytest.mark.slow
 def test_streaming_releases_source_pages(tmp_path) -> None:
     """Read pages of the memory-mapped source do not pile up in RSS (64 MiB source, bf16 -> Q8_0)."""
     path = tmp_path / "big.bin"

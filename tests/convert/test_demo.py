@@ -84,6 +84,7 @@ def test_inspect_summary_orders_the_dtypes(tmp_path: Path) -> None:
         assert fp16.rmse < q8.rmse and q8.min_cosine > 0.999
 
 
+@pytest.mark.slow
 def test_completion_in_a_fresh_process_equals_in_process() -> None:
     path = fixture_dir("qwen3-tiny")
     here = complete(path, "def ", 6)
@@ -141,6 +142,7 @@ def test_calibration_text_leaves_out_modules_in_the_evaluation_text() -> None:
     assert not {line for line in evaluation.splitlines() if len(line.strip()) > 40} & set(calibration.splitlines())
 
 
+@pytest.mark.slow
 def test_kquant_outputs_without_and_with_an_imatrix_are_reused(tmp_path: Path) -> None:
     from qwen_convert.demo import KQUANT_MIXES, prepare_kquant_outputs
     from qwen_runtime.formats.gguf_parse import parse_gguf

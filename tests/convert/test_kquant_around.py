@@ -26,6 +26,8 @@ from qwen_runtime.formats import open_model_files
 from qwen_runtime.formats.gguf_parse import parse_gguf
 from qwen_runtime.tensors import QType
 
+pytestmark = pytest.mark.slow  # K-quant conversions of a 256-wide model in nearly every test
+
 K_TYPES = {QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS}
 MIXES = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs")
 PURE = {"q2_k": QType.Q2_K, "q3_k_m": QType.Q3_K, "q4_k_m": QType.Q4_K, "q5_k_m": QType.Q5_K, "q6_k": QType.Q6_K,

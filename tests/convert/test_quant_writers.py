@@ -35,6 +35,7 @@ def test_encoding_is_gguf_quants(qtype: QType, x: np.ndarray) -> None:
     assert np.array_equal(CODECS[qtype].reference(encoded), quants.dequantize(encoded, qtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", WRITTEN)
 def test_npy_and_gguf_hold_the_same_blocks_and_verify(converted: Converted, dtype: str) -> None:
     qtype = WRITTEN[dtype]

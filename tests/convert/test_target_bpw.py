@@ -126,6 +126,7 @@ def test_plan_keeps_llama_cpp_constraints(model: str) -> None:
     assert all(q == QType.Q8_0 for n, q in forced.items() if "ffn_down" in n)
 
 
+@pytest.mark.slow
 def test_cli_writes_the_planned_types_and_reports_bpw(tmp_path: Path, capsys) -> None:
     out = tmp_path / "m.gguf"
     assert convert_main([str(BUNDLED), "-o", str(out), "--target-bpw", "5.0"]) == 0

@@ -79,6 +79,7 @@ def first_failure(path: Path, source: str, behaviour: bool = False) -> str:
 
 # --- correct conversions pass ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ALL_FIXTURES)
 def test_correct_gguf_of_every_family_and_type_verifies(converted, name: str, dtype: str) -> None:
@@ -124,6 +125,7 @@ def test_npy_in_hf_value_head_order_verifies(tmp_path: Path, monkeypatch) -> Non
 
 # --- broken conversions fail, naming the cause ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_norm_offset_applied_twice_is_caught(converted, tmp_path: Path) -> None:
     bad = copy_of(converted("qwen35-tiny", "gguf", "fp32"), tmp_path)
     edit_f32(bad, "blk.1.attn_norm.weight", lambda w: w + 1)
@@ -134,6 +136,7 @@ def test_norm_offset_applied_twice_is_caught(converted, tmp_path: Path) -> None:
     assert "first divergence at layer 1 (blk.1.*)" in report.behaviour.failure
 
 
+@pytest.mark.slow
 def test_value_heads_in_the_wrong_order_are_caught(tmp_path: Path, monkeypatch) -> None:
     # The bug of GGUFs made before llama.cpp tiled the value heads: HF's grouped order under a tiled file.
     monkeypatch.setattr(convert_module, "open_source", lambda src: open_hf_dir(src, v_head_order=V_HEAD_GROUPED))
@@ -379,6 +382,7 @@ def test_a_correct_conversion_of_trained_weights_passes_with_margin(converted: C
     assert check.ok and check.mean_kl <= check.thresholds.mean_kl / 2 and check.max_kl <= check.thresholds.max_kl / 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize(("name", "dtype"), FAULT_CASES, ids=[f"{n}-{d}" for n, d in FAULT_CASES])
 def test_fault_fails_on_behaviour_alone(converted: Converted, tmp_path: Path, name: str, dtype: str,

@@ -17,6 +17,8 @@ from qwen_runtime.chat import load_chat_format
 from qwen_runtime.errors import FormatError, TemplateError
 from qwen_runtime.formats import open_gguf
 
+pytestmark = pytest.mark.slow  # hypothesis: QWEN_FUZZ_EXAMPLES mutated files per test
+
 SOURCES = (("qwen3-tiny", "fp32"), ("qwen35-tiny", "q8_0"), ("qwen2-tiny", "q4_0"))
 
 

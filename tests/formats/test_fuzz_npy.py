@@ -19,6 +19,8 @@ from qwen_runtime.errors import FormatError
 from qwen_runtime.formats import open_npy_dir
 from qwen_runtime.formats.npy_dir import MANIFEST_NAME
 
+pytestmark = pytest.mark.slow  # hypothesis: QWEN_FUZZ_EXAMPLES mutated files per test
+
 MANIFEST_VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-2**65, 2**65), st.text(max_size=12),
     st.sampled_from(["../x.npy", "/etc/passwd", "config.json", MANIFEST_NAME, "F32", "Q8_0", "BF16", "Q4_0", "Q5_1",

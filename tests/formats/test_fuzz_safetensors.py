@@ -17,6 +17,8 @@ from qwen_runtime.errors import FormatError
 from qwen_runtime.formats import open_hf_dir
 from qwen_runtime.formats.base import V_HEAD_GROUPED, V_HEAD_TILED
 
+pytestmark = pytest.mark.slow  # hypothesis: QWEN_FUZZ_EXAMPLES mutated files per test
+
 SHARD = "model.safetensors"
 ORDERS = st.sampled_from([V_HEAD_GROUPED, V_HEAD_TILED])
 JSON_VALUES = st.recursive(

@@ -249,6 +249,7 @@ HOSTILE_SIZES = {  # what each file cost before numeric arrays stayed in the map
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HOSTILE_SIZES))
 def test_parsing_a_hostile_file_costs_at_most_its_size_plus_32_mib(name: str, tmp_path: Path) -> None:
     path = tmp_path / "hostile.gguf"

@@ -170,6 +170,7 @@ def test_an_existing_path_beats_an_id_of_the_same_spelling(hub) -> None:
     assert load("org/qwen2-tiny").config.arch == load(QWEN3).config.arch
 
 
+@pytest.mark.slow
 def test_conversion_from_an_id_equals_the_one_from_the_path(hub, tmp_path: Path, capsys) -> None:
     add_snapshot(hub.cache, "org/qwen2-tiny", fixture_files(QWEN2))
     for source, out in (("org/qwen2-tiny", "from-id"), (str(QWEN2), "from-path")):

@@ -75,6 +75,7 @@ def test_greedy_samples_of_the_card(model: Model, card: str, index: int) -> None
     assert tokenizer.decode(ids + new, skip_special=False) == expected
 
 
+@pytest.mark.slow
 def test_heldout_perplexity_of_the_card(model: Model, card: str, path: Path) -> None:
     """Non-overlapping 256-token windows (remainder dropped), each scored from an empty cache at positions
     1..255. The card gives the mean NLL to 4 decimals; float32 vs the card's float32 run differs by ~1e-6."""

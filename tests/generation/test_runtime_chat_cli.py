@@ -44,6 +44,7 @@ def test_history_reset_and_exit(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.CHAT_HELP in text and "(conversation cleared)" in text and text.count("> ") == 6
 
 
+@pytest.mark.slow
 def test_end_of_input_quits() -> None:
     proc = subprocess.run([sys.executable, "-m", "qwen_runtime.cli", str(fixture_dir("qwen3-tiny")), "--chat",
                            "--max-new-tokens", "2"], input="hello\n", capture_output=True, text=True, timeout=120,
@@ -52,6 +53,7 @@ def test_end_of_input_quits() -> None:
     assert proc.stdout.count("> ") == 2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs POSIX signals")
 def test_ctrl_c_stops_the_reply_not_the_program() -> None:
     proc = subprocess.Popen([sys.executable, "-u", "-m", "qwen_runtime.cli", str(fixture_dir("qwen35-tiny")), "--chat",

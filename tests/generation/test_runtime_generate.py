@@ -26,6 +26,7 @@ def run_ids(model, prompts, steps, stop=frozenset()):
     return gen.run()
 
 
+@pytest.mark.slow
 def test_batch_equals_solo_and_finished_rows_stop(model) -> None:
     prompts = [chat_format(model).encode_prompt(p) for p in PROMPTS]
     solo = [run_ids(model, [p], 8)[0].token_ids for p in prompts]

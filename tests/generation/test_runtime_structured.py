@@ -35,6 +35,7 @@ def vocab() -> tuple[Tokenizer, Vocabulary]:
     return tok, Vocabulary(tok, 151936)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(SCHEMAS)))
 def test_random_walks_always_end_in_valid_json(vocab, index: int) -> None:
     tok, words = vocab

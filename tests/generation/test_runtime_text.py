@@ -48,6 +48,7 @@ def gguf_metadata(tokenizer_json: Path, vocab_size: int, pre: str) -> dict:
             "tokenizer.ggml.token_type": [types.get(i, 5) for i in range(vocab_size)]}
 
 
+@pytest.mark.slow
 def test_gguf_rebuilt_tokenizer_matches_tokenizer_json(real_tokenizer: Tokenizer) -> None:
     rebuilt = Tokenizer.from_gguf_metadata(gguf_metadata(tokenizer_json("qwen2_qwen3"), 151936, "qwen2"), "meta")
     for text in TEXTS:
@@ -163,6 +164,7 @@ def test_template_helpers() -> None:
     assert out == '{"a": "é"} 4'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2_qwen3", "qwen3_5"])
 def test_encoding_in_pieces_equals_encoding_whole(name: str) -> None:
     """Cut points never split a token (real Qwen tokenizers, texts full of cuts, marks and special tokens);

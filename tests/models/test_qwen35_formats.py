@@ -146,6 +146,7 @@ def test_any_layer_pattern_round_trips_through_gguf(tmp_path: Path) -> None:
     assert verify_against(out, src).ok
 
 
+@pytest.mark.slow
 @pytest.mark.oracle
 def test_any_layer_pattern_matches_transformers(tmp_path: Path) -> None:
     pytest.importorskip("torch")

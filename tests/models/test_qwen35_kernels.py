@@ -181,6 +181,7 @@ def hf():
     return modeling_qwen3_5
 
 
+@pytest.mark.slow
 @pytest.mark.oracle
 @pytest.mark.parametrize("t", [1, 5, 130])
 def test_delta_rule_matches_transformers(hf, t: int) -> None:

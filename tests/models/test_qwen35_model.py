@@ -165,6 +165,7 @@ def test_prefill_split_into_tasks(model: Model, monkeypatch: pytest.MonkeyPatch)
 # --- live transformers oracle ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.oracle
 def test_long_prompt_matches_live_transformers(name: str, model: Model) -> None:
     pytest.importorskip("torch")
@@ -173,6 +174,7 @@ def test_long_prompt_matches_live_transformers(name: str, model: Model) -> None:
     check_rows(model.logits(prompt[None]), want, bound, "140-token prompt")
 
 
+@pytest.mark.slow
 @pytest.mark.oracle
 def test_padded_batch_matches_live_transformers(name: str, model: Model) -> None:
     pytest.importorskip("torch")

@@ -188,6 +188,7 @@ def test_numba_thread_pool_never_starts() -> None:
     assert not parallel._is_initialized
 
 
+@pytest.mark.slow
 def test_numba_set_up_without_scipy_linalg() -> None:
     """A process that loads a compiled kernel never imports SciPy's linear algebra (qwen_runtime.jit_setup), and
     numba's BLAS probe reads as it would have, so numba's np.dot still compiles and agrees with numpy."""

@@ -35,7 +35,7 @@ from qwen_serve.cli import main as serve_main  # noqa: E402
 from qwen_serve.ray_app import REPLICA_HEADER, build, deployment  # noqa: E402
 
 # Ray Serve's own models trip pydantic's deprecation warnings: not ours to fix.
-pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -145,6 +145,7 @@ def streamed_tokens(client, prompt: str, max_tokens: int) -> tuple[str, list[tup
     return "".join(text), tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3-tiny", "qwen35-tiny"])
 def test_sixteen_concurrent_streams_equal_their_solo_runs(family: str) -> None:
     """Greedy tokens and their logprobs (bit for bit) alone and among 15 others: the batch is row-invariant."""
@@ -529,6 +530,7 @@ def test_cli_errors_are_one_line_with_the_exit_code(tmp_path) -> None:
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("qwen-serve: error:")
 
 
+@pytest.mark.slow
 def test_cli_banner_api_key_from_the_environment_and_a_busy_port(tmp_path) -> None:
     """The banner says what runs where; QWEN_API_KEY guards /v1; a busy port is exit code 1 in one line, before
     the model loads (uvicorn's own startup failure was 3, README's code for an unsupported architecture)."""
@@ -673,6 +675,7 @@ PERSON = {"type": "object", "properties": {
     "required": ["name", "age", "role", "address"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3-tiny", "qwen35-tiny"])
 def test_response_format_json_on_random_weights(family: str) -> None:
     """Every answer parses and validates, sampled hot from random weights, thinking on and off, streamed or
