@@ -25,7 +25,7 @@ from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_BYTES
 from .batch import FAILED, Job, JobResult, VerifierFactory, run_job
 from .convert import open_source, remove_path, temp_path
 from .policy import TensorSpec
-from .probe import probe_ids
+from .verify.behaviour import probe_ids
 
 MiB = 1 << 20
 
