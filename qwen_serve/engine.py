@@ -264,7 +264,8 @@ class Engine:
         fails, :meth:`submit` raises :class:`EngineStoppedError` and ``/health`` reports the error."""
         while True:
             try:
-                self._loop()
+                with self.ws.keep_scratch():  # prefill steps between decode steps: regrowing it costs page faults
+                    self._loop()
                 self._abandon_all("the server is shutting down")
                 return
             except Exception as exc:
@@ -283,18 +284,17 @@ class Engine:
                 self._abandon_in_flight(f"internal error: {message}")
 
     def _loop(self) -> None:
-        with self.ws.keep_scratch():  # prefill steps between decode steps: regrowing the buffers costs page faults
-            while True:
-                with self._cond:
-                    while not (self._stopping or self._waiting or self._rows or self._prefill):
-                        self._cond.wait()
-                    if self._stopping:
-                        return
-                self._drop_cancelled()
-                self._prefill_chunks()
-                if self._rows:
-                    self._guarded(self._decode_step, list({id(r.job): r.job for r in self._rows}.values()))
-                self._deaths_in_a_row = 0
+        while True:
+            with self._cond:
+                while not (self._stopping or self._waiting or self._rows or self._prefill):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            self._drop_cancelled()
+            self._prefill_chunks()
+            if self._rows:
+                self._guarded(self._decode_step, list({id(r.job): r.job for r in self._rows}.values()))
+            self._deaths_in_a_row = 0
 
     def _guarded(self, step: Callable[[], None], jobs: list[Job]) -> None:
         """Run a step; if it raises in a way no single request explains, fail the jobs it touched, keep
