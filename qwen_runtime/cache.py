@@ -2,7 +2,9 @@
 
 A model's cache is a :class:`Cache`: one object per layer (made by the layer's mixer, so Qwen3.5's
 linear-attention layers hold a recurrent state where full-attention layers hold a :class:`KVCache`), plus
-per-row bookkeeping shared by all layers.
+per-row bookkeeping shared by all layers.  What a layer's cache holds is reported, before anything is
+allocated, as a :class:`CacheSize` (bytes per row and per token of a row) by the mixer that makes it; every
+memory estimate (``Model.make_cache``'s check, the generation limits, the server's admission) adds those.
 
 Batches are left-padded and *slot-aligned*: column ``s`` of every row's KV buffer holds the token fed at
 step ``s`` of the batch, padding included.  ``valid[b, s]`` says whether slot ``s`` of row ``b`` is a real
@@ -17,6 +19,7 @@ has no padding at all: each row keeps its own slots from 0, writes its new token
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
@@ -24,6 +27,26 @@ from typing import Protocol
 import numpy as np
 
 from .ops import rope_cos_sin
+
+
+@dataclass(frozen=True)
+class CacheSize:
+    """Bytes a cache holds for one batch row: ``row`` whatever its length (a recurrent state) plus ``token``
+    for each slot (keys and values)."""
+
+    row: int = 0
+    token: int = 0
+
+    def __add__(self, other: CacheSize) -> CacheSize:
+        return CacheSize(self.row + other.row, self.token + other.token)
+
+    def nbytes(self, batch: int, max_len: int) -> int:
+        """Bytes for ``batch`` rows of ``max_len`` slots."""
+        return batch * (self.row + self.token * max_len)
+
+    @staticmethod
+    def total(sizes: Iterable[CacheSize]) -> CacheSize:
+        return sum(sizes, CacheSize())
 
 
 class LayerCache(Protocol):
@@ -141,6 +164,11 @@ class KVCache:
         self.keys = np.zeros((batch, kv_heads, max_len, head_dim), np.float32)
         self.values = np.zeros((batch, kv_heads, max_len, head_dim), np.float32)
 
+    @staticmethod
+    def size(kv_heads: int, head_dim: int) -> CacheSize:
+        """What such a cache holds: float32 keys and values of every token."""
+        return CacheSize(token=2 * kv_heads * head_dim * np.dtype(np.float32).itemsize)
+
     @property
     def max_len(self) -> int:
         return self.keys.shape[2]
@@ -185,6 +213,8 @@ class KVCache:
 class Cache:
     """All layers' caches of a batch plus per-row bookkeeping (filled slots, real-token counts)."""
 
+    MASK = CacheSize(token=np.dtype(bool).itemsize)  # ``valid``: one flag per row and slot
+
     def __init__(self, layers: list[LayerCache], batch: int, max_len: int) -> None:
         self.layers = layers
         self.max_len = max_len
@@ -228,4 +258,5 @@ class Cache:
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        """Bytes of every layer's cache and of the validity mask."""
+        return sum(layer.nbytes for layer in self.layers) + self.valid.nbytes

@@ -20,7 +20,7 @@ from . import Generation, Model, SamplingParams, chat_format, encode_prompts, lo
 from .chat import fit_chat, reply_budget
 from .cli_support import HelpFormatter, add_machine_options, run_guarded
 from .errors import ContextOverflowError
-from .limits import parse_memory_size
+from .limits import format_bytes, parse_memory_size
 
 EPILOG = """\
 Where the prompt comes from: each -p and each -f FILE is one prompt (several make a batch, printed row by
@@ -89,8 +89,8 @@ def print_stats(gen: Generation, out: TextIO) -> None:
               f"({s.prefill_tokens_per_second:.1f} tok/s)\n")
     out.write(f"decode: {s.decoded_tokens} tokens in {s.decode_seconds:.2f} s "
               f"({s.decode_tokens_per_second:.1f} tok/s)\n")
-    out.write(f"memory: peak RSS {mem.get('VmHWM', 0) / 1024:.1f} MiB, "
-              f"anonymous RSS {mem.get('RssAnon', 0) / 1024:.1f} MiB\n")
+    out.write(f"memory: peak RSS {format_bytes(mem.get('VmHWM', 0) << 10)}, "
+              f"anonymous RSS {format_bytes(mem.get('RssAnon', 0) << 10)}\n")
     out.write(f"kernels: {ws.kernels}, {ws.threads} thread(s)\n")
 
 

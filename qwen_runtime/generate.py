@@ -17,7 +17,7 @@ import numpy as np
 
 from .cache import Cache
 from .errors import ContextOverflowError
-from .limits import check_memory, generation_bytes
+from .limits import activation_bytes, check_memory
 from .models import Model
 from .sampling import SamplingParams
 from .stepper import RowStepper
@@ -105,8 +105,9 @@ class Generation:
             raise ValueError("every prompt needs at least one token")
         check_prompt_fits(model, prompts, config.max_new_tokens)
         longest = max(len(p) for p in prompts) + config.max_new_tokens
-        check_memory(generation_bytes(model.config, len(prompts), longest, config.prefill_chunk), config.max_memory,
-                     f"generating {len(prompts)} rows of up to {longest} tokens")
+        rows = len(prompts)
+        need = model.cache_bytes(rows, longest) + activation_bytes(model.config, rows, longest, config.prefill_chunk)
+        check_memory(need, config.max_memory, f"generating {rows} rows of up to {longest} tokens")
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.results = [GenerationResult([int(t) for t in p]) for p in prompts]
         self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
@@ -134,10 +135,10 @@ class Generation:
         t0, t1 = time.perf_counter(), None
         try:  # the times are kept even when the caller stops early (Ctrl-C in a chat)
             cache = model.make_cache(ids.shape[0], ids.shape[1] + cfg.max_new_tokens, cfg.max_memory)
-            for c0 in range(0, ids.shape[1], cfg.prefill_chunk):
-                c1 = c0 + cfg.prefill_chunk
-                logits = model.forward(ids[:, c0:c1], cache, valid[:, c0:c1], last_only=True,
-                                       release_scratch=c1 >= ids.shape[1])  # [B, V]; scratch kept between chunks
+            with model.workspace.keep_scratch():  # between chunks; dropped before the decode steps
+                for c0 in range(0, ids.shape[1], cfg.prefill_chunk):
+                    c1 = c0 + cfg.prefill_chunk
+                    logits = model.forward(ids[:, c0:c1], cache, valid[:, c0:c1], last_only=True)  # [B, V]
             self.stats.prefill_seconds = time.perf_counter() - t0
             t1 = time.perf_counter()
             yield from self._decode(model, cache, logits)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
 
 import numpy as np
@@ -18,7 +19,14 @@ import numpy as np
 from .sampling import NEG_INF, SamplingParams, sample
 from .tokenizer import StreamDecoder, Tokenizer
 
-STOP, LENGTH = "stop", "length"
+
+class FinishReason(StrEnum):
+    """Why a row ended, spelled as OpenAI's ``finish_reason`` (a ``str``: it compares and serialises as its text)."""
+
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # the token budget (or the context) is used up
+    TOOL_CALLS = "tool_calls"  # stopped, and the text held tool calls (the server's chat completions)
+    CANCELLED = "cancelled"  # the request went away or failed (the server)
 
 
 class Constraint(Protocol):
@@ -69,7 +77,7 @@ class Step:
 
     token: int
     text: str
-    finish: str | None
+    finish: FinishReason | None
 
 
 class RowStepper:
@@ -94,7 +102,7 @@ class RowStepper:
         self.stops = StopStrings(stop)
         self.constraint = constraint
         self.tokens: list[int] = []
-        self.finish: str | None = None
+        self.finish: FinishReason | None = None
 
     @property
     def last(self) -> int:
@@ -124,10 +132,10 @@ class RowStepper:
             text += self.decoder.flush()
         out, hit = self.stops.push(text)
         if hit:
-            self.finish = STOP
+            self.finish = FinishReason.STOP
         elif stopped or full:
             out += self.stops.flush()
-            self.finish = STOP if stopped else LENGTH
+            self.finish = FinishReason.STOP if stopped else FinishReason.LENGTH
         return Step(token, out, self.finish)
 
     def step(self, logits: np.ndarray) -> Step:
@@ -135,4 +143,4 @@ class RowStepper:
         return self.record(self.sample(logits))
 
 
-__all__ = ["LENGTH", "STOP", "Constraint", "RowStepper", "Step", "StopStrings"]
+__all__ = ["Constraint", "FinishReason", "RowStepper", "Step", "StopStrings"]

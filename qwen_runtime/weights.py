@@ -30,7 +30,7 @@ tests compare the fast paths against.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 import numpy as np
@@ -38,21 +38,13 @@ import numpy as np
 from . import ops
 from .errors import FormatError
 from .pool import Scratch, Workspace
-from .quants import TileKernel, codec, jit_kernel
+from .quants import JIT_KERNELS, TileKernel, codec, jit_kernel
 from .quants.base import RowTileKernel
 from .tensors import QType, StoredTensor
 
 # Elements per widened tile (4 MiB of float32, in L3): big enough that the few numpy calls per tile, each a GIL
 # hand-off between pool threads, are cheap next to the work (1 MiB tiles decoded Q8_0 a third slower).
 TILE_ELEMENTS = 1 << 20
-
-
-def balanced_rows(rows: int, max_rows: int, threads: int) -> int:
-    """Rows per tile: at most ``max_rows`` (at least 1), in a number of tiles that is a multiple of ``threads``
-    when there are enough rows, so the pool's threads get equal work."""
-    tiles = -(-rows // max(1, max_rows))
-    tiles = min(rows, -(-tiles // threads) * threads)
-    return -(-rows // tiles)
 
 
 class Weight:
@@ -65,7 +57,7 @@ class Weight:
         self.tensor = tensor
         self.ws = ws
         self.out_features, self.in_features = tensor.shape
-        self.block_rows = balanced_rows(self.out_features, tile_elements // self.in_features, ws.threads)
+        self.block_rows = ws.balanced(self.out_features, tile_elements // self.in_features)
         self._blocks: tuple[int, list[tuple[int, int]]] | None = None  # (block_rows, blocks) of the last blocks()
 
     @property
@@ -243,6 +235,21 @@ def make_weight(tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_E
     if tensor.qtype == QType.F32:
         return F32Weight(tensor, ws, tile_elements)
     return TiledWeight(tensor, ws, tile_elements)
+
+
+def kept_bytes(qtype: QType, stored_nbytes: int, kernels: str = "numpy") -> int:
+    """Anonymous memory the weight of one matrix of ``stored_nbytes`` stored bytes keeps for its life beside
+    its memory-mapped rows, with ``kernels`` (``"numpy"``: an upper bound, as the compiled kernels keep nothing
+    and fall back to the numpy ones only for types without a compiled kernel)."""
+    if qtype == QType.F32 or (kernels == "numba" and qtype in JIT_KERNELS):
+        return 0
+    return codec(qtype).kept_bytes(stored_nbytes)
+
+
+def weight_overhead(tensors: Iterable[StoredTensor], kernels: str = "numpy") -> int:
+    """What a model's weights add to anonymous memory (the rest lives in the page cache): :func:`kept_bytes` of
+    every matrix (Q8_0's block scales widened to float32 by the numpy kernels)."""
+    return sum(kept_bytes(t.qtype, t.nbytes, kernels) for t in tensors if len(t.shape) == 2)
 
 
 def load_vector(tensor: StoredTensor) -> np.ndarray:

@@ -36,7 +36,7 @@ from qwen_runtime.chat import ChatFormat, chat_format
 from qwen_runtime.errors import TemplateError
 from qwen_runtime.limits import format_bytes
 from qwen_runtime.models import Model
-from qwen_runtime.stepper import Constraint
+from qwen_runtime.stepper import Constraint, FinishReason
 from qwen_runtime.structured import GrammarCache, JsonConstraint, SchemaError
 from qwen_runtime.tokenizer import Tokenizer
 
@@ -524,7 +524,7 @@ class ChatChoice:
         self.reasoning.append(r)
         self.content.append(c)
         self.tool_calls = calls
-        self.finish = "tool_calls" if calls and reason == "stop" else reason
+        self.finish = FinishReason.TOOL_CALLS if calls and reason == FinishReason.STOP else reason
         return r, c
 
     def message(self) -> dict[str, Any]:

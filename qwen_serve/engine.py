@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qwen_runtime.errors import ResourceLimitError
-from qwen_runtime.limits import activation_bytes, default_memory_limit, format_bytes, kv_cache_bytes
+from qwen_runtime.limits import activation_bytes, default_memory_limit, format_bytes
 from qwen_runtime.models import Model
 from qwen_runtime.sampling import SamplingParams
-from qwen_runtime.stepper import LENGTH, STOP, Constraint, RowStepper, Step
+from qwen_runtime.stepper import Constraint, FinishReason, RowStepper, Step
 from qwen_runtime.tokenizer import Tokenizer
 
 from .metrics import Metrics
@@ -48,7 +48,6 @@ from .slots import SlotCache
 
 log = logging.getLogger("qwen_serve")
 
-CANCELLED = "cancelled"
 MAX_TOP_LOGPROBS = 20
 MAX_RESTARTS = 3  # loop deaths in a row (no step completing between them) before the engine gives up
 
@@ -89,7 +88,7 @@ class Finished:
     """A choice ended (``reason``: ``stop`` or ``length``)."""
 
     choice: int
-    reason: str
+    reason: FinishReason
 
 
 @dataclass(frozen=True)
@@ -137,7 +136,7 @@ class Row:
 
     def __init__(self, job: Job, choice: int, stepper: RowStepper) -> None:
         self.job, self.choice, self.stepper = job, choice, stepper
-        self.finish: str | None = None  # the stepper's finish reason, or CANCELLED
+        self.finish: FinishReason | None = None  # the stepper's, or CANCELLED
 
     @property
     def last(self) -> int:
@@ -167,8 +166,8 @@ class Engine:
         self.hidden_ids = frozenset(tokenizer.special_ids) - frozenset(text_ids)
         cfg = model.config
         context = min(cfg.max_position_embeddings, max_context or cfg.max_position_embeddings)
-        self.row_bytes = kv_cache_bytes(cfg, 1, 0)  # recurrent state (and nothing else) of one row
-        self.token_bytes = kv_cache_bytes(cfg, 1, 1) - self.row_bytes  # keys and values of one token
+        size = model.cache_size  # what the slots' layers hold, as the mixers report it
+        self.row_bytes, self.token_bytes = size.row, size.token  # recurrent state of a row; keys and values of a token
         self.memory_limit = default_memory_limit() if max_memory is None else max_memory
         self.activations = activation_bytes(cfg, max_batch, 1, 1) + activation_bytes(cfg, 1, context, prefill_chunk)
         room = (self.memory_limit - self.activations - self.row_bytes) // self.token_bytes
@@ -265,7 +264,8 @@ class Engine:
         fails, :meth:`submit` raises :class:`EngineStoppedError` and ``/health`` reports the error."""
         while True:
             try:
-                self._loop()
+                with self.ws.keep_scratch():  # prefill steps between decode steps: regrowing it costs page faults
+                    self._loop()
                 self._abandon_all("the server is shutting down")
                 return
             except Exception as exc:
@@ -352,7 +352,7 @@ class Engine:
         chunk = job.prompt_ids[done:done + self.prefill_chunk]
         start = time.perf_counter()
         logits = self.model.forward(np.asarray([chunk], np.int64), self.slots.rows(slot, slot + 1),
-                                    last_only=True, release_scratch=False)  # [1, V]; decode steps follow
+                                    last_only=True)  # [1, V]; decode steps follow
         self.metrics.prefill_step.observe(time.perf_counter() - start)
         done += len(chunk)
         if self.prefix is not None and len(chunk) == self.prefill_chunk:  # a block ends here: keep it
@@ -471,7 +471,7 @@ class Engine:
             self._prefill = None
         for row in self._rows:
             if row.job.cancelled:
-                row.finish = CANCELLED
+                row.finish = FinishReason.CANCELLED
         self._retire()
 
     def _fail(self, job: Job, message: str, retire: bool = True) -> None:
@@ -480,7 +480,7 @@ class Engine:
             self._prefill = None
         for row in self._rows:
             if row.job is job:
-                row.finish = CANCELLED
+                row.finish = FinishReason.CANCELLED
         listening = not job.cancelled
         self.metrics.failed_jobs.inc()
         job.cancel()
@@ -526,6 +526,5 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(int(token), float(x[token] - logz), best)
 
 
-__all__ = ["CANCELLED", "LENGTH", "STOP", "Delta", "Done", "Engine", "EngineStoppedError", "Event", "Failed",
-           "Finished", "Job",
-           "QueueFullError", "RequestTooLargeError", "TokenLogprob"]
+__all__ = ["Delta", "Done", "Engine", "EngineStoppedError", "Event", "Failed", "Finished", "Job", "QueueFullError",
+           "RequestTooLargeError", "TokenLogprob"]

@@ -22,7 +22,7 @@ from typing import Any
 from qwen_runtime.formats import open_model_files
 from qwen_runtime.hub import resolve_model
 from qwen_runtime.limits import parse_memory_size
-from qwen_runtime.tensors import QType
+from qwen_runtime.weights import weight_overhead
 
 from .app import MAX_BODY_BYTES
 
@@ -32,7 +32,6 @@ DEFAULT_REPLICA_MEMORY = 2 << 30  # the engine's cache + activations limit per r
 # model's tokenizer.  Measured (RssAnon after three 16-token chat requests, ray 2.60.0): 100 MiB serving a
 # model with a 480-token vocabulary, 222 MiB with Qwen's 151,936 (its cache and activations included).
 REPLICA_BASE_BYTES = 384 << 20
-Q8_0_SCALE_FRACTION = 4 / 34  # Q8_0 matrices keep their block scales widened to float32 (4 of 34 bytes)
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Scope]]
@@ -40,11 +39,9 @@ Send = Callable[[Scope], Awaitable[None]]
 
 
 def replica_memory(model: str | Path, max_memory: int) -> int:
-    """Bytes of heap one replica needs: the base, the engine's ``max_memory`` and kept Q8_0 scales (weights
-    are memory-mapped: page cache, not heap)."""
-    files = open_model_files(model)
-    q8_0 = sum(t.nbytes for t in files.tensors.values() if t.qtype == QType.Q8_0)
-    return REPLICA_BASE_BYTES + max_memory + int(Q8_0_SCALE_FRACTION * q8_0)
+    """Bytes of heap one replica needs: the base, the engine's ``max_memory`` and what the weights keep beside
+    their memory map (:func:`~qwen_runtime.weights.weight_overhead`, the numpy kernels' upper bound)."""
+    return REPLICA_BASE_BYTES + max_memory + weight_overhead(open_model_files(model).tensors.values())
 
 
 class ReplicaHeader:

@@ -97,5 +97,5 @@ class BatchVerifier:
     keep_failed: bool = False
     behaviour: bool = True
 
-    def __call__(self, job: Any) -> ConversionVerifier:  # job: qwen_convert.batch.Job
+    def __call__(self, job: Any) -> ConversionVerifier:  # job: qwen_convert.batch.ConversionJob
         return ConversionVerifier(job.src, job.out, self.keep_failed, self.behaviour)

@@ -17,7 +17,7 @@ import numpy as np
 from gguf import MODEL_TENSOR
 
 from ..archs import FULL_ATTENTION, QWEN2, QWEN3
-from ..cache import BatchState, KVCache
+from ..cache import BatchState, CacheSize, KVCache
 from ..config import ModelConfig
 from ..ops import apply_rope, rms_norm, softmax
 from ..pool import Workspace
@@ -144,6 +144,10 @@ class Attention:
         self.bv = store.vector(MODEL_TENSOR.ATTN_V, layer, ".bias") if bias else None
         self.q_norm = store.vector(MODEL_TENSOR.ATTN_Q_NORM, layer) if config.spec.qk_norm else None
         self.k_norm = store.vector(MODEL_TENSOR.ATTN_K_NORM, layer) if config.spec.qk_norm else None
+
+    @property
+    def cache_size(self) -> CacheSize:
+        return KVCache.size(self.n_kv, self.head_dim)
 
     def make_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(batch, self.n_kv, max_len, self.head_dim)

@@ -6,11 +6,14 @@ attention, Gated DeltaNet).  It is built once per layer by a factory registered 
     @register_mixer("full_attention", QWEN2, QWEN3)
     class Attention:
         def __init__(self, config: ModelConfig, layer: int, store: WeightStore) -> None: ...
+        @property
+        def cache_size(self) -> CacheSize: ...  # what its cache holds per row and per token
         def make_cache(self, batch: int, max_len: int) -> LayerCache: ...
         def __call__(self, x, cache, state: BatchState) -> np.ndarray: ...  # [B, T, H] -> [B, T, H]
 
 ``x`` is the already-normalised hidden state (``attn_norm`` is applied by the block), ``cache`` is the
-object this mixer's ``make_cache`` returned (it must implement ``select(rows)`` and ``nbytes``), and
+object this mixer's ``make_cache`` returned (it must implement ``select(rows)`` and ``nbytes``, and hold
+``cache_size.nbytes(batch, max_len)`` bytes: every memory estimate adds these reports), and
 ``state`` (:class:`~qwen_runtime.cache.BatchState`) carries per-row rotary positions ``[B, T]``, the
 validity mask ``[B, T]`` (False on left padding: a recurrent mixer must leave its state untouched there),
 the first slot of the new tokens and the validity of every slot so far; what every layer derives from
@@ -26,7 +29,7 @@ from typing import Protocol
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from ..cache import BatchState, LayerCache
+from ..cache import BatchState, CacheSize, LayerCache
 from ..config import ModelConfig
 from ..errors import FormatError
 from ..formats import ModelFiles
@@ -69,6 +72,9 @@ def all_float32(files: ModelFiles) -> bool:
 
 class Mixer(Protocol):
     """Token mixer of one decoder layer (see the module docstring)."""
+
+    @property
+    def cache_size(self) -> CacheSize: ...
 
     def make_cache(self, batch: int, max_len: int) -> LayerCache: ...
 

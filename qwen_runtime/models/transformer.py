@@ -15,10 +15,10 @@ from types import ModuleType
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from ..cache import BatchState, Cache, LayerCache
+from ..cache import BatchState, Cache, CacheSize, LayerCache
 from ..config import ModelConfig
 from ..formats import ModelFiles
-from ..limits import check_memory, kv_cache_bytes
+from ..limits import check_memory
 from ..ops import rms_norm
 from ..weights import gated_matmul
 from .base import Mixer, WeightStore, make_mixer
@@ -80,27 +80,33 @@ class Model:
     def path(self) -> Path:
         return self.files.path
 
+    @property
+    def cache_size(self) -> CacheSize:
+        """What the layers' caches hold per row and per token, as their mixers report it."""
+        return CacheSize.total(blk.mixer.cache_size for blk in self.blocks)
+
+    def cache_bytes(self, batch: int, max_len: int) -> int:
+        """Bytes of ``make_cache(batch, max_len)``: the layers' caches and the validity mask."""
+        return (self.cache_size + Cache.MASK).nbytes(batch, max_len)
+
     def make_cache(self, batch: int, max_len: int, max_memory: int | None = None) -> Cache:
         """Empty per-layer caches for ``batch`` rows of up to ``max_len`` slots.
 
         Raises :class:`ResourceLimitError` first when they would exceed ``max_memory`` bytes (default: see
         :func:`qwen_runtime.limits.default_memory_limit`).
         """
-        check_memory(kv_cache_bytes(self.config, batch, max_len), max_memory,
-                     f"a cache of {batch} rows x {max_len} tokens")
+        check_memory(self.cache_bytes(batch, max_len), max_memory, f"a cache of {batch} rows x {max_len} tokens")
         return Cache([blk.mixer.make_cache(batch, max_len) for blk in self.blocks], batch, max_len)
 
     def forward(self, ids: np.ndarray, cache: Cache, valid: np.ndarray | None = None,
-                last_only: bool = False, release_scratch: bool = True) -> np.ndarray:
+                last_only: bool = False) -> np.ndarray:
         """Feed ``T`` more tokens per row through the cache.
 
         ``ids``: int [B, T]; ``valid``: bool [B, T] (False on left padding, default all True).
         Returns float32 logits [B, T, V], or [B, V] for the last slot when ``last_only``.
 
-        A pass of several tokens (a prefill) drops the workspace's scratch buffers when it ends, so that the
-        decode steps after it hold only their own.  A caller that runs such passes again and again (the chunks
-        of a long prompt, a server's prefill steps between its decode steps) passes ``release_scratch=False``:
-        regrowing the buffers costs page faults (4-6 ms of wall time on a Qwen2.5-0.5B q8_0 decode step of 120-280 ms).
+        The workspace's scratch buffers are kept or dropped after the pass by the workspace's policy
+        (:meth:`~qwen_runtime.pool.Workspace.pass_done`, :meth:`~qwen_runtime.pool.Workspace.keep_scratch`).
         """
         h = self._residual(ids, cache, valid)  # [B, T, H]
         b, t = h.shape[:2]
@@ -109,8 +115,7 @@ class Model:
         norm = ops_jit().rms_norm if self.workspace.kernels == "numba" else rms_norm
         h = norm(h, self.norm, self.config.rms_norm_eps)
         logits = self.lm_head.matmul(h.reshape(-1, h.shape[-1])).reshape(b, h.shape[1], -1)  # [B, T|1, V]
-        if t > 1 and release_scratch:
-            self.workspace.release_scratch()
+        self.workspace.pass_done(t)
         return logits[:, 0] if last_only else logits
 
     def hidden_states(self, ids: np.ndarray) -> list[np.ndarray]:
@@ -121,7 +126,7 @@ class Model:
         ids = np.atleast_2d(np.asarray(ids, np.int64))
         states: list[np.ndarray] = []
         self._residual(ids, self.make_cache(ids.shape[0], max(ids.shape[1], 1)), None, states)
-        self.workspace.release_scratch()
+        self.workspace.pass_done(ids.shape[1])
         return states
 
     def _residual(self, ids: np.ndarray, cache: Cache, valid: np.ndarray | None,
