@@ -22,6 +22,7 @@ class RowRange:
 
     def __init__(self, slots: SlotCache, start: int, stop: int) -> None:
         self.slots, self.start, self.stop = slots, start, stop
+        self.last_length = 0  # new tokens per row of the last pass
         self.layers: list[LayerCache] = [layer.view(slice(start, stop)) for layer in slots.layers]
 
     def begin(self, valid: np.ndarray) -> BatchState:
@@ -39,6 +40,19 @@ class RowRange:
 
     def commit(self, state: BatchState) -> None:
         self.slots.lengths[self.start:self.stop] += state.length
+        self.last_length = state.length
+
+    def checkpoint(self) -> None:
+        """Make the next pass undoable by :meth:`rollback` (speculative decoding's verify pass)."""
+        for layer in self.layers:
+            layer.checkpoint()
+
+    def rollback(self, keep: np.ndarray) -> None:
+        """Keep only the first ``keep[b]`` tokens of the last pass (after :meth:`checkpoint`) in each row.  # int [B]"""
+        keep = np.asarray(keep, np.int64)
+        self.slots.lengths[self.start:self.stop] -= self.last_length - keep
+        for layer in self.layers:
+            layer.rollback(keep)
 
 
 class SlotCache:

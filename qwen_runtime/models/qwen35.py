@@ -12,6 +12,7 @@ Hk/Hv key/value heads and dk/dv their dims in linear attention.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from functools import partial
 from types import ModuleType
 
@@ -95,13 +96,36 @@ class GatedAttention:
 
 
 class LinearAttentionCache:
-    """Per-row state of one Gated DeltaNet layer, preallocated: last K−1 raw conv inputs and the delta state."""
+    """Per-row state of one Gated DeltaNet layer, preallocated: last K−1 raw conv inputs and the delta state.
+
+    A state cannot be cut back to fewer tokens, so :meth:`checkpoint` copies it and the next (compiled) pass
+    records its inputs; :meth:`rollback` restores the copy and replays the kept tokens by the same compiled step
+    (the others masked as padding, which leaves a state exactly as it was), so the state is bit for bit what
+    feeding only the kept tokens gives.
+    """
 
     def __init__(self, batch: int, config: ModelConfig) -> None:
         c = config
         self.conv = np.zeros((batch, c.linear_conv_kernel_dim - 1, c.linear_conv_dim), np.float32)  # [B, K-1, C]
         self.state = np.zeros((batch, c.linear_num_value_heads, c.linear_key_head_dim,
                                c.linear_value_head_dim), np.float32)  # [B, Hv, dk, dv]
+        self.saved: tuple[np.ndarray, np.ndarray] | None = None  # conv and state at checkpoint()
+        self.journal: tuple[int, Callable[[np.ndarray], None]] | None = None  # the pass since: its tokens per row
+        # and the replay of its step on the state for a validity mask [B, T]
+
+    def checkpoint(self) -> None:
+        self.saved, self.journal = (self.conv.copy(), self.state.copy()), None
+
+    def rollback(self, keep: np.ndarray) -> None:
+        saved, journal = self.saved, self.journal
+        self.saved = self.journal = None
+        if saved is None or journal is None:
+            raise ValueError("a linear-attention state rolls back only a compiled pass after checkpoint()")
+        length, replay = journal
+        if int(np.min(keep)) >= length:
+            return  # every token kept: the state is already right
+        self.conv[...], self.state[...] = saved
+        replay(np.arange(length)[None, :] < np.asarray(keep)[:, None])  # [B, T]
 
     def select(self, rows: np.ndarray) -> None:
         self.conv = self.conv[rows]
@@ -110,6 +134,7 @@ class LinearAttentionCache:
     def view(self, rows: slice) -> LinearAttentionCache:
         out = LinearAttentionCache.__new__(LinearAttentionCache)
         out.conv, out.state = self.conv[rows], self.state[rows]
+        out.saved = out.journal = None
         return out
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
@@ -175,8 +200,9 @@ class GatedDeltaNet:
 
     def _compiled_step(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` new tokens per row runs :mod:`.gated_delta_jit`'s kernels (a recurrent
-        step with compiled kernels; the conv kernel needs K ≥ 2, Qwen3.5's is 4)."""
-        return self.ws.kernels == "numba" and tokens <= gd.RECURRENT_MAX_TOKENS and self.conv_taps.shape[0] >= 2
+        step with compiled kernels, :meth:`~qwen_runtime.pool.Workspace.compiled_step`; the conv kernel needs K ≥ 2,
+        Qwen3.5's is 4)."""
+        return self.ws.compiled_step(tokens, gd.RECURRENT_MAX_TOKENS) and self.conv_taps.shape[0] >= 2
 
     def _compiled(self, x: np.ndarray, cache: LinearAttentionCache, state: BatchState) -> np.ndarray:
         """The projections, then the conv step and every value head's delta-rule step in compiled code.
@@ -187,11 +213,21 @@ class GatedDeltaNet:
         b, t = state.batch, state.length
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         mixed, z, b_gate, a_gate = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x)
-        o = gated_delta_jit().linear_attention_step(
+        if cache.saved is not None:  # a pass that may be rolled back: its inputs replay the tokens kept
+            cache.journal = (t, partial(self._step, mixed.copy(), z, b_gate, a_gate, cache))
+        return self._step(mixed, z, b_gate, a_gate, cache, state.valid).reshape(b * t, hv * dv)
+
+    def _step(self, mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.ndarray,
+              cache: LinearAttentionCache, valid: np.ndarray) -> np.ndarray:
+        """The compiled conv and delta-rule step of ``valid`` [B, T]'s tokens on the cache's state (``mixed`` is
+        overwritten).  # [B*T, C], [B*T, Hv*dv], 2 x [B*T, Hv] -> [B, T, Hv, dv]"""
+        c = self.config
+        b, t = valid.shape
+        hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+        return gated_delta_jit().linear_attention_step(
             mixed.reshape(b, t, -1), self.conv_taps, cache.conv, z.reshape(b, t, hv, dv), b_gate.reshape(b, t, hv),
             a_gate.reshape(b, t, hv), self.key_heads, self.ssm_a, self.dt_bias, self.norm, np.float32(c.rms_norm_eps),
-            state.valid, cache.state)  # [B, T, Hv, dv]
-        return o.reshape(b * t, hv * dv)
+            valid, cache.state)
 
     def _project(self, x: np.ndarray, batch: int, conv_state: np.ndarray, valid: np.ndarray | None,
                  ) -> list[np.ndarray]:

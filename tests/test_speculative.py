@@ -1,0 +1,320 @@
+"""Speculative decoding by prompt lookup: a verify pass gives each token exactly a one-token step's logits (every
+family, stored types, Qwen3.5's recurrent state restored and replayed), so greedy output with drafts is plain
+decoding's, token for token, in the generation loop and in the server's engine, with stops, stop strings, token
+budgets and structured output cutting a pass of accepted drafts where plain decoding would stop."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from runtime_helpers import Converted, fixture_dir, use_kernels
+
+import qwen_runtime
+from qwen_runtime.chat import chat_format
+from qwen_runtime.errors import KernelsError
+from qwen_runtime.generate import Generation, GenerationConfig
+from qwen_runtime.models import Model
+from qwen_runtime.sampling import SamplingParams
+from qwen_runtime.stepper import PromptLookup, RowStepper
+
+pytest.importorskip("numba")
+
+FAMILIES = ("qwen2-tiny", "qwen3-tiny", "deepseek-tiny", "qwen35-tiny", "qwen35-tiny-gqa")
+DENSE = ("qwen2-tiny", "qwen3-tiny", "deepseek-tiny")
+MODELS: dict[str, Model] = {}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Converted:
+    return Converted(tmp_path_factory.mktemp("speculative-converted"))
+
+
+def compiled(family: str) -> Model:
+    """The fixture (bf16 or fp32 products) on the compiled kernels, loaded once."""
+    if family not in MODELS:
+        MODELS[family] = use_kernels(qwen_runtime.load(fixture_dir(family), kernels="numba"), "numba")
+    return MODELS[family]
+
+
+def steps(model: Model, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """Logits of each of ``tokens`` fed one plain step at a time after ``prompt``.  # -> [T, V]"""
+    cache = model.make_cache(1, len(prompt) + len(tokens))
+    model.forward(np.asarray([prompt]), cache)
+    return np.stack([model.forward(np.asarray([[t]]), cache, last_only=True)[0] for t in tokens])
+
+
+def repetitive(model: Model, seed: int = 0) -> list[int]:
+    """A prompt that repeats a random phrase: the model's greedy reply soon repeats too."""
+    return np.random.default_rng(seed).integers(0, model.config.vocab_size, 6).tolist() * 5
+
+
+# --- the verify pass --------------------------------------------------------------------------------------------
+
+
+def check_verify(model: Model) -> None:
+    """Passes of 2, 7 and 16 tokens equal one-token steps bit for bit; cut back to some of their tokens, the
+    cache continues as if only those had been fed."""
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, model.config.vocab_size, 9).tolist()
+    tokens = rng.integers(0, model.config.vocab_size, 16).tolist()
+    after = rng.integers(0, model.config.vocab_size, 3).tolist()
+    expected = steps(model, prompt, tokens)
+    for length, keep in ((2, 1), (7, 3), (16, 16)):
+        cache = model.make_cache(1, len(prompt) + 20)
+        model.forward(np.asarray([prompt]), cache)
+        cache.checkpoint()
+        got = model.verify(np.asarray([tokens[:length]]), cache)[0]
+        assert np.array_equal(got.view(np.uint32), expected[:length].view(np.uint32)), f"a pass of {length} differs"
+        cache.rollback(np.asarray([keep]))
+        assert cache.lengths.tolist() == [len(prompt) + keep]
+        continued = np.stack([model.forward(np.asarray([[t]]), cache, last_only=True)[0] for t in after])
+        plain = steps(model, prompt, tokens[:keep] + after)[keep:]
+        assert np.array_equal(continued.view(np.uint32), plain.view(np.uint32)), f"cut back to {keep} of {length}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_verify_pass_gives_each_token_a_steps_logits(family: str) -> None:
+    check_verify(compiled(family))
+
+
+@pytest.mark.parametrize(("family", "dtype"), [("qwen2-tiny", "q4_k_m"), ("qwen3-tiny", "q8_0"),
+                                               ("qwen35-tiny-gqa", "q8_0"), ("qwen35-tiny", "iq4_xs")])
+def test_a_verify_pass_is_exact_for_stored_types(converted: Converted, family: str, dtype: str) -> None:
+    check_verify(qwen_runtime.load(converted.get(family, "gguf", dtype), kernels="numba"))
+
+
+def test_the_numpy_kernels_do_not_draft() -> None:
+    model = qwen_runtime.load(fixture_dir("qwen3-tiny"), kernels="numpy")
+    assert not model.exact_steps
+    with pytest.raises(KernelsError, match="compiled kernels"):
+        model.verify(np.zeros((1, 2), np.int64), model.make_cache(1, 4))
+    gen = Generation(model, [repetitive(model)], GenerationConfig(max_new_tokens=12, draft_tokens=4))
+    gen.run()
+    assert gen.stats.draft_proposed == 0
+
+
+# --- prompt lookup ----------------------------------------------------------------------------------------------
+
+
+def test_prompt_lookup_continues_the_latest_longest_match() -> None:
+    lookup = PromptLookup([1, 2, 3, 4, 5, 9, 2, 3, 7, 8])
+    lookup.append(2)
+    lookup.append(3)
+    assert lookup.propose(3) == [7, 8, 2]  # "2 3" last came before 7 8 (the 3-gram "x 2 3" never repeats)
+    lookup.append(4)
+    assert lookup.propose(2) == [5, 9]  # "2 3 4" earlier: its continuation
+    lookup.append(6)
+    assert lookup.propose(4) == []  # 6 never came before
+    greedy = RowStepper([5, 6, 5], SamplingParams(), np.random.default_rng(0), 10, frozenset(), draft_tokens=4)
+    greedy.record(6)
+    assert greedy.drafts() == [5, 6]
+    sampled = RowStepper([5, 6, 5], SamplingParams(temperature=0.7), np.random.default_rng(0), 10, frozenset(),
+                         draft_tokens=4)
+    sampled.record(6)
+    assert sampled.drafts() == []  # sampled rows never draft
+    short = RowStepper([5, 6, 5, 6, 5, 6], SamplingParams(), np.random.default_rng(0), 3, frozenset(), draft_tokens=4)
+    short.record(5)
+    assert short.drafts() == [6]  # two tokens of budget left: one draft, then the token after it
+
+
+# --- generation -------------------------------------------------------------------------------------------------
+
+
+class Spy:
+    """Wraps a stepper's ``accept``: the drafts of each verify pass and the steps taken."""
+
+    def __init__(self, stepper: RowStepper) -> None:
+        self.passes: list[tuple[list[int], int, int]] = []  # (drafts, tokens before, steps taken)
+        accept = stepper.accept
+
+        def spied(logits: np.ndarray, drafts: list[int]) -> list:
+            before = len(stepper.tokens)
+            taken = accept(logits, drafts)
+            self.passes.append((list(drafts), before, len(taken)))
+            return taken
+
+        stepper.accept = spied  # type: ignore[method-assign]
+
+
+def generate(model: Model, prompt: list[int], drafts: int, spy: bool = False, **config: object,
+             ) -> tuple[Generation, Spy | None]:
+    gen = Generation(model, [prompt], GenerationConfig(draft_tokens=drafts, **config))  # type: ignore[arg-type]
+    watcher = Spy(gen._rows[0]) if spy else None
+    return gen, watcher
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_greedy_generation_is_the_same_with_drafts(family: str) -> None:
+    model = compiled(family)
+    prompt = repetitive(model)
+    plain, _ = generate(model, prompt, 0, max_new_tokens=40)
+    plain.run()
+    for drafts in (3, 15):
+        gen, _ = generate(model, prompt, drafts, max_new_tokens=40)
+        chunks = list(gen)
+        assert gen.results[0].token_ids == plain.results[0].token_ids
+        assert len(chunks) == len(plain.results[0].token_ids)  # one yield per token, as plain decoding
+        assert gen.stats.draft_accepted > 0 and gen.stats.draft_proposed >= gen.stats.draft_accepted
+        assert gen.stats.decoded_tokens == plain.stats.decoded_tokens
+
+
+class Oracle:
+    """A lookup that proposes the plain greedy continuation, wrong at every third draft after the first: Qwen3.5
+    tiny's random replies rarely repeat, and this makes its verify passes keep some drafts and drop others."""
+
+    def __init__(self, stepper: RowStepper, continuation: list[int]) -> None:
+        self.stepper, self.continuation = stepper, continuation
+
+    def append(self, token: int) -> None:
+        pass
+
+    def propose(self, limit: int) -> list[int]:
+        done = len(self.stepper.tokens)
+        out = list(self.continuation[done:done + limit])
+        for i in range(1, len(out), 3):
+            if (done + i) % 2:
+                out[i] = (out[i] + 1) % 50
+        return out
+
+
+@pytest.mark.parametrize("family", ["qwen35-tiny", "qwen35-tiny-gqa"])
+def test_qwen35_keeps_its_recurrent_state_exact_through_drafts(family: str) -> None:
+    model = compiled(family)
+    prompt = repetitive(model, 3)
+    plain, _ = generate(model, prompt, 0, max_new_tokens=30)
+    plain.run()
+    gen, spy = generate(model, prompt, 6, spy=True, max_new_tokens=30)
+    gen._rows[0].lookup = Oracle(gen._rows[0], plain.results[0].token_ids)
+    gen.run()
+    assert gen.results[0].token_ids == plain.results[0].token_ids
+    taken = [t for _, _, t in spy.passes]
+    assert gen.stats.draft_accepted > 0 and any(1 < t < 7 for t in taken)  # passes cut back after some drafts
+    # and real prompt lookup: the same tokens (its drafts are mostly refused on these random weights)
+    prompt = repetitive(model, 0)
+    plain, _ = generate(model, prompt, 0, max_new_tokens=30)
+    plain.run()
+    looked_up, _ = generate(model, prompt, 6, max_new_tokens=30)
+    looked_up.run()
+    assert looked_up.results[0].token_ids == plain.results[0].token_ids and looked_up.stats.draft_proposed > 0
+
+
+def test_a_stop_inside_accepted_drafts_ends_the_row_there() -> None:
+    model = compiled("qwen2-tiny")
+    prompt = repetitive(model)
+    free, spy = generate(model, prompt, 8, spy=True, max_new_tokens=40)
+    free.run()
+    tokens = free.results[0].token_ids
+    # a token taken from the middle of a pass of accepted drafts, first seen there
+    for _, before, taken in spy.passes:
+        inside = [before + i for i in range(1, taken - 1) if tokens[before + i] not in tokens[:before + i]]
+        if inside:
+            stop_at = inside[0]
+            break
+    else:
+        pytest.fail("no pass took a new token in the middle of its drafts")
+    stop = frozenset({tokens[stop_at]})
+    plain, _ = generate(model, prompt, 0, max_new_tokens=40, stop_ids=stop)
+    plain.run()
+    gen, spy = generate(model, prompt, 8, spy=True, max_new_tokens=40, stop_ids=stop)
+    gen.run()
+    assert gen.results[0].token_ids == plain.results[0].token_ids == tokens[:stop_at + 1]
+    assert gen.results[0].finish_reason == plain.results[0].finish_reason == "stop"
+    drafts, before, taken = spy.passes[-1]
+    assert before + taken == stop_at + 1 and taken - 1 < len(drafts)  # the pass proposed drafts past the stop
+
+
+@pytest.mark.parametrize("budget", [9, 10, 11, 17])
+def test_the_token_budget_cuts_drafts(budget: int) -> None:
+    model = compiled("qwen2-tiny")
+    prompt = repetitive(model)
+    plain, _ = generate(model, prompt, 0, max_new_tokens=budget)
+    plain.run()
+    gen, spy = generate(model, prompt, 8, spy=True, max_new_tokens=budget)
+    gen.run()
+    assert gen.results[0].token_ids == plain.results[0].token_ids and len(gen.results[0].token_ids) == budget
+    assert gen.results[0].finish_reason == "length"
+    assert spy.passes and all(before + len(drafts) < budget for drafts, before, _ in spy.passes)
+
+
+# --- the server's engine ----------------------------------------------------------------------------------------
+
+engine_module = pytest.importorskip("qwen_serve.engine", reason="qwen_serve needs the serve extra")
+
+
+class Outcome:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish: str | None = None
+        self.failed: str | None = None
+        self.ended = threading.Event()
+
+    def emit(self, event: object) -> None:
+        if isinstance(event, engine_module.Delta):
+            self.tokens.extend(event.token_ids)
+            self.text += event.text
+        elif isinstance(event, engine_module.Finished):
+            self.finish = event.reason
+        elif isinstance(event, engine_module.Failed):
+            self.failed = event.message
+            self.ended.set()
+        elif isinstance(event, engine_module.Done):
+            self.ended.set()
+
+
+def serve(model: Model, drafts: int, jobs: list[dict]) -> tuple[list[Outcome], object]:
+    fmt = chat_format(model)
+    engine = engine_module.Engine(model, fmt.tokenizer, fmt.stop_ids, max_batch=8, draft_tokens=drafts)
+    outcomes = [Outcome() for _ in jobs]
+    try:
+        for job, outcome in zip(jobs, outcomes, strict=True):  # submitted together: they share decode steps
+            engine.submit(engine_module.Job(emit=outcome.emit, **job))
+        for outcome in outcomes:
+            assert outcome.ended.wait(120), "a job never ended"
+    finally:
+        engine.stop()
+    return outcomes, engine
+
+
+@pytest.mark.parametrize("family", ["qwen3-tiny", "qwen35-tiny"])
+def test_concurrent_requests_are_the_same_with_drafts(family: str) -> None:
+    model = compiled(family)
+    rng = np.random.default_rng(4)
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8)
+    jobs = [{"prompt_ids": repetitive(model, i), "max_tokens": int(rng.integers(8, 30)), "sampling": greedy}
+            for i in range(5)]
+    jobs.append({"prompt_ids": repetitive(model, 7), "max_tokens": 20, "sampling": sampled, "seed": 3})
+    jobs.append({"prompt_ids": repetitive(model, 8), "max_tokens": 20, "sampling": greedy, "n": 2})
+    plain, _ = serve(model, 0, jobs)
+    drafted, engine = serve(model, 6, jobs)
+    for a, b in zip(plain, drafted, strict=True):
+        assert a.failed is None and b.failed is None
+        assert (b.tokens, b.text, b.finish) == (a.tokens, a.text, a.finish)
+    proposed = engine.metrics.draft_proposed.value()
+    assert proposed > 0 and "draft_tokens_accepted_total" in engine.metrics.render()
+    if family == "qwen3-tiny":
+        assert engine.metrics.draft_accepted.value() > 0
+
+
+def test_stop_strings_and_structured_output_cut_drafts_as_plain_decoding() -> None:
+    structured = pytest.importorskip("qwen_runtime.structured")
+    model = compiled("qwen3-tiny")
+    fmt = chat_format(model)
+    prompt = repetitive(model)
+    free, _ = serve(model, 0, [{"prompt_ids": prompt, "max_tokens": 30, "sampling": SamplingParams()}])
+    text = free[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    grammar = structured.Grammar(None, structured.Vocabulary(fmt.tokenizer, model.config.vocab_size))
+    stop_ids = frozenset(fmt.stop_ids)
+    jobs = [{"prompt_ids": prompt, "max_tokens": 30, "sampling": SamplingParams(), "stop": (stop,)},
+            {"prompt_ids": prompt, "max_tokens": 24, "sampling": SamplingParams(),
+             "constraint": lambda: structured.JsonConstraint(grammar, stop_ids)}]
+    plain, _ = serve(model, 0, jobs)
+    drafted, engine = serve(model, 8, jobs)
+    for a, b in zip(plain, drafted, strict=True):
+        assert a.failed is None and b.failed is None
+        assert (b.tokens, b.text, b.finish) == (a.tokens, a.text, a.finish)
+    assert plain[0].finish == "stop" and len(plain[0].text) < len(text)
+    assert engine.metrics.draft_proposed.value() > 0
