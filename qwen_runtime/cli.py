@@ -65,7 +65,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-memory", type=parse_memory_size, default=None, metavar="SIZE",
                    help="memory allowed for cache and activations, e.g. 2G (default: 80%% of MemAvailable)")
     p.add_argument("--stats", action="store_true", help="print speed, memory, threads and kernels on stderr")
-    add_draft_option(p)
+    add_draft_option(p, "; several prompts at once decode plainly")
     add_machine_options(p)
     return p
 

@@ -76,14 +76,15 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_draft_option(p: argparse.ArgumentParser) -> None:
+def add_draft_option(p: argparse.ArgumentParser, note: str = "") -> None:
     """``--draft N``: speculative decoding by prompt lookup (``GenerationConfig.draft_tokens``, the engine's
-    ``draft_tokens``)."""
+    ``draft_tokens``); ``note`` is added to the help."""
     p.add_argument("--draft", type=draft_tokens, default=0, metavar="N",
                    help="speculative decoding by prompt lookup: greedy replies (temperature 0) verify up to N "
                    "tokens copied from the prompt and reply in one pass, with output identical to plain decoding; "
                    "sampled replies decode plainly, and it needs the compiled kernels (numba: with --kernels "
-                   f"numpy it is off); 1..{STEP_TOKENS - 1}, helps replies that repeat the prompt (default 0: off)")
+                   f"numpy it is off){note}; 1..{STEP_TOKENS - 1}, helps replies that repeat the prompt "
+                   "(default 0: off)")
 
 
 def draft_tokens(text: str) -> int:

@@ -12,6 +12,9 @@ tokens (:meth:`RowStepper.drafts`): the continuation of the latest earlier occur
 token and the drafts in one verify pass (:meth:`~qwen_runtime.models.Model.verify`, whose logits are bit for bit
 one-token steps'), and :meth:`RowStepper.accept` steps through the logits as plain decoding would, taking
 each pick while it is the next draft: the drafts the row's own greedy picks agree with, plus one more token.
+How many it proposes adapts as in transformers' assisted generation: two more after a pass that took every
+draft, one fewer (at least one) after a pass that refused some, so a row whose drafts keep failing verifies
+short passes.
 Stops, stop strings, the token budget and constraints act on each token as in plain decoding, so the tokens
 and text are plain decoding's; the loop cuts the cache back to the tokens taken.  Sampled rows never draft.
 """
@@ -138,6 +141,7 @@ class RowStepper:
         self.tokens: list[int] = []
         self.finish: str | None = None
         self.draft_tokens = draft_tokens if params.greedy else 0
+        self.draft_length = self.draft_tokens  # drafts of the next pass (adapted to the row's acceptance)
         self.lookup = PromptLookup(self.prompt_ids) if self.draft_tokens > 0 else None
         self.proposed = self.accepted = 0  # draft tokens proposed and taken so far
 
@@ -182,11 +186,11 @@ class RowStepper:
         return self.record(self.sample(logits))
 
     def drafts(self, limit: int | None = None) -> list[int]:
-        """Tokens to verify after :attr:`last` (none for a sampled or finished row): at most ``draft_tokens``
+        """Tokens to verify after :attr:`last` (none for a sampled or finished row): at most ``draft_length``
         and ``limit``, and one fewer than the budget left (the token after the drafts completes it)."""
         if self.lookup is None or self.finish is not None:
             return []
-        room = min(self.draft_tokens, self.max_tokens - len(self.tokens) - 1)
+        room = min(self.draft_length, self.max_tokens - len(self.tokens) - 1)
         if limit is not None:
             room = min(room, limit)
         return self.lookup.propose(room) if room > 0 else []
@@ -202,6 +206,10 @@ class RowStepper:
             steps.append(self.step(logits[i + 1]))
         self.proposed += len(drafts)
         self.accepted += len(steps) - 1
+        if drafts:
+            taken_all = len(steps) > len(drafts)
+            self.draft_length = min(self.draft_tokens, self.draft_length + 2) if taken_all else \
+                max(1, self.draft_length - 1)
         return steps
 
 

@@ -249,15 +249,19 @@ def draft_counts(port: int) -> tuple[float, float]:
 @dataclass
 class EditResult:
     clients: int
-    draft: int
-    aggregate_tps: float
-    request_tps_median: float
-    tokens: int
-    proposed: float
+    plain_tps: list[float]  # aggregate tok/s of each repeat, plain decoding
+    draft_tps: list[float]  # and with --draft (the same repeat ran both, one after the other)
+    proposed: float  # draft tokens over all repeats (/metrics)
     accepted: float
 
+    @property
+    def speedup(self) -> float:
+        """Median over repeats of draft / plain: each pair ran under the same machine load."""
+        return float(np.median([d / p for d, p in zip(self.draft_tps, self.plain_tps, strict=True)]))
 
-def edit_round(port: int, prompts: list[str], max_tokens: int) -> tuple[float, list[RequestResult], list[str]]:
+
+def edit_round(port: int, prompts: list[str], max_tokens: int) -> tuple[float, int, list[str]]:
+    """One request per prompt at once: the wall time, the completion tokens and the texts."""
     results: list[tuple[RequestResult, str] | None] = [None] * len(prompts)
     errors: list[BaseException] = []
 
@@ -277,52 +281,58 @@ def edit_round(port: int, prompts: list[str], max_tokens: int) -> tuple[float, l
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]}")
     done = [r for r in results if r is not None]
-    return wall, [r for r, _ in done], [text for _, text in done]
+    return wall, sum(r.tokens for r, _ in done), [text for _, text in done]
 
 
-def bench_drafting(model: Path, clients: list[int], max_tokens: int, max_batch: int, draft: int,
+def bench_drafting(model: Path, clients: list[int], max_tokens: int, max_batch: int, draft: int, repeats: int,
                    ) -> tuple[list[EditResult], bool]:
-    """The editing workload with plain decoding and with ``--draft``; whether every text was the same."""
-    results, texts = [], {}
-    for n_draft in (0, draft):
-        port = free_port()
-        server = start_server(model, port, max_batch, ["--draft", str(n_draft)])
-        try:
+    """The editing workload on two servers, plain and ``--draft``, run alternately (A/B, then B/A, ...) so both
+    see the same load; whether every text was the same."""
+    ports = [free_port(), free_port()]
+    servers = [start_server(model, port, max_batch, ["--draft", str(n)])
+               for port, n in zip(ports, (0, draft), strict=True)]
+    results, same = [], True
+    try:
+        for port in ports:
             stream_completion(port, "warm up", 4)
-            for n in clients:
-                before = draft_counts(port)
-                wall, got, outs = edit_round(port, edit_prompts(n), max_tokens)
-                after = draft_counts(port)
-                tokens = sum(r.tokens for r in got)
-                results.append(EditResult(n, n_draft, tokens / wall, float(np.median([r.decode_tps for r in got])),
-                                          tokens, after[0] - before[0], after[1] - before[1]))
-                texts[(n_draft, n)] = outs
-                r = results[-1]
-                print(f"--draft {n_draft}, {n:>2} clients: {r.aggregate_tps:6.2f} tok/s aggregate, "
-                      f"drafts {r.accepted:.0f} of {r.proposed:.0f} accepted", flush=True)
-        finally:
+        for n in clients:
+            prompts = edit_prompts(n)
+            tps: list[list[float]] = [[], []]
+            before = draft_counts(ports[1])
+            for r in range(repeats):
+                order = (0, 1) if r % 2 == 0 else (1, 0)
+                texts = {}
+                for k in order:
+                    wall, tokens, texts[k] = edit_round(ports[k], prompts, max_tokens)
+                    tps[k].append(tokens / wall)
+                same = same and texts[0] == texts[1]
+            after = draft_counts(ports[1])
+            results.append(EditResult(n, tps[0], tps[1], after[0] - before[0], after[1] - before[1]))
+            e = results[-1]
+            print(f"{n:>2} clients: plain {np.median(e.plain_tps):6.2f} tok/s, --draft {draft} "
+                  f"{np.median(e.draft_tps):6.2f} tok/s (medians of {repeats}), speed-up {e.speedup:.2f}x, "
+                  f"drafts {e.accepted:.0f} of {e.proposed:.0f} accepted", flush=True)
+    finally:
+        for server in servers:
             server.terminate()
             server.wait(timeout=60)
-    same = all(texts[(0, n)] == texts[(draft, n)] for n in clients)
     return results, same
 
 
 def report_drafting(model: Path, args: argparse.Namespace, clients: list[int]) -> None:
-    results, same = bench_drafting(model, clients, args.max_tokens, args.max_batch, args.draft)
+    results, same = bench_drafting(model, clients, args.max_tokens, args.max_batch, args.draft, args.repeats)
     print(f"\nmodel {model.name}, editing workload, {args.max_tokens} tokens per request, --draft {args.draft}, "
-          f"commit {commit()}; machine: {machine()}\n")
-    print("| clients | plain tok/s | draft tok/s | speed-up | drafts accepted | same text |")
+          f"{args.repeats} alternating repeats, commit {commit()}; machine: {machine()}\n")
+    print("| clients | plain tok/s | draft tok/s | speed-up (median of pairs) | drafts accepted | same text |")
     print("|---:|---:|---:|---:|---:|:---|")
-    for n in clients:
-        plain = next(r for r in results if r.clients == n and r.draft == 0)
-        drafted = next(r for r in results if r.clients == n and r.draft == args.draft)
-        share = f"{drafted.accepted / drafted.proposed:.0%}" if drafted.proposed else "none proposed"
-        print(f"| {n} | {plain.aggregate_tps:.2f} | {drafted.aggregate_tps:.2f} | "
-              f"{drafted.aggregate_tps / plain.aggregate_tps:.2f}x | {share} | {'yes' if same else 'NO'} |")
+    for e in results:
+        share = f"{e.accepted / e.proposed:.0%}" if e.proposed else "none proposed"
+        print(f"| {e.clients} | {np.median(e.plain_tps):.2f} | {np.median(e.draft_tps):.2f} | {e.speedup:.2f}x "
+              f"| {share} | {'yes' if same else 'NO'} |")
     if args.json:
         args.json.write_text(json.dumps({"model": str(model), "commit": commit(), "machine": machine(),
-                                         "workload": "edit", "draft": args.draft, "same_text": same,
-                                         "results": [asdict(r) for r in results]}, indent=2))
+                                         "workload": "edit", "draft": args.draft, "max_tokens": args.max_tokens,
+                                         "same_text": same, "results": [asdict(r) for r in results]}, indent=2))
     if not same:
         raise SystemExit("the texts with and without --draft differ")
 
@@ -339,6 +349,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write the results here too")
     p.add_argument("--draft", type=int, default=0, metavar="N",
                    help="run the editing workload, plain against qwen-serve --draft N (default 0: the chat workload)")
+    p.add_argument("--repeats", type=int, default=3, help="with --draft: alternating repeats per client count")
     args = p.parse_args()
     model = args.model or default_model(args.cache_dir, args.tokenizers, args.configs)
     if args.draft:

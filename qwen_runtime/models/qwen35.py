@@ -111,7 +111,7 @@ class LinearAttentionCache:
                                c.linear_value_head_dim), np.float32)  # [B, Hv, dk, dv]
         self.saved: tuple[np.ndarray, np.ndarray] | None = None  # conv and state at checkpoint()
         self.journal: tuple[int, Callable[[np.ndarray], None]] | None = None  # the pass since: its tokens per row
-        # and the replay of its step on the state for a validity mask [B, T]
+        # and the replay of its first n tokens' step on the state, for a validity mask [B, n]
 
     def checkpoint(self) -> None:
         self.saved, self.journal = (self.conv.copy(), self.state.copy()), None
@@ -125,7 +125,8 @@ class LinearAttentionCache:
         if int(np.min(keep)) >= length:
             return  # every token kept: the state is already right
         self.conv[...], self.state[...] = saved
-        replay(np.arange(length)[None, :] < np.asarray(keep)[:, None])  # [B, T]
+        kept = int(np.max(keep))  # tokens to replay per row; a row that keeps fewer masks the rest
+        replay(np.arange(kept)[None, :] < np.asarray(keep)[:, None])  # [B, kept]
 
     def select(self, rows: np.ndarray) -> None:
         self.conv = self.conv[rows]
@@ -214,8 +215,19 @@ class GatedDeltaNet:
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         mixed, z, b_gate, a_gate = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x)
         if cache.saved is not None:  # a pass that may be rolled back: its inputs replay the tokens kept
-            cache.journal = (t, partial(self._step, mixed.copy(), z, b_gate, a_gate, cache))
+            cache.journal = (t, partial(self._replay, mixed.copy(), z, b_gate, a_gate, cache))
         return self._step(mixed, z, b_gate, a_gate, cache, state.valid).reshape(b * t, hv * dv)
+
+    def _replay(self, mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.ndarray,
+                cache: LinearAttentionCache, valid: np.ndarray) -> None:
+        """:meth:`_step` of a recorded pass's first ``n`` tokens per row (``valid`` [B, n]: the tokens kept; the
+        tokens after them could not change the state before them).  # inputs [B*T, ...] of the whole pass"""
+        b, n = valid.shape
+
+        def first(x: np.ndarray) -> np.ndarray:  # [B*T, W] -> [B*n, W], C-ordered like a pass's own arrays
+            return np.ascontiguousarray(x.reshape(b, -1, x.shape[1])[:, :n]).reshape(b * n, -1)
+
+        self._step(first(mixed), first(z), first(b_gate), first(a_gate), cache, valid)
 
     def _step(self, mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.ndarray,
               cache: LinearAttentionCache, valid: np.ndarray) -> np.ndarray:
