@@ -325,3 +325,16 @@ def test_stop_strings_and_structured_output_cut_drafts_as_plain_decoding() -> No
         assert (b.tokens, b.texts, b.finish) == (a.tokens, a.texts, a.finish)
     assert plain[0].finish == {0: "stop"} and len(plain[0].text) < len(text)
     assert engine.metrics.draft_proposed.value() > 0
+
+
+def test_qwen_run_prints_the_same_with_draft(capsys: pytest.CaptureFixture[str]) -> None:
+    from qwen_runtime import cli
+
+    model = str(fixture_dir("qwen3-tiny"))
+    prompt = "one two three one two three one two three one two"
+    outputs = []
+    for extra in ([], ["--draft", "6"]):
+        assert cli.main([model, "-p", prompt, "-n", "30", "--kernels", "numba", "--stats", *extra]) == 0
+        outputs.append(capsys.readouterr())
+    assert outputs[0].out == outputs[1].out and outputs[0].out.strip()
+    assert "drafts:" in outputs[1].err and "drafts:" not in outputs[0].err
