@@ -14,9 +14,9 @@ one-token steps'), and :meth:`RowStepper.accept` steps through the logits as pla
 each pick while it is the next draft: the drafts the row's own greedy picks agree with, plus one more token.
 How many it proposes adapts as in transformers' assisted generation: two more after a pass that took every
 draft, one fewer (at least one) after a pass that refused some, so a row whose drafts keep failing verifies
-short passes.
-Stops, stop strings, the token budget and constraints act on each token as in plain decoding, so the tokens
-and text are plain decoding's; the loop cuts the cache back to the tokens taken.  Sampled rows never draft.
+short passes.  Stops, stop strings, the token budget and constraints act on each token as in plain decoding,
+so the tokens and text are plain decoding's; the loop cuts the cache back to the tokens taken.  Sampled rows
+never draft.
 """
 
 from __future__ import annotations

@@ -197,6 +197,9 @@ def startup_banner(app: Starlette, url: str) -> str:
         f"({format_bytes(engine.activations)} of activations; prefix cache up to "
         f"{format_bytes(engine.prefix.capacity) if engine.prefix else 'off'})",
         f"  kernels: {ws.kernels} ({products}), {ws.threads} threads",
+        *([f"  speculative decoding: up to {engine.draft_tokens} prompt-lookup drafts per step for greedy requests"
+           if engine.draft_tokens else "  speculative decoding: off (--draft needs the compiled kernels)"]
+          if engine.draft_asked else []),
         f"  listening on {url}" + ("; API key required on /v1 and /tokenize" if state.api_key else ""),
     ])
 

@@ -178,6 +178,7 @@ class Engine:
         self.row_bytes = kv_cache_bytes(cfg, 1, 0)  # recurrent state (and nothing else) of one row
         self.token_bytes = kv_cache_bytes(cfg, 1, 1) - self.row_bytes  # keys and values of one token
         self.memory_limit = default_memory_limit() if max_memory is None else max_memory
+        self.draft_asked = draft_tokens
         self.draft_tokens = draft_tokens if model.exact_steps else 0  # numpy kernels: no exact verify pass
         step_rows = max_batch * (1 + self.draft_tokens)  # a verify pass's tokens, and its recurrent checkpoint
         self.activations = (activation_bytes(cfg, step_rows, 1, 1) + activation_bytes(cfg, 1, context, prefill_chunk)
@@ -244,7 +245,7 @@ class Engine:
                     "prefilling": self._prefill is not None, "max_batch": self.max_batch,
                     "decode_steps": self.steps, "peak_rows": self.peak_rows,
                     "reserved_bytes": sum(self._reserved.values()), "memory_limit_bytes": self.memory_limit,
-                    "restarts": self.restarts, "last_error": self.last_error,
+                    "restarts": self.restarts, "last_error": self.last_error, "draft_tokens": self.draft_tokens,
                     "prefix_cache": None if self.prefix is None else {
                         "bytes": self.prefix.nbytes, "capacity_bytes": self.prefix.capacity,
                         "blocks": len(self.prefix.blocks), "block_tokens": self.prefix.block,

@@ -338,3 +338,12 @@ def test_qwen_run_prints_the_same_with_draft(capsys: pytest.CaptureFixture[str])
         outputs.append(capsys.readouterr())
     assert outputs[0].out == outputs[1].out and outputs[0].out.strip()
     assert "drafts:" in outputs[1].err and "drafts:" not in outputs[0].err
+
+
+def test_the_banner_says_whether_drafting_runs() -> None:
+    app_module = pytest.importorskip("qwen_serve.app")
+    on = app_module.create_app(compiled("qwen3-tiny"), draft_tokens=4)
+    assert "up to 4 prompt-lookup drafts" in app_module.startup_banner(on, "http://x")
+    off = app_module.create_app(qwen_runtime.load(fixture_dir("qwen3-tiny"), kernels="numpy"), draft_tokens=4)
+    assert "speculative decoding: off" in app_module.startup_banner(off, "http://x")
+    assert off.state.server.engine.status()["draft_tokens"] == 0
