@@ -148,17 +148,21 @@ class Workspace:
         self.scratch = [Scratch() for _ in range(self.threads)]
         self._helpers: _Helpers | None = None
         self.row_invariant = False  # inside rowwise(): see there
+        self.active_rows: np.ndarray | None = None  # inside rowwise(rows): the activation rows multiplied
 
     @contextlib.contextmanager
-    def rowwise(self) -> Iterator[None]:
+    def rowwise(self, rows: np.ndarray | None = None) -> Iterator[None]:
         """Inside the block, weights multiply each activation row on its own, so that a row's result does not
         depend on the other rows of the batch (see :mod:`qwen_runtime.weights`); for serving, and for passes
-        whose tokens must each get a one-token step's numbers (:meth:`compiled_step`)."""
-        previous, self.row_invariant = self.row_invariant, True
+        whose tokens must each get a one-token step's numbers (:meth:`compiled_step`).  ``rows`` (bool [N]):
+        the products of the block take N activation rows and multiply only these (the others come out 0): the
+        padding of a pass whose rows bring different numbers of tokens costs no product."""
+        previous = self.row_invariant, self.active_rows
+        self.row_invariant, self.active_rows = True, rows
         try:
             yield
         finally:
-            self.row_invariant = previous
+            self.row_invariant, self.active_rows = previous
 
     def compiled_step(self, tokens: int, limit: int) -> bool:
         """Whether a pass of ``tokens`` new tokens per row runs the decode step's compiled kernels: with

@@ -16,9 +16,9 @@ So a request's tokens are identical whether it runs alone or among others.
 A row's sampling, text, stop strings and finish reason are its :class:`~qwen_runtime.stepper.RowStepper`'s; the
 engine only schedules.  With ``draft_tokens`` > 0 (and the compiled kernels) greedy rows decode speculatively
 by prompt lookup (:mod:`qwen_runtime.stepper`): a decode step is then one verify pass
-(:meth:`~qwen_runtime.models.Model.verify`) of every row's last token and drafts, padded with copies of the
-last token to the longest row's drafts (a sampled row takes its first logits only), and each row's cache is cut
-back to the tokens it took.  The tokens, text and events are those of plain decoding, several per step.
+(:meth:`~qwen_runtime.models.Model.verify`) of every row's last token and drafts, padded to the longest row's
+drafts (padding costs no product; a sampled row takes its first logits only), and each row's cache is cut back
+to the tokens it took.  The tokens, text and events are those of plain decoding, several per step.
 A prompt starts from the longest prefix the :mod:`.prefix_cache` holds.  A request whose code raises inside a
 step fails alone (a failed batched pass is retried row by row); a loop that dies is restarted, and after
 :data:`MAX_RESTARTS` deaths in a row the engine stops and says so.
@@ -415,18 +415,19 @@ class Engine:
         self._advance(rows, logits)
 
     def _verify_step(self, rows: list[Row], drafts: list[list[int]], lengths: np.ndarray) -> bool:
-        """One verify pass of every running row's last token and drafts (padded to the longest with the last
-        token; see the module docstring), then each row's steps, and its cache cut back to them.  If the pass
+        """One verify pass of every running row's last token and drafts (padded to the longest; see the module
+        docstring), then each row's steps, and its cache cut back to them.  If the pass
         raises, a model without recurrent state gets its rows' lengths back and False (the caller steps them
         plainly, row by row if need be); with recurrent state the step's requests fail together."""
         width = max(len(d) for d in drafts)
         tokens = np.asarray([[row.last, *d, *[row.last] * (width - len(d))]
                              for row, d in zip(rows, drafts, strict=True)], np.int64)  # [B, 1 + width]
+        own = np.asarray([1 + len(d) for d in drafts])  # [B] each row's own tokens; the rest is padding
         cache = self.slots.rows(0, len(rows))
         start = time.perf_counter()
         cache.checkpoint()
         try:
-            logits = self.model.verify(tokens, cache)  # [B, 1 + width, V]
+            logits = self.model.verify(tokens, cache, np.arange(1 + width)[None, :] < own[:, None])  # [B, 1+width, V]
         except Exception:
             if self.row_bytes:
                 raise

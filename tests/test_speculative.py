@@ -85,6 +85,37 @@ def test_a_verify_pass_is_exact_for_stored_types(converted: Converted, family: s
     check_verify(qwen_runtime.load(converted.get(family, "gguf", dtype), kernels="numba"))
 
 
+@pytest.mark.parametrize("family", ["qwen2-tiny", "qwen35-tiny"])
+def test_a_padded_verify_pass_of_ragged_rows_is_exact(family: str) -> None:
+    """Rows of a server's ragged cache bring 5 and 2 tokens (3 of padding): each row's own tokens get their
+    one-token steps' logits, the padding multiplies nothing, and cut back the rows continue exactly."""
+    slots_module = pytest.importorskip("qwen_serve.slots")
+    model = compiled(family)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (7, 4)]
+    tokens = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (5, 2)]
+    slots = slots_module.SlotCache(model, 2, 32)
+    for i, prompt in enumerate(prompts):
+        slots.reset(i)
+        model.forward(np.asarray([prompt]), slots.rows(i, i + 1))
+    cache = slots.rows(0, 2)
+    cache.checkpoint()
+    ids = np.asarray([tokens[0], tokens[1] + [tokens[1][-1]] * 3])
+    valid = np.asarray([[True] * 5, [True] * 2 + [False] * 3])
+    got = model.verify(ids, cache, valid)
+    cache.rollback(np.asarray([3, 2]))
+    assert slots.lengths[:2].tolist() == [10, 6]
+    after = rng.integers(0, model.config.vocab_size, 2).tolist()
+    with model.workspace.rowwise():
+        continued = [model.forward(np.asarray([[t], [t]]), slots.rows(0, 2), last_only=True) for t in after]
+    for row, own in enumerate((5, 2)):
+        keep = (3, 2)[row]
+        expected = steps(model, prompts[row], tokens[row][:keep] + after)
+        plain = steps(model, prompts[row], tokens[row])
+        assert np.array_equal(got[row, :own].view(np.uint32), plain.view(np.uint32))
+        assert np.array_equal(np.stack([c[row] for c in continued]).view(np.uint32), expected[keep:].view(np.uint32))
+
+
 def test_the_numpy_kernels_do_not_draft() -> None:
     model = qwen_runtime.load(fixture_dir("qwen3-tiny"), kernels="numpy")
     assert not model.exact_steps

@@ -123,9 +123,11 @@ class Model:
         orders than one-token steps (BLAS GEMM against GEMV, batched attention), so it cannot."""
         return self.workspace.kernels == "numba" and self._row_kernels
 
-    def verify(self, ids: np.ndarray, cache: Cache) -> np.ndarray:
+    def verify(self, ids: np.ndarray, cache: Cache, valid: np.ndarray | None = None) -> np.ndarray:
         """Logits of ``T`` new tokens per row (T at most :data:`~qwen_runtime.pool.STEP_TOKENS`), each bit for bit
-        what feeding the tokens one step at a time gives: speculative decoding's verify pass.
+        what feeding the tokens one step at a time gives: speculative decoding's verify pass.  ``valid`` (bool
+        [B, T], a ragged cache only): each row's tokens are a prefix of its T, the rest padding whose products are
+        skipped and whose logits are meaningless (they pass after the row's own tokens, which never see them).
 
         Every product runs row by row (``Workspace.rowwise``: a compiled row kernel gives a row the same numbers
         alone and among others, and F32's per-row BLAS call is a lone step's call), and attention, norms and
@@ -137,8 +139,9 @@ class Model:
             raise KernelsError("a verify pass needs the compiled kernels (kernels='numba') for every matrix")
         if not 1 <= ids.shape[1] <= STEP_TOKENS:
             raise ValueError(f"a verify pass takes 1 to {STEP_TOKENS} tokens per row, got {ids.shape[1]}")
-        with self.workspace.rowwise():
-            return self.forward(ids, cache, release_scratch=False)
+        rows = None if valid is None else np.asarray(valid, bool).reshape(-1)  # [B*T] the tokens' product rows
+        with self.workspace.rowwise(rows):
+            return self.forward(ids, cache, valid, release_scratch=False)
 
     def hidden_states(self, ids: np.ndarray) -> list[np.ndarray]:
         """Residual stream after the embedding and after every block, of whole sequences (no persistent cache).
