@@ -41,9 +41,10 @@ class LayerCache(Protocol):
     def clear_row(self, row: int) -> None:
         """Make row ``row`` ready for a new sequence (slots past a row's length are never read)."""
 
-    def checkpoint(self) -> None:
-        """Keep what :meth:`rollback` needs to undo the next pass (a recurrent state; keys and values need
-        nothing: the bookkeeping's lengths cut them back)."""
+    def checkpoint(self, rows: np.ndarray | None = None) -> None:
+        """Keep what :meth:`rollback` needs to undo the next pass in ``rows`` (bool [B], default all: the rows it
+        may cut back before their last token; a recurrent state, as keys and values need nothing: the
+        bookkeeping's lengths cut them back)."""
 
     def rollback(self, keep: np.ndarray) -> None:
         """Undo the pass after :meth:`checkpoint` but for its first ``keep[b]`` tokens of each row b (int [B])."""
@@ -184,7 +185,7 @@ class KVCache:
     def clear_row(self, row: int) -> None:
         pass  # keys and values are only read up to the tokens a row holds
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, rows: np.ndarray | None = None) -> None:
         pass  # slots past a row's length are never read and are written again
 
     def rollback(self, keep: np.ndarray) -> None:
@@ -233,10 +234,11 @@ class Cache:
         self.lengths += state.valid.sum(axis=1)
         self.last_length = state.length
 
-    def checkpoint(self) -> None:
-        """Make the next pass undoable by :meth:`rollback` (speculative decoding's verify pass)."""
+    def checkpoint(self, rows: np.ndarray | None = None) -> None:
+        """Make the next pass undoable by :meth:`rollback` in ``rows`` (bool [B], default all; speculative
+        decoding's verify pass)."""
         for layer in self.layers:
-            layer.checkpoint()
+            layer.checkpoint(rows)
 
     def rollback(self, keep: np.ndarray) -> None:
         """Keep only the first ``keep[b]`` tokens of the last pass (after :meth:`checkpoint`) in row b (int [B]).

@@ -425,7 +425,7 @@ class Engine:
         own = np.asarray([1 + len(d) for d in drafts])  # [B] each row's own tokens; the rest is padding
         cache = self.slots.rows(0, len(rows))
         start = time.perf_counter()
-        cache.checkpoint()
+        cache.checkpoint(own > 1)  # a row without drafts keeps its one token: nothing to restore
         try:
             logits = self.model.verify(tokens, cache, np.arange(1 + width)[None, :] < own[:, None])  # [B, 1+width, V]
         except Exception:

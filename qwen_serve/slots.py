@@ -45,10 +45,11 @@ class RowRange:
         self.slots.lengths[self.start:self.stop] += state.length
         self.last_length = state.length
 
-    def checkpoint(self) -> None:
-        """Make the next pass undoable by :meth:`rollback` (speculative decoding's verify pass)."""
+    def checkpoint(self, rows: np.ndarray | None = None) -> None:
+        """Make the next pass undoable by :meth:`rollback` in ``rows`` (bool [B], default all; speculative
+        decoding's verify pass)."""
         for layer in self.layers:
-            layer.checkpoint()
+            layer.checkpoint(rows)
 
     def rollback(self, keep: np.ndarray) -> None:
         """Keep only the first ``keep[b]`` tokens of the last pass (after :meth:`checkpoint`) in each row.  # int [B]"""

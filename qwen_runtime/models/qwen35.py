@@ -98,10 +98,10 @@ class GatedAttention:
 class LinearAttentionCache:
     """Per-row state of one Gated DeltaNet layer, preallocated: last K−1 raw conv inputs and the delta state.
 
-    A state cannot be cut back to fewer tokens, so :meth:`checkpoint` copies it and the next (compiled) pass
-    records its inputs; :meth:`rollback` restores the copy and replays the kept tokens by the same compiled step
-    (the others masked as padding, which leaves a state exactly as it was), so the state is bit for bit what
-    feeding only the kept tokens gives.
+    A state cannot be cut back to fewer tokens, so :meth:`checkpoint` copies the rows a pass may cut back and the
+    next (compiled) pass records its inputs; :meth:`rollback` restores the rows cut back and replays the tokens
+    they keep by the same compiled step (every other token masked as padding, which leaves a state exactly as it
+    was), so a state is bit for bit what feeding only the kept tokens gives.
     """
 
     def __init__(self, batch: int, config: ModelConfig) -> None:
@@ -109,24 +109,32 @@ class LinearAttentionCache:
         self.conv = np.zeros((batch, c.linear_conv_kernel_dim - 1, c.linear_conv_dim), np.float32)  # [B, K-1, C]
         self.state = np.zeros((batch, c.linear_num_value_heads, c.linear_key_head_dim,
                                c.linear_value_head_dim), np.float32)  # [B, Hv, dk, dv]
-        self.saved: tuple[np.ndarray, np.ndarray] | None = None  # conv and state at checkpoint()
-        self.journal: tuple[int, Callable[[np.ndarray], None]] | None = None  # the pass since: its tokens per row
-        # and the replay of its first n tokens' step on the state, for a validity mask [B, n]
+        self.saved: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # at checkpoint(): the rows copied
+        # (int [R]) and their conv and state
+        self.journal: tuple[np.ndarray, Callable[[np.ndarray], None]] | None = None  # the pass since: its
+        # validity [B, T] and the replay of its first n tokens' step on the state, for a validity mask [B, n]
 
-    def checkpoint(self) -> None:
-        self.saved, self.journal = (self.conv.copy(), self.state.copy()), None
+    def checkpoint(self, rows: np.ndarray | None = None) -> None:
+        index = np.arange(len(self.state)) if rows is None else np.flatnonzero(rows)
+        self.saved, self.journal = (index, self.conv[index], self.state[index]), None  # copies
 
     def rollback(self, keep: np.ndarray) -> None:
         saved, journal = self.saved, self.journal
         self.saved = self.journal = None
         if saved is None or journal is None:
             raise ValueError("a linear-attention state rolls back only a compiled pass after checkpoint()")
-        length, replay = journal
-        if int(np.min(keep)) >= length:
-            return  # every token kept: the state is already right
-        self.conv[...], self.state[...] = saved
-        kept = int(np.max(keep))  # tokens to replay per row; a row that keeps fewer masks the rest
-        replay(np.arange(kept)[None, :] < np.asarray(keep)[:, None])  # [B, kept]
+        index, conv, state = saved
+        valid, replay = journal
+        keep = np.asarray(keep)
+        cut = keep < valid.sum(axis=1)  # [B] rows whose state went past the tokens they keep
+        if not cut.any():
+            return
+        restore = cut[index]  # [R] which copies to put back
+        if restore.sum() != cut.sum():
+            raise ValueError("a row is cut back that was not checkpointed")
+        self.conv[index[restore]], self.state[index[restore]] = conv[restore], state[restore]
+        kept = int(keep[cut].max())  # tokens to replay; other rows (and a row's tokens after its own) are masked
+        replay((np.arange(kept)[None, :] < keep[:, None]) & cut[:, None])  # [B, kept]
 
     def select(self, rows: np.ndarray) -> None:
         self.conv = self.conv[rows]
@@ -215,7 +223,7 @@ class GatedDeltaNet:
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         mixed, z, b_gate, a_gate = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x)
         if cache.saved is not None:  # a pass that may be rolled back: its inputs replay the tokens kept
-            cache.journal = (t, partial(self._replay, mixed.copy(), z, b_gate, a_gate, cache))
+            cache.journal = (state.valid, partial(self._replay, mixed.copy(), z, b_gate, a_gate, cache))
         return self._step(mixed, z, b_gate, a_gate, cache, state.valid).reshape(b * t, hv * dv)
 
     def _replay(self, mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.ndarray,
