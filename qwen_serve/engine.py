@@ -416,9 +416,9 @@ class Engine:
 
     def _verify_step(self, rows: list[Row], drafts: list[list[int]], lengths: np.ndarray) -> bool:
         """One verify pass of every running row's last token and drafts (padded to the longest; see the module
-        docstring), then each row's steps, and its cache cut back to them.  If the pass
-        raises, a model without recurrent state gets its rows' lengths back and False (the caller steps them
-        plainly, row by row if need be); with recurrent state the step's requests fail together."""
+        docstring), then each row's steps, and its cache cut back to them.  If the pass raises, a model without
+        recurrent state gets its rows' lengths back and False (the caller steps them plainly, row by row if need
+        be); with recurrent state the step's requests fail together."""
         width = max(len(d) for d in drafts)
         tokens = np.asarray([[row.last, *d, *[row.last] * (width - len(d))]
                              for row, d in zip(rows, drafts, strict=True)], np.int64)  # [B, 1 + width]
