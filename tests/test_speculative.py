@@ -378,3 +378,21 @@ def test_the_banner_says_whether_drafting_runs() -> None:
     off = app_module.create_app(qwen_runtime.load(fixture_dir("qwen3-tiny"), kernels="numpy"), draft_tokens=4)
     assert "speculative decoding: off" in app_module.startup_banner(off, "http://x")
     assert off.state.server.engine.status()["draft_tokens"] == 0
+
+
+def test_a_verify_pass_that_raises_falls_back_to_plain_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model without recurrent state whose verify pass raises steps its rows plainly: same tokens."""
+    model = compiled("qwen3-tiny")
+    jobs = [{"prompt_ids": repetitive(model, i), "max_tokens": 20, "sampling": SamplingParams()} for i in range(3)]
+    plain, _ = serve(model, 0, jobs)
+    calls = []
+
+    def broken(*args: object, **kwargs: object) -> np.ndarray:
+        calls.append(1)
+        raise RuntimeError("a verify pass broke")
+
+    monkeypatch.setattr(model, "verify", broken)
+    drafted, engine = serve(model, 6, jobs)
+    assert calls and engine.metrics.draft_proposed.value() == 0
+    for a, b in zip(plain, drafted, strict=True):
+        assert b.failed is None and (b.tokens, b.texts, b.finish) == (a.tokens, a.texts, a.finish)
