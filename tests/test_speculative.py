@@ -396,3 +396,19 @@ def test_a_verify_pass_that_raises_falls_back_to_plain_steps(monkeypatch: pytest
     assert calls and engine.metrics.draft_proposed.value() == 0
     for a, b in zip(plain, drafted, strict=True):
         assert b.failed is None and (b.tokens, b.texts, b.finish) == (a.tokens, a.texts, a.finish)
+
+
+@pytest.mark.parametrize("family", ["qwen3-tiny", "qwen35-tiny"])
+def test_drafting_compiles_nothing_after_load(family: str) -> None:
+    """Verify passes, their padding and Qwen3.5's replays use the compiled signatures the load made."""
+    from test_runtime_memory import compiled_signatures
+
+    model = qwen_runtime.load(fixture_dir(family), kernels="numba")
+    loaded = compiled_signatures()
+    gen = Generation(model, [repetitive(model)], GenerationConfig(max_new_tokens=30, draft_tokens=6))
+    gen.run()
+    jobs = [{"prompt_ids": repetitive(model, i), "max_tokens": 12, "sampling": SamplingParams()} for i in range(3)]
+    serve(model, 6, jobs)
+    assert gen.stats.draft_proposed > 0
+    grown = {name: n - loaded.get(name, 0) for name, n in compiled_signatures().items() if n != loaded.get(name, 0)}
+    assert not grown, f"compiled after load: {grown}"
