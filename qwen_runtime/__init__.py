@@ -62,13 +62,14 @@ def stream(model: Model, prompts: Prompts, *, chat: bool = False, system: str | 
            enable_thinking: bool | None = None, max_new_tokens: int = 256,
            sampling: SamplingParams | Sequence[SamplingParams] = GREEDY, seed: int | None = None,
            prefill_chunk: int = 256, use_tokenizer: bool | None = None,
-           max_memory: int | None = None) -> Generation:
+           max_memory: int | None = None, draft_tokens: int = 0) -> Generation:
     """Start generating: iterate the result for each step's new text per row, then read ``.results``.
 
     With ``use_tokenizer`` (default: when the prompts are text) the model's tokenizer streams text and its
     stop ids end rows; for id prompts without it, rows run to ``max_new_tokens`` and text stays empty.
     ``max_memory`` bounds the bytes of cache and activations (default: 80 % of MemAvailable); a batch or
     context that would exceed it raises :class:`~qwen_runtime.errors.ResourceLimitError` before allocating.
+    ``draft_tokens``: speculative decoding by prompt lookup (:class:`GenerationConfig`).
     """
     ids = encode_prompts(model, prompts, chat, system, enable_thinking)
     if use_tokenizer is None:
@@ -76,7 +77,7 @@ def stream(model: Model, prompts: Prompts, *, chat: bool = False, system: str | 
     fmt = chat_format(model) if use_tokenizer else None
     stop_ids = fmt.stop_ids if fmt is not None else frozenset()
     params = sampling if isinstance(sampling, SamplingParams) else tuple(sampling)
-    config = GenerationConfig(max_new_tokens, params, stop_ids, seed, prefill_chunk, max_memory)
+    config = GenerationConfig(max_new_tokens, params, stop_ids, seed, prefill_chunk, max_memory, draft_tokens)
     return Generation(model, ids, config, fmt.tokenizer if fmt is not None else None)
 
 

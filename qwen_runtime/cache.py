@@ -64,6 +64,14 @@ class LayerCache(Protocol):
     def clear_row(self, row: int) -> None:
         """Make row ``row`` ready for a new sequence (slots past a row's length are never read)."""
 
+    def checkpoint(self, rows: np.ndarray | None = None) -> None:
+        """Keep what :meth:`rollback` needs to undo the next pass in ``rows`` (bool [B], default all: the rows it
+        may cut back before their last token; a recurrent state, as keys and values need nothing: the
+        bookkeeping's lengths cut them back)."""
+
+    def rollback(self, keep: np.ndarray) -> None:
+        """Undo the pass after :meth:`checkpoint` but for its first ``keep[b]`` tokens of each row b (int [B])."""
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the cache arrays."""
@@ -205,6 +213,12 @@ class KVCache:
     def clear_row(self, row: int) -> None:
         pass  # keys and values are only read up to the tokens a row holds
 
+    def checkpoint(self, rows: np.ndarray | None = None) -> None:
+        pass  # slots past a row's length are never read and are written again
+
+    def rollback(self, keep: np.ndarray) -> None:
+        pass
+
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
@@ -221,6 +235,7 @@ class Cache:
         self.offset = 0  # slots filled so far (the same for every row)
         self.valid = np.zeros((batch, max_len), bool)  # [B, max_len]
         self.lengths = np.zeros(batch, np.int64)  # [B] real tokens so far per row
+        self.last_length = 0  # new tokens per row of the last pass
 
     @property
     def batch(self) -> int:
@@ -247,6 +262,30 @@ class Cache:
         """Advance the bookkeeping once every layer has consumed ``state``."""
         self.offset = state.end
         self.lengths += state.valid.sum(axis=1)
+        self.last_length = state.length
+
+    def checkpoint(self, rows: np.ndarray | None = None) -> None:
+        """Make the next pass undoable by :meth:`rollback` in ``rows`` (bool [B], default all; speculative
+        decoding's verify pass)."""
+        for layer in self.layers:
+            layer.checkpoint(rows)
+
+    def rollback(self, keep: np.ndarray) -> None:
+        """Keep only the first ``keep[b]`` tokens of the last pass (after :meth:`checkpoint`) in row b (int [B]).
+
+        The rows share one slot offset, so every row must drop as many tokens (a one-row generation does); the
+        dropped slots become free again (unpadded passes only: each token is one slot).
+        """
+        dropped = self.last_length - np.asarray(keep, np.int64)  # [B]
+        if dropped.min() != dropped.max() or dropped[0] < 0:
+            raise ValueError(f"a cache of one slot offset rolls every row back alike, got keep={keep.tolist()} "
+                             f"of {self.last_length} tokens")
+        drop = int(dropped[0])
+        self.offset -= drop
+        self.lengths -= drop
+        self.valid[:, self.offset:self.offset + drop] = False
+        for layer in self.layers:
+            layer.rollback(keep)
 
     def select(self, rows: np.ndarray) -> None:
         """Keep only batch rows ``rows`` in every layer (drops finished sequences)."""

@@ -18,7 +18,7 @@ from typing import TextIO
 
 from . import Generation, Model, SamplingParams, chat_format, encode_prompts, load, stream
 from .chat import fit_chat, reply_budget
-from .cli_support import HelpFormatter, add_machine_options, run_guarded
+from .cli_support import HelpFormatter, add_draft_option, add_machine_options, run_guarded
 from .errors import ContextOverflowError
 from .limits import format_bytes, parse_memory_size
 
@@ -65,6 +65,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-memory", type=parse_memory_size, default=None, metavar="SIZE",
                    help="memory allowed for cache and activations, e.g. 2G (default: 80%% of MemAvailable)")
     p.add_argument("--stats", action="store_true", help="print speed, memory, threads and kernels on stderr")
+    add_draft_option(p, "; several prompts at once decode plainly")
     add_machine_options(p)
     return p
 
@@ -92,6 +93,9 @@ def print_stats(gen: Generation, out: TextIO) -> None:
     out.write(f"memory: peak RSS {format_bytes(mem.get('VmHWM', 0) << 10)}, "
               f"anonymous RSS {format_bytes(mem.get('RssAnon', 0) << 10)}\n")
     out.write(f"kernels: {ws.kernels}, {ws.threads} thread(s)\n")
+    if s.draft_proposed:
+        out.write(f"drafts: {s.draft_accepted} of {s.draft_proposed} accepted "
+                  f"({s.draft_accepted / s.draft_proposed:.0%})\n")
 
 
 def context_length(model: Model, args: argparse.Namespace) -> int:
@@ -121,7 +125,7 @@ def run_prompts(model: Model, args: argparse.Namespace, sampling: SamplingParams
     if max_new < args.max_new_tokens:
         err.write(budget_note(args.max_new_tokens, max_new, longest, context))
     gen = stream(model, ids, max_new_tokens=max_new, sampling=sampling, seed=args.seed, use_tokenizer=True,
-                 max_memory=args.max_memory)
+                 max_memory=args.max_memory, draft_tokens=args.draft)
     if len(ids) == 1:
         for texts in gen:
             sys.stdout.write(texts[0])
@@ -192,7 +196,7 @@ def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingP
             err.write(budget_note(args.max_new_tokens, fitted.max_new_tokens, len(fitted.ids), context))
         messages = fitted.messages
         gen = stream(model, [fitted.ids], max_new_tokens=fitted.max_new_tokens, sampling=sampling, seed=args.seed,
-                     use_tokenizer=True, max_memory=args.max_memory)
+                     use_tokenizer=True, max_memory=args.max_memory, draft_tokens=args.draft)
         reply = []
         try:
             for texts in gen:

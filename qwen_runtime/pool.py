@@ -55,6 +55,9 @@ from .errors import KernelsError
 
 KERNEL_CHOICES = ("auto", "numba", "numpy")
 KERNELS_VARIABLE = "QWEN_KERNELS"  # the default choice (the one environment setting of the runtime)
+# New tokens per row up to which a pass inside Workspace.rowwise() runs the decode step's compiled kernels
+# (speculative decoding's verify pass: each token then gets exactly the numbers of a one-token step).
+STEP_TOKENS = 16
 
 
 class Scratch:
@@ -157,16 +160,28 @@ class Workspace:
         self._helpers: _Helpers | None = None
         self.row_invariant = False  # inside rowwise(): see there
         self._keeping = 0  # open keep_scratch() blocks
+        self.active_rows: np.ndarray | None = None  # inside rowwise(rows): the activation rows multiplied
 
     @contextlib.contextmanager
-    def rowwise(self) -> Iterator[None]:
+    def rowwise(self, rows: np.ndarray | None = None) -> Iterator[None]:
         """Inside the block, weights multiply each activation row on its own, so that a row's result does not
-        depend on the other rows of the batch (see :mod:`qwen_runtime.weights`); for serving."""
-        previous, self.row_invariant = self.row_invariant, True
+        depend on the other rows of the batch (see :mod:`qwen_runtime.weights`); for serving, and for passes
+        whose tokens must each get a one-token step's numbers (:meth:`compiled_step`).  ``rows`` (bool [N]):
+        the products of the block take N activation rows and multiply only these (the others come out 0): the
+        padding of a pass whose rows bring different numbers of tokens costs no product."""
+        previous = self.row_invariant, self.active_rows
+        self.row_invariant, self.active_rows = True, rows
         try:
             yield
         finally:
-            self.row_invariant = previous
+            self.row_invariant, self.active_rows = previous
+
+    def compiled_step(self, tokens: int, limit: int) -> bool:
+        """Whether a pass of ``tokens`` new tokens per row runs the decode step's compiled kernels: with
+        ``kernels="numba"``, up to ``limit`` tokens (where the caller measured them faster than its batched numpy
+        code) and, inside :meth:`rowwise`, up to :data:`STEP_TOKENS`: those kernels treat the tokens one after
+        the other by the operations of a one-token step, so each token's numbers are a lone step's."""
+        return self.kernels == "numba" and (tokens <= limit or (self.row_invariant and tokens <= STEP_TOKENS))
 
     @property
     def nbytes(self) -> int:

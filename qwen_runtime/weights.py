@@ -22,6 +22,8 @@ kernel's numbers, and Q8_0, whose block scales are applied to the tile first; ot
 exactly): a server gives a request the same tokens alone or among others.  A GEMV per row costs more than
 one GEMM for the batch, less than per-row block sums (measured on Qwen2.5-0.5B q8_0: a step of 8 rows takes
 about 2x and of 16 rows 3x a single row's, against about 4x and 8x with Q8_0's per-block sums).
+``Workspace.rowwise(rows)`` multiplies only the activation rows named (the others come out 0): the padding of a
+verify pass whose rows bring fewer draft tokens than the longest costs no product.
 
 ``rows(ids)`` is the embedding lookup: it decodes only the rows asked for.  A tied ``lm_head`` is the very
 same object as the token embedding.  Every kind keeps ``to_float32()`` as the plain reference that the
@@ -187,6 +189,14 @@ def matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
     Fusing projections that share their input (q/k/v, gate/up) balances the pool over every row of them
     and pays its dispatch once.  All weights must share one workspace.  # [N, in] -> [[N, out_i], ...]
     """
+    rows = active_rows(weights[0].ws, x) if weights else None
+    if rows is not None:  # padded rows: only the active ones are multiplied
+        return [scatter_rows(y, rows) for y in _matmul_many(weights, x[rows])]
+    return _matmul_many(weights, x)
+
+
+def _matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
+    """:func:`matmul_many` of every row of ``x``."""
     outputs = [np.empty((x.shape[0], w.out_features), np.float32) for w in weights]  # tasks fill column blocks
     prepared: dict[QType, object] = {}
     tasks = [task for w, y in zip(weights, outputs, strict=True) for task in w.tile_tasks(x, y, prepared)]
@@ -202,13 +212,38 @@ def gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
     Each weight multiplies its block in its own kind; weights split into different blocks (different tile
     sizes) fall back to :func:`matmul_many`.  # [N, in] -> [N, out]
     """
+    rows = active_rows(gate.ws, x)
+    if rows is not None:  # padded rows: only the active ones are multiplied
+        return scatter_rows(_gated_matmul(gate, up, x[rows]), rows)
+    return _gated_matmul(gate, up, x)
+
+
+def _gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
+    """:func:`gated_matmul` of every row of ``x``."""
     if gate.blocks() != up.blocks():
-        g, u = matmul_many([gate, up], x)
+        g, u = _matmul_many([gate, up], x)
         return swiglu(gate.ws)(g, u, out=g)
     out = np.empty((x.shape[0], gate.out_features), np.float32)
     prepared: dict[QType, object] = {}
     xg, xu = gate.prepared(x, prepared), up.prepared(x, prepared)
     gate.ws.run([partial(_gated_block, gate, up, r0, r1, xg, xu, out[:, r0:r1]) for r0, r1 in gate.blocks()])
+    return out
+
+
+def active_rows(ws: Workspace, x: np.ndarray) -> np.ndarray | None:
+    """The rows of ``x`` [N, in] a product multiplies inside ``Workspace.rowwise(rows)`` (None: all of them)."""
+    rows = ws.active_rows
+    if rows is None or not ws.row_invariant:
+        return None
+    if rows.shape != (len(x),):
+        raise ValueError(f"rowwise(rows) names {rows.shape[0]} activation rows, a product got {len(x)}")
+    return None if rows.all() else rows
+
+
+def scatter_rows(y: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``y`` [n, out], the products of the active ``rows`` (bool [N], n of them True), as [N, out] with 0 elsewhere."""
+    out = np.zeros((len(rows), y.shape[1]), np.float32)
+    out[rows] = y
     return out
 
 

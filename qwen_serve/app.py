@@ -128,7 +128,7 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
                max_queue: int = 64, max_memory: int | None = None, api_key: str | None = None,
                prefill_chunk: int = 128, max_context: int | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, cache_memory: int | None = None, threads: int | None = None,
-               kernels: str | None = None) -> Starlette:
+               kernels: str | None = None, draft_tokens: int = 0) -> Starlette:
     """An ASGI app serving ``model`` (a path or a loaded :class:`Model`); its engine starts with the app.
 
     ``model_name`` is the name clients pass as ``model`` (default: the file or directory name); ``threads`` and
@@ -143,7 +143,7 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
     metrics = Metrics()
     engine = Engine(model, fmt.tokenizer, fmt.stop_ids, max_batch=max_batch, max_queue=max_queue,
                     max_memory=max_memory, prefill_chunk=prefill_chunk, max_context=max_context, text_ids=text_ids,
-                    metrics=metrics, cache_memory=cache_memory)
+                    metrics=metrics, cache_memory=cache_memory, draft_tokens=draft_tokens)
     engine_gauges(metrics, engine)
     name = model_name or hub.model_name(model.path)
     state = ServerState(engine, fmt, name, generation_defaults(model), api_key, max_body_bytes, int(time.time()),
@@ -197,6 +197,9 @@ def startup_banner(app: Starlette, url: str) -> str:
         f"({format_bytes(engine.activations)} of activations; prefix cache up to "
         f"{format_bytes(engine.prefix.capacity) if engine.prefix else 'off'})",
         f"  kernels: {ws.kernels} ({products}), {ws.threads} threads",
+        *([f"  speculative decoding: up to {engine.draft_tokens} prompt-lookup drafts per step for greedy requests"
+           if engine.draft_tokens else "  speculative decoding: off (--draft needs the compiled kernels)"]
+          if engine.draft_asked else []),
         f"  listening on {url}" + ("; API key required on /v1 and /tokenize" if state.api_key else ""),
     ])
 

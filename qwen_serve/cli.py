@@ -18,7 +18,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from qwen_runtime.cli_support import HelpFormatter, add_machine_options, require_extra, run_guarded
+from qwen_runtime.cli_support import HelpFormatter, add_draft_option, add_machine_options, require_extra, run_guarded
 from qwen_runtime.errors import QwenError
 from qwen_runtime.limits import parse_memory_size
 
@@ -64,6 +64,7 @@ def configure_parser() -> argparse.ArgumentParser:
                    help="tokens one request may hold, prompt + completion (default: the model's context)")
     p.add_argument("--prefill-chunk", type=positive, default=128,
                    help="prompt tokens prefilled between two decode steps (default 128)")
+    add_draft_option(p)
     p.add_argument("--max-body", type=positive, default=max_body_default(), metavar="BYTES",
                    help="largest request body accepted")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> None:
     app = create_app(args.model, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                      max_memory=args.max_memory, api_key=args.api_key, prefill_chunk=args.prefill_chunk,
                      max_context=args.max_context, max_body_bytes=args.max_body, cache_memory=args.cache_memory,
-                     threads=args.threads, kernels=args.kernels)
+                     threads=args.threads, kernels=args.kernels, draft_tokens=args.draft)
     host, port = sock.getsockname()[:2]
     logging.getLogger("qwen_serve").info(startup_banner(app, f"http://{host}:{port}"))
     uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])

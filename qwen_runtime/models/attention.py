@@ -47,8 +47,9 @@ def jit() -> ModuleType:
 
 
 def compiled(ws: Workspace | None, tokens: int) -> bool:
-    """Whether a step of ``tokens`` new tokens per row runs :mod:`.attention_jit`'s kernels."""
-    return ws is not None and ws.kernels == "numba" and tokens <= JIT_TOKENS
+    """Whether a step of ``tokens`` new tokens per row runs :mod:`.attention_jit`'s kernels (up to :data:`JIT_TOKENS`,
+    more inside ``Workspace.rowwise``: :meth:`~qwen_runtime.pool.Workspace.compiled_step`)."""
+    return ws is not None and ws.compiled_step(tokens, JIT_TOKENS)
 
 
 def split_heads(x: np.ndarray, batch: int, heads: int, head_dim: int) -> np.ndarray:

@@ -59,6 +59,10 @@ class WeightStore:
             self._matrices[name] = make_weight(self.files.tensor(name), self.workspace, self.tile_elements)
         return self._matrices[name]
 
+    def matrices(self) -> list[Weight]:
+        """Every matrix handed out so far."""
+        return list(self._matrices.values())
+
     def vector(self, kind: MODEL_TENSOR, layer: int | None = None, suffix: str = ".weight") -> np.ndarray:
         """A small tensor (norm, bias, per-head scalars, conv kernel) widened once to float32, logical shape."""
         return load_vector(self.files.tensor(tensor_name(kind, layer, suffix)))

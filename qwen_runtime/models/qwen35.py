@@ -12,6 +12,7 @@ Hk/Hv key/value heads and dk/dv their dims in linear attention.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from functools import partial
 from types import ModuleType
 
@@ -99,12 +100,22 @@ class GatedAttention:
 
 
 class LinearAttentionCache:
-    """Per-row state of one Gated DeltaNet layer, preallocated: last K−1 raw conv inputs and the delta state."""
+    """Per-row state of one Gated DeltaNet layer, preallocated: last K−1 raw conv inputs and the delta state.
+
+    A state cannot be cut back to fewer tokens, so :meth:`checkpoint` copies the rows a pass may cut back and the
+    next (compiled) pass records its inputs; :meth:`rollback` restores the rows cut back and replays the tokens
+    they keep by the same compiled step (every other token masked as padding, which leaves a state exactly as it
+    was), so a state is bit for bit what feeding only the kept tokens gives.
+    """
 
     def __init__(self, batch: int, config: ModelConfig) -> None:
         conv, state = self.row_shapes(config)
         self.conv = np.zeros((batch, *conv), np.float32)  # [B, K-1, C]
         self.state = np.zeros((batch, *state), np.float32)  # [B, Hv, dk, dv]
+        self.saved: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # at checkpoint(): the rows copied
+        # (int [R]) and their conv and state
+        self.journal: tuple[np.ndarray, Callable[[np.ndarray], None]] | None = None  # the pass since: its
+        # validity [B, T] and the replay of its first n tokens' step on the state, for a validity mask [B, n]
 
     @staticmethod
     def row_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -119,6 +130,28 @@ class LinearAttentionCache:
         elements = sum(int(np.prod(shape)) for shape in LinearAttentionCache.row_shapes(config))
         return CacheSize(row=elements * np.dtype(np.float32).itemsize)
 
+    def checkpoint(self, rows: np.ndarray | None = None) -> None:
+        index = np.arange(len(self.state)) if rows is None else np.flatnonzero(rows)
+        self.saved, self.journal = (index, self.conv[index], self.state[index]), None  # copies
+
+    def rollback(self, keep: np.ndarray) -> None:
+        saved, journal = self.saved, self.journal
+        self.saved = self.journal = None
+        if saved is None or journal is None:
+            raise ValueError("a linear-attention state rolls back only a compiled pass after checkpoint()")
+        index, conv, state = saved
+        valid, replay = journal
+        keep = np.asarray(keep)
+        cut = keep < valid.sum(axis=1)  # [B] rows whose state went past the tokens they keep
+        if not cut.any():
+            return
+        restore = cut[index]  # [R] which copies to put back
+        if restore.sum() != cut.sum():
+            raise ValueError("a row is cut back that was not checkpointed")
+        self.conv[index[restore]], self.state[index[restore]] = conv[restore], state[restore]
+        kept = int(keep[cut].max())  # tokens to replay; other rows (and a row's tokens after its own) are masked
+        replay((np.arange(kept)[None, :] < keep[:, None]) & cut[:, None])  # [B, kept]
+
     def select(self, rows: np.ndarray) -> None:
         self.conv = self.conv[rows]
         self.state = self.state[rows]
@@ -126,6 +159,7 @@ class LinearAttentionCache:
     def view(self, rows: slice) -> LinearAttentionCache:
         out = LinearAttentionCache.__new__(LinearAttentionCache)
         out.conv, out.state = self.conv[rows], self.state[rows]
+        out.saved = out.journal = None
         return out
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
@@ -195,8 +229,9 @@ class GatedDeltaNet:
 
     def _compiled_step(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` new tokens per row runs :mod:`.gated_delta_jit`'s kernels (a recurrent
-        step with compiled kernels; the conv kernel needs K ≥ 2, Qwen3.5's is 4)."""
-        return self.ws.kernels == "numba" and tokens <= gd.RECURRENT_MAX_TOKENS and self.conv_taps.shape[0] >= 2
+        step with compiled kernels, :meth:`~qwen_runtime.pool.Workspace.compiled_step`; the conv kernel needs K ≥ 2,
+        Qwen3.5's is 4)."""
+        return self.ws.compiled_step(tokens, gd.RECURRENT_MAX_TOKENS) and self.conv_taps.shape[0] >= 2
 
     def _compiled(self, x: np.ndarray, cache: LinearAttentionCache, state: BatchState) -> np.ndarray:
         """The projections, then the conv step and every value head's delta-rule step in compiled code.
@@ -207,11 +242,32 @@ class GatedDeltaNet:
         b, t = state.batch, state.length
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         mixed, z, b_gate, a_gate = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x)
-        o = gated_delta_jit().linear_attention_step(
+        if cache.saved is not None:  # a pass that may be rolled back: its inputs replay the tokens kept
+            cache.journal = (state.valid, partial(self._replay, mixed.copy(), z, b_gate, a_gate, cache))
+        return self._step(mixed, z, b_gate, a_gate, cache, state.valid).reshape(b * t, hv * dv)
+
+    def _replay(self, mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.ndarray,
+                cache: LinearAttentionCache, valid: np.ndarray) -> None:
+        """:meth:`_step` of a recorded pass's first ``n`` tokens per row (``valid`` [B, n]: the tokens kept; the
+        tokens after them could not change the state before them).  # inputs [B*T, ...] of the whole pass"""
+        b, n = valid.shape
+
+        def first(x: np.ndarray) -> np.ndarray:  # [B*T, W] -> [B*n, W], C-ordered like a pass's own arrays
+            return np.ascontiguousarray(x.reshape(b, -1, x.shape[1])[:, :n]).reshape(b * n, -1)
+
+        self._step(first(mixed), first(z), first(b_gate), first(a_gate), cache, valid)
+
+    def _step(self, mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.ndarray,
+              cache: LinearAttentionCache, valid: np.ndarray) -> np.ndarray:
+        """The compiled conv and delta-rule step of ``valid`` [B, T]'s tokens on the cache's state (``mixed`` is
+        overwritten).  # [B*T, C], [B*T, Hv*dv], 2 x [B*T, Hv] -> [B, T, Hv, dv]"""
+        c = self.config
+        b, t = valid.shape
+        hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+        return gated_delta_jit().linear_attention_step(
             mixed.reshape(b, t, -1), self.conv_taps, cache.conv, z.reshape(b, t, hv, dv), b_gate.reshape(b, t, hv),
             a_gate.reshape(b, t, hv), self.key_heads, self.ssm_a, self.dt_bias, self.norm, np.float32(c.rms_norm_eps),
-            state.valid, cache.state)  # [B, T, Hv, dv]
-        return o.reshape(b * t, hv * dv)
+            valid, cache.state)
 
     def _conv(self, mixed: np.ndarray, conv_state: np.ndarray, valid: np.ndarray | None, channels: slice,
               scratch: Scratch) -> None:

@@ -17,10 +17,12 @@ from gguf import MODEL_TENSOR
 
 from ..cache import BatchState, Cache, CacheSize, LayerCache
 from ..config import ModelConfig
+from ..errors import KernelsError
 from ..formats import ModelFiles
 from ..limits import check_memory
 from ..ops import rms_norm
-from ..weights import gated_matmul
+from ..pool import STEP_TOKENS
+from ..weights import TiledWeight, gated_matmul
 from .base import Mixer, WeightStore, make_mixer
 
 
@@ -75,6 +77,7 @@ class Model:
         self.tied = config.tie_word_embeddings  # the reader decided it: no output.weight in the file
         self.lm_head = self.embed if self.tied else store.matrix(MODEL_TENSOR.OUTPUT)
         self.workspace = store.workspace
+        self._row_kernels = all(not isinstance(w, TiledWeight) or w.compiled for w in store.matrices())
 
     @property
     def path(self) -> Path:
@@ -117,6 +120,33 @@ class Model:
         logits = self.lm_head.matmul(h.reshape(-1, h.shape[-1])).reshape(b, h.shape[1], -1)  # [B, T|1, V]
         self.workspace.pass_done(t)
         return logits[:, 0] if last_only else logits
+
+    @property
+    def exact_steps(self) -> bool:
+        """Whether :meth:`verify` can run: compiled kernels for every op and product (any stored type has one,
+        unless its rows are not one contiguous array).  The numpy path sums a pass of several tokens in other
+        orders than one-token steps (BLAS GEMM against GEMV, batched attention), so it cannot."""
+        return self.workspace.kernels == "numba" and self._row_kernels
+
+    def verify(self, ids: np.ndarray, cache: Cache, valid: np.ndarray | None = None) -> np.ndarray:
+        """Logits of ``T`` new tokens per row (T at most :data:`~qwen_runtime.pool.STEP_TOKENS`), each bit for bit
+        what feeding the tokens one step at a time gives: speculative decoding's verify pass.  ``valid`` (bool
+        [B, T], a ragged cache only): each row's tokens are a prefix of its T, the rest padding whose products are
+        skipped and whose logits are meaningless (they pass after the row's own tokens, which never see them).
+
+        Every product runs row by row (``Workspace.rowwise``: a compiled row kernel gives a row the same numbers
+        alone and among others, and F32's per-row BLAS call is a lone step's call), and attention, norms and
+        Gated DeltaNet run the decode step's compiled kernels, which take the tokens one after the other by the
+        operations of a one-token step.  Raises :class:`KernelsError` unless :attr:`exact_steps`.
+        int [B, T] -> float32 [B, T, V]
+        """
+        if not self.exact_steps:
+            raise KernelsError("a verify pass needs the compiled kernels (kernels='numba') for every matrix")
+        if not 1 <= ids.shape[1] <= STEP_TOKENS:
+            raise ValueError(f"a verify pass takes 1 to {STEP_TOKENS} tokens per row, got {ids.shape[1]}")
+        rows = None if valid is None else np.asarray(valid, bool).reshape(-1)  # [B*T] the tokens' product rows
+        with self.workspace.rowwise(rows):
+            return self.forward(ids, cache, valid)
 
     def hidden_states(self, ids: np.ndarray) -> list[np.ndarray]:
         """Residual stream after the embedding and after every block, of whole sequences (no persistent cache).
