@@ -59,6 +59,9 @@ def configure_parser() -> argparse.ArgumentParser:
                    help="memory for cache and activations, e.g. 4G (default: 80%% of MemAvailable)")
     p.add_argument("--cache-memory", type=parse_memory_size, default=None, metavar="SIZE",
                    help="prefix cache bound, e.g. 1G; 0 turns it off (default: a quarter of --max-memory)")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="also keep the prefix cache on disk in DIR (bounded by --cache-memory, written as blocks are "
+                   "cached) and start with what an earlier server of the same model files and kernels left there")
     p.add_argument("--model-name", default=None, help="the name clients use (default: the file or directory name)")
     p.add_argument("-c", "--ctx", "--max-context", dest="max_context", type=positive, default=None, metavar="TOKENS",
                    help="tokens one request may hold, prompt + completion (default: the model's context)")
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> None:
     app = create_app(args.model, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                      max_memory=args.max_memory, api_key=args.api_key, prefill_chunk=args.prefill_chunk,
                      max_context=args.max_context, max_body_bytes=args.max_body, cache_memory=args.cache_memory,
-                     threads=args.threads, kernels=args.kernels)
+                     threads=args.threads, kernels=args.kernels, cache_dir=args.cache_dir)
     host, port = sock.getsockname()[:2]
     logging.getLogger("qwen_serve").info(startup_banner(app, f"http://{host}:{port}"))
     uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
@@ -125,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.ray and (args.address is not None or args.replicas != 1):
         parser.error("--replicas and --address need --ray")
+    if args.cache_dir is not None and args.cache_memory == 0:
+        parser.error("--cache-dir needs the prefix cache (--cache-memory 0 turns it off)")
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     return run_guarded("qwen-serve", lambda: run(args))
 
