@@ -184,11 +184,11 @@ def weight_types(model: Model) -> str:
 
 def disk_note(engine: Engine) -> str:
     """The banner's words on the prefix cache's directory (empty without one)."""
-    disk = engine.prefix.disk if engine.prefix else None
+    disk = engine.prefix.disk.status() if engine.prefix and engine.prefix.disk else None
     if disk is None:
         return ""
-    return (f"\n  prefix cache on disk in {disk.root}: {disk.loaded} blocks restored"
-            + (f", {disk.skipped} unusable files skipped" if disk.skipped else ""))
+    return (f"\n  prefix cache on disk in {disk['directory']}: {disk['loaded']} blocks restored"
+            + (f", {disk['skipped']} unusable files skipped" if disk["skipped"] else ""))
 
 
 def startup_banner(app: Starlette, url: str) -> str:
@@ -230,11 +230,11 @@ def engine_gauges(metrics: Metrics, engine: Engine) -> None:
         metrics.gauge("prefix_cache_bytes", "memory held by cached blocks", lambda: prefix.nbytes)
     if engine.prefix is not None and engine.prefix.disk is not None:
         disk = engine.prefix.disk
-        metrics.gauge("prefix_cache_disk_bytes", "bytes of cached blocks on disk (--cache-dir)", lambda: disk.nbytes)
-        metrics.gauge("prefix_cache_disk_loaded_blocks", "blocks restored from disk at start", lambda: disk.loaded)
-        metrics.gauge("prefix_cache_disk_skipped_files", "unusable block files skipped (and deleted)",
-                      lambda: disk.skipped)
-        metrics.gauge("prefix_cache_disk_written_blocks", "blocks written to disk", lambda: disk.written)
+        for name, field, text in (("bytes", "bytes", "bytes of cached blocks on disk (--cache-dir)"),
+                                  ("loaded_blocks", "loaded", "blocks restored from disk at start"),
+                                  ("skipped_files", "skipped", "unusable block files skipped (and deleted)"),
+                                  ("written_blocks", "written", "blocks written to disk")):
+            metrics.gauge(f"prefix_cache_disk_{name}", text, lambda field=field: disk.status()[field])
 
 
 # --- plumbing ---------------------------------------------------------------------------------------------

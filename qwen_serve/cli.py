@@ -31,6 +31,11 @@ def positive(text: str) -> int:
     return value
 
 
+def cache_size(text: str) -> int:
+    """``--cache-memory``: a memory size, or 0 (no prefix cache)."""
+    return 0 if text.strip() == "0" else parse_memory_size(text)
+
+
 def max_body_default() -> int | None:
     """The app's body limit, or None when the serve extra is missing (``--help`` still works; running says so)."""
     try:
@@ -57,11 +62,12 @@ def configure_parser() -> argparse.ArgumentParser:
                    f"(default: the {API_KEY_ENV} environment variable, which ps does not show; else no key)")
     p.add_argument("--max-memory", type=parse_memory_size, default=None, metavar="SIZE",
                    help="memory for cache and activations, e.g. 4G (default: 80%% of MemAvailable)")
-    p.add_argument("--cache-memory", type=parse_memory_size, default=None, metavar="SIZE",
+    p.add_argument("--cache-memory", type=cache_size, default=None, metavar="SIZE",
                    help="prefix cache bound, e.g. 1G; 0 turns it off (default: a quarter of --max-memory)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="also keep the prefix cache on disk in DIR (bounded by --cache-memory, written as blocks are "
-                   "cached) and start with what an earlier server of the same model files and kernels left there")
+                   "cached) and start with what an earlier server of the same model files and kernels left there "
+                   "(default: none, memory only)")
     p.add_argument("--model-name", default=None, help="the name clients use (default: the file or directory name)")
     p.add_argument("-c", "--ctx", "--max-context", dest="max_context", type=positive, default=None, metavar="TOKENS",
                    help="tokens one request may hold, prompt + completion (default: the model's context)")

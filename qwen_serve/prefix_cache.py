@@ -21,16 +21,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from qwen_runtime.cache import KVCache
 
 from .slots import SlotCache
-
-if TYPE_CHECKING:
-    from .prefix_store import PrefixStore
 
 ROOT = b""
 
@@ -52,6 +49,17 @@ class Block:
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64 [block]: its own tokens
 
 
+class BlockStore(Protocol):
+    """Where blocks outlive the process (:class:`~qwen_serve.prefix_store.PrefixStore`)."""
+
+    def load(self, room: int) -> list[Block]: ...  # stored blocks, parents first, at most ``room`` bytes
+    def start(self) -> None: ...
+    def put(self, block: Block) -> None: ...  # a new block (never waits)
+    def touch(self, keys: Sequence[bytes]) -> None: ...  # blocks just restored
+    def close(self) -> None: ...  # write what is queued
+    def status(self) -> dict[str, object]: ...  # directory, bytes, files, loaded, skipped, written, dropped
+
+
 class PrefixCache:
     """Blocks of ``block`` tokens of the rows of ``slots``, at most ``capacity`` bytes."""
 
@@ -61,9 +69,9 @@ class PrefixCache:
         self.nbytes = 0
         self.clock = 0
         self.hits = self.hit_tokens = self.lookups = 0
-        self.disk: PrefixStore | None = None
+        self.disk: BlockStore | None = None
 
-    def persist(self, disk: PrefixStore) -> None:
+    def persist(self, disk: BlockStore) -> None:
         """Start with the blocks ``disk`` holds (as many as fit) and write every new block there."""
         for block in disk.load(self.capacity - self.nbytes):  # parents first
             self._insert(block)
@@ -162,4 +170,4 @@ class PrefixCache:
         return True
 
 
-__all__ = ["Block", "PrefixCache"]
+__all__ = ["Block", "BlockStore", "PrefixCache"]

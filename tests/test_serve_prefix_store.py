@@ -202,3 +202,43 @@ def test_a_directory_that_cannot_be_written_is_an_error(tmp_path: Path) -> None:
     blocker.write_text("")
     with pytest.raises(OutputError, match="prefix cache directory"):
         make_engine(qwen_runtime.load(fixture_dir("qwen3-tiny")), cache_dir=blocker / "cache")
+
+
+def test_a_restarted_server_hits_the_cache_in_turn_2(tmp_path: Path) -> None:
+    """Through HTTP: turn 1 on one server, turn 2 on a new server with the same --cache-dir: /metrics counts the
+    restored blocks and a hit, and turn 2's greedy answer is the one a server without a cache gives."""
+    from serve_helpers import running_server
+    from test_serve import scrape
+
+    model = fixture_dir("qwen3-tiny")
+    turn1 = [{"role": "user", "content": "Tell me about the rivers and the mountains of the north, in detail."}]
+    options = {"model": "qwen3-tiny", "temperature": 0.0, "max_tokens": 8}
+
+    def turn2(first: str) -> list[dict[str, str]]:
+        return turn1 + [{"role": "assistant", "content": first}, {"role": "user", "content": "And the lakes?"}]
+
+    with running_server(model, prefill_chunk=BLOCK, cache_memory=0) as plain:
+        first = plain.client().chat.completions.create(messages=turn1, **options).choices[0].message.content
+        expected = plain.client().chat.completions.create(messages=turn2(first), **options).choices[0].message
+    with running_server(model, prefill_chunk=BLOCK, cache_dir=tmp_path) as before:
+        assert before.client().chat.completions.create(messages=turn1, **options).choices[0].message.content == first
+        written = scrape(before.url)["qwen_serve_prefix_cache_disk_written_blocks"]
+    with running_server(model, prefill_chunk=BLOCK, cache_dir=tmp_path) as after:
+        loaded = scrape(after.url)
+        got = after.client().chat.completions.create(messages=turn2(first), **options).choices[0].message
+        metrics = scrape(after.url)
+    assert written >= 2 and loaded["qwen_serve_prefix_cache_disk_loaded_blocks"] == written
+    assert loaded["qwen_serve_prefix_cache_hits"] == 0 and metrics["qwen_serve_prefix_cache_hits"] == 1
+    assert metrics["qwen_serve_prefix_cache_hit_tokens"] >= BLOCK
+    assert got.model_dump() == expected.model_dump() and got.content
+
+
+def test_cache_dir_without_a_prefix_cache_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from qwen_serve.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["model.gguf", "--cache-dir", "x", "--cache-memory", "0"])
+    assert exit_info.value.code == 2 and "--cache-dir needs the prefix cache" in capsys.readouterr().err
+    from qwen_serve.cli import configure_parser
+
+    assert configure_parser().parse_args(["m", "--cache-memory", "0"]).cache_memory == 0
