@@ -19,8 +19,8 @@ with ``qwen-convert`` (built once into ``--cache-dir``), or GGUF files given by 
   wall time from the first request to the last ``[DONE]``), time to first token (first content chunk) p50
   and p95, and each request's decode rate ((tokens - 1) / (last chunk - first chunk)), the median.
 * **Multi-turn** (``--conversations 3``): a chat whose turn 1 is ``--turn1-words`` random words (about as
-  many tokens) is answered, then turn 2 (the history, the answer and a short question) is sent; reported:
-  turn 1's and turn 2's time to first token, the median over conversations (turn 2 is where a prefix cache
+  many tokens) is answered (``--turn-tokens`` tokens), then turn 2 (the history, the answer and a short
+  question) is sent; reported: turn 1's and turn 2's time to first token, the median over conversations (turn 2 is where a prefix cache
   shows: the server restores turn 1 instead of prefilling it).
 
 Every request's numbers are written to ``--json`` (default ``docs/bench/<date>-serve-<commit>.json``, with the
@@ -232,7 +232,7 @@ def bench_server(server: str, model: Path, args: argparse.Namespace) -> dict[str
             print(f"  {server:>16} {n:>3} clients: {r['aggregate_tps']:7.2f} tok/s, TTFT p50 {r['ttft_p50']:.2f} s "
                   f"p95 {r['ttft_p95']:.2f} s", flush=True)
         if args.conversations:
-            got = multi_turn(port, args.conversations, args.turn1_words, args.max_tokens)
+            got = multi_turn(port, args.conversations, args.turn1_words, args.turn_tokens)
             samples += got
             r = summarize_turns(got)
             print(f"  {server:>16} multi-turn: turn 1 TTFT {r['turn1_ttft_p50']:.2f} s, turn 2 "
@@ -359,6 +359,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of each server (default: all CPUs)")
     p.add_argument("--conversations", type=int, default=3, help="multi-turn conversations (default 3; 0: none)")
     p.add_argument("--turn1-words", type=int, default=1500, help="random words of turn 1 (default 1500)")
+    p.add_argument("--turn-tokens", type=int, default=16, help="completion tokens of each turn (default 16)")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "qwen-numpy-bench",
                    help="where models are built and server logs go (default ~/.cache/qwen-numpy-bench)")
     p.add_argument("--tokenizers", type=Path, default=ROOT.parent / "shared" / "data" / "tokenizers")
@@ -386,6 +387,7 @@ def main() -> int:
     result = {"date": started.strftime("%Y-%m-%d %H:%M UTC"), "commit": commit, "dirty": dirty, "machine": machine(),
               "threads": args.threads, "max_batch": args.max_batch, "ctx": args.ctx, "max_tokens": args.max_tokens,
               "clients": args.clients, "conversations": args.conversations, "turn1_words": args.turn1_words,
+              "turn_tokens": args.turn_tokens,
               "seconds": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(), "runs": runs}
     out = args.json or default_json(commit)
     out.parent.mkdir(parents=True, exist_ok=True)
