@@ -2,14 +2,14 @@
 
 A restarted server with the same model files, kernels and cache layout starts with the blocks its predecessor
 cached.  The directory holds one subdirectory per *identity*: a hash of every weight file's resolved path,
-size and modification time, the tensor table (name, stored type, shape), the kernels and products, the
-block size and the cache layout (each layer's arrays: name, dtype, shape per row).  A server reads only its
-own identity's subdirectory, so another model's (or another layout's) blocks are never used, and every file
-repeats the identity, which is checked too.  One file per block, ``<key>.npz``, holding the block's tokens, its
-parent's key and its arrays; it is accepted only if the key is the hash of the parent key and the tokens, the
-arrays have exactly the layout's names, dtypes and shapes, and zip's CRC of every array checks.  Anything
-else (a truncated or corrupt file, a foreign one) is skipped with a warning and deleted; it never reaches a
-request.
+size and modification time, the tensor table (name, stored type, shape), the kernels, products and threads
+(the rows of a product's tiles depend on them), the block size and the cache layout (each layer's arrays:
+name, dtype, shape per row).  A server reads only its own identity's subdirectory, so another model's (or
+another layout's) blocks are never used, and every file repeats the identity, which is checked too.  One
+file per block, ``<key>.npz``, holds the block's tokens, its parent's key and its arrays; it is accepted only
+if the key is the hash of the parent key and the tokens, the arrays have exactly the layout's names, dtypes
+and shapes, and zip's CRC of every array checks.  Anything else (a truncated or corrupt file, a foreign one)
+is skipped with a warning and deleted; it never reaches a request.
 
 **When it writes.**  Each block is written once, right after the engine caches it, by a writer thread of this
 module (the engine thread only queues it: the block's arrays are copies nobody changes afterwards), to a
@@ -91,6 +91,7 @@ def identity(model: Model, slots: SlotCache, block: int) -> str:
         "files": [file_signature(f) for f in files],
         "tensors": sorted((name, t.qtype.name, list(t.shape)) for name, t in model.files.tensors.items()),
         "kernels": ws.kernels, "blas_products": bool(ws.blas_products),
+        "threads": ws.threads,  # tiles of rows per thread: BLAS may sum a tile's edge differently
         "layout": cache_layout(slots, block),
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=list).encode()).hexdigest()

@@ -20,8 +20,8 @@ with ``qwen-convert`` (built once into ``--cache-dir``), or GGUF files given by 
   and p95, and each request's decode rate ((tokens - 1) / (last chunk - first chunk)), the median.
 * **Multi-turn** (``--conversations 3``): a chat whose turn 1 is ``--turn1-words`` random words (about as
   many tokens) is answered (``--turn-tokens`` tokens), then turn 2 (the history, the answer and a short
-  question) is sent; reported: turn 1's and turn 2's time to first token, the median over conversations (turn 2 is where a prefix cache
-  shows: the server restores turn 1 instead of prefilling it).
+  question) is sent; reported: turn 1's and turn 2's time to first token, the median over conversations
+  (turn 2 is where a prefix cache shows: the server restores turn 1 instead of prefilling it).
 
 Every request's numbers are written to ``--json`` (default ``docs/bench/<date>-serve-<commit>.json``, with the
 full ``git rev-parse HEAD`` and whether the tree had changes, the machine and the load average), and the
