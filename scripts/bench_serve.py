@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import http.client
+import importlib.util
 import json
 import os
 import platform
@@ -188,6 +189,10 @@ def llama_server_command(model: Path, port: int, args: argparse.Namespace) -> li
 
 
 def llama_cpp_python_command(model: Path, port: int, args: argparse.Namespace) -> list[str]:
+    missing = [m for m in ("sse_starlette", "starlette_context") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RuntimeError(f"llama_cpp.server needs {', '.join(missing)} (llama-cpp-python's server extra: "
+                           "pip install sse-starlette starlette-context)")
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port",
             str(port), "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx",
             str(args.ctx), "--model_alias", "bench"]
