@@ -185,7 +185,7 @@ def llama_server_command(model: Path, port: int, args: argparse.Namespace) -> li
     binary = build_tools([SERVER])[SERVER]
     return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
             "-tb", str(args.threads), "-np", str(args.max_batch), "-c", str(args.max_batch * args.ctx),
-            "--alias", "bench", "--no-webui"]
+            "--alias", "bench", "--no-webui", *args.llama_args.split()]
 
 
 def llama_cpp_python_command(model: Path, port: int, args: argparse.Namespace) -> list[str]:
@@ -199,6 +199,22 @@ def llama_cpp_python_command(model: Path, port: int, args: argparse.Namespace) -
 
 
 COMMANDS = {OURS: our_command, LLAMA_SERVER: llama_server_command, LLAMA_CPP_PYTHON: llama_cpp_python_command}
+
+
+def version(server: str, command: list[str]) -> str:
+    """What the server is: its package's version (llama-server: the llama-cpp-python whose source built it, and
+    what ``--version`` says)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        text = package_version("qwen-numpy" if server == OURS else "llama-cpp-python")
+    except PackageNotFoundError:
+        text = "unknown"
+    if server == LLAMA_SERVER:
+        done = subprocess.run([command[0], "--version"], capture_output=True, text=True)
+        text = f"vendored in llama-cpp-python {text}: {' '.join((done.stdout + done.stderr).split())}"
+    return text
 
 
 def start_server(cmd: list[str], port: int, log: Path) -> subprocess.Popen:
@@ -226,7 +242,8 @@ def bench_server(server: str, model: Path, args: argparse.Namespace) -> dict[str
     log = args.cache_dir / "logs" / f"{server}-{model.stem}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    proc = start_server(COMMANDS[server](model, port, args), port, log)
+    command = COMMANDS[server](model, port, args)
+    proc = start_server(command, port, log)
     samples: list[Sample] = []
     try:
         stream_chat(port, [{"role": "user", "content": "warm up"}], 4)
@@ -248,7 +265,7 @@ def bench_server(server: str, model: Path, args: argparse.Namespace) -> dict[str
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return {"server": server, "model": str(model), "command": COMMANDS[server](model, port, args),
+    return {"server": server, "model": str(model), "command": command, "version": version(server, command),
             "load_before": load_before, "load_after": os.getloadavg(), "samples": [asdict(s) for s in samples]}
 
 
@@ -362,6 +379,8 @@ def main() -> int:
     p.add_argument("--max-batch", type=int, default=16, help="rows (slots) of each server (default 16)")
     p.add_argument("--ctx", type=int, default=4096, help="tokens per row (slot) of each server (default 4096)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of each server (default: all CPUs)")
+    p.add_argument("--llama-args", default="", metavar="ARGS",
+                   help="more llama-server arguments, one string (default: none, its own defaults)")
     p.add_argument("--conversations", type=int, default=3, help="multi-turn conversations (default 3; 0: none)")
     p.add_argument("--turn1-words", type=int, default=1500, help="random words of turn 1 (default 1500)")
     p.add_argument("--turn-tokens", type=int, default=16, help="completion tokens of each turn (default 16)")
