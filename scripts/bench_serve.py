@@ -6,26 +6,28 @@
 Each model is served by ``qwen-serve`` (``python -m qwen_serve`` from this checkout) and then by the peer, one
 server at a time, on a free port of 127.0.0.1.  The peer is ``llama-server`` built from the vendored llama.cpp
 of the installed llama-cpp-python's sdist (``scripts/llama_tools.py``: its own build tree, without AMX on
-CPUs that advertise it) or, with ``--peer llama-cpp-python``, llama-cpp-python's ``llama_cpp.server`` (one
+CPUs that advertise it) or, with ``--servers qwen-serve,llama-cpp-python``, llama-cpp-python's ``llama_cpp.server`` (one
 request at a time).  Both get ``--threads`` threads, ``--max-batch`` parallel rows (slots) of ``--ctx`` tokens
 each, and their own defaults otherwise (llama-server keeps its prompt cache and context checkpoints).
 
 Models (``--models``): the full-size random-weight checkpoints of ``bench_models.py`` converted to GGUF q8_0
 with ``qwen-convert`` (built once into ``--cache-dir``), or GGUF files given by path.  Per server and model:
 
-* **Client sweep** (``--clients 1,4,8,16``): each client is a thread streaming one greedy chat completion of
+* **Client sweep** (``--clients 1,4,8,16``): each client is a thread streaming one greedy text completion of
   ``--max-tokens`` tokens over plain HTTP, each with a different prompt; one client runs three requests in
   turn, N > 1 clients one round of N at once.  Reported: aggregate tokens/s (completion tokens of the round /
   wall time from the first request to the last ``[DONE]``), time to first token (first content chunk) p50
   and p95, and each request's decode rate ((tokens - 1) / (last chunk - first chunk)), the median.
-* **Multi-turn** (``--conversations 3``): a chat whose turn 1 is ``--turn1-words`` random words (about as
-  many tokens) is answered (``--turn-tokens`` tokens), then turn 2 (the history, the answer and a short
+* **Multi-turn** (``--conversations 3``): a conversation whose turn 1 is ``--turn1-words`` random words (about
+  as many tokens) is answered (``--turn-tokens`` tokens), then turn 2 (turn 1, the answer and a short
   question) is sent; reported: turn 1's and turn 2's time to first token, the median over conversations
   (turn 2 is where a prefix cache shows: the server restores turn 1 instead of prefilling it).
 
-Every request's numbers are written to ``--json`` (default ``docs/bench/<date>-serve-<commit>.json``, with the
-full ``git rev-parse HEAD`` and whether the tree had changes, the machine and the load average), and the
-README rows are printed from it (``--table`` prints them again from a file).
+Requests go to ``/v1/completions`` with the text as the prompt, so both servers see the same tokens whatever
+their chat templates (the random-weight Qwen3.5 checkpoint has none).  Every request's numbers are written to
+``--json`` (default ``docs/bench/<date>-serve-<commit>.json``, with the full ``git rev-parse HEAD`` and whether
+the tree had changes, the machine and the load average), and the README rows are printed from it (``--table``
+prints them again from a file).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ water room mother area money story fact month lot right study book eye job word 
 service friend father power hour game line end member law car city community name president team minute idea kid
 body information back parent face others level office door health person art war history party result change
 morning reason research girl guy moment air teacher force education"""
-WORDS = WORD_LIST.split()  # turn 1 of the multi-turn chats: random picks, about a token each
+WORDS = WORD_LIST.split()  # turn 1 of the multi-turn conversations: random picks, about a token each
 OURS, LLAMA_SERVER, LLAMA_CPP_PYTHON = "qwen-serve", "llama-server", "llama-cpp-python"
 DEFAULT_MODELS = "qwen2.5-0.5b,qwen3.5-0.8b"
 
@@ -87,13 +89,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stream_chat(port: int, messages: list[dict[str, str]], max_tokens: int) -> tuple[Sample, str]:
-    """Stream one greedy chat completion: its sample and its text."""
-    body = json.dumps({"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+def stream_completion(port: int, prompt: str, max_tokens: int) -> tuple[Sample, str]:
+    """Stream one greedy text completion: its sample and its text."""
+    body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "stream_options": {"include_usage": True}})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     response = conn.getresponse()
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
@@ -108,12 +110,11 @@ def stream_chat(port: int, messages: list[dict[str, str]], max_tokens: int) -> t
         chunk = json.loads(data)
         usage = chunk.get("usage") or usage
         for choice in chunk.get("choices", []):
-            delta = choice.get("delta", {})
-            if delta.get("content") or delta.get("reasoning_content"):
+            if choice.get("text"):
                 last = time.perf_counter()
                 first = first or last
                 chunks += 1
-                text.append(delta.get("content") or "")
+                text.append(choice["text"])
     end = time.perf_counter()
     conn.close()
     first, last = first or end, last or end
@@ -131,7 +132,7 @@ def run_round(port: int, clients: int, max_tokens: int, offset: int) -> list[Sam
     def work(i: int) -> None:
         prompt = f"Write a long story about {TOPICS[(offset + i) % len(TOPICS)]}, number {offset + i}."
         try:
-            samples[i] = stream_chat(port, [{"role": "user", "content": prompt}], max_tokens)[0]
+            samples[i] = stream_completion(port, prompt, max_tokens)[0]
         except BaseException as exc:  # reported after the round
             errors.append(exc)
 
@@ -156,15 +157,13 @@ def sweep(port: int, clients: int, max_tokens: int) -> list[Sample]:
 
 
 def multi_turn(port: int, conversations: int, words: int, max_tokens: int) -> list[Sample]:
-    """Turn 1 (``words`` random words) and turn 2 (history + answer + a question) of each conversation."""
+    """Turn 1 (``words`` random words) and turn 2 (turn 1 + answer + a question) of each conversation."""
     out = []
     for c in range(conversations):
         rng = np.random.default_rng(1000 + c)
-        history = [{"role": "user", "content": "Read this and say what it is about: "
-                    + " ".join(rng.choice(WORDS, words))}]
-        first, answer = stream_chat(port, history, max_tokens)
-        history += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Say that in one line."}]
-        second, _ = stream_chat(port, history, max_tokens)
+        turn1 = f"Read this and say what it is about: {' '.join(rng.choice(WORDS, words))}\nAnswer:"
+        first, answer = stream_completion(port, turn1, max_tokens)
+        second, _ = stream_completion(port, f"{turn1}{answer}\nSay that in one line.\nAnswer:", max_tokens)
         for kind, s in (("turn1", first), ("turn2", second)):
             s.kind, s.clients, s.index = kind, 1, c
             out.append(s)
@@ -246,7 +245,7 @@ def bench_server(server: str, model: Path, args: argparse.Namespace) -> dict[str
     proc = start_server(command, port, log)
     samples: list[Sample] = []
     try:
-        stream_chat(port, [{"role": "user", "content": "warm up"}], 4)
+        stream_completion(port, "warm up", 4)
         for n in args.clients:
             got = sweep(port, n, args.max_tokens)
             samples += got
