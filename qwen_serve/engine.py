@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -50,6 +51,7 @@ from qwen_runtime.tokenizer import Tokenizer
 
 from .metrics import Metrics
 from .prefix_cache import PrefixCache
+from .prefix_store import PrefixStore
 from .slots import SlotCache
 
 log = logging.getLogger("qwen_serve")
@@ -158,13 +160,15 @@ class Engine:
     one row); prompts are prefilled ``prefill_chunk`` tokens at a time; ``stop_ids`` end a choice; special
     tokens other than ``text_ids`` produce no text; tokens, steps and failures are counted in ``metrics``.
     ``cache_memory`` bounds the prefix cache (:mod:`.prefix_cache`; None: a quarter of the memory limit,
-    0: off); its blocks live in the memory limit too and are evicted when a request needs the room.
+    0: off); its blocks live in the memory limit too and are evicted when a request needs the room.  With
+    ``cache_dir`` they are also kept on disk there and restored at start (:mod:`.prefix_store`).
     """
 
     def __init__(self, model: Model, tokenizer: Tokenizer, stop_ids: frozenset[int], *, max_batch: int = 8,
                  max_queue: int = 64, max_memory: int | None = None, prefill_chunk: int = 128,
                  max_context: int | None = None, text_ids: frozenset[int] = frozenset(),
-                 metrics: Metrics | None = None, cache_memory: int | None = None, draft_tokens: int = 0) -> None:
+                 metrics: Metrics | None = None, cache_memory: int | None = None, draft_tokens: int = 0,
+                 cache_dir: str | Path | None = None) -> None:
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or (max_context is not None and max_context < 2):
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0 and max_context >= 2")
         if not 0 <= draft_tokens < STEP_TOKENS:
@@ -191,6 +195,10 @@ class Engine:
         self.slots = SlotCache(model, max_batch, self.context)
         capacity = self.memory_limit // 4 if cache_memory is None else cache_memory
         self.prefix = PrefixCache(self.slots, prefill_chunk, capacity) if capacity > 0 else None
+        if cache_dir is not None:
+            if self.prefix is None:
+                raise ValueError("cache_dir needs the prefix cache (cache_memory > 0)")
+            self.prefix.persist(PrefixStore(cache_dir, model, self.slots, prefill_chunk, capacity))
         self.ws = model.lm_head.ws
         self.metrics = metrics or Metrics()
         self._cond = threading.Condition()
@@ -249,7 +257,8 @@ class Engine:
                         "bytes": self.prefix.nbytes, "capacity_bytes": self.prefix.capacity,
                         "blocks": len(self.prefix.blocks), "block_tokens": self.prefix.block,
                         "lookups": self.prefix.lookups, "hits": self.prefix.hits,
-                        "hit_tokens": self.prefix.hit_tokens}}
+                        "hit_tokens": self.prefix.hit_tokens,
+                        "disk": self.prefix.disk.status() if self.prefix.disk else None}}
 
     def start(self) -> None:
         """Start the engine thread (a no-op while it runs, or once the engine has given up)."""
@@ -260,13 +269,15 @@ class Engine:
                 self._thread.start()
 
     def stop(self) -> None:
-        """End the loop (running jobs are cancelled) and wait for the thread."""
+        """End the loop (running jobs are cancelled), wait for the thread and the prefix cache's disk writes."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
             thread = self._thread
         if thread is not None:
             thread.join()
+        if self.prefix is not None:
+            self.prefix.close()
 
     # --- the engine thread ------------------------------------------------------------------------------
 

@@ -68,8 +68,8 @@ def deployment(model: str | Path, *, replicas: int = 1, num_cpus: float = 1.0, m
                max_queue: int = 64, max_memory: int | None = None, name: str = "qwen-serve",
                **app_options: Any) -> Any:
     """The Ray Serve application: ``replicas`` copies of ``create_app(model, ...)`` (``app_options`` are
-    create_app's: model_name, api_key, prefill_chunk, max_body_bytes, cache_memory, threads, kernels, draft_tokens),
-    each declaring
+    create_app's: model_name, api_key, prefill_chunk, max_body_bytes, cache_memory, threads, kernels, draft_tokens,
+    cache_dir: replicas on one machine share its files, each bounding what it writes by cache_memory), each declaring
     ``num_cpus`` and :func:`replica_memory`.  Run it with ``serve.run(deployment(...), route_prefix="/")``.  A Hub
     id is resolved here, once: the replicas get its local path."""
     from ray import serve
@@ -129,7 +129,8 @@ def serve_on_ray(args: Any) -> None:
                      api_key=args.api_key, prefill_chunk=args.prefill_chunk,
                      max_body_bytes=getattr(args, "max_body", MAX_BODY_BYTES),
                      cache_memory=getattr(args, "cache_memory", None), threads=getattr(args, "threads", None),
-                     kernels=getattr(args, "kernels", None), draft_tokens=getattr(args, "draft", 0))
+                     kernels=getattr(args, "kernels", None), draft_tokens=getattr(args, "draft", 0),
+                     cache_dir=getattr(args, "cache_dir", None))
     serve.run(app, name="qwen-serve", route_prefix="/")
     print(f"qwen-serve: {args.replicas} replica(s) of {args.model} on Ray Serve at http://{args.host}:{args.port}",
           flush=True)
