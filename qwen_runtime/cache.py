@@ -224,7 +224,20 @@ class KVCache:
         return self.keys.nbytes + self.values.nbytes
 
 
-class Cache:
+class LayeredCache:
+    """Per-layer caches under one bookkeeping (:class:`Cache`, and the server's row ranges): what a model's pass
+    takes as a cache."""
+
+    layers: list[LayerCache]
+
+    def checkpoint(self, rows: np.ndarray | None = None) -> None:
+        """Make the next pass undoable by ``rollback`` in ``rows`` (bool [B], default all; speculative
+        decoding's verify pass)."""
+        for layer in self.layers:
+            layer.checkpoint(rows)
+
+
+class Cache(LayeredCache):
     """All layers' caches of a batch plus per-row bookkeeping (filled slots, real-token counts)."""
 
     MASK = CacheSize(token=np.dtype(bool).itemsize)  # ``valid``: one flag per row and slot
@@ -263,12 +276,6 @@ class Cache:
         self.offset = state.end
         self.lengths += state.valid.sum(axis=1)
         self.last_length = state.length
-
-    def checkpoint(self, rows: np.ndarray | None = None) -> None:
-        """Make the next pass undoable by :meth:`rollback` in ``rows`` (bool [B], default all; speculative
-        decoding's verify pass)."""
-        for layer in self.layers:
-            layer.checkpoint(rows)
 
     def rollback(self, keep: np.ndarray) -> None:
         """Keep only the first ``keep[b]`` tokens of the last pass (after :meth:`checkpoint`) in row b (int [B]).

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from qwen_runtime.cache import BatchState, LayerCache
+from qwen_runtime.cache import BatchState, LayerCache, LayeredCache
 from qwen_runtime.models import Model
 
 
-class RowRange:
+class RowRange(LayeredCache):
     """Rows ``start .. stop-1`` of a :class:`SlotCache`, in the form ``Model.forward`` takes as a cache."""
 
     def __init__(self, slots: SlotCache, start: int, stop: int) -> None:
@@ -44,12 +44,6 @@ class RowRange:
     def commit(self, state: BatchState) -> None:
         self.slots.lengths[self.start:self.stop] += state.length
         self.last_length = state.length
-
-    def checkpoint(self, rows: np.ndarray | None = None) -> None:
-        """Make the next pass undoable by :meth:`rollback` in ``rows`` (bool [B], default all; speculative
-        decoding's verify pass)."""
-        for layer in self.layers:
-            layer.checkpoint(rows)
 
     def rollback(self, keep: np.ndarray) -> None:
         """Keep only the first ``keep[b]`` tokens of the last pass (after :meth:`checkpoint`) in each row.  # int [B]"""

@@ -21,8 +21,6 @@ import http.client
 import json
 import os
 import sys
-import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,7 +28,7 @@ import numpy as np
 from bench_serve import (
     OURS,
     ROOT,
-    Sample,
+    concurrently,
     free_port,
     git,
     machine,
@@ -80,25 +78,7 @@ class EditResult:
 
 def edit_round(port: int, prompts: list[str], max_tokens: int) -> tuple[float, int, list[str]]:
     """One request per prompt at once: the wall time, the completion tokens and the texts."""
-    results: list[tuple[Sample, str] | None] = [None] * len(prompts)
-    errors: list[BaseException] = []
-
-    def work(i: int) -> None:
-        try:
-            results[i] = stream_completion(port, prompts[i], max_tokens)
-        except BaseException as exc:  # reported after the round
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]}")
-    done = [r for r in results if r is not None]
+    wall, done = concurrently(port, prompts, max_tokens)
     return wall, sum(s.tokens for s, _ in done), [text for _, text in done]
 
 

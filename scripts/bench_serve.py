@@ -124,19 +124,19 @@ def stream_completion(port: int, prompt: str, max_tokens: int) -> tuple[Sample, 
     return Sample("", 0, 0, first - t0, end - t0, tokens, prompt_tokens, tps), "".join(text)
 
 
-def run_round(port: int, clients: int, max_tokens: int, offset: int) -> list[Sample]:
-    """``clients`` requests at once, each with its own prompt."""
-    samples: list[Sample | None] = [None] * clients
+def concurrently(port: int, prompts: list[str], max_tokens: int) -> tuple[float, list[tuple[Sample, str]]]:
+    """One streamed completion per prompt, all at once: the wall time from the first request to the last
+    [DONE], and each request's sample and text in the prompts' order."""
+    results: list[tuple[Sample, str] | None] = [None] * len(prompts)
     errors: list[BaseException] = []
 
     def work(i: int) -> None:
-        prompt = f"Write a long story about {TOPICS[(offset + i) % len(TOPICS)]}, number {offset + i}."
         try:
-            samples[i] = stream_completion(port, prompt, max_tokens)[0]
+            results[i] = stream_completion(port, prompts[i], max_tokens)
         except BaseException as exc:  # reported after the round
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -145,7 +145,15 @@ def run_round(port: int, clients: int, max_tokens: int, offset: int) -> list[Sam
     wall = time.perf_counter() - t0
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]}")
-    out = [s for s in samples if s is not None]
+    return wall, [r for r in results if r is not None]
+
+
+def run_round(port: int, clients: int, max_tokens: int, offset: int) -> list[Sample]:
+    """``clients`` requests at once, each with its own prompt."""
+    prompts = [f"Write a long story about {TOPICS[(offset + i) % len(TOPICS)]}, number {offset + i}."
+               for i in range(clients)]
+    wall, done = concurrently(port, prompts, max_tokens)
+    out = [s for s, _ in done]
     for i, s in enumerate(out):
         s.kind, s.clients, s.index, s.round, s.wall = "sweep", clients, offset + i, offset, wall
     return out
