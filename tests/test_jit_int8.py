@@ -1,0 +1,168 @@
+"""The integer-dot kernels with 8-bit activations (``activations="q8"``) against the plain numpy reference of
+the same integer arithmetic (``qwen_runtime/quants/q8_act.py``).
+
+Error model of a product row: the int32 block sums are exact; per block, 16 exact int32 pair sums (each below
+2^24, so exact in float32) are fused into 16 float32 lanes with the scale ``fl(d_w * d_x)`` (one rounding
+for the scale, one per fused add), and the lanes are summed in order: against the float64 value of the exact
+block sums, ``|got - ref| <= (nb + 16 + 1) * eps32 * sum |w q| d_w d_x`` (first-order ``gamma_m``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from runtime_helpers import Converted
+
+from qwen_runtime import load
+from qwen_runtime.errors import KernelsError
+from qwen_runtime.pool import Workspace
+from qwen_runtime.quants import QType, q8_act
+from qwen_runtime.tensors import StoredTensor
+from qwen_runtime.weights import make_weight
+
+pytest.importorskip("numba")
+from qwen_runtime.quants.jit_base import F16_TABLE, GEMV_ROWS  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.quants.jit_int8 import Q8_0Int8Kernel, quantize_rows  # noqa: E402
+from qwen_runtime.quants.jit_q8_0 import Q8_0JitKernel  # noqa: E402
+
+EPS32 = float(np.finfo(np.float32).eps)
+EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF], np.uint16)  # zero, -0, subnormal, max
+
+
+def q8_0_blocks(rows: int, nb: int, seed: int, scales: np.ndarray | None = None) -> np.ndarray:
+    """Random Q8_0 rows [rows, nb * 34]: every int8 value (-128..127), float16 scales of about 1e-3 with a tenth
+    of edge values, or ``scales`` (float16 bits) when given."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, nb, 34), dtype=np.uint8)
+    if scales is None:
+        scales = (rng.uniform(2e-4, 2e-3, (rows, nb)) * rng.choice([-1, 1], (rows, nb))).astype(np.float16)
+        scales = scales.view(np.uint16)
+        edge = rng.random(scales.shape) < 0.1
+        scales[edge] = rng.choice(EDGE_F16, int(edge.sum()))
+    blocks[:, :, :2] = np.broadcast_to(scales, (rows, nb))[..., None].view(np.uint8).reshape(rows, nb, 2)
+    return blocks.reshape(rows, nb * 34)
+
+
+def weights_of(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 quants [R, nb * 32], float32 scales [R, nb]) of Q8_0 rows."""
+    blocks = raw.reshape(len(raw), -1, 34)
+    return blocks[:, :, 2:].view(np.int8).reshape(len(raw), -1), F16_TABLE[blocks[:, :, :2].view(np.uint16)[..., 0]]
+
+
+def activations(n: int, cols: int, seed: int) -> np.ndarray:
+    """Normal rows with edge blocks: all zero, one tiny value, a constant, ±large, values rounding at .5."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0, 1, (n, cols)).astype(np.float32)
+    if cols >= 5 * 32:
+        x[:, 0:32] = 0
+        x[:, 32:64] = 0
+        x[:, 40] = 1e-30
+        x[:, 64:96] = -3.25
+        x[:, 96:128] *= 1e30
+        x[:, 128:160] = np.arange(-16, 16) + 0.5
+    return x
+
+
+def run(kernel: Q8_0Int8Kernel, x: np.ndarray) -> np.ndarray:
+    out = np.empty((len(x), kernel.raw.shape[0]), np.float32)
+    xq, *extra = kernel.prepare(x)
+    kernel._rows(kernel.raw, xq, extra, out)
+    return out
+
+
+def test_activations_quantize_as_the_reference() -> None:
+    x = activations(7, 12 * 32, seed=0)
+    q, d = np.empty(x.shape, np.int8), np.empty((7, 12), np.float32)
+    quantize_rows(x, q, d)
+    q_ref, d_ref = q8_act.quantize_activations(x)
+    assert np.array_equal(q, q_ref) and np.array_equal(d, d_ref)
+    assert np.all(q[:, :32] == 0) and np.all(d[:, 0] == 0)  # an all-zero block
+    assert np.abs(q).max() == 127 and np.all(np.abs(q).reshape(7, 12, 32).max(axis=2)[:, 1:] == 127)
+    blocks = x.reshape(7, 12, 32)
+    assert np.all(np.abs(q.reshape(7, 12, 32) * d[..., None] - blocks) <= d[..., None] * (0.5 + 1e-5))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, GEMV_ROWS])
+def test_block_sums_are_exact(n: int) -> None:
+    """Scales of 1 and activation blocks whose largest value is 127 (so ``d_x = 1``, ``q = x``): every sum of
+    the products is an integer below 2^24, so the kernel's float32 result is the exact int32 sum."""
+    rng = np.random.default_rng(n)
+    for nb in (1, 3):
+        raw = q8_0_blocks(37, nb, seed=n, scales=np.uint16(0x3C00))  # 37 rows: not a multiple of any tile
+        x = rng.integers(-127, 128, (n, nb * 32)).astype(np.float32)
+        x[:, ::32] = rng.choice([-127, 127], (n, nb))
+        w, _ = weights_of(raw)
+        q, d = q8_act.quantize_activations(x)
+        assert np.array_equal(q, x) and np.all(d == 1)
+        expected = q8_act.block_sums(w, q).sum(axis=2)  # [n, 37] int32
+        assert np.array_equal(run(Q8_0Int8Kernel(raw), x), expected.astype(np.float32))
+    extreme = q8_0_blocks(2, 1, seed=0, scales=np.uint16(0x3C00))
+    extreme[0, 2:] = np.uint8(128)  # -128 everywhere
+    extreme[1, 2:] = 127
+    x = np.full((1, 32), -127, np.float32)
+    assert run(Q8_0Int8Kernel(extreme), x).tolist() == [[32 * 128 * 127, -32 * 127 * 127]]
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, GEMV_ROWS])
+def test_products_within_the_error_model(n: int) -> None:
+    nb, rows = 14, 53
+    raw = q8_0_blocks(rows, nb, seed=10 + n)
+    x = activations(n, nb * 32, seed=n)
+    w, scales = weights_of(raw)
+    got = run(Q8_0Int8Kernel(raw), x)
+    reference = q8_act.product(w, scales, x)
+    q, d = q8_act.quantize_activations(x)
+    sums = q8_act.block_sums(np.abs(w.astype(np.int16)), np.abs(q))  # sum |w q| per block
+    magnitude = np.einsum("nrb,rb,nb->nr", sums.astype(np.float64), np.abs(scales.astype(np.float64)), d)
+    assert np.all(np.abs(got - reference) <= (nb + 17) * EPS32 * magnitude)
+    assert np.all(np.isfinite(got))
+
+
+def test_rows_equal_alone_and_in_any_batch() -> None:
+    """Row invariance (the server's batch invariance): 1..GEMV_ROWS rows, and more through ``rowwise``."""
+    raw = q8_0_blocks(29, 9, seed=3)
+    x = activations(GEMV_ROWS + 5, 9 * 32, seed=4)
+    kernel = Q8_0Int8Kernel(raw)
+    alone = np.concatenate([run(kernel, x[i:i + 1]) for i in range(len(x))])
+    for n in range(2, GEMV_ROWS + 1):
+        assert np.array_equal(run(kernel, x[:n]), alone[:n])
+    ws = Workspace(threads=2, kernels="numba", activations="q8")
+    weight = make_weight(StoredTensor("w", QType.Q8_0, (29, 9 * 32), "memory", data=raw), ws, tile_elements=8 * 288)
+    assert isinstance(weight.kernel, Q8_0Int8Kernel)
+    with ws.rowwise():
+        assert np.array_equal(weight.matmul(x), alone)
+    assert np.array_equal(weight.matmul(x[:Q8_0Int8Kernel.direct_rows]), alone[:Q8_0Int8Kernel.direct_rows])
+    exact = Q8_0JitKernel(raw)  # more rows than direct_rows, outside rowwise: the exact decoded tile and BLAS
+    many = np.empty((len(x), 29), np.float32)
+    exact.product(0, 29, exact.prepare(x), many, ws.scratch[0])
+    assert np.array_equal(weight.matmul(x), many)
+
+
+def test_activations_choice_is_checked() -> None:
+    with pytest.raises(KernelsError, match="compiled kernels"):
+        Workspace(kernels="numpy", activations="q8")
+    with pytest.raises(KernelsError, match="activations"):
+        Workspace(kernels="numba", activations="int4")
+    assert Workspace(kernels="numba").activations == "float"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Converted:
+    return Converted(tmp_path_factory.mktemp("converted"))
+
+
+def test_model_logits_close_to_the_float_path(converted: Converted) -> None:
+    """A Q8_0 model with 8-bit activations: every Q8_0 product uses the integer kernel, and its logits stay
+    within the 8-bit activations' error (2^-8 of each product's magnitude, through a few layers) of the exact
+    path's."""
+    path = converted.get("qwen2-tiny", "gguf", "q8_0")
+    exact, q8 = load(path, kernels="numba"), load(path, kernels="numba", activations="q8")
+    assert q8.workspace.activations == "q8"
+    ids = np.array([[3, 17, 42, 7, 99, 5]])
+    cache_exact, cache_q8 = exact.make_cache(1, 8), q8.make_cache(1, 8)
+    exact.forward(ids, cache_exact, last_only=True)
+    q8.forward(ids, cache_q8, last_only=True)
+    step = np.array([[11]])
+    want, got = exact.forward(step, cache_exact), q8.forward(step, cache_q8)  # one decode step: integer products
+    assert not np.array_equal(got, want)
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
