@@ -16,37 +16,61 @@ from runtime_helpers import Converted
 from qwen_runtime import load
 from qwen_runtime.errors import KernelsError
 from qwen_runtime.pool import Workspace
-from qwen_runtime.quants import QType, q8_act
+from qwen_runtime.quants import QType, codec, q8_act
 from qwen_runtime.tensors import StoredTensor
 from qwen_runtime.weights import make_weight
 
 pytest.importorskip("numba")
 from qwen_runtime.quants.jit_base import F16_TABLE, GEMV_ROWS  # noqa: E402 (numba is needed from here on)
-from qwen_runtime.quants.jit_int8 import Q8_0Int8Kernel, quantize_rows  # noqa: E402
-from qwen_runtime.quants.jit_q8_0 import Q8_0JitKernel  # noqa: E402
+from qwen_runtime.quants.jit_int8 import (  # noqa: E402
+    Int8Kernel,
+    Q4_0Int8Kernel,
+    Q5_0Int8Kernel,
+    Q8_0Int8Kernel,
+    quantize_rows,
+)
 
 EPS32 = float(np.finfo(np.float32).eps)
 EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF], np.uint16)  # zero, -0, subnormal, max
 
 
-def q8_0_blocks(rows: int, nb: int, seed: int, scales: np.ndarray | None = None) -> np.ndarray:
-    """Random Q8_0 rows [rows, nb * 34]: every int8 value (-128..127), float16 scales of about 1e-3 with a tenth
-    of edge values, or ``scales`` (float16 bits) when given."""
+BYTES = {QType.Q8_0: 34, QType.Q4_0: 18, QType.Q5_0: 22}
+KERNELS = {QType.Q8_0: Q8_0Int8Kernel, QType.Q4_0: Q4_0Int8Kernel, QType.Q5_0: Q5_0Int8Kernel}
+TYPES = list(KERNELS)
+
+
+def random_blocks(qtype: QType, rows: int, nb: int, seed: int, scales: np.ndarray | None = None) -> np.ndarray:
+    """Random rows [rows, nb * bytes per block] (every quant value: ±max, Q8_0's -128), float16 scales of about
+    1e-3 with a tenth of edge values, or ``scales`` (float16 bits) when given."""
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (rows, nb, 34), dtype=np.uint8)
+    blocks = rng.integers(0, 256, (rows, nb, BYTES[qtype]), dtype=np.uint8)
     if scales is None:
         scales = (rng.uniform(2e-4, 2e-3, (rows, nb)) * rng.choice([-1, 1], (rows, nb))).astype(np.float16)
         scales = scales.view(np.uint16)
         edge = rng.random(scales.shape) < 0.1
         scales[edge] = rng.choice(EDGE_F16, int(edge.sum()))
     blocks[:, :, :2] = np.broadcast_to(scales, (rows, nb))[..., None].view(np.uint8).reshape(rows, nb, 2)
-    return blocks.reshape(rows, nb * 34)
+    return blocks.reshape(rows, nb * BYTES[qtype])
 
 
-def weights_of(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(int8 quants [R, nb * 32], float32 scales [R, nb]) of Q8_0 rows."""
-    blocks = raw.reshape(len(raw), -1, 34)
-    return blocks[:, :, 2:].view(np.int8).reshape(len(raw), -1), F16_TABLE[blocks[:, :, :2].view(np.uint16)[..., 0]]
+def weights_of(qtype: QType, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(integer weights int16 [R, nb * 32], float32 scales [R, nb]) of stored rows, checked against the codec's
+    reference decoder (value = scale * weight)."""
+    blocks = raw.reshape(len(raw), -1, BYTES[qtype])
+    scales = F16_TABLE[blocks[:, :, :2].copy().view(np.uint16)[..., 0]]
+    if qtype == QType.Q8_0:
+        w = blocks[:, :, 2:].view(np.int8).astype(np.int16)
+    else:
+        qs = blocks[:, :, -16:].astype(np.int16)
+        w = np.concatenate([qs & 15, qs >> 4], axis=2)
+        if qtype == QType.Q5_0:
+            qh = blocks[:, :, 2:6].copy().view(np.uint32)  # [R, nb, 1]
+            w |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
+        w -= 16 if qtype == QType.Q5_0 else 8
+    w = w.reshape(len(raw), -1)
+    decoded = codec(qtype).reference(raw).reshape(len(raw), -1, 32)
+    assert np.array_equal(decoded, scales[..., None] * w.reshape(decoded.shape).astype(np.float32))
+    return w, scales
 
 
 def activations(n: int, cols: int, seed: int) -> np.ndarray:
@@ -63,7 +87,7 @@ def activations(n: int, cols: int, seed: int) -> np.ndarray:
     return x
 
 
-def run(kernel: Q8_0Int8Kernel, x: np.ndarray) -> np.ndarray:
+def run(kernel: Int8Kernel, x: np.ndarray) -> np.ndarray:
     out = np.empty((len(x), kernel.raw.shape[0]), np.float32)
     xq, *extra = kernel.prepare(x)
     kernel._rows(kernel.raw, xq, extra, out)
@@ -82,57 +106,63 @@ def test_activations_quantize_as_the_reference() -> None:
     assert np.all(np.abs(q.reshape(7, 12, 32) * d[..., None] - blocks) <= d[..., None] * (0.5 + 1e-5))
 
 
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("n", [1, 2, 5, GEMV_ROWS])
-def test_block_sums_are_exact(n: int) -> None:
+def test_block_sums_are_exact(qtype: QType, n: int) -> None:
     """Scales of 1 and activation blocks whose largest value is 127 (so ``d_x = 1``, ``q = x``): every sum of
     the products is an integer below 2^24, so the kernel's float32 result is the exact int32 sum."""
     rng = np.random.default_rng(n)
     for nb in (1, 3):
-        raw = q8_0_blocks(37, nb, seed=n, scales=np.uint16(0x3C00))  # 37 rows: not a multiple of any tile
+        raw = random_blocks(qtype, 37, nb, seed=n, scales=np.uint16(0x3C00))  # 37 rows: not a multiple of any tile
         x = rng.integers(-127, 128, (n, nb * 32)).astype(np.float32)
         x[:, ::32] = rng.choice([-127, 127], (n, nb))
-        w, _ = weights_of(raw)
+        w, _ = weights_of(qtype, raw)
         q, d = q8_act.quantize_activations(x)
         assert np.array_equal(q, x) and np.all(d == 1)
         expected = q8_act.block_sums(w, q).sum(axis=2)  # [n, 37] int32
-        assert np.array_equal(run(Q8_0Int8Kernel(raw), x), expected.astype(np.float32))
-    extreme = q8_0_blocks(2, 1, seed=0, scales=np.uint16(0x3C00))
+        assert np.array_equal(run(KERNELS[qtype](raw), x), expected.astype(np.float32))
+    if qtype != QType.Q8_0:
+        return
+    extreme = random_blocks(qtype, 2, 1, seed=0, scales=np.uint16(0x3C00))
     extreme[0, 2:] = np.uint8(128)  # -128 everywhere
     extreme[1, 2:] = 127
     x = np.full((1, 32), -127, np.float32)
     assert run(Q8_0Int8Kernel(extreme), x).tolist() == [[32 * 128 * 127, -32 * 127 * 127]]
 
 
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("n", [1, 3, 8, GEMV_ROWS])
-def test_products_within_the_error_model(n: int) -> None:
+def test_products_within_the_error_model(qtype: QType, n: int) -> None:
     nb, rows = 14, 53
-    raw = q8_0_blocks(rows, nb, seed=10 + n)
+    raw = random_blocks(qtype, rows, nb, seed=10 + n)
     x = activations(n, nb * 32, seed=n)
-    w, scales = weights_of(raw)
-    got = run(Q8_0Int8Kernel(raw), x)
+    w, scales = weights_of(qtype, raw)
+    got = run(KERNELS[qtype](raw), x)
     reference = q8_act.product(w, scales, x)
     q, d = q8_act.quantize_activations(x)
-    sums = q8_act.block_sums(np.abs(w.astype(np.int16)), np.abs(q))  # sum |w q| per block
+    sums = q8_act.block_sums(np.abs(w), np.abs(q))  # sum |w q| per block
     magnitude = np.einsum("nrb,rb,nb->nr", sums.astype(np.float64), np.abs(scales.astype(np.float64)), d)
     assert np.all(np.abs(got - reference) <= (nb + 17) * EPS32 * magnitude)
     assert np.all(np.isfinite(got))
 
 
-def test_rows_equal_alone_and_in_any_batch() -> None:
+@pytest.mark.parametrize("qtype", TYPES)
+def test_rows_equal_alone_and_in_any_batch(qtype: QType) -> None:
     """Row invariance (the server's batch invariance): 1..GEMV_ROWS rows, and more through ``rowwise``."""
-    raw = q8_0_blocks(29, 9, seed=3)
+    raw = random_blocks(qtype, 29, 9, seed=3)
     x = activations(GEMV_ROWS + 5, 9 * 32, seed=4)
-    kernel = Q8_0Int8Kernel(raw)
+    kernel = KERNELS[qtype](raw)
     alone = np.concatenate([run(kernel, x[i:i + 1]) for i in range(len(x))])
     for n in range(2, GEMV_ROWS + 1):
         assert np.array_equal(run(kernel, x[:n]), alone[:n])
     ws = Workspace(threads=2, kernels="numba", activations="q8")
-    weight = make_weight(StoredTensor("w", QType.Q8_0, (29, 9 * 32), "memory", data=raw), ws, tile_elements=8 * 288)
-    assert isinstance(weight.kernel, Q8_0Int8Kernel)
+    weight = make_weight(StoredTensor("w", qtype, (29, 9 * 32), "memory", data=raw), ws, tile_elements=8 * 288)
+    assert isinstance(weight.kernel, KERNELS[qtype])
     with ws.rowwise():
         assert np.array_equal(weight.matmul(x), alone)
-    assert np.array_equal(weight.matmul(x[:Q8_0Int8Kernel.direct_rows]), alone[:Q8_0Int8Kernel.direct_rows])
-    exact = Q8_0JitKernel(raw)  # more rows than direct_rows, outside rowwise: the exact decoded tile and BLAS
+    assert np.array_equal(weight.matmul(x[:Int8Kernel.direct_rows]), alone[:Int8Kernel.direct_rows])
+    exact = make_weight(StoredTensor("w", qtype, (29, 9 * 32), "memory", data=raw),
+                        Workspace(threads=1, kernels="numba")).kernel  # more rows than direct_rows: exact
     many = np.empty((len(x), 29), np.float32)
     exact.product(0, 29, exact.prepare(x), many, ws.scratch[0])
     assert np.array_equal(weight.matmul(x), many)

@@ -94,6 +94,31 @@ def bits_to_f32(typingctx, bits):  # noqa: ARG001
     return types.float32(bits), codegen
 
 
+# How far ahead of the block being multiplied the row kernels prefetch the stored rows (see jit_int8).
+PREFETCH_BYTES = 2048
+
+
+@intrinsic
+def prefetch(typingctx, array, at):  # noqa: ARG001
+    """Ask for the bytes :data:`PREFETCH_BYTES` after element ``at`` of the C-contiguous ``array`` (a hint: never
+    faults, even past the end of the rows)."""
+    if not isinstance(array, types.Array) or not isinstance(at, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        byte = ir.IntType(8).as_pointer()
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        start = builder.bitcast(builder.gep(data, [args[1]]), byte)
+        ahead = builder.gep(start, [ir.Constant(ir.IntType(64), PREFETCH_BYTES)])
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32]),
+                                            "llvm.prefetch.p0i8")
+        builder.call(fn, [ahead, i32(0), i32(3), i32(1)])  # read, keep in every cache level, data
+        return context.get_dummy_value()
+
+    return types.void(array, at), codegen
+
+
 class JitKernel:
     """A stored matrix multiplied by compiled kernels (the :class:`~qwen_runtime.quants.TileKernel` interface).
 

@@ -15,6 +15,9 @@ pairs), against the float kernel's four conversions, multiplications and FMAs pe
 
 from __future__ import annotations
 
+import importlib
+
+import numba
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
@@ -31,23 +34,23 @@ from .jit_base import (
     GEMV_ROWS,
     I8_2D,
     LANES,
+    U8_2D,
     JitKernel,
     compiled,
+    prefetch,
     stack_f32,
 )
-from .q8_0 import Q8_0_BLOCK, Q8_0_BYTES
+from .legacy import Q4_0, Q5_0
+from .q8_0 import Q8_0_BYTES
 from .q8_act import Q8_ACT_BLOCK, Q8_ACT_MAX
 
 PAIRS = Q8_ACT_BLOCK // 2  # int32 lanes of a block's products (pairs of adjacent products)
+inline = numba.njit(inline="always", cache=True, fastmath={"contract"})
 I8_2D_W = types.int8[:, ::1]  # quantized activations (written by quantize_rows)
 I16, I32, F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
 V32_I8, V32_I16 = ir.VectorType(ir.IntType(8), Q8_ACT_BLOCK), ir.VectorType(I16, Q8_ACT_BLOCK)
 V16_I16, V16_I32, V16_F32 = ir.VectorType(I16, PAIRS), ir.VectorType(I32, PAIRS), ir.VectorType(F32, PAIRS)
-V8_I32, I8P = ir.VectorType(I32, PAIRS // 2), ir.IntType(8).as_pointer()
-# How far ahead of the block being multiplied the weights are prefetched.  One row, one thread, out of cache,
-# ms of CPU per million Q8_0 weights (loaded machine): none 0.157, 512 bytes 0.131, 1024 0.124, 2048 0.098-0.107,
-# 4096 0.098-0.099, 8192 0.107: the hardware prefetchers alone leave the loop waiting for memory.
-PREFETCH_BYTES = 2048
+V8_I32, V16_I8, V32_I32 = ir.VectorType(I32, PAIRS // 2), ir.VectorType(ir.IntType(8), PAIRS), ir.VectorType(I32, 32)
 
 
 def _pointer(context, builder: ir.IRBuilder, array_type: types.Array, array: ir.Value, at: ir.Value,
@@ -94,13 +97,24 @@ def _pairs(builder: ir.IRBuilder, w: ir.Value, x: ir.Value) -> ir.Value:
     return total
 
 
-def _prefetch(builder: ir.IRBuilder, at: ir.Value) -> None:
-    """Ask for the weight bytes :data:`PREFETCH_BYTES` ahead of ``at`` (a hint: never faults, even past the
-    end of the rows)."""
-    prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8P, I32, I32, I32]),
-                                              "llvm.prefetch.p0i8")
-    ahead = builder.gep(builder.bitcast(at, I8P), [ir.Constant(ir.IntType(64), PREFETCH_BYTES)])
-    builder.call(prefetch, [ahead, I32(0), I32(3), I32(1)])  # read, keep in all cache levels, data
+def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
+    """``value`` in every element of ``vector``."""
+    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, I32(0))
+    zeros = ir.Constant(ir.VectorType(I32, vector.count), [0] * vector.count)
+    return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), zeros)
+
+
+def _fma_pairs(context, builder: ir.IRBuilder, signature, w: ir.Value, args: list) -> None:
+    """``acc = fma(f32(pairs(w, x)), scale, acc)`` for the block's ``<32 x i8>`` weights ``w`` and the last four
+    arguments ``x, x_at, scale, acc`` (the 32 int8 activations at ``x[x_at]``; 16 float32 lanes ``acc``)."""
+    x, x_at, scale, lanes = args[-4:]
+    types_ = signature.args[-4:]
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3), "llvm.fma.v16f32")
+    qx = builder.load(_pointer(context, builder, types_[0], x, x_at, V32_I8), align=1)
+    pairs = builder.sitofp(_pairs(builder, w, qx), V16_F32)
+    at = _pointer(context, builder, types_[3], lanes, ir.Constant(ir.IntType(64), 0), V16_F32)
+    builder.store(builder.call(fma, [pairs, _splat(builder, scale, V16_F32), builder.load(at, align=4)]), at,
+                  align=4)
 
 
 @intrinsic
@@ -109,20 +123,35 @@ def pairs_fma(typingctx, w, w_at, x, x_at, scale, acc):  # noqa: ARG001 (numba's
     and the 32 int8 activations at ``x[x_at]`` (flat indices of C-contiguous arrays; ``acc``: 16 float32)."""
 
     def codegen(context, builder, signature, args):
-        wa, wat, xa, xat, d, lanes = args
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3), "llvm.fma.v16f32")
-        wp = _pointer(context, builder, signature.args[0], wa, wat, V32_I8)
-        _prefetch(builder, wp)
-        qw = builder.load(wp, align=1)
-        qx = builder.load(_pointer(context, builder, signature.args[2], xa, xat, V32_I8), align=1)
-        pairs = builder.sitofp(_pairs(builder, qw, qx), V16_F32)
-        at = _pointer(context, builder, signature.args[5], lanes, ir.Constant(ir.IntType(64), 0), V16_F32)
-        splat = builder.insert_element(ir.Constant(V16_F32, ir.Undefined), d, I32(0))
-        splat = builder.shuffle_vector(splat, ir.Constant(V16_F32, ir.Undefined), ir.Constant(V16_I32, [0] * PAIRS))
-        builder.store(builder.call(fma, [pairs, splat, builder.load(at, align=4)]), at, align=4)
+        qw = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], V32_I8), align=1)
+        _fma_pairs(context, builder, signature, qw, args)
         return context.get_dummy_value()
 
     return types.void(w, w_at, x, x_at, scale, acc), codegen
+
+
+@intrinsic
+def nibble_pairs_fma(typingctx, blocks, at, qh, bias, x, x_at, scale, acc):  # noqa: ARG001
+    """:func:`pairs_fma` for the 32 weights of a Q4_0/Q5_0 block: the 16 bytes at ``blocks[at]`` (value ``k``
+    the low nibble of byte ``k``, value ``16 + k`` the high one), bit 4 of value ``k`` from bit ``k`` of ``qh``
+    (a uint32, or None), minus ``bias``; unpacked in int8 vector arithmetic."""
+
+    def codegen(context, builder, signature, args):
+        q = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], V16_I8), align=1)
+        low = builder.and_(q, ir.Constant(V16_I8, [15] * PAIRS))
+        high = builder.lshr(q, ir.Constant(V16_I8, [4] * PAIRS))
+        w = builder.shuffle_vector(low, high, ir.Constant(V32_I32, list(range(Q8_ACT_BLOCK))))
+        if signature.args[2] != types.none:
+            qh = args[2]
+            bits = _splat(builder, builder.trunc(qh, I32) if qh.type.width > 32 else qh, V32_I32)
+            bit = builder.and_(builder.lshr(bits, ir.Constant(V32_I32, list(range(Q8_ACT_BLOCK)))),
+                               ir.Constant(V32_I32, [1] * Q8_ACT_BLOCK))
+            w = builder.or_(w, builder.shl(builder.trunc(bit, V32_I8), ir.Constant(V32_I8, [4] * Q8_ACT_BLOCK)))
+        w = builder.sub(w, _splat(builder, builder.trunc(args[3], ir.IntType(8)), V32_I8))
+        _fma_pairs(context, builder, signature, w, args)
+        return context.get_dummy_value()
+
+    return types.void(blocks, at, qh, bias, x, x_at, scale, acc), codegen
 
 
 @compiled(types.void(F32_2D_C, I8_2D_W, F32_2D_C), contract=False)
@@ -142,31 +171,37 @@ def quantize_rows(x, q, d):
                 q[i, b * 32 + k] = np.int8(np.rint(xs[k] * inverse))
 
 
-@compiled(types.void(I8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D))
-def q8_0_gemv_q8(raw, xq, xd, table, out):
-    """``out[i, r] = sum_b d_w[r, b] * d_x[i, b] * (W[r, b] . q[i, b])`` for Q8_0 rows ``raw`` [R, nb * 34] and
-    1..GEMV_ROWS quantized activation rows ``xq`` [N, nb * 32], ``xd`` [N, nb]."""
-    n, nb = xq.shape[0], xd.shape[1]
-    acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
-    for r in range(raw.shape[0]):
-        blocks = raw[r]
-        for i in range(n):
-            for k in range(PAIRS):
-                acc[i, k] = 0
-        for b in range(nb):
-            d = table[np.int64(np.uint8(blocks[b * 34])) | (np.int64(np.uint8(blocks[b * 34 + 1])) << 8)]
-            for i in range(n):
-                pairs_fma(blocks, b * 34 + 2, xq[i], b * 32, d * xd[i, b], acc[i])
-        for i in range(n):
-            s = np.float32(0)
-            for k in range(PAIRS):
-                s += acc[i, k]
-            out[i, r] = s
+@inline
+def _block(table, blocks, b, geo):
+    """(first byte, scale ``d``) of block ``b`` of a stored row; ``geo`` = (bytes per block, first quant byte,
+    bias, byte of Q5's ``qh`` or -1)."""
+    o = b * geo[0]
+    prefetch(blocks, o)
+    return o, table[np.int64(np.uint8(blocks[o])) | (np.int64(np.uint8(blocks[o + 1])) << 8)]
 
 
-@compiled(types.void(I8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D))
-def q8_0_gemv1_q8(raw, xq, xd, table, out):
-    """:func:`q8_0_gemv_q8` for one activation row (the same operations, its lanes kept in registers)."""
+@inline
+def _q8(blocks, o, geo, xq, at, scale, acc):
+    pairs_fma(blocks, o + geo[1], xq, at, scale, acc)
+
+
+@inline
+def _q4(blocks, o, geo, xq, at, scale, acc):
+    nibble_pairs_fma(blocks, o + geo[1], None, geo[2], xq, at, scale, acc)
+
+
+@inline
+def _q5(blocks, o, geo, xq, at, scale, acc):
+    qh = geo[3] + o
+    bits = (np.uint32(np.uint8(blocks[qh])) | (np.uint32(np.uint8(blocks[qh + 1])) << np.uint32(8))
+            | (np.uint32(np.uint8(blocks[qh + 2])) << np.uint32(16))
+            | (np.uint32(np.uint8(blocks[qh + 3])) << np.uint32(24)))
+    nibble_pairs_fma(blocks, o + geo[1], bits, geo[2], xq, at, scale, acc)
+
+
+@inline
+def gemv1_loop(update, geo, raw, xq, xd, table, out):
+    """:func:`gemv_loop` for one activation row (the same operations, its lanes kept in registers)."""
     nb = xd.shape[1]
     acc = carray(stack_f32(PAIRS), (PAIRS,))
     xr, dr = xq[0], xd[0]
@@ -175,29 +210,84 @@ def q8_0_gemv1_q8(raw, xq, xd, table, out):
         for k in range(PAIRS):
             acc[k] = 0
         for b in range(nb):
-            d = table[np.int64(np.uint8(blocks[b * 34])) | (np.int64(np.uint8(blocks[b * 34 + 1])) << 8)]
-            pairs_fma(blocks, b * 34 + 2, xr, b * 32, d * dr[b], acc)
+            o, d = _block(table, blocks, b, geo)
+            update(blocks, o, geo, xr, b * 32, d * dr[b], acc)
         s = np.float32(0)
         for k in range(PAIRS):
             s += acc[k]
         out[0, r] = s
 
 
-class Q8_0Int8Kernel(JitKernel):
-    """Q8_0 with 8-bit activations: rows up to ``direct_rows`` (and every row inside ``Workspace.rowwise``) by
-    integer dot products, more rows exactly as :class:`.jit_q8_0.Q8_0JitKernel` (decoded tile, BLAS)."""
+@inline
+def gemv_loop(update, geo, raw, xq, xd, table, out):
+    """``out[i, r] = sum_b d_w[r, b] * d_x[i, b] * (W[r, b] . q[i, b])`` for stored rows ``raw`` and 1..GEMV_ROWS
+    quantized activation rows ``xq`` [N, nb * 32], ``xd`` [N, nb]; ``update`` adds a block's pair sums."""
+    n, nb = xq.shape[0], xd.shape[1]
+    acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
+    for r in range(raw.shape[0]):
+        blocks = raw[r]
+        for i in range(n):
+            for k in range(PAIRS):
+                acc[i, k] = 0
+        for b in range(nb):
+            o, d = _block(table, blocks, b, geo)
+            for i in range(n):
+                update(blocks, o, geo, xq[i], b * 32, d * xd[i, b], acc[i])
+        for i in range(n):
+            s = np.float32(0)
+            for k in range(PAIRS):
+                s += acc[i, k]
+            out[i, r] = s
 
-    block, type_size = Q8_0_BLOCK, Q8_0_BYTES
+
+Q8_0_GEO, Q4_0_GEO, Q5_0_GEO = (Q8_0_BYTES, 2, 0, -1), (Q4_0().type_size, 2, 8, -1), (Q5_0().type_size, 6, 16, 2)
+Q8_0_GEMV = types.void(I8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
+LEGACY_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
+
+
+@compiled(Q8_0_GEMV)
+def q8_0_gemv1_q8(raw, xq, xd, table, out):
+    gemv1_loop(_q8, Q8_0_GEO, raw, xq, xd, table, out)
+
+
+@compiled(Q8_0_GEMV)
+def q8_0_gemv_q8(raw, xq, xd, table, out):
+    gemv_loop(_q8, Q8_0_GEO, raw, xq, xd, table, out)
+
+
+@compiled(LEGACY_GEMV)
+def q4_0_gemv1_q8(raw, xq, xd, table, out):
+    gemv1_loop(_q4, Q4_0_GEO, raw, xq, xd, table, out)
+
+
+@compiled(LEGACY_GEMV)
+def q4_0_gemv_q8(raw, xq, xd, table, out):
+    gemv_loop(_q4, Q4_0_GEO, raw, xq, xd, table, out)
+
+
+@compiled(LEGACY_GEMV)
+def q5_0_gemv1_q8(raw, xq, xd, table, out):
+    gemv1_loop(_q5, Q5_0_GEO, raw, xq, xd, table, out)
+
+
+@compiled(LEGACY_GEMV)
+def q5_0_gemv_q8(raw, xq, xd, table, out):
+    gemv_loop(_q5, Q5_0_GEO, raw, xq, xd, table, out)
+
+
+class Int8Kernel(JitKernel):
+    """A matrix with 8-bit activations: up to ``direct_rows`` rows (and every row inside ``Workspace.rowwise``) by
+    integer dot products (``gemv1_q8``/``gemv_q8``), more rows exactly as the type's float kernel (``exact``:
+    decoded tile, BLAS)."""
+
+    block = Q8_ACT_BLOCK
     constants = (F16_TABLE,)
+    exact: tuple[str, str]  # (module of this package, float kernel class) whose decoder prefill uses
 
     def __init__(self, raw: np.ndarray) -> None:
         super().__init__(raw)
-        from .jit_q8_0 import q8_0_decode
-
-        self.decode = q8_0_decode
-
-    def stored(self, raw: np.ndarray) -> np.ndarray:
-        return raw.view(np.int8)
+        module, name = self.exact
+        self.decode = getattr(importlib.import_module(f".{module}", __package__), name).decode
 
     def activations(self, x: np.ndarray) -> tuple:
         q = np.empty(x.shape, np.int8)
@@ -205,5 +295,24 @@ class Q8_0Int8Kernel(JitKernel):
         quantize_rows(x, q, d)
         return q, d
 
-    def gemv(self, raw, x, q, d, table, out) -> None:  # noqa: ANN001 (the compiled call's arguments)
-        (q8_0_gemv1_q8 if len(q) == 1 else q8_0_gemv_q8)(raw, q, d, table, out)
+    def _rows(self, raw: np.ndarray, x: np.ndarray, extra: list, out: np.ndarray) -> None:
+        q, d = extra
+        (self.gemv1_q8 if len(q) == 1 else self.gemv_q8)(raw, q, d, *self.constants, out)
+
+
+class Q8_0Int8Kernel(Int8Kernel):
+    type_size, exact = Q8_0_BYTES, ("jit_q8_0", "Q8_0JitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(q8_0_gemv1_q8), staticmethod(q8_0_gemv_q8)
+
+    def stored(self, raw: np.ndarray) -> np.ndarray:
+        return raw.view(np.int8)
+
+
+class Q4_0Int8Kernel(Int8Kernel):
+    type_size, exact = Q4_0_GEO[0], ("jit_legacy", "Q4_0JitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(q4_0_gemv1_q8), staticmethod(q4_0_gemv_q8)
+
+
+class Q5_0Int8Kernel(Int8Kernel):
+    type_size, exact = Q5_0_GEO[0], ("jit_legacy", "Q5_0JitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(q5_0_gemv1_q8), staticmethod(q5_0_gemv_q8)
