@@ -21,6 +21,7 @@ from .chat import fit_chat, reply_budget
 from .cli_support import HelpFormatter, add_machine_options, run_guarded
 from .errors import ContextOverflowError
 from .limits import parse_memory_size
+from .pool import ACTIVATION_CHOICES
 
 EPILOG = """\
 Where the prompt comes from: each -p and each -f FILE is one prompt (several make a batch, printed row by
@@ -66,6 +67,9 @@ def configure_parser() -> argparse.ArgumentParser:
                    help="memory allowed for cache and activations, e.g. 2G (default: 80%% of MemAvailable)")
     p.add_argument("--stats", action="store_true", help="print speed, memory, threads and kernels on stderr")
     add_machine_options(p)
+    p.add_argument("--activations", choices=ACTIVATION_CHOICES, default="float",
+                   help="q8: quantize the activations of decode products to 8 bits for Q8_0/Q4_0/Q5_0 weights and "
+                   "multiply in integers, as llama.cpp does (faster, not exact; compiled kernels only)")
     return p
 
 
@@ -91,7 +95,8 @@ def print_stats(gen: Generation, out: TextIO) -> None:
               f"({s.decode_tokens_per_second:.1f} tok/s)\n")
     out.write(f"memory: peak RSS {mem.get('VmHWM', 0) / 1024:.1f} MiB, "
               f"anonymous RSS {mem.get('RssAnon', 0) / 1024:.1f} MiB\n")
-    out.write(f"kernels: {ws.kernels}, {ws.threads} thread(s)\n")
+    q8 = ", 8-bit activations" if ws.activations == "q8" else ""
+    out.write(f"kernels: {ws.kernels}{q8}, {ws.threads} thread(s)\n")
 
 
 def context_length(model: Model, args: argparse.Namespace) -> int:
@@ -221,7 +226,7 @@ def read_prompt_file(path: Path) -> str:
 def run(args: argparse.Namespace) -> None:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
                               args.presence_penalty, args.frequency_penalty)
-    model = load(args.model, threads=args.threads, kernels=args.kernels)
+    model = load(args.model, threads=args.threads, kernels=args.kernels, activations=args.activations)
     args.prompt = [*args.prompt, *(read_prompt_file(f) for f in args.file)]
     if args.prompt:
         run_prompts(model, args, sampling)

@@ -1,16 +1,21 @@
-"""Compiled integer-dot kernels with 8-bit activations (``activations="q8"``, numba): Q8_0 weights times
-activations quantized per 32-block (:mod:`.q8_act`, the plain reference).
+"""Compiled integer-dot kernels with 8-bit activations (``activations="q8"``, numba): Q8_0, Q4_0 and Q5_0
+weights times activations quantized per 32-block (:mod:`.q8_act`, the plain reference).
 
 A product first quantizes its activation rows once (:func:`quantize_rows`, the same float32 operations as
 :func:`.q8_act.quantize_activations`, bit for bit).  Row ``r`` then keeps 16 float32 lanes; per block ``b``
-the 32 weight bytes and the 32 activation bytes are sign-extended to int16, multiplied in pairs and the pairs
-added in int32 (``<16 x i32>``, exact: one ``vpmaddwd``), converted to float32 (exact: below 2^24) and fused
-into the lanes, ``lanes = fma(pairs, d_w * d_x, lanes)`` (:func:`pairs_fma`); the lanes are summed once at
-the end.  Every row goes through the same operations whatever the other rows (the server's batch invariance).
+the 32 integer weights (Q8_0's bytes; Q4_0's and Q5_0's nibbles and bit 4 unpacked in int8 vector arithmetic,
+minus the bias) and the 32 activation bytes are sign-extended to int16, multiplied in pairs and the pairs
+added in int32 (``<16 x i32>``, exact: :func:`_pairs`), converted to float32 (exact: below 2^24) and fused into
+the lanes, ``lanes = fma(pairs, d_w * d_x, lanes)``; the lanes are summed once at the end.  Every row goes
+through the same operations whatever the other rows (the server's batch invariance).
 
-Assembly (numba 0.68, this Xeon with AVX-512; ``inspect_asm``): per block two ``vpmovsxbw`` (one per operand,
-straight from memory), ``vpmaddwd``, ``vcvtdq2ps`` and ``vfmadd...ps`` on 512-bit registers (or their 256-bit
-pairs), against the float kernel's four conversions, multiplications and FMAs per 8 weights.
+Assembly (numba 0.68, this Xeon with AVX-512; ``inspect_asm``), per block of the 1-row loop: ``prefetcht0``
+2 KiB ahead, the scale's table load and ``vmulss``, two ``vpmovsxbw`` to zmm (Q8_0: both straight from memory;
+Q4_0 first ``vpand``/``vgf2p8affineqb``/``vinserti128``/``vpaddb`` on the 16 bytes, Q5_0 adds ``vpsrlvd`` for
+bit 4), one ``vpmaddwd`` zmm, ``vcvtdq2ps`` and ``vfmadd213ps`` with the lanes in a register: 32 weights per
+multiply-add against the float kernels' 16 (and no per-weight float conversion).  Written as generic IR
+(``sext``, ``mul``, even/odd ``add`` in int32) LLVM narrowed the products to int16 and emitted
+``vpmullw``/``vpmovdw``/``vpmovsxwd`` shuffles instead of ``vpmaddwd``, hence the x86 intrinsic.
 """
 
 from __future__ import annotations
