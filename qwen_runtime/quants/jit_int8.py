@@ -159,6 +159,21 @@ def nibble_pairs_fma(typingctx, blocks, at, qh, bias, x, x_at, scale, acc):  # n
     return types.void(blocks, at, qh, bias, x, x_at, scale, acc), codegen
 
 
+@intrinsic
+def nibbles32_pairs_fma(typingctx, blocks, at, shift, x, x_at, scale, acc):  # noqa: ARG001
+    """:func:`pairs_fma` for 32 4-bit weights (0..15): the low (``shift`` 0) or high (4) nibbles of the 32 bytes
+    at ``blocks[at]`` (a Q4_K sub-block)."""
+
+    def codegen(context, builder, signature, args):
+        q = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], V32_I8), align=1)
+        count = _splat(builder, builder.trunc(args[2], ir.IntType(8)), V32_I8)
+        w = builder.and_(builder.lshr(q, count), ir.Constant(V32_I8, [15] * Q8_ACT_BLOCK))
+        _fma_pairs(context, builder, signature, w, args)
+        return context.get_dummy_value()
+
+    return types.void(blocks, at, shift, x, x_at, scale, acc), codegen
+
+
 @compiled(types.void(F32_2D_C, I8_2D_W, F32_2D_C), contract=False)
 def quantize_rows(x, q, d):
     """``q``, ``d`` = :func:`.q8_act.quantize_activations` of ``x`` [N, nb * 32] (the same float32 operations)."""
@@ -301,8 +316,7 @@ class Int8Kernel(JitKernel):
         return q, d
 
     def _rows(self, raw: np.ndarray, x: np.ndarray, extra: list, out: np.ndarray) -> None:
-        q, d = extra
-        (self.gemv1_q8 if len(q) == 1 else self.gemv_q8)(raw, q, d, *self.constants, out)
+        (self.gemv1_q8 if len(x) == 1 else self.gemv_q8)(raw, *extra, *self.constants, out)
 
 
 class Q8_0Int8Kernel(Int8Kernel):
@@ -321,3 +335,4 @@ class Q4_0Int8Kernel(Int8Kernel):
 class Q5_0Int8Kernel(Int8Kernel):
     type_size, exact = Q5_0_GEO[0], ("jit_legacy", "Q5_0JitKernel")
     gemv1_q8, gemv_q8 = staticmethod(q5_0_gemv1_q8), staticmethod(q5_0_gemv_q8)
+
