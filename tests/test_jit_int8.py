@@ -30,7 +30,7 @@ from qwen_runtime.quants.jit_int8 import (  # noqa: E402
     Q8_0Int8Kernel,
     quantize_rows,
 )
-from qwen_runtime.quants.jit_int8_k import Q4_KInt8Kernel  # noqa: E402
+from qwen_runtime.quants.jit_int8_k import Q4_KInt8Kernel, Q6_KInt8Kernel  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF], np.uint16)  # zero, -0, subnormal, max
@@ -259,4 +259,71 @@ def test_q4_k_within_the_error_model(n: int) -> None:
     got = run(Q4_KInt8Kernel(raw), x)
     assert np.all(np.abs(got - reference) <= (nb * 8 + 18) * EPS32 * magnitude)
     kernel = Q4_KInt8Kernel(raw)  # rows alone and in a batch: the same numbers
+    assert np.array_equal(np.concatenate([run(kernel, x[i:i + 1]) for i in range(n)]), got)
+
+
+def q6_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(w = q - 32 int16 [R, nb * 256], d * sc float32 [R, nb * 16]) of Q6_K rows, checked against the codec's
+    reference (value = (d * sc) * w in float32)."""
+    blocks = raw.reshape(-1, 210)
+    ql, qh = blocks[:, :128].astype(np.int16), blocks[:, 128:192].astype(np.int16)
+    w = np.empty((len(blocks), 256), np.int16)
+    for h in range(2):
+        for s in range(4):
+            low = (ql[:, 64 * h + 32 * (s % 2): 64 * h + 32 * (s % 2) + 32] >> (4 * (s // 2))) & 15
+            high = (qh[:, 32 * h: 32 * h + 32] >> (2 * s)) & 3
+            w[:, 128 * h + 32 * s: 128 * h + 32 * s + 32] = (low | (high << 4)) - 32
+    d = F16_TABLE[blocks[:, 208:210].copy().view(np.uint16)[:, 0]]
+    scales = d[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)  # [blocks, 16]
+    decoded = codec(QType.Q6_K).reference(raw).reshape(-1, 16, 16)
+    assert np.array_equal(decoded, scales[..., None] * w.reshape(-1, 16, 16).astype(np.float32))
+    return w.reshape(len(raw), -1), scales.reshape(len(raw), -1)
+
+
+def q6_k_rows(rows: int, nb: int, seed: int, unit: bool = False) -> np.ndarray:
+    """Random Q6_K rows; ``unit``: d = 1 and every scale 1 (values = q - 32)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * nb, 210), dtype=np.uint8)
+    d = (rng.uniform(1e-4, 1e-3, rows * nb) * rng.choice([-1, 1], rows * nb)).astype(np.float16)
+    d.view(np.uint16)[rng.random(d.shape) < 0.1] = 0
+    if unit:
+        d[:] = 1
+        blocks[:, 192:208] = 1
+    blocks[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, nb * 210)
+
+
+@pytest.mark.parametrize("n", [1, 4, GEMV_ROWS])
+def test_q6_k_block_sums_are_exact(n: int) -> None:
+    raw = q6_k_rows(19, 2, seed=n, unit=True)
+    w, scales = q6_k_parts(raw)
+    assert np.all(scales == 1)
+    rng = np.random.default_rng(n)
+    x = rng.integers(-127, 128, (n, 512)).astype(np.float32)
+    x[:, ::32] = -127
+    q, d = q8_act.quantize_activations(x)
+    assert np.array_equal(q, x) and np.all(d == 1)
+    expected = q8_act.block_sums(w, q).sum(axis=2).astype(np.float32)
+    assert np.array_equal(run(Q6_KInt8Kernel(raw), x), expected)
+
+
+@pytest.mark.parametrize("n", [1, 3, GEMV_ROWS])
+def test_q6_k_within_the_error_model(n: int) -> None:
+    """``sum_j (d sc_j) d_x[j // 2] (w_j . q_x)`` over the 16-value sub-blocks, float64 from exact sums."""
+    nb = 3
+    raw = q6_k_rows(27, nb, seed=30 + n)
+    x = activations(n, nb * 256, seed=n)
+    w, scales = q6_k_parts(raw)
+    q, d = q8_act.quantize_activations(x)
+    halves = np.repeat(d, 2, axis=1).astype(np.float64)  # [n, nb * 16]: each sub-block's activation scale
+
+    def per_16(wi: np.ndarray, qi: np.ndarray) -> np.ndarray:
+        return np.einsum("rjk,njk->nrj", wi.reshape(len(wi), -1, 16).astype(np.int64),
+                         qi.reshape(len(qi), -1, 16).astype(np.int64)).astype(np.float64)
+
+    reference = np.einsum("nrj,rj,nj->nr", per_16(w, q), scales.astype(np.float64), halves)
+    magnitude = np.einsum("nrj,rj,nj->nr", per_16(np.abs(w), np.abs(q)), np.abs(scales.astype(np.float64)), halves)
+    got = run(Q6_KInt8Kernel(raw), x)
+    assert np.all(np.abs(got - reference) <= (nb * 8 + 18) * EPS32 * magnitude)
+    kernel = Q6_KInt8Kernel(raw)
     assert np.array_equal(np.concatenate([run(kernel, x[i:i + 1]) for i in range(n)]), got)

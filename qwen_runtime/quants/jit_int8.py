@@ -109,17 +109,23 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.
     return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), zeros)
 
 
-def _fma_pairs(context, builder: ir.IRBuilder, signature, w: ir.Value, args: list) -> None:
+def _fma_pairs(context, builder: ir.IRBuilder, signature, w: ir.Value, args: list, halves: bool = False) -> None:
     """``acc = fma(f32(pairs(w, x)), scale, acc)`` for the block's ``<32 x i8>`` weights ``w`` and the last four
-    arguments ``x, x_at, scale, acc`` (the 32 int8 activations at ``x[x_at]``; 16 float32 lanes ``acc``)."""
-    x, x_at, scale, lanes = args[-4:]
-    types_ = signature.args[-4:]
+    arguments ``x, x_at, scale, acc`` (the 32 int8 activations at ``x[x_at]``; 16 float32 lanes ``acc``); with
+    ``halves`` the last five, ``x, x_at, scale0, scale1, acc``: lanes 0-7 (values 0-15) by ``scale0``, lanes
+    8-15 (values 16-31) by ``scale1``."""
+    count = 5 if halves else 4
+    x, x_at, *scales, lanes = args[-count:]
+    types_ = signature.args[-count:]
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3), "llvm.fma.v16f32")
     qx = builder.load(_pointer(context, builder, types_[0], x, x_at, V32_I8), align=1)
     pairs = builder.sitofp(_pairs(builder, w, qx), V16_F32)
-    at = _pointer(context, builder, types_[3], lanes, ir.Constant(ir.IntType(64), 0), V16_F32)
-    builder.store(builder.call(fma, [pairs, _splat(builder, scale, V16_F32), builder.load(at, align=4)]), at,
-                  align=4)
+    at = _pointer(context, builder, types_[-1], lanes, ir.Constant(ir.IntType(64), 0), V16_F32)
+    scale = _splat(builder, scales[0], V16_F32)
+    if halves:
+        upper = _splat(builder, scales[1], V16_F32)
+        scale = builder.shuffle_vector(scale, upper, ir.Constant(V16_I32, [*range(8), *range(24, 32)]))
+    builder.store(builder.call(fma, [pairs, scale, builder.load(at, align=4)]), at, align=4)
 
 
 @intrinsic
@@ -172,6 +178,26 @@ def nibbles32_pairs_fma(typingctx, blocks, at, shift, x, x_at, scale, acc):  # n
         return context.get_dummy_value()
 
     return types.void(blocks, at, shift, x, x_at, scale, acc), codegen
+
+
+@intrinsic
+def q6_pairs_fma(typingctx, blocks, low_at, shift, high_at, high, x, x_at, scale0, scale1, acc):  # noqa: ARG001
+    """:func:`pairs_fma` for 32 6-bit weights of a Q6_K block: ``((blocks[low_at + k] >> shift) & 15) |
+    (((blocks[high_at + k] >> high) & 3) << 4)`` minus 32, values 0-15 scaled by ``scale0``, 16-31 by ``scale1``."""
+
+    def codegen(context, builder, signature, args):
+        def bits(at, by, mask):
+            q = builder.load(_pointer(context, builder, signature.args[0], args[0], at, V32_I8), align=1)
+            count = _splat(builder, builder.trunc(by, ir.IntType(8)), V32_I8)
+            return builder.and_(builder.lshr(q, count), ir.Constant(V32_I8, [mask] * Q8_ACT_BLOCK))
+
+        w = builder.or_(bits(args[1], args[2], 15),
+                        builder.shl(bits(args[3], args[4], 3), ir.Constant(V32_I8, [4] * Q8_ACT_BLOCK)))
+        w = builder.sub(w, ir.Constant(V32_I8, [32] * Q8_ACT_BLOCK))
+        _fma_pairs(context, builder, signature, w, args, halves=True)
+        return context.get_dummy_value()
+
+    return types.void(blocks, low_at, shift, high_at, high, x, x_at, scale0, scale1, acc), codegen
 
 
 @compiled(types.void(F32_2D_C, I8_2D_W, F32_2D_C), contract=False)
