@@ -41,7 +41,8 @@ def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int |
     numba imports), ``"numba"`` or ``"numpy"`` (the reference path); default: the ``QWEN_KERNELS`` environment
     variable, else ``auto``.  ``model.workspace.kernels`` says which run.  ``activations="q8"`` (compiled
     kernels only) quantizes the activations of decode-sized products to 8 bits for the types that have an
-    integer-dot kernel (Q8_0), as llama.cpp does: faster, not exact (:mod:`qwen_runtime.quants.q8_act`).
+    integer-dot kernel (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K), as llama.cpp does: faster, not exact
+    (:mod:`qwen_runtime.quants.q8_act`).
     """
     return build_model(resolve_model(path), tile_elements, threads, kernels, activations)
 

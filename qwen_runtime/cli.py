@@ -68,8 +68,8 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true", help="print speed, memory, threads and kernels on stderr")
     add_machine_options(p)
     p.add_argument("--activations", choices=ACTIVATION_CHOICES, default="float",
-                   help="q8: quantize the activations of decode products to 8 bits for Q8_0/Q4_0/Q5_0 weights and "
-                   "multiply in integers, as llama.cpp does (faster, not exact; compiled kernels only)")
+                   help="q8: quantize the activations of decode products to 8 bits and multiply Q8_0, Q4_0, Q5_0, "
+                   "Q4_K and Q6_K weights in integers, as llama.cpp does (faster, not exact; compiled kernels only)")
     return p
 
 
