@@ -120,7 +120,6 @@ def k45_decode(raw, table, tile, size):
         row = tile[r]
         for b in range(nb):
             blk = raw[r, b * size: b * size + size]
-            prefetch(blk, 0)
             q4_k_scales(blk, table, ds, dm)
             for c in range(4):
                 qs = blk[qs_at + 32 * c: qs_at + 32 * c + 32]
@@ -237,7 +236,6 @@ def q6_k_decode(raw, table, tile):
         row = tile[r]
         for b in range(nb):
             blk = raw[r, b * 210: b * 210 + 210]
-            prefetch(blk, 0)
             d = table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)]
             for h in range(2):
                 qh = blk[128 + 32 * h: 160 + 32 * h]
@@ -335,7 +333,6 @@ def k23_decode(raw, table, tile, q3):
         row = tile[r]
         for b in range(nb):
             blk = raw[r, b * size: b * size + size]
-            prefetch(blk, 0)
             k23_scales(blk, table, ds, dm, q3)
             for h in range(2):
                 for s in range(4):

@@ -297,7 +297,6 @@ def decode_loop(values, locate, geo, raw, table, tile):
         blocks, row = raw[r], tile[r]
         for b in range(nb):
             o, d, m = locate(table, blocks, b, geo)
-            prefetch(blocks, o)
             values(blocks, o, geo, d, m if geo[3] else NEGATIVE_ZERO, row[b * LANES: b * LANES + LANES])
 
 
