@@ -31,7 +31,7 @@ GREEDY = SamplingParams()
 
 
 def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int | None = None,
-         kernels: str | None = None) -> Model:
+         kernels: str | None = None, activations: str = "float") -> Model:
     """Open a model (HF directory, npy directory or GGUF file, or a Hugging Face Hub id
     ``ORG/NAME[:QUANT][@REVISION]``: :func:`qwen_runtime.hub.resolve_model`) for inference.
 
@@ -39,9 +39,12 @@ def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int |
     non-F32 matrix (any type of :mod:`qwen_runtime.quants`) a pool task multiplies.  ``threads``: the pool's
     threads (and BLAS's for float32 models; default: the cores).  ``kernels``: ``"auto"`` (compiled kernels when
     numba imports), ``"numba"`` or ``"numpy"`` (the reference path); default: the ``QWEN_KERNELS`` environment
-    variable, else ``auto``.  ``model.workspace.kernels`` says which run.
+    variable, else ``auto``.  ``model.workspace.kernels`` says which run.  ``activations="q8"`` (compiled
+    kernels only) quantizes the activations of decode-sized products to 8 bits for the types that have an
+    integer-dot kernel (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K), as llama.cpp does: faster, not exact
+    (:mod:`qwen_runtime.quants.q8_act`).
     """
-    return build_model(resolve_model(path), tile_elements, threads, kernels)
+    return build_model(resolve_model(path), tile_elements, threads, kernels, activations)
 
 
 def encode_prompts(model: Model, prompts: Prompts, chat: bool = False, system: str | None = None,

@@ -34,7 +34,10 @@ no third set of threads competes for the cores.
 
 **Kernels.**  ``Workspace.kernels`` is ``"numba"`` (compiled kernels, numba imported only then) or ``"numpy"``
 (the reference path); :func:`resolve_kernels` turns the user's choice (``auto``, ``numba``, ``numpy``; default:
-the ``QWEN_KERNELS`` environment variable, else ``auto``) into one of them.
+the ``QWEN_KERNELS`` environment variable, else ``auto``) into one of them.  ``Workspace.activations`` is
+``"float"`` (exact float32 products) or ``"q8"``: with the compiled kernels, products of few rows of the stored
+types that have an integer-dot kernel (:data:`qwen_runtime.quants.JIT_Q8_KERNELS`) quantize their activation
+rows to 8 bits first, as llama.cpp does (:mod:`qwen_runtime.quants.q8_act`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import numpy as np
 from .errors import KernelsError
 
 KERNEL_CHOICES = ("auto", "numba", "numpy")
+ACTIVATION_CHOICES = ("float", "q8")  # what the products multiply: float32 activations, or 8-bit ones (numba only)
 KERNELS_VARIABLE = "QWEN_KERNELS"  # the default choice (the one environment setting of the runtime)
 # New tokens per row up to which a pass inside Workspace.rowwise() runs the decode step's compiled kernels
 # (speculative decoding's verify pass: each token then gets exactly the numbers of a one-token step).
@@ -146,10 +150,16 @@ class Workspace:
     models with different policies can live in one process.  Without threadpoolctl tasks run in turn.
     """
 
-    def __init__(self, threads: int | None = None, blas_products: bool = False, kernels: str = "numpy") -> None:
+    def __init__(self, threads: int | None = None, blas_products: bool = False, kernels: str = "numpy",
+                 activations: str = "float") -> None:
         if kernels not in ("numba", "numpy"):
             raise KernelsError(f"kernels must be 'numba' or 'numpy' (resolve_kernels), got {kernels!r}")
+        if activations not in ACTIVATION_CHOICES:
+            raise KernelsError(f"activations: expected one of {', '.join(ACTIVATION_CHOICES)}, got {activations!r}")
+        if activations == "q8" and kernels != "numba":
+            raise KernelsError("activations='q8' needs the compiled kernels (kernels='numba')")
         self.kernels = kernels  # which kernels this model's products and decode-step ops use
+        self.activations = activations  # "q8": small products quantize their activations (quants.q8_act)
         blas = blas_controller()
         self._libs = [] if blas is None else list(blas.lib_controllers)
         self.threads = max(1, threads or default_threads())

@@ -147,7 +147,7 @@ class TiledWeight(Weight):
         super().__init__(tensor, ws, tile_elements)
         self.codec = codec(tensor.qtype)
         self.raw = np.asarray(tensor.rows2d())  # [out, stored row length]
-        compiled = jit_kernel(tensor.qtype, self.raw) if ws.kernels == "numba" else None
+        compiled = jit_kernel(tensor.qtype, self.raw, ws.activations) if ws.kernels == "numba" else None
         self.kernel: TileKernel = compiled if compiled is not None else self.codec.kernel(self.raw)
         self.compiled = compiled is not None  # its row kernel is row-invariant by construction
 

@@ -43,9 +43,10 @@ class WeightStore:
     """Hands out a model's weights by canonical kind: matrices as :class:`Weight`, small tensors as float32."""
 
     def __init__(self, files: ModelFiles, tile_elements: int = TILE_ELEMENTS, threads: int | None = None,
-                 kernels: str | None = None) -> None:
+                 kernels: str | None = None, activations: str = "float") -> None:
         self.files = files
-        self.workspace = Workspace(threads, blas_products=all_float32(files), kernels=resolve_kernels(kernels))
+        self.workspace = Workspace(threads, blas_products=all_float32(files), kernels=resolve_kernels(kernels),
+                                   activations=activations)
         self.tile_elements = tile_elements
         self._matrices: dict[str, Weight] = {}
 
