@@ -15,6 +15,7 @@ from pathlib import Path
 from qwen_runtime.errors import QwenError
 from qwen_runtime.formats import open_gguf, open_npy_dir
 from qwen_runtime.hub import model_name
+from qwen_runtime.limits import format_bytes
 
 from .convert import Progress, Verifier, convert, infer_format, path_size
 from .policy import check_dtype, file_type
@@ -23,8 +24,8 @@ CONVERTED, SKIPPED, FAILED, VERIFIED = "converted", "skipped", "failed", "verifi
 
 
 @dataclass(frozen=True)
-class Job:
-    """One output to produce."""
+class ConversionJob:
+    """One output to produce (``qwen_serve``'s ``Job`` is a request to generate)."""
 
     src: Path
     out: Path
@@ -36,7 +37,7 @@ class Job:
 class JobResult:
     """What happened to one job."""
 
-    job: Job
+    job: ConversionJob
     status: str  # CONVERTED, VERIFIED (converted and verified against the source), SKIPPED or FAILED
     nbytes: int = 0
     seconds: float = 0.0
@@ -51,18 +52,18 @@ def output_name(src: Path, fmt: str, dtype: str) -> str:
 
 
 def plan_jobs(sources: Sequence[str | Path], out_dir: str | Path, formats: Sequence[str],
-              dtypes: Sequence[str]) -> list[Job]:
+              dtypes: Sequence[str]) -> list[ConversionJob]:
     """Every (source, format, dtype) combination, in that nesting order."""
     jobs = []
     for src in map(Path, sources):
         for fmt in formats:
             infer_format("", fmt)
             for dtype in map(check_dtype, dtypes):
-                jobs.append(Job(src, Path(out_dir) / output_name(src, fmt, dtype), fmt, dtype))
+                jobs.append(ConversionJob(src, Path(out_dir) / output_name(src, fmt, dtype), fmt, dtype))
     return jobs
 
 
-def output_is_complete(job: Job) -> bool:
+def output_is_complete(job: ConversionJob) -> bool:
     """Whether ``job.out`` opens with our reader and holds ``job.dtype`` (a finished earlier run)."""
     try:
         if job.format == "npy":
@@ -74,10 +75,10 @@ def output_is_complete(job: Job) -> bool:
         return False
 
 
-VerifierFactory = Callable[[Job], Verifier]  # e.g. qwen_convert.verify.BatchVerifier
+VerifierFactory = Callable[[ConversionJob], Verifier]  # e.g. qwen_convert.verify.BatchVerifier
 
 
-def run_job(job: Job, force: bool = False, verify: VerifierFactory | None = None,
+def run_job(job: ConversionJob, force: bool = False, verify: VerifierFactory | None = None,
             progress: Progress | None = None, tmp_tag: str | None = None) -> JobResult:
     """Convert one job, or skip it when a complete output exists; errors (a failed verification too) become
     a FAILED result.  ``verify(job)`` checks the output before it is renamed into place; ``tmp_tag`` names
@@ -100,8 +101,8 @@ def run_job(job: Job, force: bool = False, verify: VerifierFactory | None = None
     return JobResult(job, VERIFIED if verify is not None else CONVERTED, result.nbytes, result.seconds)
 
 
-def run_batch(jobs: Sequence[Job], force: bool = False, verify: VerifierFactory | None = None, workers: int = 1,
-              progress: Progress | None = None,
+def run_batch(jobs: Sequence[ConversionJob], force: bool = False, verify: VerifierFactory | None = None,
+              workers: int = 1, progress: Progress | None = None,
               on_done: Callable[[JobResult], None] | None = None) -> list[JobResult]:
     """Run every job (``workers`` processes in parallel; per-tensor progress only with one worker)."""
     if workers <= 1:
@@ -121,20 +122,12 @@ def run_batch(jobs: Sequence[Job], force: bool = False, verify: VerifierFactory 
         return results
 
 
-def human_size(nbytes: int) -> str:
-    """``1.2 GB`` style (decimal units)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
-
-
 def summary_table(results: Sequence[JobResult]) -> str:
     """A fixed-width table: output, size, seconds, status (failure reasons below the table)."""
     width = max([len("output")] + [len(str(r.job.out)) for r in results])
     lines = [f"{'output':<{width}}  {'size':>10}  {'seconds':>8}  status"]
     for r in results:
-        size = human_size(r.nbytes) if r.status != FAILED else "-"
+        size = format_bytes(r.nbytes) if r.status != FAILED else "-"
         lines.append(f"{str(r.job.out):<{width}}  {size:>10}  {r.seconds:>8.1f}  {r.status}")
     lines += [f"{r.job.out}: {r.message}" if not r.message.startswith(str(r.job.out)) else r.message
               for r in results if r.status == FAILED]

@@ -19,7 +19,7 @@ from qwen_runtime.executor import EXECUTORS, LOCAL, RAY, connect
 from qwen_runtime.formats import open_model_files, verify_model_files
 from qwen_runtime.hub import resolve_model
 
-from .batch import FAILED, Job, JobResult, plan_jobs, run_batch, summary_table
+from .batch import FAILED, ConversionJob, JobResult, plan_jobs, run_batch, summary_table
 from .bpw import DEFAULT_MIX, model_sensitivities, sensitivity_table
 from .convert import FORMATS, convert, infer_format
 from .imatrix import load_importance
@@ -220,7 +220,7 @@ def _run_batch(args: argparse.Namespace) -> int:
     return 1 if any(r.status == FAILED for r in results) else 0
 
 
-def _run_batch_on_ray(args: argparse.Namespace, jobs: list[Job], verify: BatchVerifier | None,
+def _run_batch_on_ray(args: argparse.Namespace, jobs: list[ConversionJob], verify: BatchVerifier | None,
                       done: Callable[[JobResult], None]) -> list[JobResult]:
     from .ray_batch import run_batch_on_ray
 

@@ -31,7 +31,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.resources import files as package_files
 from pathlib import Path
 
@@ -40,7 +40,7 @@ from qwen_runtime.errors import QwenError
 from qwen_runtime.evaluate import EvalResult, encode_text, evaluate_ids
 from qwen_runtime.hub import model_name
 
-from .batch import Job, output_is_complete, plan_jobs
+from .batch import ConversionJob, output_is_complete, plan_jobs
 from .convert import Progress, convert, path_size, verify_written_checksums
 from .imatrix import load_importance, write_imatrix
 from .imatrix_collect import compute_imatrix
@@ -142,7 +142,7 @@ def _stamp_matches(out_dir: Path, src: Path) -> bool:
         return False
 
 
-def _convert_job(job: Job, reuse: bool, progress: Progress | None) -> str:
+def _convert_job(job: ConversionJob, reuse: bool, progress: Progress | None) -> str:
     """Make ``job.out`` unless a complete output of the same source can be reused; return the status."""
     if reuse and output_is_complete(job):
         return REUSED
@@ -150,7 +150,7 @@ def _convert_job(job: Job, reuse: bool, progress: Progress | None) -> str:
     return CONVERTED
 
 
-def _describe(job: Job, status: str, imatrix: bool = False) -> DemoOutput:
+def _describe(job: ConversionJob, status: str, imatrix: bool = False) -> DemoOutput:
     source, output = open_pair(job.src, job.out)
     diff = compare(source, output)
     params = sum(t.n_elements for t in output.tensors.values())
@@ -208,8 +208,7 @@ def prepare_kquant_outputs(src: Path, out_dir: Path, calibration: str, progress:
     for weighted in (False, True):
         for job in plan_jobs([src], out_dir, ("gguf",), KQUANT_MIXES):
             if weighted:
-                job = Job(job.src, job.out.with_name(job.out.name.replace(".gguf", "-imatrix.gguf")), job.format,
-                          job.dtype)
+                job = replace(job, out=job.out.with_name(job.out.name.replace(".gguf", "-imatrix.gguf")))
             if (reuse_weighted if weighted else reuse) and output_is_complete(job):
                 status = REUSED
             else:

@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from qwen_runtime.cli_support import HelpFormatter, add_machine_options, run_guarded
 from qwen_runtime.evaluate import METHOD, EvalResult, count_targets, read_text
+from qwen_runtime.limits import format_bytes
 
-from .batch import human_size
 from .cli import TqdmProgress
 from .demo import (
     DEFAULT_OUT,
@@ -74,7 +74,7 @@ def outputs_table(outputs: Sequence[DemoOutput]) -> str:
     lines = [f"{'output':<{width}}  {'status':<9}  {'size':>9}  {'bytes/param':>11}  {'rmse':>9}  {'snr dB':>7}  "
              f"{'min cosine':>10}"]
     for o in outputs:
-        lines.append(f"{o.path.name:<{width}}  {o.status:<9}  {human_size(o.nbytes):>9}  "
+        lines.append(f"{o.path.name:<{width}}  {o.status:<9}  {format_bytes(o.nbytes):>9}  "
                      f"{o.bytes_per_parameter:>11.3f}  {o.rmse:>9.2e}  {o.snr_db:>7.1f}  {o.min_cosine:>10.7f}")
     return "\n".join(lines)
 
@@ -88,7 +88,7 @@ def quality_table(outputs: Sequence[DemoOutput], results: Sequence[EvalResult]) 
              f"{'source':<{width}}  {'':>9}  {'':>5}  {ref.reference_perplexity:>9.4f}  {'(ref)':>9}"]
     for o, r in zip(outputs, results, strict=True):
         v = r.vs_reference
-        lines.append(f"{o.label:<{width}}  {human_size(o.nbytes):>9}  {8 * o.bytes_per_parameter:>5.2f}  "
+        lines.append(f"{o.label:<{width}}  {format_bytes(o.nbytes):>9}  {8 * o.bytes_per_parameter:>5.2f}  "
                      f"{r.perplexity:>9.4f}  {v.delta_perplexity:>+9.4f}  {v.kl_mean:>9.2e}  {v.kl_p99:>9.2e}  "
                      f"{v.kl_max:>9.2e}  {100 * v.top1_agreement:>6.2f}%")
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """Per-tensor statistics of a model, and the error of one model against another.
 
 Every statistic streams over row chunks widened to float32 and accumulates in float64 (means and
-variances merged with Chan's parallel formula), so a 500M-element tensor needs a few MB, not 2 GB.
+variances merged with Chan's parallel formula; the error against another model in the accumulator verify uses
+too, :class:`~qwen_convert.error_sums.ErrorSums`), so a 500M-element tensor needs a few MB, not 2 GB.
 Works on anything :func:`~qwen_runtime.formats.open_model_files` opens: HF directories, our npy
 directories and GGUF files (ours or llama.cpp's).
 """
@@ -25,6 +26,7 @@ from qwen_runtime.formats.gguf_config import is_metadata_array
 from qwen_runtime.gguf_keys import gguf_key
 from qwen_runtime.tensors import StoredTensor, to_float32
 
+from .error_sums import ErrorSums
 from .quantize import rows_per_chunk
 
 
@@ -165,46 +167,6 @@ def open_pair(path_a: str | Path, path_b: str | Path) -> tuple[ModelFiles, Model
         raise FormatError(f"{path_b}: value heads are {b.v_head_order}, {path_a} has them "
                           f"{a.v_head_order}; cannot compare")
     return a, b
-
-
-class ErrorSums:
-    """Streaming sums for the error of b against a."""
-
-    def __init__(self) -> None:
-        self.n, self.aa, self.bb, self.ab, self.dd, self.max_abs = 0, 0.0, 0.0, 0.0, 0.0, 0.0
-
-    def add(self, a: np.ndarray, b: np.ndarray) -> None:
-        a64, b64 = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
-        self.n += a64.size
-        self.aa += float(a64 @ a64)
-        self.bb += float(b64 @ b64)
-        self.ab += float(a64 @ b64)
-        b64 -= a64
-        self.dd += float(b64 @ b64)
-        if b64.size:
-            self.max_abs = max(self.max_abs, float(np.abs(b64).max()))
-
-    def merge(self, other: ErrorSums) -> None:
-        self.n += other.n
-        self.aa, self.bb, self.ab, self.dd = (self.aa + other.aa, self.bb + other.bb, self.ab + other.ab,
-                                              self.dd + other.dd)
-        self.max_abs = max(self.max_abs, other.max_abs)
-
-    @property
-    def rmse(self) -> float:
-        return math.sqrt(self.dd / self.n) if self.n else 0.0
-
-    @property
-    def snr_db(self) -> float:
-        if self.dd == 0:
-            return math.inf
-        return 10 * math.log10(self.aa / self.dd) if self.aa > 0 else -math.inf
-
-    @property
-    def cosine(self) -> float:
-        if self.aa == 0 or self.bb == 0:
-            return 1.0 if self.aa == self.bb else 0.0
-        return self.ab / math.sqrt(self.aa * self.bb)
 
 
 def tensor_error(a: StoredTensor, b: StoredTensor) -> tuple[TensorError, ErrorSums]:

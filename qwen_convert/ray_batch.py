@@ -20,12 +20,13 @@ from typing import Any
 from qwen_runtime.chat import load_chat_format
 from qwen_runtime.errors import QwenError
 from qwen_runtime.executor import RemoteJob, Throttle, run_on_ray
-from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_BYTES
+from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_BYTES, QType
+from qwen_runtime.weights import kept_bytes
 
-from .batch import FAILED, Job, JobResult, VerifierFactory, run_job
+from .batch import FAILED, ConversionJob, JobResult, VerifierFactory, run_job
 from .convert import open_source, remove_path, temp_path
 from .policy import TensorSpec
-from .probe import probe_ids
+from .verify.behaviour import probe_ids
 
 MiB = 1 << 20
 
@@ -50,7 +51,6 @@ BASE_BYTES = 128 * MiB  # Ray worker (41) + converter (<= 41, q8_0 temporaries i
 GGUF_TOKEN_BYTES = 1024  # per vocabulary entry (measured ~590)
 VERIFY_BASE_BYTES = 128 * MiB  # measured 62
 VERIFY_LOGIT_BYTES = 64  # per probe position x vocabulary entry (measured 58-66)
-Q8_0_SCALE_FRACTION = 4 / 34  # of a Q8_0 output's 2-D weight bytes, kept as float32 scales while probing
 
 
 @functools.lru_cache(maxsize=64)
@@ -66,7 +66,7 @@ def _source_facts(src: Path) -> tuple[int, int, int]:
     return files.config.vocab_size, probe, matrices // Q8_0_BLOCK * Q8_0_BYTES
 
 
-def job_memory(job: Job, verify: bool) -> int:
+def job_memory(job: ConversionJob, verify: bool) -> int:
     """Bytes of heap one conversion job needs at its peak, to declare to Ray (derivation above)."""
     vocab, probe, q8_0_bytes = _source_facts(job.src.resolve())
     if not vocab:
@@ -75,7 +75,7 @@ def job_memory(job: Job, verify: bool) -> int:
     if verify:
         need += VERIFY_BASE_BYTES + VERIFY_LOGIT_BYTES * probe * vocab
         if job.dtype == "q8_0":
-            need += int(Q8_0_SCALE_FRACTION * q8_0_bytes)
+            need += kept_bytes(QType.Q8_0, q8_0_bytes)  # the output's weights while probing
     return int(need)
 
 
@@ -98,19 +98,19 @@ class RelayProgress:
         self._report(("stop",))
 
 
-def convert_task(job: Job, force: bool, verify: VerifierFactory | None, tmp_tag: str,
+def convert_task(job: ConversionJob, force: bool, verify: VerifierFactory | None, tmp_tag: str,
                  report: Callable[[Any], None]) -> JobResult:
     """What a Ray task runs: :func:`run_job` with its progress relayed to the driver."""
     return run_job(job, force, verify, RelayProgress(report), tmp_tag)
 
 
-def lost_message(job: Job, exc: BaseException) -> str:
+def lost_message(job: ConversionJob, exc: BaseException) -> str:
     """One line for a job whose task failed for good (its worker died on every attempt, or it fits no node)."""
     text = str(exc).strip().splitlines()
     return f"{job.out}: the Ray task failed: {type(exc).__name__}: {text[0] if text else ''}"
 
 
-def run_batch_on_ray(jobs: Sequence[Job], force: bool = False, verify: VerifierFactory | None = None,
+def run_batch_on_ray(jobs: Sequence[ConversionJob], force: bool = False, verify: VerifierFactory | None = None,
                      on_done: Callable[[JobResult], None] | None = None,
                      on_event: Callable[[int, Any], None] | None = None) -> list[JobResult]:
     """Run every job as a Ray task on the connected cluster (:func:`qwen_runtime.executor.connect`).

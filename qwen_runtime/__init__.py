@@ -31,7 +31,7 @@ GREEDY = SamplingParams()
 
 
 def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int | None = None,
-         kernels: str | None = None) -> Model:
+         kernels: str | None = None, activations: str = "float") -> Model:
     """Open a model (HF directory, npy directory or GGUF file, or a Hugging Face Hub id
     ``ORG/NAME[:QUANT][@REVISION]``: :func:`qwen_runtime.hub.resolve_model`) for inference.
 
@@ -39,9 +39,12 @@ def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int |
     non-F32 matrix (any type of :mod:`qwen_runtime.quants`) a pool task multiplies.  ``threads``: the pool's
     threads (and BLAS's for float32 models; default: the cores).  ``kernels``: ``"auto"`` (compiled kernels when
     numba imports), ``"numba"`` or ``"numpy"`` (the reference path); default: the ``QWEN_KERNELS`` environment
-    variable, else ``auto``.  ``model.workspace.kernels`` says which run.
+    variable, else ``auto``.  ``model.workspace.kernels`` says which run.  ``activations="q8"`` (compiled
+    kernels only) quantizes the activations of decode-sized products to 8 bits for the types that have an
+    integer-dot kernel (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K), as llama.cpp does: faster, not exact
+    (:mod:`qwen_runtime.quants.q8_act`).
     """
-    return build_model(resolve_model(path), tile_elements, threads, kernels)
+    return build_model(resolve_model(path), tile_elements, threads, kernels, activations)
 
 
 def encode_prompts(model: Model, prompts: Prompts, chat: bool = False, system: str | None = None,
@@ -62,13 +65,14 @@ def stream(model: Model, prompts: Prompts, *, chat: bool = False, system: str | 
            enable_thinking: bool | None = None, max_new_tokens: int = 256,
            sampling: SamplingParams | Sequence[SamplingParams] = GREEDY, seed: int | None = None,
            prefill_chunk: int = 256, use_tokenizer: bool | None = None,
-           max_memory: int | None = None) -> Generation:
+           max_memory: int | None = None, draft_tokens: int = 0) -> Generation:
     """Start generating: iterate the result for each step's new text per row, then read ``.results``.
 
     With ``use_tokenizer`` (default: when the prompts are text) the model's tokenizer streams text and its
     stop ids end rows; for id prompts without it, rows run to ``max_new_tokens`` and text stays empty.
     ``max_memory`` bounds the bytes of cache and activations (default: 80 % of MemAvailable); a batch or
     context that would exceed it raises :class:`~qwen_runtime.errors.ResourceLimitError` before allocating.
+    ``draft_tokens``: speculative decoding by prompt lookup (:class:`GenerationConfig`).
     """
     ids = encode_prompts(model, prompts, chat, system, enable_thinking)
     if use_tokenizer is None:
@@ -76,7 +80,7 @@ def stream(model: Model, prompts: Prompts, *, chat: bool = False, system: str | 
     fmt = chat_format(model) if use_tokenizer else None
     stop_ids = fmt.stop_ids if fmt is not None else frozenset()
     params = sampling if isinstance(sampling, SamplingParams) else tuple(sampling)
-    config = GenerationConfig(max_new_tokens, params, stop_ids, seed, prefill_chunk, max_memory)
+    config = GenerationConfig(max_new_tokens, params, stop_ids, seed, prefill_chunk, max_memory, draft_tokens)
     return Generation(model, ids, config, fmt.tokenizer if fmt is not None else None)
 
 

@@ -2,7 +2,9 @@
 
 A model's cache is a :class:`Cache`: one object per layer (made by the layer's mixer, so Qwen3.5's
 linear-attention layers hold a recurrent state where full-attention layers hold a :class:`KVCache`), plus
-per-row bookkeeping shared by all layers.
+per-row bookkeeping shared by all layers.  What a layer's cache holds is reported, before anything is
+allocated, as a :class:`CacheSize` (bytes per row and per token of a row) by the mixer that makes it; every
+memory estimate (``Model.make_cache``'s check, the generation limits, the server's admission) adds those.
 
 Batches are left-padded and *slot-aligned*: column ``s`` of every row's KV buffer holds the token fed at
 step ``s`` of the batch, padding included.  ``valid[b, s]`` says whether slot ``s`` of row ``b`` is a real
@@ -17,6 +19,7 @@ has no padding at all: each row keeps its own slots from 0, writes its new token
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
@@ -24,6 +27,26 @@ from typing import Protocol
 import numpy as np
 
 from .ops import rope_cos_sin
+
+
+@dataclass(frozen=True)
+class CacheSize:
+    """Bytes a cache holds for one batch row: ``row`` whatever its length (a recurrent state) plus ``token``
+    for each slot (keys and values)."""
+
+    row: int = 0
+    token: int = 0
+
+    def __add__(self, other: CacheSize) -> CacheSize:
+        return CacheSize(self.row + other.row, self.token + other.token)
+
+    def nbytes(self, batch: int, max_len: int) -> int:
+        """Bytes for ``batch`` rows of ``max_len`` slots."""
+        return batch * (self.row + self.token * max_len)
+
+    @staticmethod
+    def total(sizes: Iterable[CacheSize]) -> CacheSize:
+        return sum(sizes, CacheSize())
 
 
 class LayerCache(Protocol):
@@ -40,6 +63,14 @@ class LayerCache(Protocol):
 
     def clear_row(self, row: int) -> None:
         """Make row ``row`` ready for a new sequence (slots past a row's length are never read)."""
+
+    def checkpoint(self, rows: np.ndarray | None = None) -> None:
+        """Keep what :meth:`rollback` needs to undo the next pass in ``rows`` (bool [B], default all: the rows it
+        may cut back before their last token; a recurrent state, as keys and values need nothing: the
+        bookkeeping's lengths cut them back)."""
+
+    def rollback(self, keep: np.ndarray) -> None:
+        """Undo the pass after :meth:`checkpoint` but for its first ``keep[b]`` tokens of each row b (int [B])."""
 
     @property
     def nbytes(self) -> int:
@@ -141,6 +172,11 @@ class KVCache:
         self.keys = np.zeros((batch, kv_heads, max_len, head_dim), np.float32)
         self.values = np.zeros((batch, kv_heads, max_len, head_dim), np.float32)
 
+    @staticmethod
+    def size(kv_heads: int, head_dim: int) -> CacheSize:
+        """What such a cache holds: float32 keys and values of every token."""
+        return CacheSize(token=2 * kv_heads * head_dim * np.dtype(np.float32).itemsize)
+
     @property
     def max_len(self) -> int:
         return self.keys.shape[2]
@@ -177,13 +213,34 @@ class KVCache:
     def clear_row(self, row: int) -> None:
         pass  # keys and values are only read up to the tokens a row holds
 
+    def checkpoint(self, rows: np.ndarray | None = None) -> None:
+        pass  # slots past a row's length are never read and are written again
+
+    def rollback(self, keep: np.ndarray) -> None:
+        pass
+
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
 
-class Cache:
+class LayeredCache:
+    """Per-layer caches under one bookkeeping (:class:`Cache`, and the server's row ranges): what a model's pass
+    takes as a cache."""
+
+    layers: list[LayerCache]
+
+    def checkpoint(self, rows: np.ndarray | None = None) -> None:
+        """Make the next pass undoable by ``rollback`` in ``rows`` (bool [B], default all; speculative
+        decoding's verify pass)."""
+        for layer in self.layers:
+            layer.checkpoint(rows)
+
+
+class Cache(LayeredCache):
     """All layers' caches of a batch plus per-row bookkeeping (filled slots, real-token counts)."""
+
+    MASK = CacheSize(token=np.dtype(bool).itemsize)  # ``valid``: one flag per row and slot
 
     def __init__(self, layers: list[LayerCache], batch: int, max_len: int) -> None:
         self.layers = layers
@@ -191,6 +248,7 @@ class Cache:
         self.offset = 0  # slots filled so far (the same for every row)
         self.valid = np.zeros((batch, max_len), bool)  # [B, max_len]
         self.lengths = np.zeros(batch, np.int64)  # [B] real tokens so far per row
+        self.last_length = 0  # new tokens per row of the last pass
 
     @property
     def batch(self) -> int:
@@ -217,6 +275,24 @@ class Cache:
         """Advance the bookkeeping once every layer has consumed ``state``."""
         self.offset = state.end
         self.lengths += state.valid.sum(axis=1)
+        self.last_length = state.length
+
+    def rollback(self, keep: np.ndarray) -> None:
+        """Keep only the first ``keep[b]`` tokens of the last pass (after :meth:`checkpoint`) in row b (int [B]).
+
+        The rows share one slot offset, so every row must drop as many tokens (a one-row generation does); the
+        dropped slots become free again (unpadded passes only: each token is one slot).
+        """
+        dropped = self.last_length - np.asarray(keep, np.int64)  # [B]
+        if dropped.min() != dropped.max() or dropped[0] < 0:
+            raise ValueError(f"a cache of one slot offset rolls every row back alike, got keep={keep.tolist()} "
+                             f"of {self.last_length} tokens")
+        drop = int(dropped[0])
+        self.offset -= drop
+        self.lengths -= drop
+        self.valid[:, self.offset:self.offset + drop] = False
+        for layer in self.layers:
+            layer.rollback(keep)
 
     def select(self, rows: np.ndarray) -> None:
         """Keep only batch rows ``rows`` in every layer (drops finished sequences)."""
@@ -228,4 +304,5 @@ class Cache:
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        """Bytes of every layer's cache and of the validity mask."""
+        return sum(layer.nbytes for layer in self.layers) + self.valid.nbytes

@@ -18,9 +18,10 @@ from typing import TextIO
 
 from . import Generation, Model, SamplingParams, chat_format, encode_prompts, load, stream
 from .chat import fit_chat, reply_budget
-from .cli_support import HelpFormatter, add_machine_options, run_guarded
+from .cli_support import HelpFormatter, add_draft_option, add_machine_options, run_guarded
 from .errors import ContextOverflowError
-from .limits import parse_memory_size
+from .limits import format_bytes, parse_memory_size
+from .pool import ACTIVATION_CHOICES
 
 EPILOG = """\
 Where the prompt comes from: each -p and each -f FILE is one prompt (several make a batch, printed row by
@@ -65,7 +66,11 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-memory", type=parse_memory_size, default=None, metavar="SIZE",
                    help="memory allowed for cache and activations, e.g. 2G (default: 80%% of MemAvailable)")
     p.add_argument("--stats", action="store_true", help="print speed, memory, threads and kernels on stderr")
+    add_draft_option(p, "; several prompts at once decode plainly")
     add_machine_options(p)
+    p.add_argument("--activations", choices=ACTIVATION_CHOICES, default="float",
+                   help="q8: quantize the activations of decode products to 8 bits and multiply Q8_0, Q4_0, Q5_0, "
+                   "Q4_K and Q6_K weights in integers, as llama.cpp does (faster, not exact; compiled kernels only)")
     return p
 
 
@@ -89,9 +94,13 @@ def print_stats(gen: Generation, out: TextIO) -> None:
               f"({s.prefill_tokens_per_second:.1f} tok/s)\n")
     out.write(f"decode: {s.decoded_tokens} tokens in {s.decode_seconds:.2f} s "
               f"({s.decode_tokens_per_second:.1f} tok/s)\n")
-    out.write(f"memory: peak RSS {mem.get('VmHWM', 0) / 1024:.1f} MiB, "
-              f"anonymous RSS {mem.get('RssAnon', 0) / 1024:.1f} MiB\n")
-    out.write(f"kernels: {ws.kernels}, {ws.threads} thread(s)\n")
+    out.write(f"memory: peak RSS {format_bytes(mem.get('VmHWM', 0) << 10)}, "
+              f"anonymous RSS {format_bytes(mem.get('RssAnon', 0) << 10)}\n")
+    q8 = ", 8-bit activations" if ws.activations == "q8" else ""
+    out.write(f"kernels: {ws.kernels}{q8}, {ws.threads} thread(s)\n")
+    if s.draft_proposed:
+        out.write(f"drafts: {s.draft_accepted} of {s.draft_proposed} accepted "
+                  f"({s.draft_accepted / s.draft_proposed:.0%})\n")
 
 
 def context_length(model: Model, args: argparse.Namespace) -> int:
@@ -121,7 +130,7 @@ def run_prompts(model: Model, args: argparse.Namespace, sampling: SamplingParams
     if max_new < args.max_new_tokens:
         err.write(budget_note(args.max_new_tokens, max_new, longest, context))
     gen = stream(model, ids, max_new_tokens=max_new, sampling=sampling, seed=args.seed, use_tokenizer=True,
-                 max_memory=args.max_memory)
+                 max_memory=args.max_memory, draft_tokens=args.draft)
     if len(ids) == 1:
         for texts in gen:
             sys.stdout.write(texts[0])
@@ -192,7 +201,7 @@ def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingP
             err.write(budget_note(args.max_new_tokens, fitted.max_new_tokens, len(fitted.ids), context))
         messages = fitted.messages
         gen = stream(model, [fitted.ids], max_new_tokens=fitted.max_new_tokens, sampling=sampling, seed=args.seed,
-                     use_tokenizer=True, max_memory=args.max_memory)
+                     use_tokenizer=True, max_memory=args.max_memory, draft_tokens=args.draft)
         reply = []
         try:
             for texts in gen:
@@ -221,7 +230,7 @@ def read_prompt_file(path: Path) -> str:
 def run(args: argparse.Namespace) -> None:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
                               args.presence_penalty, args.frequency_penalty)
-    model = load(args.model, threads=args.threads, kernels=args.kernels)
+    model = load(args.model, threads=args.threads, kernels=args.kernels, activations=args.activations)
     args.prompt = [*args.prompt, *(read_prompt_file(f) for f in args.file)]
     if args.prompt:
         run_prompts(model, args, sampling)

@@ -1,5 +1,5 @@
-"""What every command-line entry point shares: turning failures into one line and an exit code, and the
-options of the machine a model runs on (``-t/--threads``, ``--kernels``)."""
+"""What every command-line entry point shares: turning failures into one line and an exit code, the options of
+the machine a model runs on (``-t/--threads``, ``--kernels``) and speculative decoding's ``--draft``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 
 from .errors import EXIT_CODES, MissingExtraError, QwenError, ResourceLimitError, exit_code
-from .pool import KERNEL_CHOICES, KERNELS_VARIABLE
+from .pool import KERNEL_CHOICES, KERNELS_VARIABLE, STEP_TOKENS
 
 USAGE_ERROR = 2  # an invalid option value (argparse uses the same code for bad usage)
 INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
@@ -73,6 +73,25 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def add_draft_option(p: argparse.ArgumentParser, note: str = "") -> None:
+    """``--draft N``: speculative decoding by prompt lookup (``GenerationConfig.draft_tokens``, the engine's
+    ``draft_tokens``); ``note`` is added to the help."""
+    p.add_argument("--draft", type=draft_tokens, default=0, metavar="N",
+                   help="speculative decoding by prompt lookup: greedy replies (temperature 0) verify up to N "
+                   "tokens copied from the prompt and reply in one pass, with output identical to plain decoding; "
+                   "sampled replies decode plainly, and it needs the compiled kernels (numba: with --kernels "
+                   f"numpy it is off){note}; 1..{STEP_TOKENS - 1}, helps replies that repeat the prompt "
+                   "(default 0: off)")
+
+
+def draft_tokens(text: str) -> int:
+    """An argparse type: draft tokens per verify pass, 0 to ``STEP_TOKENS - 1``."""
+    value = int(text)
+    if not 0 <= value < STEP_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected 0 to {STEP_TOKENS - 1} draft tokens, got {text}")
     return value
 
 

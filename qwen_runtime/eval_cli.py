@@ -29,9 +29,9 @@ from .evaluate import (
     results_table,
 )
 from .executor import EXECUTORS, LOCAL, RAY, ExecutorError, RemoteJob, Throttle, connect, run_on_ray
-from .limits import generation_bytes
+from .limits import activation_bytes
 from .models import Model
-from .tensors import QType
+from .weights import weight_overhead
 
 DEFAULT_CTX = 512
 METHOD_HELP = ("Method: the text is tokenized once (BOS only if the model adds one to raw prompts) and cut into "
@@ -73,7 +73,6 @@ def configure_parser() -> argparse.ArgumentParser:
 EVAL_BASE_BYTES = 300 << 20  # interpreter, numpy, tokenizers and both models' tokenizers, with margin
 LOGIT_COPIES = 8  # float64 [chunk, V] arrays alive at once: logits, log-softmax and its exp temporary for the
 # model and the reference, the reference's probabilities and the KL difference
-Q8_0_SCALE_FRACTION = 4 / 34  # numpy kernels keep Q8_0 block scales widened to float32 (4 of 34 bytes)
 
 
 def eval_memory(model: Model, reference: Model | None, ctx: int, chunk: int | None) -> int:
@@ -82,10 +81,8 @@ def eval_memory(model: Model, reference: Model | None, ctx: int, chunk: int | No
     for m in (model, *([reference] if reference is not None else [])):
         c = m.config
         step = chunk or default_chunk(c.vocab_size)
-        need += generation_bytes(c, 1, ctx, step) + LOGIT_COPIES * step * c.vocab_size * 8
-        if m.workspace.kernels == "numpy":
-            need += int(Q8_0_SCALE_FRACTION * sum(t.nbytes for t in m.files.tensors.values()
-                                                  if t.qtype == QType.Q8_0))
+        need += m.cache_bytes(1, ctx) + activation_bytes(c, 1, ctx, step) + LOGIT_COPIES * step * c.vocab_size * 8
+        need += weight_overhead(m.files.tensors.values(), m.workspace.kernels)
     return need
 
 

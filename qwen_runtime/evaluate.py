@@ -141,15 +141,16 @@ def window_log_probs(model: Model, ids: np.ndarray, window: Window,
 
     Logits at slot ``s`` predict token ``s + 1``.  The context slots before the first scored target only fill
     the cache (``last_only``: no full-vocabulary logits are computed for them).  Every pass is one of several
-    tokens, so the workspace keeps its scratch from chunk to chunk.
+    tokens, so the workspace keeps its scratch from chunk to chunk, and drops it after the window.
     """
     cache = model.make_cache(1, window.end - window.begin)
     lo = window.first_target - 1
-    for c0 in range(window.begin, lo, chunk):
-        model.forward(ids[None, c0:min(c0 + chunk, lo)], cache, last_only=True, release_scratch=False)
-    for c0 in range(lo, window.end - 1, chunk):
-        c1 = min(c0 + chunk, window.end - 1)
-        yield c0 + 1, log_softmax(model.forward(ids[None, c0:c1], cache, release_scratch=False)[0])  # [c1 - c0, V]
+    with model.workspace.keep_scratch():
+        for c0 in range(window.begin, lo, chunk):
+            model.forward(ids[None, c0:min(c0 + chunk, lo)], cache, last_only=True)
+        for c0 in range(lo, window.end - 1, chunk):
+            c1 = min(c0 + chunk, window.end - 1)
+            yield c0 + 1, log_softmax(model.forward(ids[None, c0:c1], cache)[0])  # [c1 - c0, V]
 
 
 class _Scores:

@@ -1,8 +1,9 @@
 """Memory limits: what a generation will allocate, checked against what the user allows before allocating.
 
 The budget is ``--max-memory`` (``max_memory=`` in the API) or, by default, 80 % of the kernel's
-``MemAvailable``.  Weights are memory-mapped (the page cache holds them), so only the cache and the
-activations count.
+``MemAvailable``.  Weights are memory-mapped (the page cache holds them), so only the cache (what the
+mixers report: ``Model.cache_bytes``, ``Model.cache_size``) and the activations (:func:`activation_bytes`)
+count.
 """
 
 from __future__ import annotations
@@ -18,18 +19,6 @@ FALLBACK_LIMIT = 4 << 30  # when /proc/meminfo cannot be read
 SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def kv_cache_bytes(config: ModelConfig, batch: int, max_len: int) -> int:
-    """Bytes of a model's cache for ``batch`` rows of ``max_len`` slots (as ``Model.make_cache`` builds it):
-    float32 keys and values of full-attention layers, conv and delta states of linear-attention layers,
-    and the per-slot validity mask."""
-    c = config
-    full = 2 * batch * c.num_key_value_heads * max_len * c.head_dim * FLOAT32_BYTES
-    linear = batch * ((c.linear_conv_kernel_dim - 1) * c.linear_conv_dim
-                      + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim) * FLOAT32_BYTES
-    n_linear = sum(c.is_linear(i) for i in range(c.num_hidden_layers))
-    return (c.num_hidden_layers - n_linear) * full + n_linear * linear + batch * max_len
-
-
 def activation_bytes(config: ModelConfig, batch: int, max_len: int, chunk: int) -> int:
     """An upper estimate of the float32 activations of one prefill chunk: hidden states and projections,
     the MLP, attention scores over every slot, and the last-position logits."""
@@ -39,11 +28,6 @@ def activation_bytes(config: ModelConfig, batch: int, max_len: int, chunk: int) 
     mlp = 3 * batch * t * c.intermediate_size
     scores = 2 * batch * c.num_attention_heads * t * max_len
     return (hidden + mlp + scores + batch * c.vocab_size) * FLOAT32_BYTES
-
-
-def generation_bytes(config: ModelConfig, batch: int, max_len: int, chunk: int) -> int:
-    """Cache plus activations of a generation of ``batch`` rows up to ``max_len`` tokens."""
-    return kv_cache_bytes(config, batch, max_len) + activation_bytes(config, batch, max_len, chunk)
 
 
 def available_memory() -> int | None:
@@ -65,9 +49,11 @@ def default_memory_limit() -> int:
 
 
 def format_bytes(n: int) -> str:
-    units = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
-    unit, size = next((u, s) for u, s in units if n >= s or s == 1)
-    return f"{n / size:.1f} {unit}"
+    """``n`` bytes in binary units (``1.5 GiB``, ``12.0 MiB``, ``512 B``): the one byte format of every message,
+    banner and table, matching :func:`parse_memory_size`'s units."""
+    units = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+    unit, size = next(((u, s) for u, s in units if abs(n) >= s), ("B", 1))
+    return f"{n} B" if size == 1 else f"{n / size:.1f} {unit}"
 
 
 def parse_memory_size(text: str) -> int:

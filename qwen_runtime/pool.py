@@ -5,10 +5,12 @@ Interface (all a kernel needs)::
 
     ws = Workspace(threads=None)           # one per model; threads default to BLAS's own thread count
     ws.run([task, task, ...])              # each task(scratch) runs once, spread over ws.threads threads
+    ws.run_grid(task, (B, H), (1, 8))      # task(rows, heads, scratch) per block of a grid, spread the same way
     scratch.array("tile", (r, c), dtype)   # inside a task: a kept buffer of that thread, grown on demand
     scratch.arrays("work", [(r, c), (c,)])  # several arrays end to end in one such buffer
     ws.scratch[0]                          # the calling thread's scratch (for work outside run())
     with single_threaded_blas(): ...       # many tiny BLAS calls (the delta rule)
+    with ws.keep_scratch(): ...            # passes of several tokens keep their scratch until the block ends
 
 A task is any ``Callable[[Scratch], None]``; tasks of one run must be independent (they write disjoint
 outputs).  Kernels name their scratch buffers after what they hold, so a new stored type brings its own
@@ -32,13 +34,17 @@ no third set of threads competes for the cores.
 
 **Kernels.**  ``Workspace.kernels`` is ``"numba"`` (compiled kernels, numba imported only then) or ``"numpy"``
 (the reference path); :func:`resolve_kernels` turns the user's choice (``auto``, ``numba``, ``numpy``; default:
-the ``QWEN_KERNELS`` environment variable, else ``auto``) into one of them.
+the ``QWEN_KERNELS`` environment variable, else ``auto``) into one of them.  ``Workspace.activations`` is
+``"float"`` (exact float32 products) or ``"q8"``: with the compiled kernels, products of few rows of the stored
+types that have an integer-dot kernel (:data:`qwen_runtime.quants.JIT_Q8_KERNELS`) quantize their activation
+rows to 8 bits first, as llama.cpp does (:mod:`qwen_runtime.quants.q8_act`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import mmap
 import os
@@ -51,7 +57,11 @@ import numpy as np
 from .errors import KernelsError
 
 KERNEL_CHOICES = ("auto", "numba", "numpy")
+ACTIVATION_CHOICES = ("float", "q8")  # what the products multiply: float32 activations, or 8-bit ones (numba only)
 KERNELS_VARIABLE = "QWEN_KERNELS"  # the default choice (the one environment setting of the runtime)
+# New tokens per row up to which a pass inside Workspace.rowwise() runs the decode step's compiled kernels
+# (speculative decoding's verify pass: each token then gets exactly the numbers of a one-token step).
+STEP_TOKENS = 16
 
 
 class Scratch:
@@ -99,6 +109,14 @@ class Scratch:
 OWN_MAPPING_BYTES = 1 << 20
 
 
+def balanced_rows(rows: int, max_rows: int, threads: int) -> int:
+    """Rows per tile: at most ``max_rows`` (at least 1), in a number of tiles that is a multiple of ``threads``
+    when there are enough rows, so the pool's threads get equal work."""
+    tiles = -(-rows // max(1, max_rows))
+    tiles = min(rows, -(-tiles // threads) * threads)
+    return -(-rows // tiles)
+
+
 def buffer(size: int, dtype: np.dtype | type = np.float32) -> np.ndarray:
     """An uninitialised 1-D array of ``size`` elements; from :data:`OWN_MAPPING_BYTES` on, in an anonymous
     mapping of its own (transparent huge pages asked for), unmapped as soon as the array is dropped.
@@ -132,10 +150,16 @@ class Workspace:
     models with different policies can live in one process.  Without threadpoolctl tasks run in turn.
     """
 
-    def __init__(self, threads: int | None = None, blas_products: bool = False, kernels: str = "numpy") -> None:
+    def __init__(self, threads: int | None = None, blas_products: bool = False, kernels: str = "numpy",
+                 activations: str = "float") -> None:
         if kernels not in ("numba", "numpy"):
             raise KernelsError(f"kernels must be 'numba' or 'numpy' (resolve_kernels), got {kernels!r}")
+        if activations not in ACTIVATION_CHOICES:
+            raise KernelsError(f"activations: expected one of {', '.join(ACTIVATION_CHOICES)}, got {activations!r}")
+        if activations == "q8" and kernels != "numba":
+            raise KernelsError("activations='q8' needs the compiled kernels (kernels='numba')")
         self.kernels = kernels  # which kernels this model's products and decode-step ops use
+        self.activations = activations  # "q8": small products quantize their activations (quants.q8_act)
         blas = blas_controller()
         self._libs = [] if blas is None else list(blas.lib_controllers)
         self.threads = max(1, threads or default_threads())
@@ -145,16 +169,29 @@ class Workspace:
         self.scratch = [Scratch() for _ in range(self.threads)]
         self._helpers: _Helpers | None = None
         self.row_invariant = False  # inside rowwise(): see there
+        self._keeping = 0  # open keep_scratch() blocks
+        self.active_rows: np.ndarray | None = None  # inside rowwise(rows): the activation rows multiplied
 
     @contextlib.contextmanager
-    def rowwise(self) -> Iterator[None]:
+    def rowwise(self, rows: np.ndarray | None = None) -> Iterator[None]:
         """Inside the block, weights multiply each activation row on its own, so that a row's result does not
-        depend on the other rows of the batch (see :mod:`qwen_runtime.weights`); for serving."""
-        previous, self.row_invariant = self.row_invariant, True
+        depend on the other rows of the batch (see :mod:`qwen_runtime.weights`); for serving, and for passes
+        whose tokens must each get a one-token step's numbers (:meth:`compiled_step`).  ``rows`` (bool [N]):
+        the products of the block take N activation rows and multiply only these (the others come out 0): the
+        padding of a pass whose rows bring different numbers of tokens costs no product."""
+        previous = self.row_invariant, self.active_rows
+        self.row_invariant, self.active_rows = True, rows
         try:
             yield
         finally:
-            self.row_invariant = previous
+            self.row_invariant, self.active_rows = previous
+
+    def compiled_step(self, tokens: int, limit: int) -> bool:
+        """Whether a pass of ``tokens`` new tokens per row runs the decode step's compiled kernels: with
+        ``kernels="numba"``, up to ``limit`` tokens (where the caller measured them faster than its batched numpy
+        code) and, inside :meth:`rowwise`, up to :data:`STEP_TOKENS`: those kernels treat the tokens one after
+        the other by the operations of a one-token step, so each token's numbers are a lone step's."""
+        return self.kernels == "numba" and (tokens <= limit or (self.row_invariant and tokens <= STEP_TOKENS))
 
     @property
     def nbytes(self) -> int:
@@ -164,6 +201,27 @@ class Workspace:
         """Drop every thread's scratch buffers, between runs (a prefill's are several times a decode step's)."""
         for scratch in self.scratch:
             scratch.clear()
+
+    def pass_done(self, tokens: int) -> None:
+        """The scratch policy, told by the model after each forward pass of ``tokens`` new tokens per row: a pass
+        of several tokens (a prefill) drops the scratch buffers, so that the decode steps after it hold only
+        their own, unless a :meth:`keep_scratch` block is open."""
+        if tokens > 1 and not self._keeping:
+            self.release_scratch()
+
+    @contextlib.contextmanager
+    def keep_scratch(self) -> Iterator[None]:
+        """Inside the block, passes of several tokens keep their scratch buffers; the outermost block drops them
+        as it ends.  For callers that run such passes again and again (the chunks of a long prompt, a server's
+        prefill steps between its decode steps): regrowing the buffers costs page faults (4-6 ms of wall time
+        on a Qwen2.5-0.5B q8_0 decode step of 120-280 ms)."""
+        self._keeping += 1
+        try:
+            yield
+        finally:
+            self._keeping -= 1
+            if not self._keeping:
+                self.release_scratch()
 
     def run(self, tasks: Sequence[Callable[[Scratch], None]]) -> None:
         """Run every task with a scratch of its thread, spread over the pool (see the class docstring)."""
@@ -179,6 +237,22 @@ class Workspace:
         self._helpers.post(batch)
         batch.work(self.scratch[0], helper=False)
         batch.settle()
+
+    def run_grid(self, task: Callable[..., None], extents: Sequence[int], blocks: Sequence[int],
+                 share: bool = True) -> None:
+        """``task(*slices, scratch)`` for every block of a grid: axis ``i`` of ``extents[i]`` cut into slices of
+        ``blocks[i]``, one :meth:`run` task per block (in row-major order).  Without ``share`` (work too small
+        to hand around, e.g. a decode step) one call on the calling thread covers the whole grid."""
+        if not share:
+            task(*(slice(0, n) for n in extents), self.scratch[0])
+            return
+        axes = [[slice(i, min(i + size, n)) for i in range(0, n, size)]
+                for n, size in zip(extents, blocks, strict=True)]
+        self.run([functools.partial(task, *block) for block in itertools.product(*axes)])
+
+    def balanced(self, rows: int, max_rows: int) -> int:
+        """:func:`balanced_rows` for this workspace's threads."""
+        return balanced_rows(rows, max_rows, self.threads)
 
     def hold_blas_threads(self) -> None:
         """Give BLAS this model's thread count if something changed it (another model, a ``with`` block)."""

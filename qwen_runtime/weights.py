@@ -22,6 +22,8 @@ kernel's numbers, and Q8_0, whose block scales are applied to the tile first; ot
 exactly): a server gives a request the same tokens alone or among others.  A GEMV per row costs more than
 one GEMM for the batch, less than per-row block sums (measured on Qwen2.5-0.5B q8_0: a step of 8 rows takes
 about 2x and of 16 rows 3x a single row's, against about 4x and 8x with Q8_0's per-block sums).
+``Workspace.rowwise(rows)`` multiplies only the activation rows named (the others come out 0): the padding of a
+verify pass whose rows bring fewer draft tokens than the longest costs no product.
 
 ``rows(ids)`` is the embedding lookup: it decodes only the rows asked for.  A tied ``lm_head`` is the very
 same object as the token embedding.  Every kind keeps ``to_float32()`` as the plain reference that the
@@ -30,7 +32,7 @@ tests compare the fast paths against.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 import numpy as np
@@ -38,21 +40,13 @@ import numpy as np
 from . import ops
 from .errors import FormatError
 from .pool import Scratch, Workspace
-from .quants import TileKernel, codec, jit_kernel
+from .quants import JIT_KERNELS, TileKernel, codec, jit_kernel
 from .quants.base import RowTileKernel
 from .tensors import QType, StoredTensor
 
 # Elements per widened tile (4 MiB of float32, in L3): big enough that the few numpy calls per tile, each a GIL
 # hand-off between pool threads, are cheap next to the work (1 MiB tiles decoded Q8_0 a third slower).
 TILE_ELEMENTS = 1 << 20
-
-
-def balanced_rows(rows: int, max_rows: int, threads: int) -> int:
-    """Rows per tile: at most ``max_rows`` (at least 1), in a number of tiles that is a multiple of ``threads``
-    when there are enough rows, so the pool's threads get equal work."""
-    tiles = -(-rows // max(1, max_rows))
-    tiles = min(rows, -(-tiles // threads) * threads)
-    return -(-rows // tiles)
 
 
 class Weight:
@@ -65,7 +59,7 @@ class Weight:
         self.tensor = tensor
         self.ws = ws
         self.out_features, self.in_features = tensor.shape
-        self.block_rows = balanced_rows(self.out_features, tile_elements // self.in_features, ws.threads)
+        self.block_rows = ws.balanced(self.out_features, tile_elements // self.in_features)
         self._blocks: tuple[int, list[tuple[int, int]]] | None = None  # (block_rows, blocks) of the last blocks()
 
     @property
@@ -153,7 +147,7 @@ class TiledWeight(Weight):
         super().__init__(tensor, ws, tile_elements)
         self.codec = codec(tensor.qtype)
         self.raw = np.asarray(tensor.rows2d())  # [out, stored row length]
-        compiled = jit_kernel(tensor.qtype, self.raw) if ws.kernels == "numba" else None
+        compiled = jit_kernel(tensor.qtype, self.raw, ws.activations) if ws.kernels == "numba" else None
         self.kernel: TileKernel = compiled if compiled is not None else self.codec.kernel(self.raw)
         self.compiled = compiled is not None  # its row kernel is row-invariant by construction
 
@@ -195,6 +189,14 @@ def matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
     Fusing projections that share their input (q/k/v, gate/up) balances the pool over every row of them
     and pays its dispatch once.  All weights must share one workspace.  # [N, in] -> [[N, out_i], ...]
     """
+    rows = active_rows(weights[0].ws, x) if weights else None
+    if rows is not None:  # padded rows: only the active ones are multiplied
+        return [scatter_rows(y, rows) for y in _matmul_many(weights, x[rows])]
+    return _matmul_many(weights, x)
+
+
+def _matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
+    """:func:`matmul_many` of every row of ``x``."""
     outputs = [np.empty((x.shape[0], w.out_features), np.float32) for w in weights]  # tasks fill column blocks
     prepared: dict[QType, object] = {}
     tasks = [task for w, y in zip(weights, outputs, strict=True) for task in w.tile_tasks(x, y, prepared)]
@@ -210,13 +212,38 @@ def gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
     Each weight multiplies its block in its own kind; weights split into different blocks (different tile
     sizes) fall back to :func:`matmul_many`.  # [N, in] -> [N, out]
     """
+    rows = active_rows(gate.ws, x)
+    if rows is not None:  # padded rows: only the active ones are multiplied
+        return scatter_rows(_gated_matmul(gate, up, x[rows]), rows)
+    return _gated_matmul(gate, up, x)
+
+
+def _gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
+    """:func:`gated_matmul` of every row of ``x``."""
     if gate.blocks() != up.blocks():
-        g, u = matmul_many([gate, up], x)
+        g, u = _matmul_many([gate, up], x)
         return swiglu(gate.ws)(g, u, out=g)
     out = np.empty((x.shape[0], gate.out_features), np.float32)
     prepared: dict[QType, object] = {}
     xg, xu = gate.prepared(x, prepared), up.prepared(x, prepared)
     gate.ws.run([partial(_gated_block, gate, up, r0, r1, xg, xu, out[:, r0:r1]) for r0, r1 in gate.blocks()])
+    return out
+
+
+def active_rows(ws: Workspace, x: np.ndarray) -> np.ndarray | None:
+    """The rows of ``x`` [N, in] a product multiplies inside ``Workspace.rowwise(rows)`` (None: all of them)."""
+    rows = ws.active_rows
+    if rows is None or not ws.row_invariant:
+        return None
+    if rows.shape != (len(x),):
+        raise ValueError(f"rowwise(rows) names {rows.shape[0]} activation rows, a product got {len(x)}")
+    return None if rows.all() else rows
+
+
+def scatter_rows(y: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``y`` [n, out], the products of the active ``rows`` (bool [N], n of them True), as [N, out] with 0 elsewhere."""
+    out = np.zeros((len(rows), y.shape[1]), np.float32)
+    out[rows] = y
     return out
 
 
@@ -243,6 +270,21 @@ def make_weight(tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_E
     if tensor.qtype == QType.F32:
         return F32Weight(tensor, ws, tile_elements)
     return TiledWeight(tensor, ws, tile_elements)
+
+
+def kept_bytes(qtype: QType, stored_nbytes: int, kernels: str = "numpy") -> int:
+    """Anonymous memory the weight of one matrix of ``stored_nbytes`` stored bytes keeps for its life beside
+    its memory-mapped rows, with ``kernels`` (``"numpy"``: an upper bound, as the compiled kernels keep nothing
+    and fall back to the numpy ones only for types without a compiled kernel)."""
+    if qtype == QType.F32 or (kernels == "numba" and qtype in JIT_KERNELS):
+        return 0
+    return codec(qtype).kept_bytes(stored_nbytes)
+
+
+def weight_overhead(tensors: Iterable[StoredTensor], kernels: str = "numpy") -> int:
+    """What a model's weights add to anonymous memory (the rest lives in the page cache): :func:`kept_bytes` of
+    every matrix (Q8_0's block scales widened to float32 by the numpy kernels)."""
+    return sum(kept_bytes(t.qtype, t.nbytes, kernels) for t in tensors if len(t.shape) == 2)
 
 
 def load_vector(tensor: StoredTensor) -> np.ndarray:

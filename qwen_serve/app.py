@@ -36,7 +36,7 @@ from qwen_runtime.chat import ChatFormat, chat_format
 from qwen_runtime.errors import TemplateError
 from qwen_runtime.limits import format_bytes
 from qwen_runtime.models import Model
-from qwen_runtime.stepper import Constraint
+from qwen_runtime.stepper import Constraint, FinishReason
 from qwen_runtime.structured import GrammarCache, JsonConstraint, SchemaError
 from qwen_runtime.tokenizer import Tokenizer
 
@@ -128,7 +128,8 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
                max_queue: int = 64, max_memory: int | None = None, api_key: str | None = None,
                prefill_chunk: int = 128, max_context: int | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, cache_memory: int | None = None, threads: int | None = None,
-               kernels: str | None = None) -> Starlette:
+               kernels: str | None = None, draft_tokens: int = 0, cache_dir: str | Path | None = None,
+               ) -> Starlette:
     """An ASGI app serving ``model`` (a path or a loaded :class:`Model`); its engine starts with the app.
 
     ``model_name`` is the name clients pass as ``model`` (default: the file or directory name); ``threads`` and
@@ -143,7 +144,7 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
     metrics = Metrics()
     engine = Engine(model, fmt.tokenizer, fmt.stop_ids, max_batch=max_batch, max_queue=max_queue,
                     max_memory=max_memory, prefill_chunk=prefill_chunk, max_context=max_context, text_ids=text_ids,
-                    metrics=metrics, cache_memory=cache_memory)
+                    metrics=metrics, cache_memory=cache_memory, draft_tokens=draft_tokens, cache_dir=cache_dir)
     engine_gauges(metrics, engine)
     name = model_name or hub.model_name(model.path)
     state = ServerState(engine, fmt, name, generation_defaults(model), api_key, max_body_bytes, int(time.time()),
@@ -182,6 +183,15 @@ def weight_types(model: Model) -> str:
     return ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in counts.most_common())
 
 
+def disk_note(engine: Engine) -> str:
+    """The banner's words on the prefix cache's directory (empty without one)."""
+    disk = engine.prefix.disk.status() if engine.prefix and engine.prefix.disk else None
+    if disk is None:
+        return ""
+    return (f"\n  prefix cache on disk in {disk['directory']}: {disk['loaded']} blocks restored"
+            + (f", {disk['skipped']} unusable files skipped" if disk["skipped"] else ""))
+
+
 def startup_banner(app: Starlette, url: str) -> str:
     """What a server runs, with which limits, and where: printed once it listens."""
     state: ServerState = app.state.server
@@ -195,8 +205,11 @@ def startup_banner(app: Starlette, url: str) -> str:
         f"prefill chunks of {engine.prefill_chunk} tokens",
         f"  memory budget {format_bytes(engine.memory_limit)} for cache and activations "
         f"({format_bytes(engine.activations)} of activations; prefix cache up to "
-        f"{format_bytes(engine.prefix.capacity) if engine.prefix else 'off'})",
+        f"{format_bytes(engine.prefix.capacity) if engine.prefix else 'off'})" + disk_note(engine),
         f"  kernels: {ws.kernels} ({products}), {ws.threads} threads",
+        *([f"  speculative decoding: up to {engine.draft_tokens} prompt-lookup drafts per step for greedy requests"
+           if engine.draft_tokens else "  speculative decoding: off (--draft needs the compiled kernels)"]
+          if engine.draft_asked else []),
         f"  listening on {url}" + ("; API key required on /v1 and /tokenize" if state.api_key else ""),
     ])
 
@@ -219,6 +232,13 @@ def engine_gauges(metrics: Metrics, engine: Engine) -> None:
         metrics.gauge("prefix_cache_hit_tokens", "prompt tokens restored instead of prefilled",
                       lambda: prefix.hit_tokens)
         metrics.gauge("prefix_cache_bytes", "memory held by cached blocks", lambda: prefix.nbytes)
+    if engine.prefix is not None and engine.prefix.disk is not None:
+        disk = engine.prefix.disk
+        for name, field, text in (("bytes", "bytes", "bytes of cached blocks on disk (--cache-dir)"),
+                                  ("loaded_blocks", "loaded", "blocks restored from disk at start"),
+                                  ("skipped_files", "skipped", "unusable block files skipped (and deleted)"),
+                                  ("written_blocks", "written", "blocks written to disk")):
+            metrics.gauge(f"prefix_cache_disk_{name}", text, lambda field=field: disk.status()[field])
 
 
 # --- plumbing ---------------------------------------------------------------------------------------------
@@ -524,7 +544,7 @@ class ChatChoice:
         self.reasoning.append(r)
         self.content.append(c)
         self.tool_calls = calls
-        self.finish = "tool_calls" if calls and reason == "stop" else reason
+        self.finish = FinishReason.TOOL_CALLS if calls and reason == FinishReason.STOP else reason
         return r, c
 
     def message(self) -> dict[str, Any]:

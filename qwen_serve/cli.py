@@ -18,7 +18,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from qwen_runtime.cli_support import HelpFormatter, add_machine_options, require_extra, run_guarded
+from qwen_runtime.cli_support import HelpFormatter, add_draft_option, add_machine_options, require_extra, run_guarded
 from qwen_runtime.errors import QwenError
 from qwen_runtime.limits import parse_memory_size
 
@@ -29,6 +29,11 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
     return value
+
+
+def cache_size(text: str) -> int:
+    """``--cache-memory``: a memory size, or 0 (no prefix cache)."""
+    return 0 if text.strip() == "0" else parse_memory_size(text)
 
 
 def max_body_default() -> int | None:
@@ -57,13 +62,18 @@ def configure_parser() -> argparse.ArgumentParser:
                    f"(default: the {API_KEY_ENV} environment variable, which ps does not show; else no key)")
     p.add_argument("--max-memory", type=parse_memory_size, default=None, metavar="SIZE",
                    help="memory for cache and activations, e.g. 4G (default: 80%% of MemAvailable)")
-    p.add_argument("--cache-memory", type=parse_memory_size, default=None, metavar="SIZE",
+    p.add_argument("--cache-memory", type=cache_size, default=None, metavar="SIZE",
                    help="prefix cache bound, e.g. 1G; 0 turns it off (default: a quarter of --max-memory)")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="also keep the prefix cache on disk in DIR (bounded by --cache-memory, written as blocks are "
+                   "cached) and start with what an earlier server of the same model files and kernels left there "
+                   "(default: none, memory only)")
     p.add_argument("--model-name", default=None, help="the name clients use (default: the file or directory name)")
     p.add_argument("-c", "--ctx", "--max-context", dest="max_context", type=positive, default=None, metavar="TOKENS",
                    help="tokens one request may hold, prompt + completion (default: the model's context)")
     p.add_argument("--prefill-chunk", type=positive, default=128,
                    help="prompt tokens prefilled between two decode steps (default 128)")
+    add_draft_option(p)
     p.add_argument("--max-body", type=positive, default=max_body_default(), metavar="BYTES",
                    help="largest request body accepted")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -99,7 +109,7 @@ def run(args: argparse.Namespace) -> None:
     app = create_app(args.model, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                      max_memory=args.max_memory, api_key=args.api_key, prefill_chunk=args.prefill_chunk,
                      max_context=args.max_context, max_body_bytes=args.max_body, cache_memory=args.cache_memory,
-                     threads=args.threads, kernels=args.kernels)
+                     threads=args.threads, kernels=args.kernels, draft_tokens=args.draft, cache_dir=args.cache_dir)
     host, port = sock.getsockname()[:2]
     logging.getLogger("qwen_serve").info(startup_banner(app, f"http://{host}:{port}"))
     uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
@@ -125,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.ray and (args.address is not None or args.replicas != 1):
         parser.error("--replicas and --address need --ray")
+    if args.cache_dir is not None and args.cache_memory == 0:
+        parser.error("--cache-dir needs the prefix cache (--cache-memory 0 turns it off)")
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     return run_guarded("qwen-serve", lambda: run(args))
 

@@ -14,9 +14,14 @@ chunking, and every choice samples from its own random generator (seeded from th
 So a request's tokens are identical whether it runs alone or among others.
 
 A row's sampling, text, stop strings and finish reason are its :class:`~qwen_runtime.stepper.RowStepper`'s; the
-engine only schedules.  A prompt starts from the longest prefix the :mod:`.prefix_cache` holds.  A request
-whose code raises inside a step fails alone (a failed batched pass is retried row by row); a loop that dies
-is restarted, and after :data:`MAX_RESTARTS` deaths in a row the engine stops and says so.
+engine only schedules.  With ``draft_tokens`` > 0 (and the compiled kernels) greedy rows decode speculatively
+by prompt lookup (:mod:`qwen_runtime.stepper`): a decode step is then one verify pass
+(:meth:`~qwen_runtime.models.Model.verify`) of every row's last token and drafts, padded to the longest row's
+drafts (padding costs no product; a sampled row takes its first logits only), and each row's cache is cut back
+to the tokens it took.  The tokens, text and events are those of plain decoding, several per step.
+A prompt starts from the longest prefix the :mod:`.prefix_cache` holds.  A request whose code raises inside a
+step fails alone (a failed batched pass is retried row by row); a loop that dies is restarted, and after
+:data:`MAX_RESTARTS` deaths in a row the engine stops and says so.
 
 Admission: a request waits in a bounded queue until there are rows for its ``n`` choices and the memory
 for their tokens (prompt + ``max_tokens`` each) fits the limit next to the running ones.  The HTTP layer
@@ -32,23 +37,25 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from qwen_runtime.errors import ResourceLimitError
-from qwen_runtime.limits import activation_bytes, default_memory_limit, format_bytes, kv_cache_bytes
+from qwen_runtime.limits import activation_bytes, default_memory_limit, format_bytes
 from qwen_runtime.models import Model
+from qwen_runtime.pool import STEP_TOKENS
 from qwen_runtime.sampling import SamplingParams
-from qwen_runtime.stepper import LENGTH, STOP, Constraint, RowStepper, Step
+from qwen_runtime.stepper import Constraint, FinishReason, RowStepper, Step
 from qwen_runtime.tokenizer import Tokenizer
 
 from .metrics import Metrics
 from .prefix_cache import PrefixCache
+from .prefix_store import PrefixStore
 from .slots import SlotCache
 
 log = logging.getLogger("qwen_serve")
 
-CANCELLED = "cancelled"
 MAX_TOP_LOGPROBS = 20
 MAX_RESTARTS = 3  # loop deaths in a row (no step completing between them) before the engine gives up
 
@@ -89,7 +96,7 @@ class Finished:
     """A choice ended (``reason``: ``stop`` or ``length``)."""
 
     choice: int
-    reason: str
+    reason: FinishReason
 
 
 @dataclass(frozen=True)
@@ -137,7 +144,7 @@ class Row:
 
     def __init__(self, job: Job, choice: int, stepper: RowStepper) -> None:
         self.job, self.choice, self.stepper = job, choice, stepper
-        self.finish: str | None = None  # the stepper's finish reason, or CANCELLED
+        self.finish: FinishReason | None = None  # the stepper's, or CANCELLED
 
     @property
     def last(self) -> int:
@@ -153,24 +160,32 @@ class Engine:
     one row); prompts are prefilled ``prefill_chunk`` tokens at a time; ``stop_ids`` end a choice; special
     tokens other than ``text_ids`` produce no text; tokens, steps and failures are counted in ``metrics``.
     ``cache_memory`` bounds the prefix cache (:mod:`.prefix_cache`; None: a quarter of the memory limit,
-    0: off); its blocks live in the memory limit too and are evicted when a request needs the room.
+    0: off); its blocks live in the memory limit too and are evicted when a request needs the room.  With
+    ``cache_dir`` they are also kept on disk there and restored at start (:mod:`.prefix_store`).
     """
 
     def __init__(self, model: Model, tokenizer: Tokenizer, stop_ids: frozenset[int], *, max_batch: int = 8,
                  max_queue: int = 64, max_memory: int | None = None, prefill_chunk: int = 128,
                  max_context: int | None = None, text_ids: frozenset[int] = frozenset(),
-                 metrics: Metrics | None = None, cache_memory: int | None = None) -> None:
+                 metrics: Metrics | None = None, cache_memory: int | None = None, draft_tokens: int = 0,
+                 cache_dir: str | Path | None = None) -> None:
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or (max_context is not None and max_context < 2):
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0 and max_context >= 2")
+        if not 0 <= draft_tokens < STEP_TOKENS:
+            raise ValueError(f"draft_tokens must be from 0 to {STEP_TOKENS - 1}, got {draft_tokens}")
         self.model, self.tokenizer, self.stop_ids = model, tokenizer, frozenset(stop_ids)
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.hidden_ids = frozenset(tokenizer.special_ids) - frozenset(text_ids)
         cfg = model.config
         context = min(cfg.max_position_embeddings, max_context or cfg.max_position_embeddings)
-        self.row_bytes = kv_cache_bytes(cfg, 1, 0)  # recurrent state (and nothing else) of one row
-        self.token_bytes = kv_cache_bytes(cfg, 1, 1) - self.row_bytes  # keys and values of one token
+        size = model.cache_size  # what the slots' layers hold, as the mixers report it
+        self.row_bytes, self.token_bytes = size.row, size.token  # recurrent state of a row; keys and values of a token
         self.memory_limit = default_memory_limit() if max_memory is None else max_memory
-        self.activations = activation_bytes(cfg, max_batch, 1, 1) + activation_bytes(cfg, 1, context, prefill_chunk)
+        self.draft_asked = draft_tokens
+        self.draft_tokens = draft_tokens if model.exact_steps else 0  # numpy kernels: no exact verify pass
+        step_rows = max_batch * (1 + self.draft_tokens)  # a verify pass's tokens, and its recurrent checkpoint
+        self.activations = (activation_bytes(cfg, step_rows, 1, 1) + activation_bytes(cfg, 1, context, prefill_chunk)
+                            + (max_batch * self.row_bytes if self.draft_tokens else 0))
         room = (self.memory_limit - self.activations - self.row_bytes) // self.token_bytes
         if room < 2:
             raise ResourceLimitError(f"a memory limit of {format_bytes(self.memory_limit)} leaves no room for the "
@@ -180,6 +195,10 @@ class Engine:
         self.slots = SlotCache(model, max_batch, self.context)
         capacity = self.memory_limit // 4 if cache_memory is None else cache_memory
         self.prefix = PrefixCache(self.slots, prefill_chunk, capacity) if capacity > 0 else None
+        if cache_dir is not None:
+            if self.prefix is None:
+                raise ValueError("cache_dir needs the prefix cache (cache_memory > 0)")
+            self.prefix.persist(PrefixStore(cache_dir, model, self.slots, prefill_chunk, capacity))
         self.ws = model.lm_head.ws
         self.metrics = metrics or Metrics()
         self._cond = threading.Condition()
@@ -233,12 +252,13 @@ class Engine:
                     "prefilling": self._prefill is not None, "max_batch": self.max_batch,
                     "decode_steps": self.steps, "peak_rows": self.peak_rows,
                     "reserved_bytes": sum(self._reserved.values()), "memory_limit_bytes": self.memory_limit,
-                    "restarts": self.restarts, "last_error": self.last_error,
+                    "restarts": self.restarts, "last_error": self.last_error, "draft_tokens": self.draft_tokens,
                     "prefix_cache": None if self.prefix is None else {
                         "bytes": self.prefix.nbytes, "capacity_bytes": self.prefix.capacity,
                         "blocks": len(self.prefix.blocks), "block_tokens": self.prefix.block,
                         "lookups": self.prefix.lookups, "hits": self.prefix.hits,
-                        "hit_tokens": self.prefix.hit_tokens}}
+                        "hit_tokens": self.prefix.hit_tokens,
+                        "disk": self.prefix.disk.status() if self.prefix.disk else None}}
 
     def start(self) -> None:
         """Start the engine thread (a no-op while it runs, or once the engine has given up)."""
@@ -249,13 +269,15 @@ class Engine:
                 self._thread.start()
 
     def stop(self) -> None:
-        """End the loop (running jobs are cancelled) and wait for the thread."""
+        """End the loop (running jobs are cancelled), wait for the thread and the prefix cache's disk writes."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
             thread = self._thread
         if thread is not None:
             thread.join()
+        if self.prefix is not None:
+            self.prefix.close()
 
     # --- the engine thread ------------------------------------------------------------------------------
 
@@ -265,7 +287,8 @@ class Engine:
         fails, :meth:`submit` raises :class:`EngineStoppedError` and ``/health`` reports the error."""
         while True:
             try:
-                self._loop()
+                with self.ws.keep_scratch():  # prefill steps between decode steps: regrowing it costs page faults
+                    self._loop()
                 self._abandon_all("the server is shutting down")
                 return
             except Exception as exc:
@@ -352,7 +375,7 @@ class Engine:
         chunk = job.prompt_ids[done:done + self.prefill_chunk]
         start = time.perf_counter()
         logits = self.model.forward(np.asarray([chunk], np.int64), self.slots.rows(slot, slot + 1),
-                                    last_only=True, release_scratch=False)  # [1, V]; decode steps follow
+                                    last_only=True)  # [1, V]; decode steps follow
         self.metrics.prefill_step.observe(time.perf_counter() - start)
         done += len(chunk)
         if self.prefix is not None and len(chunk) == self.prefill_chunk:  # a block ends here: keep it
@@ -371,7 +394,8 @@ class Engine:
         seed = None if job.seed is None else [job.seed % 2**64, choice]  # SeedSequence takes no negatives
         limit = min(job.max_tokens, self.context - len(job.prompt_ids))  # the row's cache holds no more
         return RowStepper(job.prompt_ids, job.sampling, np.random.default_rng(seed), limit, self.stop_ids,
-                          self.tokenizer, job.stop, self.hidden_ids, job.constraint() if job.constraint else None)
+                          self.tokenizer, job.stop, self.hidden_ids, job.constraint() if job.constraint else None,
+                          self.draft_tokens)
 
     def _decode_step(self) -> None:
         """One token for every running row.  If the batched pass raises, each row is run alone (a row's numbers
@@ -379,8 +403,12 @@ class Engine:
         their request, the others go on.  Models with a recurrent state cannot retry (a failed pass may have
         advanced some layers' state), so there the step's requests fail together."""
         rows = list(self._rows)
-        tokens = np.asarray([[row.last] for row in rows], np.int64)  # [B, 1]
         lengths = self.slots.lengths[:len(rows)].copy()  # [B] what the rows held before the pass
+        room = int(self.slots.capacity - lengths.max()) - 1  # drafts every row's cache can take
+        drafts = [row.stepper.drafts(room) for row in rows]
+        if any(drafts) and self._verify_step(rows, drafts, lengths):
+            return
+        tokens = np.asarray([[row.last] for row in rows], np.int64)  # [B, 1]
         start = time.perf_counter()
         try:
             with self.ws.rowwise():
@@ -396,6 +424,47 @@ class Engine:
         self.steps += 1
         self.peak_rows = max(self.peak_rows, len(tokens))
         self._advance(rows, logits)
+
+    def _verify_step(self, rows: list[Row], drafts: list[list[int]], lengths: np.ndarray) -> bool:
+        """One verify pass of every running row's last token and drafts (padded to the longest; see the module
+        docstring), then each row's steps, and its cache cut back to them.  If the pass raises, a model without
+        recurrent state gets its rows' lengths back and False (the caller steps them plainly, row by row if need
+        be); with recurrent state the step's requests fail together."""
+        width = max(len(d) for d in drafts)
+        tokens = np.asarray([[row.last, *d, *[row.last] * (width - len(d))]
+                             for row, d in zip(rows, drafts, strict=True)], np.int64)  # [B, 1 + width]
+        own = np.asarray([1 + len(d) for d in drafts])  # [B] each row's own tokens; the rest is padding
+        cache = self.slots.rows(0, len(rows))
+        start = time.perf_counter()
+        cache.checkpoint(own > 1)  # a row without drafts keeps its one token: nothing to restore
+        try:
+            logits = self.model.verify(tokens, cache, np.arange(1 + width)[None, :] < own[:, None])  # [B, 1+width, V]
+        except Exception:
+            if self.row_bytes:
+                raise
+            log.exception("a verify pass failed; stepping its rows plainly")
+            self.slots.lengths[:len(rows)] = lengths
+            return False
+        self.metrics.decode_step.observe(time.perf_counter() - start)
+        self.metrics.batch_rows.observe(len(rows))
+        self.steps += 1
+        self.peak_rows = max(self.peak_rows, len(rows))
+        keep = np.ones(len(rows), np.int64)  # [B] tokens of the pass each row's cache keeps
+        for i, (row, row_drafts) in enumerate(zip(rows, drafts, strict=True)):
+            if row.finish is not None:
+                continue
+            try:
+                steps = row.stepper.accept(logits[i], row_drafts)  # a sampled row: no drafts, one step
+                keep[i] = len(steps)
+                self.metrics.draft_proposed.inc(len(row_drafts))
+                self.metrics.draft_accepted.inc(len(steps) - 1)
+                for j, step in enumerate(steps):
+                    self._emit(row, step, logits[i, j])
+            except Exception as exc:
+                self._fail_row(row, exc)
+        cache.rollback(keep)
+        self._retire()
+        return True
 
     def _decode_alone(self, rows: list[Row], tokens: np.ndarray) -> list[np.ndarray | None]:
         """Each row's logits [V] from a pass of its own, None for rows whose pass raised (their job fails)."""
@@ -471,7 +540,7 @@ class Engine:
             self._prefill = None
         for row in self._rows:
             if row.job.cancelled:
-                row.finish = CANCELLED
+                row.finish = FinishReason.CANCELLED
         self._retire()
 
     def _fail(self, job: Job, message: str, retire: bool = True) -> None:
@@ -480,7 +549,7 @@ class Engine:
             self._prefill = None
         for row in self._rows:
             if row.job is job:
-                row.finish = CANCELLED
+                row.finish = FinishReason.CANCELLED
         listening = not job.cancelled
         self.metrics.failed_jobs.inc()
         job.cancel()
@@ -526,6 +595,5 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(int(token), float(x[token] - logz), best)
 
 
-__all__ = ["CANCELLED", "LENGTH", "STOP", "Delta", "Done", "Engine", "EngineStoppedError", "Event", "Failed",
-           "Finished", "Job",
-           "QueueFullError", "RequestTooLargeError", "TokenLogprob"]
+__all__ = ["Delta", "Done", "Engine", "EngineStoppedError", "Event", "Failed", "Finished", "Job", "QueueFullError",
+           "RequestTooLargeError", "TokenLogprob"]

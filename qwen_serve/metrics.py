@@ -111,6 +111,8 @@ class Metrics:
         self.decode_step = Histogram("decode_step_seconds", "one decode step of every running row", STEP_BUCKETS)
         self.prefill_step = Histogram("prefill_step_seconds", "one prefill chunk of one prompt", STEP_BUCKETS)
         self.batch_rows = Histogram("decode_batch_rows", "rows decoded together per step", ROW_BUCKETS)
+        self.draft_proposed = Counter("draft_tokens_proposed_total", "speculative decoding: draft tokens verified")
+        self.draft_accepted = Counter("draft_tokens_accepted_total", "speculative decoding: draft tokens taken")
         self.gauges: list[Gauge] = []
 
     def gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
@@ -118,7 +120,8 @@ class Metrics:
 
     def render(self) -> str:
         metrics = [self.requests, self.prompt_tokens, self.completion_tokens, self.failed_jobs, self.ttft,
-                   self.latency, self.decode_step, self.prefill_step, self.batch_rows, *self.gauges]
+                   self.latency, self.decode_step, self.prefill_step, self.batch_rows, self.draft_proposed,
+                   self.draft_accepted, *self.gauges]
         return "\n".join(line for m in metrics for line in m.render()) + "\n"
 
 

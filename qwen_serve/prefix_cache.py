@@ -12,7 +12,8 @@ stored right after the prefill chunk that ends it, keyed by a hash of every toke
 A new prompt takes the longest chain of cached blocks that is a prefix of it and leaves at least one token
 to prefill (the logits of the last token are needed).  The cache holds at most ``capacity`` bytes; the least
 recently used block without cached children goes first, also when the engine needs the memory for a
-request.
+request.  With a :class:`~qwen_serve.prefix_store.PrefixStore` (``--cache-dir``) the cache starts with the blocks
+stored on disk and writes each new block there.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -44,6 +46,18 @@ class Block:
     used: int = 0  # the cache's clock when last used
     children: int = 0
     key: bytes = field(default=b"")
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64 [block]: its own tokens
+
+
+class BlockStore(Protocol):
+    """Where blocks outlive the process (:class:`~qwen_serve.prefix_store.PrefixStore`)."""
+
+    def load(self, room: int) -> list[Block]: ...  # stored blocks, parents first, at most ``room`` bytes
+    def start(self) -> None: ...
+    def put(self, block: Block) -> None: ...  # a new block (never waits)
+    def touch(self, keys: Sequence[bytes]) -> None: ...  # blocks just restored
+    def close(self) -> None: ...  # write what is queued
+    def status(self) -> dict[str, object]: ...  # directory, bytes, files, loaded, skipped, written, dropped
 
 
 class PrefixCache:
@@ -55,6 +69,19 @@ class PrefixCache:
         self.nbytes = 0
         self.clock = 0
         self.hits = self.hit_tokens = self.lookups = 0
+        self.disk: BlockStore | None = None
+
+    def persist(self, disk: BlockStore) -> None:
+        """Start with the blocks ``disk`` holds (as many as fit) and write every new block there."""
+        for block in disk.load(self.capacity - self.nbytes):  # parents first
+            self._insert(block)
+        disk.start()
+        self.disk = disk
+
+    def close(self) -> None:
+        """Finish writing to disk (a no-op without one)."""
+        if self.disk is not None:
+            self.disk.close()
 
     def lookup(self, prompt: Sequence[int]) -> list[Block]:
         """The longest chain of cached blocks that is a prefix of ``prompt`` (at least one token left over)."""
@@ -72,6 +99,8 @@ class PrefixCache:
         if chain:
             self.hits += 1
             self.hit_tokens += len(chain) * self.block
+            if self.disk is not None:
+                self.disk.touch([b.key for b in chain])
         return chain
 
     def restore(self, row: int, chain: list[Block]) -> int:
@@ -112,11 +141,18 @@ class PrefixCache:
         nbytes = sum(k.nbytes + v.nbytes for k, v in kv) + sum(a.nbytes for s in state for a in s.values())
         if nbytes > self.capacity or not self.evict(self.nbytes + nbytes - self.capacity, keep=parent):
             return
+        block = Block(parent, kv, state, nbytes, key=key, tokens=np.asarray(prompt[start:end], np.int64))
+        self._insert(block)
+        if self.disk is not None:
+            self.disk.put(block)
+
+    def _insert(self, block: Block) -> None:
         self.clock += 1
-        self.blocks[key] = Block(parent, kv, state, nbytes, self.clock, key=key)
-        self.nbytes += nbytes
-        if parent != ROOT:
-            self.blocks[parent].children += 1
+        block.used = self.clock
+        self.blocks[block.key] = block
+        self.nbytes += block.nbytes
+        if block.parent != ROOT:
+            self.blocks[block.parent].children += 1
 
     def evict(self, need: int, keep: bytes = ROOT) -> bool:
         """Free at least ``need`` bytes, least recently used leaves first (never ``keep``); False if that is not
@@ -134,4 +170,4 @@ class PrefixCache:
         return True
 
 
-__all__ = ["Block", "PrefixCache"]
+__all__ = ["Block", "BlockStore", "PrefixCache"]

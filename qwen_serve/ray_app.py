@@ -22,7 +22,7 @@ from typing import Any
 from qwen_runtime.formats import open_model_files
 from qwen_runtime.hub import resolve_model
 from qwen_runtime.limits import parse_memory_size
-from qwen_runtime.tensors import QType
+from qwen_runtime.weights import weight_overhead
 
 from .app import MAX_BODY_BYTES
 
@@ -32,7 +32,6 @@ DEFAULT_REPLICA_MEMORY = 2 << 30  # the engine's cache + activations limit per r
 # model's tokenizer.  Measured (RssAnon after three 16-token chat requests, ray 2.60.0): 100 MiB serving a
 # model with a 480-token vocabulary, 222 MiB with Qwen's 151,936 (its cache and activations included).
 REPLICA_BASE_BYTES = 384 << 20
-Q8_0_SCALE_FRACTION = 4 / 34  # Q8_0 matrices keep their block scales widened to float32 (4 of 34 bytes)
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Scope]]
@@ -40,11 +39,9 @@ Send = Callable[[Scope], Awaitable[None]]
 
 
 def replica_memory(model: str | Path, max_memory: int) -> int:
-    """Bytes of heap one replica needs: the base, the engine's ``max_memory`` and kept Q8_0 scales (weights
-    are memory-mapped: page cache, not heap)."""
-    files = open_model_files(model)
-    q8_0 = sum(t.nbytes for t in files.tensors.values() if t.qtype == QType.Q8_0)
-    return REPLICA_BASE_BYTES + max_memory + int(Q8_0_SCALE_FRACTION * q8_0)
+    """Bytes of heap one replica needs: the base, the engine's ``max_memory`` and what the weights keep beside
+    their memory map (:func:`~qwen_runtime.weights.weight_overhead`, the numpy kernels' upper bound)."""
+    return REPLICA_BASE_BYTES + max_memory + weight_overhead(open_model_files(model).tensors.values())
 
 
 class ReplicaHeader:
@@ -71,7 +68,8 @@ def deployment(model: str | Path, *, replicas: int = 1, num_cpus: float = 1.0, m
                max_queue: int = 64, max_memory: int | None = None, name: str = "qwen-serve",
                **app_options: Any) -> Any:
     """The Ray Serve application: ``replicas`` copies of ``create_app(model, ...)`` (``app_options`` are
-    create_app's: model_name, api_key, prefill_chunk, max_body_bytes, cache_memory, threads, kernels), each declaring
+    create_app's: model_name, api_key, prefill_chunk, max_body_bytes, cache_memory, threads, kernels, draft_tokens,
+    cache_dir: replicas on one machine share its files, each bounding what it writes by cache_memory), each declaring
     ``num_cpus`` and :func:`replica_memory`.  Run it with ``serve.run(deployment(...), route_prefix="/")``.  A Hub
     id is resolved here, once: the replicas get its local path."""
     from ray import serve
@@ -131,7 +129,8 @@ def serve_on_ray(args: Any) -> None:
                      api_key=args.api_key, prefill_chunk=args.prefill_chunk,
                      max_body_bytes=getattr(args, "max_body", MAX_BODY_BYTES),
                      cache_memory=getattr(args, "cache_memory", None), threads=getattr(args, "threads", None),
-                     kernels=getattr(args, "kernels", None))
+                     kernels=getattr(args, "kernels", None), draft_tokens=getattr(args, "draft", 0),
+                     cache_dir=getattr(args, "cache_dir", None))
     serve.run(app, name="qwen-serve", route_prefix="/")
     print(f"qwen-serve: {args.replicas} replica(s) of {args.model} on Ray Serve at http://{args.host}:{args.port}",
           flush=True)

@@ -13,24 +13,28 @@ from __future__ import annotations
 
 import numpy as np
 
-from qwen_runtime.cache import BatchState, LayerCache
+from qwen_runtime.cache import BatchState, LayerCache, LayeredCache
 from qwen_runtime.models import Model
 
 
-class RowRange:
+class RowRange(LayeredCache):
     """Rows ``start .. stop-1`` of a :class:`SlotCache`, in the form ``Model.forward`` takes as a cache."""
 
     def __init__(self, slots: SlotCache, start: int, stop: int) -> None:
         self.slots, self.start, self.stop = slots, start, stop
+        self.last_length = 0  # new tokens per row of the last pass
         self.layers: list[LayerCache] = [layer.view(slice(start, stop)) for layer in slots.layers]
 
     def begin(self, valid: np.ndarray) -> BatchState:
-        """The ragged :class:`BatchState` of ``T`` new tokens per row (``valid`` must be all True: no padding)."""
+        """The ragged :class:`BatchState` of ``T`` new tokens per row.  ``valid`` is all True but for a verify
+        pass (``Model.verify``), whose rows may end in padding: it is written after the row's own new tokens,
+        which never see it, and the pass is then cut back (:meth:`rollback`) to at most the row's own tokens."""
         valid = np.asarray(valid, bool)
         b, t = valid.shape
-        if b != self.stop - self.start or not valid.all():
+        own = valid.sum(axis=1)  # [B]
+        if b != self.stop - self.start or not (valid == (np.arange(t) < own[:, None])).all():
             raise ValueError(f"a ragged batch of rows {self.start}..{self.stop - 1} takes {self.stop - self.start} "
-                             f"unpadded rows, got valid of shape {valid.shape}")
+                             f"rows, padded at the end only, got valid of shape {valid.shape}")
         lengths = self.slots.lengths[self.start:self.stop].copy()  # [B]
         if (lengths + t).max(initial=0) > self.slots.capacity:
             raise ValueError(f"cache overflow: a row would exceed its {self.slots.capacity} slots")
@@ -39,6 +43,14 @@ class RowRange:
 
     def commit(self, state: BatchState) -> None:
         self.slots.lengths[self.start:self.stop] += state.length
+        self.last_length = state.length
+
+    def rollback(self, keep: np.ndarray) -> None:
+        """Keep only the first ``keep[b]`` tokens of the last pass (after :meth:`checkpoint`) in each row.  # int [B]"""
+        keep = np.asarray(keep, np.int64)
+        self.slots.lengths[self.start:self.stop] -= self.last_length - keep
+        for layer in self.layers:
+            layer.rollback(keep)
 
 
 class SlotCache:

@@ -5,7 +5,7 @@
     python scripts/bench_worker.py start FILE     load FILE (--kernels K) and generate one token: CPU seconds
     python scripts/bench_worker.py read FILE      plain read bandwidth: numpy sums over FILE on --threads threads
 
-ENGINE is ``ours`` (qwen_runtime, with ``--kernels`` numba or numpy), ``numpy`` (the plain numpy peer,
+ENGINE is ``ours`` (qwen_runtime, with ``--kernels`` numba, numba-q8 or numpy), ``numpy`` (the plain numpy peer,
 ``numpy_peer.py``) or ``llama`` (llama-cpp-python).  It loads the model, prefills ``--batch``
 prompts of ``--prompt`` tokens and greedily decodes ``--new`` tokens per row, and reports load time, time
 to first token, prefill tokens/s and (aggregate) decode tokens/s.  Prompts are seeded random token ids
@@ -59,7 +59,8 @@ def run_ours(path: str, batch: int, prompt: int, new: int, threads: int, kernels
     import qwen_runtime
 
     t0 = time.perf_counter()
-    model = qwen_runtime.load(path, threads=threads, kernels=kernels)
+    name, _, activations = kernels.partition("-")  # numba-q8: compiled kernels with 8-bit activations
+    model = qwen_runtime.load(path, threads=threads, kernels=name, activations=activations or "float")
     loaded = time.perf_counter()
     gen = qwen_runtime.stream(model, prompts(batch, prompt), max_new_tokens=new, use_tokenizer=False)
     next(iter(gen))
@@ -79,7 +80,8 @@ def run_jit() -> dict[str, float]:
     import numba  # noqa: F401
 
     out = {"import_numba_s": time.perf_counter() - t0}
-    for module in ("jit_base", "jit_q8_0", "jit_kquants", "jit_legacy", "jit_iq4", "jit_dense"):
+    for module in ("jit_base", "jit_q8_0", "jit_kquants", "jit_legacy", "jit_iq4", "jit_dense", "jit_int8",
+                   "jit_int8_k"):
         t = time.perf_counter()
         importlib.import_module(f"qwen_runtime.quants.{module}")
         out[f"{module}_s"] = time.perf_counter() - t
@@ -160,7 +162,8 @@ def main() -> None:
     p.add_argument("--new", type=int, default=0)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--kernels", default="numba", choices=("numba", "numpy"), help="ours: the kernels to use")
+    p.add_argument("--kernels", default="numba", choices=("numba", "numba-q8", "numpy"),
+                   help="ours: the kernels to use (numba-q8: load(..., activations='q8'))")
     args = p.parse_args()
     if args.engine == "jit":
         result = run_jit()

@@ -16,11 +16,11 @@ __all__ = ["MIXERS", "BatchState", "Block", "Mixer", "Model", "WeightStore", "bu
 
 
 def build_model(source: str | Path | ModelFiles, tile_elements: int = TILE_ELEMENTS, threads: int | None = None,
-                kernels: str | None = None) -> Model:
-    """Open a model path (HF dir, npy dir or GGUF file) or wrap already-opened files; ``threads`` and
-    ``kernels`` are :func:`qwen_runtime.load`'s."""
+                kernels: str | None = None, activations: str = "float") -> Model:
+    """Open a model path (HF dir, npy dir or GGUF file) or wrap already-opened files; ``threads``, ``kernels``
+    and ``activations`` are :func:`qwen_runtime.load`'s."""
     files = source if isinstance(source, ModelFiles) else open_model_files(source)
-    model = Model(files, WeightStore(files, tile_elements, threads, kernels))
+    model = Model(files, WeightStore(files, tile_elements, threads, kernels, activations))
     if model.workspace.kernels == "numba":
         warm_up(model)
     return model

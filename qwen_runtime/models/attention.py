@@ -17,7 +17,7 @@ import numpy as np
 from gguf import MODEL_TENSOR
 
 from ..archs import FULL_ATTENTION, QWEN2, QWEN3
-from ..cache import BatchState, KVCache
+from ..cache import BatchState, CacheSize, KVCache
 from ..config import ModelConfig
 from ..ops import apply_rope, rms_norm, softmax
 from ..pool import Workspace
@@ -47,8 +47,9 @@ def jit() -> ModuleType:
 
 
 def compiled(ws: Workspace | None, tokens: int) -> bool:
-    """Whether a step of ``tokens`` new tokens per row runs :mod:`.attention_jit`'s kernels."""
-    return ws is not None and ws.kernels == "numba" and tokens <= JIT_TOKENS
+    """Whether a step of ``tokens`` new tokens per row runs :mod:`.attention_jit`'s kernels (up to :data:`JIT_TOKENS`,
+    more inside ``Workspace.rowwise``: :meth:`~qwen_runtime.pool.Workspace.compiled_step`)."""
+    return ws is not None and ws.compiled_step(tokens, JIT_TOKENS)
 
 
 def split_heads(x: np.ndarray, batch: int, heads: int, head_dim: int) -> np.ndarray:
@@ -144,6 +145,10 @@ class Attention:
         self.bv = store.vector(MODEL_TENSOR.ATTN_V, layer, ".bias") if bias else None
         self.q_norm = store.vector(MODEL_TENSOR.ATTN_Q_NORM, layer) if config.spec.qk_norm else None
         self.k_norm = store.vector(MODEL_TENSOR.ATTN_K_NORM, layer) if config.spec.qk_norm else None
+
+    @property
+    def cache_size(self) -> CacheSize:
+        return KVCache.size(self.n_kv, self.head_dim)
 
     def make_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(batch, self.n_kv, max_len, self.head_dim)

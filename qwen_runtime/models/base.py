@@ -6,11 +6,14 @@ attention, Gated DeltaNet).  It is built once per layer by a factory registered 
     @register_mixer("full_attention", QWEN2, QWEN3)
     class Attention:
         def __init__(self, config: ModelConfig, layer: int, store: WeightStore) -> None: ...
+        @property
+        def cache_size(self) -> CacheSize: ...  # what its cache holds per row and per token
         def make_cache(self, batch: int, max_len: int) -> LayerCache: ...
         def __call__(self, x, cache, state: BatchState) -> np.ndarray: ...  # [B, T, H] -> [B, T, H]
 
 ``x`` is the already-normalised hidden state (``attn_norm`` is applied by the block), ``cache`` is the
-object this mixer's ``make_cache`` returned (it must implement ``select(rows)`` and ``nbytes``), and
+object this mixer's ``make_cache`` returned (it must implement ``select(rows)`` and ``nbytes``, and hold
+``cache_size.nbytes(batch, max_len)`` bytes: every memory estimate adds these reports), and
 ``state`` (:class:`~qwen_runtime.cache.BatchState`) carries per-row rotary positions ``[B, T]``, the
 validity mask ``[B, T]`` (False on left padding: a recurrent mixer must leave its state untouched there),
 the first slot of the new tokens and the validity of every slot so far; what every layer derives from
@@ -26,7 +29,7 @@ from typing import Protocol
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from ..cache import BatchState, LayerCache
+from ..cache import BatchState, CacheSize, LayerCache
 from ..config import ModelConfig
 from ..errors import FormatError
 from ..formats import ModelFiles
@@ -40,9 +43,10 @@ class WeightStore:
     """Hands out a model's weights by canonical kind: matrices as :class:`Weight`, small tensors as float32."""
 
     def __init__(self, files: ModelFiles, tile_elements: int = TILE_ELEMENTS, threads: int | None = None,
-                 kernels: str | None = None) -> None:
+                 kernels: str | None = None, activations: str = "float") -> None:
         self.files = files
-        self.workspace = Workspace(threads, blas_products=all_float32(files), kernels=resolve_kernels(kernels))
+        self.workspace = Workspace(threads, blas_products=all_float32(files), kernels=resolve_kernels(kernels),
+                                   activations=activations)
         self.tile_elements = tile_elements
         self._matrices: dict[str, Weight] = {}
 
@@ -55,6 +59,10 @@ class WeightStore:
         if name not in self._matrices:
             self._matrices[name] = make_weight(self.files.tensor(name), self.workspace, self.tile_elements)
         return self._matrices[name]
+
+    def matrices(self) -> list[Weight]:
+        """Every matrix handed out so far."""
+        return list(self._matrices.values())
 
     def vector(self, kind: MODEL_TENSOR, layer: int | None = None, suffix: str = ".weight") -> np.ndarray:
         """A small tensor (norm, bias, per-head scalars, conv kernel) widened once to float32, logical shape."""
@@ -69,6 +77,9 @@ def all_float32(files: ModelFiles) -> bool:
 
 class Mixer(Protocol):
     """Token mixer of one decoder layer (see the module docstring)."""
+
+    @property
+    def cache_size(self) -> CacheSize: ...
 
     def make_cache(self, batch: int, max_len: int) -> LayerCache: ...
 

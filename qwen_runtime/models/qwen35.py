@@ -12,6 +12,7 @@ Hk/Hv key/value heads and dk/dv their dims in linear attention.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from functools import partial
 from types import ModuleType
 
@@ -19,11 +20,11 @@ import numpy as np
 from gguf import MODEL_TENSOR
 
 from ..archs import FULL_ATTENTION, LINEAR_ATTENTION, QWEN35
-from ..cache import BatchState, KVCache
+from ..cache import BatchState, CacheSize, KVCache
 from ..config import ModelConfig
 from ..ops import apply_rope, rms_norm, sigmoid
 from ..pool import Scratch
-from ..weights import balanced_rows, matmul_many
+from ..weights import matmul_many
 from . import gated_delta as gd
 from .attention import attend, compiled, jit, merge_heads, split_heads
 from .base import WeightStore, register_mixer
@@ -58,6 +59,10 @@ class GatedAttention:
         self.wv, self.wo = store.matrix(MODEL_TENSOR.ATTN_V, layer), store.matrix(MODEL_TENSOR.ATTN_OUT, layer)
         self.q_norm = store.vector(MODEL_TENSOR.ATTN_Q_NORM, layer)
         self.k_norm = store.vector(MODEL_TENSOR.ATTN_K_NORM, layer)
+
+    @property
+    def cache_size(self) -> CacheSize:
+        return KVCache.size(self.n_kv, self.head_dim)
 
     def make_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(batch, self.n_kv, max_len, self.head_dim)
@@ -95,13 +100,57 @@ class GatedAttention:
 
 
 class LinearAttentionCache:
-    """Per-row state of one Gated DeltaNet layer, preallocated: last K−1 raw conv inputs and the delta state."""
+    """Per-row state of one Gated DeltaNet layer, preallocated: last K−1 raw conv inputs and the delta state.
+
+    A state cannot be cut back to fewer tokens, so :meth:`checkpoint` copies the rows a pass may cut back and the
+    next (compiled) pass records its inputs; :meth:`rollback` restores the rows cut back and replays the tokens
+    they keep by the same compiled step (every other token masked as padding, which leaves a state exactly as it
+    was), so a state is bit for bit what feeding only the kept tokens gives.
+    """
 
     def __init__(self, batch: int, config: ModelConfig) -> None:
+        conv, state = self.row_shapes(config)
+        self.conv = np.zeros((batch, *conv), np.float32)  # [B, K-1, C]
+        self.state = np.zeros((batch, *state), np.float32)  # [B, Hv, dk, dv]
+        self.saved: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # at checkpoint(): the rows copied
+        # (int [R]) and their conv and state
+        self.journal: tuple[np.ndarray, Callable[[np.ndarray], None]] | None = None  # the pass since: its
+        # validity [B, T] and the replay of its first n tokens' step on the state, for a validity mask [B, n]
+
+    @staticmethod
+    def row_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One row's conv inputs and delta state.  # [K-1, C], [Hv, dk, dv]"""
         c = config
-        self.conv = np.zeros((batch, c.linear_conv_kernel_dim - 1, c.linear_conv_dim), np.float32)  # [B, K-1, C]
-        self.state = np.zeros((batch, c.linear_num_value_heads, c.linear_key_head_dim,
-                               c.linear_value_head_dim), np.float32)  # [B, Hv, dk, dv]
+        return ((c.linear_conv_kernel_dim - 1, c.linear_conv_dim),
+                (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim))
+
+    @staticmethod
+    def size(config: ModelConfig) -> CacheSize:
+        """What such a cache holds: float32 conv inputs and delta state per row, whatever its length."""
+        elements = sum(int(np.prod(shape)) for shape in LinearAttentionCache.row_shapes(config))
+        return CacheSize(row=elements * np.dtype(np.float32).itemsize)
+
+    def checkpoint(self, rows: np.ndarray | None = None) -> None:
+        index = np.arange(len(self.state)) if rows is None else np.flatnonzero(rows)
+        self.saved, self.journal = (index, self.conv[index], self.state[index]), None  # copies
+
+    def rollback(self, keep: np.ndarray) -> None:
+        saved, journal = self.saved, self.journal
+        self.saved = self.journal = None
+        if saved is None or journal is None:
+            raise ValueError("a linear-attention state rolls back only a compiled pass after checkpoint()")
+        index, conv, state = saved
+        valid, replay = journal
+        keep = np.asarray(keep)
+        cut = keep < valid.sum(axis=1)  # [B] rows whose state went past the tokens they keep
+        if not cut.any():
+            return
+        restore = cut[index]  # [R] which copies to put back
+        if restore.sum() != cut.sum():
+            raise ValueError("a row is cut back that was not checkpointed")
+        self.conv[index[restore]], self.state[index[restore]] = conv[restore], state[restore]
+        kept = int(keep[cut].max())  # tokens to replay; other rows (and a row's tokens after its own) are masked
+        replay((np.arange(kept)[None, :] < keep[:, None]) & cut[:, None])  # [B, kept]
 
     def select(self, rows: np.ndarray) -> None:
         self.conv = self.conv[rows]
@@ -110,6 +159,7 @@ class LinearAttentionCache:
     def view(self, rows: slice) -> LinearAttentionCache:
         out = LinearAttentionCache.__new__(LinearAttentionCache)
         out.conv, out.state = self.conv[rows], self.state[rows]
+        out.saved = out.journal = None
         return out
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
@@ -130,9 +180,9 @@ class GatedDeltaNet:
     """Gated DeltaNet: conv + SiLU over [q | k | v], l2-normalised heads, the gated delta rule, gated norm.
 
     A prefill takes three pool runs: the projections; the causal conv by blocks of channels; then one task per
-    batch row and group of value heads: their q/k preparation, gates, delta rule and gated norm.  A decode step
-    runs the projections through the pool and the rest on the calling thread, where a few tokens' work is too
-    small to hand around.
+    batch row and group of value heads: their q/k preparation, gates, delta rule and gated norm
+    (:meth:`~qwen_runtime.pool.Workspace.run_grid`).  A decode step runs the projections through the pool and
+    the rest on the calling thread, where a few tokens' work is too small to hand around.
     """
 
     def __init__(self, config: ModelConfig, layer: int, store: WeightStore) -> None:
@@ -151,6 +201,10 @@ class GatedDeltaNet:
                                            store.files.v_head_perm)  # [Hv]
         self.conv_taps = np.ascontiguousarray(self.conv.T)  # [K, C], the compiled conv's layout
 
+    @property
+    def cache_size(self) -> CacheSize:
+        return LinearAttentionCache.size(self.config)
+
     def make_cache(self, batch: int, max_len: int) -> LinearAttentionCache:
         return LinearAttentionCache(batch, self.config)
 
@@ -161,22 +215,23 @@ class GatedDeltaNet:
         if self._compiled_step(t):
             return self.w_out.matmul(self._compiled(x.reshape(b * t, h), cache, state)).reshape(b, t, h)
         valid = None if state.valid.all() else state.valid  # [B, T]
-        mixed, z, b_gate, a_gate = self._project(x.reshape(b * t, h), b, cache.conv, valid)
-        q, k, v = gd.split_qkv(mixed.reshape(b, t, -1), c.linear_num_key_heads, c.linear_key_head_dim, dv)
+        mixed, z, b_gate, a_gate = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x.reshape(b * t, h))
+        mixed = mixed.reshape(b, t, -1)  # [B, T, C]
+        share = t > gd.RECURRENT_MAX_TOKENS  # a decode step's work is too small to hand around
+        channels = mixed.shape[2]
+        self.ws.run_grid(partial(self._conv, mixed, cache.conv, valid), [channels],
+                         [self.ws.balanced(channels, CONV_CHANNELS)], share)  # conv + SiLU in place
+        q, k, v = gd.split_qkv(mixed, c.linear_num_key_heads, c.linear_key_head_dim, dv)
         o = np.empty((b, t, hv, dv), np.float32)  # [B, T, Hv, dv]
-        heads = partial(self._heads, q, k, v, z.reshape(b, t, hv, dv), b_gate.reshape(b, t, hv),
-                        a_gate.reshape(b, t, hv), cache.state, valid, o)
-        if t <= gd.RECURRENT_MAX_TOKENS:  # decode: a step is too small to share
-            heads(slice(None), 0, hv, self.ws.scratch[0])
-        else:  # one task per row and group of heads, which also bounds the scratch buffers
-            self.ws.run([partial(heads, slice(row, row + 1), h0, min(h0 + HEAD_GROUP, hv))
-                         for row in range(b) for h0 in range(0, hv, HEAD_GROUP)])
+        self.ws.run_grid(partial(self._heads, q, k, v, z.reshape(b, t, hv, dv), b_gate.reshape(b, t, hv),
+                                 a_gate.reshape(b, t, hv), cache.state, valid, o), [b, hv], [1, HEAD_GROUP], share)
         return self.w_out.matmul(o.reshape(b * t, hv * dv)).reshape(b, t, h)
 
     def _compiled_step(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` new tokens per row runs :mod:`.gated_delta_jit`'s kernels (a recurrent
-        step with compiled kernels; the conv kernel needs K ≥ 2, Qwen3.5's is 4)."""
-        return self.ws.kernels == "numba" and tokens <= gd.RECURRENT_MAX_TOKENS and self.conv_taps.shape[0] >= 2
+        step with compiled kernels, :meth:`~qwen_runtime.pool.Workspace.compiled_step`; the conv kernel needs K ≥ 2,
+        Qwen3.5's is 4)."""
+        return self.ws.compiled_step(tokens, gd.RECURRENT_MAX_TOKENS) and self.conv_taps.shape[0] >= 2
 
     def _compiled(self, x: np.ndarray, cache: LinearAttentionCache, state: BatchState) -> np.ndarray:
         """The projections, then the conv step and every value head's delta-rule step in compiled code.
@@ -187,50 +242,54 @@ class GatedDeltaNet:
         b, t = state.batch, state.length
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         mixed, z, b_gate, a_gate = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x)
-        o = gated_delta_jit().linear_attention_step(
+        if cache.saved is not None:  # a pass that may be rolled back: its inputs replay the tokens kept
+            cache.journal = (state.valid, partial(self._replay, mixed.copy(), z, b_gate, a_gate, cache))
+        return self._step(mixed, z, b_gate, a_gate, cache, state.valid).reshape(b * t, hv * dv)
+
+    def _replay(self, mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.ndarray,
+                cache: LinearAttentionCache, valid: np.ndarray) -> None:
+        """:meth:`_step` of a recorded pass's first ``n`` tokens per row (``valid`` [B, n]: the tokens kept; the
+        tokens after them could not change the state before them).  # inputs [B*T, ...] of the whole pass"""
+        b, n = valid.shape
+
+        def first(x: np.ndarray) -> np.ndarray:  # [B*T, W] -> [B*n, W], C-ordered like a pass's own arrays
+            return np.ascontiguousarray(x.reshape(b, -1, x.shape[1])[:, :n]).reshape(b * n, -1)
+
+        self._step(first(mixed), first(z), first(b_gate), first(a_gate), cache, valid)
+
+    def _step(self, mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.ndarray,
+              cache: LinearAttentionCache, valid: np.ndarray) -> np.ndarray:
+        """The compiled conv and delta-rule step of ``valid`` [B, T]'s tokens on the cache's state (``mixed`` is
+        overwritten).  # [B*T, C], [B*T, Hv*dv], 2 x [B*T, Hv] -> [B, T, Hv, dv]"""
+        c = self.config
+        b, t = valid.shape
+        hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+        return gated_delta_jit().linear_attention_step(
             mixed.reshape(b, t, -1), self.conv_taps, cache.conv, z.reshape(b, t, hv, dv), b_gate.reshape(b, t, hv),
             a_gate.reshape(b, t, hv), self.key_heads, self.ssm_a, self.dt_bias, self.norm, np.float32(c.rms_norm_eps),
-            state.valid, cache.state)  # [B, T, Hv, dv]
-        return o.reshape(b * t, hv * dv)
+            valid, cache.state)
 
-    def _project(self, x: np.ndarray, batch: int, conv_state: np.ndarray, valid: np.ndarray | None,
-                 ) -> list[np.ndarray]:
-        """The four projections of ``x`` [B*T, H] in one pool run, then the causal conv + SiLU of ``attn_qkv``'s
-        in place (``conv_state`` [B, K-1, C] advanced): one task per block of :data:`CONV_CHANNELS` channels for a
-        prefill, on the calling thread for a few tokens.  # -> [B*T, C], [B*T, Hv*dv], 2 x [B*T, Hv]
+    def _conv(self, mixed: np.ndarray, conv_state: np.ndarray, valid: np.ndarray | None, channels: slice,
+              scratch: Scratch) -> None:
+        """Causal conv + SiLU of ``channels`` of ``mixed`` [B, T, C], in place (``conv_state`` [B, K-1, C] advanced).
 
         Convolving each projection tile in the task that computed it cost more CPU (A/B in one process): the
         tile product leaves the conv's buffers out of cache.
         """
-        outputs = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x)
-        mixed = outputs[0].reshape(batch, -1, outputs[0].shape[1])  # [B, T, C]
-        if mixed.shape[1] <= gd.RECURRENT_MAX_TOKENS:
-            gd.causal_conv1d_inplace(mixed, self.conv, conv_state, valid, self.ws.scratch[0])
-            return outputs
-        channels = mixed.shape[2]
-        step = balanced_rows(channels, CONV_CHANNELS, self.ws.threads)
-        self.ws.run([partial(self._conv_block, c0, min(c0 + step, channels), mixed, conv_state, valid)
-                     for c0 in range(0, channels, step)])
-        return outputs
-
-    def _conv_block(self, c0: int, c1: int, mixed: np.ndarray, conv_state: np.ndarray, valid: np.ndarray | None,
-                    scratch: Scratch) -> None:
-        """Causal conv + SiLU of channels ``c0:c1`` of ``mixed`` [B, T, C], in place."""
-        gd.causal_conv1d_inplace(mixed[..., c0:c1], self.conv[c0:c1], conv_state[..., c0:c1], valid, scratch)
+        gd.causal_conv1d_inplace(mixed[..., channels], self.conv[channels], conv_state[..., channels], valid, scratch)
 
     def _heads(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, z: np.ndarray, b_gate: np.ndarray,
                a_gate: np.ndarray, delta_state: np.ndarray, valid: np.ndarray | None, out: np.ndarray,
-               rows: slice, h0: int, h1: int, scratch: Scratch) -> None:
-        """Batch rows ``rows``, value heads ``h0:h1``: q/k of their key heads, gates, the delta rule on their part
-        of the state and the gated norm into ``out[rows, :, h0:h1]``.
+               rows: slice, heads: slice, scratch: Scratch) -> None:
+        """Batch rows ``rows``, value heads ``heads``: q/k of their key heads, gates, the delta rule on their part
+        of the state and the gated norm into ``out[rows, :, heads]``.
 
         q, k [B, T, Hk, dk]; v, z [B, T, Hv, dv]; gates [B, T, Hv]; delta_state [B, Hv, dk, dv]; out [B, T, Hv, dv]
         """
-        c = self.config
-        keys = self.key_heads[h0:h1]
-        qh, kh = gd.prepare_qk(q[rows][:, :, keys], k[rows][:, :, keys], h1 - h0)  # [b, T, h, dk]
-        beta, g = gd.gates(b_gate[rows, :, h0:h1], a_gate[rows, :, h0:h1], self.ssm_a[h0:h1], self.dt_bias[h0:h1],
+        keys = self.key_heads[heads]
+        qh, kh = gd.prepare_qk(q[rows][:, :, keys], k[rows][:, :, keys], len(keys))  # [b, T, h, dk]
+        beta, g = gd.gates(b_gate[rows, :, heads], a_gate[rows, :, heads], self.ssm_a[heads], self.dt_bias[heads],
                            None if valid is None else valid[rows])  # [b, T, h]
-        o = out[rows, :, h0:h1]  # [b, T, h, dv]
-        gd.delta_rule(qh, kh, v[rows, :, h0:h1], g, beta, delta_state[rows, h0:h1], out=o, scratch=scratch)
-        gd.gated_rms_norm(o, z[rows, :, h0:h1], self.norm, c.rms_norm_eps, out=o)
+        o = out[rows, :, heads]  # [b, T, h, dv]
+        gd.delta_rule(qh, kh, v[rows, :, heads], g, beta, delta_state[rows, heads], out=o, scratch=scratch)
+        gd.gated_rms_norm(o, z[rows, :, heads], self.norm, self.config.rms_norm_eps, out=o)

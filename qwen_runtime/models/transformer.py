@@ -15,12 +15,14 @@ from types import ModuleType
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from ..cache import BatchState, Cache, LayerCache
+from ..cache import BatchState, Cache, CacheSize, LayerCache
 from ..config import ModelConfig
+from ..errors import KernelsError
 from ..formats import ModelFiles
-from ..limits import check_memory, kv_cache_bytes
+from ..limits import check_memory
 from ..ops import rms_norm
-from ..weights import gated_matmul
+from ..pool import STEP_TOKENS
+from ..weights import TiledWeight, gated_matmul
 from .base import Mixer, WeightStore, make_mixer
 
 
@@ -75,10 +77,20 @@ class Model:
         self.tied = config.tie_word_embeddings  # the reader decided it: no output.weight in the file
         self.lm_head = self.embed if self.tied else store.matrix(MODEL_TENSOR.OUTPUT)
         self.workspace = store.workspace
+        self._row_kernels = all(not isinstance(w, TiledWeight) or w.compiled for w in store.matrices())
 
     @property
     def path(self) -> Path:
         return self.files.path
+
+    @property
+    def cache_size(self) -> CacheSize:
+        """What the layers' caches hold per row and per token, as their mixers report it."""
+        return CacheSize.total(blk.mixer.cache_size for blk in self.blocks)
+
+    def cache_bytes(self, batch: int, max_len: int) -> int:
+        """Bytes of ``make_cache(batch, max_len)``: the layers' caches and the validity mask."""
+        return (self.cache_size + Cache.MASK).nbytes(batch, max_len)
 
     def make_cache(self, batch: int, max_len: int, max_memory: int | None = None) -> Cache:
         """Empty per-layer caches for ``batch`` rows of up to ``max_len`` slots.
@@ -86,21 +98,18 @@ class Model:
         Raises :class:`ResourceLimitError` first when they would exceed ``max_memory`` bytes (default: see
         :func:`qwen_runtime.limits.default_memory_limit`).
         """
-        check_memory(kv_cache_bytes(self.config, batch, max_len), max_memory,
-                     f"a cache of {batch} rows x {max_len} tokens")
+        check_memory(self.cache_bytes(batch, max_len), max_memory, f"a cache of {batch} rows x {max_len} tokens")
         return Cache([blk.mixer.make_cache(batch, max_len) for blk in self.blocks], batch, max_len)
 
     def forward(self, ids: np.ndarray, cache: Cache, valid: np.ndarray | None = None,
-                last_only: bool = False, release_scratch: bool = True) -> np.ndarray:
+                last_only: bool = False) -> np.ndarray:
         """Feed ``T`` more tokens per row through the cache.
 
         ``ids``: int [B, T]; ``valid``: bool [B, T] (False on left padding, default all True).
         Returns float32 logits [B, T, V], or [B, V] for the last slot when ``last_only``.
 
-        A pass of several tokens (a prefill) drops the workspace's scratch buffers when it ends, so that the
-        decode steps after it hold only their own.  A caller that runs such passes again and again (the chunks
-        of a long prompt, a server's prefill steps between its decode steps) passes ``release_scratch=False``:
-        regrowing the buffers costs page faults (4-6 ms of wall time on a Qwen2.5-0.5B q8_0 decode step of 120-280 ms).
+        The workspace's scratch buffers are kept or dropped after the pass by the workspace's policy
+        (:meth:`~qwen_runtime.pool.Workspace.pass_done`, :meth:`~qwen_runtime.pool.Workspace.keep_scratch`).
         """
         h = self._residual(ids, cache, valid)  # [B, T, H]
         b, t = h.shape[:2]
@@ -109,9 +118,35 @@ class Model:
         norm = ops_jit().rms_norm if self.workspace.kernels == "numba" else rms_norm
         h = norm(h, self.norm, self.config.rms_norm_eps)
         logits = self.lm_head.matmul(h.reshape(-1, h.shape[-1])).reshape(b, h.shape[1], -1)  # [B, T|1, V]
-        if t > 1 and release_scratch:
-            self.workspace.release_scratch()
+        self.workspace.pass_done(t)
         return logits[:, 0] if last_only else logits
+
+    @property
+    def exact_steps(self) -> bool:
+        """Whether :meth:`verify` can run: compiled kernels for every op and product (any stored type has one,
+        unless its rows are not one contiguous array).  The numpy path sums a pass of several tokens in other
+        orders than one-token steps (BLAS GEMM against GEMV, batched attention), so it cannot."""
+        return self.workspace.kernels == "numba" and self._row_kernels
+
+    def verify(self, ids: np.ndarray, cache: Cache, valid: np.ndarray | None = None) -> np.ndarray:
+        """Logits of ``T`` new tokens per row (T at most :data:`~qwen_runtime.pool.STEP_TOKENS`), each bit for bit
+        what feeding the tokens one step at a time gives: speculative decoding's verify pass.  ``valid`` (bool
+        [B, T], a ragged cache only): each row's tokens are a prefix of its T, the rest padding whose products are
+        skipped and whose logits are meaningless (they pass after the row's own tokens, which never see them).
+
+        Every product runs row by row (``Workspace.rowwise``: a compiled row kernel gives a row the same numbers
+        alone and among others, and F32's per-row BLAS call is a lone step's call), and attention, norms and
+        Gated DeltaNet run the decode step's compiled kernels, which take the tokens one after the other by the
+        operations of a one-token step.  Raises :class:`KernelsError` unless :attr:`exact_steps`.
+        int [B, T] -> float32 [B, T, V]
+        """
+        if not self.exact_steps:
+            raise KernelsError("a verify pass needs the compiled kernels (kernels='numba') for every matrix")
+        if not 1 <= ids.shape[1] <= STEP_TOKENS:
+            raise ValueError(f"a verify pass takes 1 to {STEP_TOKENS} tokens per row, got {ids.shape[1]}")
+        rows = None if valid is None else np.asarray(valid, bool).reshape(-1)  # [B*T] the tokens' product rows
+        with self.workspace.rowwise(rows):
+            return self.forward(ids, cache, valid)
 
     def hidden_states(self, ids: np.ndarray) -> list[np.ndarray]:
         """Residual stream after the embedding and after every block, of whole sequences (no persistent cache).
@@ -121,7 +156,7 @@ class Model:
         ids = np.atleast_2d(np.asarray(ids, np.int64))
         states: list[np.ndarray] = []
         self._residual(ids, self.make_cache(ids.shape[0], max(ids.shape[1], 1)), None, states)
-        self.workspace.release_scratch()
+        self.workspace.pass_done(ids.shape[1])
         return states
 
     def _residual(self, ids: np.ndarray, cache: Cache, valid: np.ndarray | None,

@@ -55,8 +55,17 @@ JIT_KERNELS: dict[QType, tuple[str, str]] = {
     QType.IQ4_XS: ("jit_iq4", "IQ4_XSJitKernel"),
 }
 
-__all__ = ["BLOCK_SUM_ROWS", "CODECS", "Codec", "DENSE_TYPES", "JIT_KERNELS", "READ_TYPES", "TileKernel", "codec",
-           "jit_kernel", "stored_nbytes", "stored_shape", "to_float32"]
+# Integer-dot kernels with 8-bit activations (``Workspace.activations == "q8"``; other types keep their float kernel).
+JIT_Q8_KERNELS: dict[QType, tuple[str, str]] = {
+    QType.Q8_0: ("jit_int8", "Q8_0Int8Kernel"),
+    QType.Q4_0: ("jit_int8", "Q4_0Int8Kernel"),
+    QType.Q5_0: ("jit_int8", "Q5_0Int8Kernel"),
+    QType.Q4_K: ("jit_int8_k", "Q4_KInt8Kernel"),
+    QType.Q6_K: ("jit_int8_k", "Q6_KInt8Kernel"),
+}
+
+__all__ = ["BLOCK_SUM_ROWS", "CODECS", "Codec", "DENSE_TYPES", "JIT_KERNELS", "JIT_Q8_KERNELS", "READ_TYPES",
+           "TileKernel", "codec", "jit_kernel", "stored_nbytes", "stored_shape", "to_float32"]
 
 
 def codec(qtype: QType | int) -> Codec:
@@ -68,10 +77,11 @@ def codec(qtype: QType | int) -> Codec:
     return found
 
 
-def jit_kernel(qtype: QType, raw: np.ndarray) -> TileKernel | None:
+def jit_kernel(qtype: QType, raw: np.ndarray, activations: str = "float") -> TileKernel | None:
     """The compiled tile kernel of a matrix stored as ``raw`` (None for a type without one, and for rows that are
-    not one contiguous array, e.g. a Fortran-ordered npy file: the numpy kernels handle any strides)."""
-    entry = JIT_KERNELS.get(qtype)
+    not one contiguous array, e.g. a Fortran-ordered npy file: the numpy kernels handle any strides); with
+    ``activations="q8"`` the integer-dot kernel where the type has one."""
+    entry = (JIT_Q8_KERNELS.get(qtype) if activations == "q8" else None) or JIT_KERNELS.get(qtype)
     if entry is None or not np.asarray(raw).flags.c_contiguous:
         return None
     module, name = entry

@@ -101,6 +101,11 @@ class Codec:
         """The tile kernel of one matrix stored as ``raw`` ``[out, stored row length]``."""
         raise NotImplementedError
 
+    def kept_bytes(self, stored_nbytes: int) -> int:
+        """Anonymous memory :meth:`kernel` keeps for the life of a matrix of ``stored_nbytes`` stored bytes,
+        beside the memory-mapped rows it reads (most keep nothing: their scratch is per thread)."""
+        return 0
+
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
 

@@ -20,7 +20,18 @@ from numba import carray, types
 from numba.extending import intrinsic
 
 from .base import QType
-from .jit_base import ACC_FLOATS, F32_2D, F32_2D_C, GEMV_ROWS, LANES, U16_2D, JitKernel, compiled, stack_f32
+from .jit_base import (
+    ACC_FLOATS,
+    F32_2D,
+    F32_2D_C,
+    GEMV_ROWS,
+    LANES,
+    U16_2D,
+    JitKernel,
+    compiled,
+    prefetch,
+    stack_f32,
+)
 
 inline = numba.njit(inline="always", cache=True, fastmath={"contract"})  # steps inlined into the kernels
 
@@ -62,6 +73,7 @@ def gemv1_loop(widen, raw, x, out):
         for k in range(LANES):
             acc[k] = 0
         for c in range(0, full, LANES):
+            prefetch(w, c)
             for k in range(LANES):
                 acc[k] += widen(w[c + k]) * xr[c + k]
         for k in range(n - full):
@@ -84,6 +96,7 @@ def gemv_loop(widen, raw, x, out):
             for k in range(LANES):
                 acc[i, k] = 0
         for c in range(0, full, LANES):
+            prefetch(w, c)
             for i in range(m):
                 a, xs = acc[i], x[i]
                 for k in range(LANES):

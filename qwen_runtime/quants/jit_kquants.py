@@ -34,6 +34,7 @@ from .jit_base import (
     U8_2D,
     JitKernel,
     compiled,
+    prefetch,
     stack_f32,
 )
 
@@ -88,6 +89,7 @@ def k45_gemv(raw, x, xsum, table, out, size, one_row):
             lanes[k] = 0
         for b in range(nb):
             blk = raw[r, b * size: b * size + size]
+            prefetch(blk, 0)
             q4_k_scales(blk, table, ds, dm)
             for c in range(4):
                 d0, d1 = ds[2 * c], ds[2 * c + 1]
@@ -172,6 +174,7 @@ def q6_k_gemv1(raw, x, table, out):
             acc[k] = 0
         for b in range(nb):
             blk = raw[r, b * 210: b * 210 + 210]
+            prefetch(blk, 0)
             d = table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)]
             for h in range(2):
                 qh = blk[128 + 32 * h: 160 + 32 * h]
@@ -202,6 +205,7 @@ def q6_k_gemv(raw, x, table, out):
                 acc[i, k] = 0
         for b in range(nb):
             blk = raw[r, b * 210: b * 210 + 210]
+            prefetch(blk, 0)
             d = table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)]
             for h in range(2):
                 qh = blk[128 + 32 * h: 160 + 32 * h]
@@ -298,6 +302,7 @@ def k23_gemv(raw, x, xsum, table, out, q3, one_row):
             lanes[k] = 0
         for b in range(nb):
             blk = raw[r, b * size: b * size + size]
+            prefetch(blk, 0)
             k23_scales(blk, table, ds, dm, q3)
             for h in range(2):
                 for s in range(4):

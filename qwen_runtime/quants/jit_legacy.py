@@ -49,6 +49,7 @@ from .jit_base import (
     U8_2D,
     JitKernel,
     compiled,
+    prefetch,
     stack_f32,
 )
 from .legacy import Q4_0, Q4_1, Q5_0, Q5_1
@@ -249,6 +250,7 @@ def gemv1_loop(update, locate, geo, raw, x, sums, table, out):
         offset = np.float32(0)
         for b in range(nb):
             o, d, m = locate(table, blocks, b, geo)
+            prefetch(blocks, o)
             if geo[3]:
                 offset += m * sums[0, b]
             update(blocks, o, geo, xr[b * LANES: b * LANES + LANES], d, acc)
@@ -274,6 +276,7 @@ def gemv_loop(update, locate, geo, raw, x, sums, table, out):
                 acc[i, k] = 0
         for b in range(nb):
             o, d, m = locate(table, blocks, b, geo)
+            prefetch(blocks, o)
             if geo[3]:
                 for i in range(n):
                     offset[i] += m * sums[i, b]

@@ -21,6 +21,7 @@ from .jit_base import (
     LANES,
     JitKernel,
     compiled,
+    prefetch,
     stack_f32,
 )
 from .q8_0 import Q8_0_BLOCK, Q8_0_BYTES
@@ -39,6 +40,7 @@ def q8_0_gemv1(raw, x, table, out):
         for b in range(nb):
             q = blocks[b * 34: b * 34 + 34]
             xs = xr[b * 32: b * 32 + 32]
+            prefetch(blocks, b * 34)
             d = table[np.int64(np.uint8(q[0])) | (np.int64(np.uint8(q[1])) << 8)]
             for k in range(32):
                 acc[k] += np.float32(q[2 + k]) * (xs[k] * d)
@@ -61,6 +63,7 @@ def q8_0_gemv(raw, x, table, out):
                 acc[i, k] = 0
         for b in range(nb):
             q = blocks[b * 34: b * 34 + 34]
+            prefetch(blocks, b * 34)
             d = table[np.int64(np.uint8(q[0])) | (np.int64(np.uint8(q[1])) << 8)]
             for i in range(n):
                 xs = x[i, b * 32: b * 32 + 32]

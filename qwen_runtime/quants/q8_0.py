@@ -43,6 +43,10 @@ class Q8_0(Codec):
     def kernel(self, raw: np.ndarray) -> Q8_0Kernel:
         return Q8_0Kernel(raw)
 
+    def kept_bytes(self, stored_nbytes: int) -> int:
+        """The block scales :class:`Q8_0Kernel` keeps widened to float32 (4 bytes per 34-byte block)."""
+        return stored_nbytes // Q8_0_BYTES * np.dtype(np.float32).itemsize
+
 
 def q8_0_activations(x: np.ndarray) -> np.ndarray:
     """Activations laid out like Q8_0 bytes: ``[N, nb * 32] -> [N, nb, 34]``, zeros where the scale bytes sit."""

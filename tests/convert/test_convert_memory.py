@@ -19,7 +19,7 @@ from convert_helpers import fixture, write_qwen2
 from shared_data import MODEL_CONFIGS, tokenizer_json
 
 from qwen_convert import ray_batch
-from qwen_convert.batch import Job
+from qwen_convert.batch import ConversionJob
 from qwen_convert.ray_batch import job_memory
 from qwen_runtime.formats import open_model_files
 
@@ -62,7 +62,7 @@ def test_peak_memory_is_bounded(big_model: Path, tmp_path: Path, fmt: str, dtype
 HEAP_SCRIPT = """
 import json, sys, threading, time
 from pathlib import Path
-from qwen_convert.batch import Job, run_job
+from qwen_convert.batch import ConversionJob, run_job
 from qwen_convert.verify import BatchVerifier
 
 def anon():
@@ -74,7 +74,7 @@ def sample():
         peak.append(max(peak.pop(), anon()))
 sampler = threading.Thread(target=sample)
 sampler.start()
-result = run_job(Job(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]), verify=BatchVerifier())
+result = run_job(ConversionJob(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]), verify=BatchVerifier())
 done.set()
 sampler.join()
 print(json.dumps({"status": result.status, "message": result.message, "peak": max(peak[0], anon())}))
@@ -91,7 +91,7 @@ def test_declared_ray_memory_covers_the_measured_heap(tmp_path: Path, fmt: str, 
     shutil.copyfile(MODEL_CONFIGS / "qwen2.5-0.5b-instruct" / "tokenizer_config.json", src / "tokenizer_config.json")
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps(config | {"bos_token_id": 151643, "eos_token_id": 151645}))
-    job = Job(src, tmp_path / ("out.gguf" if fmt == "gguf" else "out"), fmt, dtype)
+    job = ConversionJob(src, tmp_path / ("out.gguf" if fmt == "gguf" else "out"), fmt, dtype)
     proc = subprocess.run([sys.executable, "-c", HEAP_SCRIPT, str(job.src), str(job.out), fmt, dtype],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -108,7 +108,7 @@ def test_declared_memory_follows_the_measured_terms(tmp_path: Path) -> None:
     big = write_qwen2(tmp_path / "big", layers=2, hidden=1024, inter=4096)
 
     def need(src: Path, fmt: str, dtype: str, verify: bool) -> int:
-        return ray_batch.job_memory(Job(src, tmp_path / "out", fmt, dtype), verify)
+        return ray_batch.job_memory(ConversionJob(src, tmp_path / "out", fmt, dtype), verify)
 
     assert need(small, "npy", "fp16", False) == need(big, "npy", "q8_0", False) == ray_batch.BASE_BYTES
     assert need(small, "gguf", "fp16", False) > ray_batch.BASE_BYTES  # the GGUF tokenizer metadata

@@ -19,8 +19,8 @@ from runtime_helpers import Converted
 from qwen_convert.cli import convert_main, inspect_main
 from qwen_convert.convert import convert
 from qwen_convert.demo import bundled_model_path
-from qwen_convert.probe import BehaviourCheck, behaviour_check
 from qwen_convert.verify import FAILED_SUFFIX, report_json, round_to_bf16, verify_against
+from qwen_convert.verify.behaviour import BehaviourCheck, behaviour_check
 from qwen_runtime.archs import PLUS_ONE
 from qwen_runtime.errors import EXIT_CODES, FormatError, VerificationError
 from qwen_runtime.formats import open_hf_dir
@@ -338,7 +338,7 @@ def test_special_token_ids_are_compared_in_full(converted, tmp_path: Path) -> No
     assert verify_against(raw.write(tmp_path / "false.gguf"), fixture("qwen3-tiny"), behaviour=False).ok
 
 
-# --- faults a tensor check might miss fail on behaviour alone (qwen_convert/probe.py) ------------------------
+# --- faults a tensor check might miss fail on behaviour alone (qwen_convert/verify/behaviour.py) ----------------
 
 FAULTS = ("matrix x1.25", "one head's rotary halves swapped", "norm +1")
 # (source, output type): the trained bundled model at q8_0 and fp16, every family's fp32, and the dense families'

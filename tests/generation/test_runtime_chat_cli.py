@@ -17,7 +17,7 @@ from runtime_helpers import fixture_dir
 
 from qwen_convert.demo import MissingAssetError, bundled_model_path
 from qwen_runtime import chat_format, cli, load, stream
-from qwen_runtime.errors import EXIT_CODES, ContextOverflowError
+from qwen_runtime.errors import EXIT_CODES, ContextOverflowError, KernelsError, exit_code
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -198,3 +198,13 @@ def test_stats_survive_a_stop_between_steps() -> None:
             break
     gen.close()
     assert gen.stats.decoded_tokens == 3 and gen.stats.decode_seconds > 0 and gen.stats.prefill_seconds > 0
+
+
+def test_activations_q8_is_said_in_the_stats_and_needs_compiled_kernels(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("numba")
+    model = str(fixture_dir("qwen3-tiny"))
+    assert cli.main([model, "-p", "def f(x):", "-n", "3", "--activations", "q8", "--kernels", "numba", "--stats"]) == 0
+    assert "kernels: numba, 8-bit activations" in capsys.readouterr().err
+    code = cli.main([model, "-p", "x", "-n", "3", "--activations", "q8", "--kernels", "numpy"])
+    assert code == exit_code(KernelsError("x"))
+    assert "activations='q8' needs the compiled kernels" in capsys.readouterr().err

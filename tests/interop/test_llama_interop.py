@@ -39,7 +39,7 @@ from tokenizers import Tokenizer  # noqa: E402
 import qwen_runtime  # noqa: E402
 from qwen_convert.cli import inspect_main  # noqa: E402
 from qwen_convert.convert import convert  # noqa: E402
-from qwen_convert.probe import TWIN_DRAWS, TWIN_MARGIN, rounding_twin  # noqa: E402
+from qwen_convert.verify.behaviour import TWIN_DRAWS, TWIN_MARGIN, rounding_twin  # noqa: E402
 from qwen_runtime import chat_format  # noqa: E402
 from qwen_runtime.formats import open_hf_dir, open_model_files  # noqa: E402
 from qwen_runtime.models import build_model  # noqa: E402
@@ -60,7 +60,7 @@ GREEDY_STEPS = 8
 # fp16: measured 1e-3 (Qwen2/3) and 9e-3 (Qwen3.5, whose gated-delta recurrence amplifies perturbations);
 # bound 2e-2.  q8_0: rounding the activations to Q8_0 blocks (step amax/127 per 32 values) is a perturbation of
 # the same kind and relative size as rounding the weights to Q8_0 blocks, i.e. one more draw of what the
-# rounding twin of qwen_convert/probe.py does (source weights + uniform noise of each block's step, computed
+# rounding twin of qwen_convert/verify/behaviour.py does (source weights + uniform noise of each block's step, computed
 # from the source alone): bound TWIN_MARGIN (4) x the largest logit change of TWIN_DRAWS (3) twin draws,
 # an absolute number of logits that does not depend on the error being checked.
 LOGIT_BOUNDS = {"fp32": 1e-3, "fp16": 2e-2}

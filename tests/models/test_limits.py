@@ -1,4 +1,4 @@
-"""Memory limits: the cache estimate is exact, and over-budget generations fail before allocating."""
+"""Memory limits: the cache and weight estimates are exact, and over-budget generations fail before allocating."""
 
 from __future__ import annotations
 
@@ -8,36 +8,61 @@ import tracemalloc
 
 import pytest
 from hostile_helpers import FIXTURES
+from runtime_helpers import Converted
 
 from qwen_runtime import generate, load
 from qwen_runtime.errors import EXIT_CODES, ResourceLimitError
 from qwen_runtime.limits import (
+    activation_bytes,
     check_memory,
     default_memory_limit,
-    generation_bytes,
-    kv_cache_bytes,
+    format_bytes,
     parse_memory_size,
 )
+from qwen_runtime.quants.q8_0 import Q8_0Kernel
+from qwen_runtime.tensors import QType
+from qwen_runtime.weights import TiledWeight, weight_overhead
 
 
 @pytest.mark.parametrize("name", ["qwen2-tiny", "qwen3-tiny", "qwen35-tiny-gqa"])
 @pytest.mark.parametrize(("batch", "max_len"), [(1, 1), (3, 17)])
-def test_kv_cache_bytes_matches_the_cache(name: str, batch: int, max_len: int) -> None:
+def test_cache_bytes_matches_the_cache(name: str, batch: int, max_len: int) -> None:
+    """What the mixers report is what their caches hold, layer by layer and for the whole cache."""
     model = load(FIXTURES / name)
     cache = model.make_cache(batch, max_len)
-    assert kv_cache_bytes(model.config, batch, max_len) == cache.nbytes + cache.valid.nbytes
+    assert model.cache_bytes(batch, max_len) == cache.nbytes
+    for blk, layer in zip(model.blocks, cache.layers, strict=True):
+        assert blk.mixer.cache_size.nbytes(batch, max_len) == layer.nbytes
 
 
-def test_generation_bytes_grows_with_batch_and_length() -> None:
+def test_activation_bytes_grow_with_batch_and_length() -> None:
     config = load(FIXTURES / "qwen3-tiny").config
-    base = generation_bytes(config, 1, 64, 256)
-    assert generation_bytes(config, 2, 64, 256) > base
-    assert generation_bytes(config, 1, 128, 256) > base
+    base = activation_bytes(config, 1, 64, 256)
+    assert activation_bytes(config, 2, 64, 256) > base
+    assert activation_bytes(config, 1, 128, 256) > base
+
+
+@pytest.mark.parametrize("kernels", ["numpy", "numba"])
+def test_weight_overhead_is_what_the_weights_keep(converted: Converted, kernels: str) -> None:
+    """The numpy Q8_0 kernel keeps its block scales as float32 (4 bytes per 34-byte block); the compiled one
+    keeps nothing."""
+    model = load(converted("qwen3-tiny", "gguf", "q8_0"), kernels=kernels)
+    parts = [model, *model.blocks, *(b.mixer for b in model.blocks), *(b.mlp for b in model.blocks)]
+    weights = {id(w): w for part in parts for w in vars(part).values() if isinstance(w, TiledWeight)}
+    kept = sum(w.kernel._scales.nbytes for w in weights.values() if isinstance(w.kernel, Q8_0Kernel))
+    q8_0 = sum(t.nbytes for t in model.files.tensors.values() if t.qtype == QType.Q8_0)
+    expected = q8_0 * 4 // 34 if kernels == "numpy" else 0
+    assert weight_overhead(model.files.tensors.values(), kernels) == kept == expected
+
+
+def test_format_bytes_uses_binary_units() -> None:
+    assert [format_bytes(n) for n in (512, 1536, 3 << 29, 5 << 40)] == ["512 B", "1.5 KiB", "1.5 GiB", "5.0 TiB"]
+    assert parse_memory_size(format_bytes(3 << 29).replace(" ", "")) == 3 << 29
 
 
 def test_check_memory() -> None:
     check_memory(10, 10, "x")
-    with pytest.raises(ResourceLimitError, match="x needs about 11.0 B, more than the 10.0 B allowed"):
+    with pytest.raises(ResourceLimitError, match="x needs about 11 B, more than the 10 B allowed"):
         check_memory(11, 10, "x")
     assert default_memory_limit() > 0
 

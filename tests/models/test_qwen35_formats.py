@@ -7,9 +7,9 @@ a Gated DeltaNet output is a small difference of large terms (|o| ≈ |v| / 30 h
 scales back up, so one linear-attention layer turns a 0.5 % input perturbation into about 5 %, and q8_0
 moves the logits by 15-45 % of their scale.  So the checks are (1) exactness: a quantized model equals the
 float32 model built from its own dequantized weights (1e-4), which is what the runtime controls; and (2) q8_0
-moves the logits by at most TWIN_MARGIN (4) times what the rounding twin of qwen_convert/probe.py moves them: the
-fp32 weights plus independent uniform noise of each Q8_0 block's step (amax/127), computed from the fp32 weights
-alone, i.e. more draws of what correct rounding does (the largest of TWIN_DRAWS = 3; measured: the q8_0 file's
+moves the logits by at most TWIN_MARGIN (4) times what the rounding twin (qwen_convert/verify/behaviour.py) moves
+them: the fp32 weights plus independent uniform noise of each Q8_0 block's step (amax/127), computed from the fp32
+weights alone, i.e. more draws of what correct rounding does (the largest of TWIN_DRAWS = 3; measured: the q8_0 file's
 largest logit change is 0.8-2.9x that); fp16 stays within 20 x 2**-11 of the logit scale (the amplification
 above).
 """
@@ -28,8 +28,8 @@ from float_error import check_greedy, check_rows, reference64
 from runtime_helpers import Converted, reference
 
 from qwen_convert.convert import convert
-from qwen_convert.probe import TWIN_DRAWS, TWIN_MARGIN, rounding_twin
 from qwen_convert.verify import verify_against
+from qwen_convert.verify.behaviour import TWIN_DRAWS, TWIN_MARGIN, rounding_twin
 from qwen_runtime import load
 from qwen_runtime.formats import ModelFiles, open_model_files
 from qwen_runtime.formats.base import V_HEAD_TILED

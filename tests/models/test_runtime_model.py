@@ -156,15 +156,19 @@ def test_prefill_scratch_is_released_before_decoding(converted: Converted, monke
     assert max(_decode_scratch(pooled, 4)) <= pooled.workspace.threads * one[0]
 
 
-def test_chunked_passes_keep_scratch_until_told(converted: Converted) -> None:
-    """Chunks of one prompt (and a server's prefill steps) keep the scratch; a pass with the default drops it."""
+def test_chunked_passes_keep_scratch_while_asked(converted: Converted) -> None:
+    """Inside the workspace's keep_scratch() passes of several tokens keep the scratch (the chunks of one prompt, a
+    server's prefill steps); the outermost block's end drops it, and so does a pass outside any block."""
     model = load(converted("qwen2-tiny", "gguf", "q8_0"), kernels="numpy")  # whose tiles are scratch
     cache = model.make_cache(1, 24)
-    model.forward(np.arange(1, 9)[None], cache, last_only=True, release_scratch=False)
-    kept = model.workspace.nbytes
-    assert kept > 0
-    model.forward(np.arange(9, 17)[None], cache, last_only=True, release_scratch=False)
-    assert model.workspace.nbytes >= kept  # buffers only grow while kept
+    with model.workspace.keep_scratch():
+        model.forward(np.arange(1, 9)[None], cache, last_only=True)
+        kept = model.workspace.nbytes
+        assert kept > 0
+        with model.workspace.keep_scratch():
+            model.forward(np.arange(9, 17)[None], cache, last_only=True)
+        assert model.workspace.nbytes >= kept  # an inner block's end keeps them
+    assert model.workspace.nbytes == 0
     model.forward(np.arange(17, 21)[None], cache, last_only=True)
     assert model.workspace.nbytes == 0
     model.hidden_states(np.arange(1, 9)[None])

@@ -13,6 +13,7 @@ compiled decoder reproduces bit for bit.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 from gguf import quants
 
+from qwen_runtime.jit_setup import cpu_features
 from qwen_runtime.pool import Scratch, Workspace, resolve_kernels
 from qwen_runtime.quants import JIT_KERNELS, QType, codec, jit_kernel
 from qwen_runtime.tensors import StoredTensor
@@ -200,3 +202,16 @@ def test_numba_set_up_without_scipy_linalg() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == "False" and out[1] == out[2]
     assert out[3:] == (["True"] if out[2] == "True" else [])
+
+
+def test_cpu_features_without_the_256_bit_preference_only_with_avx512() -> None:
+    """512-bit vectors where the CPU has AVX-512 (qwen_runtime.jit_setup); numba's own choice elsewhere (AVX2-only
+    CPUs), and a user's NUMBA_CPU_FEATURES is kept (numba keys its cache by the features it compiled for)."""
+    assert cpu_features("+avx,+avx2,+avx512f,-avx512vnni") == "+avx,+avx2,+avx512f,-avx512vnni,-prefer-256-bit"
+    assert cpu_features("+avx,+avx2,-avx512f,+fma") is None
+    assert cpu_features("+neon") is None
+    code = ("from qwen_runtime.jit_setup import prepare_numba\nprepare_numba()\n"
+            "from numba.core.registry import cpu_target\nprint(cpu_target.target_context.codegen().magic_tuple()[2])\n")
+    env = {**os.environ, "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,+f16c"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.strip() == "+avx,+avx2,+fma,+f16c"

@@ -145,6 +145,28 @@ def test_pool_runs_every_task_once_and_raises_the_first_error() -> None:
     assert sorted(seen) == list(range(60))
 
 
+def test_run_grid_covers_the_grid_once_by_blocks_or_whole() -> None:
+    """Every cell of a 3 x 10 grid cut into 1 x 4 blocks is visited once, one task per block; without sharing
+    one call on the calling thread covers the whole grid."""
+    ws = Workspace(threads=2)
+    seen = np.zeros((3, 10), int)
+    blocks: list[tuple[slice, slice]] = []
+    lock = threading.Lock()
+
+    def task(rows: slice, cols: slice, scratch: Scratch) -> None:
+        with lock:
+            seen[rows, cols] += 1
+            blocks.append((rows, cols))
+
+    ws.run_grid(task, [3, 10], [1, 4])
+    assert (seen == 1).all()
+    assert sorted((r.start, c.start, c.stop) for r, c in blocks) == [(r, c, min(c + 4, 10)) for r in range(3)
+                                                                      for c in (0, 4, 8)]
+    blocks.clear()
+    ws.run_grid(task, [3, 10], [1, 4], share=False)
+    assert (seen == 2).all() and blocks == [(slice(0, 3), slice(0, 10))]
+
+
 def test_pool_threads_end_with_their_workspace() -> None:
     ws = Workspace(threads=2)
     if not ws.pooled:

@@ -26,7 +26,7 @@ from serve_helpers import openai
 ray = pytest.importorskip("ray", reason="needs the ray extra (pip install -e '.[ray]')")  # CI=true: a failure
 
 from qwen_convert import ray_batch  # noqa: E402
-from qwen_convert.batch import CONVERTED, FAILED, SKIPPED, VERIFIED, Job, plan_jobs  # noqa: E402
+from qwen_convert.batch import CONVERTED, FAILED, SKIPPED, VERIFIED, ConversionJob, plan_jobs  # noqa: E402
 from qwen_convert.cli import convert_main  # noqa: E402
 from qwen_convert.ray_batch import run_batch_on_ray  # noqa: E402
 from qwen_convert.verify import BatchVerifier  # noqa: E402
@@ -128,7 +128,7 @@ def test_ctrl_c_cancels_outstanding_tasks_and_leaves_nothing(tmp_path: Path) -> 
 
 def test_a_job_larger_than_every_node_fails_instead_of_waiting(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr(ray_batch, "job_memory", lambda job, verify: 1 << 50)
-    job = Job(fixture("qwen2-tiny"), tmp_path / "m.gguf", "gguf", "fp16")
+    job = ConversionJob(fixture("qwen2-tiny"), tmp_path / "m.gguf", "gguf", "fp16")
     [result] = run_batch_on_ray([job])
     assert result.status == FAILED and "largest node" in result.message
     assert not job.out.exists()

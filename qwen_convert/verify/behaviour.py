@@ -41,7 +41,7 @@ it:
   much as a swapped head or a 1.25 scale, mean KL 1.7e-2..3.8e-2 vs 3.1e-2..1.1e-1, so there only the norm
   fault is asserted), and value heads in the wrong order. Smaller faults (one matrix scaled by 1.01 or 1.05
   gives mean KL 4.0e-5 and 1.3e-4 on the bundled model's q8_0, whose correct conversion gives 3.7e-5) are
-  within what rounding does: they are the per-tensor checks' job (qwen_convert/verify.py), which catch a 1 %
+  within what rounding does: they are the per-tensor checks' job (qwen_convert/verify/tensors.py), which catch a 1 %
   scale exactly.
 
 When the check fails, :func:`first_divergence` runs both models block by block and names the first layer

@@ -1,0 +1,364 @@
+"""Compiled integer-dot kernels with 8-bit activations (``activations="q8"``, numba): Q8_0, Q4_0 and Q5_0
+weights times activations quantized per 32-block (:mod:`.q8_act`, the plain reference).
+
+A product first quantizes its activation rows once (:func:`quantize_rows`, the same float32 operations as
+:func:`.q8_act.quantize_activations`, bit for bit).  Row ``r`` then keeps 16 float32 lanes; per block ``b``
+the 32 integer weights (Q8_0's bytes; Q4_0's and Q5_0's nibbles and bit 4 unpacked in int8 vector arithmetic,
+minus the bias) and the 32 activation bytes are sign-extended to int16, multiplied in pairs and the pairs
+added in int32 (``<16 x i32>``, exact: :func:`_pairs`), converted to float32 (exact: below 2^24) and fused into
+the lanes, ``lanes = fma(pairs, d_w * d_x, lanes)``; the lanes are summed once at the end.  Every row goes
+through the same operations whatever the other rows (the server's batch invariance).
+
+Assembly (numba 0.68, this Xeon with AVX-512; ``inspect_asm``), per block of the 1-row loop: ``prefetcht0``
+2 KiB ahead, the scale's table load and ``vmulss``, two ``vpmovsxbw`` to zmm (Q8_0: both straight from memory;
+Q4_0 first ``vpand``/``vgf2p8affineqb``/``vinserti128``/``vpaddb`` on the 16 bytes, Q5_0 adds ``vpsrlvd`` for
+bit 4), one ``vpmaddwd`` zmm, ``vcvtdq2ps`` and ``vfmadd213ps`` with the lanes in a register: 32 weights per
+multiply-add against the float kernels' 16 (and no per-weight float conversion).  Written as generic IR
+(``sext``, ``mul``, even/odd ``add`` in int32) LLVM narrowed the products to int16 and emitted
+``vpmullw``/``vpmovdw``/``vpmovsxwd`` shuffles instead of ``vpmaddwd``, hence the x86 intrinsic.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numba
+import numpy as np
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import carray, config, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .jit_base import (
+    ACC_FLOATS,
+    F16_TABLE,
+    F32_1D,
+    F32_2D,
+    F32_2D_C,
+    GEMV_ROWS,
+    I8_2D,
+    LANES,
+    U8_2D,
+    JitKernel,
+    compiled,
+    prefetch,
+    stack_f32,
+)
+from .legacy import Q4_0, Q5_0
+from .q8_0 import Q8_0_BYTES
+from .q8_act import Q8_ACT_BLOCK, Q8_ACT_MAX
+
+PAIRS = Q8_ACT_BLOCK // 2  # int32 lanes of a block's products (pairs of adjacent products)
+inline = numba.njit(inline="always", cache=True, fastmath={"contract"})
+I8_2D_W = types.int8[:, ::1]  # quantized activations (written by quantize_rows)
+I16, I32, F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+V32_I8, V32_I16 = ir.VectorType(ir.IntType(8), Q8_ACT_BLOCK), ir.VectorType(I16, Q8_ACT_BLOCK)
+V16_I16, V16_I32, V16_F32 = ir.VectorType(I16, PAIRS), ir.VectorType(I32, PAIRS), ir.VectorType(F32, PAIRS)
+V8_I32, V16_I8, V32_I32 = ir.VectorType(I32, PAIRS // 2), ir.VectorType(ir.IntType(8), PAIRS), ir.VectorType(I32, 32)
+
+
+def _pointer(context, builder: ir.IRBuilder, array_type: types.Array, array: ir.Value, at: ir.Value,
+             vector: ir.VectorType) -> ir.Value:
+    """``&array[at]`` (flat element index) as a pointer to ``vector``."""
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(builder.gep(data, [at]), vector.as_pointer())
+
+
+def _target_features() -> frozenset[str]:
+    """The CPU features numba compiles for (its own choice: ``NUMBA_CPU_FEATURES``, else the host's), which
+    also key its on-disk cache, so a kernel cached for one CPU is never loaded on another."""
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else llvm.get_host_cpu_features().flatten()
+    return frozenset(f[1:] for f in features.split(",") if f.startswith("+"))
+
+
+FEATURES = _target_features()
+
+
+def _pairs(builder: ir.IRBuilder, w: ir.Value, x: ir.Value) -> ir.Value:
+    """``<16 x i32>``: ``w[2j] * x[2j] + w[2j+1] * x[2j+1]`` for two ``<32 x i8>``, exact: ``pmaddwd`` on the
+    int16 widening (LLVM does not match the generic form, which it narrows to int16 products, to it), in
+    one 512-bit instruction with AVX-512BW, two 256-bit ones with AVX2, the generic IR elsewhere."""
+    w16, x16 = builder.sext(w, V32_I16), builder.sext(x, V32_I16)
+    if "avx512bw" in FEATURES:
+        pmaddwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_I32, [V32_I16] * 2),
+                                                 "llvm.x86.avx512.pmaddw.d.512")
+        return builder.call(pmaddwd, [w16, x16])
+    undef = ir.Constant(V32_I16, ir.Undefined)
+    if "avx2" in FEATURES:
+        pmaddwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8_I32, [V16_I16] * 2),
+                                                 "llvm.x86.avx2.pmadd.wd")
+        halves = [builder.call(pmaddwd, [builder.shuffle_vector(w16, undef, half),
+                                         builder.shuffle_vector(x16, undef, half)])
+                  for half in (ir.Constant(V16_I32, list(range(h, h + PAIRS))) for h in (0, PAIRS))]
+        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(V16_I32, list(range(PAIRS))))
+    total = None
+    for parity in (0, 1):
+        pick = ir.Constant(V16_I32, list(range(parity, Q8_ACT_BLOCK, 2)))
+        a = builder.sext(builder.shuffle_vector(w16, undef, pick), V16_I32)
+        b = builder.sext(builder.shuffle_vector(x16, undef, pick), V16_I32)
+        product = builder.mul(a, b)
+        total = product if total is None else builder.add(total, product)
+    return total
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
+    """``value`` in every element of ``vector``."""
+    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, I32(0))
+    zeros = ir.Constant(ir.VectorType(I32, vector.count), [0] * vector.count)
+    return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), zeros)
+
+
+def _fma_pairs(context, builder: ir.IRBuilder, signature, w: ir.Value, args: list, halves: bool = False) -> None:
+    """``acc = fma(f32(pairs(w, x)), scale, acc)`` for the block's ``<32 x i8>`` weights ``w`` and the last four
+    arguments ``x, x_at, scale, acc`` (the 32 int8 activations at ``x[x_at]``; 16 float32 lanes ``acc``); with
+    ``halves`` the last five, ``x, x_at, scale0, scale1, acc``: lanes 0-7 (values 0-15) by ``scale0``, lanes
+    8-15 (values 16-31) by ``scale1``."""
+    count = 5 if halves else 4
+    x, x_at, *scales, lanes = args[-count:]
+    types_ = signature.args[-count:]
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3), "llvm.fma.v16f32")
+    qx = builder.load(_pointer(context, builder, types_[0], x, x_at, V32_I8), align=1)
+    pairs = builder.sitofp(_pairs(builder, w, qx), V16_F32)
+    at = _pointer(context, builder, types_[-1], lanes, ir.Constant(ir.IntType(64), 0), V16_F32)
+    scale = _splat(builder, scales[0], V16_F32)
+    if halves:
+        upper = _splat(builder, scales[1], V16_F32)
+        scale = builder.shuffle_vector(scale, upper, ir.Constant(V16_I32, [*range(8), *range(24, 32)]))
+    builder.store(builder.call(fma, [pairs, scale, builder.load(at, align=4)]), at, align=4)
+
+
+@intrinsic
+def pairs_fma(typingctx, w, w_at, x, x_at, scale, acc):  # noqa: ARG001 (numba's intrinsic protocol)
+    """``acc[j] = fma(f32(pairs[j]), scale, acc[j])`` for the 16 pair sums of the 32 int8 weights at ``w[w_at]``
+    and the 32 int8 activations at ``x[x_at]`` (flat indices of C-contiguous arrays; ``acc``: 16 float32)."""
+
+    def codegen(context, builder, signature, args):
+        qw = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], V32_I8), align=1)
+        _fma_pairs(context, builder, signature, qw, args)
+        return context.get_dummy_value()
+
+    return types.void(w, w_at, x, x_at, scale, acc), codegen
+
+
+@intrinsic
+def nibble_pairs_fma(typingctx, blocks, at, qh, bias, x, x_at, scale, acc):  # noqa: ARG001
+    """:func:`pairs_fma` for the 32 weights of a Q4_0/Q5_0 block: the 16 bytes at ``blocks[at]`` (value ``k``
+    the low nibble of byte ``k``, value ``16 + k`` the high one), bit 4 of value ``k`` from bit ``k`` of ``qh``
+    (a uint32, or None), minus ``bias``; unpacked in int8 vector arithmetic."""
+
+    def codegen(context, builder, signature, args):
+        q = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], V16_I8), align=1)
+        low = builder.and_(q, ir.Constant(V16_I8, [15] * PAIRS))
+        high = builder.lshr(q, ir.Constant(V16_I8, [4] * PAIRS))
+        w = builder.shuffle_vector(low, high, ir.Constant(V32_I32, list(range(Q8_ACT_BLOCK))))
+        if signature.args[2] != types.none:
+            qh = args[2]
+            bits = _splat(builder, builder.trunc(qh, I32) if qh.type.width > 32 else qh, V32_I32)
+            bit = builder.and_(builder.lshr(bits, ir.Constant(V32_I32, list(range(Q8_ACT_BLOCK)))),
+                               ir.Constant(V32_I32, [1] * Q8_ACT_BLOCK))
+            w = builder.or_(w, builder.shl(builder.trunc(bit, V32_I8), ir.Constant(V32_I8, [4] * Q8_ACT_BLOCK)))
+        w = builder.sub(w, _splat(builder, builder.trunc(args[3], ir.IntType(8)), V32_I8))
+        _fma_pairs(context, builder, signature, w, args)
+        return context.get_dummy_value()
+
+    return types.void(blocks, at, qh, bias, x, x_at, scale, acc), codegen
+
+
+@intrinsic
+def nibbles32_pairs_fma(typingctx, blocks, at, shift, x, x_at, scale, acc):  # noqa: ARG001
+    """:func:`pairs_fma` for 32 4-bit weights (0..15): the low (``shift`` 0) or high (4) nibbles of the 32 bytes
+    at ``blocks[at]`` (a Q4_K sub-block)."""
+
+    def codegen(context, builder, signature, args):
+        q = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], V32_I8), align=1)
+        count = _splat(builder, builder.trunc(args[2], ir.IntType(8)), V32_I8)
+        w = builder.and_(builder.lshr(q, count), ir.Constant(V32_I8, [15] * Q8_ACT_BLOCK))
+        _fma_pairs(context, builder, signature, w, args)
+        return context.get_dummy_value()
+
+    return types.void(blocks, at, shift, x, x_at, scale, acc), codegen
+
+
+@intrinsic
+def q6_pairs_fma(typingctx, blocks, low_at, shift, high_at, high, x, x_at, scale0, scale1, acc):  # noqa: ARG001
+    """:func:`pairs_fma` for 32 6-bit weights of a Q6_K block: ``((blocks[low_at + k] >> shift) & 15) |
+    (((blocks[high_at + k] >> high) & 3) << 4)`` minus 32, values 0-15 scaled by ``scale0``, 16-31 by ``scale1``."""
+
+    def codegen(context, builder, signature, args):
+        def bits(at, by, mask):
+            q = builder.load(_pointer(context, builder, signature.args[0], args[0], at, V32_I8), align=1)
+            count = _splat(builder, builder.trunc(by, ir.IntType(8)), V32_I8)
+            return builder.and_(builder.lshr(q, count), ir.Constant(V32_I8, [mask] * Q8_ACT_BLOCK))
+
+        w = builder.or_(bits(args[1], args[2], 15),
+                        builder.shl(bits(args[3], args[4], 3), ir.Constant(V32_I8, [4] * Q8_ACT_BLOCK)))
+        w = builder.sub(w, ir.Constant(V32_I8, [32] * Q8_ACT_BLOCK))
+        _fma_pairs(context, builder, signature, w, args, halves=True)
+        return context.get_dummy_value()
+
+    return types.void(blocks, low_at, shift, high_at, high, x, x_at, scale0, scale1, acc), codegen
+
+
+@compiled(types.void(F32_2D_C, I8_2D_W, F32_2D_C), contract=False)
+def quantize_rows(x, q, d):
+    """``q``, ``d`` = :func:`.q8_act.quantize_activations` of ``x`` [N, nb * 32] (the same float32 operations)."""
+    nb = d.shape[1]
+    for i in range(x.shape[0]):
+        for b in range(nb):
+            xs = x[i, b * 32: b * 32 + 32]
+            amax = np.float32(0)
+            for k in range(32):
+                amax = max(amax, abs(xs[k]))
+            scale = amax / Q8_ACT_MAX
+            inverse = np.float32(1) / scale if scale > 0 else np.float32(0)
+            d[i, b] = scale
+            for k in range(32):
+                q[i, b * 32 + k] = np.int8(np.rint(xs[k] * inverse))
+
+
+@inline
+def _block(table, blocks, b, geo):
+    """(first byte, scale ``d``) of block ``b`` of a stored row; ``geo`` = (bytes per block, first quant byte,
+    bias, byte of Q5's ``qh`` or -1)."""
+    o = b * geo[0]
+    prefetch(blocks, o)
+    return o, table[np.int64(np.uint8(blocks[o])) | (np.int64(np.uint8(blocks[o + 1])) << 8)]
+
+
+@inline
+def _q8(blocks, o, geo, xq, at, scale, acc):
+    pairs_fma(blocks, o + geo[1], xq, at, scale, acc)
+
+
+@inline
+def _q4(blocks, o, geo, xq, at, scale, acc):
+    nibble_pairs_fma(blocks, o + geo[1], None, geo[2], xq, at, scale, acc)
+
+
+@inline
+def _q5(blocks, o, geo, xq, at, scale, acc):
+    qh = geo[3] + o
+    bits = (np.uint32(np.uint8(blocks[qh])) | (np.uint32(np.uint8(blocks[qh + 1])) << np.uint32(8))
+            | (np.uint32(np.uint8(blocks[qh + 2])) << np.uint32(16))
+            | (np.uint32(np.uint8(blocks[qh + 3])) << np.uint32(24)))
+    nibble_pairs_fma(blocks, o + geo[1], bits, geo[2], xq, at, scale, acc)
+
+
+@inline
+def gemv1_loop(update, geo, raw, xq, xd, table, out):
+    """:func:`gemv_loop` for one activation row (the same operations, its lanes kept in registers)."""
+    nb = xd.shape[1]
+    acc = carray(stack_f32(PAIRS), (PAIRS,))
+    xr, dr = xq[0], xd[0]
+    for r in range(raw.shape[0]):
+        blocks = raw[r]
+        for k in range(PAIRS):
+            acc[k] = 0
+        for b in range(nb):
+            o, d = _block(table, blocks, b, geo)
+            update(blocks, o, geo, xr, b * 32, d * dr[b], acc)
+        s = np.float32(0)
+        for k in range(PAIRS):
+            s += acc[k]
+        out[0, r] = s
+
+
+@inline
+def gemv_loop(update, geo, raw, xq, xd, table, out):
+    """``out[i, r] = sum_b d_w[r, b] * d_x[i, b] * (W[r, b] . q[i, b])`` for stored rows ``raw`` and 1..GEMV_ROWS
+    quantized activation rows ``xq`` [N, nb * 32], ``xd`` [N, nb]; ``update`` adds a block's pair sums."""
+    n, nb = xq.shape[0], xd.shape[1]
+    acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
+    for r in range(raw.shape[0]):
+        blocks = raw[r]
+        for i in range(n):
+            for k in range(PAIRS):
+                acc[i, k] = 0
+        for b in range(nb):
+            o, d = _block(table, blocks, b, geo)
+            for i in range(n):
+                update(blocks, o, geo, xq[i], b * 32, d * xd[i, b], acc[i])
+        for i in range(n):
+            s = np.float32(0)
+            for k in range(PAIRS):
+                s += acc[i, k]
+            out[i, r] = s
+
+
+Q8_0_GEO, Q4_0_GEO, Q5_0_GEO = (Q8_0_BYTES, 2, 0, -1), (Q4_0().type_size, 2, 8, -1), (Q5_0().type_size, 6, 16, 2)
+Q8_0_GEMV = types.void(I8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
+LEGACY_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
+
+
+@compiled(Q8_0_GEMV)
+def q8_0_gemv1_q8(raw, xq, xd, table, out):
+    gemv1_loop(_q8, Q8_0_GEO, raw, xq, xd, table, out)
+
+
+@compiled(Q8_0_GEMV)
+def q8_0_gemv_q8(raw, xq, xd, table, out):
+    gemv_loop(_q8, Q8_0_GEO, raw, xq, xd, table, out)
+
+
+@compiled(LEGACY_GEMV)
+def q4_0_gemv1_q8(raw, xq, xd, table, out):
+    gemv1_loop(_q4, Q4_0_GEO, raw, xq, xd, table, out)
+
+
+@compiled(LEGACY_GEMV)
+def q4_0_gemv_q8(raw, xq, xd, table, out):
+    gemv_loop(_q4, Q4_0_GEO, raw, xq, xd, table, out)
+
+
+@compiled(LEGACY_GEMV)
+def q5_0_gemv1_q8(raw, xq, xd, table, out):
+    gemv1_loop(_q5, Q5_0_GEO, raw, xq, xd, table, out)
+
+
+@compiled(LEGACY_GEMV)
+def q5_0_gemv_q8(raw, xq, xd, table, out):
+    gemv_loop(_q5, Q5_0_GEO, raw, xq, xd, table, out)
+
+
+class Int8Kernel(JitKernel):
+    """A matrix with 8-bit activations: up to ``direct_rows`` rows (and every row inside ``Workspace.rowwise``) by
+    integer dot products (``gemv1_q8``/``gemv_q8``), more rows exactly as the type's float kernel (``exact``:
+    decoded tile, BLAS)."""
+
+    block = Q8_ACT_BLOCK
+    constants = (F16_TABLE,)
+    exact: tuple[str, str]  # (module of this package, float kernel class) whose decoder prefill uses
+
+    def __init__(self, raw: np.ndarray) -> None:
+        super().__init__(raw)
+        module, name = self.exact
+        self.decode = getattr(importlib.import_module(f".{module}", __package__), name).decode
+
+    def activations(self, x: np.ndarray) -> tuple:
+        q = np.empty(x.shape, np.int8)
+        d = np.empty((len(x), x.shape[1] // Q8_ACT_BLOCK), np.float32)
+        quantize_rows(x, q, d)
+        return q, d
+
+    def _rows(self, raw: np.ndarray, x: np.ndarray, extra: list, out: np.ndarray) -> None:
+        (self.gemv1_q8 if len(x) == 1 else self.gemv_q8)(raw, *extra, *self.constants, out)
+
+
+class Q8_0Int8Kernel(Int8Kernel):
+    type_size, exact = Q8_0_BYTES, ("jit_q8_0", "Q8_0JitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(q8_0_gemv1_q8), staticmethod(q8_0_gemv_q8)
+
+    def stored(self, raw: np.ndarray) -> np.ndarray:
+        return raw.view(np.int8)
+
+
+class Q4_0Int8Kernel(Int8Kernel):
+    type_size, exact = Q4_0_GEO[0], ("jit_legacy", "Q4_0JitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(q4_0_gemv1_q8), staticmethod(q4_0_gemv_q8)
+
+
+class Q5_0Int8Kernel(Int8Kernel):
+    type_size, exact = Q5_0_GEO[0], ("jit_legacy", "Q5_0JitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(q5_0_gemv1_q8), staticmethod(q5_0_gemv_q8)
+

@@ -1,0 +1,147 @@
+"""Compiled integer-dot kernels of Q4_K and Q6_K with 8-bit activations (``activations="q8"``, numba; see
+:mod:`.jit_int8`).
+
+A Q4_K block of 256 values has 8 sub-blocks of 32 with ``value = ds_j * q - dm_j`` (``q`` 0..15;
+:func:`.jit_kquants.q4_k_scales`), so against activations quantized per 32 (``d_x[j]``, ``q_x``) a row is
+``sum_j ds_j * d_x[j] * (q_j . q_x[j]) - dm_j * xsum[j]``: the integer part by :func:`.jit_int8.nibbles32_pairs_fma`
+(the 32 low or high nibbles of 32 consecutive bytes), the minimums against the float32 activation sums per 32
+(exact activations, as the float kernel).  A Q6_K block has 16 sub-blocks of 16 values ``d * sc_j * (q - 32)``
+(``sc_j`` int8, ``q`` 6 bits): each activation block of 32 spans two, whose scales multiply the two halves
+of the 16 pair lanes (:func:`.jit_int8.q6_pairs_fma`).  A module of its own so that models without Q4_K do not load the
+K-quant kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import carray, types
+
+from .jit_base import (
+    ACC_FLOATS,
+    F32_1D,
+    F32_2D,
+    F32_2D_C,
+    GEMV_ROWS,
+    I8_2D,
+    LANES,
+    U8_2D,
+    compiled,
+    prefetch,
+    stack_f32,
+)
+from .jit_int8 import PAIRS, Int8Kernel, inline, nibbles32_pairs_fma, q6_pairs_fma
+from .jit_kquants import Q4_K_BYTES, Q6_K_BYTES, QK_K, q4_k_scales, sums_per_32
+
+
+@inline
+def q4_k_loop(raw, xq, xd, xsum, table, out, one_row):
+    """``out[i, r] = sum_j ds_j * d_x[i, j] * (q_j . q[i, j]) - dm_j * xsum[i, j]`` over the 32-value sub-blocks
+    ``j`` of Q4_K rows ``raw`` [R, nb * 144] (``ds``, ``dm``: :func:`.jit_kquants.q4_k_scales`; ``xsum``: the
+    float32 activation sums per 32, as the float kernel's minimums); ``one_row``: lanes in registers."""
+    n, nb = xq.shape[0], xd.shape[1] // 8
+    acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
+    lanes = carray(stack_f32(PAIRS), (PAIRS,))
+    mins = carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
+    ds, dm = carray(stack_f32(8), (8,)), carray(stack_f32(8), (8,))
+    rows = 1 if one_row else n
+    for r in range(raw.shape[0]):
+        for i in range(rows):
+            mins[i] = 0
+            for k in range(PAIRS):
+                acc[i, k] = 0
+        for k in range(PAIRS):
+            lanes[k] = 0
+        for b in range(nb):
+            blk = raw[r, b * Q4_K_BYTES: b * Q4_K_BYTES + Q4_K_BYTES]
+            prefetch(blk, 0)
+            q4_k_scales(blk, table, ds, dm)
+            for j in range(8):
+                at, shift = 16 + 32 * (j // 2), 4 * (j % 2)
+                for i in range(rows):
+                    mins[i] += dm[j] * xsum[i, b * 8 + j]
+                    nibbles32_pairs_fma(blk, at, shift, xq[i], b * 256 + 32 * j, ds[j] * xd[i, b * 8 + j],
+                                        lanes if one_row else acc[i])
+        for i in range(rows):
+            a = lanes if one_row else acc[i]
+            s = np.float32(0)
+            for k in range(PAIRS):
+                s += a[k]
+            out[i, r] = s - mins[i]
+
+
+@inline
+def q6_k_loop(raw, xq, xd, table, out, one_row):
+    """``out[i, r] = sum_j d * sc_j * d_x[i, j // 2] * (w_j . q_x[i, j])`` over the 16-value sub-blocks ``j`` of
+    Q6_K rows ``raw`` [R, nb * 210] (``w = q - 32``; two sub-blocks per activation block of 32, their scales in
+    the two halves of the lanes); ``one_row``: lanes in registers."""
+    n, nb = xq.shape[0], xd.shape[1] // 8
+    acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
+    lanes = carray(stack_f32(PAIRS), (PAIRS,))
+    rows = 1 if one_row else n
+    for r in range(raw.shape[0]):
+        for i in range(rows):
+            for k in range(PAIRS):
+                acc[i, k] = 0
+        for k in range(PAIRS):
+            lanes[k] = 0
+        for b in range(nb):
+            o = b * Q6_K_BYTES
+            blk = raw[r, o: o + Q6_K_BYTES]
+            prefetch(blk, 0)
+            d = table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)]
+            for h in range(2):
+                for s in range(4):
+                    j = 8 * h + 2 * s
+                    d0 = d * np.float32(np.int8(blk[192 + j]))
+                    d1 = d * np.float32(np.int8(blk[193 + j]))
+                    g = 4 * h + s  # the activation block of 32 within the 256
+                    for i in range(rows):
+                        dx = xd[i, b * 8 + g]
+                        q6_pairs_fma(blk, 64 * h + 32 * (s % 2), 4 * (s // 2), 128 + 32 * h, 2 * s, xq[i],
+                                     b * 256 + 32 * g, d0 * dx, d1 * dx, lanes if one_row else acc[i])
+        for i in range(rows):
+            a = lanes if one_row else acc[i]
+            t = np.float32(0)
+            for k in range(PAIRS):
+                t += a[k]
+            out[i, r] = t
+
+
+Q6_K_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
+
+
+@compiled(Q6_K_GEMV)
+def q6_k_gemv1_q8(raw, xq, xd, table, out):
+    q6_k_loop(raw, xq, xd, table, out, True)
+
+
+@compiled(Q6_K_GEMV)
+def q6_k_gemv_q8(raw, xq, xd, table, out):
+    q6_k_loop(raw, xq, xd, table, out, False)
+
+
+Q4_K_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
+
+
+@compiled(Q4_K_GEMV)
+def q4_k_gemv1_q8(raw, xq, xd, xsum, table, out):
+    q4_k_loop(raw, xq, xd, xsum, table, out, True)
+
+
+@compiled(Q4_K_GEMV)
+def q4_k_gemv_q8(raw, xq, xd, xsum, table, out):
+    q4_k_loop(raw, xq, xd, xsum, table, out, False)
+
+
+class Q4_KInt8Kernel(Int8Kernel):
+    block, type_size, exact = QK_K, Q4_K_BYTES, ("jit_kquants", "Q4_KJitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(q4_k_gemv1_q8), staticmethod(q4_k_gemv_q8)
+
+    def activations(self, x: np.ndarray) -> tuple:
+        return (*super().activations(x), sums_per_32(x))
+
+
+
+class Q6_KInt8Kernel(Int8Kernel):
+    block, type_size, exact = QK_K, Q6_K_BYTES, ("jit_kquants", "Q6_KJitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(q6_k_gemv1_q8), staticmethod(q6_k_gemv_q8)

@@ -1,0 +1,43 @@
+"""8-bit activations (``activations="q8"``): the plain numpy reference of the integer-dot products.
+
+An activation row is quantized per block of 32 values, as llama.cpp's q8_0 activations: ``d = max|x| / 127``
+(float32, where llama.cpp rounds it to float16), ``q = rint(x * (1 / d))`` in int8 (``q = 0`` for an all-zero
+block).  A stored block of 32 integer weights ``w`` (Q8_0's ``q``, Q4_0's ``q - 8``, Q5_0's ``q - 16``) with
+scale ``d_w`` then contributes ``(d_w * d) * sum(w * q)``, the sum exact in int32 (at most 32 * 128 * 127).
+This changes the numbers: the activations carry 8 bits, so a product's relative error is about 2^-9 of the
+row's magnitude, not float32's 2^-24 (measured logit errors in README's kernels section).  A block holding an
+infinity or NaN quantizes to unspecified values (the float path would carry them into the product).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+Q8_ACT_BLOCK = 32  # activation values per scale
+Q8_ACT_MAX = np.float32(127)
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of float32 activations as int8 blocks.  # x [N, nb * 32] -> (q int8 [N, nb * 32], d float32 [N, nb])"""
+    n, k = x.shape
+    blocks = np.asarray(x, np.float32).reshape(n, k // Q8_ACT_BLOCK, Q8_ACT_BLOCK)  # [N, nb, 32]
+    d = np.max(np.abs(blocks), axis=2) / Q8_ACT_MAX  # [N, nb]
+    inverse = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.rint(blocks * inverse[:, :, None]).astype(np.int8)
+    return q.reshape(n, k), d
+
+
+def block_sums(w: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Exact integer dot products per block.  # w int [R, nb * 32], q int8 [N, nb * 32] -> int32 [N, R, nb]"""
+    nb = w.shape[1] // Q8_ACT_BLOCK
+    wb = w.astype(np.int32).reshape(len(w), nb, Q8_ACT_BLOCK)
+    qb = q.astype(np.int32).reshape(len(q), nb, Q8_ACT_BLOCK)
+    return np.einsum("rbk,nbk->nrb", wb, qb).astype(np.int32)
+
+
+def product(w: np.ndarray, w_scales: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``x @ W.T`` with 8-bit activations, in float64 from the exact block sums (the reference the compiled
+    kernels are held to).  # w int [R, nb * 32], w_scales [R, nb], x [N, nb * 32] -> float64 [N, R]"""
+    q, d = quantize_activations(x)
+    sums = block_sums(w, q).astype(np.float64)  # [N, R, nb]
+    return np.einsum("nrb,rb,nb->nr", sums, w_scales.astype(np.float64), d.astype(np.float64))

@@ -1,0 +1,324 @@
+"""The integer-dot kernels with 8-bit activations (``activations="q8"``) against the plain numpy reference of
+the same integer arithmetic (``qwen_runtime/quants/q8_act.py``).
+
+Error model of a product row: the int32 block sums are exact; per block, 16 exact int32 pair sums (each below
+2^24, so exact in float32) are fused into 16 float32 lanes with the scale ``fl(d_w * d_x)`` (one rounding
+for the scale, one per fused add), and the lanes are summed in order: against the float64 value of the exact
+block sums, ``|got - ref| <= (nb + 16 + 1) * eps32 * sum |w q| d_w d_x`` (first-order ``gamma_m``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import quants as gquants
+from runtime_helpers import Converted
+
+from qwen_runtime import load
+from qwen_runtime.errors import KernelsError
+from qwen_runtime.pool import Workspace
+from qwen_runtime.quants import QType, codec, q8_act
+from qwen_runtime.tensors import StoredTensor
+from qwen_runtime.weights import make_weight
+
+pytest.importorskip("numba")
+from qwen_runtime.quants.jit_base import F16_TABLE, GEMV_ROWS  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.quants.jit_int8 import (  # noqa: E402
+    Int8Kernel,
+    Q4_0Int8Kernel,
+    Q5_0Int8Kernel,
+    Q8_0Int8Kernel,
+    quantize_rows,
+)
+from qwen_runtime.quants.jit_int8_k import Q4_KInt8Kernel, Q6_KInt8Kernel  # noqa: E402
+
+EPS32 = float(np.finfo(np.float32).eps)
+EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF], np.uint16)  # zero, -0, subnormal, max
+
+
+BYTES = {QType.Q8_0: 34, QType.Q4_0: 18, QType.Q5_0: 22}
+KERNELS = {QType.Q8_0: Q8_0Int8Kernel, QType.Q4_0: Q4_0Int8Kernel, QType.Q5_0: Q5_0Int8Kernel}
+TYPES = list(KERNELS)
+
+
+def random_blocks(qtype: QType, rows: int, nb: int, seed: int, scales: np.ndarray | None = None) -> np.ndarray:
+    """Random rows [rows, nb * bytes per block] (every quant value: ±max, Q8_0's -128), float16 scales of about
+    1e-3 with a tenth of edge values, or ``scales`` (float16 bits) when given."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, nb, BYTES[qtype]), dtype=np.uint8)
+    if scales is None:
+        scales = (rng.uniform(2e-4, 2e-3, (rows, nb)) * rng.choice([-1, 1], (rows, nb))).astype(np.float16)
+        scales = scales.view(np.uint16)
+        edge = rng.random(scales.shape) < 0.1
+        scales[edge] = rng.choice(EDGE_F16, int(edge.sum()))
+    blocks[:, :, :2] = np.broadcast_to(scales, (rows, nb))[..., None].view(np.uint8).reshape(rows, nb, 2)
+    return blocks.reshape(rows, nb * BYTES[qtype])
+
+
+def weights_of(qtype: QType, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(integer weights int16 [R, nb * 32], float32 scales [R, nb]) of stored rows, checked against the codec's
+    reference decoder (value = scale * weight)."""
+    blocks = raw.reshape(len(raw), -1, BYTES[qtype])
+    scales = F16_TABLE[blocks[:, :, :2].copy().view(np.uint16)[..., 0]]
+    if qtype == QType.Q8_0:
+        w = blocks[:, :, 2:].view(np.int8).astype(np.int16)
+    else:
+        qs = blocks[:, :, -16:].astype(np.int16)
+        w = np.concatenate([qs & 15, qs >> 4], axis=2)
+        if qtype == QType.Q5_0:
+            qh = blocks[:, :, 2:6].copy().view(np.uint32)  # [R, nb, 1]
+            w |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
+        w -= 16 if qtype == QType.Q5_0 else 8
+    w = w.reshape(len(raw), -1)
+    decoded = codec(qtype).reference(raw).reshape(len(raw), -1, 32)
+    assert np.array_equal(decoded, scales[..., None] * w.reshape(decoded.shape).astype(np.float32))
+    return w, scales
+
+
+def activations(n: int, cols: int, seed: int) -> np.ndarray:
+    """Normal rows with edge blocks: all zero, one tiny value, a constant, ±large, values rounding at .5."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0, 1, (n, cols)).astype(np.float32)
+    if cols >= 5 * 32:
+        x[:, 0:32] = 0
+        x[:, 32:64] = 0
+        x[:, 40] = 1e-30
+        x[:, 64:96] = -3.25
+        x[:, 96:128] *= 1e30
+        x[:, 128:160] = np.arange(-16, 16) + 0.5
+    return x
+
+
+def run(kernel: Int8Kernel, x: np.ndarray) -> np.ndarray:
+    out = np.empty((len(x), kernel.raw.shape[0]), np.float32)
+    xq, *extra = kernel.prepare(x)
+    kernel._rows(kernel.raw, xq, extra, out)
+    return out
+
+
+def test_activations_quantize_as_the_reference() -> None:
+    x = activations(7, 12 * 32, seed=0)
+    q, d = np.empty(x.shape, np.int8), np.empty((7, 12), np.float32)
+    quantize_rows(x, q, d)
+    q_ref, d_ref = q8_act.quantize_activations(x)
+    assert np.array_equal(q, q_ref) and np.array_equal(d, d_ref)
+    assert np.all(q[:, :32] == 0) and np.all(d[:, 0] == 0)  # an all-zero block
+    assert np.abs(q).max() == 127 and np.all(np.abs(q).reshape(7, 12, 32).max(axis=2)[:, 1:] == 127)
+    blocks = x.reshape(7, 12, 32)
+    assert np.all(np.abs(q.reshape(7, 12, 32) * d[..., None] - blocks) <= d[..., None] * (0.5 + 1e-5))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("n", [1, 2, 5, GEMV_ROWS])
+def test_block_sums_are_exact(qtype: QType, n: int) -> None:
+    """Scales of 1 and activation blocks whose largest value is 127 (so ``d_x = 1``, ``q = x``): every sum of
+    the products is an integer below 2^24, so the kernel's float32 result is the exact int32 sum."""
+    rng = np.random.default_rng(n)
+    for nb in (1, 3):
+        raw = random_blocks(qtype, 37, nb, seed=n, scales=np.uint16(0x3C00))  # 37 rows: not a multiple of any tile
+        x = rng.integers(-127, 128, (n, nb * 32)).astype(np.float32)
+        x[:, ::32] = rng.choice([-127, 127], (n, nb))
+        w, _ = weights_of(qtype, raw)
+        q, d = q8_act.quantize_activations(x)
+        assert np.array_equal(q, x) and np.all(d == 1)
+        expected = q8_act.block_sums(w, q).sum(axis=2)  # [n, 37] int32
+        assert np.array_equal(run(KERNELS[qtype](raw), x), expected.astype(np.float32))
+    if qtype != QType.Q8_0:
+        return
+    extreme = random_blocks(qtype, 2, 1, seed=0, scales=np.uint16(0x3C00))
+    extreme[0, 2:] = np.uint8(128)  # -128 everywhere
+    extreme[1, 2:] = 127
+    x = np.full((1, 32), -127, np.float32)
+    assert run(Q8_0Int8Kernel(extreme), x).tolist() == [[32 * 128 * 127, -32 * 127 * 127]]
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("n", [1, 3, 8, GEMV_ROWS])
+def test_products_within_the_error_model(qtype: QType, n: int) -> None:
+    nb, rows = 14, 53
+    raw = random_blocks(qtype, rows, nb, seed=10 + n)
+    x = activations(n, nb * 32, seed=n)
+    w, scales = weights_of(qtype, raw)
+    got = run(KERNELS[qtype](raw), x)
+    reference = q8_act.product(w, scales, x)
+    q, d = q8_act.quantize_activations(x)
+    sums = q8_act.block_sums(np.abs(w), np.abs(q))  # sum |w q| per block
+    magnitude = np.einsum("nrb,rb,nb->nr", sums.astype(np.float64), np.abs(scales.astype(np.float64)), d)
+    assert np.all(np.abs(got - reference) <= (nb + 17) * EPS32 * magnitude)
+    assert np.all(np.isfinite(got))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_rows_equal_alone_and_in_any_batch(qtype: QType) -> None:
+    """Row invariance (the server's batch invariance): 1..GEMV_ROWS rows, and more through ``rowwise``."""
+    raw = random_blocks(qtype, 29, 9, seed=3)
+    x = activations(GEMV_ROWS + 5, 9 * 32, seed=4)
+    kernel = KERNELS[qtype](raw)
+    alone = np.concatenate([run(kernel, x[i:i + 1]) for i in range(len(x))])
+    for n in range(2, GEMV_ROWS + 1):
+        assert np.array_equal(run(kernel, x[:n]), alone[:n])
+    ws = Workspace(threads=2, kernels="numba", activations="q8")
+    weight = make_weight(StoredTensor("w", qtype, (29, 9 * 32), "memory", data=raw), ws, tile_elements=8 * 288)
+    assert isinstance(weight.kernel, KERNELS[qtype])
+    with ws.rowwise():
+        assert np.array_equal(weight.matmul(x), alone)
+    assert np.array_equal(weight.matmul(x[:Int8Kernel.direct_rows]), alone[:Int8Kernel.direct_rows])
+    exact = make_weight(StoredTensor("w", qtype, (29, 9 * 32), "memory", data=raw),
+                        Workspace(threads=1, kernels="numba")).kernel  # more rows than direct_rows: exact
+    many = np.empty((len(x), 29), np.float32)
+    exact.product(0, 29, exact.prepare(x), many, ws.scratch[0])
+    assert np.array_equal(weight.matmul(x), many)
+
+
+def test_activations_choice_is_checked() -> None:
+    with pytest.raises(KernelsError, match="compiled kernels"):
+        Workspace(kernels="numpy", activations="q8")
+    with pytest.raises(KernelsError, match="activations"):
+        Workspace(kernels="numba", activations="int4")
+    assert Workspace(kernels="numba").activations == "float"
+
+
+def test_model_logits_close_to_the_float_path(converted: Converted) -> None:
+    """A Q8_0 model with 8-bit activations: every Q8_0 product uses the integer kernel, and its logits stay
+    within the 8-bit activations' error (2^-8 of each product's magnitude, through a few layers) of the exact
+    path's."""
+    path = converted("qwen2-tiny", "gguf", "q8_0")
+    exact, q8 = load(path, kernels="numba"), load(path, kernels="numba", activations="q8")
+    assert q8.workspace.activations == "q8"
+    ids = np.array([[3, 17, 42, 7, 99, 5]])
+    cache_exact, cache_q8 = exact.make_cache(1, 8), q8.make_cache(1, 8)
+    exact.forward(ids, cache_exact, last_only=True)
+    q8.forward(ids, cache_q8, last_only=True)
+    step = np.array([[11]])
+    want, got = exact.forward(step, cache_exact), q8.forward(step, cache_q8)  # one decode step: integer products
+    assert not np.array_equal(got, want)
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+
+
+def q4_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q int16 [R, nb * 256] 0..15, ds [R, nb * 8], dm [R, nb * 8]) of Q4_K rows (gguf's scale unpacking),
+    checked against the codec's reference (value = ds * q - dm, rounded as float32)."""
+    blocks = raw.reshape(-1, 144)
+    sc, m = gquants.Q4_K.get_scale_min(blocks[:, 4:16])
+    d, dmin = (F16_TABLE[blocks[:, at:at + 2].copy().view(np.uint16)[:, 0]] for at in (0, 2))
+    ds, dm = d[:, None] * sc.astype(np.float32), dmin[:, None] * m.astype(np.float32)  # [blocks, 8]
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 15).reshape(-1, 8, 32).astype(np.int16)
+    decoded = codec(QType.Q4_K).reference(raw).reshape(-1, 8, 32)
+    assert np.array_equal(decoded, ds[..., None] * q.astype(np.float32) - dm[..., None])
+    rows = len(raw)
+    return q.reshape(rows, -1), ds.reshape(rows, -1), dm.reshape(rows, -1)
+
+
+def q4_k_rows(rows: int, nb: int, seed: int, unit: bool = False) -> np.ndarray:
+    """Random Q4_K rows; ``unit``: d = 1, dmin = 0 and every 6-bit scale 1 (values = the nibbles)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * nb, 144), dtype=np.uint8)
+    d = (rng.uniform(1e-3, 1e-2, (rows * nb, 2)) * rng.choice([-1, 1], (rows * nb, 2))).astype(np.float16)
+    d.view(np.uint16)[rng.random(d.shape) < 0.1] = 0
+    if unit:
+        d[:] = [1, 0]
+        blocks[:, 4:16] = [1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1]
+    blocks[:, :4] = d.view(np.uint8)
+    return blocks.reshape(rows, nb * 144)
+
+
+@pytest.mark.parametrize("n", [1, 4, GEMV_ROWS])
+def test_q4_k_block_sums_are_exact(n: int) -> None:
+    raw = q4_k_rows(23, 2, seed=n, unit=True)
+    q_w, ds, dm = q4_k_parts(raw)
+    assert np.all(ds == 1) and np.all(dm == 0)
+    rng = np.random.default_rng(n)
+    x = rng.integers(-127, 128, (n, 512)).astype(np.float32)
+    x[:, ::32] = 127
+    q, d = q8_act.quantize_activations(x)
+    assert np.array_equal(q, x) and np.all(d == 1)
+    expected = q8_act.block_sums(q_w, q).sum(axis=2).astype(np.float32)  # below 2^24: exact in float32
+    assert np.array_equal(run(Q4_KInt8Kernel(raw), x), expected)
+
+
+@pytest.mark.parametrize("n", [1, 3, GEMV_ROWS])
+def test_q4_k_within_the_error_model(n: int) -> None:
+    """``sum_j ds_j d_x[j] (q_j . q_x[j]) - dm_j xsum[j]`` (float64 from exact block sums; ``xsum`` the float32
+    sums per 32): the lanes' terms as in the module docstring, plus the minimums' own ``nb * 8`` ordered sums."""
+    nb = 3
+    raw = q4_k_rows(31, nb, seed=20 + n)
+    x = activations(n, nb * 256, seed=n)
+    q_w, ds, dm = q4_k_parts(raw)
+    q, d = q8_act.quantize_activations(x)
+    xsum = x.reshape(n, -1, 32).sum(axis=2, dtype=np.float32)
+    sums = q8_act.block_sums(q_w, q).astype(np.float64)  # [n, R, nb * 8]
+    reference = np.einsum("nrj,rj,nj->nr", sums, ds.astype(np.float64), d) - xsum.astype(np.float64) @ dm.T
+    magnitude = np.einsum("nrj,rj,nj->nr", q8_act.block_sums(q_w, np.abs(q)).astype(np.float64), np.abs(ds), d)
+    magnitude += np.abs(xsum.astype(np.float64)) @ np.abs(dm.T)
+    got = run(Q4_KInt8Kernel(raw), x)
+    assert np.all(np.abs(got - reference) <= (nb * 8 + 18) * EPS32 * magnitude)
+    kernel = Q4_KInt8Kernel(raw)  # rows alone and in a batch: the same numbers
+    assert np.array_equal(np.concatenate([run(kernel, x[i:i + 1]) for i in range(n)]), got)
+
+
+def q6_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(w = q - 32 int16 [R, nb * 256], d * sc float32 [R, nb * 16]) of Q6_K rows, checked against the codec's
+    reference (value = (d * sc) * w in float32)."""
+    blocks = raw.reshape(-1, 210)
+    ql, qh = blocks[:, :128].astype(np.int16), blocks[:, 128:192].astype(np.int16)
+    w = np.empty((len(blocks), 256), np.int16)
+    for h in range(2):
+        for s in range(4):
+            low = (ql[:, 64 * h + 32 * (s % 2): 64 * h + 32 * (s % 2) + 32] >> (4 * (s // 2))) & 15
+            high = (qh[:, 32 * h: 32 * h + 32] >> (2 * s)) & 3
+            w[:, 128 * h + 32 * s: 128 * h + 32 * s + 32] = (low | (high << 4)) - 32
+    d = F16_TABLE[blocks[:, 208:210].copy().view(np.uint16)[:, 0]]
+    scales = d[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)  # [blocks, 16]
+    decoded = codec(QType.Q6_K).reference(raw).reshape(-1, 16, 16)
+    assert np.array_equal(decoded, scales[..., None] * w.reshape(-1, 16, 16).astype(np.float32))
+    return w.reshape(len(raw), -1), scales.reshape(len(raw), -1)
+
+
+def q6_k_rows(rows: int, nb: int, seed: int, unit: bool = False) -> np.ndarray:
+    """Random Q6_K rows; ``unit``: d = 1 and every scale 1 (values = q - 32)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * nb, 210), dtype=np.uint8)
+    d = (rng.uniform(1e-4, 1e-3, rows * nb) * rng.choice([-1, 1], rows * nb)).astype(np.float16)
+    d.view(np.uint16)[rng.random(d.shape) < 0.1] = 0
+    if unit:
+        d[:] = 1
+        blocks[:, 192:208] = 1
+    blocks[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, nb * 210)
+
+
+@pytest.mark.parametrize("n", [1, 4, GEMV_ROWS])
+def test_q6_k_block_sums_are_exact(n: int) -> None:
+    raw = q6_k_rows(19, 2, seed=n, unit=True)
+    w, scales = q6_k_parts(raw)
+    assert np.all(scales == 1)
+    rng = np.random.default_rng(n)
+    x = rng.integers(-127, 128, (n, 512)).astype(np.float32)
+    x[:, ::32] = -127
+    q, d = q8_act.quantize_activations(x)
+    assert np.array_equal(q, x) and np.all(d == 1)
+    expected = q8_act.block_sums(w, q).sum(axis=2).astype(np.float32)
+    assert np.array_equal(run(Q6_KInt8Kernel(raw), x), expected)
+
+
+@pytest.mark.parametrize("n", [1, 3, GEMV_ROWS])
+def test_q6_k_within_the_error_model(n: int) -> None:
+    """``sum_j (d sc_j) d_x[j // 2] (w_j . q_x)`` over the 16-value sub-blocks, float64 from exact sums."""
+    nb = 3
+    raw = q6_k_rows(27, nb, seed=30 + n)
+    x = activations(n, nb * 256, seed=n)
+    w, scales = q6_k_parts(raw)
+    q, d = q8_act.quantize_activations(x)
+    halves = np.repeat(d, 2, axis=1).astype(np.float64)  # [n, nb * 16]: each sub-block's activation scale
+
+    def per_16(wi: np.ndarray, qi: np.ndarray) -> np.ndarray:
+        return np.einsum("rjk,njk->nrj", wi.reshape(len(wi), -1, 16).astype(np.int64),
+                         qi.reshape(len(qi), -1, 16).astype(np.int64)).astype(np.float64)
+
+    reference = np.einsum("nrj,rj,nj->nr", per_16(w, q), scales.astype(np.float64), halves)
+    magnitude = np.einsum("nrj,rj,nj->nr", per_16(np.abs(w), np.abs(q)), np.abs(scales.astype(np.float64)), halves)
+    got = run(Q6_KInt8Kernel(raw), x)
+    assert np.all(np.abs(got - reference) <= (nb * 8 + 18) * EPS32 * magnitude)
+    kernel = Q6_KInt8Kernel(raw)
+    assert np.array_equal(np.concatenate([run(kernel, x[i:i + 1]) for i in range(n)]), got)

@@ -1,0 +1,244 @@
+"""The prefix cache on disk (``--cache-dir``): a restarted engine or server starts with the blocks its predecessor
+cached and gives the tokens it gives without any cache; damaged files and another model's files are never used."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from runtime_helpers import fixture_dir
+
+import qwen_runtime
+from qwen_runtime.chat import chat_format
+from qwen_runtime.errors import OutputError
+from qwen_runtime.sampling import SamplingParams
+
+Engine = pytest.importorskip("qwen_serve.engine", reason="qwen_serve needs the serve extra")
+from qwen_serve.prefix_cache import ROOT, block_key  # noqa: E402
+
+BLOCK = 8
+CACHE = 64 << 20
+
+
+class Logged:
+    """A job's tokens and logprobs, and an Event set when it ended."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.failed: str | None = None
+        self.ended = threading.Event()
+
+    def emit(self, event) -> None:
+        if isinstance(event, Engine.Delta):
+            self.tokens.extend(event.token_ids)
+            self.logprobs.extend(lp.logprob for lp in event.logprobs)
+        elif isinstance(event, Engine.Failed | Engine.Done):
+            self.failed = getattr(event, "message", None)
+            self.ended.set()
+
+
+def ask(engine, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """Greedy, 6 tokens, with logprobs."""
+    outcome = Logged()
+    engine.submit(Engine.Job(prompt, 6, SamplingParams(), outcome.emit, logprobs=0))
+    assert outcome.ended.wait(60) and outcome.failed is None
+    return outcome.tokens, outcome.logprobs
+
+
+def make_engine(model, **options):
+    engine = Engine.Engine(model, chat_format(model).tokenizer, frozenset(), max_batch=2, prefill_chunk=BLOCK,
+                           **options)
+    engine.start()
+    return engine
+
+
+def conversation(model, cache_dir: Path | None, cache_memory: int = CACHE) -> tuple[list[int], list[int]]:
+    """Turn 1 (37 tokens: 4 whole blocks) in one engine, and the prompt of turn 2 (turn 1, its answer, 11 more)."""
+    rng = np.random.default_rng(5)
+    first, more = rng.integers(0, 400, 37).tolist(), rng.integers(0, 400, 11).tolist()
+    engine = make_engine(model, cache_memory=cache_memory, cache_dir=cache_dir)
+    try:
+        answer, _ = ask(engine, first)
+    finally:
+        engine.stop()
+    return first, first + answer + more
+
+
+def block_keys(prompt: list[int], blocks: int) -> list[bytes]:
+    keys, key = [], ROOT
+    for i in range(blocks):
+        key = block_key(key, prompt[i * BLOCK:(i + 1) * BLOCK])
+        keys.append(key)
+    return keys
+
+
+@pytest.fixture(scope="module", params=["qwen3-tiny", "qwen35-tiny"])
+def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A private copy of a fixture model (tests change its files' times), loaded."""
+    copy = tmp_path_factory.mktemp("model") / request.param
+    shutil.copytree(fixture_dir(request.param), copy)
+    return copy, qwen_runtime.load(copy)
+
+
+@pytest.fixture(scope="module")
+def reference(family_model) -> list[tuple[list[int], list[float]]]:
+    """Turn 2 without any cache."""
+    _, model = family_model
+    _, second = conversation(model, None, cache_memory=0)
+    engine = make_engine(model, cache_memory=0)
+    try:
+        return ask(engine, second)
+    finally:
+        engine.stop()
+
+
+def test_a_restarted_engine_starts_with_the_cached_prefixes(family_model, reference, tmp_path: Path) -> None:
+    """Turn 1 in one engine, turn 2 in a new one on a freshly loaded model: turn 2 restores turn 1's 4 blocks from
+    disk (for Qwen3.5 the Gated DeltaNet state checkpoint too) and its greedy tokens and logprobs are bit-identical
+    to those without a cache."""
+    path, model = family_model
+    first, second = conversation(model, tmp_path)
+    files = sorted(tmp_path.glob("*/*.npz"))
+    assert len(files) == 4 and {f.stem for f in files} == {k.hex() for k in block_keys(first, 4)}
+    engine = make_engine(qwen_runtime.load(path), cache_dir=tmp_path)
+    try:
+        assert ask(engine, second) == reference
+        status = engine.status()["prefix_cache"]
+    finally:
+        engine.stop()
+    assert status["hits"] == 1 and status["hit_tokens"] == 4 * BLOCK and status["disk"]["loaded"] == 4
+    # turn 2's own whole blocks (5 and 6) were written too; nothing was skipped
+    assert status["disk"]["files"] == 6 and status["disk"]["skipped"] == 0 and len(list(tmp_path.glob("*/*"))) == 6
+
+
+@pytest.mark.parametrize(("damage", "block", "restored"), [("corrupt", 3, 3), ("truncated", 1, 1), ("empty", 0, 0),
+                                                          ("garbage", 2, 2)])
+def test_a_damaged_file_is_skipped_with_a_warning(family_model, reference, tmp_path: Path, damage: str, block: int,
+                                                  restored: int, caplog: pytest.LogCaptureFixture) -> None:
+    """A block file with flipped bytes inside an array (zip's CRC), cut short, empty or not a zip at all is
+    skipped and deleted with a warning, the blocks after it in the chain too; the request restores the blocks
+    before it and still gets exactly the tokens it gets without a cache."""
+    path, model = family_model
+    first, second = conversation(model, tmp_path)
+    [target] = tmp_path.glob(f"*/{block_keys(first, 4)[block].hex()}.npz")
+    raw = target.read_bytes()
+    target.write_bytes({"corrupt": raw[:len(raw) // 2] + bytes(b ^ 0xFF for b in raw[len(raw) // 2:][:64])
+                                   + raw[len(raw) // 2 + 64:],
+                        "truncated": raw[:len(raw) - 100], "empty": b"", "garbage": b"PK\x03\x04" + raw[:50]}[damage])
+    with caplog.at_level(logging.WARNING, logger="qwen_serve"):
+        engine = make_engine(model, cache_dir=tmp_path)
+    try:
+        assert ask(engine, second) == reference
+        status = engine.status()["prefix_cache"]
+    finally:
+        engine.stop()
+    assert any(target.name in r.getMessage() and "skipping" in r.getMessage() for r in caplog.records)
+    assert status["disk"]["loaded"] == restored and status["disk"]["skipped"] == 1
+    assert status["hit_tokens"] == restored * BLOCK and status["hits"] == (restored > 0)
+
+
+def test_another_models_entries_are_never_used(tmp_path: Path) -> None:
+    """Blocks of one model are invisible to another model and to the same model once its weight files change
+    (another identity subdirectory); a file moved into another identity's directory is refused by its header."""
+    a = tmp_path / "a"
+    shutil.copytree(fixture_dir("qwen3-tiny"), a)
+    cache = tmp_path / "cache"
+    first, _ = conversation(qwen_runtime.load(a), cache)
+    [mine] = list(cache.iterdir())
+    assert len(list(mine.iterdir())) == 4
+    for other in (qwen_runtime.load(fixture_dir("qwen2-tiny")), "touched"):
+        if other == "touched":
+            weights = next(a.glob("*.safetensors"))
+            weights.touch()
+            other = qwen_runtime.load(a)
+        engine = make_engine(other, cache_dir=cache)
+        try:
+            status = engine.status()["prefix_cache"]
+            theirs = Path(status["disk"]["directory"])
+            assert theirs != mine and status["disk"]["loaded"] == 0 and status["disk"]["files"] == 0
+            ask(engine, first)
+            assert engine.status()["prefix_cache"]["hits"] == 0
+        finally:
+            engine.stop()
+        assert len(list(mine.iterdir())) == 4  # left alone
+    foreign = next(mine.iterdir())
+    shutil.copy(foreign, theirs / foreign.name)
+    engine = make_engine(other, cache_dir=cache)
+    try:
+        assert engine.status()["prefix_cache"]["disk"]["skipped"] == 1 and not (theirs / foreign.name).exists()
+    finally:
+        engine.stop()
+
+
+def test_the_disk_holds_at_most_the_budget_least_recently_used_leaves_going_first(tmp_path: Path) -> None:
+    """With room for 5 blocks, two prompts of 4 blocks sharing the first two: the second prompt's blocks replace
+    the first's last ones on disk as in memory (a chain is never cut in the middle)."""
+    model = qwen_runtime.load(fixture_dir("qwen3-tiny"))
+    probe = make_engine(model, cache_memory=CACHE)
+    try:
+        ask(probe, list(range(9)))
+        block_bytes = probe.prefix.nbytes
+    finally:
+        probe.stop()
+    a = list(range(33))
+    b = a[:16] + list(range(200, 217))
+    engine = make_engine(model, cache_memory=5 * block_bytes, cache_dir=tmp_path)
+    try:
+        ask(engine, a)
+        ask(engine, b)
+    finally:
+        engine.stop()
+    names = {f.stem for f in tmp_path.glob("*/*.npz")}
+    assert names == {k.hex() for k in block_keys(a, 2) + block_keys(b, 4)[2:] + block_keys(a, 3)[2:]}
+
+
+def test_a_directory_that_cannot_be_written_is_an_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(OutputError, match="prefix cache directory"):
+        make_engine(qwen_runtime.load(fixture_dir("qwen3-tiny")), cache_dir=blocker / "cache")
+
+
+def test_a_restarted_server_hits_the_cache_in_turn_2(tmp_path: Path) -> None:
+    """Through HTTP: turn 1 on one server, turn 2 on a new server with the same --cache-dir: /metrics counts the
+    restored blocks and a hit, and turn 2's greedy answer is the one a server without a cache gives."""
+    from serve_helpers import running_server
+    from test_serve import scrape
+
+    model = fixture_dir("qwen3-tiny")
+    turn1 = [{"role": "user", "content": "Tell me about the rivers and the mountains of the north, in detail."}]
+    options = {"model": "qwen3-tiny", "temperature": 0.0, "max_tokens": 8}
+
+    def turn2(first: str) -> list[dict[str, str]]:
+        return turn1 + [{"role": "assistant", "content": first}, {"role": "user", "content": "And the lakes?"}]
+
+    with running_server(model, prefill_chunk=BLOCK, cache_memory=0) as plain:
+        first = plain.client().chat.completions.create(messages=turn1, **options).choices[0].message.content
+        expected = plain.client().chat.completions.create(messages=turn2(first), **options).choices[0].message
+    with running_server(model, prefill_chunk=BLOCK, cache_dir=tmp_path) as before:
+        assert before.client().chat.completions.create(messages=turn1, **options).choices[0].message.content == first
+        written = scrape(before.url)["qwen_serve_prefix_cache_disk_written_blocks"]
+    with running_server(model, prefill_chunk=BLOCK, cache_dir=tmp_path) as after:
+        loaded = scrape(after.url)
+        got = after.client().chat.completions.create(messages=turn2(first), **options).choices[0].message
+        metrics = scrape(after.url)
+    assert written >= 2 and loaded["qwen_serve_prefix_cache_disk_loaded_blocks"] == written
+    assert loaded["qwen_serve_prefix_cache_hits"] == 0 and metrics["qwen_serve_prefix_cache_hits"] == 1
+    assert metrics["qwen_serve_prefix_cache_hit_tokens"] >= BLOCK
+    assert got.model_dump() == expected.model_dump() and got.content
+
+
+def test_cache_dir_without_a_prefix_cache_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from qwen_serve.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["model.gguf", "--cache-dir", "x", "--cache-memory", "0"])
+    assert exit_info.value.code == 2 and "--cache-dir needs the prefix cache" in capsys.readouterr().err
+    from qwen_serve.cli import configure_parser
+
+    assert configure_parser().parse_args(["m", "--cache-memory", "0"]).cache_memory == 0
