@@ -74,6 +74,7 @@ def test_a_verify_pass_gives_each_token_a_steps_logits(family: str) -> None:
     check_verify(compiled(family))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "dtype"), [("qwen2-tiny", "q4_k_m"), ("qwen3-tiny", "q8_0"),
                                                ("qwen35-tiny-gqa", "q8_0"), ("qwen35-tiny", "iq4_xs")])
 def test_a_verify_pass_is_exact_for_stored_types(converted: Converted, family: str, dtype: str) -> None:

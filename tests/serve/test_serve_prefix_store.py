@@ -97,6 +97,7 @@ def reference(family_model) -> list[tuple[list[int], list[float]]]:
         engine.stop()
 
 
+@pytest.mark.slow
 def test_a_restarted_engine_starts_with_the_cached_prefixes(family_model, reference, tmp_path: Path) -> None:
     """Turn 1 in one engine, turn 2 in a new one on a freshly loaded model: turn 2 restores turn 1's 4 blocks from
     disk (for Qwen3.5 the Gated DeltaNet state checkpoint too) and its greedy tokens and logprobs are bit-identical
@@ -142,6 +143,7 @@ def test_a_damaged_file_is_skipped_with_a_warning(family_model, reference, tmp_p
     assert status["hit_tokens"] == restored * BLOCK and status["hits"] == (restored > 0)
 
 
+@pytest.mark.slow
 def test_another_models_entries_are_never_used(tmp_path: Path) -> None:
     """Blocks of one model are invisible to another model and to the same model once its weight files change
     (another identity subdirectory); a file moved into another identity's directory is refused by its header."""
@@ -204,6 +206,7 @@ def test_a_directory_that_cannot_be_written_is_an_error(tmp_path: Path) -> None:
         make_engine(qwen_runtime.load(fixture_dir("qwen3-tiny")), cache_dir=blocker / "cache")
 
 
+@pytest.mark.slow
 def test_a_restarted_server_hits_the_cache_in_turn_2(tmp_path: Path) -> None:
     """Through HTTP: turn 1 on one server, turn 2 on a new server with the same --cache-dir: /metrics counts the
     restored blocks and a hit, and turn 2's greedy answer is the one a server without a cache gives."""
