@@ -30,6 +30,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from qwen_runtime.jit_setup import prepare_numba
+
+prepare_numba()  # numba's CPU target as the runtime's kernels set it up, whichever package compiles first
+
 F32 = np.float32
 MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: adding it leaves round(f) in the low mantissa bits
 GROUP_MAX_EPS = np.float32(1e-15)
