@@ -66,6 +66,7 @@ from .outputs import (
     prompt_opens_thinking,
 )
 from .protocol import (
+    MAX_BODY_BYTES,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -82,7 +83,6 @@ from .protocol import (
 
 log = logging.getLogger("qwen_serve")
 
-MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused with 413
 DEFAULT_MAX_TOKENS = 4096  # chat requests without max_tokens: at most this many (and what the context leaves)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 RETRY_AFTER_SECONDS = 2

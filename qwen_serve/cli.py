@@ -22,7 +22,10 @@ from qwen_runtime.cli_support import HelpFormatter, add_draft_option, add_machin
 from qwen_runtime.errors import QwenError
 from qwen_runtime.limits import parse_memory_size
 
+from .protocol import MAX_BODY_BYTES
+
 API_KEY_ENV = "QWEN_API_KEY"
+
 
 def positive(text: str) -> int:
     value = int(text)
@@ -34,15 +37,6 @@ def positive(text: str) -> int:
 def cache_size(text: str) -> int:
     """``--cache-memory``: a memory size, or 0 (no prefix cache)."""
     return 0 if text.strip() == "0" else parse_memory_size(text)
-
-
-def max_body_default() -> int | None:
-    """The app's body limit, or None when the serve extra is missing (``--help`` still works; running says so)."""
-    try:
-        from .app import MAX_BODY_BYTES
-    except ImportError:
-        return None
-    return MAX_BODY_BYTES
 
 
 def configure_parser() -> argparse.ArgumentParser:
@@ -74,8 +68,8 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=positive, default=128,
                    help="prompt tokens prefilled between two decode steps (default 128)")
     add_draft_option(p)
-    p.add_argument("--max-body", type=positive, default=max_body_default(), metavar="BYTES",
-                   help="largest request body accepted")
+    p.add_argument("--max-body", type=positive, default=MAX_BODY_BYTES, metavar="BYTES",
+                   help="largest request body accepted, in bytes (default %(default)s)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's and the server's log level")
     add_machine_options(p)

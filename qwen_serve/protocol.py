@@ -19,6 +19,7 @@ from qwen_runtime.sampling import SamplingParams
 INVALID = "invalid_request_error"
 MAX_STOP_STRINGS = 16
 MAX_N = 128
+MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused with 413 (qwen-serve --max-body)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 RESERVED_TEMPLATE_KEYS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 

@@ -24,7 +24,7 @@ from qwen_runtime.hub import resolve_model
 from qwen_runtime.limits import parse_memory_size
 from qwen_runtime.weights import weight_overhead
 
-from .app import MAX_BODY_BYTES
+from .protocol import MAX_BODY_BYTES
 
 REPLICA_HEADER = "x-qwen-replica"
 DEFAULT_REPLICA_MEMORY = 2 << 30  # the engine's cache + activations limit per replica when none is given
