@@ -16,39 +16,33 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, types
 
-from .jit_base import (
-    ACC_FLOATS,
-    F32_1D,
-    F32_2D,
-    F32_2D_C,
-    GEMV_ROWS,
-    I8_2D,
-    LANES,
-    U8_2D,
-    compiled,
-    prefetch,
-    stack_f32,
+from .jit_base import ACC_FLOATS, F32_1D, F32_2D, F32_2D_C, GEMV_ROWS, I8_2D, U8_2D, compiled, prefetch, stack_f32
+from .jit_int8 import (
+    I16_2D,
+    PAIRS,
+    Int8Kernel,
+    group_nibbles32_pairs_fma,
+    group_q6_pairs_fma,
+    inline,
+    lanes_sums,
+    lanes_zero,
+    nibbles32_pairs_fma,
+    q6_pairs_fma,
+    row_groups,
 )
-from .jit_int8 import PAIRS, Int8Kernel, inline, nibbles32_pairs_fma, q6_pairs_fma
 from .jit_kquants import Q4_K_BYTES, Q6_K_BYTES, QK_K, q4_k_scales, sums_per_32
 
 
 @inline
-def q4_k_loop(raw, xq, xd, xsum, table, out, one_row):
-    """``out[i, r] = sum_j ds_j * d_x[i, j] * (q_j . q[i, j]) - dm_j * xsum[i, j]`` over the 32-value sub-blocks
-    ``j`` of Q4_K rows ``raw`` [R, nb * 144] (``ds``, ``dm``: :func:`.jit_kquants.q4_k_scales`; ``xsum``: the
-    float32 activation sums per 32, as the float kernel's minimums); ``one_row``: lanes in registers."""
-    n, nb = xq.shape[0], xd.shape[1] // 8
-    acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
+def q4_k_loop(raw, xq, xd, xsum, table, out):
+    """``out[0, r] = sum_j ds_j * d_x[j] * (q_j . q_x[j]) - dm_j * xsum[j]`` over the 32-value sub-blocks ``j`` of
+    Q4_K rows ``raw`` [R, nb * 144] for one activation row (``ds``, ``dm``: :func:`.jit_kquants.q4_k_scales`;
+    ``xsum``: the float32 activation sums per 32, as the float kernel's minimums), the lanes in registers."""
+    nb = xd.shape[1] // 8
     lanes = carray(stack_f32(PAIRS), (PAIRS,))
-    mins = carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
     ds, dm = carray(stack_f32(8), (8,)), carray(stack_f32(8), (8,))
-    rows = 1 if one_row else n
     for r in range(raw.shape[0]):
-        for i in range(rows):
-            mins[i] = 0
-            for k in range(PAIRS):
-                acc[i, k] = 0
+        mins = np.float32(0)
         for k in range(PAIRS):
             lanes[k] = 0
         for b in range(nb):
@@ -57,31 +51,49 @@ def q4_k_loop(raw, xq, xd, xsum, table, out, one_row):
             q4_k_scales(blk, table, ds, dm)
             for j in range(8):
                 at, shift = 16 + 32 * (j // 2), 4 * (j % 2)
-                for i in range(rows):
-                    mins[i] += dm[j] * xsum[i, b * 8 + j]
-                    nibbles32_pairs_fma(blk, at, shift, xq[i], b * 256 + 32 * j, ds[j] * xd[i, b * 8 + j],
-                                        lanes if one_row else acc[i])
-        for i in range(rows):
-            a = lanes if one_row else acc[i]
-            s = np.float32(0)
-            for k in range(PAIRS):
-                s += a[k]
-            out[i, r] = s - mins[i]
+                mins += dm[j] * xsum[0, b * 8 + j]
+                nibbles32_pairs_fma(blk, at, shift, xq[0], b * 256 + 32 * j, ds[j] * xd[0, b * 8 + j], lanes)
+        s = np.float32(0)
+        for k in range(PAIRS):
+            s += lanes[k]
+        out[0, r] = s - mins
 
 
 @inline
-def q6_k_loop(raw, xq, xd, table, out, one_row):
-    """``out[i, r] = sum_j d * sc_j * d_x[i, j // 2] * (w_j . q_x[i, j])`` over the 16-value sub-blocks ``j`` of
-    Q6_K rows ``raw`` [R, nb * 210] (``w = q - 32``; two sub-blocks per activation block of 32, their scales in
-    the two halves of the lanes); ``one_row``: lanes in registers."""
-    n, nb = xq.shape[0], xd.shape[1] // 8
-    acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
+def q4_k_group(update, geo, group, r, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups' protocol)
+    """:func:`q4_k_loop`'s operations for activation rows ``i0 .. i0 + group`` (int16, :func:`.jit_int8.row_group`)
+    and stored row ``r``: each block's scales decoded and its nibbles unpacked once for all of them."""
+    nb, cols, nd = xd.shape[1] // 8, xq.shape[1], xd.shape[1]
+    acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
+    mins = carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
+    ds, dm = carray(stack_f32(8), (8,)), carray(stack_f32(8), (8,))
+    lanes_zero(acc, group)
+    for g in range(group):
+        mins[g] = 0
+    for b in range(nb):
+        blk = raw[r, b * Q4_K_BYTES: b * Q4_K_BYTES + Q4_K_BYTES]
+        prefetch(blk, 0)
+        q4_k_scales(blk, table, ds, dm)
+        for j in range(8):
+            at, shift = 16 + 32 * (j // 2), 4 * (j % 2)
+            for g in range(group):
+                mins[g] += dm[j] * xsum[i0 + g, b * 8 + j]
+            group_nibbles32_pairs_fma(blk, at, shift, xq, i0 * cols + b * 256 + 32 * j, cols, xd,
+                                      i0 * nd + b * 8 + j, nd, ds[j], acc, group)
+    lanes_sums(acc, group, sums)
+    s = carray(sums, (GEMV_ROWS,))
+    for g in range(group):
+        out[i0 + g, r] = s[g] - mins[g]
+
+
+@inline
+def q6_k_loop(raw, xq, xd, table, out):
+    """``out[0, r] = sum_j d * sc_j * d_x[j // 2] * (w_j . q_x[j])`` over the 16-value sub-blocks ``j`` of Q6_K
+    rows ``raw`` [R, nb * 210] for one activation row (``w = q - 32``; two sub-blocks per activation block of 32,
+    their scales in the two halves of the lanes), the lanes in registers."""
+    nb = xd.shape[1] // 8
     lanes = carray(stack_f32(PAIRS), (PAIRS,))
-    rows = 1 if one_row else n
     for r in range(raw.shape[0]):
-        for i in range(rows):
-            for k in range(PAIRS):
-                acc[i, k] = 0
         for k in range(PAIRS):
             lanes[k] = 0
         for b in range(nb):
@@ -95,42 +107,67 @@ def q6_k_loop(raw, xq, xd, table, out, one_row):
                     d0 = d * np.float32(np.int8(blk[192 + j]))
                     d1 = d * np.float32(np.int8(blk[193 + j]))
                     g = 4 * h + s  # the activation block of 32 within the 256
-                    for i in range(rows):
-                        dx = xd[i, b * 8 + g]
-                        q6_pairs_fma(blk, 64 * h + 32 * (s % 2), 4 * (s // 2), 128 + 32 * h, 2 * s, xq[i],
-                                     b * 256 + 32 * g, d0 * dx, d1 * dx, lanes if one_row else acc[i])
-        for i in range(rows):
-            a = lanes if one_row else acc[i]
-            t = np.float32(0)
-            for k in range(PAIRS):
-                t += a[k]
-            out[i, r] = t
+                    dx = xd[0, b * 8 + g]
+                    q6_pairs_fma(blk, 64 * h + 32 * (s % 2), 4 * (s // 2), 128 + 32 * h, 2 * s, xq[0],
+                                 b * 256 + 32 * g, d0 * dx, d1 * dx, lanes)
+        t = np.float32(0)
+        for k in range(PAIRS):
+            t += lanes[k]
+        out[0, r] = t
+
+
+@inline
+def q6_k_group(update, geo, group, r, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups' protocol)
+    """:func:`q6_k_loop`'s operations for activation rows ``i0 .. i0 + group`` (int16) and stored row ``r``."""
+    nb, cols, nd = xd.shape[1] // 8, xq.shape[1], xd.shape[1]
+    acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
+    lanes_zero(acc, group)
+    for b in range(nb):
+        o = b * Q6_K_BYTES
+        blk = raw[r, o: o + Q6_K_BYTES]
+        prefetch(blk, 0)
+        d = table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)]
+        for h in range(2):
+            for s in range(4):
+                j = 8 * h + 2 * s
+                d0 = d * np.float32(np.int8(blk[192 + j]))
+                d1 = d * np.float32(np.int8(blk[193 + j]))
+                a = 4 * h + s  # the activation block of 32 within the 256
+                group_q6_pairs_fma(blk, 64 * h + 32 * (s % 2), 4 * (s // 2), 128 + 32 * h, 2 * s, xq,
+                                   i0 * cols + b * 256 + 32 * a, cols, xd, i0 * nd + b * 8 + a, nd, d0, d1, acc,
+                                   group)
+    lanes_sums(acc, group, sums)
+    s = carray(sums, (GEMV_ROWS,))
+    for g in range(group):
+        out[i0 + g, r] = s[g]
 
 
 Q6_K_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
+Q6_K_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_1D, F32_2D)
 
 
 @compiled(Q6_K_GEMV)
 def q6_k_gemv1_q8(raw, xq, xd, table, out):
-    q6_k_loop(raw, xq, xd, table, out, True)
+    q6_k_loop(raw, xq, xd, table, out)
 
 
-@compiled(Q6_K_GEMV)
+@compiled(Q6_K_GEMV_ROWS)
 def q6_k_gemv_q8(raw, xq, xd, table, out):
-    q6_k_loop(raw, xq, xd, table, out, False)
+    row_groups(q6_k_group, None, None, raw, xq, xd, xd, table, out)
 
 
 Q4_K_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
+Q4_K_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
 
 
 @compiled(Q4_K_GEMV)
 def q4_k_gemv1_q8(raw, xq, xd, xsum, table, out):
-    q4_k_loop(raw, xq, xd, xsum, table, out, True)
+    q4_k_loop(raw, xq, xd, xsum, table, out)
 
 
-@compiled(Q4_K_GEMV)
+@compiled(Q4_K_GEMV_ROWS)
 def q4_k_gemv_q8(raw, xq, xd, xsum, table, out):
-    q4_k_loop(raw, xq, xd, xsum, table, out, False)
+    row_groups(q4_k_group, None, None, raw, xq, xd, xsum, table, out)
 
 
 class Q4_KInt8Kernel(Int8Kernel):
