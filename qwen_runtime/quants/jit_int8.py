@@ -187,6 +187,27 @@ def nibbles32_pairs_fma(typingctx, blocks, at, shift, x, x_at, scale, acc):  # n
     return types.void(blocks, at, shift, x, x_at, scale, acc), codegen
 
 
+def _nibbles32_high(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
+    """The ``<32 x i8>`` weights of :func:`q5_k_pairs_fma` (its first five arguments)."""
+    h = builder.load(_pointer(context, builder, signature.args[0], args[0], args[3], V32_I8), align=1)
+    count = _splat(builder, builder.trunc(args[4], ir.IntType(8)), V32_I8)
+    bit = builder.and_(builder.lshr(h, count), ir.Constant(V32_I8, [1] * Q8_ACT_BLOCK))
+    return builder.or_(_nibbles32(context, builder, signature, args),
+                       builder.shl(bit, ir.Constant(V32_I8, [4] * Q8_ACT_BLOCK)))
+
+
+@intrinsic
+def q5_k_pairs_fma(typingctx, blocks, at, shift, qh_at, bit, x, x_at, scale, acc):  # noqa: ARG001
+    """:func:`nibbles32_pairs_fma` with a fifth bit: bit ``bit`` of the 32 bytes at ``blocks[qh_at]`` as bit 4 of
+    each weight (0..31; a Q5_K sub-block)."""
+
+    def codegen(context, builder, signature, args):
+        _fma_pairs(context, builder, signature, _nibbles32_high(context, builder, signature, args), args)
+        return context.get_dummy_value()
+
+    return types.void(blocks, at, shift, qh_at, bit, x, x_at, scale, acc), codegen
+
+
 def _q6(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
     """The ``<32 x i8>`` weights of :func:`q6_pairs_fma` (its first five arguments)."""
 
@@ -303,6 +324,21 @@ def group_nibbles32_pairs_fma(typingctx, blocks, at, shift, x, x_at, x_stride, x
         return context.get_dummy_value()
 
     return types.void(blocks, at, shift, x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, group), codegen
+
+
+@intrinsic
+def group_q5_k_pairs_fma(typingctx, blocks, at, shift, qh_at, bit, x, x_at, x_stride, xd, d_at, d_stride, d_w, acc,
+                         group):  # noqa: ARG001
+    """:func:`q5_k_pairs_fma` for ``group`` activation rows at once (:func:`_fma_group`)."""
+    if not _literal(group):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _fma_group(context, builder, signature, _nibbles32_high(context, builder, signature, args), args)
+        return context.get_dummy_value()
+
+    return (types.void(blocks, at, shift, qh_at, bit, x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, group),
+            codegen)
 
 
 @intrinsic

@@ -22,21 +22,44 @@ from .jit_int8 import (
     PAIRS,
     Int8Kernel,
     group_nibbles32_pairs_fma,
+    group_q5_k_pairs_fma,
     group_q6_pairs_fma,
     inline,
     lanes_sums,
     lanes_zero,
     nibbles32_pairs_fma,
+    q5_k_pairs_fma,
     q6_pairs_fma,
     row_groups,
 )
-from .jit_kquants import Q4_K_BYTES, Q6_K_BYTES, QK_K, q4_k_scales, sums_per_32
+from .jit_kquants import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, q4_k_scales, sums_per_32
 
 
 @inline
-def q4_k_loop(raw, xq, xd, xsum, table, out):
+def k45_update(blk, j, size, xq, x_at, scale, lanes):
+    """Sub-block ``j``'s pair sums into ``lanes`` for a Q4_K (``size`` 144) or Q5_K (176) block: the nibbles of
+    the 32 bytes of chunk ``j // 2``, plus for Q5_K bit ``j`` of ``qh`` (bytes 16..47) as bit 4."""
+    at, shift = size - 128 + 32 * (j // 2), 4 * (j % 2)
+    if size == Q5_K_BYTES:
+        q5_k_pairs_fma(blk, at, shift, 16, j, xq, x_at, scale, lanes)
+    else:
+        nibbles32_pairs_fma(blk, at, shift, xq, x_at, scale, lanes)
+
+
+@inline
+def k45_group_update(blk, j, size, xq, x_at, cols, xd, d_at, nd, ds, acc, group):
+    """:func:`k45_update` for ``group`` activation rows (int16) at once."""
+    at, shift = size - 128 + 32 * (j // 2), 4 * (j % 2)
+    if size == Q5_K_BYTES:
+        group_q5_k_pairs_fma(blk, at, shift, 16, j, xq, x_at, cols, xd, d_at, nd, ds, acc, group)
+    else:
+        group_nibbles32_pairs_fma(blk, at, shift, xq, x_at, cols, xd, d_at, nd, ds, acc, group)
+
+
+@inline
+def q4_k_loop(raw, xq, xd, xsum, table, out, size):
     """``out[0, r] = sum_j ds_j * d_x[j] * (q_j . q_x[j]) - dm_j * xsum[j]`` over the 32-value sub-blocks ``j`` of
-    Q4_K rows ``raw`` [R, nb * 144] for one activation row (``ds``, ``dm``: :func:`.jit_kquants.q4_k_scales`;
+    Q4_K/Q5_K rows ``raw`` [R, nb * size] for one activation row (``ds``, ``dm``: :func:`.jit_kquants.q4_k_scales`;
     ``xsum``: the float32 activation sums per 32, as the float kernel's minimums), the lanes in registers."""
     nb = xd.shape[1] // 8
     lanes = carray(stack_f32(PAIRS), (PAIRS,))
@@ -46,13 +69,12 @@ def q4_k_loop(raw, xq, xd, xsum, table, out):
         for k in range(PAIRS):
             lanes[k] = 0
         for b in range(nb):
-            blk = raw[r, b * Q4_K_BYTES: b * Q4_K_BYTES + Q4_K_BYTES]
+            blk = raw[r, b * size: b * size + size]
             prefetch(blk, 0)
             q4_k_scales(blk, table, ds, dm)
             for j in range(8):
-                at, shift = 16 + 32 * (j // 2), 4 * (j % 2)
                 mins += dm[j] * xsum[0, b * 8 + j]
-                nibbles32_pairs_fma(blk, at, shift, xq[0], b * 256 + 32 * j, ds[j] * xd[0, b * 8 + j], lanes)
+                k45_update(blk, j, size, xq[0], b * 256 + 32 * j, ds[j] * xd[0, b * 8 + j], lanes)
         s = np.float32(0)
         for k in range(PAIRS):
             s += lanes[k]
@@ -60,9 +82,10 @@ def q4_k_loop(raw, xq, xd, xsum, table, out):
 
 
 @inline
-def q4_k_group(update, geo, group, r, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups' protocol)
+def q4_k_group(update, size, group, r, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups' protocol)
     """:func:`q4_k_loop`'s operations for activation rows ``i0 .. i0 + group`` (int16, :func:`.jit_int8.row_group`)
-    and stored row ``r``: each block's scales decoded and its nibbles unpacked once for all of them."""
+    and stored row ``r`` of Q4_K/Q5_K blocks of ``size`` bytes: each block's scales decoded and its weights
+    unpacked once for all of them."""
     nb, cols, nd = xd.shape[1] // 8, xq.shape[1], xd.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     mins = carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
@@ -71,15 +94,14 @@ def q4_k_group(update, geo, group, r, i0, raw, xq, xd, xsum, table, out):  # noq
     for g in range(group):
         mins[g] = 0
     for b in range(nb):
-        blk = raw[r, b * Q4_K_BYTES: b * Q4_K_BYTES + Q4_K_BYTES]
+        blk = raw[r, b * size: b * size + size]
         prefetch(blk, 0)
         q4_k_scales(blk, table, ds, dm)
         for j in range(8):
-            at, shift = 16 + 32 * (j // 2), 4 * (j % 2)
             for g in range(group):
                 mins[g] += dm[j] * xsum[i0 + g, b * 8 + j]
-            group_nibbles32_pairs_fma(blk, at, shift, xq, i0 * cols + b * 256 + 32 * j, cols, xd,
-                                      i0 * nd + b * 8 + j, nd, ds[j], acc, group)
+            k45_group_update(blk, j, size, xq, i0 * cols + b * 256 + 32 * j, cols, xd, i0 * nd + b * 8 + j, nd,
+                             ds[j], acc, group)
     lanes_sums(acc, group, sums)
     s = carray(sums, (GEMV_ROWS,))
     for g in range(group):
@@ -162,12 +184,22 @@ Q4_K_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
 
 @compiled(Q4_K_GEMV)
 def q4_k_gemv1_q8(raw, xq, xd, xsum, table, out):
-    q4_k_loop(raw, xq, xd, xsum, table, out)
+    q4_k_loop(raw, xq, xd, xsum, table, out, Q4_K_BYTES)
 
 
 @compiled(Q4_K_GEMV_ROWS)
 def q4_k_gemv_q8(raw, xq, xd, xsum, table, out):
-    row_groups(q4_k_group, None, None, raw, xq, xd, xsum, table, out)
+    row_groups(q4_k_group, None, Q4_K_BYTES, raw, xq, xd, xsum, table, out)
+
+
+@compiled(Q4_K_GEMV)
+def q5_k_gemv1_q8(raw, xq, xd, xsum, table, out):
+    q4_k_loop(raw, xq, xd, xsum, table, out, Q5_K_BYTES)
+
+
+@compiled(Q4_K_GEMV_ROWS)
+def q5_k_gemv_q8(raw, xq, xd, xsum, table, out):
+    row_groups(q4_k_group, None, Q5_K_BYTES, raw, xq, xd, xsum, table, out)
 
 
 class Q4_KInt8Kernel(Int8Kernel):
@@ -177,6 +209,10 @@ class Q4_KInt8Kernel(Int8Kernel):
     def activations(self, x: np.ndarray) -> tuple:
         return (*super().activations(x), sums_per_32(x))
 
+
+class Q5_KInt8Kernel(Q4_KInt8Kernel):
+    type_size, exact = Q5_K_BYTES, ("jit_kquants", "Q5_KJitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(q5_k_gemv1_q8), staticmethod(q5_k_gemv_q8)
 
 
 class Q6_KInt8Kernel(Int8Kernel):

@@ -17,7 +17,7 @@ from runtime_helpers import Converted
 from qwen_runtime import load
 from qwen_runtime.errors import KernelsError
 from qwen_runtime.pool import Workspace
-from qwen_runtime.quants import QType, codec, q8_act
+from qwen_runtime.quants import QType, codec, jit_kernel, q8_act
 from qwen_runtime.tensors import StoredTensor
 from qwen_runtime.weights import make_weight
 
@@ -30,7 +30,7 @@ from qwen_runtime.quants.jit_int8 import (  # noqa: E402
     Q8_0Int8Kernel,
     quantize_rows,
 )
-from qwen_runtime.quants.jit_int8_k import Q4_KInt8Kernel, Q6_KInt8Kernel  # noqa: E402
+from qwen_runtime.quants.jit_int8_k import Q4_KInt8Kernel, Q5_KInt8Kernel, Q6_KInt8Kernel  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF], np.uint16)  # zero, -0, subnormal, max
@@ -195,38 +195,48 @@ def test_model_logits_close_to_the_float_path(converted: Converted) -> None:
     assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
 
 
-def q4_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(q int16 [R, nb * 256] 0..15, ds [R, nb * 8], dm [R, nb * 8]) of Q4_K rows (gguf's scale unpacking),
-    checked against the codec's reference (value = ds * q - dm, rounded as float32)."""
-    blocks = raw.reshape(-1, 144)
+K45_BYTES = {QType.Q4_K: 144, QType.Q5_K: 176}
+K45_KERNELS = {QType.Q4_K: Q4_KInt8Kernel, QType.Q5_K: Q5_KInt8Kernel}
+
+
+def q4_k_parts(raw: np.ndarray, qtype: QType = QType.Q4_K) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q int16 [R, nb * 256], ds [R, nb * 8], dm [R, nb * 8]) of Q4_K (q 0..15) or Q5_K (0..31: bit ``j`` of
+    ``qh`` as bit 4 in sub-block ``j``) rows (gguf's scale unpacking), checked against the codec's reference
+    (value = ds * q - dm, rounded as float32)."""
+    blocks = raw.reshape(-1, K45_BYTES[qtype])
     sc, m = gquants.Q4_K.get_scale_min(blocks[:, 4:16])
     d, dmin = (F16_TABLE[blocks[:, at:at + 2].copy().view(np.uint16)[:, 0]] for at in (0, 2))
     ds, dm = d[:, None] * sc.astype(np.float32), dmin[:, None] * m.astype(np.float32)  # [blocks, 8]
-    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    qs = blocks[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
     q = (qs & 15).reshape(-1, 8, 32).astype(np.int16)
-    decoded = codec(QType.Q4_K).reference(raw).reshape(-1, 8, 32)
+    if qtype == QType.Q5_K:
+        qh = blocks[:, None, 16:48] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)  # [blocks, 8, 32]
+        q |= (qh & 1).astype(np.int16) << 4
+    decoded = codec(qtype).reference(raw).reshape(-1, 8, 32)
     assert np.array_equal(decoded, ds[..., None] * q.astype(np.float32) - dm[..., None])
     rows = len(raw)
     return q.reshape(rows, -1), ds.reshape(rows, -1), dm.reshape(rows, -1)
 
 
-def q4_k_rows(rows: int, nb: int, seed: int, unit: bool = False) -> np.ndarray:
-    """Random Q4_K rows; ``unit``: d = 1, dmin = 0 and every 6-bit scale 1 (values = the nibbles)."""
+def q4_k_rows(rows: int, nb: int, seed: int, unit: bool = False, qtype: QType = QType.Q4_K) -> np.ndarray:
+    """Random Q4_K/Q5_K rows; ``unit``: d = 1, dmin = 0 and every 6-bit scale 1 (values = the quants)."""
+    size = K45_BYTES[qtype]
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (rows * nb, 144), dtype=np.uint8)
+    blocks = rng.integers(0, 256, (rows * nb, size), dtype=np.uint8)
     d = (rng.uniform(1e-3, 1e-2, (rows * nb, 2)) * rng.choice([-1, 1], (rows * nb, 2))).astype(np.float16)
     d.view(np.uint16)[rng.random(d.shape) < 0.1] = 0
     if unit:
         d[:] = [1, 0]
         blocks[:, 4:16] = [1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1]
     blocks[:, :4] = d.view(np.uint8)
-    return blocks.reshape(rows, nb * 144)
+    return blocks.reshape(rows, nb * size)
 
 
+@pytest.mark.parametrize("qtype", list(K45_KERNELS))
 @pytest.mark.parametrize("n", [1, 4, GEMV_ROWS])
-def test_q4_k_block_sums_are_exact(n: int) -> None:
-    raw = q4_k_rows(23, 2, seed=n, unit=True)
-    q_w, ds, dm = q4_k_parts(raw)
+def test_q4_k_block_sums_are_exact(qtype: QType, n: int) -> None:
+    raw = q4_k_rows(23, 2, seed=n, unit=True, qtype=qtype)
+    q_w, ds, dm = q4_k_parts(raw, qtype)
     assert np.all(ds == 1) and np.all(dm == 0)
     rng = np.random.default_rng(n)
     x = rng.integers(-127, 128, (n, 512)).astype(np.float32)
@@ -234,27 +244,32 @@ def test_q4_k_block_sums_are_exact(n: int) -> None:
     q, d = q8_act.quantize_activations(x)
     assert np.array_equal(q, x) and np.all(d == 1)
     expected = q8_act.block_sums(q_w, q).sum(axis=2).astype(np.float32)  # below 2^24: exact in float32
-    assert np.array_equal(run(Q4_KInt8Kernel(raw), x), expected)
+    assert np.array_equal(run(K45_KERNELS[qtype](raw), x), expected)
 
 
+@pytest.mark.parametrize("qtype", list(K45_KERNELS))
 @pytest.mark.parametrize("n", [1, 3, GEMV_ROWS])
-def test_q4_k_within_the_error_model(n: int) -> None:
+def test_q4_k_within_the_error_model(qtype: QType, n: int) -> None:
     """``sum_j ds_j d_x[j] (q_j . q_x[j]) - dm_j xsum[j]`` (float64 from exact block sums; ``xsum`` the float32
     sums per 32): the lanes' terms as in the module docstring, plus the minimums' own ``nb * 8`` ordered sums."""
     nb = 3
-    raw = q4_k_rows(31, nb, seed=20 + n)
+    raw = q4_k_rows(31, nb, seed=20 + n, qtype=qtype)
     x = activations(n, nb * 256, seed=n)
-    q_w, ds, dm = q4_k_parts(raw)
+    q_w, ds, dm = q4_k_parts(raw, qtype)
     q, d = q8_act.quantize_activations(x)
     xsum = x.reshape(n, -1, 32).sum(axis=2, dtype=np.float32)
     sums = q8_act.block_sums(q_w, q).astype(np.float64)  # [n, R, nb * 8]
     reference = np.einsum("nrj,rj,nj->nr", sums, ds.astype(np.float64), d) - xsum.astype(np.float64) @ dm.T
     magnitude = np.einsum("nrj,rj,nj->nr", q8_act.block_sums(q_w, np.abs(q)).astype(np.float64), np.abs(ds), d)
     magnitude += np.abs(xsum.astype(np.float64)) @ np.abs(dm.T)
-    got = run(Q4_KInt8Kernel(raw), x)
+    kernel = jit_kernel(qtype, raw, activations="q8")  # the registered integer-dot kernel
+    assert isinstance(kernel, K45_KERNELS[qtype])
+    got = run(kernel, x)
     assert np.all(np.abs(got - reference) <= (nb * 8 + 18) * EPS32 * magnitude)
-    kernel = Q4_KInt8Kernel(raw)  # rows alone and in a batch: the same numbers
-    assert np.array_equal(np.concatenate([run(kernel, x[i:i + 1]) for i in range(n)]), got)
+    # rows alone and in every batch size: the same numbers
+    alone = np.concatenate([run(kernel, x[i:i + 1]) for i in range(n)])
+    for m in range(1, n + 1):
+        assert np.array_equal(run(kernel, x[:m]), alone[:m])
 
 
 def q6_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
