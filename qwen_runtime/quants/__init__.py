@@ -63,6 +63,8 @@ JIT_Q8_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q4_K: ("jit_int8_k", "Q4_KInt8Kernel"),
     QType.Q5_K: ("jit_int8_k", "Q5_KInt8Kernel"),
     QType.Q6_K: ("jit_int8_k", "Q6_KInt8Kernel"),
+    QType.IQ4_NL: ("jit_int8", "IQ4_NLInt8Kernel"),
+    QType.IQ4_XS: ("jit_int8", "IQ4_XSInt8Kernel"),
 }
 
 __all__ = ["BLOCK_SUM_ROWS", "CODECS", "Codec", "DENSE_TYPES", "JIT_KERNELS", "JIT_Q8_KERNELS", "READ_TYPES",

@@ -39,6 +39,7 @@ from numba import carray, config, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .iq4 import IQ4_LEVELS, IQ4_NL, IQ4_XS
 from .jit_base import (
     ACC_FLOATS,
     F16_TABLE,
@@ -166,6 +167,37 @@ def nibble_pairs_fma(typingctx, blocks, at, qh, bias, x, x_at, scale, acc):  # n
         return context.get_dummy_value()
 
     return types.void(blocks, at, qh, bias, x, x_at, scale, acc), codegen
+
+
+def _iq4_levels(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
+    """The ``<32 x i8>`` weights of an IQ4 block of 32: ``IQ4_LEVELS`` at the 4-bit indices of the 16 bytes at
+    ``blocks[at]`` (the first two arguments; Q4_0's nibble order), looked up with ``pshufb`` (the 16 levels in
+    each 128-bit half) where the CPU has AVX2, element by element elsewhere."""
+    q = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], V16_I8), align=1)
+    low = builder.and_(q, ir.Constant(V16_I8, [15] * PAIRS))
+    high = builder.lshr(q, ir.Constant(V16_I8, [4] * PAIRS))
+    index = builder.shuffle_vector(low, high, ir.Constant(V32_I32, list(range(Q8_ACT_BLOCK))))
+    levels = [int(v) for v in IQ4_LEVELS]
+    if "avx2" in FEATURES:
+        pshufb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32_I8, [V32_I8] * 2),
+                                                "llvm.x86.avx2.pshuf.b")
+        return builder.call(pshufb, [ir.Constant(V32_I8, levels * 2), index])
+    table, w = ir.Constant(V16_I8, levels), ir.Constant(V32_I8, ir.Undefined)
+    for k in range(Q8_ACT_BLOCK):
+        w = builder.insert_element(w, builder.extract_element(table, builder.extract_element(index, I32(k))), I32(k))
+    return w
+
+
+@intrinsic
+def iq4_pairs_fma(typingctx, blocks, at, x, x_at, scale, acc):  # noqa: ARG001
+    """:func:`pairs_fma` for the 32 weights of an IQ4 block (:func:`_iq4_levels`) whose 16 index bytes start at
+    ``blocks[at]``."""
+
+    def codegen(context, builder, signature, args):
+        _fma_pairs(context, builder, signature, _iq4_levels(context, builder, signature, args), args)
+        return context.get_dummy_value()
+
+    return types.void(blocks, at, x, x_at, scale, acc), codegen
 
 
 def _nibbles32(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
@@ -342,6 +374,19 @@ def group_q5_k_pairs_fma(typingctx, blocks, at, shift, qh_at, bit, x, x_at, x_st
 
 
 @intrinsic
+def group_iq4_pairs_fma(typingctx, blocks, at, x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, group):  # noqa: ARG001
+    """:func:`iq4_pairs_fma` for ``group`` activation rows at once (:func:`_fma_group`)."""
+    if not _literal(group):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _fma_group(context, builder, signature, _iq4_levels(context, builder, signature, args), args)
+        return context.get_dummy_value()
+
+    return types.void(blocks, at, x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, group), codegen
+
+
+@intrinsic
 def group_q6_pairs_fma(typingctx, blocks, low_at, shift, high_at, high, x, x_at, x_stride, xd, d_at, d_stride,
                        d_w0, d_w1, acc, group):  # noqa: ARG001
     """:func:`q6_pairs_fma` for ``group`` activation rows at once (:func:`_fma_group` with halves)."""
@@ -410,11 +455,21 @@ def quantize_rows(x, q, d):
 
 @inline
 def _block(table, blocks, b, geo):
-    """(first byte, scale ``d``) of block ``b`` of a stored row; ``geo`` = (bytes per block, first quant byte,
-    bias, byte of Q5's ``qh`` or -1)."""
-    o = b * geo[0]
-    prefetch(blocks, o)
-    return o, table[np.int64(np.uint8(blocks[o])) | (np.int64(np.uint8(blocks[o + 1])) << 8)]
+    """(first byte, scale ``d``) of block ``b`` of 32 values of a stored row; ``geo`` = (bytes per block, first
+    quant byte, bias, byte of Q5's ``qh`` or -1, sub-blocks of 32 per block: 1, or IQ4_XS's 8, whose block
+    ``b`` is sub-block ``b % 8`` of super-block ``b // 8``, returned as the byte 16 (b % 8) past the super-block's
+    start, its scale ``d * (ls - 32)``)."""
+    if geo[4] == 1:
+        o = b * geo[0]
+        prefetch(blocks, o)
+        return o, table[np.int64(np.uint8(blocks[o])) | (np.int64(np.uint8(blocks[o + 1])) << 8)]
+    sb, j = b // geo[4], b % geo[4]
+    o = sb * geo[0]
+    prefetch(blocks, o + 16 * j)
+    low = (np.int64(np.uint8(blocks[o + 4 + j // 2])) >> (4 * (j % 2))) & 15
+    high = (((np.int64(np.uint8(blocks[o + 2])) | (np.int64(np.uint8(blocks[o + 3])) << 8)) >> (2 * j)) & 3) << 4
+    d = table[np.int64(np.uint8(blocks[o])) | (np.int64(np.uint8(blocks[o + 1])) << 8)]
+    return o + 16 * j, d * np.float32(low + high - 32)
 
 
 @inline
@@ -439,6 +494,16 @@ def _q5_bits(blocks, o, geo):
 @inline
 def _q5(blocks, o, geo, xq, at, scale, acc):
     nibble_pairs_fma(blocks, o + geo[1], _q5_bits(blocks, o, geo), geo[2], xq, at, scale, acc)
+
+
+@inline
+def _iq4(blocks, o, geo, xq, at, scale, acc):
+    iq4_pairs_fma(blocks, o + geo[1], xq, at, scale, acc)
+
+
+@inline
+def _iq4_group(blocks, o, geo, xq, x_at, cols, xd, d_at, nb, d, acc, group):
+    group_iq4_pairs_fma(blocks, o + geo[1], xq, x_at, cols, xd, d_at, nb, d, acc, group)
 
 
 @inline
@@ -514,7 +579,10 @@ def row_groups(row, update, geo, raw, xq, xd, xsum, table, out):
             row(update, geo, 1, r, i0, raw, xq, xd, xsum, table, out)
 
 
-Q8_0_GEO, Q4_0_GEO, Q5_0_GEO = (Q8_0_BYTES, 2, 0, -1), (Q4_0().type_size, 2, 8, -1), (Q5_0().type_size, 6, 16, 2)
+Q8_0_GEO, Q4_0_GEO = (Q8_0_BYTES, 2, 0, -1, 1), (Q4_0().type_size, 2, 8, -1, 1)
+Q5_0_GEO = (Q5_0().type_size, 6, 16, 2, 1)
+XS_SUBS = IQ4_XS().block_size // Q8_ACT_BLOCK
+IQ4_NL_GEO, IQ4_XS_GEO = (IQ4_NL().type_size, 2, 0, -1, 1), (IQ4_XS().type_size, 8, 0, -1, XS_SUBS)
 Q8_0_GEMV = types.void(I8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
 LEGACY_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
 Q8_0_GEMV_ROWS = types.void(I8_2D, I16_2D, F32_2D_C, F32_1D, F32_2D)  # activations widened to int16
@@ -549,6 +617,26 @@ def q5_0_gemv1_q8(raw, xq, xd, table, out):
 @compiled(LEGACY_GEMV_ROWS)
 def q5_0_gemv_q8(raw, xq, xd, table, out):
     row_groups(row_group, _q5_group, Q5_0_GEO, raw, xq, xd, xd, table, out)
+
+
+@compiled(LEGACY_GEMV)
+def iq4_nl_gemv1_q8(raw, xq, xd, table, out):
+    gemv1_loop(_iq4, IQ4_NL_GEO, raw, xq, xd, table, out)
+
+
+@compiled(LEGACY_GEMV_ROWS)
+def iq4_nl_gemv_q8(raw, xq, xd, table, out):
+    row_groups(row_group, _iq4_group, IQ4_NL_GEO, raw, xq, xd, xd, table, out)
+
+
+@compiled(LEGACY_GEMV)
+def iq4_xs_gemv1_q8(raw, xq, xd, table, out):
+    gemv1_loop(_iq4, IQ4_XS_GEO, raw, xq, xd, table, out)
+
+
+@compiled(LEGACY_GEMV_ROWS)
+def iq4_xs_gemv_q8(raw, xq, xd, table, out):
+    row_groups(row_group, _iq4_group, IQ4_XS_GEO, raw, xq, xd, xd, table, out)
 
 
 class Int8Kernel(JitKernel):
@@ -598,3 +686,13 @@ class Q5_0Int8Kernel(Int8Kernel):
     type_size, exact = Q5_0_GEO[0], ("jit_legacy", "Q5_0JitKernel")
     gemv1_q8, gemv_q8 = staticmethod(q5_0_gemv1_q8), staticmethod(q5_0_gemv_q8)
 
+
+
+class IQ4_NLInt8Kernel(Int8Kernel):
+    type_size, exact = IQ4_NL_GEO[0], ("jit_iq4", "IQ4_NLJitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(iq4_nl_gemv1_q8), staticmethod(iq4_nl_gemv_q8)
+
+
+class IQ4_XSInt8Kernel(Int8Kernel):
+    block, type_size, exact = IQ4_XS().block_size, IQ4_XS_GEO[0], ("jit_iq4", "IQ4_XSJitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(iq4_xs_gemv1_q8), staticmethod(iq4_xs_gemv_q8)

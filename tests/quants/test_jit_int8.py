@@ -18,6 +18,7 @@ from qwen_runtime import load
 from qwen_runtime.errors import KernelsError
 from qwen_runtime.pool import Workspace
 from qwen_runtime.quants import QType, codec, jit_kernel, q8_act
+from qwen_runtime.quants.iq4 import IQ4_LEVELS
 from qwen_runtime.tensors import StoredTensor
 from qwen_runtime.weights import make_weight
 
@@ -25,6 +26,8 @@ pytest.importorskip("numba")
 from qwen_runtime.quants.jit_base import F16_TABLE, GEMV_ROWS  # noqa: E402 (numba is needed from here on)
 from qwen_runtime.quants.jit_int8 import (  # noqa: E402
     Int8Kernel,
+    IQ4_NLInt8Kernel,
+    IQ4_XSInt8Kernel,
     Q4_0Int8Kernel,
     Q5_0Int8Kernel,
     Q8_0Int8Kernel,
@@ -36,8 +39,9 @@ EPS32 = float(np.finfo(np.float32).eps)
 EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF], np.uint16)  # zero, -0, subnormal, max
 
 
-BYTES = {QType.Q8_0: 34, QType.Q4_0: 18, QType.Q5_0: 22}
-KERNELS = {QType.Q8_0: Q8_0Int8Kernel, QType.Q4_0: Q4_0Int8Kernel, QType.Q5_0: Q5_0Int8Kernel}
+BYTES = {QType.Q8_0: 34, QType.Q4_0: 18, QType.Q5_0: 22, QType.IQ4_NL: 18}
+KERNELS = {QType.Q8_0: Q8_0Int8Kernel, QType.Q4_0: Q4_0Int8Kernel, QType.Q5_0: Q5_0Int8Kernel,
+           QType.IQ4_NL: IQ4_NLInt8Kernel}
 TYPES = list(KERNELS)
 
 
@@ -68,7 +72,7 @@ def weights_of(qtype: QType, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if qtype == QType.Q5_0:
             qh = blocks[:, :, 2:6].copy().view(np.uint32)  # [R, nb, 1]
             w |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
-        w -= 16 if qtype == QType.Q5_0 else 8
+        w = IQ4_LEVELS[w].astype(np.int16) if qtype == QType.IQ4_NL else w - (16 if qtype == QType.Q5_0 else 8)
     w = w.reshape(len(raw), -1)
     decoded = codec(qtype).reference(raw).reshape(len(raw), -1, 32)
     assert np.array_equal(decoded, scales[..., None] * w.reshape(decoded.shape).astype(np.float32))
@@ -337,3 +341,65 @@ def test_q6_k_within_the_error_model(n: int) -> None:
     assert np.all(np.abs(got - reference) <= (nb * 8 + 18) * EPS32 * magnitude)
     kernel = Q6_KInt8Kernel(raw)
     assert np.array_equal(np.concatenate([run(kernel, x[i:i + 1]) for i in range(n)]), got)
+
+
+def iq4_xs_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(levels int16 [R, nb * 256], scales d * (ls_j - 32) float32 [R, nb * 8]) of IQ4_XS rows (iq4.py's
+    docstring layout), checked against the codec's reference (value = scale * level in float32)."""
+    blocks = raw.reshape(-1, 136)
+    d = F16_TABLE[blocks[:, :2].copy().view(np.uint16)[:, 0]]
+    high = blocks[:, 2:4].copy().view(np.uint16)[:, 0].astype(np.int32)
+    j = np.arange(8)
+    ls = ((blocks[:, 4 + j // 2].astype(np.int32) >> (4 * (j % 2))) & 15) | (((high[:, None] >> (2 * j)) & 3) << 4)
+    scales = d[:, None] * (ls - 32).astype(np.float32)  # [blocks, 8]
+    qs = blocks[:, 8:].reshape(-1, 8, 16)
+    w = IQ4_LEVELS[np.concatenate([qs & 15, qs >> 4], axis=2)].astype(np.int16)  # [blocks, 8, 32]
+    decoded = codec(QType.IQ4_XS).reference(raw).reshape(-1, 8, 32)
+    assert np.array_equal(decoded, scales[..., None] * w.astype(np.float32))
+    return w.reshape(len(raw), -1), scales.reshape(len(raw), -1)
+
+
+def iq4_xs_rows(rows: int, nb: int, seed: int, unit: bool = False) -> np.ndarray:
+    """Random IQ4_XS rows; ``unit``: d = 1 and every ls_j = 33 (scale 1: values = the levels)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * nb, 136), dtype=np.uint8)
+    d = (rng.uniform(1e-3, 1e-2, rows * nb) * rng.choice([-1, 1], rows * nb)).astype(np.float16)
+    d.view(np.uint16)[rng.random(d.shape) < 0.1] = 0
+    if unit:
+        d[:] = 1
+        blocks[:, 2:4] = 0b10101010  # high bits 2 of every ls: 32 + low nibble 1
+        blocks[:, 4:8] = 0x11
+    blocks[:, :2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, nb * 136)
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, GEMV_ROWS])
+def test_iq4_xs_exact_sums_error_model_and_rows(n: int) -> None:
+    """IQ4_XS: exact block sums at unit scales; the error model of :func:`test_products_within_the_error_model`
+    with the sub-block scales; every row the same alone and in any batch."""
+    rng = np.random.default_rng(n)
+    unit = iq4_xs_rows(21, 2, seed=n, unit=True)
+    w, scales = iq4_xs_parts(unit)
+    assert np.all(scales == 1)
+    x = rng.integers(-127, 128, (n, 512)).astype(np.float32)
+    x[:, ::32] = 127
+    q, d = q8_act.quantize_activations(x)
+    assert np.array_equal(q, x) and np.all(d == 1)
+    kernel = jit_kernel(QType.IQ4_XS, unit, activations="q8")
+    assert isinstance(kernel, IQ4_XSInt8Kernel)
+    assert np.array_equal(run(kernel, x), q8_act.block_sums(w, q).sum(axis=2).astype(np.float32))
+
+    nb = 3
+    raw = iq4_xs_rows(27, nb, seed=40 + n)
+    x = activations(n, nb * 256, seed=n)
+    w, scales = iq4_xs_parts(raw)
+    kernel = IQ4_XSInt8Kernel(raw)
+    got = run(kernel, x)
+    reference = q8_act.product(w, scales, x)
+    q, d = q8_act.quantize_activations(x)
+    sums = q8_act.block_sums(np.abs(w), np.abs(q))
+    magnitude = np.einsum("nrb,rb,nb->nr", sums.astype(np.float64), np.abs(scales.astype(np.float64)), d)
+    assert np.all(np.abs(got - reference) <= (nb * 8 + 17) * EPS32 * magnitude)
+    alone = np.concatenate([run(kernel, x[i:i + 1]) for i in range(n)])
+    for m in range(1, n + 1):
+        assert np.array_equal(run(kernel, x[:m]), alone[:m])
