@@ -34,6 +34,9 @@ from .jit_int8 import (
 )
 from .jit_kquants import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, q4_k_scales, sums_per_32
 
+# The same scale unpacking inlined into the loops (a call per block kept the lanes in memory across it).
+k45_scales = inline(q4_k_scales.py_func)
+
 
 @inline
 def k45_update(blk, j, size, xq, x_at, scale, lanes):
@@ -71,7 +74,7 @@ def q4_k_loop(raw, xq, xd, xsum, table, out, size):
         for b in range(nb):
             blk = raw[r, b * size: b * size + size]
             prefetch(blk, 0)
-            q4_k_scales(blk, table, ds, dm)
+            k45_scales(blk, table, ds, dm)
             for j in range(8):
                 mins += dm[j] * xsum[0, b * 8 + j]
                 k45_update(blk, j, size, xq[0], b * 256 + 32 * j, ds[j] * xd[0, b * 8 + j], lanes)
@@ -96,7 +99,7 @@ def q4_k_group(update, size, group, r, i0, raw, xq, xd, xsum, table, out):  # no
     for b in range(nb):
         blk = raw[r, b * size: b * size + size]
         prefetch(blk, 0)
-        q4_k_scales(blk, table, ds, dm)
+        k45_scales(blk, table, ds, dm)
         for j in range(8):
             for g in range(group):
                 mins[g] += dm[j] * xsum[i0 + g, b * 8 + j]
