@@ -1,30 +1,39 @@
-"""Compiled integer-dot kernels with 8-bit activations (``activations="q8"``, numba): Q8_0, Q4_0 and Q5_0
-weights times activations quantized per 32-block (:mod:`.q8_act`, the plain reference).
+"""Compiled integer-dot kernels with 8-bit activations (``activations="q8"``, numba): Q8_0, Q4_0, Q5_0, IQ4_NL
+and IQ4_XS weights times activations quantized per 32-block (:mod:`.q8_act`, the plain reference; the K-quants
+in :mod:`.jit_int8_k`).
 
 A product first quantizes its activation rows once (:func:`quantize_rows`, the same float32 operations as
 :func:`.q8_act.quantize_activations`, bit for bit).  Row ``r`` then keeps 16 float32 lanes; per block ``b``
-the 32 integer weights (Q8_0's bytes; Q4_0's and Q5_0's nibbles and bit 4 unpacked in int8 vector arithmetic,
-minus the bias) and the 32 activation bytes are sign-extended to int16, multiplied in pairs and the pairs
-added in int32 (``<16 x i32>``, exact: :func:`_pairs`), converted to float32 (exact: below 2^24) and fused into
-the lanes, ``lanes = fma(pairs, d_w * d_x, lanes)``; the lanes are summed once at the end.  Every row goes
-through the same operations whatever the other rows (the server's batch invariance).
+the 32 integer weights (Q4_0's and Q5_0's nibbles and bit 4 unpacked in int8 vector arithmetic, minus the
+bias; IQ4's levels looked up with ``pshufb``) and the 32 activations are taken to int16, multiplied in pairs
+and the pairs added in int32 (``<16 x i32>``, exact: :func:`_pairs`), converted to float32 (exact: below 2^24)
+and fused into the lanes, ``lanes = fma(pairs, d_w * d_x, lanes)``; the lanes are summed once at the end, in
+order.  Q8_0 goes by pairs of blocks (:func:`q8_0_quads_fma`): the 64 weights against the 64 activations
+stored as ``x + 128`` (uint8) in one ``vpdpbusd`` (AVX-512 VNNI; the ``128 * sum(w)`` it adds taken off by a
+bias computed once per weight pair) gives 16 exact sums of 4 products, lanes 0-7 of the first block, 8-15 of
+the second: half the conversions and fused adds per block (elsewhere the same sums from ``pmaddwd`` pairs).
 
-Several activation rows (``gemv_q8``) go in fixed groups of :data:`GROUP` (then 4, 2, 1: :func:`row_groups`):
-per stored row and block the weights are read, unpacked and widened once, and each row of the group does one
-``vpmaddwd`` with its activations (widened to int16 once per product, so read straight from memory), the
-conversion and the fused add into its own 16 lanes, which stay in zmm registers for the whole stored row
-(``group`` a literal of the intrinsics, so every lane access has a constant offset).  Measured (ms of CPU per
-million weights, one thread, out of cache, medians, before / after): Q8_0 8 rows 0.37 / 0.27, 16 rows
-0.72 / 0.53; Q4_0 0.38 / 0.28, 0.72 / 0.54; Q6_K 0.43 / 0.37, 0.76 / 0.72; Q4_K unchanged (0.53, 0.89-0.96:
-its scales and minimums per row and sub-block dominate); one row unchanged.
+Rows: one activation row (``gemv1_q8``) and several (``gemv_q8``) run the same inline loop
+(:func:`row_group`), for several rows in fixed groups of :data:`GROUP` (then 4, 2, 1: :func:`row_groups`) over
+chunks of :data:`CHUNK` stored rows: per block the weights are read, unpacked and widened once for the group,
+each row of the group does one ``vpmaddwd`` (``vpdpbusd``) with its activations (widened to int16 once per
+product, so read straight from memory), the conversion and the fused add into its own lanes, which stay in
+zmm registers for the whole stored row (``group`` a literal of the intrinsics, so every lane access has a
+constant offset).  A row's operations are the same whatever its group, so its numbers are the same whatever
+the other rows (the server's batch invariance).  Measured (ms of CPU per million weights, one thread, out of
+cache, medians of 3 A/B pairs, one row one-at-a-time before / now): 8 rows Q8_0 0.39 / 0.23, Q4_0 0.37 /
+0.30, Q5_0 0.43 / 0.34, Q4_K 0.54 / 0.37, Q6_K 0.43 / 0.38; 16 rows 0.77 / 0.45, 0.73 / 0.56, 0.75 / 0.65,
+0.91 / 0.71, 0.81 / 0.70; one row unchanged (Q8_0 0.10, Q4_0 0.07, Q4_K 0.10, Q6_K 0.15).
 
 Assembly (numba 0.68, this Xeon with AVX-512; ``inspect_asm``), per block of the 1-row loop: ``prefetcht0``
-2 KiB ahead, the scale's table load and ``vmulss``, two ``vpmovsxbw`` to zmm (Q8_0: both straight from memory;
-Q4_0 first ``vpand``/``vgf2p8affineqb``/``vinserti128``/``vpaddb`` on the 16 bytes, Q5_0 adds ``vpsrlvd`` for
-bit 4), one ``vpmaddwd`` zmm, ``vcvtdq2ps`` and ``vfmadd213ps`` with the lanes in a register: 32 weights per
-multiply-add against the float kernels' 16 (and no per-weight float conversion).  Written as generic IR
-(``sext``, ``mul``, even/odd ``add`` in int32) LLVM narrowed the products to int16 and emitted
-``vpmullw``/``vpmovdw``/``vpmovsxwd`` shuffles instead of ``vpmaddwd``, hence the x86 intrinsic.
+2 KiB ahead, the scale's table load and ``vmulss``, ``vpmovsxbw`` to zmm (Q4_0 first ``vpand``/
+``vgf2p8affineqb``/``vinserti128``/``vpaddb`` on the 16 bytes, Q5_0 adds ``vpsrlvd`` for bit 4), one
+``vpmaddwd`` zmm, ``vcvtdq2ps`` and ``vfmadd213ps`` with the lanes in a register; Q8_0 per pair of blocks
+``vinserti64x4``, two ``vpdpbusd``, ``vcvtdq2ps``, ``vmulps`` and ``vfmadd231ps``.  The group-of-8 loop: the
+weights once, then per row a ``vpmaddwd`` (``vpdpbusd``) from memory, ``vcvtdq2ps``, the scale and a
+``vfmadd231ps`` into one of 8 zmm lanes, no stack traffic.  Written as generic IR (``sext``, ``mul``, even/odd
+``add`` in int32) LLVM narrowed the products to int16 and emitted ``vpmullw``/``vpmovdw``/``vpmovsxwd``
+shuffles instead of ``vpmaddwd``, hence the x86 intrinsics.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ from .q8_act import Q8_ACT_BLOCK, Q8_ACT_MAX
 
 PAIRS = Q8_ACT_BLOCK // 2  # int32 lanes of a block's products (pairs of adjacent products)
 GROUP = 8  # activation rows whose lanes a multi-row kernel keeps in registers at once (8 x 16 float32)
+CHUNK = 16  # stored rows a multi-row kernel takes through all its groups of activation rows before the next ones
 inline = numba.njit(inline="always", cache=True, fastmath={"contract"})
 I8_2D_W = types.int8[:, ::1]  # quantized activations (written by quantize_rows)
 I16_2D = types.Array(types.int16, 2, "C", readonly=True)  # the same widened to int16 (multi-row kernels)
@@ -67,6 +77,7 @@ I16, I32, F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
 V32_I8, V32_I16 = ir.VectorType(ir.IntType(8), Q8_ACT_BLOCK), ir.VectorType(I16, Q8_ACT_BLOCK)
 V16_I16, V16_I32, V16_F32 = ir.VectorType(I16, PAIRS), ir.VectorType(I32, PAIRS), ir.VectorType(F32, PAIRS)
 V8_I32, V16_I8, V32_I32 = ir.VectorType(I32, PAIRS // 2), ir.VectorType(ir.IntType(8), PAIRS), ir.VectorType(I32, 32)
+V64_I8 = ir.VectorType(ir.IntType(8), 2 * Q8_ACT_BLOCK)
 
 
 def _pointer(context, builder: ir.IRBuilder, array_type: types.Array, array: ir.Value, at: ir.Value,
@@ -401,6 +412,92 @@ def group_q6_pairs_fma(typingctx, blocks, low_at, shift, high_at, high, x, x_at,
                        group), codegen)
 
 
+def _quads(builder: ir.IRBuilder, w: ir.Value, xu: ir.Value, negative_bias: ir.Value | None) -> ir.Value:
+    """``<16 x i32>``: ``sum_{k<4} w[4j+k] * x[4j+k]`` for 64 int8 weights ``w`` and 64 activations stored as
+    ``xu = x + 128`` (uint8), exact.  With AVX-512 VNNI one ``vpdpbusd`` from ``negative_bias`` (``-128`` times
+    the weights' sums of 4, :func:`_vnni_bias`, shared by every activation row); elsewhere ``pmaddwd`` pairs
+    (:func:`_pairs16`) of ``xu - 128`` added in adjacent pairs."""
+    if negative_bias is not None:
+        operands = [negative_bias, builder.bitcast(xu, V16_I32), builder.bitcast(w, V16_I32)]
+        return builder.call(_vpdpbusd(builder), operands)
+    x = builder.xor(xu, ir.Constant(V64_I8, [-128] * 64))
+    halves = []
+    for h in (0, 32):
+        pick = ir.Constant(V32_I32, list(range(h, h + 32)))
+        undef = ir.Constant(V64_I8, ir.Undefined)
+        pairs = _pairs16(builder, builder.sext(builder.shuffle_vector(w, undef, pick), V32_I16),
+                         builder.sext(builder.shuffle_vector(x, undef, pick), V32_I16))  # <16 x i32>
+        even, odd = (builder.shuffle_vector(pairs, pairs, ir.Constant(V8_I32, list(range(k, PAIRS, 2))))
+                     for k in (0, 1))
+        halves.append(builder.add(even, odd))
+    return builder.shuffle_vector(halves[0], halves[1], ir.Constant(V16_I32, list(range(PAIRS))))
+
+
+def _vpdpbusd(builder: ir.IRBuilder):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_I32, [V16_I32] * 3),
+                                          "llvm.x86.avx512.vpdpbusd.512")
+
+
+def _vnni_bias(builder: ir.IRBuilder, w: ir.Value) -> ir.Value | None:
+    """``-128 * (w[4j] + ... + w[4j+3])`` (``<16 x i32>``) where the CPU has AVX-512 VNNI, else None."""
+    if not {"avx512vnni", "avx512bw"} <= FEATURES:
+        return None
+    zero = ir.Constant(V16_I32, [0] * PAIRS)
+    sums = builder.call(_vpdpbusd(builder), [zero, builder.bitcast(ir.Constant(V64_I8, [-128] * 64), V16_I32),
+                                              builder.bitcast(w, V16_I32)])  # 0x80 as uint8: 128
+    return builder.sub(zero, sums)
+
+
+@intrinsic
+def q8_0_quads_fma(typingctx, blocks, o0, o1, single, xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, acc,
+                   group):  # noqa: ARG001
+    """Two Q8_0 blocks (quants at ``blocks[o0]`` and ``blocks[o1]``, scales ``d0``, ``d1``) times ``group``
+    activation rows (a literal) at once: row ``g``'s 64 activations ``xu[x_at + g * x_stride]`` (uint8, ``x +
+    128``) with scales ``xd[d_at + g * d_stride]`` and ``xd[... + 1]``; its 16 lanes at ``acc + 16 g``: lanes 0-7
+    ``fma(f32(quads of block 0), d0 * d_x0, lanes)``, 8-15 block 1's (:func:`_quads`).  ``single`` (a literal 1):
+    block 0 alone (the row's last, odd block), lanes 8-15 adding exact zeros."""
+    if not (_literal(group) and isinstance(single, types.IntegerLiteral)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        blocks, o0, o1, _, xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, acc, _ = args
+        alone = signature.args[3].literal_value == 1
+        pick = ir.Constant(ir.VectorType(I32, 64), list(range(64)))
+        zeros = ir.Constant(V32_I8, [0] * Q8_ACT_BLOCK)
+
+        def load32(array_type, array, at):
+            return builder.load(_pointer(context, builder, array_type, array, at, V32_I8), align=1)
+
+        w0 = load32(signature.args[0], blocks, o0)
+        w = builder.shuffle_vector(w0, zeros if alone else load32(signature.args[0], blocks, o1), pick)
+        bias = _vnni_bias(builder, w)
+        upper = ir.Constant(V16_I32, [*range(8), *range(24, 32)])
+        scale_w = builder.shuffle_vector(_splat(builder, d0, V16_F32), _splat(builder, d0 if alone else d1, V16_F32),
+                                         upper)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3),
+                                             "llvm.fma.v16f32")
+        x_pointer = _pointer(context, builder, signature.args[4], xu, x_at, ir.IntType(8))
+        f32_pointer = _pointer(context, builder, signature.args[7], xd, d_at, F32)
+        for g in range(signature.args[-1].literal_value):
+            row = ir.Constant(ir.IntType(64), g)
+            at = builder.gep(x_pointer, [builder.mul(row, x_stride)])
+            if alone:
+                x = builder.shuffle_vector(builder.load(builder.bitcast(at, V32_I8.as_pointer()), align=1), zeros, pick)
+            else:
+                x = builder.load(builder.bitcast(at, V64_I8.as_pointer()), align=1)
+            quads = builder.sitofp(_quads(builder, w, x, bias), V16_F32)
+            d_row = builder.gep(f32_pointer, [builder.mul(row, d_stride)])
+            dx0 = builder.load(d_row)
+            dx1 = dx0 if alone else builder.load(builder.gep(d_row, [ir.Constant(ir.IntType(64), 1)]))
+            dx = builder.shuffle_vector(_splat(builder, dx0, V16_F32), _splat(builder, dx1, V16_F32), upper)
+            lanes = builder.bitcast(builder.gep(acc, [ir.Constant(ir.IntType(64), g * PAIRS)]), V16_F32.as_pointer())
+            builder.store(builder.call(fma, [quads, builder.fmul(scale_w, dx), builder.load(lanes, align=4)]), lanes,
+                          align=4)
+        return context.get_dummy_value()
+
+    return (types.void(blocks, o0, o1, single, xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, acc, group), codegen)
+
+
 @intrinsic
 def lanes_zero(typingctx, acc, group):  # noqa: ARG001
     """``acc[0 : 16 group] = 0`` (the stack lanes of :func:`_fma_group`)."""
@@ -543,60 +640,90 @@ def gemv1_loop(update, geo, raw, xq, xd, table, out):
 
 
 @inline
-def row_group(update, geo, group, r, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (xsum: K-quants' rows)
-    """``out[i0 + g, r]`` for ``g < group`` (a literal): :func:`gemv1_loop`'s operations for each activation row,
-    stored row ``r``'s blocks read and unpacked once for all of them, the ``group`` rows' lanes in registers."""
-    nb, cols, blocks = xd.shape[1], xq.shape[1], raw[r]
+def row_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (xsum: K-quants')
+    """``out[i0 + g, r]`` for ``g < group`` (a literal) and stored rows ``r0 <= r < r1``: each block's pair sums
+    by ``update`` (its weights read and unpacked once for the group), fused into each row's 16 lanes (in
+    registers), the lanes summed in order."""
+    nb, cols = xd.shape[1], xq.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
-    lanes_zero(acc, group)
-    for b in range(nb):
-        o, d = _block(table, blocks, b, geo)
-        update(blocks, o, geo, xq, i0 * cols + b * 32, cols, xd, i0 * nb + b, nb, d, acc, group)
-    lanes_sums(acc, group, sums)
     s = carray(sums, (GEMV_ROWS,))
-    for g in range(group):
-        out[i0 + g, r] = s[g]
+    for r in range(r0, r1):
+        blocks = raw[r]
+        lanes_zero(acc, group)
+        for b in range(nb):
+            o, d = _block(table, blocks, b, geo)
+            update(blocks, o, geo, xq, i0 * cols + b * 32, cols, xd, i0 * nb + b, nb, d, acc, group)
+        lanes_sums(acc, group, sums)
+        for g in range(group):
+            out[i0 + g, r] = s[g]
+
+
+@inline
+def q8_0_group(update, geo, group, r0, r1, i0, raw, xu, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
+    """:func:`row_group` for Q8_0 by pairs of blocks (:func:`q8_0_quads_fma`): ``xu`` [N, nb * 32] the
+    activations plus 128 as uint8, each lane a sum over every other block of 4-product sums."""
+    nb, cols = xd.shape[1], xu.shape[1]
+    acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
+    s = carray(sums, (GEMV_ROWS,))
+    for r in range(r0, r1):
+        blocks = raw[r]
+        lanes_zero(acc, group)
+        for b2 in range(nb // 2):
+            b = 2 * b2
+            o0, d0 = _block(table, blocks, b, geo)
+            o1, d1 = _block(table, blocks, b + 1, geo)
+            q8_0_quads_fma(blocks, o0 + geo[1], o1 + geo[1], 0, xu, i0 * cols + b * 32, cols, xd, i0 * nb + b, nb,
+                           d0, d1, acc, group)
+        if nb % 2:
+            b = nb - 1
+            o0, d0 = _block(table, blocks, b, geo)
+            q8_0_quads_fma(blocks, o0 + geo[1], o0 + geo[1], 1, xu, i0 * cols + b * 32, cols, xd, i0 * nb + b, nb,
+                           d0, d0, acc, group)
+        lanes_sums(acc, group, sums)
+        for g in range(group):
+            out[i0 + g, r] = s[g]
 
 
 @inline
 def row_groups(row, update, geo, raw, xq, xd, xsum, table, out):
-    """``row(update, geo, group, r, i0, ...)`` (:func:`row_group`) over the stored rows ``r`` and the activation
-    rows in groups of :data:`GROUP`, then one of 4, 2 and 1 for the rest: each weight block comes from memory
-    once per product, and each activation row goes through the same operations whatever its group."""
-    n = xq.shape[0]
+    """``row(update, geo, group, r0, r1, i0, ...)`` (:func:`row_group`) over chunks of :data:`CHUNK` stored rows
+    and, for each chunk, the activation rows in groups of :data:`GROUP`, then one of 4, 2 and 1 for the rest: a
+    chunk's blocks come from memory once per product (the other groups find them in cache), and each activation
+    row goes through the same operations whatever its group."""
+    n, rows = xq.shape[0], raw.shape[0]
     full = n - n % GROUP
-    for r in range(raw.shape[0]):
+    for r0 in range(0, rows, CHUNK):
+        r1 = min(r0 + CHUNK, rows)
         for i0 in range(0, full, GROUP):
-            row(update, geo, GROUP, r, i0, raw, xq, xd, xsum, table, out)
+            row(update, geo, GROUP, r0, r1, i0, raw, xq, xd, xsum, table, out)
         i0 = full
         if n - i0 >= 4:
-            row(update, geo, 4, r, i0, raw, xq, xd, xsum, table, out)
+            row(update, geo, 4, r0, r1, i0, raw, xq, xd, xsum, table, out)
             i0 += 4
         if n - i0 >= 2:
-            row(update, geo, 2, r, i0, raw, xq, xd, xsum, table, out)
+            row(update, geo, 2, r0, r1, i0, raw, xq, xd, xsum, table, out)
             i0 += 2
         if n - i0 >= 1:
-            row(update, geo, 1, r, i0, raw, xq, xd, xsum, table, out)
+            row(update, geo, 1, r0, r1, i0, raw, xq, xd, xsum, table, out)
 
 
 Q8_0_GEO, Q4_0_GEO = (Q8_0_BYTES, 2, 0, -1, 1), (Q4_0().type_size, 2, 8, -1, 1)
 Q5_0_GEO = (Q5_0().type_size, 6, 16, 2, 1)
 XS_SUBS = IQ4_XS().block_size // Q8_ACT_BLOCK
 IQ4_NL_GEO, IQ4_XS_GEO = (IQ4_NL().type_size, 2, 0, -1, 1), (IQ4_XS().type_size, 8, 0, -1, XS_SUBS)
-Q8_0_GEMV = types.void(I8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
+Q8_0_GEMV = types.void(I8_2D, U8_2D, F32_2D_C, F32_1D, F32_2D)  # activations + 128 as uint8
 LEGACY_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
-Q8_0_GEMV_ROWS = types.void(I8_2D, I16_2D, F32_2D_C, F32_1D, F32_2D)  # activations widened to int16
 LEGACY_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_1D, F32_2D)
 
 
 @compiled(Q8_0_GEMV)
-def q8_0_gemv1_q8(raw, xq, xd, table, out):
-    gemv1_loop(_q8, Q8_0_GEO, raw, xq, xd, table, out)
+def q8_0_gemv1_q8(raw, xu, xd, table, out):
+    q8_0_group(None, Q8_0_GEO, 1, 0, raw.shape[0], 0, raw, xu, xd, xd, table, out)
 
 
-@compiled(Q8_0_GEMV_ROWS)
-def q8_0_gemv_q8(raw, xq, xd, table, out):
-    row_groups(row_group, _q8_group, Q8_0_GEO, raw, xq, xd, xd, table, out)
+@compiled(Q8_0_GEMV)
+def q8_0_gemv_q8(raw, xu, xd, table, out):
+    row_groups(q8_0_group, None, Q8_0_GEO, raw, xu, xd, xd, table, out)
 
 
 @compiled(LEGACY_GEMV)
@@ -654,12 +781,17 @@ class Int8Kernel(JitKernel):
         self.decode = getattr(importlib.import_module(f".{module}", __package__), name).decode
 
     def activations(self, x: np.ndarray) -> tuple:
-        """``(q, d, q16)``: :func:`quantize_rows`, and for more than one row ``q`` widened to int16 (which the
-        multi-row kernels read with no widening per row and block)."""
+        """``(q, d, q_rows)``: :func:`quantize_rows`, ``q`` in the forms the kernels read (:meth:`forms`)."""
         q = np.empty(x.shape, np.int8)
         d = np.empty((len(x), x.shape[1] // Q8_ACT_BLOCK), np.float32)
         quantize_rows(x, q, d)
-        return q, d, (q.astype(np.int16) if len(x) > 1 else q)
+        one, rows = self.forms(q)
+        return one, d, rows
+
+    def forms(self, q: np.ndarray) -> tuple:
+        """(the activations as the one-row kernel reads them, as the multi-row kernel does): int8, and int16 for
+        more than one row (no widening per row and block)."""
+        return q, (q.astype(np.int16) if len(q) > 1 else q)
 
     def _rows(self, raw: np.ndarray, x: np.ndarray, extra: list, out: np.ndarray) -> None:
         q, d, q16, *rest = extra
@@ -675,6 +807,11 @@ class Q8_0Int8Kernel(Int8Kernel):
 
     def stored(self, raw: np.ndarray) -> np.ndarray:
         return raw.view(np.int8)
+
+    def forms(self, q: np.ndarray) -> tuple:
+        """Both kernels read the activations plus 128 as uint8 (:func:`q8_0_quads_fma`)."""
+        xu = q.view(np.uint8) ^ np.uint8(128)
+        return xu, xu
 
 
 class Q4_0Int8Kernel(Int8Kernel):

@@ -85,30 +85,31 @@ def q4_k_loop(raw, xq, xd, xsum, table, out, size):
 
 
 @inline
-def q4_k_group(update, size, group, r, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups' protocol)
+def q4_k_group(update, size, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
     """:func:`q4_k_loop`'s operations for activation rows ``i0 .. i0 + group`` (int16, :func:`.jit_int8.row_group`)
-    and stored row ``r`` of Q4_K/Q5_K blocks of ``size`` bytes: each block's scales decoded and its weights
-    unpacked once for all of them."""
+    and stored rows ``r0 <= r < r1`` of Q4_K/Q5_K blocks of ``size`` bytes: each block's scales decoded and its
+    weights unpacked once for all of them."""
     nb, cols, nd = xd.shape[1] // 8, xq.shape[1], xd.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     mins = carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
     ds, dm = carray(stack_f32(8), (8,)), carray(stack_f32(8), (8,))
-    lanes_zero(acc, group)
-    for g in range(group):
-        mins[g] = 0
-    for b in range(nb):
-        blk = raw[r, b * size: b * size + size]
-        prefetch(blk, 0)
-        k45_scales(blk, table, ds, dm)
-        for j in range(8):
-            for g in range(group):
-                mins[g] += dm[j] * xsum[i0 + g, b * 8 + j]
-            k45_group_update(blk, j, size, xq, i0 * cols + b * 256 + 32 * j, cols, xd, i0 * nd + b * 8 + j, nd,
-                             ds[j], acc, group)
-    lanes_sums(acc, group, sums)
     s = carray(sums, (GEMV_ROWS,))
-    for g in range(group):
-        out[i0 + g, r] = s[g] - mins[g]
+    for r in range(r0, r1):
+        lanes_zero(acc, group)
+        for g in range(group):
+            mins[g] = 0
+        for b in range(nb):
+            blk = raw[r, b * size: b * size + size]
+            prefetch(blk, 0)
+            k45_scales(blk, table, ds, dm)
+            for j in range(8):
+                for g in range(group):
+                    mins[g] += dm[j] * xsum[i0 + g, b * 8 + j]
+                k45_group_update(blk, j, size, xq, i0 * cols + b * 256 + 32 * j, cols, xd, i0 * nd + b * 8 + j, nd,
+                                 ds[j], acc, group)
+        lanes_sums(acc, group, sums)
+        for g in range(group):
+            out[i0 + g, r] = s[g] - mins[g]
 
 
 @inline
@@ -142,29 +143,31 @@ def q6_k_loop(raw, xq, xd, table, out):
 
 
 @inline
-def q6_k_group(update, geo, group, r, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups' protocol)
-    """:func:`q6_k_loop`'s operations for activation rows ``i0 .. i0 + group`` (int16) and stored row ``r``."""
+def q6_k_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
+    """:func:`q6_k_loop`'s operations for activation rows ``i0 .. i0 + group`` (int16) and stored rows
+    ``r0 <= r < r1``."""
     nb, cols, nd = xd.shape[1] // 8, xq.shape[1], xd.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
-    lanes_zero(acc, group)
-    for b in range(nb):
-        o = b * Q6_K_BYTES
-        blk = raw[r, o: o + Q6_K_BYTES]
-        prefetch(blk, 0)
-        d = table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)]
-        for h in range(2):
-            for s in range(4):
-                j = 8 * h + 2 * s
-                d0 = d * np.float32(np.int8(blk[192 + j]))
-                d1 = d * np.float32(np.int8(blk[193 + j]))
-                a = 4 * h + s  # the activation block of 32 within the 256
-                group_q6_pairs_fma(blk, 64 * h + 32 * (s % 2), 4 * (s // 2), 128 + 32 * h, 2 * s, xq,
-                                   i0 * cols + b * 256 + 32 * a, cols, xd, i0 * nd + b * 8 + a, nd, d0, d1, acc,
-                                   group)
-    lanes_sums(acc, group, sums)
-    s = carray(sums, (GEMV_ROWS,))
-    for g in range(group):
-        out[i0 + g, r] = s[g]
+    t = carray(sums, (GEMV_ROWS,))
+    for r in range(r0, r1):
+        lanes_zero(acc, group)
+        for b in range(nb):
+            o = b * Q6_K_BYTES
+            blk = raw[r, o: o + Q6_K_BYTES]
+            prefetch(blk, 0)
+            d = table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)]
+            for h in range(2):
+                for s in range(4):
+                    j = 8 * h + 2 * s
+                    d0 = d * np.float32(np.int8(blk[192 + j]))
+                    d1 = d * np.float32(np.int8(blk[193 + j]))
+                    a = 4 * h + s  # the activation block of 32 within the 256
+                    group_q6_pairs_fma(blk, 64 * h + 32 * (s % 2), 4 * (s // 2), 128 + 32 * h, 2 * s, xq,
+                                       i0 * cols + b * 256 + 32 * a, cols, xd, i0 * nd + b * 8 + a, nd, d0, d1, acc,
+                                       group)
+        lanes_sums(acc, group, sums)
+        for g in range(group):
+            out[i0 + g, r] = t[g]
 
 
 Q6_K_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
