@@ -9,6 +9,11 @@ block sums, ``|got - ref| <= (nb + 16 + 1) * eps32 * sum |w q| d_w d_x`` (first-
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import quants as gquants
@@ -403,3 +408,29 @@ def test_iq4_xs_exact_sums_error_model_and_rows(n: int) -> None:
     alone = np.concatenate([run(kernel, x[i:i + 1]) for i in range(n)])
     for m in range(1, n + 1):
         assert np.array_equal(run(kernel, x[:m]), alone[:m])
+
+
+AVX2_ONLY = "+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,+bmi,+bmi2"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["avx2", "avx512 without vnni"])
+def test_the_other_instruction_forms(form: str) -> None:
+    """This file's other tests in a process compiling for another CPU (``NUMBA_CPU_FEATURES``; numba keys its
+    cache by them): AVX2's two 256-bit ``pmaddwd`` and the generic sums of 4, or AVX-512BW without VNNI (Q8_0's
+    sums of 4 from ``pmaddwd`` pairs): the same exact sums, so every assertion holds as it is."""
+    from llvmlite import binding as llvm
+
+    host = llvm.get_host_cpu_features().flatten().split(",")
+    if form == "avx2":
+        if "+avx2" not in host:
+            pytest.skip("needs an AVX2 CPU")
+        features = AVX2_ONLY
+    else:
+        if "+avx512vnni" not in host:
+            pytest.skip("needs an AVX-512 VNNI CPU")
+        features = ",".join("-avx512vnni" if f == "+avx512vnni" else f for f in host)
+    env = {**os.environ, "NUMBA_CPU_FEATURES": features}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
+                             __file__], capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
