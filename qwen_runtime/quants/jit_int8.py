@@ -97,11 +97,6 @@ def _target_features() -> frozenset[str]:
 FEATURES = _target_features()
 
 
-def _pairs(builder: ir.IRBuilder, w: ir.Value, x: ir.Value) -> ir.Value:
-    """``<16 x i32>``: ``w[2j] * x[2j] + w[2j+1] * x[2j+1]`` for two ``<32 x i8>``, exact (:func:`_pairs16`)."""
-    return _pairs16(builder, builder.sext(w, V32_I16), builder.sext(x, V32_I16))
-
-
 def _pairs16(builder: ir.IRBuilder, w16: ir.Value, x16: ir.Value) -> ir.Value:
     """:func:`_pairs` of two ``<32 x i16>`` holding int8 values: ``pmaddwd`` (LLVM does not match the generic
     form, which it narrows to int16 products, to it), in one 512-bit instruction with AVX-512BW, two 256-bit
@@ -135,51 +130,6 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.
     return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), zeros)
 
 
-def _fma_pairs(context, builder: ir.IRBuilder, signature, w: ir.Value, args: list, halves: bool = False) -> None:
-    """``acc = fma(f32(pairs(w, x)), scale, acc)`` for the block's ``<32 x i8>`` weights ``w`` and the last four
-    arguments ``x, x_at, scale, acc`` (the 32 int8 activations at ``x[x_at]``; 16 float32 lanes ``acc``); with
-    ``halves`` the last five, ``x, x_at, scale0, scale1, acc``: lanes 0-7 (values 0-15) by ``scale0``, lanes
-    8-15 (values 16-31) by ``scale1``."""
-    count = 5 if halves else 4
-    x, x_at, *scales, lanes = args[-count:]
-    types_ = signature.args[-count:]
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3), "llvm.fma.v16f32")
-    qx = builder.load(_pointer(context, builder, types_[0], x, x_at, V32_I8), align=1)
-    pairs = builder.sitofp(_pairs(builder, w, qx), V16_F32)
-    at = _pointer(context, builder, types_[-1], lanes, ir.Constant(ir.IntType(64), 0), V16_F32)
-    scale = _splat(builder, scales[0], V16_F32)
-    if halves:
-        upper = _splat(builder, scales[1], V16_F32)
-        scale = builder.shuffle_vector(scale, upper, ir.Constant(V16_I32, [*range(8), *range(24, 32)]))
-    builder.store(builder.call(fma, [pairs, scale, builder.load(at, align=4)]), at, align=4)
-
-
-@intrinsic
-def pairs_fma(typingctx, w, w_at, x, x_at, scale, acc):  # noqa: ARG001 (numba's intrinsic protocol)
-    """``acc[j] = fma(f32(pairs[j]), scale, acc[j])`` for the 16 pair sums of the 32 int8 weights at ``w[w_at]``
-    and the 32 int8 activations at ``x[x_at]`` (flat indices of C-contiguous arrays; ``acc``: 16 float32)."""
-
-    def codegen(context, builder, signature, args):
-        qw = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], V32_I8), align=1)
-        _fma_pairs(context, builder, signature, qw, args)
-        return context.get_dummy_value()
-
-    return types.void(w, w_at, x, x_at, scale, acc), codegen
-
-
-@intrinsic
-def nibble_pairs_fma(typingctx, blocks, at, qh, bias, x, x_at, scale, acc):  # noqa: ARG001
-    """:func:`pairs_fma` for the 32 weights of a Q4_0/Q5_0 block: the 16 bytes at ``blocks[at]`` (value ``k``
-    the low nibble of byte ``k``, value ``16 + k`` the high one), bit 4 of value ``k`` from bit ``k`` of ``qh``
-    (a uint32, or None), minus ``bias``; unpacked in int8 vector arithmetic."""
-
-    def codegen(context, builder, signature, args):
-        _fma_pairs(context, builder, signature, _nibbles(context, builder, signature, args), args)
-        return context.get_dummy_value()
-
-    return types.void(blocks, at, qh, bias, x, x_at, scale, acc), codegen
-
-
 def _iq4_levels(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
     """The ``<32 x i8>`` weights of an IQ4 block of 32: ``IQ4_LEVELS`` at the 4-bit indices of the 16 bytes at
     ``blocks[at]`` (the first two arguments; Q4_0's nibble order), looked up with ``pshufb`` (the 16 levels in
@@ -199,39 +149,17 @@ def _iq4_levels(context, builder: ir.IRBuilder, signature, args: list) -> ir.Val
     return w
 
 
-@intrinsic
-def iq4_pairs_fma(typingctx, blocks, at, x, x_at, scale, acc):  # noqa: ARG001
-    """:func:`pairs_fma` for the 32 weights of an IQ4 block (:func:`_iq4_levels`) whose 16 index bytes start at
-    ``blocks[at]``."""
-
-    def codegen(context, builder, signature, args):
-        _fma_pairs(context, builder, signature, _iq4_levels(context, builder, signature, args), args)
-        return context.get_dummy_value()
-
-    return types.void(blocks, at, x, x_at, scale, acc), codegen
-
-
 def _nibbles32(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
-    """The ``<32 x i8>`` weights of :func:`nibbles32_pairs_fma` (its first three arguments)."""
+    """The ``<32 x i8>`` weights 0..15 of a Q4_K sub-block: the low (``shift`` 0) or high (4) nibbles of the 32
+    bytes at ``blocks[at]`` (the first three arguments)."""
     q = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], V32_I8), align=1)
     count = _splat(builder, builder.trunc(args[2], ir.IntType(8)), V32_I8)
     return builder.and_(builder.lshr(q, count), ir.Constant(V32_I8, [15] * Q8_ACT_BLOCK))
 
 
-@intrinsic
-def nibbles32_pairs_fma(typingctx, blocks, at, shift, x, x_at, scale, acc):  # noqa: ARG001
-    """:func:`pairs_fma` for 32 4-bit weights (0..15): the low (``shift`` 0) or high (4) nibbles of the 32 bytes
-    at ``blocks[at]`` (a Q4_K sub-block)."""
-
-    def codegen(context, builder, signature, args):
-        _fma_pairs(context, builder, signature, _nibbles32(context, builder, signature, args), args)
-        return context.get_dummy_value()
-
-    return types.void(blocks, at, shift, x, x_at, scale, acc), codegen
-
-
 def _nibbles32_high(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
-    """The ``<32 x i8>`` weights of :func:`q5_k_pairs_fma` (its first five arguments)."""
+    """The ``<32 x i8>`` weights 0..31 of a Q5_K sub-block: :func:`_nibbles32` plus bit ``bit`` of the 32 bytes
+    at ``blocks[qh_at]`` as bit 4 (the first five arguments ``blocks, at, shift, qh_at, bit``)."""
     h = builder.load(_pointer(context, builder, signature.args[0], args[0], args[3], V32_I8), align=1)
     count = _splat(builder, builder.trunc(args[4], ir.IntType(8)), V32_I8)
     bit = builder.and_(builder.lshr(h, count), ir.Constant(V32_I8, [1] * Q8_ACT_BLOCK))
@@ -239,20 +167,9 @@ def _nibbles32_high(context, builder: ir.IRBuilder, signature, args: list) -> ir
                        builder.shl(bit, ir.Constant(V32_I8, [4] * Q8_ACT_BLOCK)))
 
 
-@intrinsic
-def q5_k_pairs_fma(typingctx, blocks, at, shift, qh_at, bit, x, x_at, scale, acc):  # noqa: ARG001
-    """:func:`nibbles32_pairs_fma` with a fifth bit: bit ``bit`` of the 32 bytes at ``blocks[qh_at]`` as bit 4 of
-    each weight (0..31; a Q5_K sub-block)."""
-
-    def codegen(context, builder, signature, args):
-        _fma_pairs(context, builder, signature, _nibbles32_high(context, builder, signature, args), args)
-        return context.get_dummy_value()
-
-    return types.void(blocks, at, shift, qh_at, bit, x, x_at, scale, acc), codegen
-
-
 def _q6(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
-    """The ``<32 x i8>`` weights of :func:`q6_pairs_fma` (its first five arguments)."""
+    """The ``<32 x i8>`` weights of 32 values of a Q6_K block: ``((blocks[low_at + k] >> shift) & 15) |
+    (((blocks[high_at + k] >> high) & 3) << 4)`` minus 32 (the first five arguments)."""
 
     def bits(at, by, mask):
         q = builder.load(_pointer(context, builder, signature.args[0], args[0], at, V32_I8), align=1)
@@ -264,27 +181,15 @@ def _q6(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
     return builder.sub(w, ir.Constant(V32_I8, [32] * Q8_ACT_BLOCK))
 
 
-@intrinsic
-def q6_pairs_fma(typingctx, blocks, low_at, shift, high_at, high, x, x_at, scale0, scale1, acc):  # noqa: ARG001
-    """:func:`pairs_fma` for 32 6-bit weights of a Q6_K block: ``((blocks[low_at + k] >> shift) & 15) |
-    (((blocks[high_at + k] >> high) & 3) << 4)`` minus 32, values 0-15 scaled by ``scale0``, 16-31 by ``scale1``."""
-
-    def codegen(context, builder, signature, args):
-        _fma_pairs(context, builder, signature, _q6(context, builder, signature, args), args, halves=True)
-        return context.get_dummy_value()
-
-    return types.void(blocks, low_at, shift, high_at, high, x, x_at, scale0, scale1, acc), codegen
-
-
 def _fma_group(context, builder: ir.IRBuilder, signature, w: ir.Value, args: list, halves: bool = False) -> None:
     """For each of ``group`` activation rows ``g``: ``acc[g] = fma(f32(pairs(w, x_g)), d_w * d_x[g], acc[g])``,
     the block's ``<32 x i8>`` weights ``w`` unpacked and widened once for all the rows.  The last arguments are
     ``x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, group`` (with ``halves``: ``d_w0, d_w1`` for ``d_w``):
-    row ``g``'s 32 activations, already widened to int16, at ``x[x_at + g * x_stride]``, its scale
+    row ``g``'s 32 activations (int8, or already widened to int16) at ``x[x_at + g * x_stride]``, its scale
     ``d_x[g] = xd[d_at + g * d_stride]`` (flat indices), its 16 float32 lanes at ``acc + 16 g`` (a stack
-    pointer; ``group`` a literal, so LLVM keeps the lanes in registers); with ``halves`` lanes 0-7 scaled by
-    ``d_w0 * d_x``, 8-15 by ``d_w1 * d_x`` (as :func:`_fma_pairs`).  The scale is a vector product of the same
-    two float32 values as the one-row loop's scalar one, so each row's numbers are the one-row loop's."""
+    pointer; ``group`` a literal, so LLVM keeps the lanes in registers); with ``halves`` lanes 0-7 (values 0-15)
+    scaled by ``d_w0 * d_x``, 8-15 (values 16-31) by ``d_w1 * d_x``.  Every row of every group goes through the
+    same operations, so a row's numbers do not depend on its group."""
     count = 10 if halves else 9
     x, x_at, x_stride, xd, d_at, d_stride, *dw, acc, _ = args[-count:]
     tx, txd = signature.args[-count], signature.args[-count + 3]
@@ -296,11 +201,15 @@ def _fma_group(context, builder: ir.IRBuilder, signature, w: ir.Value, args: lis
         upper = _splat(builder, dw[1], V16_F32)
         scale_w = builder.shuffle_vector(scale_w, upper, ir.Constant(V16_I32, [*range(8), *range(24, 32)]))
     f32_pointer = _pointer(context, builder, txd, xd, d_at, F32)
-    x_pointer = _pointer(context, builder, tx, x, x_at, I16)
+    narrow = tx.dtype == types.int8
+    x_pointer = _pointer(context, builder, tx, x, x_at, ir.IntType(8) if narrow else I16)
     for g in range(group):
         row = ir.Constant(ir.IntType(64), g)
-        qx = builder.load(builder.bitcast(builder.gep(x_pointer, [builder.mul(row, x_stride)]), V32_I16.as_pointer()),
-                          align=2)
+        at = builder.gep(x_pointer, [builder.mul(row, x_stride)])
+        if narrow:
+            qx = builder.sext(builder.load(builder.bitcast(at, V32_I8.as_pointer()), align=1), V32_I16)
+        else:
+            qx = builder.load(builder.bitcast(at, V32_I16.as_pointer()), align=2)
         pairs = builder.sitofp(_pairs16(builder, w16, qx), V16_F32)
         dx = _splat(builder, builder.load(builder.gep(f32_pointer, [builder.mul(row, d_stride)])), V16_F32)
         at = builder.bitcast(builder.gep(acc, [ir.Constant(ir.IntType(64), g * PAIRS)]), V16_F32.as_pointer())
@@ -311,23 +220,10 @@ def _literal(group) -> bool:
     return isinstance(group, types.IntegerLiteral) and 1 <= group.literal_value <= GEMV_ROWS
 
 
-@intrinsic
-def group_pairs_fma(typingctx, w, w_at, x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, group):  # noqa: ARG001
-    """:func:`pairs_fma` for ``group`` activation rows at once (:func:`_fma_group`), the 32 int8 weights at
-    ``w[w_at]`` read once."""
-    if not _literal(group):
-        return None
-
-    def codegen(context, builder, signature, args):
-        qw = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], V32_I8), align=1)
-        _fma_group(context, builder, signature, qw, args)
-        return context.get_dummy_value()
-
-    return types.void(w, w_at, x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, group), codegen
-
-
 def _nibbles(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
-    """The ``<32 x i8>`` weights of a Q4_0/Q5_0 block (:func:`nibble_pairs_fma`'s first four arguments)."""
+    """The ``<32 x i8>`` weights of a Q4_0/Q5_0 block, from the arguments ``blocks, at, qh, bias``: the 16 bytes
+    at ``blocks[at]`` (value ``k`` the low nibble of byte ``k``, value ``16 + k`` the high one), bit 4 of value
+    ``k`` from bit ``k`` of ``qh`` (a uint32, or None), minus ``bias``; unpacked in int8 vector arithmetic."""
     q = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], V16_I8), align=1)
     low = builder.and_(q, ir.Constant(V16_I8, [15] * PAIRS))
     high = builder.lshr(q, ir.Constant(V16_I8, [4] * PAIRS))
@@ -344,7 +240,7 @@ def _nibbles(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
 @intrinsic
 def group_nibble_pairs_fma(typingctx, blocks, at, qh, bias, x, x_at, x_stride, xd, d_at, d_stride, d_w, acc,
                            group):  # noqa: ARG001
-    """:func:`nibble_pairs_fma` for ``group`` activation rows at once (:func:`_fma_group`)."""
+    """A Q4_0/Q5_0 block (:func:`_nibbles`) times ``group`` activation rows (:func:`_fma_group`)."""
     if not _literal(group):
         return None
 
@@ -358,7 +254,7 @@ def group_nibble_pairs_fma(typingctx, blocks, at, qh, bias, x, x_at, x_stride, x
 @intrinsic
 def group_nibbles32_pairs_fma(typingctx, blocks, at, shift, x, x_at, x_stride, xd, d_at, d_stride, d_w, acc,
                               group):  # noqa: ARG001
-    """:func:`nibbles32_pairs_fma` for ``group`` activation rows at once (:func:`_fma_group`)."""
+    """A Q4_K sub-block (:func:`_nibbles32`) times ``group`` activation rows (:func:`_fma_group`)."""
     if not _literal(group):
         return None
 
@@ -372,7 +268,7 @@ def group_nibbles32_pairs_fma(typingctx, blocks, at, shift, x, x_at, x_stride, x
 @intrinsic
 def group_q5_k_pairs_fma(typingctx, blocks, at, shift, qh_at, bit, x, x_at, x_stride, xd, d_at, d_stride, d_w, acc,
                          group):  # noqa: ARG001
-    """:func:`q5_k_pairs_fma` for ``group`` activation rows at once (:func:`_fma_group`)."""
+    """A Q5_K sub-block (:func:`_nibbles32_high`) times ``group`` activation rows (:func:`_fma_group`)."""
     if not _literal(group):
         return None
 
@@ -386,7 +282,7 @@ def group_q5_k_pairs_fma(typingctx, blocks, at, shift, qh_at, bit, x, x_at, x_st
 
 @intrinsic
 def group_iq4_pairs_fma(typingctx, blocks, at, x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, group):  # noqa: ARG001
-    """:func:`iq4_pairs_fma` for ``group`` activation rows at once (:func:`_fma_group`)."""
+    """An IQ4 block of 32 (:func:`_iq4_levels`) times ``group`` activation rows (:func:`_fma_group`)."""
     if not _literal(group):
         return None
 
@@ -400,7 +296,8 @@ def group_iq4_pairs_fma(typingctx, blocks, at, x, x_at, x_stride, xd, d_at, d_st
 @intrinsic
 def group_q6_pairs_fma(typingctx, blocks, low_at, shift, high_at, high, x, x_at, x_stride, xd, d_at, d_stride,
                        d_w0, d_w1, acc, group):  # noqa: ARG001
-    """:func:`q6_pairs_fma` for ``group`` activation rows at once (:func:`_fma_group` with halves)."""
+    """32 values of a Q6_K block (:func:`_q6`) times ``group`` activation rows (:func:`_fma_group` with halves:
+    the two 16-value sub-blocks' scales ``d_w0``, ``d_w1``)."""
     if not _literal(group):
         return None
 
@@ -570,16 +467,6 @@ def _block(table, blocks, b, geo):
 
 
 @inline
-def _q8(blocks, o, geo, xq, at, scale, acc):
-    pairs_fma(blocks, o + geo[1], xq, at, scale, acc)
-
-
-@inline
-def _q4(blocks, o, geo, xq, at, scale, acc):
-    nibble_pairs_fma(blocks, o + geo[1], None, geo[2], xq, at, scale, acc)
-
-
-@inline
 def _q5_bits(blocks, o, geo):
     """Q5_0's ``qh`` (bit 4 of each value) of the block at byte ``o``, as a uint32."""
     qh = geo[3] + o
@@ -589,23 +476,8 @@ def _q5_bits(blocks, o, geo):
 
 
 @inline
-def _q5(blocks, o, geo, xq, at, scale, acc):
-    nibble_pairs_fma(blocks, o + geo[1], _q5_bits(blocks, o, geo), geo[2], xq, at, scale, acc)
-
-
-@inline
-def _iq4(blocks, o, geo, xq, at, scale, acc):
-    iq4_pairs_fma(blocks, o + geo[1], xq, at, scale, acc)
-
-
-@inline
 def _iq4_group(blocks, o, geo, xq, x_at, cols, xd, d_at, nb, d, acc, group):
     group_iq4_pairs_fma(blocks, o + geo[1], xq, x_at, cols, xd, d_at, nb, d, acc, group)
-
-
-@inline
-def _q8_group(blocks, o, geo, xq, x_at, cols, xd, d_at, nb, d, acc, group):
-    group_pairs_fma(blocks, o + geo[1], xq, x_at, cols, xd, d_at, nb, d, acc, group)
 
 
 @inline
@@ -617,26 +489,6 @@ def _q4_group(blocks, o, geo, xq, x_at, cols, xd, d_at, nb, d, acc, group):
 def _q5_group(blocks, o, geo, xq, x_at, cols, xd, d_at, nb, d, acc, group):
     group_nibble_pairs_fma(blocks, o + geo[1], _q5_bits(blocks, o, geo), geo[2], xq, x_at, cols, xd, d_at, nb, d,
                            acc, group)
-
-
-@inline
-def gemv1_loop(update, geo, raw, xq, xd, table, out):
-    """``out[0, r] = sum_b d_w[r, b] * d_x[0, b] * (W[r, b] . q[0, b])`` for stored rows ``raw`` and one quantized
-    activation row ``xq`` [1, nb * 32], ``xd`` [1, nb]; ``update`` adds a block's pair sums to the lanes."""
-    nb = xd.shape[1]
-    acc = carray(stack_f32(PAIRS), (PAIRS,))
-    xr, dr = xq[0], xd[0]
-    for r in range(raw.shape[0]):
-        blocks = raw[r]
-        for k in range(PAIRS):
-            acc[k] = 0
-        for b in range(nb):
-            o, d = _block(table, blocks, b, geo)
-            update(blocks, o, geo, xr, b * 32, d * dr[b], acc)
-        s = np.float32(0)
-        for k in range(PAIRS):
-            s += acc[k]
-        out[0, r] = s
 
 
 @inline
@@ -728,7 +580,7 @@ def q8_0_gemv_q8(raw, xu, xd, table, out):
 
 @compiled(LEGACY_GEMV)
 def q4_0_gemv1_q8(raw, xq, xd, table, out):
-    gemv1_loop(_q4, Q4_0_GEO, raw, xq, xd, table, out)
+    row_group(_q4_group, Q4_0_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
 
 
 @compiled(LEGACY_GEMV_ROWS)
@@ -738,7 +590,7 @@ def q4_0_gemv_q8(raw, xq, xd, table, out):
 
 @compiled(LEGACY_GEMV)
 def q5_0_gemv1_q8(raw, xq, xd, table, out):
-    gemv1_loop(_q5, Q5_0_GEO, raw, xq, xd, table, out)
+    row_group(_q5_group, Q5_0_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
 
 
 @compiled(LEGACY_GEMV_ROWS)
@@ -748,7 +600,7 @@ def q5_0_gemv_q8(raw, xq, xd, table, out):
 
 @compiled(LEGACY_GEMV)
 def iq4_nl_gemv1_q8(raw, xq, xd, table, out):
-    gemv1_loop(_iq4, IQ4_NL_GEO, raw, xq, xd, table, out)
+    row_group(_iq4_group, IQ4_NL_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
 
 
 @compiled(LEGACY_GEMV_ROWS)
@@ -758,7 +610,7 @@ def iq4_nl_gemv_q8(raw, xq, xd, table, out):
 
 @compiled(LEGACY_GEMV)
 def iq4_xs_gemv1_q8(raw, xq, xd, table, out):
-    gemv1_loop(_iq4, IQ4_XS_GEO, raw, xq, xd, table, out)
+    row_group(_iq4_group, IQ4_XS_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
 
 
 @compiled(LEGACY_GEMV_ROWS)

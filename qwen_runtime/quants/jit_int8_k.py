@@ -1,14 +1,16 @@
-"""Compiled integer-dot kernels of Q4_K and Q6_K with 8-bit activations (``activations="q8"``, numba; see
+"""Compiled integer-dot kernels of Q4_K, Q5_K and Q6_K with 8-bit activations (``activations="q8"``, numba; see
 :mod:`.jit_int8`).
 
 A Q4_K block of 256 values has 8 sub-blocks of 32 with ``value = ds_j * q - dm_j`` (``q`` 0..15;
 :func:`.jit_kquants.q4_k_scales`), so against activations quantized per 32 (``d_x[j]``, ``q_x``) a row is
-``sum_j ds_j * d_x[j] * (q_j . q_x[j]) - dm_j * xsum[j]``: the integer part by :func:`.jit_int8.nibbles32_pairs_fma`
-(the 32 low or high nibbles of 32 consecutive bytes), the minimums against the float32 activation sums per 32
-(exact activations, as the float kernel).  A Q6_K block has 16 sub-blocks of 16 values ``d * sc_j * (q - 32)``
-(``sc_j`` int8, ``q`` 6 bits): each activation block of 32 spans two, whose scales multiply the two halves
-of the 16 pair lanes (:func:`.jit_int8.q6_pairs_fma`).  A module of its own so that models without Q4_K do not load the
-K-quant kernels.
+``sum_j ds_j * d_x[j] * (q_j . q_x[j]) - dm_j * xsum[j]``: the integer part by
+:func:`.jit_int8.group_nibbles32_pairs_fma` (the 32 low or high nibbles of 32 consecutive bytes; Q5_K adds bit
+``j`` of its ``qh`` bytes as bit 4, :func:`.jit_int8.group_q5_k_pairs_fma`), the minimums against the float32
+activation sums per 32 (exact activations, as the float kernel).  A Q6_K block has 16 sub-blocks of 16 values
+``d * sc_j * (q - 32)`` (``sc_j`` int8, ``q`` 6 bits): each activation block of 32 spans two, whose scales
+multiply the two halves of the 16 pair lanes (:func:`.jit_int8.group_q6_pairs_fma`).  One and several
+activation rows run the same loops (groups of 1, or :func:`.jit_int8.row_groups`).  A module of its own so that
+models without K-quants do not load these kernels.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from numba import carray, types
 from .jit_base import ACC_FLOATS, F32_1D, F32_2D, F32_2D_C, GEMV_ROWS, I8_2D, U8_2D, compiled, prefetch, stack_f32
 from .jit_int8 import (
     I16_2D,
-    PAIRS,
     Int8Kernel,
     group_nibbles32_pairs_fma,
     group_q5_k_pairs_fma,
@@ -27,9 +28,6 @@ from .jit_int8 import (
     inline,
     lanes_sums,
     lanes_zero,
-    nibbles32_pairs_fma,
-    q5_k_pairs_fma,
-    q6_pairs_fma,
     row_groups,
 )
 from .jit_kquants import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, q4_k_scales, sums_per_32
@@ -39,19 +37,9 @@ k45_scales = inline(q4_k_scales.py_func)
 
 
 @inline
-def k45_update(blk, j, size, xq, x_at, scale, lanes):
-    """Sub-block ``j``'s pair sums into ``lanes`` for a Q4_K (``size`` 144) or Q5_K (176) block: the nibbles of
-    the 32 bytes of chunk ``j // 2``, plus for Q5_K bit ``j`` of ``qh`` (bytes 16..47) as bit 4."""
-    at, shift = size - 128 + 32 * (j // 2), 4 * (j % 2)
-    if size == Q5_K_BYTES:
-        q5_k_pairs_fma(blk, at, shift, 16, j, xq, x_at, scale, lanes)
-    else:
-        nibbles32_pairs_fma(blk, at, shift, xq, x_at, scale, lanes)
-
-
-@inline
 def k45_group_update(blk, j, size, xq, x_at, cols, xd, d_at, nd, ds, acc, group):
-    """:func:`k45_update` for ``group`` activation rows (int16) at once."""
+    """Sub-block ``j``'s pair sums for ``group`` activation rows of a Q4_K (``size`` 144) or Q5_K (176) block:
+    the nibbles of the 32 bytes of chunk ``j // 2``, plus for Q5_K bit ``j`` of ``qh`` (bytes 16..47) as bit 4."""
     at, shift = size - 128 + 32 * (j // 2), 4 * (j % 2)
     if size == Q5_K_BYTES:
         group_q5_k_pairs_fma(blk, at, shift, 16, j, xq, x_at, cols, xd, d_at, nd, ds, acc, group)
@@ -60,35 +48,12 @@ def k45_group_update(blk, j, size, xq, x_at, cols, xd, d_at, nd, ds, acc, group)
 
 
 @inline
-def q4_k_loop(raw, xq, xd, xsum, table, out, size):
-    """``out[0, r] = sum_j ds_j * d_x[j] * (q_j . q_x[j]) - dm_j * xsum[j]`` over the 32-value sub-blocks ``j`` of
-    Q4_K/Q5_K rows ``raw`` [R, nb * size] for one activation row (``ds``, ``dm``: :func:`.jit_kquants.q4_k_scales`;
-    ``xsum``: the float32 activation sums per 32, as the float kernel's minimums), the lanes in registers."""
-    nb = xd.shape[1] // 8
-    lanes = carray(stack_f32(PAIRS), (PAIRS,))
-    ds, dm = carray(stack_f32(8), (8,)), carray(stack_f32(8), (8,))
-    for r in range(raw.shape[0]):
-        mins = np.float32(0)
-        for k in range(PAIRS):
-            lanes[k] = 0
-        for b in range(nb):
-            blk = raw[r, b * size: b * size + size]
-            prefetch(blk, 0)
-            k45_scales(blk, table, ds, dm)
-            for j in range(8):
-                mins += dm[j] * xsum[0, b * 8 + j]
-                k45_update(blk, j, size, xq[0], b * 256 + 32 * j, ds[j] * xd[0, b * 8 + j], lanes)
-        s = np.float32(0)
-        for k in range(PAIRS):
-            s += lanes[k]
-        out[0, r] = s - mins
-
-
-@inline
 def q4_k_group(update, size, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
-    """:func:`q4_k_loop`'s operations for activation rows ``i0 .. i0 + group`` (int16, :func:`.jit_int8.row_group`)
-    and stored rows ``r0 <= r < r1`` of Q4_K/Q5_K blocks of ``size`` bytes: each block's scales decoded and its
-    weights unpacked once for all of them."""
+    """``out[i, r] = sum_j ds_j * d_x[i, j] * (q_j . q_x[i, j]) - dm_j * xsum[i, j]`` over the 32-value
+    sub-blocks ``j`` of Q4_K/Q5_K rows ``r0 <= r < r1`` (blocks of ``size`` bytes) for the activation rows
+    ``i0 <= i < i0 + group`` (``ds``, ``dm``: :func:`.jit_kquants.q4_k_scales`; ``xsum``: the float32 activation
+    sums per 32, as the float kernel's minimums; :func:`.jit_int8.row_group`'s protocol): each block's scales
+    decoded and its weights unpacked once for the group."""
     nb, cols, nd = xd.shape[1] // 8, xq.shape[1], xd.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     mins = carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
@@ -113,39 +78,10 @@ def q4_k_group(update, size, group, r0, r1, i0, raw, xq, xd, xsum, table, out): 
 
 
 @inline
-def q6_k_loop(raw, xq, xd, table, out):
-    """``out[0, r] = sum_j d * sc_j * d_x[j // 2] * (w_j . q_x[j])`` over the 16-value sub-blocks ``j`` of Q6_K
-    rows ``raw`` [R, nb * 210] for one activation row (``w = q - 32``; two sub-blocks per activation block of 32,
-    their scales in the two halves of the lanes), the lanes in registers."""
-    nb = xd.shape[1] // 8
-    lanes = carray(stack_f32(PAIRS), (PAIRS,))
-    for r in range(raw.shape[0]):
-        for k in range(PAIRS):
-            lanes[k] = 0
-        for b in range(nb):
-            o = b * Q6_K_BYTES
-            blk = raw[r, o: o + Q6_K_BYTES]
-            prefetch(blk, 0)
-            d = table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)]
-            for h in range(2):
-                for s in range(4):
-                    j = 8 * h + 2 * s
-                    d0 = d * np.float32(np.int8(blk[192 + j]))
-                    d1 = d * np.float32(np.int8(blk[193 + j]))
-                    g = 4 * h + s  # the activation block of 32 within the 256
-                    dx = xd[0, b * 8 + g]
-                    q6_pairs_fma(blk, 64 * h + 32 * (s % 2), 4 * (s // 2), 128 + 32 * h, 2 * s, xq[0],
-                                 b * 256 + 32 * g, d0 * dx, d1 * dx, lanes)
-        t = np.float32(0)
-        for k in range(PAIRS):
-            t += lanes[k]
-        out[0, r] = t
-
-
-@inline
 def q6_k_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
-    """:func:`q6_k_loop`'s operations for activation rows ``i0 .. i0 + group`` (int16) and stored rows
-    ``r0 <= r < r1``."""
+    """``out[i, r] = sum_j d * sc_j * d_x[i, j // 2] * (w_j . q_x[i, j])`` over the 16-value sub-blocks ``j`` of
+    Q6_K rows ``r0 <= r < r1`` for the activation rows ``i0 <= i < i0 + group`` (``w = q - 32``; two sub-blocks
+    per activation block of 32, their scales in the two halves of the lanes)."""
     nb, cols, nd = xd.shape[1] // 8, xq.shape[1], xd.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     t = carray(sums, (GEMV_ROWS,))
@@ -176,7 +112,7 @@ Q6_K_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_1D, F32_2D)
 
 @compiled(Q6_K_GEMV)
 def q6_k_gemv1_q8(raw, xq, xd, table, out):
-    q6_k_loop(raw, xq, xd, table, out)
+    q6_k_group(None, None, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
 
 
 @compiled(Q6_K_GEMV_ROWS)
@@ -190,7 +126,7 @@ Q4_K_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
 
 @compiled(Q4_K_GEMV)
 def q4_k_gemv1_q8(raw, xq, xd, xsum, table, out):
-    q4_k_loop(raw, xq, xd, xsum, table, out, Q4_K_BYTES)
+    q4_k_group(None, Q4_K_BYTES, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
 
 
 @compiled(Q4_K_GEMV_ROWS)
@@ -200,7 +136,7 @@ def q4_k_gemv_q8(raw, xq, xd, xsum, table, out):
 
 @compiled(Q4_K_GEMV)
 def q5_k_gemv1_q8(raw, xq, xd, xsum, table, out):
-    q4_k_loop(raw, xq, xd, xsum, table, out, Q5_K_BYTES)
+    q4_k_group(None, Q5_K_BYTES, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
 
 
 @compiled(Q4_K_GEMV_ROWS)
