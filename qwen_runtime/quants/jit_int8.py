@@ -63,7 +63,7 @@ from .jit_base import (
     prefetch,
     stack_f32,
 )
-from .legacy import Q4_0, Q5_0
+from .legacy import Q4_0, Q4_1, Q5_0, Q5_1
 from .q8_0 import Q8_0_BYTES
 from .q8_act import Q8_ACT_BLOCK, Q8_ACT_MAX
 
@@ -468,7 +468,7 @@ def _block(table, blocks, b, geo):
 
 @inline
 def _q5_bits(blocks, o, geo):
-    """Q5_0's ``qh`` (bit 4 of each value) of the block at byte ``o``, as a uint32."""
+    """Q5_0's or Q5_1's ``qh`` (bit 4 of each value) of the block at byte ``o``, as a uint32."""
     qh = geo[3] + o
     return (np.uint32(np.uint8(blocks[qh])) | (np.uint32(np.uint8(blocks[qh + 1])) << np.uint32(8))
             | (np.uint32(np.uint8(blocks[qh + 2])) << np.uint32(16))
@@ -492,22 +492,29 @@ def _q5_group(blocks, o, geo, xq, x_at, cols, xd, d_at, nb, d, acc, group):
 
 
 @inline
-def row_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (xsum: K-quants')
+def row_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):
     """``out[i0 + g, r]`` for ``g < group`` (a literal) and stored rows ``r0 <= r < r1``: each block's pair sums
     by ``update`` (its weights read and unpacked once for the group), fused into each row's 16 lanes (in
-    registers), the lanes summed in order."""
+    registers), the lanes summed in order; for the types with a minimum (``geo[5]``, its byte) plus
+    ``sum_b m_b * xsum[i, b]`` (``xsum``: the float32 activation sums per 32)."""
     nb, cols = xd.shape[1], xq.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
-    s = carray(sums, (GEMV_ROWS,))
+    s, mins = carray(sums, (GEMV_ROWS,)), carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
     for r in range(r0, r1):
         blocks = raw[r]
         lanes_zero(acc, group)
+        for g in range(group):
+            mins[g] = 0
         for b in range(nb):
             o, d = _block(table, blocks, b, geo)
             update(blocks, o, geo, xq, i0 * cols + b * 32, cols, xd, i0 * nb + b, nb, d, acc, group)
+            if geo[5] >= 0:
+                m = table[np.int64(np.uint8(blocks[o + geo[5]])) | (np.int64(np.uint8(blocks[o + geo[5] + 1])) << 8)]
+                for g in range(group):
+                    mins[g] += m * xsum[i0 + g, b]
         lanes_sums(acc, group, sums)
         for g in range(group):
-            out[i0 + g, r] = s[g]
+            out[i0 + g, r] = s[g] + mins[g] if geo[5] >= 0 else s[g]
 
 
 @inline
@@ -559,13 +566,17 @@ def row_groups(row, update, geo, raw, xq, xd, xsum, table, out):
             row(update, geo, 1, r0, r1, i0, raw, xq, xd, xsum, table, out)
 
 
-Q8_0_GEO, Q4_0_GEO = (Q8_0_BYTES, 2, 0, -1, 1), (Q4_0().type_size, 2, 8, -1, 1)
-Q5_0_GEO = (Q5_0().type_size, 6, 16, 2, 1)
+# (bytes per block, first quant byte, bias, byte of qh or -1, sub-blocks of 32 per block, byte of the minimum or -1)
+Q8_0_GEO, Q4_0_GEO = (Q8_0_BYTES, 2, 0, -1, 1, -1), (Q4_0().type_size, 2, 8, -1, 1, -1)
+Q5_0_GEO, Q4_1_GEO = (Q5_0().type_size, 6, 16, 2, 1, -1), (Q4_1().type_size, 4, 0, -1, 1, 2)
+Q5_1_GEO = (Q5_1().type_size, 8, 0, 4, 1, 2)
 XS_SUBS = IQ4_XS().block_size // Q8_ACT_BLOCK
-IQ4_NL_GEO, IQ4_XS_GEO = (IQ4_NL().type_size, 2, 0, -1, 1), (IQ4_XS().type_size, 8, 0, -1, XS_SUBS)
+IQ4_NL_GEO, IQ4_XS_GEO = (IQ4_NL().type_size, 2, 0, -1, 1, -1), (IQ4_XS().type_size, 8, 0, -1, XS_SUBS, -1)
 Q8_0_GEMV = types.void(I8_2D, U8_2D, F32_2D_C, F32_1D, F32_2D)  # activations + 128 as uint8
 LEGACY_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
 LEGACY_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_1D, F32_2D)
+MIN_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)  # + activation sums per 32
+MIN_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
 
 
 @compiled(Q8_0_GEMV)
@@ -616,6 +627,26 @@ def iq4_xs_gemv1_q8(raw, xq, xd, table, out):
 @compiled(LEGACY_GEMV_ROWS)
 def iq4_xs_gemv_q8(raw, xq, xd, table, out):
     row_groups(row_group, _iq4_group, IQ4_XS_GEO, raw, xq, xd, xd, table, out)
+
+
+@compiled(MIN_GEMV)
+def q4_1_gemv1_q8(raw, xq, xd, xsum, table, out):
+    row_group(_q4_group, Q4_1_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
+
+
+@compiled(MIN_GEMV_ROWS)
+def q4_1_gemv_q8(raw, xq, xd, xsum, table, out):
+    row_groups(row_group, _q4_group, Q4_1_GEO, raw, xq, xd, xsum, table, out)
+
+
+@compiled(MIN_GEMV)
+def q5_1_gemv1_q8(raw, xq, xd, xsum, table, out):
+    row_group(_q5_group, Q5_1_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
+
+
+@compiled(MIN_GEMV_ROWS)
+def q5_1_gemv_q8(raw, xq, xd, xsum, table, out):
+    row_groups(row_group, _q5_group, Q5_1_GEO, raw, xq, xd, xsum, table, out)
 
 
 class Int8Kernel(JitKernel):
@@ -685,3 +716,18 @@ class IQ4_NLInt8Kernel(Int8Kernel):
 class IQ4_XSInt8Kernel(Int8Kernel):
     block, type_size, exact = IQ4_XS().block_size, IQ4_XS_GEO[0], ("jit_iq4", "IQ4_XSJitKernel")
     gemv1_q8, gemv_q8 = staticmethod(iq4_xs_gemv1_q8), staticmethod(iq4_xs_gemv_q8)
+
+
+class Q4_1Int8Kernel(Int8Kernel):
+    """Q4_1: ``d * q + m``, the minimums against the float32 activation sums per 32 (as Q4_K's)."""
+
+    type_size, exact = Q4_1_GEO[0], ("jit_legacy", "Q4_1JitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(q4_1_gemv1_q8), staticmethod(q4_1_gemv_q8)
+
+    def activations(self, x: np.ndarray) -> tuple:
+        return (*super().activations(x), x.reshape(len(x), -1, Q8_ACT_BLOCK).sum(axis=2, dtype=np.float32))
+
+
+class Q5_1Int8Kernel(Q4_1Int8Kernel):
+    type_size, exact = Q5_1_GEO[0], ("jit_legacy", "Q5_1JitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(q5_1_gemv1_q8), staticmethod(q5_1_gemv_q8)

@@ -34,6 +34,7 @@ from qwen_runtime.quants.jit_int8 import (  # noqa: E402
     IQ4_NLInt8Kernel,
     IQ4_XSInt8Kernel,
     Q4_0Int8Kernel,
+    Q4_1Int8Kernel,
     Q5_0Int8Kernel,
     Q8_0Int8Kernel,
     quantize_rows,
@@ -434,3 +435,68 @@ def test_the_other_instruction_forms(form: str) -> None:
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
                              __file__], capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+MIN_BYTES = {QType.Q4_1: 20, QType.Q5_1: 24}
+
+
+def min_parts(qtype: QType, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q int16 [R, nb * 32] 0..15 or 0..31, d [R, nb], m [R, nb]) of Q4_1/Q5_1 rows (legacy.py's layout),
+    checked against the codec's reference (value = d * q + m in float32)."""
+    blocks = raw.reshape(len(raw), -1, MIN_BYTES[qtype])
+    d, m = (F16_TABLE[blocks[:, :, at:at + 2].copy().view(np.uint16)[..., 0]] for at in (0, 2))
+    qs = blocks[:, :, -16:].astype(np.int16)
+    q = np.concatenate([qs & 15, qs >> 4], axis=2)
+    if qtype == QType.Q5_1:
+        qh = blocks[:, :, 4:8].copy().view(np.uint32)  # [R, nb, 1]
+        q |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
+    decoded = codec(qtype).reference(raw).reshape(q.shape)
+    assert np.array_equal(decoded, d[..., None] * q.astype(np.float32) + m[..., None])
+    return q.reshape(len(raw), -1), d, m
+
+
+def min_rows(qtype: QType, rows: int, nb: int, seed: int, unit: bool = False) -> np.ndarray:
+    """Random Q4_1/Q5_1 rows; ``unit``: d = 1, m = 0 (values = the quants)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, nb, MIN_BYTES[qtype]), dtype=np.uint8)
+    dm = (rng.uniform(1e-3, 1e-2, (rows, nb, 2)) * rng.choice([-1, 1], (rows, nb, 2))).astype(np.float16)
+    dm.view(np.uint16)[rng.random(dm.shape) < 0.1] = 0
+    if unit:
+        dm[:] = [1, 0]
+    blocks[:, :, :4] = dm.view(np.uint8).reshape(rows, nb, 4)
+    return blocks.reshape(rows, nb * MIN_BYTES[qtype])
+
+
+@pytest.mark.parametrize("qtype", list(MIN_BYTES))
+@pytest.mark.parametrize("n", [1, 3, 8, GEMV_ROWS])
+def test_types_with_a_minimum(qtype: QType, n: int) -> None:
+    """Q4_1/Q5_1: exact block sums at d = 1, m = 0; ``sum_b d_b d_x[b] (q_b . q_x[b]) + m_b xsum[b]`` within
+    the error model (the lanes' terms plus the minimums' ``nb`` ordered sums); rows alone and in any batch."""
+    rng = np.random.default_rng(n)
+    unit = min_rows(qtype, 19, 3, seed=n, unit=True)
+    q_w, d_w, m_w = min_parts(qtype, unit)
+    assert np.all(d_w == 1) and np.all(m_w == 0)
+    x = rng.integers(-127, 128, (n, 96)).astype(np.float32)
+    x[:, ::32] = 127
+    q, d = q8_act.quantize_activations(x)
+    assert np.array_equal(q, x) and np.all(d == 1)
+    kernel = jit_kernel(qtype, unit, activations="q8")
+    assert isinstance(kernel, Q4_1Int8Kernel)
+    assert np.array_equal(run(kernel, x), q8_act.block_sums(q_w, q).sum(axis=2).astype(np.float32))
+
+    nb = 14
+    raw = min_rows(qtype, 41, nb, seed=50 + n)
+    x = activations(n, nb * 32, seed=n)
+    q_w, d_w, m_w = min_parts(qtype, raw)
+    q, d = q8_act.quantize_activations(x)
+    xsum = x.reshape(n, nb, 32).sum(axis=2, dtype=np.float32)
+    reference = q8_act.product(q_w, d_w, x) + xsum.astype(np.float64) @ m_w.T.astype(np.float64)
+    magnitude = np.einsum("nrb,rb,nb->nr", q8_act.block_sums(q_w, np.abs(q)).astype(np.float64),
+                          np.abs(d_w.astype(np.float64)), d)
+    magnitude += np.abs(xsum.astype(np.float64)) @ np.abs(m_w.T.astype(np.float64))
+    kernel = jit_kernel(qtype, raw, activations="q8")
+    got = run(kernel, x)
+    assert np.all(np.abs(got - reference) <= (2 * nb + 18) * EPS32 * magnitude)
+    alone = np.concatenate([run(kernel, x[i:i + 1]) for i in range(n)])
+    for m in range(1, n + 1):
+        assert np.array_equal(run(kernel, x[:m]), alone[:m])
