@@ -62,6 +62,8 @@ JIT_Q8_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q5_0: ("jit_int8", "Q5_0Int8Kernel"),
     QType.Q4_1: ("jit_int8", "Q4_1Int8Kernel"),
     QType.Q5_1: ("jit_int8", "Q5_1Int8Kernel"),
+    QType.Q2_K: ("jit_int8_k", "Q2_KInt8Kernel"),
+    QType.Q3_K: ("jit_int8_k", "Q3_KInt8Kernel"),
     QType.Q4_K: ("jit_int8_k", "Q4_KInt8Kernel"),
     QType.Q5_K: ("jit_int8_k", "Q5_KInt8Kernel"),
     QType.Q6_K: ("jit_int8_k", "Q6_KInt8Kernel"),

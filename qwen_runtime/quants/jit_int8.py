@@ -181,6 +181,23 @@ def _q6(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
     return builder.sub(w, ir.Constant(V32_I8, [32] * Q8_ACT_BLOCK))
 
 
+def _k23(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
+    """The ``<32 x i8>`` weights of 32 values of a Q2_K or Q3_K block, from the arguments ``blocks, qs_at, shift,
+    hm_at, bit``: bits ``shift, shift + 1`` of the 32 bytes at ``blocks[qs_at]`` (Q2_K: 0..3), for Q3_K
+    (``hm_at`` not None) minus 4 where bit ``bit`` of the 32 bytes at ``blocks[hm_at]`` is clear (-4..3)."""
+
+    def bits(at, by, mask):
+        q = builder.load(_pointer(context, builder, signature.args[0], args[0], at, V32_I8), align=1)
+        count = _splat(builder, builder.trunc(by, ir.IntType(8)), V32_I8)
+        return builder.and_(builder.lshr(q, count), ir.Constant(V32_I8, [mask] * Q8_ACT_BLOCK))
+
+    w = bits(args[1], args[2], 3)
+    if signature.args[3] == types.none:
+        return w
+    clear = builder.xor(bits(args[3], args[4], 1), ir.Constant(V32_I8, [1] * Q8_ACT_BLOCK))
+    return builder.sub(w, builder.shl(clear, ir.Constant(V32_I8, [2] * Q8_ACT_BLOCK)))
+
+
 def _fma_group(context, builder: ir.IRBuilder, signature, w: ir.Value, args: list, halves: bool = False) -> None:
     """For each of ``group`` activation rows ``g``: ``acc[g] = fma(f32(pairs(w, x_g)), d_w * d_x[g], acc[g])``,
     the block's ``<32 x i8>`` weights ``w`` unpacked and widened once for all the rows.  The last arguments are
@@ -291,6 +308,22 @@ def group_iq4_pairs_fma(typingctx, blocks, at, x, x_at, x_stride, xd, d_at, d_st
         return context.get_dummy_value()
 
     return types.void(blocks, at, x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, group), codegen
+
+
+@intrinsic
+def group_k23_pairs_fma(typingctx, blocks, qs_at, shift, hm_at, bit, x, x_at, x_stride, xd, d_at, d_stride, d_w0,
+                        d_w1, acc, group):  # noqa: ARG001
+    """32 values of a Q2_K/Q3_K block (:func:`_k23`) times ``group`` activation rows (:func:`_fma_group` with
+    halves: the two 16-value sub-blocks' scales ``d_w0``, ``d_w1``)."""
+    if not _literal(group):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _fma_group(context, builder, signature, _k23(context, builder, signature, args), args, halves=True)
+        return context.get_dummy_value()
+
+    return (types.void(blocks, qs_at, shift, hm_at, bit, x, x_at, x_stride, xd, d_at, d_stride, d_w0, d_w1, acc,
+                       group), codegen)
 
 
 @intrinsic

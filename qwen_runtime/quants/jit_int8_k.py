@@ -22,6 +22,7 @@ from .jit_base import ACC_FLOATS, F32_1D, F32_2D, F32_2D_C, GEMV_ROWS, I8_2D, U8
 from .jit_int8 import (
     I16_2D,
     Int8Kernel,
+    group_k23_pairs_fma,
     group_nibbles32_pairs_fma,
     group_q5_k_pairs_fma,
     group_q6_pairs_fma,
@@ -30,7 +31,10 @@ from .jit_int8 import (
     lanes_zero,
     row_groups,
 )
-from .jit_kquants import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, q4_k_scales, sums_per_32
+from .jit_kquants import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, k23_scales, q4_k_scales, sums_per_16, sums_per_32
+from .kquants import Q2_K, Q3_K
+
+Q2_K_BYTES, Q3_K_BYTES = Q2_K().type_size, Q3_K().type_size
 
 # The same scale unpacking inlined into the loops (a call per block kept the lanes in memory across it).
 k45_scales = inline(q4_k_scales.py_func)
@@ -106,6 +110,43 @@ def q6_k_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  
             out[i0 + g, r] = t[g]
 
 
+@inline
+def k23_group(update, q3, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
+    """``out[i, r] = sum_j ds_j * d_x[i, j // 2] * (w_j . q_x[i, j]) - dm_j * xsum[i, j]`` over the 16-value
+    sub-blocks ``j`` of Q2_K rows (``q3`` False; ``xsum`` the float32 activation sums per 16) or Q3_K rows (no
+    minimums) ``r0 <= r < r1``, for the activation rows ``i0 <= i < i0 + group``: step ``(h, s)`` of a block is
+    its activation block of 32 ``4h + s``, lanes 0-7 sub-block ``8h + 2s``, 8-15 the next one
+    (:func:`.jit_kquants.k23_scales`)."""
+    size = Q3_K_BYTES if q3 else Q2_K_BYTES
+    nb, cols, nd = xd.shape[1] // 8, xq.shape[1], xd.shape[1]
+    acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
+    t, mins = carray(sums, (GEMV_ROWS,)), carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
+    ds, dm = carray(stack_f32(16), (16,)), carray(stack_f32(16), (16,))
+    for r in range(r0, r1):
+        lanes_zero(acc, group)
+        for g in range(group):
+            mins[g] = 0
+        for b in range(nb):
+            blk = raw[r, b * size: b * size + size]
+            prefetch(blk, 0)
+            k23_scales(blk, table, ds, dm, q3)
+            for h in range(2):
+                for s in range(4):
+                    j, a = 8 * h + 2 * s, 4 * h + s
+                    x_at, d_at = i0 * cols + b * 256 + 32 * a, i0 * nd + b * 8 + a
+                    if q3:
+                        group_k23_pairs_fma(blk, 32 + 32 * h, 2 * s, 0, 4 * h + s, xq, x_at, cols, xd, d_at, nd,
+                                            ds[j], ds[j + 1], acc, group)
+                    else:
+                        for g in range(group):
+                            mins[g] += dm[j] * xsum[i0 + g, b * 16 + j] + dm[j + 1] * xsum[i0 + g, b * 16 + j + 1]
+                        group_k23_pairs_fma(blk, 16 + 32 * h, 2 * s, None, 0, xq, x_at, cols, xd, d_at, nd, ds[j],
+                                            ds[j + 1], acc, group)
+        lanes_sums(acc, group, sums)
+        for g in range(group):
+            out[i0 + g, r] = t[g] - mins[g]
+
+
 Q6_K_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
 Q6_K_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_1D, F32_2D)
 
@@ -122,6 +163,26 @@ def q6_k_gemv_q8(raw, xq, xd, table, out):
 
 Q4_K_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
 Q4_K_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
+
+
+@compiled(Q4_K_GEMV)
+def q2_k_gemv1_q8(raw, xq, xd, xsum, table, out):
+    k23_group(None, False, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
+
+
+@compiled(Q4_K_GEMV_ROWS)
+def q2_k_gemv_q8(raw, xq, xd, xsum, table, out):
+    row_groups(k23_group, None, False, raw, xq, xd, xsum, table, out)
+
+
+@compiled(Q4_K_GEMV)
+def q3_k_gemv1_q8(raw, xq, xd, xsum, table, out):
+    k23_group(None, True, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
+
+
+@compiled(Q4_K_GEMV_ROWS)
+def q3_k_gemv_q8(raw, xq, xd, xsum, table, out):
+    row_groups(k23_group, None, True, raw, xq, xd, xsum, table, out)
 
 
 @compiled(Q4_K_GEMV)
@@ -160,3 +221,21 @@ class Q5_KInt8Kernel(Q4_KInt8Kernel):
 class Q6_KInt8Kernel(Int8Kernel):
     block, type_size, exact = QK_K, Q6_K_BYTES, ("jit_kquants", "Q6_KJitKernel")
     gemv1_q8, gemv_q8 = staticmethod(q6_k_gemv1_q8), staticmethod(q6_k_gemv_q8)
+
+
+class Q2_KInt8Kernel(Int8Kernel):
+    """Q2_K: the minimums against the float32 activation sums per 16 (as the float kernel's)."""
+
+    block, type_size, exact = QK_K, Q2_K_BYTES, ("jit_kquants", "Q2_KJitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(q2_k_gemv1_q8), staticmethod(q2_k_gemv_q8)
+
+    def activations(self, x: np.ndarray) -> tuple:
+        return (*super().activations(x), sums_per_16(x))
+
+
+class Q3_KInt8Kernel(Q2_KInt8Kernel):
+    type_size, exact = Q3_K_BYTES, ("jit_kquants", "Q3_KJitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(q3_k_gemv1_q8), staticmethod(q3_k_gemv_q8)
+
+    def activations(self, x: np.ndarray) -> tuple:
+        return (*Int8Kernel.activations(self, x), np.zeros((len(x), 1), np.float32))  # no minimums

@@ -39,7 +39,12 @@ from qwen_runtime.quants.jit_int8 import (  # noqa: E402
     Q8_0Int8Kernel,
     quantize_rows,
 )
-from qwen_runtime.quants.jit_int8_k import Q4_KInt8Kernel, Q5_KInt8Kernel, Q6_KInt8Kernel  # noqa: E402
+from qwen_runtime.quants.jit_int8_k import (  # noqa: E402
+    Q2_KInt8Kernel,
+    Q4_KInt8Kernel,
+    Q5_KInt8Kernel,
+    Q6_KInt8Kernel,
+)
 
 EPS32 = float(np.finfo(np.float32).eps)
 EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF], np.uint16)  # zero, -0, subnormal, max
@@ -497,6 +502,98 @@ def test_types_with_a_minimum(qtype: QType, n: int) -> None:
     kernel = jit_kernel(qtype, raw, activations="q8")
     got = run(kernel, x)
     assert np.all(np.abs(got - reference) <= (2 * nb + 18) * EPS32 * magnitude)
+    alone = np.concatenate([run(kernel, x[i:i + 1]) for i in range(n)])
+    for m in range(1, n + 1):
+        assert np.array_equal(run(kernel, x[:m]), alone[:m])
+
+
+K23_BYTES = {QType.Q2_K: 84, QType.Q3_K: 110}
+
+
+def k23_parts(qtype: QType, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(w int16 [R, nb * 256], ds [R, nb * 16], dm [R, nb * 16]) of Q2_K (w 0..3) or Q3_K (w -4..3, dm 0) rows
+    (kquants.py's layout), checked against the codec's reference (value = ds * w - dm in float32)."""
+    blocks = raw.reshape(-1, K23_BYTES[qtype]).astype(np.int32)
+    q3 = qtype == QType.Q3_K
+    qs = blocks[:, 32:96] if q3 else blocks[:, 16:80]
+    w = np.empty((len(blocks), 256), np.int16)
+    for h in range(2):
+        for s in range(4):
+            value = (qs[:, 32 * h: 32 * h + 32] >> (2 * s)) & 3
+            if q3:
+                value -= 4 * (1 - ((blocks[:, :32] >> (4 * h + s)) & 1))
+            w[:, 128 * h + 32 * s: 128 * h + 32 * s + 32] = value
+    f16 = raw.reshape(-1, K23_BYTES[qtype])
+    j = np.arange(16)
+    if q3:
+        d = F16_TABLE[f16[:, 108:110].copy().view(np.uint16)[:, 0]]
+        sj = ((blocks[:, 96 + j % 8] >> (4 * (j // 8))) & 15) | (((blocks[:, 104 + j % 4] >> (2 * (j // 4))) & 3) << 4)
+        ds, dm = d[:, None] * (sj - 32).astype(np.float32), np.zeros((len(blocks), 16), np.float32)
+    else:
+        d, dmin = (F16_TABLE[f16[:, at:at + 2].copy().view(np.uint16)[:, 0]] for at in (80, 82))
+        ds = d[:, None] * (blocks[:, :16] & 15).astype(np.float32)
+        dm = dmin[:, None] * (blocks[:, :16] >> 4).astype(np.float32)
+    decoded = codec(qtype).reference(raw).reshape(-1, 16, 16)
+    assert np.array_equal(decoded, ds[..., None] * w.reshape(-1, 16, 16).astype(np.float32) - dm[..., None])
+    rows = len(raw)
+    return w.reshape(rows, -1), ds.reshape(rows, -1), dm.reshape(rows, -1)
+
+
+def k23_rows(qtype: QType, rows: int, nb: int, seed: int, unit: bool = False) -> np.ndarray:
+    """Random Q2_K/Q3_K rows; ``unit``: every sub-block scale 1 and no minimum (values = w)."""
+    size, rng = K23_BYTES[qtype], np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * nb, size), dtype=np.uint8)
+    d = (rng.uniform(1e-3, 1e-2, (rows * nb, 2)) * rng.choice([-1, 1], (rows * nb, 2))).astype(np.float16)
+    d.view(np.uint16)[rng.random(d.shape) < 0.1] = 0
+    if qtype == QType.Q3_K:
+        if unit:
+            d[:, 0] = 1
+            blocks[:, 96:104], blocks[:, 104:108] = 0x11, 0b10101010  # every 6-bit s_j = 33
+        blocks[:, 108:110] = d[:, :1].view(np.uint8)
+    else:
+        if unit:
+            d[:] = [1, 0]
+            blocks[:, :16] = 1
+        blocks[:, 80:84] = d.view(np.uint8)
+    return blocks.reshape(rows, nb * size)
+
+
+@pytest.mark.parametrize("qtype", list(K23_BYTES))
+@pytest.mark.parametrize("n", [1, 3, 8, GEMV_ROWS])
+def test_q2_k_q3_k(qtype: QType, n: int) -> None:
+    """Exact block sums at unit scales; ``sum_j ds_j d_x[j // 2] (w_j . q_x) - dm_j xsum16[j]`` over the
+    16-value sub-blocks within the error model (each lane fuses ``nb * 8`` terms; Q2_K's minimums take 3
+    roundings per step, ``nb * 24``); rows alone and in any batch."""
+    rng = np.random.default_rng(n)
+    unit = k23_rows(qtype, 17, 2, seed=n, unit=True)
+    w, ds, dm = k23_parts(qtype, unit)
+    assert np.all(ds == 1) and np.all(dm == 0)
+    x = rng.integers(-127, 128, (n, 512)).astype(np.float32)
+    x[:, ::32] = -127
+    q, d = q8_act.quantize_activations(x)
+    assert np.array_equal(q, x) and np.all(d == 1)
+    kernel = jit_kernel(qtype, unit, activations="q8")
+    assert isinstance(kernel, Q2_KInt8Kernel)
+    assert np.array_equal(run(kernel, x), q8_act.block_sums(w, q).sum(axis=2).astype(np.float32))
+
+    nb = 3
+    raw = k23_rows(qtype, 23, nb, seed=60 + n)
+    x = activations(n, nb * 256, seed=n)
+    w, ds, dm = k23_parts(qtype, raw)
+    q, d = q8_act.quantize_activations(x)
+    halves = np.repeat(d, 2, axis=1).astype(np.float64)  # [n, nb * 16]: each sub-block's activation scale
+    xsum = x.reshape(n, -1, 16).sum(axis=2, dtype=np.float32).astype(np.float64)
+
+    def per_16(wi: np.ndarray, qi: np.ndarray) -> np.ndarray:
+        return np.einsum("rjk,njk->nrj", wi.reshape(len(wi), -1, 16).astype(np.int64),
+                         qi.reshape(len(qi), -1, 16).astype(np.int64)).astype(np.float64)
+
+    reference = np.einsum("nrj,rj,nj->nr", per_16(w, q), ds.astype(np.float64), halves) - xsum @ dm.T
+    magnitude = np.einsum("nrj,rj,nj->nr", per_16(np.abs(w), np.abs(q)), np.abs(ds.astype(np.float64)), halves)
+    magnitude += np.abs(xsum) @ np.abs(dm.T.astype(np.float64))
+    kernel = jit_kernel(qtype, raw, activations="q8")
+    got = run(kernel, x)
+    assert np.all(np.abs(got - reference) <= (nb * 24 + 18) * EPS32 * magnitude)
     alone = np.concatenate([run(kernel, x[i:i + 1]) for i in range(n)])
     for m in range(1, n + 1):
         assert np.array_equal(run(kernel, x[:m]), alone[:m])
