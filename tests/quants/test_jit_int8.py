@@ -193,11 +193,12 @@ def test_activations_choice_is_checked() -> None:
     assert Workspace(kernels="numba").activations == "float"
 
 
-def test_model_logits_close_to_the_float_path(converted: Converted) -> None:
-    """A Q8_0 model with 8-bit activations: every Q8_0 product uses the integer kernel, and its logits stay
-    within the 8-bit activations' error (2^-8 of each product's magnitude, through a few layers) of the exact
-    path's."""
-    path = converted("qwen2-tiny", "gguf", "q8_0")
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_1", "q3_k_m", "iq4_xs"])
+def test_model_logits_close_to_the_float_path(converted: Converted, dtype: str) -> None:
+    """A model with 8-bit activations (q8_0; the tiny fixture's rows are not multiples of 256, so the K and
+    IQ4_XS mixes fall back to Q4_0, Q5_0, Q5_1, IQ4_NL and Q8_0, all integer kernels): its logits stay within
+    the 8-bit activations' error (2^-8 of each product's magnitude, through a few layers) of the exact path's."""
+    path = converted("qwen2-tiny", "gguf", dtype)
     exact, q8 = load(path, kernels="numba"), load(path, kernels="numba", activations="q8")
     assert q8.workspace.activations == "q8"
     ids = np.array([[3, 17, 42, 7, 99, 5]])
