@@ -379,19 +379,20 @@ def _vnni_bias(builder: ir.IRBuilder, w: ir.Value) -> ir.Value | None:
 
 
 @intrinsic
-def q8_0_quads_fma(typingctx, blocks, o0, o1, single, xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, acc,
+def q8_0_quads_fma(typingctx, blocks, o0, o1, form, xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, acc,
                    group):  # noqa: ARG001
     """Two Q8_0 blocks (quants at ``blocks[o0]`` and ``blocks[o1]``, scales ``d0``, ``d1``) times ``group``
     activation rows (a literal) at once: row ``g``'s 64 activations ``xu[x_at + g * x_stride]`` (uint8, ``x +
-    128``) with scales ``xd[d_at + g * d_stride]`` and ``xd[... + 1]``; its 16 lanes at ``acc + 16 g``: lanes 0-7
-    ``fma(f32(quads of block 0), d0 * d_x0, lanes)``, 8-15 block 1's (:func:`_quads`).  ``single`` (a literal 1):
-    block 0 alone (the row's last, odd block), lanes 8-15 adding exact zeros."""
-    if not (_literal(group) and isinstance(single, types.IntegerLiteral)):
+    128``) with scales ``d_x0``, ``d_x1`` from ``xd[d_at + g * d_stride]``; its 16 lanes at ``acc + 16 g``: lanes
+    0-7 ``fma(f32(quads of block 0), d0 * d_x0, lanes)``, 8-15 block 1's (:func:`_quads`).  ``form`` (a literal):
+    bit 0 set, block 0 alone (the row's last, odd block; lanes 8-15 add exact zeros); bit 1 set, ``xd`` holds
+    each block's scale 8 times (:meth:`Q8_0Int8Kernel.forms`: one 64-byte load per row, no shuffle), else once."""
+    if not (_literal(group) and isinstance(form, types.IntegerLiteral)):
         return None
 
     def codegen(context, builder, signature, args):
         blocks, o0, o1, _, xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, acc, _ = args
-        alone = signature.args[3].literal_value == 1
+        alone, expanded = signature.args[3].literal_value & 1, signature.args[3].literal_value & 2
         pick = ir.Constant(ir.VectorType(I32, 64), list(range(64)))
         zeros = ir.Constant(V32_I8, [0] * Q8_ACT_BLOCK)
 
@@ -408,6 +409,7 @@ def q8_0_quads_fma(typingctx, blocks, o0, o1, single, xu, x_at, x_stride, xd, d_
                                              "llvm.fma.v16f32")
         x_pointer = _pointer(context, builder, signature.args[4], xu, x_at, ir.IntType(8))
         f32_pointer = _pointer(context, builder, signature.args[7], xd, d_at, F32)
+        v8_f32 = ir.VectorType(F32, 8)
         for g in range(signature.args[-1].literal_value):
             row = ir.Constant(ir.IntType(64), g)
             at = builder.gep(x_pointer, [builder.mul(row, x_stride)])
@@ -417,15 +419,21 @@ def q8_0_quads_fma(typingctx, blocks, o0, o1, single, xu, x_at, x_stride, xd, d_
                 x = builder.load(builder.bitcast(at, V64_I8.as_pointer()), align=1)
             quads = builder.sitofp(_quads(builder, w, x, bias), V16_F32)
             d_row = builder.gep(f32_pointer, [builder.mul(row, d_stride)])
-            dx0 = builder.load(d_row)
-            dx1 = dx0 if alone else builder.load(builder.gep(d_row, [ir.Constant(ir.IntType(64), 1)]))
-            dx = builder.shuffle_vector(_splat(builder, dx0, V16_F32), _splat(builder, dx1, V16_F32), upper)
+            if expanded and alone:
+                eight = builder.load(builder.bitcast(d_row, v8_f32.as_pointer()), align=4)
+                dx = builder.shuffle_vector(eight, eight, ir.Constant(V16_I32, [*range(8), *range(8)]))
+            elif expanded:
+                dx = builder.load(builder.bitcast(d_row, V16_F32.as_pointer()), align=4)
+            else:
+                dx0 = builder.load(d_row)
+                dx1 = dx0 if alone else builder.load(builder.gep(d_row, [ir.Constant(ir.IntType(64), 1)]))
+                dx = builder.shuffle_vector(_splat(builder, dx0, V16_F32), _splat(builder, dx1, V16_F32), upper)
             lanes = builder.bitcast(builder.gep(acc, [ir.Constant(ir.IntType(64), g * PAIRS)]), V16_F32.as_pointer())
             builder.store(builder.call(fma, [quads, builder.fmul(scale_w, dx), builder.load(lanes, align=4)]), lanes,
                           align=4)
         return context.get_dummy_value()
 
-    return (types.void(blocks, o0, o1, single, xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, acc, group), codegen)
+    return (types.void(blocks, o0, o1, form, xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, acc, group), codegen)
 
 
 @intrinsic
@@ -551,10 +559,13 @@ def row_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):
 
 
 @inline
-def q8_0_group(update, geo, group, r0, r1, i0, raw, xu, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
+def q8_0_group(expanded, geo, group, r0, r1, i0, raw, xu, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
     """:func:`row_group` for Q8_0 by pairs of blocks (:func:`q8_0_quads_fma`): ``xu`` [N, nb * 32] the
-    activations plus 128 as uint8, each lane a sum over every other block of 4-product sums."""
-    nb, cols = xd.shape[1], xu.shape[1]
+    activations plus 128 as uint8, each lane a sum over every other block of 4-product sums; ``expanded`` (a
+    literal, in the protocol's ``update`` place): ``xd`` [N, nb * 8], each block's scale 8 times."""
+    cols, nd = xu.shape[1], xd.shape[1]
+    nb = cols // 32
+    per = 8 if expanded else 1
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     s = carray(sums, (GEMV_ROWS,))
     for r in range(r0, r1):
@@ -564,13 +575,19 @@ def q8_0_group(update, geo, group, r0, r1, i0, raw, xu, xd, xsum, table, out):  
             b = 2 * b2
             o0, d0 = _block(table, blocks, b, geo)
             o1, d1 = _block(table, blocks, b + 1, geo)
-            q8_0_quads_fma(blocks, o0 + geo[1], o1 + geo[1], 0, xu, i0 * cols + b * 32, cols, xd, i0 * nb + b, nb,
-                           d0, d1, acc, group)
+            x_at, d_at = i0 * cols + b * 32, i0 * nd + b * per
+            if expanded:
+                q8_0_quads_fma(blocks, o0 + geo[1], o1 + geo[1], 2, xu, x_at, cols, xd, d_at, nd, d0, d1, acc, group)
+            else:
+                q8_0_quads_fma(blocks, o0 + geo[1], o1 + geo[1], 0, xu, x_at, cols, xd, d_at, nd, d0, d1, acc, group)
         if nb % 2:
             b = nb - 1
             o0, d0 = _block(table, blocks, b, geo)
-            q8_0_quads_fma(blocks, o0 + geo[1], o0 + geo[1], 1, xu, i0 * cols + b * 32, cols, xd, i0 * nb + b, nb,
-                           d0, d0, acc, group)
+            x_at, d_at = i0 * cols + b * 32, i0 * nd + b * per
+            if expanded:
+                q8_0_quads_fma(blocks, o0 + geo[1], o0 + geo[1], 3, xu, x_at, cols, xd, d_at, nd, d0, d0, acc, group)
+            else:
+                q8_0_quads_fma(blocks, o0 + geo[1], o0 + geo[1], 1, xu, x_at, cols, xd, d_at, nd, d0, d0, acc, group)
         lanes_sums(acc, group, sums)
         for g in range(group):
             out[i0 + g, r] = s[g]
@@ -614,12 +631,12 @@ MIN_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
 
 @compiled(Q8_0_GEMV)
 def q8_0_gemv1_q8(raw, xu, xd, table, out):
-    q8_0_group(None, Q8_0_GEO, 1, 0, raw.shape[0], 0, raw, xu, xd, xd, table, out)
+    q8_0_group(False, Q8_0_GEO, 1, 0, raw.shape[0], 0, raw, xu, xd, xd, table, out)
 
 
 @compiled(Q8_0_GEMV)
 def q8_0_gemv_q8(raw, xu, xd, table, out):
-    row_groups(q8_0_group, None, Q8_0_GEO, raw, xu, xd, xd, table, out)
+    row_groups(q8_0_group, True, Q8_0_GEO, raw, xu, xd, xd, table, out)
 
 
 @compiled(LEGACY_GEMV)
@@ -697,24 +714,23 @@ class Int8Kernel(JitKernel):
         self.decode = getattr(importlib.import_module(f".{module}", __package__), name).decode
 
     def activations(self, x: np.ndarray) -> tuple:
-        """``(q, d, q_rows)``: :func:`quantize_rows`, ``q`` in the forms the kernels read (:meth:`forms`)."""
+        """:func:`quantize_rows`'s ``q`` and ``d`` in the forms the kernels read (:meth:`forms`)."""
         q = np.empty(x.shape, np.int8)
         d = np.empty((len(x), x.shape[1] // Q8_ACT_BLOCK), np.float32)
         quantize_rows(x, q, d)
-        one, rows = self.forms(q)
-        return one, d, rows
+        return self.forms(q, d)
 
-    def forms(self, q: np.ndarray) -> tuple:
-        """(the activations as the one-row kernel reads them, as the multi-row kernel does): int8, and int16 for
-        more than one row (no widening per row and block)."""
-        return q, (q.astype(np.int16) if len(q) > 1 else q)
+    def forms(self, q: np.ndarray, d: np.ndarray) -> tuple:
+        """(the activations and their scales as the one-row kernel reads them, the activations and scales as
+        the multi-row kernel does): int8, and int16 for more than one row (no widening per row and block)."""
+        return q, d, (q.astype(np.int16) if len(q) > 1 else q), d
 
     def _rows(self, raw: np.ndarray, x: np.ndarray, extra: list, out: np.ndarray) -> None:
-        q, d, q16, *rest = extra
+        q, d, q_rows, d_rows, *rest = extra
         if len(x) == 1:
             self.gemv1_q8(raw, q, d, *rest, *self.constants, out)
         else:
-            self.gemv_q8(raw, q16, d, *rest, *self.constants, out)
+            self.gemv_q8(raw, q_rows, d_rows, *rest, *self.constants, out)
 
 
 class Q8_0Int8Kernel(Int8Kernel):
@@ -724,10 +740,11 @@ class Q8_0Int8Kernel(Int8Kernel):
     def stored(self, raw: np.ndarray) -> np.ndarray:
         return raw.view(np.int8)
 
-    def forms(self, q: np.ndarray) -> tuple:
-        """Both kernels read the activations plus 128 as uint8 (:func:`q8_0_quads_fma`)."""
+    def forms(self, q: np.ndarray, d: np.ndarray) -> tuple:
+        """Both kernels read the activations plus 128 as uint8 (:func:`q8_0_quads_fma`); for more than one row
+        each block's scale 8 times (a 64-byte load per row and pair of blocks)."""
         xu = q.view(np.uint8) ^ np.uint8(128)
-        return xu, xu
+        return xu, d, xu, (np.repeat(d, PAIRS // 2, axis=1) if len(q) > 1 else d)
 
 
 class Q4_0Int8Kernel(Int8Kernel):
