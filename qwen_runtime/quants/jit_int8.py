@@ -1,17 +1,18 @@
-"""Compiled integer-dot kernels with 8-bit activations (``activations="q8"``, numba): Q8_0, Q4_0, Q5_0, IQ4_NL
-and IQ4_XS weights times activations quantized per 32-block (:mod:`.q8_act`, the plain reference; the K-quants
-in :mod:`.jit_int8_k`).
+"""Compiled integer-dot kernels with 8-bit activations (``activations="q8"``, numba): Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, IQ4_NL and IQ4_XS weights times activations quantized per 32-block (:mod:`.q8_act`, the plain
+reference; the K-quants in :mod:`.jit_int8_k`).
 
 A product first quantizes its activation rows once (:func:`quantize_rows`, the same float32 operations as
 :func:`.q8_act.quantize_activations`, bit for bit).  Row ``r`` then keeps 16 float32 lanes; per block ``b``
 the 32 integer weights (Q4_0's and Q5_0's nibbles and bit 4 unpacked in int8 vector arithmetic, minus the
 bias; IQ4's levels looked up with ``pshufb``) and the 32 activations are taken to int16, multiplied in pairs
-and the pairs added in int32 (``<16 x i32>``, exact: :func:`_pairs`), converted to float32 (exact: below 2^24)
+and the pairs added in int32 (``<16 x i32>``, exact: :func:`_pairs16`), converted to float32 (exact: below 2^24)
 and fused into the lanes, ``lanes = fma(pairs, d_w * d_x, lanes)``; the lanes are summed once at the end, in
 order.  Q8_0 goes by pairs of blocks (:func:`q8_0_quads_fma`): the 64 weights against the 64 activations
 stored as ``x + 128`` (uint8) in one ``vpdpbusd`` (AVX-512 VNNI; the ``128 * sum(w)`` it adds taken off by a
 bias computed once per weight pair) gives 16 exact sums of 4 products, lanes 0-7 of the first block, 8-15 of
 the second: half the conversions and fused adds per block (elsewhere the same sums from ``pmaddwd`` pairs).
+Q4_1's and Q5_1's minimums multiply the float32 activation sums per 32 (as Q4_K's).
 
 Rows: one activation row (``gemv1_q8``) and several (``gemv_q8``) run the same inline loop
 (:func:`row_group`), for several rows in fixed groups of :data:`GROUP` (then 4, 2, 1: :func:`row_groups`) over
@@ -21,9 +22,10 @@ product, so read straight from memory), the conversion and the fused add into it
 zmm registers for the whole stored row (``group`` a literal of the intrinsics, so every lane access has a
 constant offset).  A row's operations are the same whatever its group, so its numbers are the same whatever
 the other rows (the server's batch invariance).  Measured (ms of CPU per million weights, one thread, out of
-cache, medians of 3 A/B pairs, one row one-at-a-time before / now): 8 rows Q8_0 0.39 / 0.23, Q4_0 0.37 /
-0.30, Q5_0 0.43 / 0.34, Q4_K 0.54 / 0.37, Q6_K 0.43 / 0.38; 16 rows 0.77 / 0.45, 0.73 / 0.56, 0.75 / 0.65,
-0.91 / 0.71, 0.81 / 0.70; one row unchanged (Q8_0 0.10, Q4_0 0.07, Q4_K 0.10, Q6_K 0.15).
+cache, medians of 3 A/B pairs; the kernels before these groups, one activation row at a time / now): 8 rows
+Q8_0 0.38 / 0.21, Q4_0 0.38 / 0.28, Q5_0 0.40 / 0.36, Q4_K 0.54 / 0.38, Q6_K 0.45 / 0.37; 16 rows 0.73 / 0.41,
+0.74 / 0.54, 0.72 / 0.66, 0.89 / 0.70, 0.79 / 0.70; one row unchanged (Q8_0 0.10, Q4_0 0.075, Q4_K 0.09-0.11,
+Q6_K 0.16).
 
 Assembly (numba 0.68, this Xeon with AVX-512; ``inspect_asm``), per block of the 1-row loop: ``prefetcht0``
 2 KiB ahead, the scale's table load and ``vmulss``, ``vpmovsxbw`` to zmm (Q4_0 first ``vpand``/
@@ -31,7 +33,8 @@ Assembly (numba 0.68, this Xeon with AVX-512; ``inspect_asm``), per block of the
 ``vpmaddwd`` zmm, ``vcvtdq2ps`` and ``vfmadd213ps`` with the lanes in a register; Q8_0 per pair of blocks
 ``vinserti64x4``, two ``vpdpbusd``, ``vcvtdq2ps``, ``vmulps`` and ``vfmadd231ps``.  The group-of-8 loop: the
 weights once, then per row a ``vpmaddwd`` (``vpdpbusd``) from memory, ``vcvtdq2ps``, the scale and a
-``vfmadd231ps`` into one of 8 zmm lanes, no stack traffic.  Written as generic IR (``sext``, ``mul``, even/odd
+``vfmadd231ps`` into one of 8 zmm lanes, no stack traffic (Q4_0: 73 instructions per block for 8 rows, Q8_0: 91
+per pair of blocks).  Written as generic IR (``sext``, ``mul``, even/odd
 ``add`` in int32) LLVM narrowed the products to int16 and emitted ``vpmullw``/``vpmovdw``/``vpmovsxwd``
 shuffles instead of ``vpmaddwd``, hence the x86 intrinsics.
 """
