@@ -49,7 +49,11 @@ vCPUs) a polling helper used up its time slices polling and was descheduled when
 5-12 of 97 runs of a decode step (sched_yield() in the loop made it worse), where a sleeping one, which the
 scheduler runs as soon as it is woken, took part in 76-86.  So a poller that finds itself descheduled (two
 polls more than ``pool_jit.LOST_US`` apart) stops all polling for :data:`BACKOFF_RUNS` runs: under load the
-pool behaves as the sleeping one (83-86 of 97 runs helped, measured), on idle cores it polls.
+pool behaves as the sleeping one (83-86 of 97 runs helped, measured), on idle cores it polls.  Whole-process
+decode A/B against the sleeping pool with tile tasks, on that busy machine (5 pairs, 96 tokens, medians of the
+pair ratios; tok/s 6-10 there against 20-30 on a quiet one): Q4_0 2 threads 0.97 (q8 activations 1.05),
+1 thread 1.00; Q8_0 1.05 / 1.02; Q4_K_M 0.98 / 0.95, pair ranges 0.6-1.5: no loss under load; the gain on
+idle cores is not measured here.
 
 Decode products of the compiled row kernels (which read any row range straight from the blocks, with no
 scratch tile) are cut into exactly one task per thread, the matrices of a fused product (q/k/v) end to end
