@@ -32,6 +32,34 @@ The compiled kernels (``kernels="numba"``, :func:`resolve_kernels`) follow the s
 single-threaded ``nogil`` functions that the pool's threads call, so numba's own thread pool never starts and
 no third set of threads competes for the cores.
 
+**Hand-off with the compiled kernels.**  A decode step is about a hundred pool runs (q/k/v, o, gate/up and
+down per layer, then the lm_head; Qwen2.5-0.5B), most of 50-500 us of work per thread, so the hand-off
+decides whether a second thread helps: a helper asleep on a condition variable takes ~50 us to wake, and on
+Qwen2.5-0.5B Q4_0 (q8 activations, 2 threads) the helper took part in only 35-60 % of the runs, the calling
+thread doing the rest alone.  With ``kernels="numba"`` a helper therefore polls for the next batch without
+the GIL for :data:`SPIN_US` after its last task (:mod:`.pool_jit`: a compiled loop reading a counter), then
+sleeps as before; the caller likewise polls for its helpers' last tasks before it sleeps.  Idle threads stop
+polling after that time, so between tokens and requests nothing spins (the OpenBLAS lesson above).  Two tasks
+of one run, each summing an out-of-cache float32 array on its own thread (medians of 2,000 runs, 2 vCPUs shared
+with other jobs): 2 x 100k floats took 115 us on one thread, 126 us through the sleeping pool and 106 us
+through the polling one; 2 x 400k floats 396, 434 and 287 us.
+
+Polling only pays while every thread has a core.  On a machine busy with other processes (load 4-6 on the 2
+vCPUs) a polling helper used up its time slices polling and was descheduled when work came: it took part in
+5-12 of 97 runs of a decode step (sched_yield() in the loop made it worse), where a sleeping one, which the
+scheduler runs as soon as it is woken, took part in 76-86.  So a poller that finds itself descheduled (two
+polls more than ``pool_jit.LOST_US`` apart) stops all polling for :data:`BACKOFF_RUNS` runs: under load the
+pool behaves as the sleeping one (83-86 of 97 runs helped, measured), on idle cores it polls.  Whole-process
+decode A/B against the sleeping pool with tile tasks, on that busy machine (5 pairs, 96 tokens, medians of the
+pair ratios; tok/s 6-10 there against 20-30 on a quiet one): Q4_0 2 threads 0.97 (q8 activations 1.05),
+1 thread 1.00; Q8_0 1.05 / 1.02; Q4_K_M 0.98 / 0.95, pair ranges 0.6-1.5: no loss under load; the gain on
+idle cores is not measured here.
+
+Decode products of the compiled row kernels (which read any row range straight from the blocks, with no
+scratch tile) are cut into exactly one task per thread, the matrices of a fused product (q/k/v) end to end
+(:func:`qwen_runtime.weights.direct_split`): a run claims two tasks on two threads, not six to a hundred and
+thirty, so the per-task Python (claim, call chain, numba's dispatch) is paid twice per product.
+
 **Kernels.**  ``Workspace.kernels`` is ``"numba"`` (compiled kernels, numba imported only then) or ``"numpy"``
 (the reference path); :func:`resolve_kernels` turns the user's choice (``auto``, ``numba``, ``numpy``; default:
 the ``QWEN_KERNELS`` environment variable, else ``auto``) into one of them.  ``Workspace.activations`` is
@@ -49,6 +77,7 @@ import math
 import mmap
 import os
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
@@ -62,6 +91,12 @@ KERNELS_VARIABLE = "QWEN_KERNELS"  # the default choice (the one environment set
 # New tokens per row up to which a pass inside Workspace.rowwise() runs the decode step's compiled kernels
 # (speculative decoding's verify pass: each token then gets exactly the numbers of a one-token step).
 STEP_TOKENS = 16
+# With the compiled kernels, how long a pool thread polls for the next product (and the caller for its helpers'
+# tasks) without the GIL before it sleeps: longer than the gaps between the products of a decode step (tens of
+# microseconds), shorter than a token's sampling and output (see the module docstring).
+SPIN_US = 100.0
+# Runs without polling after a poller lost its CPU to another process (about 5 decode steps of Qwen2.5-0.5B).
+BACKOFF_RUNS = 500
 
 
 class Scratch:
@@ -168,6 +203,13 @@ class Workspace:
         self.pooled = self.threads > 1 and not blas_products and bool(self._libs)  # run() spreads tasks
         self.scratch = [Scratch() for _ in range(self.threads)]
         self._helpers: _Helpers | None = None
+        self._polls = None  # the compiled polling loops of the helpers (pool_jit), loaded with the model's kernels
+        self.spin_us = SPIN_US  # how long the pool polls before it sleeps (read when the first run starts helpers)
+        if self.pooled and kernels == "numba":
+            from . import pool_jit
+
+            pool_jit.cycles_per_us()
+            self._polls = pool_jit
         self.row_invariant = False  # inside rowwise(): see there
         self._keeping = 0  # open keep_scratch() blocks
         self.active_rows: np.ndarray | None = None  # inside rowwise(rows): the activation rows multiplied
@@ -231,12 +273,9 @@ class Workspace:
                 task(self.scratch[0])
             return
         if self._helpers is None:
-            self._helpers = _Helpers(self.scratch[1:])
+            self._helpers = _Helpers(self.scratch[1:], self._polls, self.spin_us)
             weakref.finalize(self, self._helpers.close)
-        batch = _Batch(tasks)
-        self._helpers.post(batch)
-        batch.work(self.scratch[0], helper=False)
-        batch.settle()
+        self._helpers.run(_Batch(tasks, self.threads - 1), self.scratch[0])
 
     def run_grid(self, task: Callable[..., None], extents: Sequence[int], blocks: Sequence[int],
                  share: bool = True) -> None:
@@ -264,85 +303,109 @@ class Workspace:
 class _Batch:
     """The tasks of one :meth:`Workspace.run`, claimed one at a time by the calling thread and the helpers.
 
-    The caller never waits for a helper that has not claimed a task: on this machine a sleeping thread takes
-    ~50 us to wake (a lock ping-pong between two threads: ~100 us), longer than a small projection's tiles,
-    so a run ends as soon as every task is claimed and every claimed one is finished.  A helper that wakes
-    after that finds nothing left to claim.
+    The caller never waits for a helper that has not claimed a task: a sleeping thread takes ~50 us to wake on
+    this machine (a lock ping-pong between two threads: ~100 us), longer than a small projection's tiles, so a
+    run ends as soon as every task is claimed and every claimed one is finished.  A helper that wakes after
+    that finds nothing left to claim.  Claims are ``next()`` of one counter (atomic under the GIL, no lock).
     """
 
-    def __init__(self, tasks: Sequence[Callable[[Scratch], None]]) -> None:
+    def __init__(self, tasks: Sequence[Callable[[Scratch], None]], helpers: int) -> None:
         self.tasks = tasks
-        self.next = 0  # index of the next unclaimed task
-        self.in_flight = 0  # tasks claimed by helpers and not finished
+        self.claims = itertools.count()  # the index of the next unclaimed task
         self.error: BaseException | None = None
-        self.lock = threading.Lock()
-        self.settled = threading.Condition(self.lock)  # notified when in_flight drops to 0
+        self.finished = np.zeros(helpers, np.int64)  # tasks finished by each helper (one writer each)
 
-    def work(self, scratch: Scratch, helper: bool) -> None:
-        """Run unclaimed tasks until none is left (the first error cancels the rest)."""
-        while True:
-            with self.lock:
-                if self.next >= len(self.tasks):
-                    return
-                task = self.tasks[self.next]
-                self.next += 1
-                self.in_flight += helper
+    def work(self, scratch: Scratch, helper: int | None = None, settled: threading.Condition | None = None) -> int:
+        """Run unclaimed tasks until none is left (the first error cancels the rest, which are still counted); a
+        ``helper`` counts each in ``finished[helper]`` and notifies ``settled``.  The number of tasks claimed."""
+        claimed = 0
+        while (i := next(self.claims)) < len(self.tasks):
+            claimed += 1
             try:
-                task(scratch)
+                if self.error is None:
+                    self.tasks[i](scratch)
             except BaseException as e:
-                with self.lock:
-                    self.error = self.error or e
-                    self.next = len(self.tasks)
+                if self.error is None:
+                    self.error = e
             finally:
-                if helper:
-                    with self.lock:
-                        self.in_flight -= 1
-                        if not self.in_flight:
-                            self.settled.notify_all()
-
-    def settle(self) -> None:
-        """Wait for the tasks helpers are still running, then raise the first error of any task."""
-        with self.lock:
-            while self.in_flight:
-                self.settled.wait()
-        if self.error is not None:
-            raise self.error
+                if settled is not None:
+                    with settled:
+                        self.finished[helper] += 1
+                        settled.notify()
+        return claimed
 
 
 class _Helpers:
     """The pool threads of one workspace (daemons, one per extra scratch), each waiting for the next batch.
 
-    They hold no reference to the workspace: :meth:`close` (called when the workspace is collected) ends them.
+    With ``polls`` (:mod:`.pool_jit`, compiled kernels only) a helper polls for the next batch for ``spin_us``
+    (:data:`SPIN_US`; 0: never) without the GIL before it sleeps, and the caller polls as long for the helpers' tasks to
+    finish before it sleeps.  They hold no reference to the workspace: :meth:`close` (called when the workspace
+    is collected) ends them.
     """
 
-    def __init__(self, scratches: Sequence[Scratch]) -> None:
-        self.posted = threading.Condition()
+    def __init__(self, scratches: Sequence[Scratch], polls: types.ModuleType | None = None,
+                 spin_us: float = SPIN_US) -> None:
+        self.posted = threading.Condition()  # helpers sleep on it for the next batch
+        self.settled = threading.Condition()  # the caller sleeps on it for the helpers' tasks
         self.batch: _Batch | None = None
         self.generation = 0  # batches posted so far; a helper that slept through several takes the latest
         self.closed = False
-        for i, scratch in enumerate(scratches, 1):
-            threading.Thread(target=self._serve, args=(scratch,), name=f"qwen-tiles-{i}", daemon=True).start()
+        self.sleeping = 0  # helpers asleep on `posted` (post notifies only then)
+        self.polls = polls if spin_us > 0 else None
+        self.backoff = 0  # runs left without polling (a poller was descheduled: the machine is busy)
+        self.spin_us = spin_us
+        self.signal = np.zeros(1, np.int64)  # the generation, for helpers polling without the GIL
+        for i, scratch in enumerate(scratches):
+            threading.Thread(target=self._serve, args=(i, scratch), name=f"qwen-tiles-{i + 1}", daemon=True).start()
 
-    def post(self, batch: _Batch) -> None:
+    def run(self, batch: _Batch, scratch: Scratch) -> None:
+        """Post ``batch``, work on it with ``scratch`` and wait for the tasks the helpers claimed."""
         with self.posted:
             self.batch, self.generation = batch, self.generation + 1
-            self.posted.notify_all()
+            self.signal[0] = self.generation
+            if self.sleeping:
+                self.posted.notify_all()
+        target = len(batch.tasks) - batch.work(scratch)  # the tasks helpers claimed
+        if self.backoff:
+            self.backoff -= 1
+        if not self.polled(self.polls and self.polls.wait_total, batch.finished, target):
+            with self.settled:
+                while batch.finished.sum() < target:
+                    self.settled.wait()
+        if batch.error is not None:
+            raise batch.error
+
+    def polled(self, wait: Callable[[np.ndarray, int, float], int] | None, counters: np.ndarray, value: int) -> bool:
+        """Whether polling ``wait(counters, value, spin_us)`` saw its change (False: sleep on a condition); a
+        poller that lost its CPU meanwhile stops everyone's polling for the next :data:`BACKOFF_RUNS` runs."""
+        if wait is None or self.backoff:
+            return False
+        result = wait(counters, value, self.spin_us)
+        if result == self.polls.PREEMPTED:
+            self.backoff = BACKOFF_RUNS
+        return result == self.polls.CHANGED
 
     def close(self) -> None:
         with self.posted:
             self.closed, self.batch = True, None
+            self.signal[0] = -1
             self.posted.notify_all()
 
-    def _serve(self, scratch: Scratch) -> None:
+    def _serve(self, index: int, scratch: Scratch) -> None:
         seen = 0
         while True:
+            if not self.polled(self.polls and self.polls.wait_changed, self.signal, seen):
+                with self.posted:
+                    self.sleeping += 1
+                    while self.generation == seen and not self.closed:
+                        self.posted.wait()
+                    self.sleeping -= 1
             with self.posted:
-                while self.generation == seen and not self.closed:
-                    self.posted.wait()
                 if self.closed:
                     return
                 seen, batch = self.generation, self.batch
-            batch.work(scratch, helper=True)
+            batch.work(scratch, index, self.settled)
 
 
 @contextlib.contextmanager

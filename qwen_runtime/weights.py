@@ -11,7 +11,11 @@ A :class:`Weight` is a ``[out, in]`` matrix as stored in the model file (memory-
   block scales widened to float32 (2/17 of its stored bytes).
 
 :func:`matmul_many` runs the tiles of projections sharing an input (q/k/v) as one pool run;
-:func:`gated_matmul` also applies SwiGLU's activation inside each gate/up task.
+:func:`gated_matmul` also applies SwiGLU's activation inside each gate/up task.  Products that the compiled row
+kernels read straight from the blocks (decode-sized ones, and every product inside ``Workspace.rowwise``) are
+not cut into tiles but into one task per pool thread (:func:`direct_split`; more only for matrices above
+:data:`DIRECT_TASK_BYTES` per thread, the lm_head): each run then pays its Python and its hand-off once per
+thread (see :mod:`.pool`).
 
 **Row-invariant products.**  BLAS sums a row's product in an order that depends on how many rows there are
 and where the row sits among them (GEMV for one row, GEMM kernels unrolled by position for several), so a
@@ -32,6 +36,7 @@ tests compare the fast paths against.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
@@ -199,10 +204,80 @@ def _matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
     """:func:`matmul_many` of every row of ``x``."""
     outputs = [np.empty((x.shape[0], w.out_features), np.float32) for w in weights]  # tasks fill column blocks
     prepared: dict[QType, object] = {}
+    if weights and reads_blocks(weights, len(x)):
+        parts = [(w, w.prepared(x, prepared), y) for w, y in zip(weights, outputs, strict=True)]
+        rows = tuple(w.out_features for w in weights)
+        costs = tuple(w.raw.shape[1] * w.raw.itemsize for w in weights)
+        weights[0].ws.run([partial(_direct_task, [(w, r0, r1, xk, y[:, r0:r1]) for (w, xk, y), (r0, r1) in
+                                                  zip(parts, ranges, strict=True) if r1 > r0])
+                           for ranges in direct_split(rows, costs, weights[0].ws.threads, weight_passes(len(x)))])
+        return outputs
     tasks = [task for w, y in zip(weights, outputs, strict=True) for task in w.tile_tasks(x, y, prepared)]
     if weights:
         weights[0].ws.run(tasks)
     return outputs
+
+
+# Direct products (compiled row kernels reading the blocks, no scratch tile): weight bytes up to which a
+# product is cut into exactly one task per thread; larger ones (the lm_head) into a multiple of the threads,
+# so that a thread descheduled on a busy machine leaves its share to the others.
+DIRECT_TASK_BYTES = 8 << 20
+# Task boundaries fall on multiples of these rows (every matrix of a model has a multiple of them).
+DIRECT_ROW_ALIGN = 32
+
+
+def reads_blocks(weights: Sequence[Weight], n: int) -> bool:
+    """Whether every weight multiplies ``n`` activation rows by its compiled row kernel straight from the
+    blocks, any row range at the same cost per row and with no scratch tile (see :func:`direct_split`)."""
+    return all(isinstance(w, TiledWeight) and w.compiled and (w.ws.row_invariant or n <= w.kernel.direct_rows)
+               for w in weights)
+
+
+def weight_passes(n: int) -> int:
+    """How many times a direct product of ``n`` activation rows reads its weights (once per group of rows the row
+    kernels hold accumulators for)."""
+    return 1 if n == 1 else -(-n // gemv_rows())
+
+
+@functools.cache
+def gemv_rows() -> int:
+    """The compiled row kernels' :data:`~qwen_runtime.quants.jit_base.GEMV_ROWS` (imported with numba)."""
+    from .quants.jit_base import GEMV_ROWS
+
+    return GEMV_ROWS
+
+
+@functools.lru_cache(maxsize=256)
+def direct_split(rows: tuple[int, ...], costs: tuple[int, ...], threads: int, passes: int = 1,
+                 ) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The rows of matrices (``rows[i]`` rows of ``costs[i]`` bytes, read ``passes`` times) multiplied one after
+    the other, cut into tasks of about equal bytes: ``threads`` tasks, or a multiple of them above
+    :data:`DIRECT_TASK_BYTES` per task; each task a row range ``(r0, r1)`` of every matrix (empty ranges where it
+    holds none of its rows).
+
+    A row's result does not depend on the range it is multiplied in, so any cut gives the same numbers."""
+    total = sum(r * c for r, c in zip(rows, costs, strict=True))
+    tasks = threads * max(1, -(-total * passes // (threads * DIRECT_TASK_BYTES)))
+    cuts = [total * k // tasks for k in range(tasks + 1)]  # byte offsets in the matrices end to end
+    out: list[list[tuple[int, int]]] = [[] for _ in range(tasks)]
+    start = 0  # byte offset of the current matrix
+    for r, c in zip(rows, costs, strict=True):
+        for k in range(tasks):
+            lo, hi = (min(max(cut - start, 0), r * c) for cut in (cuts[k], cuts[k + 1]))
+            out[k].append(tuple(r if b == r * c else min(r, aligned_row(b, c)) for b in (lo, hi)))
+        start += r * c
+    return tuple(map(tuple, out))
+
+
+def aligned_row(offset: int, row_bytes: int) -> int:
+    """The multiple of :data:`DIRECT_ROW_ALIGN` rows nearest to byte ``offset`` in rows of ``row_bytes``."""
+    unit = row_bytes * DIRECT_ROW_ALIGN
+    return (2 * offset + unit) // (2 * unit) * DIRECT_ROW_ALIGN
+
+
+def _direct_task(parts: list[tuple[TiledWeight, int, int, object, np.ndarray]], scratch: Scratch) -> None:
+    for w, r0, r1, xk, y in parts:
+        w.block_product(r0, r1, xk, y, scratch)
 
 
 def gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
@@ -220,13 +295,19 @@ def gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
 
 def _gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
     """:func:`gated_matmul` of every row of ``x``."""
-    if gate.blocks() != up.blocks():
+    direct = reads_blocks([gate, up], len(x))
+    if gate.blocks() != up.blocks() and not direct:
         g, u = _matmul_many([gate, up], x)
         return swiglu(gate.ws)(g, u, out=g)
     out = np.empty((x.shape[0], gate.out_features), np.float32)
     prepared: dict[QType, object] = {}
     xg, xu = gate.prepared(x, prepared), up.prepared(x, prepared)
-    gate.ws.run([partial(_gated_block, gate, up, r0, r1, xg, xu, out[:, r0:r1]) for r0, r1 in gate.blocks()])
+    blocks = gate.blocks()
+    if direct:  # one task per thread, as in _matmul_many
+        cost = gate.raw.shape[1] * gate.raw.itemsize + up.raw.shape[1] * up.raw.itemsize
+        blocks = [ranges[0] for ranges in direct_split((gate.out_features,), (cost,), gate.ws.threads,
+                                                       weight_passes(len(x)))]
+    gate.ws.run([partial(_gated_block, gate, up, r0, r1, xg, xu, out[:, r0:r1]) for r0, r1 in blocks if r1 > r0])
     return out
 
 

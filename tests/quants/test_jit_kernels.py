@@ -25,9 +25,10 @@ from qwen_runtime.jit_setup import cpu_features
 from qwen_runtime.pool import Scratch, Workspace, resolve_kernels
 from qwen_runtime.quants import JIT_KERNELS, QType, codec, jit_kernel
 from qwen_runtime.tensors import StoredTensor
-from qwen_runtime.weights import make_weight
+from qwen_runtime.weights import gated_matmul, make_weight, matmul_many
 
 pytest.importorskip("numba")
+from qwen_runtime.ops_jit import silu_mul  # noqa: E402
 from qwen_runtime.quants.jit_base import GEMV_ROWS  # noqa: E402 (numba is needed from here on)
 from qwen_runtime.quants.jit_q8_0 import Q8_0JitKernel  # noqa: E402
 
@@ -151,6 +152,39 @@ def test_weights_pick_the_compiled_kernel_and_agree_with_numpy(qtype: QType) -> 
     limit = bound(qtype, raw, x, True) + bound(qtype, raw, x, False)  # numpy's block sums: within the BLAS bound
     assert np.all(np.abs(compiled.matmul(x) - exact) <= limit)
     assert np.all(np.abs(plain.matmul(x) - exact) <= limit)
+
+
+@pytest.mark.parametrize("activations", ["float", "q8"])
+@pytest.mark.parametrize("qtype", COMPILED, ids=lambda q: q.name)
+def test_products_cut_over_threads_equal_one_call_bit_for_bit(qtype: QType, activations: str) -> None:
+    """Decode-sized products cut into one task per thread (``weights.direct_split``: q/k/v-like matrices fused
+    into one run, row ranges on any boundary) give every row the numbers of one kernel call over the whole
+    matrix, with any thread count, plainly, inside ``rowwise()`` and in ``gated_matmul``."""
+    shapes = (200, 64, 72)  # rows of three matrices sharing their input, 200 not a multiple of the alignment
+    raws = [random_blocks(qtype, rows, 256, seed=10 + i) for i, rows in enumerate((*shapes, 200))]
+    rng = np.random.default_rng(11)
+    for n in (1, 5):
+        x = rng.normal(0, 1, (n, 256)).astype(np.float32)
+        whole = []
+        for raw in raws:
+            kernel = jit_kernel(qtype, raw, activations)
+            whole.append(np.empty((n, len(raw)), np.float32))
+            kernel.product(0, len(raw), kernel.prepare(x), whole[-1], Scratch())
+        for threads in (1, 2, 3):
+            ws = Workspace(threads=threads, kernels="numba", activations=activations)
+            weights = [make_weight(StoredTensor(f"w{i}", qtype, (len(raw), 256), "mem", data=raw), ws)
+                       for i, raw in enumerate(raws)]
+            runs: list[int] = []
+            run = ws.run
+            ws.run = lambda tasks, run=run, runs=runs: (runs.append(len(tasks)), run(tasks))[1]
+            for got, expected in zip(matmul_many(weights[:3], x), whole, strict=False):
+                assert np.array_equal(got, expected)
+            gated = gated_matmul(weights[0], weights[3], x)
+            assert np.array_equal(gated, silu_mul(whole[0], whole[3]))
+            assert runs == [threads, threads]  # one task per thread, one run per fused product
+            with ws.rowwise():
+                for got, expected in zip(matmul_many(weights[:3], x), whole, strict=False):
+                    assert np.array_equal(got, expected)
 
 
 def test_compiled_kernels_refuse_shapes_they_were_not_built_for() -> None:

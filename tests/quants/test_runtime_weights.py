@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
+from runtime_helpers import KERNELS
 
 from qwen_runtime.models.base import all_float32
 from qwen_runtime.pool import Scratch, Workspace, blas_controller, buffer, single_threaded_blas
@@ -128,8 +130,11 @@ def test_pool_gives_the_serial_result(qtype: QType, n: int) -> None:
         np.testing.assert_array_equal(pooled.matmul(x), serial.matmul(x))
 
 
-def test_pool_runs_every_task_once_and_raises_the_first_error() -> None:
-    ws = Workspace(threads=2)
+@pytest.mark.parametrize("kernels", KERNELS)  # numba: helpers and caller poll before they sleep (pool_jit)
+def test_pool_runs_every_task_once_and_raises_the_first_error(kernels: str) -> None:
+    if kernels == "numba":
+        pytest.importorskip("numba")
+    ws = Workspace(threads=3, kernels=kernels)
     if not ws.pooled:
         pytest.skip("threadpoolctl not installed: the pool is never used")
     seen: list[int] = []
@@ -143,6 +148,41 @@ def test_pool_runs_every_task_once_and_raises_the_first_error() -> None:
         ws.run([fail, *[lambda s: None] * 5])
     ws.run([lambda s, i=i: seen.append(i) for i in range(50, 60)])  # the pool still works after an error
     assert sorted(seen) == list(range(60))
+
+
+def test_polling_helpers_fall_asleep_when_idle_and_still_take_work() -> None:
+    """With the compiled kernels a helper polls for the next batch for a bounded time, then sleeps."""
+    pytest.importorskip("numba")
+    ws = Workspace(threads=3, kernels="numba")
+    if not ws.pooled:
+        pytest.skip("threadpoolctl not installed: the pool is never used")
+    seen: list[int] = []
+    ws.run([lambda s, i=i: seen.append(i) for i in range(20)])
+    helpers = ws._helpers
+    assert helpers is not None and helpers.polls is not None
+    deadline = time.monotonic() + 30  # SPIN_US is a fraction of a millisecond; a busy machine may delay them
+    while helpers.sleeping < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert helpers.sleeping == 2
+    ws.run([lambda s, i=i: seen.append(i) for i in range(20, 40)])
+    assert sorted(seen) == list(range(40))
+
+
+def test_polls_see_another_threads_write_or_give_up() -> None:
+    """The pool's compiled polling loop reads the counters afresh each time (no hoisted load) and is bounded."""
+    pytest.importorskip("numba")
+    from qwen_runtime import pool_jit
+
+    counters = np.zeros(2, np.int64)
+    assert pool_jit.wait_total(counters, 0, 10) == pool_jit.wait_changed(counters, 1, 10) == pool_jit.CHANGED
+    assert pool_jit.wait_total(counters, 1, 50) in (pool_jit.TIMED_OUT, pool_jit.PREEMPTED)
+    assert pool_jit.wait_changed(counters, 0, 50) in (pool_jit.TIMED_OUT, pool_jit.PREEMPTED)
+    writer = threading.Timer(0.02, counters.__setitem__, (1, 5))
+    writer.start()
+    while (result := pool_jit.wait_total(counters, 5, 30e6)) == pool_jit.PREEMPTED:
+        pass  # a busy machine took the poller's CPU: poll again
+    writer.join()
+    assert result == pool_jit.CHANGED
 
 
 def test_run_grid_covers_the_grid_once_by_blocks_or_whole() -> None:
@@ -167,8 +207,11 @@ def test_run_grid_covers_the_grid_once_by_blocks_or_whole() -> None:
     assert (seen == 2).all() and blocks == [(slice(0, 3), slice(0, 10))]
 
 
-def test_pool_threads_end_with_their_workspace() -> None:
-    ws = Workspace(threads=2)
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_pool_threads_end_with_their_workspace(kernels: str) -> None:
+    if kernels == "numba":
+        pytest.importorskip("numba")
+    ws = Workspace(threads=2, kernels=kernels)
     if not ws.pooled:
         pytest.skip("threadpoolctl not installed: the pool is never used")
     before = set(threading.enumerate())
