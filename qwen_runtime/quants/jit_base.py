@@ -62,6 +62,7 @@ ACC_FLOATS = GEMV_ROWS * LANES  # the stack accumulators of a kernel for GEMV_RO
 # Activation rows whose accumulators a float row kernel keeps in registers at once (2 zmm each: 16 of the 32).
 GROUP_ROWS = 8
 GROUP_FLOATS = GROUP_ROWS * LANES
+TILE_FLOATS = GROUP_FLOATS + LANES  # a partial block: its weights and a group's activations (:func:`buffer_fma`)
 ALIGN = 64  # bytes: activations start on a cache line (a zmm load across two lines costs two)
 
 I32, F32 = ir.IntType(32), ir.FloatType()
@@ -89,13 +90,16 @@ def compiled(signature: object, contract: bool = True):  # -> a decorator
 
 @intrinsic
 def stack_f32(typingctx, size):  # noqa: ARG001 (numba's intrinsic protocol)
-    """A float32 buffer of ``size`` (a literal) on the stack, as a pointer for ``numba.carray``."""
+    """A float32 buffer of ``size`` (a literal) on the stack, as a pointer for ``numba.carray``; it starts on a
+    64-byte boundary (:data:`ALIGN`), so that :func:`rows_fma` and :func:`lanes_sum` load whole zmm from it."""
     if not isinstance(size, types.IntegerLiteral):
         return None
     count = size.literal_value
 
     def codegen(context, builder, signature, args):
-        return cgutils.alloca_once(builder, context.get_value_type(types.float32), size=count)
+        buffer = cgutils.alloca_once(builder, context.get_value_type(types.float32), size=count)
+        buffer.align = ALIGN
+        return buffer
 
     return types.CPointer(types.float32)(size), codegen
 
@@ -162,8 +166,29 @@ def rows_fma(context: object, builder: ir.IRBuilder, x_type: types.Array, x: ir.
         xs = builder.bitcast(builder.gep(array.data, [start]), V16_F32.as_pointer())
         for h in range(2):
             at = builder.gep(lanes, [I32(2 * i + h)])
-            term = builder.call(fma, [w[h], builder.load(builder.gep(xs, [I32(h)]), align=4), builder.load(at)])
-            builder.store(term, at)
+            term = builder.call(fma, [w[h], builder.load(builder.gep(xs, [I32(h)]), align=4),
+                                      builder.load(at, align=ALIGN)])
+            builder.store(term, at, align=ALIGN)
+
+
+@intrinsic
+def buffer_fma(typingctx, tile, rows, acc):  # noqa: ARG001
+    """``acc[i, k] = fma(tile[0, k], tile[1 + i, k], acc[i, k])`` for ``i < rows`` (a literal): :func:`rows_fma`
+    for 32 weights and the rows' 32 activations held in a C-contiguous float32 [1 + rows, 32] ``tile`` (a
+    partial block padded with zeros)."""
+    if not isinstance(rows, types.IntegerLiteral):
+        return None
+    count = rows.literal_value
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        first = builder.bitcast(data, V16_F32.as_pointer())
+        w = [builder.load(builder.gep(first, [I32(h)]), align=4) for h in range(2)]
+        i64 = context.get_value_type(types.intp)
+        rows_fma(context, builder, signature.args[0], args[0], i64(1), i64(0), count, args[2], w)
+        return context.get_dummy_value()
+
+    return types.void(tile, rows, acc), codegen
 
 
 @intrinsic
@@ -176,8 +201,8 @@ def lanes_sum(typingctx, acc, i):  # noqa: ARG001
     def codegen(context, builder, signature, args):
         lanes = builder.bitcast(args[0], V16_F32.as_pointer())
         first = builder.mul(args[1], args[1].type(2))
-        v = builder.fadd(builder.load(builder.gep(lanes, [first])),
-                         builder.load(builder.gep(lanes, [builder.add(first, first.type(1))])))
+        v = builder.fadd(builder.load(builder.gep(lanes, [first]), align=ALIGN),
+                         builder.load(builder.gep(lanes, [builder.add(first, first.type(1))]), align=ALIGN))
         width = HALF
         while width > 1:
             half = ir.VectorType(I32, width // 2)
