@@ -9,27 +9,32 @@ them and release the GIL, so numba's own thread pool never starts (:mod:`qwen_ru
 
 **Formulation** (measured, and checked in each kernel's assembly: packed ``vfmadd...ps`` on zmm, the
 accumulators in registers).  A block's 32 weights are decoded once into float32 with their scale folded in,
-``w[k] = d * f32(q[k])``, which is exact for every stored type (an 11-bit float16 significand times a scale and
-a quant of at most 13 bits together: see each kernel); then each activation row ``i`` keeps 32 float32 lanes
-``acc[i, k] = fma(w[k], x[i, k], acc[i, k])`` over the blocks in order, and sums them once at the end by a
-fixed pairwise tree (lanes ``k`` and ``k + 16``, then 8, 4, 2, 1: :func:`lanes_sum`).  Each term is rounded once
-(the fused multiply-add), so a row is at least as accurate as with the scale on the activation side.  The
-multi-row kernels run the rows in groups of up to :data:`GROUP_ROWS` (a compile-time count, one specialisation
-per count: :func:`gemv_groups`), so that a group's ``2 * GROUP_ROWS`` zmm accumulators stay in registers and
-the decoded block is shared by the group's rows; the one-row kernel is the group of one, so a row's result is
-the same bits whatever the other rows (:data:`GEMV_ROWS` per call).  Activations are copied to a 64-byte
-aligned buffer when they are not (:meth:`JitKernel.prepare`): a zmm load across two cache lines halved the
-multi-row kernels' speed.  Only ``contract`` of fastmath is allowed (the products are explicit ``llvm.fma``);
-sums keep their order.  Every row loop calls :func:`prefetch` for the block it starts: the hardware
-prefetchers alone left the loops waiting for memory (1.2-2.3x the CPU time per weight, out of cache).
+``w[k] = d * f32(q[k])``, which is exact for every stored type (an 11-bit float16 significand times integer
+scales and quants whose product is at most 2**12 in magnitude: see each kernel); then each activation row
+``i`` keeps 32 float32 lanes ``acc[i, k] = fma(w[k], x[i, k], acc[i, k])`` over the blocks in order, and sums
+them once at the end by a fixed pairwise tree (lanes ``k`` and ``k + 16``, then 8, 4, 2, 1:
+:func:`lanes_sum`).  Each term is rounded once (the fused multiply-add), so a row is at least as accurate as
+with the scale on the activation side.  The multi-row kernels run the rows in groups of :data:`GROUP_ROWS`,
+4, 2 and 1 (a compile-time count, one specialisation per count: :func:`gemv_groups`), so that a group's
+``2 * GROUP_ROWS`` zmm accumulators stay in registers and the decoded block is shared by the group's rows;
+the one-row kernel is the group of one, so a row's result is the same bits whatever the other rows
+(:data:`GEMV_ROWS` per call).  Activations are copied to a 64-byte aligned buffer when they are not
+(:meth:`JitKernel.prepare`): zmm loads across two cache lines made 8 rows 1.3-1.4x slower.  Only ``contract``
+of fastmath is allowed (the products are explicit ``llvm.fma``); sums keep their order.  Every row loop calls
+:func:`prefetch` for the block it starts: the hardware prefetchers alone left the loops waiting for memory
+(1.2-2.3x the CPU time per weight, out of cache).
 
-Measured (Q8_0, 4864 x 896 matrices, 60 copies so out of cache, one thread, ms of CPU per million weights,
-A/B in one process): 1 row 0.103 -> 0.095, 2 rows 0.185 -> 0.11, 4 rows 0.50 -> 0.16, 8 rows 0.54-0.63 ->
-0.17-0.22 (the old loops kept each row's lanes in a stack array indexed by the row, loaded and stored every
-block, and re-multiplied ``x * d`` per row), 16 rows 1.26-1.33 -> 0.42-0.62.
+Measured against the previous loops (``acc += f32(q) * (x * d)``, each row's lanes in a stack array indexed
+by the row, loaded and stored every block), Q8_0 4864 x 896 matrices out of cache, one thread, ms of CPU per
+million weights, A/B in one process: 1 row 0.103-0.112 -> 0.093-0.105, 2 rows 0.18-0.20 -> 0.11, 3 rows 0.31
+-> 0.16, 4 rows 0.32-0.56 -> 0.15, 5 rows 0.47 -> 0.19, 7 rows 0.57 -> 0.25, 8 rows 0.58-0.72 -> 0.175-0.20,
+16 rows 1.25-1.45 -> 0.43-0.48 (16 rows' activations no longer fit the L1 cache with the block's: 2.4x the
+time of 8).  The other types' figures are in their modules.
 
 **Start-up** (measured on 2 shared, loaded vCPUs; CPU time, as waiting for a core is not start-up): the
-first-ever compile of every module takes about 1.5 minutes of wall time (most in jit_legacy and jit_kquants);
+first-ever compile of every module takes about 51 s of CPU, 1.5-2 minutes of wall time on a loaded machine
+(jit_kquants 26 s, jit_legacy 13 s, jit_iq4 6 s, jit_dense 4 s, jit_q8_0 1 s; 17 s in all before the row
+groups);
 with a warm cache a process reaches its first token about 0.3 s later than with ``kernels="numpy"``:
 ``import numba`` (0.13 s), numba's target set-up on the first kernel it compiles or loads (0.13 s, without the
 SciPy import it would add: :mod:`..jit_setup`), then 2-10 ms per cached function (3 per type; a module loads
@@ -37,7 +42,7 @@ all its types).
 
 For more than ``direct_rows`` activation rows (prefill, large batches) a tile is decoded into float32 scratch
 by compiled code and multiplied by BLAS; inside ``Workspace.rowwise()`` (serving) every row goes through the
-row kernel instead (groups of :data:`GEMV_ROWS`), so a row's numbers never depend on the batch.
+row kernel instead (calls of :data:`GEMV_ROWS` rows), so a row's numbers never depend on the batch.
 """
 
 from __future__ import annotations
@@ -156,7 +161,8 @@ def rows_fma(context: object, builder: ir.IRBuilder, x_type: types.Array, x: ir.
              rows: int, acc: ir.Value, w: list) -> None:
     """LLVM IR of ``acc[i, k] = fma(w[k], x[i0 + i, col + k], acc[i, k])`` for ``i < rows`` and the 32 lanes ``k``:
     ``w`` the block's two ``<16 x float>`` halves, ``x`` a C-contiguous float32 [N, n] array, ``acc`` a float32
-    pointer to ``rows * 32`` lanes (a stack buffer: LLVM keeps them in registers across the block loop)."""
+    pointer to ``rows * 32`` lanes (a :func:`stack_f32` buffer, 64-byte aligned: LLVM keeps the lanes in registers
+    across the block loop, as nothing else can reach them)."""
     array = context.make_array(x_type)(context, builder, x)
     width = builder.extract_value(array.shape, 1)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3), "llvm.fma.v16f32")
@@ -236,9 +242,11 @@ def gemv1_rows(group, raw, x, args, out):
 
 @inline
 def gemv_groups(group, raw, x, args, out):
-    """``out[i, r] = x[i] @ W[r]`` for 1..GEMV_ROWS rows: per stored row, the rows in groups of GROUP_ROWS then
-    one group of the rest, each by ``group(count, raw, r, x, first row, args, out, acc)`` with a literal count
-    (its own specialisation, accumulators in registers); a row's operations do not depend on its group."""
+    """``out[i, r] = x[i] @ W[r]`` for 1..GEMV_ROWS rows: per stored row, the rows in groups of GROUP_ROWS, then
+    the rest in groups of 4, 2 and 1 (its binary digits), each by ``group(count, raw, r, x, first row, args, out,
+    acc)`` with a literal count (its own specialisation, accumulators in registers); a row's operations do not
+    depend on its group.  Every count 1-7 as its own group ran 7 rows in 0.19 against 0.25 ms per million
+    weights (Q8_0) but made the first-ever compile of all kernels 1.5x longer (77 against 51 s of CPU)."""
     n = x.shape[0]
     acc = stack_f32(GROUP_FLOATS)
     for r in range(raw.shape[0]):
@@ -246,20 +254,13 @@ def gemv_groups(group, raw, x, args, out):
         while n - i0 >= GROUP_ROWS:
             group(GROUP_ROWS, raw, r, x, i0, args, out, acc)
             i0 += GROUP_ROWS
-        rest = n - i0
-        if rest == 7:
-            group(7, raw, r, x, i0, args, out, acc)
-        elif rest == 6:
-            group(6, raw, r, x, i0, args, out, acc)
-        elif rest == 5:
-            group(5, raw, r, x, i0, args, out, acc)
-        elif rest == 4:
+        if n - i0 >= 4:
             group(4, raw, r, x, i0, args, out, acc)
-        elif rest == 3:
-            group(3, raw, r, x, i0, args, out, acc)
-        elif rest == 2:
+            i0 += 4
+        if n - i0 >= 2:
             group(2, raw, r, x, i0, args, out, acc)
-        elif rest == 1:
+            i0 += 2
+        if n - i0 >= 1:
             group(1, raw, r, x, i0, args, out, acc)
 
 
