@@ -28,8 +28,9 @@ Measured against the previous loops (``acc += f32(q) * (x * d)``, each row's lan
 by the row, loaded and stored every block), Q8_0 4864 x 896 matrices out of cache, one thread, ms of CPU per
 million weights, A/B in one process: 1 row 0.103-0.112 -> 0.093-0.105, 2 rows 0.18-0.20 -> 0.11, 3 rows 0.31
 -> 0.16, 4 rows 0.32-0.56 -> 0.15, 5 rows 0.47 -> 0.19, 7 rows 0.57 -> 0.25, 8 rows 0.58-0.72 -> 0.175-0.20,
-16 rows 1.25-1.45 -> 0.43-0.48 (16 rows' activations no longer fit the L1 cache with the block's: 2.4x the
-time of 8).  The other types' figures are in their modules.
+16 rows 1.16-1.45 -> 0.37 (0.43-0.49 before the tiles of :func:`gemv_groups`: 16 rows' activations do not
+fit the L1 cache; with 4864 columns even 8 rows' do not: 896 x 4864, 8 rows 0.25, 16 rows 0.50).  The other
+types' figures are in their modules.
 
 **Start-up** (measured on 2 shared, loaded vCPUs; CPU time, as waiting for a core is not start-up): the
 first-ever compile of every module takes about 51 s of CPU, 1.5-2 minutes of wall time on a loaded machine
@@ -67,6 +68,7 @@ ACC_FLOATS = GEMV_ROWS * LANES  # the stack accumulators of a kernel for GEMV_RO
 # Activation rows whose accumulators a float row kernel keeps in registers at once (2 zmm each: 16 of the 32).
 GROUP_ROWS = 8
 GROUP_FLOATS = GROUP_ROWS * LANES
+TILE_ROWS = 16  # stored rows the groups of a multi-row product take in turn (:func:`gemv_groups`)
 TILE_FLOATS = GROUP_FLOATS + LANES  # a partial block: its weights and a group's activations (:func:`buffer_fma`)
 ALIGN = 64  # bytes: activations start on a cache line (a zmm load across two lines costs two)
 
@@ -242,26 +244,33 @@ def gemv1_rows(group, raw, x, args, out):
 
 @inline
 def gemv_groups(group, raw, x, args, out):
-    """``out[i, r] = x[i] @ W[r]`` for 1..GEMV_ROWS rows: per stored row, the rows in groups of GROUP_ROWS, then
-    the rest in groups of 4, 2 and 1 (its binary digits), each by ``group(count, raw, r, x, first row, args, out,
-    acc)`` with a literal count (its own specialisation, accumulators in registers); a row's operations do not
-    depend on its group.  Every count 1-7 as its own group ran 7 rows in 0.19 against 0.25 ms per million
-    weights (Q8_0) but made the first-ever compile of all kernels 1.5x longer (77 against 51 s of CPU)."""
+    """``out[i, r] = x[i] @ W[r]`` for 1..GEMV_ROWS rows: the rows in groups of GROUP_ROWS, then the rest in
+    groups of 4, 2 and 1 (its binary digits), each by ``group(count, raw, r, x, first row, args, out, acc)``
+    with a literal count (its own specialisation, accumulators in registers); a row's operations do not depend
+    on its group.  Every count 1-7 as its own group ran 7 rows in 0.19 against 0.25 ms per million weights
+    (Q8_0) but made the first-ever compile of all kernels 1.5x longer (77 against 51 s of CPU).  The stored rows
+    go by tiles of :data:`TILE_ROWS`, each group over the whole tile, so that a group's activations stay in the
+    L1 cache while the tile's rows (read from memory by the first group) come from L2 for the others."""
     n = x.shape[0]
     acc = stack_f32(GROUP_FLOATS)
-    for r in range(raw.shape[0]):
+    for t0 in range(0, raw.shape[0], TILE_ROWS):
+        t1 = min(t0 + TILE_ROWS, raw.shape[0])
         i0 = 0
         while n - i0 >= GROUP_ROWS:
-            group(GROUP_ROWS, raw, r, x, i0, args, out, acc)
+            for r in range(t0, t1):
+                group(GROUP_ROWS, raw, r, x, i0, args, out, acc)
             i0 += GROUP_ROWS
         if n - i0 >= 4:
-            group(4, raw, r, x, i0, args, out, acc)
+            for r in range(t0, t1):
+                group(4, raw, r, x, i0, args, out, acc)
             i0 += 4
         if n - i0 >= 2:
-            group(2, raw, r, x, i0, args, out, acc)
+            for r in range(t0, t1):
+                group(2, raw, r, x, i0, args, out, acc)
             i0 += 2
         if n - i0 >= 1:
-            group(1, raw, r, x, i0, args, out, acc)
+            for r in range(t0, t1):
+                group(1, raw, r, x, i0, args, out, acc)
 
 
 def aligned(x: np.ndarray) -> np.ndarray:
