@@ -7,18 +7,35 @@ compiled when its module is first imported (one module per family of types, so o
 and kept in numba's on-disk cache (``cache=True``; ``NUMBA_CACHE_DIR`` moves it).  The pool's threads call
 them and release the GIL, so numba's own thread pool never starts (:mod:`qwen_runtime.pool`).
 
-**Formulation** (measured, and checked in each kernel's assembly: packed ``vfmadd...ps`` and packed
-conversions in the block loop).  A product row keeps 32 float32 lanes ``acc[k] += f32(q[k]) * (x[k] * d)``
-(per-block scales folded into the activation side) and sums them once at the end; a per-block float
-reduction compiles to scalar code.  The lanes live in a stack buffer (:func:`stack_f32`): LLVM then knows
-they alias no argument and vectorizes without runtime overlap checks (a heap ``np.empty`` buffer vectorized
-only behind such checks and ran 1.3-4x slower).  Only ``contract`` of fastmath is allowed (multiply-add
-fused into FMA); sums keep their order, so a row's result is the same whatever the other rows
-(:data:`GEMV_ROWS`).  Every row loop calls :func:`prefetch` for the block it starts: the hardware prefetchers
-alone left the loops waiting for memory (1.2-2.3x the CPU time per weight, out of cache).
+**Formulation** (measured, and checked in each kernel's assembly: packed ``vfmadd...ps`` on zmm, the
+accumulators in registers).  A block's 32 weights are decoded once into float32 with their scale folded in,
+``w[k] = d * f32(q[k])``, which is exact for every stored type (an 11-bit float16 significand times integer
+scales and quants whose product is at most 2**12 in magnitude: see each kernel); then each activation row
+``i`` keeps 32 float32 lanes ``acc[i, k] = fma(w[k], x[i, k], acc[i, k])`` over the blocks in order, and sums
+them once at the end by a fixed pairwise tree (lanes ``k`` and ``k + 16``, then 8, 4, 2, 1:
+:func:`lanes_sum`).  Each term is rounded once (the fused multiply-add), so a row is at least as accurate as
+with the scale on the activation side.  The multi-row kernels run the rows in groups of :data:`GROUP_ROWS`,
+4, 2 and 1 (a compile-time count, one specialisation per count: :func:`gemv_groups`), so that a group's
+``2 * GROUP_ROWS`` zmm accumulators stay in registers and the decoded block is shared by the group's rows;
+the one-row kernel is the group of one, so a row's result is the same bits whatever the other rows
+(:data:`GEMV_ROWS` per call).  Activations are copied to a 64-byte aligned buffer when they are not
+(:meth:`JitKernel.prepare`): zmm loads across two cache lines made 8 rows 1.3-1.4x slower.  Only ``contract``
+of fastmath is allowed (the products are explicit ``llvm.fma``); sums keep their order.  Every row loop calls
+:func:`prefetch` for the block it starts: the hardware prefetchers alone left the loops waiting for memory
+(1.2-2.3x the CPU time per weight, out of cache).
+
+Measured against the previous loops (``acc += f32(q) * (x * d)``, each row's lanes in a stack array indexed
+by the row, loaded and stored every block), Q8_0 4864 x 896 matrices out of cache, one thread, ms of CPU per
+million weights, A/B in one process: 1 row 0.103-0.112 -> 0.093-0.105, 2 rows 0.18-0.20 -> 0.11, 3 rows 0.31
+-> 0.16, 4 rows 0.32-0.56 -> 0.15, 5 rows 0.47 -> 0.19, 7 rows 0.57 -> 0.25, 8 rows 0.58-0.72 -> 0.175-0.20,
+16 rows 1.16-1.45 -> 0.37 (0.43-0.49 before the tiles of :func:`gemv_groups`: 16 rows' activations do not
+fit the L1 cache; with 4864 columns even 8 rows' do not: 896 x 4864, 8 rows 0.25, 16 rows 0.50).  The other
+types' figures are in their modules.
 
 **Start-up** (measured on 2 shared, loaded vCPUs; CPU time, as waiting for a core is not start-up): the
-first-ever compile of every module takes about 1.5 minutes of wall time (most in jit_legacy and jit_kquants);
+first-ever compile of every module takes about 51 s of CPU, 1.5-2 minutes of wall time on a loaded machine
+(jit_kquants 26 s, jit_legacy 13 s, jit_iq4 6 s, jit_dense 4 s, jit_q8_0 1 s; 17 s in all before the row
+groups);
 with a warm cache a process reaches its first token about 0.3 s later than with ``kernels="numpy"``:
 ``import numba`` (0.13 s), numba's target set-up on the first kernel it compiles or loads (0.13 s, without the
 SciPy import it would add: :mod:`..jit_setup`), then 2-10 ms per cached function (3 per type; a module loads
@@ -26,7 +43,7 @@ all its types).
 
 For more than ``direct_rows`` activation rows (prefill, large batches) a tile is decoded into float32 scratch
 by compiled code and multiplied by BLAS; inside ``Workspace.rowwise()`` (serving) every row goes through the
-row kernel instead (groups of :data:`GEMV_ROWS`), so a row's numbers never depend on the batch.
+row kernel instead (calls of :data:`GEMV_ROWS` rows), so a row's numbers never depend on the batch.
 """
 
 from __future__ import annotations
@@ -48,6 +65,16 @@ prepare_numba()  # before this package's first compile or cache load (which happ
 GEMV_ROWS = 16
 LANES = 32  # float32 accumulators per row (vertical lanes)
 ACC_FLOATS = GEMV_ROWS * LANES  # the stack accumulators of a kernel for GEMV_ROWS rows
+# Activation rows whose accumulators a float row kernel keeps in registers at once (2 zmm each: 16 of the 32).
+GROUP_ROWS = 8
+GROUP_FLOATS = GROUP_ROWS * LANES
+TILE_ROWS = 16  # stored rows the groups of a multi-row product take in turn (:func:`gemv_groups`)
+TILE_FLOATS = GROUP_FLOATS + LANES  # a partial block: its weights and a group's activations (:func:`buffer_fma`)
+ALIGN = 64  # bytes: activations start on a cache line (a zmm load across two lines costs two)
+
+I32, F32 = ir.IntType(32), ir.FloatType()
+HALF = LANES // 2
+V16_F32 = ir.VectorType(F32, HALF)  # one zmm: half of a row's lanes
 
 # float16 bits -> float32, exact (NaN payloads included): 256 KiB, built once per process (~1 ms).
 F16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -70,13 +97,16 @@ def compiled(signature: object, contract: bool = True):  # -> a decorator
 
 @intrinsic
 def stack_f32(typingctx, size):  # noqa: ARG001 (numba's intrinsic protocol)
-    """A float32 buffer of ``size`` (a literal) on the stack, as a pointer for ``numba.carray``."""
+    """A float32 buffer of ``size`` (a literal) on the stack, as a pointer for ``numba.carray``; it starts on a
+    64-byte boundary (:data:`ALIGN`), so that :func:`rows_fma` and :func:`lanes_sum` load whole zmm from it."""
     if not isinstance(size, types.IntegerLiteral):
         return None
     count = size.literal_value
 
     def codegen(context, builder, signature, args):
-        return cgutils.alloca_once(builder, context.get_value_type(types.float32), size=count)
+        buffer = cgutils.alloca_once(builder, context.get_value_type(types.float32), size=count)
+        buffer.align = ALIGN
+        return buffer
 
     return types.CPointer(types.float32)(size), codegen
 
@@ -122,6 +152,139 @@ def prefetch(typingctx, array, at):  # noqa: ARG001
     return types.void(array, at), codegen
 
 
+def splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
+    """``value`` in every element of ``vector`` (an LLVM vector of :data:`HALF` elements)."""
+    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, I32(0))
+    return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), ir.Constant(ir.VectorType(I32, HALF),
+                                                                                       [0] * HALF))
+
+
+def rows_fma(context: object, builder: ir.IRBuilder, x_type: types.Array, x: ir.Value, i0: ir.Value, col: ir.Value,
+             rows: int, acc: ir.Value, w: list) -> None:
+    """LLVM IR of ``acc[i, k] = fma(w[k], x[i0 + i, col + k], acc[i, k])`` for ``i < rows`` and the 32 lanes ``k``:
+    ``w`` the block's two ``<16 x float>`` halves, ``x`` a C-contiguous float32 [N, n] array, ``acc`` a float32
+    pointer to ``rows * 32`` lanes (a :func:`stack_f32` buffer, 64-byte aligned: LLVM keeps the lanes in registers
+    across the block loop, as nothing else can reach them)."""
+    array = context.make_array(x_type)(context, builder, x)
+    width = builder.extract_value(array.shape, 1)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3), "llvm.fma.v16f32")
+    lanes = builder.bitcast(acc, V16_F32.as_pointer())
+    for i in range(rows):
+        start = builder.add(builder.mul(builder.add(i0, i0.type(i)), width), col)
+        xs = builder.bitcast(builder.gep(array.data, [start]), V16_F32.as_pointer())
+        for h in range(2):
+            at = builder.gep(lanes, [I32(2 * i + h)])
+            term = builder.call(fma, [w[h], builder.load(builder.gep(xs, [I32(h)]), align=4),
+                                      builder.load(at, align=ALIGN)])
+            builder.store(term, at, align=ALIGN)
+
+
+@intrinsic
+def buffer_fma(typingctx, tile, rows, acc):  # noqa: ARG001
+    """``acc[i, k] = fma(tile[0, k], tile[1 + i, k], acc[i, k])`` for ``i < rows`` (a literal): :func:`rows_fma`
+    for 32 weights and the rows' 32 activations held in a C-contiguous float32 [1 + rows, 32] ``tile`` (a
+    partial block padded with zeros)."""
+    if not isinstance(rows, types.IntegerLiteral):
+        return None
+    count = rows.literal_value
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        first = builder.bitcast(data, V16_F32.as_pointer())
+        w = [builder.load(builder.gep(first, [I32(h)]), align=4) for h in range(2)]
+        i64 = context.get_value_type(types.intp)
+        rows_fma(context, builder, signature.args[0], args[0], i64(1), i64(0), count, args[2], w)
+        return context.get_dummy_value()
+
+    return types.void(tile, rows, acc), codegen
+
+
+@intrinsic
+def lanes_sum(typingctx, acc, i):  # noqa: ARG001
+    """The sum of the 32 lanes of row ``i`` of the accumulators at ``acc`` (a float32 pointer), by a fixed
+    pairwise tree: lanes ``k`` and ``k + 16``, then the halves of what is left, down to one."""
+    if acc != types.CPointer(types.float32) or not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        lanes = builder.bitcast(args[0], V16_F32.as_pointer())
+        first = builder.mul(args[1], args[1].type(2))
+        v = builder.fadd(builder.load(builder.gep(lanes, [first]), align=ALIGN),
+                         builder.load(builder.gep(lanes, [builder.add(first, first.type(1))]), align=ALIGN))
+        width = HALF
+        while width > 1:
+            half = ir.VectorType(I32, width // 2)
+            v = builder.fadd(builder.shuffle_vector(v, v, ir.Constant(half, list(range(width // 2)))),
+                             builder.shuffle_vector(v, v, ir.Constant(half, list(range(width // 2, width)))))
+            width //= 2
+        return builder.extract_element(v, I32(0))
+
+    return types.float32(acc, i), codegen
+
+
+inline = numba.njit(inline="always", cache=True, fastmath={"contract"})  # steps inlined into the kernels
+
+
+@inline
+def zero_lanes(acc, rows):
+    """Zero the ``rows * 32`` accumulators at ``acc``."""
+    lanes = numba.carray(acc, (rows * LANES,))
+    for k in range(rows * LANES):
+        lanes[k] = 0
+
+
+@inline
+def gemv1_rows(group, raw, x, args, out):
+    """``out[0, r] = x[0] @ W[r]`` for every stored row ``r``: ``group(1, raw, r, x, 0, args, out, acc)``, the
+    type's block loop for a group of one row (``args``: its activation quantities and constants)."""
+    acc = stack_f32(LANES)
+    for r in range(raw.shape[0]):
+        group(1, raw, r, x, 0, args, out, acc)
+
+
+@inline
+def gemv_groups(group, raw, x, args, out):
+    """``out[i, r] = x[i] @ W[r]`` for 1..GEMV_ROWS rows: the rows in groups of GROUP_ROWS, then the rest in
+    groups of 4, 2 and 1 (its binary digits), each by ``group(count, raw, r, x, first row, args, out, acc)``
+    with a literal count (its own specialisation, accumulators in registers); a row's operations do not depend
+    on its group.  Every count 1-7 as its own group ran 7 rows in 0.19 against 0.25 ms per million weights
+    (Q8_0) but made the first-ever compile of all kernels 1.5x longer (77 against 51 s of CPU).  The stored rows
+    go by tiles of :data:`TILE_ROWS`, each group over the whole tile, so that a group's activations stay in the
+    L1 cache while the tile's rows (read from memory by the first group) come from L2 for the others."""
+    n = x.shape[0]
+    acc = stack_f32(GROUP_FLOATS)
+    for t0 in range(0, raw.shape[0], TILE_ROWS):
+        t1 = min(t0 + TILE_ROWS, raw.shape[0])
+        i0 = 0
+        while n - i0 >= GROUP_ROWS:
+            for r in range(t0, t1):
+                group(GROUP_ROWS, raw, r, x, i0, args, out, acc)
+            i0 += GROUP_ROWS
+        if n - i0 >= 4:
+            for r in range(t0, t1):
+                group(4, raw, r, x, i0, args, out, acc)
+            i0 += 4
+        if n - i0 >= 2:
+            for r in range(t0, t1):
+                group(2, raw, r, x, i0, args, out, acc)
+            i0 += 2
+        if n - i0 >= 1:
+            for r in range(t0, t1):
+                group(1, raw, r, x, i0, args, out, acc)
+
+
+def aligned(x: np.ndarray) -> np.ndarray:
+    """``x`` (float32, C-contiguous) itself when it starts on an :data:`ALIGN`-byte boundary, else a copy that
+    does."""
+    if x.ctypes.data % ALIGN == 0:
+        return x
+    buffer = np.empty(x.size + ALIGN // 4, np.float32)
+    skip = (-buffer.ctypes.data % ALIGN) // 4
+    copy = buffer[skip:skip + x.size].reshape(x.shape)
+    copy[...] = x
+    return copy
+
+
 class JitKernel:
     """A stored matrix multiplied by compiled kernels (the :class:`~qwen_runtime.quants.TileKernel` interface).
 
@@ -162,7 +325,7 @@ class JitKernel:
     def prepare(self, x: np.ndarray) -> tuple:
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"activations of shape {x.shape} for a matrix of {self.in_features} columns")
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = aligned(np.ascontiguousarray(x, dtype=np.float32))
         return (x, *self.activations(x))
 
     def product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:

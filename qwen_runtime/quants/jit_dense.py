@@ -1,19 +1,19 @@
 """Compiled kernels of the dense 16-bit types F16 and BF16 (numba): the stored rows read in place as uint16.
 
-Row ``r`` of the product keeps 32 float32 lanes ``acc[k] += f32(w[c + k]) * x[c + k]`` over the row's chunks of
-32 columns ``c`` (a last partial chunk in the first lanes), summed once at the end (see :mod:`.jit_base`).
+Row ``i`` of the product keeps 32 float32 lanes ``acc[k] = fma(f32(w[c + k]), x[i, c + k], acc[k])`` over the
+row's chunks of 32 columns ``c`` (a last partial chunk padded with zeros), summed once at the end (see
+:mod:`.jit_base`: the rows of a group share each widened chunk, their lanes held in registers).
 The widening is exact: BF16 bits shifted into the high half of a uint32 and reinterpreted, F16 bits
 reinterpreted as LLVM ``half`` and extended (the hardware conversion; a signalling NaN comes out quiet, its
 payload otherwise kept, where numpy keeps it signalling — still a NaN).
 
-Assembly (numba 0.68, this Xeon with AVX-512 and F16C): in the column loop F16 widens with packed
-``vcvtph2ps`` on ymm, BF16 with packed ``vpmovzxwd`` + ``vpslld``; both accumulate with packed
-``vfmadd231ps`` on ymm.  The multi-row kernel converts a chunk once for all rows (hoisted out of the row loop).
+Assembly (numba 0.68, this Xeon with AVX-512 and F16C; ``inspect_asm``): per chunk F16 widens with two packed
+``vcvtph2ps`` to zmm, BF16 with ``vpmovzxwd`` + ``vpslld``; then per row of the group two ``vfmadd231ps`` with
+the activations as memory operands into accumulators held in zmm registers.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import carray, types
@@ -21,19 +21,29 @@ from numba.extending import intrinsic
 
 from .base import QType
 from .jit_base import (
-    ACC_FLOATS,
     F32_2D,
     F32_2D_C,
-    GEMV_ROWS,
+    GROUP_ROWS,
+    HALF,
+    I32,
     LANES,
+    TILE_FLOATS,
     U16_2D,
+    V16_F32,
     JitKernel,
+    buffer_fma,
     compiled,
+    gemv1_rows,
+    gemv_groups,
+    inline,
+    lanes_sum,
     prefetch,
+    rows_fma,
     stack_f32,
+    zero_lanes,
 )
 
-inline = numba.njit(inline="always", cache=True, fastmath={"contract"})  # steps inlined into the kernels
+V16_I16, V16_I32 = ir.VectorType(ir.IntType(16), HALF), ir.VectorType(I32, HALF)
 
 
 @intrinsic
@@ -61,54 +71,73 @@ def bf16_to_f32(typingctx, bits):  # noqa: ARG001
     return types.float32(types.uint16), codegen
 
 
+def _widen_fma(bf16: bool) -> object:
+    """An intrinsic ``(w, c, x, i0, rows, acc)``: ``acc[i, k] = fma(f32(w[c + k]), x[i0 + i, c + k], acc[i, k])``
+    for ``i < rows`` (a literal) and the 32 lanes: the row's 32 stored values from ``c`` widened in two
+    ``<16 x i16>`` loads (BF16: shifted into the high half, F16: LLVM ``half`` extended)."""
+
+    @intrinsic
+    def widen_fma(typingctx, w, c, x, i0, rows, acc):  # noqa: ARG001
+        if not isinstance(rows, types.IntegerLiteral):
+            return None
+        count = rows.literal_value
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            at = builder.bitcast(builder.gep(data, [args[1]]), V16_I16.as_pointer())
+            halves = []
+            for h in range(2):
+                bits = builder.load(builder.gep(at, [I32(h)]), align=2)
+                if bf16:
+                    wide = builder.shl(builder.zext(bits, V16_I32), ir.Constant(V16_I32, [16] * HALF))
+                    halves.append(builder.bitcast(wide, V16_F32))
+                else:
+                    halves.append(builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), HALF)), V16_F32))
+            rows_fma(context, builder, signature.args[2], args[2], args[3], args[1], count, args[5], halves)
+            return context.get_dummy_value()
+
+        return types.void(w, c, x, i0, rows, acc), codegen
+
+    return widen_fma
+
+
+f16_fma, bf16_fma = _widen_fma(bf16=False), _widen_fma(bf16=True)
+
+
 @inline
-def gemv1_loop(widen, raw, x, out):
-    """``out[0, r] = x[0] @ W[r]``: one activation row, the lanes in registers."""
+def dense_group(widen, widen_fma, rows, raw, r, x, i0, out, acc):
+    """``out[i0 + i, r] = x[i0 + i] @ W[r]`` for ``i < rows`` (a literal): the row's chunks of 32 columns into the
+    group's lanes (held in registers), then a last partial chunk as a chunk padded with zeros (its products
+    add +0 to the other lanes), then each row's lanes summed."""
     n = x.shape[1]
     full = n - n % LANES
-    acc = carray(stack_f32(LANES), (LANES,))
-    xr = x[0]
-    for r in range(raw.shape[0]):
-        w = raw[r]
-        for k in range(LANES):
-            acc[k] = 0
-        for c in range(0, full, LANES):
-            prefetch(w, c)
+    zero_lanes(acc, rows)
+    w = raw[r]
+    for c in range(0, full, LANES):
+        prefetch(w, c)
+        widen_fma(w, c, x, i0, rows, acc)
+    if full < n:
+        tail = carray(stack_f32(TILE_FLOATS), (GROUP_ROWS + 1, LANES))
+        for i in range(rows + 1):
             for k in range(LANES):
-                acc[k] += widen(w[c + k]) * xr[c + k]
+                tail[i, k] = 0
         for k in range(n - full):
-            acc[k] += widen(w[full + k]) * xr[full + k]
-        s = np.float32(0)
-        for k in range(LANES):
-            s += acc[k]
-        out[0, r] = s
+            tail[0, k] = widen(w[full + k])
+            for i in range(rows):
+                tail[1 + i, k] = x[i0 + i, full + k]
+        buffer_fma(tail, rows, acc)
+    for i in range(rows):
+        out[i0 + i, r] = lanes_sum(acc, i)
 
 
 @inline
-def gemv_loop(widen, raw, x, out):
-    """``out[i, r] = x[i] @ W[r]`` for 1..GEMV_ROWS rows, each by :func:`gemv1_loop`'s operations."""
-    m, n = x.shape
-    full = n - n % LANES
-    acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
-    for r in range(raw.shape[0]):
-        w = raw[r]
-        for i in range(m):
-            for k in range(LANES):
-                acc[i, k] = 0
-        for c in range(0, full, LANES):
-            prefetch(w, c)
-            for i in range(m):
-                a, xs = acc[i], x[i]
-                for k in range(LANES):
-                    a[k] += widen(w[c + k]) * xs[c + k]
-        for i in range(m):
-            a, xs = acc[i], x[i]
-            for k in range(n - full):
-                a[k] += widen(w[full + k]) * xs[full + k]
-            s = np.float32(0)
-            for k in range(LANES):
-                s += a[k]
-            out[i, r] = s
+def f16_group(rows, raw, r, x, i0, args, out, acc):
+    dense_group(f16_to_f32, f16_fma, rows, raw, r, x, i0, out, acc)
+
+
+@inline
+def bf16_group(rows, raw, r, x, i0, args, out, acc):
+    dense_group(bf16_to_f32, bf16_fma, rows, raw, r, x, i0, out, acc)
 
 
 @inline
@@ -126,12 +155,12 @@ DECODE = types.void(U16_2D, F32_2D_C)
 
 @compiled(GEMV)
 def f16_gemv1(raw, x, out):
-    gemv1_loop(f16_to_f32, raw, x, out)
+    gemv1_rows(f16_group, raw, x, (), out)
 
 
 @compiled(GEMV)
 def f16_gemv(raw, x, out):
-    gemv_loop(f16_to_f32, raw, x, out)
+    gemv_groups(f16_group, raw, x, (), out)
 
 
 @compiled(DECODE)
@@ -141,12 +170,12 @@ def f16_decode(raw, tile):
 
 @compiled(GEMV)
 def bf16_gemv1(raw, x, out):
-    gemv1_loop(bf16_to_f32, raw, x, out)
+    gemv1_rows(bf16_group, raw, x, (), out)
 
 
 @compiled(GEMV)
 def bf16_gemv(raw, x, out):
-    gemv_loop(bf16_to_f32, raw, x, out)
+    gemv_groups(bf16_group, raw, x, (), out)
 
 
 @compiled(DECODE)

@@ -3,15 +3,16 @@ place.
 
 Both are read as blocks of 32 values whose 16 bytes hold value ``k``'s level index in the low nibble of byte
 ``k`` and value ``16 + k``'s in the high one, as Q4_0: the loops of :mod:`.jit_legacy` run them, with the
-level ``IQ4_LEVELS[index]`` (exact in float32) in place of ``q - bias`` (:func:`.jit_legacy.levels_fma`).
+level ``IQ4_LEVELS[index]`` (exact in float32) in place of ``q - bias`` (:func:`.jit_legacy.levels_rows`).
 IQ4_NL's block scale is its float16 ``d``; an IQ4_XS super-block of 256 values gives its 8 sub-blocks the scale
 ``d * (ls_j - 32)`` (the 6-bit ``ls_j`` from ``scales_l`` and ``scales_h``), computed as the reference does.
+The weight ``scale * level`` is exact in float32 (an 11-bit significand times at most 6 and 7 bits).
 
 Assembly (numba 0.68, this Xeon with AVX-512; ``inspect_asm``): per block ``vpand``/``vgf2p8affineqb`` (the
-indices), ``vpshufb`` (the 16 levels as int8), ``vpmovsxbd``, ``vcvtdq2ps``, ``vmulps`` and ``vfmadd...ps`` on
-zmm; the multi-row loop looks the levels up once per block (hoisted) and per row does ``vmulps`` and
-``vfmadd213ps``.  A first version that gathered float levels from a table (``vgatherqps``) could not hoist the
-gathers and ran 8 rows in 1.9x the CPU time of decode + BLAS; now 0.8x.
+indices), ``vpshufb`` (the 16 levels as int8), ``vpmovsxbd``, ``vcvtdq2ps`` and ``vmulps`` (scale * level) on
+zmm, then per row of the group two ``vfmadd231ps`` into accumulators held in registers.  A first version that
+gathered float levels from a table (``vgatherqps``) could not hoist the gathers and ran 8 rows in 1.9x the CPU
+time of decode + BLAS.
 """
 
 from __future__ import annotations
@@ -20,18 +21,16 @@ import numpy as np
 
 from .base import QType
 from .iq4 import IQ4_NL, IQ4_XS
-from .jit_base import F16_TABLE, LANES, JitKernel, compiled
+from .jit_base import F16_TABLE, LANES, JitKernel, compiled, gemv1_rows, gemv_groups, inline
 from .jit_legacy import (
     DECODE,
     GEMV,
     _block_at,
     _f16,
     decode_loop,
-    gemv1_loop,
-    gemv_loop,
-    inline,
+    group_loop,
     levels_decode,
-    levels_fma,
+    levels_rows,
 )
 
 IQ4_NL_GEO = (IQ4_NL().type_size, 2, 0, False)  # as jit_legacy's: bytes, first byte of qs, -, -
@@ -40,9 +39,10 @@ IQ4_XS_GEO = (XS_BYTES, 8, 0, False)  # first byte of qs: after d, scales_h and 
 
 
 @inline
-def _levels(blocks, o, geo, xs, d, a):
-    """``a[k] += level[k] * (xs[k] * d)`` for the 32 values of the block whose qs start at byte ``o + geo[1]``."""
-    levels_fma(blocks, o + geo[1], None, 0, xs, d, a)
+def _levels(blocks, o, geo, d, x, i0, col, rows, acc):
+    """``acc[i, k] = fma(d * level[k], x[i0 + i, col + k], acc[i, k])`` for the 32 values of the block whose qs
+    start at byte ``o + geo[1]`` (``d * level`` exact)."""
+    levels_rows(blocks, o + geo[1], None, 0, d, x, i0, col, rows, acc)
 
 
 @inline
@@ -62,14 +62,19 @@ def _xs_sub_block_at(table, blocks, b, geo):
     return o + 16 * j, _f16(table, blocks, o) * np.float32(low + high - 32), np.float32(0)
 
 
+@inline
+def iq4_nl_group(rows, raw, r, x, i0, args, out, acc):
+    group_loop(_levels, _block_at, IQ4_NL_GEO, rows, raw, r, x, i0, args, out, acc)
+
+
 @compiled(GEMV)
 def iq4_nl_gemv1(raw, x, sums, table, out):
-    gemv1_loop(_levels, _block_at, IQ4_NL_GEO, raw, x, sums, table, out)
+    gemv1_rows(iq4_nl_group, raw, x, (sums, table), out)
 
 
 @compiled(GEMV)
 def iq4_nl_gemv(raw, x, sums, table, out):
-    gemv_loop(_levels, _block_at, IQ4_NL_GEO, raw, x, sums, table, out)
+    gemv_groups(iq4_nl_group, raw, x, (sums, table), out)
 
 
 @compiled(DECODE, contract=False)
@@ -77,14 +82,19 @@ def iq4_nl_decode(raw, table, tile):
     decode_loop(_level_values, _block_at, IQ4_NL_GEO, raw, table, tile)
 
 
+@inline
+def iq4_xs_group(rows, raw, r, x, i0, args, out, acc):
+    group_loop(_levels, _xs_sub_block_at, IQ4_XS_GEO, rows, raw, r, x, i0, args, out, acc)
+
+
 @compiled(GEMV)
 def iq4_xs_gemv1(raw, x, sums, table, out):
-    gemv1_loop(_levels, _xs_sub_block_at, IQ4_XS_GEO, raw, x, sums, table, out)
+    gemv1_rows(iq4_xs_group, raw, x, (sums, table), out)
 
 
 @compiled(GEMV)
 def iq4_xs_gemv(raw, x, sums, table, out):
-    gemv_loop(_levels, _xs_sub_block_at, IQ4_XS_GEO, raw, x, sums, table, out)
+    gemv_groups(iq4_xs_group, raw, x, (sums, table), out)
 
 
 @compiled(DECODE, contract=False)

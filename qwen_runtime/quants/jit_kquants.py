@@ -2,41 +2,63 @@
 place.
 
 Bit layouts are those of :mod:`.kquants`' docstring.  Per super-block of 256 values the sub-block scales are
-decoded (a few integer operations) and folded into the activations: lane ``l`` of a row adds
-``f32(q) * (x * (d * sc_j))`` for each sub-block ``j`` that feeds it.
+decoded (a few integer operations, as the reference), and every 32 values of a block are unpacked by one
+intrinsic (:func:`fields_rows`: two 32-byte loads, shifts and masks in int8 vectors, minus a bias) into the
+weights ``w = (d * sc_j) * q``, exact in float32 (the float16 significand's 11 bits times a scale of at most 8
+bits and a quant of at most 6, the two as integers below 2**12: the products stay below 2**23), shared by the
+rows of a group, each doing ``acc = fma(w, x, acc)`` into zmm registers (see :mod:`.jit_base`).
 
 * Q4_K: 4 chunks of 32 bytes; lane ``l`` of chunk ``c`` takes the low nibble (value ``64c + l``, sub-block
   ``2c``) and the high nibble (value ``64c + 32 + l``, sub-block ``2c + 1``); Q5_K adds bits ``2c`` and
-  ``2c + 1`` of ``qh[l]`` as bit 4 (one generic body, :func:`k45_gemv`, inlined with each type's size).
+  ``2c + 1`` of ``qh[l]`` as bit 4 (one generic body, :func:`k45_group`, inlined with each type's size).
   The ``dmin * m_j`` terms are ``(dmin * m_j) * sum(x over sub-block j)``, from per-32 activation sums
   computed once per product (:meth:`Q4_KJitKernel.activations`) and kept in one scalar per row.
 * Q6_K: 2 halves of 128 values; in half ``h``, step ``s`` (0..3), lane ``l`` is value ``128h + 32s + l``:
   nibble ``s // 2`` of ``ql[64h + 32(s % 2) + l]`` and bits ``2s, 2s+1`` of ``qh[32h + l]`` as bits 4-5,
   minus 32; lanes 0-15 and 16-31 belong to sub-blocks ``8h + 2s`` and ``8h + 2s + 1``.
-* Q2_K and Q3_K: the same steps over 2-bit fields (Q3_K minus 4 where its hmask bit is clear), 16 sub-block
+* Q2_K and Q3_K: the same steps over 2-bit fields (Q3_K's value ``(low | hmask bit << 2) - 4``), 16 sub-block
   scales per block; Q2_K's ``dmin * m_j`` terms from per-16 activation sums, as Q4_K's.
+
+In-process A/B against the previous loops (``acc += f32(q) * (x * (d * sc))``, each row's lanes in a stack
+array indexed by the row), 4864 x 1024 out of cache, one thread, ms of CPU per million weights, 1 row / 8 rows:
+Q4_K 0.154 -> 0.112 / 0.53 -> 0.25 (16 rows 1.06 -> 0.50), Q5_K 0.27 -> 0.13 / 0.70 -> 0.29, Q6_K 0.167 ->
+0.149 / 0.77 -> 0.26 (16 rows 1.68 -> 0.53), Q2_K 0.168 -> 0.130 / 0.85 -> 0.34, Q3_K 0.30 -> 0.11 / 0.74 ->
+0.25.  The scale decoders are inlined: a call in the block loop made LLVM keep the accumulators on the stack.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import carray, types
+from numba.extending import intrinsic
 
 from .jit_base import (
-    ACC_FLOATS,
     F16_TABLE,
     F32_1D,
     F32_2D,
     F32_2D_C,
-    GEMV_ROWS,
+    GROUP_ROWS,
+    HALF,
+    I32,
     LANES,
     U8_2D,
+    V16_F32,
     JitKernel,
     compiled,
+    gemv1_rows,
+    gemv_groups,
+    inline,
+    lanes_sum,
     prefetch,
+    rows_fma,
+    splat,
     stack_f32,
+    zero_lanes,
 )
+
+I8 = ir.IntType(8)
 
 QK_K = 256
 Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = 144, 176, 210
@@ -46,10 +68,55 @@ M6, M4, M2, S6, S4, ONE = np.uint8(63), np.uint8(15), np.uint8(3), np.uint8(6), 
 Q6_BIAS = np.float32(32)
 
 
-@compiled(types.void(types.Array(types.uint8, 1, "C", readonly=True), F32_1D, F32_1D, F32_1D))
+V32_I8 = ir.VectorType(ir.IntType(8), LANES)
+
+
+@intrinsic
+def fields_rows(typingctx, blk, lo_at, lo_shift, lo_mask, hi_at, hi_shift, hi_mask, hi_up, bias, d0, d1, x, i0, col,
+                rows, acc):  # noqa: ARG001 (numba's intrinsic protocol)
+    """``acc[i, k] = fma(d * w[k], x[i0 + i, col + k], acc[i, k])`` for ``i < rows`` (a literal) and 32 values
+    ``w[k] = ((lo[k] >> lo_shift) & lo_mask | ((hi[k] >> hi_shift) & hi_mask) << hi_up) - bias`` of the 32 bytes
+    ``lo`` at ``blk[lo_at]`` and ``hi`` at ``blk[hi_at]`` (int8 vector arithmetic), ``d`` = ``d0`` for lanes 0-15 and
+    ``d1`` for 16-31: the bit fields of every K-quant (``d * w`` is exact in float32)."""
+    if not isinstance(rows, types.IntegerLiteral):
+        return None
+    count = rows.literal_value
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+
+        def field(at, shift, mask):
+            v = builder.load(builder.bitcast(builder.gep(data, [at]), V32_I8.as_pointer()), align=1)
+            v = builder.lshr(v, splat32(builder, builder.trunc(shift, I8)))
+            return builder.and_(v, splat32(builder, builder.trunc(mask, I8)))
+
+        high = builder.shl(field(args[4], args[5], args[6]), splat32(builder, builder.trunc(args[7], I8)))
+        bias = splat32(builder, builder.trunc(args[8], I8))
+        q = builder.sub(builder.or_(field(args[1], args[2], args[3]), high), bias)
+        w = []
+        for h in range(2):
+            lanes = ir.Constant(ir.VectorType(I32, HALF), list(range(HALF * h, HALF * h + HALF)))
+            half = builder.shuffle_vector(q, q, lanes)
+            w.append(builder.fmul(builder.sitofp(half, V16_F32), splat(builder, args[9 + h], V16_F32)))
+        rows_fma(context, builder, signature.args[11], args[11], args[12], args[13], count, args[15], w)
+        return context.get_dummy_value()
+
+    return types.void(blk, lo_at, lo_shift, lo_mask, hi_at, hi_shift, hi_mask, hi_up, bias, d0, d1, x, i0, col, rows,
+                      acc), codegen
+
+
+def splat32(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """``value`` (an i8) in all 32 elements of a ``<32 x i8>``."""
+    one = builder.insert_element(ir.Constant(V32_I8, ir.Undefined), value, I32(0))
+    return builder.shuffle_vector(one, ir.Constant(V32_I8, ir.Undefined), ir.Constant(ir.VectorType(I32, LANES),
+                                                                                      [0] * LANES))
+
+
+@inline
 def q4_k_scales(blk, table, ds, dm):
     """``ds[j] = d * sc_j`` and ``dm[j] = dmin * m_j`` (j < 8) of one Q4_K/Q5_K block (6-bit values packed in
-    bytes 4..15, float16 d and dmin in bytes 0..3), as the reference computes them."""
+    bytes 4..15, float16 d and dmin in bytes 0..3), as the reference computes them.  Inlined: a call in the
+    block loop made LLVM keep the row kernels' zmm accumulators on the stack around it (caller-saved)."""
     d = table[np.int64(blk[0]) | (np.int64(blk[1]) << 8)]
     dmin = table[np.int64(blk[2]) | (np.int64(blk[3]) << 8)]
     for j in range(4):
@@ -69,45 +136,41 @@ def k45_value(blk, qs, k, c, high, size):
     return np.float32(q)
 
 
-@numba.njit(inline="always")
-def k45_gemv(raw, x, xsum, table, out, size, one_row):
-    """``out[i, r] = x[i] @ W[r]`` for Q4_K/Q5_K rows ``raw`` [R, nb * size]; ``xsum`` [N, nb * 8] sums x per 32;
-    ``one_row``: a single activation row, lanes in registers."""
-    n, nb = x.shape[0], x.shape[1] // 256
+@inline
+def k45_group(size, rows, raw, r, x, i0, args, out, acc):
+    """``out[i0 + i, r] = x[i0 + i] @ W[r]`` for ``i < rows`` (a literal) of Q4_K (``size`` 144) or Q5_K (176) rows
+    ``raw`` [R, nb * size]; ``args`` = (``xsum`` [N, nb * 8], sums of x per 32; the float16 table)."""
+    xsum, table = args
     qs_at = size - 128
-    acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
-    lanes = carray(stack_f32(LANES), (LANES,))
-    mins = carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
+    high = 1 if size == Q5_K_BYTES else 0  # Q5_K's bit 4 from qh (bytes 16..47); Q4_K: none
+    mins = carray(stack_f32(GROUP_ROWS), (GROUP_ROWS,))
     ds, dm = carray(stack_f32(8), (8,)), carray(stack_f32(8), (8,))
-    rows = 1 if one_row else n
-    for r in range(raw.shape[0]):
-        for i in range(rows):
-            mins[i] = 0
-            for k in range(32):
-                acc[i, k] = 0
-        for k in range(32):
-            lanes[k] = 0
-        for b in range(nb):
-            blk = raw[r, b * size: b * size + size]
-            prefetch(blk, 0)
-            q4_k_scales(blk, table, ds, dm)
-            for c in range(4):
-                d0, d1 = ds[2 * c], ds[2 * c + 1]
-                qs = blk[qs_at + 32 * c: qs_at + 32 * c + 32]
-                for i in range(rows):
-                    mins[i] += dm[2 * c] * xsum[i, b * 8 + 2 * c] + dm[2 * c + 1] * xsum[i, b * 8 + 2 * c + 1]
-                    x0 = x[i, b * 256 + 64 * c: b * 256 + 64 * c + 32]
-                    x1 = x[i, b * 256 + 64 * c + 32: b * 256 + 64 * c + 64]
-                    a = lanes if one_row else acc[i]
-                    for k in range(32):
-                        a[k] += k45_value(blk, qs, k, c, 0, size) * (x0[k] * d0) + \
-                            k45_value(blk, qs, k, c, 1, size) * (x1[k] * d1)
-        for i in range(rows):
-            a = lanes if one_row else acc[i]
-            s = np.float32(0)
-            for k in range(32):
-                s += a[k]
-            out[i, r] = s - mins[i]
+    for i in range(rows):
+        mins[i] = 0
+    zero_lanes(acc, rows)
+    for b in range(x.shape[1] // QK_K):
+        blk = raw[r, b * size: b * size + size]
+        prefetch(blk, 0)
+        q4_k_scales(blk, table, ds, dm)
+        for c in range(4):
+            for i in range(rows):
+                mins[i] += dm[2 * c] * xsum[i0 + i, b * 8 + 2 * c] + dm[2 * c + 1] * xsum[i0 + i, b * 8 + 2 * c + 1]
+            col = b * QK_K + 64 * c
+            d0, d1 = ds[2 * c], ds[2 * c + 1]
+            fields_rows(blk, qs_at + 32 * c, 0, 15, 16, 2 * c, high, 4, 0, d0, d0, x, i0, col, rows, acc)
+            fields_rows(blk, qs_at + 32 * c, 4, 15, 16, 2 * c + 1, high, 4, 0, d1, d1, x, i0, col + 32, rows, acc)
+    for i in range(rows):
+        out[i0 + i, r] = lanes_sum(acc, i) - mins[i]
+
+
+@inline
+def q4_k_group(rows, raw, r, x, i0, args, out, acc):
+    k45_group(Q4_K_BYTES, rows, raw, r, x, i0, args, out, acc)
+
+
+@inline
+def q5_k_group(rows, raw, r, x, i0, args, out, acc):
+    k45_group(Q5_K_BYTES, rows, raw, r, x, i0, args, out, acc)
 
 
 @numba.njit(inline="always")
@@ -135,12 +198,12 @@ K_DECODE = types.void(U8_2D, F32_1D, F32_2D_C)
 
 @compiled(K45_GEMV)
 def q4_k_gemv1(raw, x, xsum, table, out):
-    k45_gemv(raw, x, xsum, table, out, Q4_K_BYTES, True)
+    gemv1_rows(q4_k_group, raw, x, (xsum, table), out)
 
 
 @compiled(K45_GEMV)
 def q4_k_gemv(raw, x, xsum, table, out):
-    k45_gemv(raw, x, xsum, table, out, Q4_K_BYTES, False)
+    gemv_groups(q4_k_group, raw, x, (xsum, table), out)
 
 
 @compiled(K_DECODE, contract=False)
@@ -150,12 +213,12 @@ def q4_k_decode(raw, table, tile):
 
 @compiled(K45_GEMV)
 def q5_k_gemv1(raw, x, xsum, table, out):
-    k45_gemv(raw, x, xsum, table, out, Q5_K_BYTES, True)
+    gemv1_rows(q5_k_group, raw, x, (xsum, table), out)
 
 
 @compiled(K45_GEMV)
 def q5_k_gemv(raw, x, xsum, table, out):
-    k45_gemv(raw, x, xsum, table, out, Q5_K_BYTES, False)
+    gemv_groups(q5_k_group, raw, x, (xsum, table), out)
 
 
 @compiled(K_DECODE, contract=False)
@@ -163,69 +226,38 @@ def q5_k_decode(raw, table, tile):
     k45_decode(raw, table, tile, Q5_K_BYTES)
 
 
+@inline
+def q6_k_group(rows, raw, r, x, i0, args, out, acc):
+    """``out[i0 + i, r] = x[i0 + i] @ W[r]`` for ``i < rows`` (a literal) of Q6_K rows ``raw`` [R, nb * 210]:
+    in half ``h``, step ``s`` the 6-bit values from ``ql`` and ``qh`` minus 32, lanes 0-15 and 16-31 scaled by
+    their sub-blocks' ``d * sc``."""
+    (table,) = args
+    zero_lanes(acc, rows)
+    for b in range(x.shape[1] // QK_K):
+        blk = raw[r, b * Q6_K_BYTES: b * Q6_K_BYTES + Q6_K_BYTES]
+        prefetch(blk, 0)
+        d = table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)]
+        for h in range(2):
+            for s in range(4):
+                j = 8 * h + 2 * s
+                d0 = d * np.float32(np.int8(blk[192 + j]))
+                d1 = d * np.float32(np.int8(blk[193 + j]))
+                fields_rows(blk, 64 * h + 32 * (s % 2), 4 * (s // 2), 15, 128 + 32 * h, 2 * s, 3, 4, 32, d0, d1,
+                            x, i0, b * QK_K + 128 * h + 32 * s, rows, acc)
+    for i in range(rows):
+        out[i0 + i, r] = lanes_sum(acc, i)
+
+
 @compiled(types.void(U8_2D, F32_2D_C, F32_1D, F32_2D))
 def q6_k_gemv1(raw, x, table, out):
     """``out[0, r] = x[0] @ W[r]`` for Q6_K rows ``raw`` [R, nb * 210]."""
-    nb = x.shape[1] // 256
-    acc = carray(stack_f32(LANES), (LANES,))
-    xr = x[0]
-    for r in range(raw.shape[0]):
-        for k in range(32):
-            acc[k] = 0
-        for b in range(nb):
-            blk = raw[r, b * 210: b * 210 + 210]
-            prefetch(blk, 0)
-            d = table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)]
-            for h in range(2):
-                qh = blk[128 + 32 * h: 160 + 32 * h]
-                for s in range(4):
-                    ql = blk[64 * h + 32 * (s % 2): 64 * h + 32 * (s % 2) + 32]
-                    shift, high = np.uint8(4 * (s // 2)), np.uint8(2 * s)
-                    j = 8 * h + 2 * s
-                    d0 = d * np.float32(np.int8(blk[192 + j]))
-                    d1 = d * np.float32(np.int8(blk[193 + j]))
-                    xs = xr[b * 256 + 128 * h + 32 * s: b * 256 + 128 * h + 32 * s + 32]
-                    for k in range(32):
-                        q = np.uint8(((ql[k] >> shift) & M4) | (((qh[k] >> high) & M2) << S4))
-                        acc[k] += (np.float32(q) - Q6_BIAS) * (xs[k] * (d0 if k < 16 else d1))
-        s = np.float32(0)
-        for k in range(32):
-            s += acc[k]
-        out[0, r] = s
+    gemv1_rows(q6_k_group, raw, x, (table,), out)
 
 
 @compiled(types.void(U8_2D, F32_2D_C, F32_1D, F32_2D))
 def q6_k_gemv(raw, x, table, out):
-    """:func:`q6_k_gemv1` for 1..GEMV_ROWS rows, each by the same operations; blocks read once for all rows."""
-    n, nb = x.shape[0], x.shape[1] // 256
-    acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
-    for r in range(raw.shape[0]):
-        for i in range(n):
-            for k in range(32):
-                acc[i, k] = 0
-        for b in range(nb):
-            blk = raw[r, b * 210: b * 210 + 210]
-            prefetch(blk, 0)
-            d = table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)]
-            for h in range(2):
-                qh = blk[128 + 32 * h: 160 + 32 * h]
-                for s in range(4):
-                    ql = blk[64 * h + 32 * (s % 2): 64 * h + 32 * (s % 2) + 32]
-                    shift, high = np.uint8(4 * (s // 2)), np.uint8(2 * s)
-                    j = 8 * h + 2 * s
-                    d0 = d * np.float32(np.int8(blk[192 + j]))
-                    d1 = d * np.float32(np.int8(blk[193 + j]))
-                    for i in range(n):
-                        xs = x[i, b * 256 + 128 * h + 32 * s: b * 256 + 128 * h + 32 * s + 32]
-                        a = acc[i]
-                        for k in range(32):
-                            q = np.uint8(((ql[k] >> shift) & M4) | (((qh[k] >> high) & M2) << S4))
-                            a[k] += (np.float32(q) - Q6_BIAS) * (xs[k] * (d0 if k < 16 else d1))
-        for i in range(n):
-            s = np.float32(0)
-            for k in range(32):
-                s += acc[i, k]
-            out[i, r] = s
+    """:func:`q6_k_gemv1` for 1..GEMV_ROWS rows, each by the same operations."""
+    gemv_groups(q6_k_group, raw, x, (table,), out)
 
 
 @compiled(types.void(U8_2D, F32_1D, F32_2D_C), contract=False)
@@ -281,46 +313,45 @@ def k23_value(blk, k, h, s, q3):
     return np.float32((blk[16 + 32 * h + k] >> np.uint8(2 * s)) & M2)
 
 
-@numba.njit(inline="always")
-def k23_gemv(raw, x, xsum, table, out, q3, one_row):
-    """``out[i, r] = x[i] @ W[r]`` for Q2_K/Q3_K rows; ``xsum`` [N, nb * 16] sums x per 16 (Q2_K's minimums);
-    ``one_row``: a single activation row, lanes in registers.  Lanes 0-15 and 16-31 of step (h, s) belong to
-    sub-blocks ``8h + 2s`` and ``8h + 2s + 1``."""
+@inline
+def k23_group(q3, rows, raw, r, x, i0, args, out, acc):
+    """``out[i0 + i, r] = x[i0 + i] @ W[r]`` for ``i < rows`` (a literal) of Q2_K or (``q3``) Q3_K rows; ``args`` =
+    (``xsum`` [N, nb * 16], sums of x per 16 for Q2_K's minimums; the float16 table).  Lanes 0-15 and 16-31 of
+    step (h, s) belong to sub-blocks ``8h + 2s`` and ``8h + 2s + 1``; Q3_K's value is ``(low | hbit << 2) - 4``."""
+    xsum, table = args
     size = 110 if q3 else 84
-    n, nb = x.shape[0], x.shape[1] // 256
-    acc = carray(stack_f32(ACC_FLOATS), (GEMV_ROWS, LANES))
-    lanes = carray(stack_f32(LANES), (LANES,))
-    mins = carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
+    mins = carray(stack_f32(GROUP_ROWS), (GROUP_ROWS,))
     ds, dm = carray(stack_f32(16), (16,)), carray(stack_f32(16), (16,))
-    rows = 1 if one_row else n
-    for r in range(raw.shape[0]):
-        for i in range(rows):
-            mins[i] = 0
-            for k in range(32):
-                acc[i, k] = 0
-        for k in range(32):
-            lanes[k] = 0
-        for b in range(nb):
-            blk = raw[r, b * size: b * size + size]
-            prefetch(blk, 0)
-            k23_scales(blk, table, ds, dm, q3)
-            for h in range(2):
-                for s in range(4):
-                    j = 8 * h + 2 * s
-                    d0, d1 = ds[j], ds[j + 1]
+    for i in range(rows):
+        mins[i] = 0
+    zero_lanes(acc, rows)
+    for b in range(x.shape[1] // QK_K):
+        blk = raw[r, b * size: b * size + size]
+        prefetch(blk, 0)
+        k23_scales(blk, table, ds, dm, q3)
+        for h in range(2):
+            for s in range(4):
+                j = 8 * h + 2 * s
+                col = b * QK_K + 128 * h + 32 * s
+                if q3:
+                    fields_rows(blk, 32 + 32 * h, 2 * s, 3, 0, 4 * h + s, 1, 2, 4, ds[j], ds[j + 1], x, i0, col,
+                                rows, acc)
+                else:
                     for i in range(rows):
-                        if not q3:
-                            mins[i] += dm[j] * xsum[i, b * 16 + j] + dm[j + 1] * xsum[i, b * 16 + j + 1]
-                        xs = x[i, b * 256 + 128 * h + 32 * s: b * 256 + 128 * h + 32 * s + 32]
-                        a = lanes if one_row else acc[i]
-                        for k in range(32):
-                            a[k] += k23_value(blk, k, h, s, q3) * (xs[k] * (d0 if k < 16 else d1))
-        for i in range(rows):
-            a = lanes if one_row else acc[i]
-            total = np.float32(0)
-            for k in range(32):
-                total += a[k]
-            out[i, r] = total - mins[i]
+                        mins[i] += dm[j] * xsum[i0 + i, b * 16 + j] + dm[j + 1] * xsum[i0 + i, b * 16 + j + 1]
+                    fields_rows(blk, 16 + 32 * h, 2 * s, 3, 0, 0, 0, 0, 0, ds[j], ds[j + 1], x, i0, col, rows, acc)
+    for i in range(rows):
+        out[i0 + i, r] = lanes_sum(acc, i) - mins[i]
+
+
+@inline
+def q2_k_group(rows, raw, r, x, i0, args, out, acc):
+    k23_group(False, rows, raw, r, x, i0, args, out, acc)
+
+
+@inline
+def q3_k_group(rows, raw, r, x, i0, args, out, acc):
+    k23_group(True, rows, raw, r, x, i0, args, out, acc)
 
 
 @numba.njit(inline="always")
@@ -346,12 +377,12 @@ def k23_decode(raw, table, tile, q3):
 
 @compiled(K45_GEMV)
 def q2_k_gemv1(raw, x, xsum, table, out):
-    k23_gemv(raw, x, xsum, table, out, False, True)
+    gemv1_rows(q2_k_group, raw, x, (xsum, table), out)
 
 
 @compiled(K45_GEMV)
 def q2_k_gemv(raw, x, xsum, table, out):
-    k23_gemv(raw, x, xsum, table, out, False, False)
+    gemv_groups(q2_k_group, raw, x, (xsum, table), out)
 
 
 @compiled(K_DECODE, contract=False)
@@ -361,12 +392,12 @@ def q2_k_decode(raw, table, tile):
 
 @compiled(K45_GEMV)
 def q3_k_gemv1(raw, x, xsum, table, out):
-    k23_gemv(raw, x, xsum, table, out, True, True)
+    gemv1_rows(q3_k_group, raw, x, (xsum, table), out)
 
 
 @compiled(K45_GEMV)
 def q3_k_gemv(raw, x, xsum, table, out):
-    k23_gemv(raw, x, xsum, table, out, True, False)
+    gemv_groups(q3_k_group, raw, x, (xsum, table), out)
 
 
 @compiled(K_DECODE, contract=False)

@@ -1,11 +1,13 @@
 """The compiled (numba) tile kernels against each codec's plain reference decoder.
 
-Error model of a product row (``qwen_runtime/quants/jit_base.py``): each term ``f32(q) * (x * d)`` is rounded
-twice (the activation times the scale, then the product or its fused add), every lane sums its ``nb`` terms
-in order and the 32 lanes are summed in order, so ``|got - exact| <= (nb + 32 + 2) * eps32 * sum |x| |w|``
-(``nb``: the terms of one lane, blocks per row, or ``n / 32`` for F16/BF16)
-(the classic bound ``gamma_m``, first order).  Types with a minimum (``w = dl * q - ml``) apply it to the
-activation sums separately, so ``|w|`` is replaced by ``|dl * q| + |ml|`` there (what the kernel actually adds).
+Error model of a product row (``qwen_runtime/quants/jit_base.py``): each term ``fma(d * q, x, acc)`` multiplies
+the exact weight (as the reference decoder stores it) and rounds once, each of the 32 lanes adds its
+``L = n / 32`` terms in order and the lanes are summed by a 5-level pairwise tree: ``L + 5`` roundings at most.
+Types with a minimum (``w = dl * q - ml``) apply it to per-sub-block activation sums separately (numpy's
+pairwise float32 sums: at most 7 roundings for 32 values), a fused product-sum per chunk and one running sum
+per row, then one subtraction, so ``|w|`` is replaced by ``|dl * q| + |ml|`` there (what the kernel actually
+adds).  The bound checked, ``(nb + 32 + 2) * eps32 * sum |x| |w|`` (``nb``: blocks per row, or ``n / 32`` for
+F16/BF16; first-order gamma_m), holds that count for the shapes here (512 columns: L = 16).
 Decoded tiles multiplied by BLAS (more rows than ``direct_rows``) sum up to ``n`` terms per output:
 ``(n + 2) * eps32``.  ``exact`` is computed in float64 from the reference decoder's float32 weights, which the
 compiled decoder reproduces bit for bit.

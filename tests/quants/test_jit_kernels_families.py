@@ -4,15 +4,15 @@ against each codec's plain reference decoder.
 Error model of a product row (``jit_legacy``, ``jit_iq4``, ``jit_dense``), with ``exact`` the float64 product
 of the reference decoder's float32 weights and ``eps`` float32's:
 
-- a term ``w * (x * s)`` (``s`` the block or sub-block scale; 1 for dense types) rounds ``x * s`` once and its
-  fused add once; the kernel multiplies the unrounded ``q * s`` where the reference stored ``fl(s * q)``
-  (one more rounding); each of the 32 lanes adds its ``L`` terms in order (L = n / 32 blocks, or chunks of 32
-  columns plus the tail), the lanes are summed in order (31 additions) and, for the types with a minimum,
-  the minimums' sum is added (1): a term meets at most ``L + 35`` roundings, so
-  ``|got - exact| <= (L + 35) * eps * sum |x| |w|`` (first order; gamma_k);
-- Q4_1 and Q5_1 (``w = d * q + m``) apply ``m`` to block sums of ``x`` (32 additions each, one fused add per
-  block into the minimum's accumulator, then the final add: at most ``32 + L + 1`` roundings), and their
-  reference rounds ``d * q + m`` twice: ``|w|`` becomes ``|d q| + |m|`` and the count ``L + 32 + 35``;
+- a term ``fma(w, x, acc)`` multiplies the weight ``w = s * q`` (``s`` the block or sub-block scale; 1 for dense
+  types), which the kernel forms exactly, as the reference stores it, and rounds once (the fused add); each of
+  the 32 lanes adds its ``L`` terms in order (L = n / 32 blocks, or chunks of 32 columns plus the tail), the
+  lanes are summed by a 5-level pairwise tree and, for the types with a minimum, the minimums' sum is added (1):
+  a term meets at most ``L + 6`` roundings, so ``|got - exact| <= (L + 6) * eps * sum |x| |w|`` (first order;
+  gamma_k);
+- Q4_1 and Q5_1 (``w = d * q + m``) apply ``m`` to block sums of ``x`` (at most 31 additions each, one fused
+  add per block into the minimum's accumulator, then the final add: at most ``31 + L + 1`` roundings), and
+  their reference rounds ``d * q + m`` once more: ``|w|`` becomes ``|d q| + |m|`` and the count ``L + 34``;
 - decoded tiles (more rows than ``direct_rows``) are bit-exact, then BLAS sums ``n`` products in some order:
   ``(n + 2) * eps``.
 """
@@ -89,7 +89,7 @@ def magnitudes(qtype: QType, raw: np.ndarray) -> np.ndarray:
 
 def bound(qtype: QType, raw: np.ndarray, x: np.ndarray, direct: bool) -> np.ndarray:
     n = x.shape[1]
-    terms = (-(-n // 32) + 35 + (32 if qtype in MINIMUM else 0)) if direct else n + 2
+    terms = (-(-n // 32) + (34 if qtype in MINIMUM else 6)) if direct else n + 2
     return terms * EPS32 * (np.abs(x.astype(np.float64)) @ magnitudes(qtype, raw).T) + 1e-37
 
 
