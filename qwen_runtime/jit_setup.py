@@ -17,15 +17,30 @@ cache, ms of CPU per million weights with/without (the prefetching kernels, two 
 0.107-0.112 / 0.120-0.124, Q4_K 0.122-0.127 / 0.145-0.146, Q6_K 0.145-0.146 / 0.152-0.155, Q4_0 0.093 /
 0.095-0.100, Q5_0 0.127-0.131 / 0.126-0.130.  numba keys its on-disk cache by the features, so cached code never
 mixes the two; a user's ``NUMBA_CPU_NAME`` or ``NUMBA_CPU_FEATURES`` is left alone.
+
+Finally it makes numba's on-disk cache notice edits of the modules a kernel's module imports
+(:class:`KernelSourcesLocator`).  numba stamps a cached function with a hash of its own file only, while our
+kernels inline intrinsics and helpers from other modules of the package and freeze their constants (the
+stack accumulators' alignment of ``quants/jit_base.py``, the tables of ``quants/iq4.py``): after an edit of
+``jit_base.py`` alone, ``jit_dense.py``'s cached code from before the edit was loaded and crashed (an update by
+``git pull`` rewrites only the changed files).  The stamp of a function of this package therefore also covers
+every module of the package its module imports, transitively (:func:`import_closure`).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import re
 import sys
 import threading
+from pathlib import Path
 
 _PROBED = "scipy.linalg.cython_blas"  # what numba.np.arraymath imports to probe for BLAS
 _LOCK = threading.Lock()  # models loaded in two threads at once set numba up once
+PACKAGE = Path(__file__).resolve().parent  # the package whose compiled functions get the wider stamp
+# `from .x import a, b` / `from ..x.y import (a, b)` / `from qwen_runtime.x import a`: the dots, the module, the names.
+_IMPORT = re.compile(r"^from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(?:\(([^)]*)\)|([\w \t,]+))", re.MULTILINE)
 
 
 def cpu_features(host: str) -> str | None:
@@ -54,3 +69,87 @@ def prepare_numba() -> None:
         from numba.np import arraymath
 
         arraymath._HAVE_BLAS = "scipy" in sys.modules
+        use_kernel_sources_locator()
+
+
+def imported_files(path: Path, root: Path) -> list[Path]:
+    """The files of the package at ``root`` that the module ``path`` imports from (``from`` imports, relative or
+    by the package's name; modules and packages named as imported names included)."""
+    found = []
+    for dots, module, grouped, names in _IMPORT.findall(path.read_text(encoding="utf-8")):
+        names = re.sub(r"#.*", "", grouped or names)
+        if dots:
+            base = path.parent.parents[len(dots) - 2] if len(dots) > 1 else path.parent
+        elif module.split(".")[0] == root.name:
+            base, module = root, module.partition(".")[2]
+        else:
+            continue
+        target = base.joinpath(*module.split(".")) if module else base
+        candidates = [target.with_suffix(".py"), target / "__init__.py"]
+        candidates += [target / f"{name.strip()}.py" for name in names.split(",") if name.strip()]
+        found += [c.resolve() for c in candidates if c.is_file()]
+    return [f for f in found if root in f.parents]
+
+
+@functools.cache
+def import_closure(path: Path, root: Path = PACKAGE) -> str:
+    """A hash of ``path`` and of every file of the package ``root`` it imports from, transitively."""
+    seen, todo = set(), [path.resolve()]
+    while todo:
+        file = todo.pop()
+        if file not in seen:
+            seen.add(file)
+            todo += imported_files(file, root)
+    digest = hashlib.sha256()
+    for file in sorted(seen):
+        digest.update(file.relative_to(root.parent).as_posix().encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
+
+
+def use_kernel_sources_locator() -> None:
+    """Put :class:`KernelSourcesLocator` first in numba's cache locators (once)."""
+    from numba.core import caching
+
+    impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # numba < 0.62 names it privately
+    if KernelSourcesLocator.wrapper() not in impl._locator_classes:
+        impl._locator_classes.insert(0, KernelSourcesLocator.wrapper())
+
+
+class KernelSourcesLocator:
+    """Where numba would cache a function of this package, stamped with :func:`import_closure` as well (the class
+    numba uses is :meth:`wrapper`'s, a subclass of numba's locator base built when numba is set up)."""
+
+    @staticmethod
+    @functools.lru_cache(maxsize=1)
+    def wrapper() -> type:
+        from numba.core import caching
+
+        class Locator(caching._CacheLocator):
+            def __init__(self, inner: object, py_file: str) -> None:
+                self._inner, self._py_file = inner, Path(py_file)
+
+            def ensure_cache_path(self) -> None:
+                self._inner.ensure_cache_path()
+
+            def get_cache_path(self) -> str:
+                return self._inner.get_cache_path()
+
+            def get_source_stamp(self) -> object:
+                return self._inner.get_source_stamp(), import_closure(self._py_file)
+
+            def get_disambiguator(self) -> str:
+                return self._inner.get_disambiguator()
+
+            @classmethod
+            def from_function(cls, py_func: object, py_file: str) -> object:
+                if PACKAGE not in Path(py_file).resolve().parents:
+                    return None
+                impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl
+                for locator in impl._locator_classes:
+                    inner = None if locator is cls else locator.from_function(py_func, py_file)
+                    if inner is not None:
+                        return cls(inner, py_file)
+                return None
+
+        Locator.__name__ = Locator.__qualname__ = "KernelSourcesLocator"
+        return Locator

@@ -18,12 +18,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import quants
 
-from qwen_runtime.jit_setup import cpu_features
+from qwen_runtime.jit_setup import cpu_features, import_closure, imported_files
 from qwen_runtime.pool import Scratch, Workspace, resolve_kernels
 from qwen_runtime.quants import JIT_KERNELS, QType, codec, jit_kernel
 from qwen_runtime.tensors import StoredTensor
@@ -251,3 +252,30 @@ def test_cpu_features_without_the_256_bit_preference_only_with_avx512() -> None:
     env = {**os.environ, "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,+f16c"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert out.strip() == "+avx,+avx2,+fma,+f16c"
+
+
+def test_cache_stamp_covers_the_modules_a_kernel_imports(tmp_path: Path) -> None:
+    """numba stamps a cached function with its own file's hash; ours also covers the package's modules that file
+    imports, transitively (jit_setup.KernelSourcesLocator), so an edit of jit_base.py alone recompiles the kernels
+    that inline its intrinsics.  Other packages' imports, comments and unrelated modules do not count."""
+    root = tmp_path / "pkg"
+    (root / "sub").mkdir(parents=True)
+    files = {"__init__.py": "", "base.py": "A = 1\n", "unrelated.py": "B = 2\n", "sub/__init__.py": "",
+             "sub/helper.py": "from ..base import A  # the constant\n",
+             "sub/jit_k.py": "import numpy as np\nfrom numpy import (\n    float32,  # a comment\n)\n"
+                             "from . import helper\nfrom pkg.sub.helper import (A,\n    A)\n"}
+    for name, text in files.items():
+        (root / name).write_text(text)
+    kernel = root / "sub" / "jit_k.py"
+    assert sorted(f.name for f in imported_files(kernel, root)) == ["__init__.py", "helper.py", "helper.py"]
+    stamps = [import_closure(kernel, root)]
+    (root / "unrelated.py").write_text("B = 3\n")
+    import_closure.cache_clear()
+    stamps.append(import_closure(kernel, root))
+    (root / "base.py").write_text("A = 2\n")
+    import_closure.cache_clear()
+    stamps.append(import_closure(kernel, root))
+    assert stamps[0] == stamps[1] != stamps[2]
+    stamp = Q8_0JitKernel.gemv._cache._impl._locator.get_source_stamp()
+    assert type(Q8_0JitKernel.gemv._cache._impl._locator).__name__ == "KernelSourcesLocator"
+    assert stamp[1] == import_closure(Path(Q8_0JitKernel.gemv.py_func.__code__.co_filename))
