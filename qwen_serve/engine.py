@@ -391,13 +391,14 @@ class Engine:
             self._prefill = (job, done)
             return
         self._prefill = None
-        if self.prefix is not None:
-            self.prefix.store_tail(slot, job.prompt_ids)  # with turns: where the prompt ends
         rows = [Row(job, i, self._stepper(job, i)) for i in range(job.n)]
         for i in range(1, job.n):
             self.slots.copy(slot, slot + i)
         self._rows.extend(rows)
         self._advance(rows, np.repeat(logits, job.n, axis=0))
+        if self.prefix is not None and rows[0].finish is None:
+            # with turns: where the prompt ends (the row holds just the prompt), once its first token is out
+            self.prefix.store_tail(self._rows.index(rows[0]), job.prompt_ids)
 
     def _stepper(self, job: Job, choice: int) -> RowStepper:
         seed = None if job.seed is None else [job.seed % 2**64, choice]  # SeedSequence takes no negatives
