@@ -234,7 +234,9 @@ def engine_gauges(metrics: Metrics, engine: Engine) -> None:
         metrics.gauge("prefix_cache_hits", "prompts that found a cached prefix", lambda: prefix.hits)
         metrics.gauge("prefix_cache_hit_tokens", "prompt tokens restored instead of prefilled",
                       lambda: prefix.hit_tokens)
-        metrics.gauge("prefix_cache_bytes", "memory held by cached blocks", lambda: prefix.nbytes)
+        metrics.gauge("prefix_cache_bytes", "memory held by cached blocks and tails", lambda: prefix.nbytes)
+        metrics.gauge("prefix_cache_tails", "where requests stopped, kept for their next turn (--cache-turns)",
+                      lambda: len(prefix.tails))
     if engine.prefix is not None and engine.prefix.disk is not None:
         disk = engine.prefix.disk
         for name, field, text in (("bytes", "bytes", "bytes of cached blocks on disk (--cache-dir)"),
