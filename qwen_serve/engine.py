@@ -378,16 +378,26 @@ class Engine:
 
     def _prefill_step(self) -> None:
         job, done = self._prefill
-        slot = len(self._rows)
-        chunk = job.prompt_ids[done:done + self.prefill_chunk]
+        slot, size = len(self._rows), len(job.prompt_ids)
+        end = min(done + self.prefill_chunk, size)
+        turns = self.prefix is not None and self.prefix.turns
+        recurrent = self.row_bytes > 0
+        keeps_block = self._prefill_exact and end % self.prefill_chunk == 0  # a whole block: computed whole
+        if turns and recurrent and end == size and end - done > 1 and not keeps_block:
+            end -= 1  # the prompt's last token in a pass of its own, for a tail before it (below)
+        chunk = job.prompt_ids[done:end]
         start = time.perf_counter()
         logits = self.model.forward(np.asarray([chunk], np.int64), self.slots.rows(slot, slot + 1),
                                     last_only=True)  # [1, V]; decode steps follow
         self.metrics.prefill_step.observe(time.perf_counter() - start)
-        done += len(chunk)
+        done = end
         if self.prefix is not None and self._prefill_exact and done % self.prefill_chunk == 0:  # a block ends here
             self.prefix.store(slot, job.prompt_ids, done)
-        if done < len(job.prompt_ids):
+        if done < size:
+            if turns and recurrent and done == size - 1:
+                # a recurrent state restores only whole: a tail before the prompt's last token still serves a
+                # next prompt whose text tokenizes differently where this prompt met its answer
+                self.prefix.store_tail(slot, job.prompt_ids[:done])
             self._prefill = (job, done)
             return
         self._prefill = None
@@ -396,8 +406,8 @@ class Engine:
             self.slots.copy(slot, slot + i)
         self._rows.extend(rows)
         self._advance(rows, np.repeat(logits, job.n, axis=0))
-        if self.prefix is not None and rows[0].finish is None:
-            # with turns: where the prompt ends (the row holds just the prompt), once its first token is out
+        if turns and not recurrent and rows[0].finish is None:
+            # where the prompt ends (the row holds just the prompt), once its first token is out
             self.prefix.store_tail(self._rows.index(rows[0]), job.prompt_ids)
 
     def _stepper(self, job: Job, choice: int) -> RowStepper:
