@@ -382,9 +382,9 @@ class Engine:
         end = min(done + self.prefill_chunk, size)
         turns = self.prefix is not None and self.prefix.turns
         recurrent = self.row_bytes > 0
-        keeps_block = self._prefill_exact and end % self.prefill_chunk == 0  # a whole block: computed whole
-        if turns and recurrent and end == size and end - done > 1 and not keeps_block:
-            end -= 1  # the prompt's last token in a pass of its own, for a tail before it (below)
+        if turns and recurrent and self._prefill_exact and end == size and 1 < end - done < self.prefill_chunk:
+            end -= 1  # a new prompt's last token (not a block's) in a pass of its own, for a tail before it (below);
+            # a prompt resumed from a tail goes on in one pass (its time to first token) and keeps its answer's tail
         chunk = job.prompt_ids[done:end]
         start = time.perf_counter()
         logits = self.model.forward(np.asarray([chunk], np.int64), self.slots.rows(slot, slot + 1),

@@ -16,8 +16,9 @@ request.  With a :class:`~qwen_serve.prefix_store.PrefixStore` (``--cache-dir``)
 stored on disk and writes each new block there.
 
 **Turns** (``turns=True``, opt-in): the cache also keeps a *tail* where each request stopped: at the end of its
-prompt (for a model with recurrent state, before its last token: the engine prefills that token alone, so that a
-next prompt whose text tokenizes differently where this prompt met its answer still finds a whole tail) and,
+prompt (for a model with recurrent state, a new prompt's before its last token: the engine prefills that token
+alone, so that a next prompt whose text tokenizes differently where this prompt met its answer still finds a
+whole tail) and,
 once it finishes, at the end of its answer (the tokens its row holds after the longest cached chain
 of blocks: their keys and values, and the whole row state there).  A chat's next turn, whose prompt is the
 history, then resumes exactly where the last turn stopped and prefills only the new tokens, instead of everything
