@@ -18,10 +18,9 @@ from typing import TextIO
 
 from . import Generation, Model, SamplingParams, chat_format, encode_prompts, load, stream
 from .chat import fit_chat, reply_budget
-from .cli_support import HelpFormatter, add_draft_option, add_machine_options, run_guarded
+from .cli_support import HelpFormatter, add_activations_option, add_draft_option, add_machine_options, run_guarded
 from .errors import ContextOverflowError
 from .limits import format_bytes, parse_memory_size
-from .pool import ACTIVATION_CHOICES
 
 EPILOG = """\
 Where the prompt comes from: each -p and each -f FILE is one prompt (several make a batch, printed row by
@@ -68,9 +67,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true", help="print speed, memory, threads and kernels on stderr")
     add_draft_option(p, "; several prompts at once decode plainly")
     add_machine_options(p)
-    p.add_argument("--activations", choices=ACTIVATION_CHOICES, default="float",
-                   help="q8: quantize the activations of decode products to 8 bits and multiply Q8_0, Q4_0, Q5_0, "
-                   "Q4_K and Q6_K weights in integers, as llama.cpp does (faster, not exact; compiled kernels only)")
+    add_activations_option(p)
     return p
 
 

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 
 from .errors import EXIT_CODES, MissingExtraError, QwenError, ResourceLimitError, exit_code
-from .pool import KERNEL_CHOICES, KERNELS_VARIABLE, STEP_TOKENS
+from .pool import ACTIVATION_CHOICES, KERNEL_CHOICES, KERNELS_VARIABLE, STEP_TOKENS
 
 USAGE_ERROR = 2  # an invalid option value (argparse uses the same code for bad usage)
 INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
@@ -93,6 +93,15 @@ def draft_tokens(text: str) -> int:
     if not 0 <= value < STEP_TOKENS:
         raise argparse.ArgumentTypeError(f"expected 0 to {STEP_TOKENS - 1} draft tokens, got {text}")
     return value
+
+
+def add_activations_option(p: argparse.ArgumentParser, note: str = "") -> None:
+    """``--activations {float,q8}``: what the products multiply (:func:`qwen_runtime.load`'s ``activations``);
+    ``note`` is added to the help."""
+    p.add_argument("--activations", choices=ACTIVATION_CHOICES, default="float",
+                   help="q8: quantize the activations of decode products to 8 bits and multiply Q8_0, Q4_0, Q5_0, "
+                   "Q4_K and Q6_K weights in integers, as llama.cpp does (faster, not exact; compiled kernels only)"
+                   f"{note}; default float: float32 activations, exact")
 
 
 def add_machine_options(p: argparse.ArgumentParser, kernels: bool = True) -> None:

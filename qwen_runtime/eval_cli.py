@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from tqdm import tqdm
 
 from . import load
-from .cli_support import HelpFormatter, add_machine_options, run_guarded
+from .cli_support import HelpFormatter, add_activations_option, add_machine_options, run_guarded
 from .evaluate import (
     EvalResult,
     check_models,
@@ -65,6 +65,8 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", metavar="ADDR", help="with --executor ray: the Ray cluster to use (auto, "
                    "HOST:6379 or ray://HOST:10001; default: the RAY_ADDRESS variable, else a local instance)")
     add_machine_options(p)
+    add_activations_option(p, "; a product of more than 8 token rows (eval's chunks mostly are) still multiplies "
+                           "float32 activations")
     return p
 
 
@@ -87,12 +89,13 @@ def eval_memory(model: Model, reference: Model | None, ctx: int, chunk: int | No
 
 
 def evaluate_task(path: str, ids: object, ctx: int, stride: int, reference: str | None, chunk: int | None,
-                  threads: int, kernels: str, report: Callable[[int], None]) -> EvalResult:
+                  threads: int, kernels: str, activations: str, report: Callable[[int], None]) -> EvalResult:
     """One model's evaluation as a Ray task: the local lockstep run with this model alone, on the driver's
-    thread count and kernels (float32 sums are split by thread and kernel, so both are part of the result)."""
+    thread count, kernels and activations (float32 sums are split by thread and kernel, so both are part of the
+    result)."""
     progress = Throttle(report)
-    model = load(path, threads=threads, kernels=kernels)
-    ref = load(reference, threads=threads, kernels=kernels) if reference else None
+    model = load(path, threads=threads, kernels=kernels, activations=activations)
+    ref = load(reference, threads=threads, kernels=kernels, activations=activations) if reference else None
     [result] = evaluate_ids([model], ids, ctx, stride, ref, chunk, progress.add)
     progress.flush()
     return result
@@ -104,7 +107,7 @@ def evaluate_on_ray(args: argparse.Namespace, models: list[Model], reference: Mo
     check_models(models, reference, ctx)
     connect(args.address)
     threads, kernels = models[0].workspace.threads, models[0].workspace.kernels
-    jobs = [RemoteJob((path, ids, ctx, stride, args.reference, args.chunk, threads, kernels),
+    jobs = [RemoteJob((path, ids, ctx, stride, args.reference, args.chunk, threads, kernels, args.activations),
                       eval_memory(model, reference, ctx, args.chunk), num_cpus=threads, name=f"qwen-eval {path}")
             for path, model in zip(args.models, models, strict=True)]
     def lost(i: int, exc: BaseException) -> EvalResult:
@@ -114,8 +117,10 @@ def evaluate_on_ray(args: argparse.Namespace, models: list[Model], reference: Mo
 
 
 def run(args: argparse.Namespace) -> None:
-    models = [load(path, threads=args.threads, kernels=args.kernels) for path in args.models]
-    reference = load(args.reference, threads=args.threads, kernels=args.kernels) if args.reference else None
+    models = [load(path, threads=args.threads, kernels=args.kernels, activations=args.activations)
+              for path in args.models]
+    reference = (load(args.reference, threads=args.threads, kernels=args.kernels, activations=args.activations)
+                 if args.reference else None)
     ctx = args.ctx or min(DEFAULT_CTX, *(m.config.max_position_embeddings for m in models))
     stride = args.stride or max(1, ctx // 2)
     ids = encode_text(models[0], read_text(args.file), args.max_tokens)

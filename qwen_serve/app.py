@@ -129,22 +129,23 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
                prefill_chunk: int = 128, max_context: int | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, cache_memory: int | None = None, threads: int | None = None,
                kernels: str | None = None, draft_tokens: int = 0, cache_dir: str | Path | None = None,
-               ) -> Starlette:
+               activations: str = "float", cache_turns: bool = False) -> Starlette:
     """An ASGI app serving ``model`` (a path or a loaded :class:`Model`); its engine starts with the app.
 
-    ``model_name`` is the name clients pass as ``model`` (default: the file or directory name); ``threads`` and
-    ``kernels`` are :func:`qwen_runtime.load`'s (for a path); the other options are
+    ``model_name`` is the name clients pass as ``model`` (default: the file or directory name); ``threads``,
+    ``kernels`` and ``activations`` are :func:`qwen_runtime.load`'s (for a path); the other options are
     :class:`~qwen_serve.engine.Engine`'s.
     """
     if not isinstance(model, Model):
-        model = qwen_runtime.load(model, threads=threads, kernels=kernels)
+        model = qwen_runtime.load(model, threads=threads, kernels=kernels, activations=activations)
     fmt = chat_format(model)
     text_ids = frozenset(i for t in (THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE)
                          if (i := fmt.tokenizer.token_id(t)) is not None)
     metrics = Metrics()
     engine = Engine(model, fmt.tokenizer, fmt.stop_ids, max_batch=max_batch, max_queue=max_queue,
                     max_memory=max_memory, prefill_chunk=prefill_chunk, max_context=max_context, text_ids=text_ids,
-                    metrics=metrics, cache_memory=cache_memory, draft_tokens=draft_tokens, cache_dir=cache_dir)
+                    metrics=metrics, cache_memory=cache_memory, draft_tokens=draft_tokens, cache_dir=cache_dir,
+                    cache_turns=cache_turns)
     engine_gauges(metrics, engine)
     name = model_name or hub.model_name(model.path)
     state = ServerState(engine, fmt, name, generation_defaults(model), api_key, max_body_bytes, int(time.time()),
@@ -205,8 +206,10 @@ def startup_banner(app: Starlette, url: str) -> str:
         f"prefill chunks of {engine.prefill_chunk} tokens",
         f"  memory budget {format_bytes(engine.memory_limit)} for cache and activations "
         f"({format_bytes(engine.activations)} of activations; prefix cache up to "
-        f"{format_bytes(engine.prefix.capacity) if engine.prefix else 'off'})" + disk_note(engine),
-        f"  kernels: {ws.kernels} ({products}), {ws.threads} threads",
+        f"{format_bytes(engine.prefix.capacity) if engine.prefix else 'off'}"
+        f"{', with turns' if engine.prefix and engine.prefix.turns else ''})" + disk_note(engine),
+        f"  kernels: {ws.kernels} ({products}), {ws.threads} threads"
+        + (", 8-bit activations" if ws.activations == "q8" else ""),
         *([f"  speculative decoding: up to {engine.draft_tokens} prompt-lookup drafts per step for greedy requests"
            if engine.draft_tokens else "  speculative decoding: off (--draft needs the compiled kernels)"]
           if engine.draft_asked else []),
@@ -231,7 +234,9 @@ def engine_gauges(metrics: Metrics, engine: Engine) -> None:
         metrics.gauge("prefix_cache_hits", "prompts that found a cached prefix", lambda: prefix.hits)
         metrics.gauge("prefix_cache_hit_tokens", "prompt tokens restored instead of prefilled",
                       lambda: prefix.hit_tokens)
-        metrics.gauge("prefix_cache_bytes", "memory held by cached blocks", lambda: prefix.nbytes)
+        metrics.gauge("prefix_cache_bytes", "memory held by cached blocks and tails", lambda: prefix.nbytes)
+        metrics.gauge("prefix_cache_tails", "where requests stopped, kept for their next turn (--cache-turns)",
+                      lambda: len(prefix.tails))
     if engine.prefix is not None and engine.prefix.disk is not None:
         disk = engine.prefix.disk
         for name, field, text in (("bytes", "bytes", "bytes of cached blocks on disk (--cache-dir)"),

@@ -18,7 +18,14 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from qwen_runtime.cli_support import HelpFormatter, add_draft_option, add_machine_options, require_extra, run_guarded
+from qwen_runtime.cli_support import (
+    HelpFormatter,
+    add_activations_option,
+    add_draft_option,
+    add_machine_options,
+    require_extra,
+    run_guarded,
+)
 from qwen_runtime.errors import QwenError
 from qwen_runtime.limits import parse_memory_size
 
@@ -62,6 +69,11 @@ def configure_parser() -> argparse.ArgumentParser:
                    help="also keep the prefix cache on disk in DIR (bounded by --cache-memory, written as blocks are "
                    "cached) and start with what an earlier server of the same model files and kernels left there "
                    "(default: none, memory only)")
+    p.add_argument("--cache-turns", action="store_true",
+                   help="the prefix cache also keeps where each request stopped (prompt end, answer end), so a chat's "
+                   "next turn prefills only its new tokens, not everything after the last whole --prefill-chunk "
+                   "block; in memory only; not bit-identical to no cache (the answer was decoded token by token, "
+                   "a prompt without the cache prefills it in one chunk)")
     p.add_argument("--model-name", default=None, help="the name clients use (default: the file or directory name)")
     p.add_argument("-c", "--ctx", "--max-context", dest="max_context", type=positive, default=None, metavar="TOKENS",
                    help="tokens one request may hold, prompt + completion (default: the model's context)")
@@ -73,6 +85,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's and the server's log level")
     add_machine_options(p)
+    add_activations_option(p, "; in the server every decode step and prefill chunks of up to 8 tokens")
     ray = p.add_argument_group("Ray Serve (the ray extra; qwen_serve/ray_app.py)")
     ray.add_argument("--ray", action="store_true", help="serve through Ray Serve: --replicas copies of the app, "
                      "each with its own engine, behind Ray's HTTP proxy on --host:--port")
@@ -103,7 +116,8 @@ def run(args: argparse.Namespace) -> None:
     app = create_app(args.model, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                      max_memory=args.max_memory, api_key=args.api_key, prefill_chunk=args.prefill_chunk,
                      max_context=args.max_context, max_body_bytes=args.max_body, cache_memory=args.cache_memory,
-                     threads=args.threads, kernels=args.kernels, draft_tokens=args.draft, cache_dir=args.cache_dir)
+                     threads=args.threads, kernels=args.kernels, draft_tokens=args.draft, cache_dir=args.cache_dir,
+                     activations=args.activations, cache_turns=args.cache_turns)
     host, port = sock.getsockname()[:2]
     logging.getLogger("qwen_serve").info(startup_banner(app, f"http://{host}:{port}"))
     uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
@@ -131,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--replicas and --address need --ray")
     if args.cache_dir is not None and args.cache_memory == 0:
         parser.error("--cache-dir needs the prefix cache (--cache-memory 0 turns it off)")
+    if args.cache_turns and args.cache_memory == 0:
+        parser.error("--cache-turns needs the prefix cache (--cache-memory 0 turns it off)")
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     return run_guarded("qwen-serve", lambda: run(args))
 

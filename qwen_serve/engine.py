@@ -162,13 +162,15 @@ class Engine:
     ``cache_memory`` bounds the prefix cache (:mod:`.prefix_cache`; None: a quarter of the memory limit,
     0: off); its blocks live in the memory limit too and are evicted when a request needs the room.  With
     ``cache_dir`` they are also kept on disk there and restored at start (:mod:`.prefix_store`).
+    ``cache_turns``: the prefix cache also keeps where each request stopped, so a chat's next turn prefills only
+    its new tokens (not bit-identical with the cache off: see :mod:`.prefix_cache`).
     """
 
     def __init__(self, model: Model, tokenizer: Tokenizer, stop_ids: frozenset[int], *, max_batch: int = 8,
                  max_queue: int = 64, max_memory: int | None = None, prefill_chunk: int = 128,
                  max_context: int | None = None, text_ids: frozenset[int] = frozenset(),
                  metrics: Metrics | None = None, cache_memory: int | None = None, draft_tokens: int = 0,
-                 cache_dir: str | Path | None = None) -> None:
+                 cache_dir: str | Path | None = None, cache_turns: bool = False) -> None:
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or (max_context is not None and max_context < 2):
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0 and max_context >= 2")
         if not 0 <= draft_tokens < STEP_TOKENS:
@@ -194,7 +196,9 @@ class Engine:
         self.context = min(context, room)  # tokens one row can hold (prompt + completion)
         self.slots = SlotCache(model, max_batch, self.context)
         capacity = self.memory_limit // 4 if cache_memory is None else cache_memory
-        self.prefix = PrefixCache(self.slots, prefill_chunk, capacity) if capacity > 0 else None
+        if cache_turns and capacity <= 0:
+            raise ValueError("cache_turns needs the prefix cache (cache_memory > 0)")
+        self.prefix = PrefixCache(self.slots, prefill_chunk, capacity, cache_turns) if capacity > 0 else None
         if cache_dir is not None:
             if self.prefix is None:
                 raise ValueError("cache_dir needs the prefix cache (cache_memory > 0)")
@@ -205,6 +209,7 @@ class Engine:
         self._waiting: collections.deque[Job] = collections.deque()
         self._rows: list[Row] = []
         self._prefill: tuple[Job, int] | None = None  # the job being prefilled and how many tokens are done
+        self._prefill_exact = True  # whether it started from whole blocks (or nothing), not from a tail
         self._reserved: dict[int, int] = {}  # id(job) -> bytes reserved for its rows
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -256,6 +261,7 @@ class Engine:
                     "prefix_cache": None if self.prefix is None else {
                         "bytes": self.prefix.nbytes, "capacity_bytes": self.prefix.capacity,
                         "blocks": len(self.prefix.blocks), "block_tokens": self.prefix.block,
+                        "turns": self.prefix.turns, "tails": len(self.prefix.tails),
                         "lookups": self.prefix.lookups, "hits": self.prefix.hits,
                         "hit_tokens": self.prefix.hit_tokens,
                         "disk": self.prefix.disk.status() if self.prefix.disk else None}}
@@ -349,8 +355,9 @@ class Engine:
         self._reserved[id(job)] = need
         row = len(self._rows)
         self.slots.reset(row)
-        chain = self.prefix.lookup(job.prompt_ids) if self.prefix else []
-        self._prefill = (job, self.prefix.restore(row, chain) if chain else 0)
+        hit = self.prefix.lookup(job.prompt_ids) if self.prefix else None
+        self._prefill = (job, self.prefix.restore(row, hit) if hit and hit.length else 0)
+        self._prefill_exact = hit is None or hit.tail is None  # a row resumed from a tail stores no blocks
 
     def _prefill_chunks(self) -> None:
         """Prefill chunks of admitted prompts, oldest first, up to ``prefill_chunk`` tokens in all (at least one
@@ -371,16 +378,26 @@ class Engine:
 
     def _prefill_step(self) -> None:
         job, done = self._prefill
-        slot = len(self._rows)
-        chunk = job.prompt_ids[done:done + self.prefill_chunk]
+        slot, size = len(self._rows), len(job.prompt_ids)
+        end = min(done + self.prefill_chunk, size)
+        turns = self.prefix is not None and self.prefix.turns
+        recurrent = self.row_bytes > 0
+        if turns and recurrent and self._prefill_exact and end == size and 1 < end - done < self.prefill_chunk:
+            end -= 1  # a new prompt's last token (not a block's) in a pass of its own, for a tail before it (below);
+            # a prompt resumed from a tail goes on in one pass (its time to first token) and keeps its answer's tail
+        chunk = job.prompt_ids[done:end]
         start = time.perf_counter()
         logits = self.model.forward(np.asarray([chunk], np.int64), self.slots.rows(slot, slot + 1),
                                     last_only=True)  # [1, V]; decode steps follow
         self.metrics.prefill_step.observe(time.perf_counter() - start)
-        done += len(chunk)
-        if self.prefix is not None and len(chunk) == self.prefill_chunk:  # a block ends here: keep it
+        done = end
+        if self.prefix is not None and self._prefill_exact and done % self.prefill_chunk == 0:  # a block ends here
             self.prefix.store(slot, job.prompt_ids, done)
-        if done < len(job.prompt_ids):
+        if done < size:
+            if turns and recurrent and done == size - 1:
+                # a recurrent state restores only whole: a tail before the prompt's last token still serves a
+                # next prompt whose text tokenizes differently where this prompt met its answer
+                self.prefix.store_tail(slot, job.prompt_ids[:done])
             self._prefill = (job, done)
             return
         self._prefill = None
@@ -389,6 +406,9 @@ class Engine:
             self.slots.copy(slot, slot + i)
         self._rows.extend(rows)
         self._advance(rows, np.repeat(logits, job.n, axis=0))
+        if turns and not recurrent and rows[0].finish is None:
+            # where the prompt ends (the row holds just the prompt), once its first token is out
+            self.prefix.store_tail(self._rows.index(rows[0]), job.prompt_ids)
 
     def _stepper(self, job: Job, choice: int) -> RowStepper:
         seed = None if job.seed is None else [job.seed % 2**64, choice]  # SeedSequence takes no negatives
@@ -513,6 +533,9 @@ class Engine:
             if row.finish is None:
                 i += 1
                 continue
+            if self.prefix is not None and row.job.n == 1 and row.finish is not FinishReason.CANCELLED:
+                held = int(self.slots.lengths[i])  # the prompt and the answer's tokens fed back (not the last)
+                self.prefix.store_tail(i, (row.job.prompt_ids + row.stepper.tokens)[:held])
             last = len(self._rows) - 1
             self.slots.move(last, i)
             self._rows[i] = self._rows[last]

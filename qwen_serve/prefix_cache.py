@@ -14,6 +14,19 @@ to prefill (the logits of the last token are needed).  The cache holds at most `
 recently used block without cached children goes first, also when the engine needs the memory for a
 request.  With a :class:`~qwen_serve.prefix_store.PrefixStore` (``--cache-dir``) the cache starts with the blocks
 stored on disk and writes each new block there.
+
+**Turns** (``turns=True``, opt-in): the cache also keeps a *tail* where each request stopped: at the end of its
+prompt (for a model with recurrent state, a new prompt's before its last token: the engine prefills that token
+alone, so that a next prompt whose text tokenizes differently where this prompt met its answer still finds a
+whole tail) and,
+once it finishes, at the end of its answer (the tokens its row holds after the longest cached chain
+of blocks: their keys and values, and the whole row state there).  A chat's next turn, whose prompt is the
+history, then resumes exactly where the last turn stopped and prefills only the new tokens, instead of everything
+after the last whole block.  A tail restores only whole for a model with recurrent state; with attention only, any
+prefix of it.  Not exact: the answer's tokens were decoded one at a time and the prompt's last tokens prefilled in
+a shorter chunk, where a prompt without the cache prefills them in one chunk, so the numbers after a tail can
+differ from the cache-off numbers in their last bits.  Blocks are never stored from a row resumed from a tail, so
+the blocks stay exact; tails live in memory only.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from qwen_runtime.cache import KVCache
 from .slots import SlotCache
 
 ROOT = b""
+TAIL_SALT = b"tail"  # a tail's key never equals a block's of the same tokens
 
 
 def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -49,6 +63,16 @@ class Block:
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64 [block]: its own tokens
 
 
+@dataclass
+class Hit:
+    """What a lookup found: a chain of blocks, then maybe the first ``tail_tokens`` tokens of a tail after it."""
+
+    blocks: list[Block]
+    length: int  # tokens restored: whole blocks plus tail_tokens
+    tail: Block | None = None
+    tail_tokens: int = 0
+
+
 class BlockStore(Protocol):
     """Where blocks outlive the process (:class:`~qwen_serve.prefix_store.PrefixStore`)."""
 
@@ -63,9 +87,10 @@ class BlockStore(Protocol):
 class PrefixCache:
     """Blocks of ``block`` tokens of the rows of ``slots``, at most ``capacity`` bytes."""
 
-    def __init__(self, slots: SlotCache, block: int, capacity: int) -> None:
-        self.slots, self.block, self.capacity = slots, block, capacity
+    def __init__(self, slots: SlotCache, block: int, capacity: int, turns: bool = False) -> None:
+        self.slots, self.block, self.capacity, self.turns = slots, block, capacity, turns
         self.blocks: dict[bytes, Block] = {}
+        self.tails: dict[bytes, Block] = {}  # with turns: where requests stopped, after a chain of blocks
         self.nbytes = 0
         self.clock = 0
         self.hits = self.hit_tokens = self.lookups = 0
@@ -83,8 +108,9 @@ class PrefixCache:
         if self.disk is not None:
             self.disk.close()
 
-    def lookup(self, prompt: Sequence[int]) -> list[Block]:
-        """The longest chain of cached blocks that is a prefix of ``prompt`` (at least one token left over)."""
+    def lookup(self, prompt: Sequence[int]) -> Hit:
+        """The longest chain of cached blocks that is a prefix of ``prompt`` (at least one token left over),
+        continued by the tail that restores most of the rest (with ``turns``)."""
         chain, key = [], ROOT
         self.lookups += 1
         for end in range(self.block, len(prompt), self.block):  # end < len(prompt): one token is left
@@ -93,19 +119,53 @@ class PrefixCache:
             if found is None:
                 break
             chain.append(found)
+        hit = self._longest_tail(prompt, chain) if self.tails else Hit(chain, len(chain) * self.block)
         self.clock += 1
-        for b in chain:
+        for b in hit.blocks + ([hit.tail] if hit.tail else []):
             b.used = self.clock
-        if chain:
+        if hit.length:
             self.hits += 1
-            self.hit_tokens += len(chain) * self.block
-            if self.disk is not None:
-                self.disk.touch([b.key for b in chain])
-        return chain
+            self.hit_tokens += hit.length
+            if self.disk is not None and hit.blocks:
+                self.disk.touch([b.key for b in hit.blocks])
+        return hit
 
-    def restore(self, row: int, chain: list[Block]) -> int:
-        """Write a chain of blocks into ``row`` of the slots (reset before); returns the tokens it holds."""
-        length = len(chain) * self.block
+    def _longest_tail(self, prompt: Sequence[int], chain: list[Block]) -> Hit:
+        """The chain, or a prefix of it and a tail after that, whichever restores more of ``prompt``."""
+        depth = {ROOT: 0, **{b.key: i + 1 for i, b in enumerate(chain)}}
+        ids = np.asarray(prompt, np.int64)
+        best = Hit(chain, len(chain) * self.block)
+        for tail in self.tails.values():
+            if tail.parent not in depth:
+                continue
+            start = depth[tail.parent] * self.block
+            rest = ids[start:len(ids) - 1]  # one token is left
+            n = min(len(tail.tokens), len(rest))
+            same = int(np.argmin(np.append(tail.tokens[:n] == rest[:n], False)))  # the common prefix's length
+            if tail.state and same < len(tail.tokens):
+                continue  # a recurrent state is the tail's end's only
+            if same and start + same > best.length:
+                best = Hit(chain[:depth[tail.parent]], start + same, tail, same)
+        return best
+
+    def restore(self, row: int, hit: Hit) -> int:
+        """Write what a lookup found into ``row`` of the slots (reset before); returns the tokens it holds."""
+        self._write_blocks(row, hit.blocks)
+        if hit.tail is not None:
+            start, stop = len(hit.blocks) * self.block, hit.length
+            kv = iter(hit.tail.kv)
+            for layer in self.slots.layers:
+                if isinstance(layer, KVCache):
+                    keys, values = next(kv)
+                    layer.keys[row, :, start:stop] = keys[:, :hit.tail_tokens]
+                    layer.values[row, :, start:stop] = values[:, :hit.tail_tokens]
+            self._write_state(row, hit.tail)
+        elif hit.blocks:
+            self._write_state(row, hit.blocks[-1])
+        self.slots.lengths[row] = hit.length
+        return hit.length
+
+    def _write_blocks(self, row: int, chain: list[Block]) -> None:
         for i, b in enumerate(chain):
             kv = iter(b.kv)
             for layer in self.slots.layers:
@@ -113,13 +173,56 @@ class PrefixCache:
                     keys, values = next(kv)
                     layer.keys[row, :, i * self.block:(i + 1) * self.block] = keys
                     layer.values[row, :, i * self.block:(i + 1) * self.block] = values
-        states = iter(chain[-1].state) if chain else iter(())
+
+    def _write_state(self, row: int, source: Block) -> None:
+        states = iter(source.state)
         for layer in self.slots.layers:
             if not isinstance(layer, KVCache):
                 for name, value in next(states).items():
                     getattr(layer, name)[row] = value
-        self.slots.lengths[row] = length
-        return length
+
+    def store_tail(self, row: int, tokens: Sequence[int]) -> None:
+        """Keep where ``row`` stopped (with ``turns``): ``tokens`` are all it holds; the tail is what follows
+        their longest chain of cached blocks.  Stored if it fits (a tail is evicted like a leaf block)."""
+        if not self.turns or len(tokens) != self.slots.lengths[row]:
+            return
+        parent, start = ROOT, 0
+        while start + self.block <= len(tokens):
+            key = block_key(parent, tokens[start:start + self.block])
+            if key not in self.blocks:
+                break
+            parent, start = key, start + self.block
+        if start == len(tokens):
+            return  # whole blocks: nothing to add
+        own = np.asarray(tokens[start:], np.int64)
+        key = block_key(parent + TAIL_SALT, own)
+        if key in self.tails:
+            self.clock += 1
+            self.tails[key].used = self.clock
+            return
+        kv, state = self._copy_row(row, start, len(tokens))
+        nbytes = sum(k.nbytes + v.nbytes for k, v in kv) + sum(a.nbytes for s in state for a in s.values())
+        if nbytes > self.capacity or not self.evict(self.nbytes + nbytes - self.capacity, keep=parent):
+            return
+        tail = Block(parent, kv, state, nbytes, key=key, tokens=own)
+        self.clock += 1
+        tail.used = self.clock
+        self.tails[key] = tail
+        self.nbytes += nbytes
+        if parent != ROOT:
+            self.blocks[parent].children += 1
+
+    def _copy_row(self, row: int, start: int, end: int) -> tuple[list[tuple[np.ndarray, np.ndarray]],
+                                                                 list[dict[str, np.ndarray]]]:
+        """Copies of ``row``'s keys and values of tokens ``start .. end-1`` and its whole other state."""
+        kv, state = [], []
+        for layer in self.slots.layers:
+            if isinstance(layer, KVCache):
+                kv.append((layer.keys[row, :, start:end].copy(), layer.values[row, :, start:end].copy()))
+            else:
+                state.append({name: value[row].copy() for name, value in vars(layer).items()
+                              if isinstance(value, np.ndarray)})
+        return kv, state
 
     def store(self, row: int, prompt: Sequence[int], end: int) -> None:
         """Keep the block of ``prompt`` ending at ``end`` (a multiple of ``block``) as ``row`` holds it now, if its
@@ -131,13 +234,7 @@ class PrefixCache:
         key = block_key(parent, prompt[start:end])
         if key in self.blocks or (parent != ROOT and parent not in self.blocks):
             return
-        kv, state = [], []
-        for layer in self.slots.layers:
-            if isinstance(layer, KVCache):
-                kv.append((layer.keys[row, :, start:end].copy(), layer.values[row, :, start:end].copy()))
-            else:
-                state.append({name: value[row].copy() for name, value in vars(layer).items()
-                              if isinstance(value, np.ndarray)})
+        kv, state = self._copy_row(row, start, end)
         nbytes = sum(k.nbytes + v.nbytes for k, v in kv) + sum(a.nbytes for s in state for a in s.values())
         if nbytes > self.capacity or not self.evict(self.nbytes + nbytes - self.capacity, keep=parent):
             return
@@ -155,14 +252,14 @@ class PrefixCache:
             self.blocks[block.parent].children += 1
 
     def evict(self, need: int, keep: bytes = ROOT) -> bool:
-        """Free at least ``need`` bytes, least recently used leaves first (never ``keep``); False if that is not
-        possible."""
+        """Free at least ``need`` bytes, least recently used leaves (tails and blocks without cached children)
+        first, never ``keep``; False if that is not possible."""
         while need > 0:
             leaves = [b for b in self.blocks.values() if b.children == 0 and b.key != keep]
-            if not leaves:
+            victim = min([*leaves, *self.tails.values()], key=lambda b: b.used, default=None)
+            if victim is None:
                 return False
-            victim = min(leaves, key=lambda b: b.used)
-            del self.blocks[victim.key]
+            del (self.tails if victim.key in self.tails else self.blocks)[victim.key]
             self.nbytes -= victim.nbytes
             need -= victim.nbytes
             if victim.parent != ROOT:
@@ -170,4 +267,4 @@ class PrefixCache:
         return True
 
 
-__all__ = ["Block", "BlockStore", "PrefixCache"]
+__all__ = ["Block", "BlockStore", "Hit", "PrefixCache"]

@@ -5,7 +5,8 @@
 Turn 1 is ``--turn1`` random token ids, answered greedily with 8 tokens; turn 2 is turn 1, its answer and 40
 more ids, as a chat's next prompt is the whole history.  The same model runs once with the cache off and
 once on (a fresh engine each, batch of one); the cache turns turn 2's prefill into a restore of turn 1's
-blocks plus the rest.
+blocks plus the rest.  A third run has ``cache_turns`` on (``qwen-serve --cache-turns``): turn 2 resumes where
+turn 1's answer stopped and prefills only the 40 new ids and the answer's last token.
 """
 
 from __future__ import annotations
@@ -51,19 +52,20 @@ def measure(path: str, turn1_tokens: int) -> dict[str, object]:
     turn1 = rng.integers(1000, min(100000, model.config.vocab_size), turn1_tokens).tolist()
     extra = rng.integers(1000, min(100000, model.config.vocab_size), 40).tolist()
     runs = []
-    for cache in (0, None):
+    for name, cache, turns in (("off", 0, False), ("on", None, False), ("turns", None, True)):
         engine = Engine(model, tokenizer, frozenset(), max_batch=1, max_context=turn1_tokens + 512,
-                        cache_memory=cache)
+                        cache_memory=cache, cache_turns=turns)
         engine.start()
         try:
             t1, answer = first_token(engine, turn1, 8)
             t2, _ = first_token(engine, turn1 + answer + extra, 4)
         finally:
             engine.stop()
-        runs.append({"cache": "off" if cache == 0 else "on", "turn1_ttft_s": t1, "turn2_ttft_s": t2})
+        runs.append({"cache": name, "turn1_ttft_s": t1, "turn2_ttft_s": t2})
         print(json.dumps({"model": path, **runs[-1]}), flush=True)
     return {"model": path, "turn1_tokens": turn1_tokens, "runs": runs,
-            "turn2_speedup": runs[0]["turn2_ttft_s"] / runs[1]["turn2_ttft_s"]}
+            "turn2_speedup": runs[0]["turn2_ttft_s"] / runs[1]["turn2_ttft_s"],
+            "turn2_speedup_turns": runs[0]["turn2_ttft_s"] / runs[2]["turn2_ttft_s"]}
 
 
 def main() -> int:
@@ -75,7 +77,8 @@ def main() -> int:
     results = [measure(m, args.turn1) for m in args.models]
     for r in results:
         print(f"{r['model']}: turn-2 TTFT {r['runs'][0]['turn2_ttft_s']:.2f} s off, "
-              f"{r['runs'][1]['turn2_ttft_s']:.2f} s on: {r['turn2_speedup']:.1f}x")
+              f"{r['runs'][1]['turn2_ttft_s']:.2f} s on: {r['turn2_speedup']:.1f}x, "
+              f"{r['runs'][2]['turn2_ttft_s']:.2f} s with turns: {r['turn2_speedup_turns']:.1f}x")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0

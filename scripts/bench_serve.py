@@ -53,6 +53,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_models import MODELS, build_checkpoint  # noqa: E402
 
+from qwen_runtime.pool import ACTIVATION_CHOICES  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["rivers", "prime numbers", "the moon", "sorting", "bread", "volcanoes", "chess", "tea", "bridges",
           "owls", "glass", "maps", "bees", "clocks", "salt", "comets"]
@@ -183,7 +185,8 @@ def multi_turn(port: int, conversations: int, words: int, max_tokens: int) -> li
 
 def our_command(model: Path, port: int, args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "qwen_serve", str(model), "--port", str(port), "--max-batch", str(args.max_batch),
-            "--threads", str(args.threads), "--ctx", str(args.ctx), "--model-name", "bench", "--log-level", "warning"]
+            "--threads", str(args.threads), "--ctx", str(args.ctx), "--model-name", "bench", "--log-level", "warning",
+            "--activations", args.activations, *args.serve_args.split()]
 
 
 def llama_server_command(model: Path, port: int, args: argparse.Namespace) -> list[str]:
@@ -302,8 +305,11 @@ def load_samples(run: dict[str, Any]) -> list[Sample]:
 def table(result: dict[str, Any]) -> str:
     """The README rows of a run: per model, the sweep of both servers side by side, then the multi-turn rows."""
     dirty = " (with uncommitted changes)" if result["dirty"] else ""
+    flags = " ".join(a for a in (f"--activations {result.get('activations', 'float')}", result.get("serve_args"))
+                    if a and a != "--activations float")
     lines = [f"{result['date']}, commit {result['commit'][:7]}{dirty}, {result['machine']}, "
              f"{result['threads']} threads each, --max-batch/-np {result['max_batch']}, "
+             + (f"qwen-serve {flags}, " if flags else "") +
              f"{result['max_tokens']} tokens per request; load average "
              + ", ".join(f"{r['server']} {r['load_before'][0]:.1f}->{r['load_after'][0]:.1f}" for r in result["runs"]),
              ""]
@@ -388,6 +394,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of each server (default: all CPUs)")
     p.add_argument("--llama-args", default="", metavar="ARGS",
                    help="more llama-server arguments, one string (default: none, its own defaults)")
+    p.add_argument("--activations", choices=ACTIVATION_CHOICES, default="float",
+                   help="qwen-serve's --activations (default float)")
+    p.add_argument("--serve-args", default="", metavar="ARGS",
+                   help="more qwen-serve arguments, one string, e.g. '--cache-turns' (default: none)")
     p.add_argument("--conversations", type=int, default=3, help="multi-turn conversations (default 3; 0: none)")
     p.add_argument("--turn1-words", type=int, default=1500, help="random words of turn 1 (default 1500)")
     p.add_argument("--turn-tokens", type=int, default=16, help="completion tokens of each turn (default 16)")
@@ -418,7 +428,7 @@ def main() -> int:
     result = {"date": started.strftime("%Y-%m-%d %H:%M UTC"), "commit": commit, "dirty": dirty, "machine": machine(),
               "threads": args.threads, "max_batch": args.max_batch, "ctx": args.ctx, "max_tokens": args.max_tokens,
               "clients": args.clients, "conversations": args.conversations, "turn1_words": args.turn1_words,
-              "turn_tokens": args.turn_tokens,
+              "turn_tokens": args.turn_tokens, "activations": args.activations, "serve_args": args.serve_args,
               "seconds": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(), "runs": runs}
     out = args.json or default_json(commit)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -200,3 +200,35 @@ def test_batch_tools_without_ray_are_one_line(monkeypatch: pytest.MonkeyPatch, t
     text.write_text("def f(x):\n    return x\n" * 20)
     assert eval_cli.main([model, "-f", str(text), "-c", "16", "--executor", "ray"]) == 1
     assert "ray extra" in one_error_line(capsys, "qwen-eval")
+
+
+def test_eval_passes_activations_to_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``qwen-eval --activations q8`` loads its models (and the reference) with 8-bit activations."""
+    seen: list[str] = []
+
+    def fake_load(path: str, **kwargs: object) -> None:
+        seen.append(str(kwargs["activations"]))
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(eval_cli, "load", fake_load)
+    text = tmp_path / "t.txt"
+    text.write_text("one two three")
+    assert eval_cli.main([str(fixture_dir("qwen3-tiny")), "-f", str(text), "--activations", "q8"]) == \
+        EXIT_CODES[ConfigError]
+    assert seen == ["q8"]
+
+
+def test_serve_takes_activations_and_turns(converted: Converted, capsys: pytest.CaptureFixture[str]) -> None:
+    """``qwen-serve --activations q8 --cache-turns``: the app's model multiplies 8-bit activations and its prefix
+    cache keeps turns (the banner says both); --cache-turns without a prefix cache is refused."""
+    app_module = pytest.importorskip("qwen_serve.app")
+    args = serve_cli.configure_parser().parse_args(["M", "--activations", "q8", "--cache-turns"])
+    assert args.activations == "q8" and args.cache_turns
+    app = app_module.create_app(converted("qwen3-tiny", "gguf", "q8_0"), kernels="numba",
+                                activations=args.activations, cache_turns=args.cache_turns)
+    banner = app_module.startup_banner(app, "http://x")
+    assert app.state.server.engine.model.workspace.activations == "q8"
+    assert "8-bit activations" in banner and "with turns" in banner
+    with pytest.raises(SystemExit) as exc:
+        serve_cli.main(["M", "--cache-turns", "--cache-memory", "0"])
+    assert exc.value.code == 2 and "--cache-turns needs the prefix cache" in capsys.readouterr().err

@@ -257,4 +257,114 @@ def test_prefix_cache_evicts_the_least_recently_used_leaf() -> None:
     fill(a, cache, 24)  # the third block finds no leaf to evict but its own parent: not stored
     assert len(cache.blocks) == 2 and cache.nbytes == 2 * sizer.nbytes
     fill(b, cache, 16)  # shares a's first block; its second evicts a's second, the least recently used leaf
-    assert [len(cache.lookup(a)), len(cache.lookup(b))] == [1, 2]
+    assert [len(cache.lookup(a).blocks), len(cache.lookup(b).blocks)] == [1, 2]
+
+
+# --- turns: the cache also keeps where each request stopped ----------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen3-tiny", "qwen35-tiny"])
+def test_cache_turns_resume_where_the_last_turn_stopped(family: str) -> None:
+    """With ``cache_turns`` each turn restores the previous turn's prompt and answer (all but the answer's last
+    token, which was never fed back) and prefills only the rest.  The restored answer was decoded token by token
+    where a cache-off prompt prefills it, so only float32 rounding may differ: the same greedy tokens, logprobs
+    within 1e-4 (a few ulps of the logits, through a few layers), and no block is stored from a resumed row.
+    Qwen3.5's tails are its answers' and its prompts' but for their last token (see the next test)."""
+    model = qwen_runtime.load(fixture_dir(family))
+    tok = chat_format(model).tokenizer
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 400, n).tolist() for n in (37, 11, 20)]
+    results, status = {}, {}
+    for turns_on in (False, True):
+        engine = Engine.Engine(model, tok, frozenset(), max_batch=4, prefill_chunk=8, cache_memory=64 << 20,
+                               cache_turns=turns_on)
+        engine.start()
+        try:
+            results[turns_on] = turns(engine, prompts)
+            status[turns_on] = engine.status()["prefix_cache"]
+        finally:
+            engine.stop()
+    for (tokens_off, logprobs_off), (tokens_on, logprobs_on) in zip(results[False], results[True], strict=True):
+        assert tokens_on == tokens_off
+        np.testing.assert_allclose(logprobs_on, logprobs_off, rtol=0, atol=1e-4)
+    if family == "qwen3-tiny":  # turn 1 restores nothing: bit for bit (Qwen3.5's last prompt token gets a pass
+        assert results[True][0] == results[False][0]  # of its own, for the tail before it)
+    # turn 2 resumes at 37 + 5 tokens, turn 3 at 54 + 5; the blocks stay turn 1's 4, plus each answer's tail and
+    # each prompt's (Qwen3.5: turn 1's only, before its last token; resumed prompts go on in one pass)
+    assert status[False]["hit_tokens"] == 32 + 48 and status[False]["tails"] == 0
+    assert status[True]["hits"] == 2 and status[True]["hit_tokens"] == 42 + 59
+    assert status[True]["blocks"] == 4 and status[True]["tails"] == (6 if family == "qwen3-tiny" else 4)
+
+
+@pytest.mark.parametrize(("family", "resumed"), [("qwen3-tiny", 36), ("qwen35-tiny", 36)])
+def test_a_next_prompt_that_changes_the_last_prompt_token_resumes_before_it(family: str, resumed: int) -> None:
+    """A next prompt whose text tokenized differently where the last prompt met its answer (its last token is
+    another): attention restores the part of a tail that matches, and Qwen3.5 the tail kept before the prompt's
+    last token (a recurrent state restores only whole)."""
+    model = qwen_runtime.load(fixture_dir(family))
+    engine = Engine.Engine(model, chat_format(model).tokenizer, frozenset(), max_batch=2, prefill_chunk=8,
+                           cache_memory=64 << 20, cache_turns=True)
+    engine.start()
+    try:
+        first = list(range(100, 137))  # 37 tokens: blocks end at 32, the last token is at 36
+        turns(engine, [first])
+        turns(engine, [first[:-1] + [5, 6, 7]])
+        status = engine.status()["prefix_cache"]
+    finally:
+        engine.stop()
+    assert status["hits"] == 1 and status["hit_tokens"] == resumed
+
+
+@pytest.mark.parametrize(("family", "resumed"), [("qwen3-tiny", 18), ("qwen35-tiny", 16)])
+def test_a_tail_restores_partly_only_without_recurrent_state(family: str, resumed: int) -> None:
+    """A prompt that leaves a tail after 2 of its 4 tokens: attention layers take those 2 tokens' keys and values
+    (and the row then computes exactly what the original row cut back there computes), a recurrent state only
+    the whole tail, so Qwen3.5 restores the blocks alone."""
+    model = qwen_runtime.load(fixture_dir(family))
+    slots = SlotCache(model, 2, 64)
+    cache = PrefixCache(slots, 8, 10**9, turns=True)
+    tokens = list(range(50, 70))
+    slots.reset(0)
+    for start, end in ((0, 8), (8, 16), (16, 20)):  # two whole blocks, then a tail of 4 tokens
+        model.forward(np.asarray([tokens[start:end]]), slots.rows(0, 1))
+        if end % 8:
+            cache.store_tail(0, tokens)
+        else:
+            cache.store(0, tokens, end)
+    assert len(cache.blocks) == 2 and len(cache.tails) == 1
+    prompt = tokens[:18] + [7, 9]
+    hit = cache.lookup(prompt)
+    assert hit.length == resumed and len(hit.blocks) == 2
+    slots.reset(1)
+    assert cache.restore(1, hit) == resumed
+    slots.lengths[0] = resumed
+    ws = model.lm_head.ws
+    with ws.rowwise():
+        original = model.forward(np.asarray([prompt[resumed:]]), slots.rows(0, 1), last_only=True)
+    if family == "qwen3-tiny":
+        with ws.rowwise():
+            restored = model.forward(np.asarray([prompt[resumed:]]), slots.rows(1, 2), last_only=True)
+        assert np.array_equal(restored, original)
+
+
+def test_tails_are_evicted_first_by_age_and_keep_their_parent_block() -> None:
+    """Tails are leaves: the least recently used goes first, and the block a tail follows stays while it has one."""
+    model = qwen_runtime.load(fixture_dir("qwen35-tiny"))
+    slots = SlotCache(model, 1, 64)
+    sizer = PrefixCache(slots, 8, 10**9, turns=True)
+    block, tail = list(range(10, 18)), [3, 4, 5]
+    slots.reset(0)
+    model.forward(np.asarray([block]), slots.rows(0, 1))
+    sizer.store(0, block, 8)
+    model.forward(np.asarray([tail]), slots.rows(0, 1))
+    sizer.store_tail(0, block + tail)
+    cache = PrefixCache(slots, 8, sizer.nbytes, turns=True)  # a block and a tail of 3 tokens
+    slots.lengths[0] = 8
+    cache.store(0, block, 8)
+    for last in (3, 4):  # two tails after the block, room for one: the second evicts the first
+        slots.lengths[0] = 8
+        model.forward(np.asarray([[1, 2, last]]), slots.rows(0, 1))
+        cache.store_tail(0, block + [1, 2, last])
+    assert len(cache.blocks) == 1 and [t.tokens.tolist() for t in cache.tails.values()] == [[1, 2, 4]]
+    assert next(iter(cache.blocks.values())).children == 1
+    assert cache.lookup(block + [1, 2, 4, 0]).length == 11 and cache.lookup(block + [1, 2, 3, 0]).length == 8

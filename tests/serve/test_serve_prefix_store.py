@@ -236,6 +236,30 @@ def test_a_restarted_server_hits_the_cache_in_turn_2(tmp_path: Path) -> None:
     assert got.model_dump() == expected.model_dump() and got.content
 
 
+@pytest.mark.slow
+def test_a_chats_turn_2_resumes_from_a_tail_over_http() -> None:
+    """Through HTTP with cache_turns (``--cache-turns``): turn 2 of a chat restores more of its prompt than whole
+    blocks give (a tail of turn 1's prompt and answer, as far as the rendered history matches it), and its greedy
+    answer is the one a server without tails gives."""
+    from serve_helpers import running_server
+    from test_serve import scrape
+
+    model = fixture_dir("qwen3-tiny")
+    turn1 = [{"role": "user", "content": "Tell me about the rivers and the mountains of the north, in detail."}]
+    options = {"model": "qwen3-tiny", "temperature": 0.0, "max_tokens": 8}
+    answers, restored = [], []
+    for turns in (False, True):
+        with running_server(model, prefill_chunk=BLOCK, cache_turns=turns) as server:
+            first = server.client().chat.completions.create(messages=turn1, **options).choices[0].message.content
+            turn2 = turn1 + [{"role": "assistant", "content": first}, {"role": "user", "content": "And the lakes?"}]
+            answers.append(server.client().chat.completions.create(messages=turn2, **options).choices[0].message)
+            metrics = scrape(server.url)
+            restored.append(metrics["qwen_serve_prefix_cache_hit_tokens"])
+            assert metrics["qwen_serve_prefix_cache_tails"] == (4 if turns else 0)  # two per request
+    assert answers[1].model_dump() == answers[0].model_dump() and answers[0].content
+    assert restored[1] > restored[0] and restored[1] % BLOCK
+
+
 def test_cache_dir_without_a_prefix_cache_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     from qwen_serve.cli import main
 
