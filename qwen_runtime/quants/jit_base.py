@@ -244,7 +244,7 @@ def gemv1_rows(group, raw, x, args, out):
 
 @inline
 def gemv_groups(group, raw, x, args, out):
-    """``out[i, r] = x[i] @ W[r]`` for 1..GEMV_ROWS rows: the rows in groups of GROUP_ROWS, then the rest in
+    """``out[i, r] = x[i] @ W[r]`` for any number of rows: the rows in groups of GROUP_ROWS, then the rest in
     groups of 4, 2 and 1 (its binary digits), each by ``group(count, raw, r, x, first row, args, out, acc)``
     with a literal count (its own specialisation, accumulators in registers); a row's operations do not depend
     on its group.  Every count 1-7 as its own group ran 7 rows in 0.19 against 0.25 ms per million weights
@@ -299,7 +299,10 @@ class JitKernel:
     block: int
     type_size: int
     constants: tuple = ()
-    direct_rows = 8  # products of up to this many rows read the blocks directly (measured crossover: 8-16)
+    # Products of up to this many rows read the blocks directly, more decode a tile for BLAS.  One thread, ms of CPU
+    # per million weights, row kernels / tile + BLAS: Q8_0 4864 x 896 16 rows 0.46 / 0.67, 32 rows 0.84 / 1.43, 64
+    # rows 1.66 / 2.00; 896 x 4864 32 rows 1.04 / 1.44; Q4_K 4864 x 1024 32 rows 1.22 / 1.48, 64 rows 2.31 / 1.94.
+    direct_rows = 32
 
     def __init__(self, raw: np.ndarray) -> None:
         raw = np.asarray(raw)

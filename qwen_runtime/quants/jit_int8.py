@@ -51,6 +51,7 @@ from numba import carray, config, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..pool import Scratch
 from .iq4 import IQ4_LEVELS, IQ4_NL, IQ4_XS
 from .jit_base import (
     ACC_FLOATS,
@@ -704,17 +705,27 @@ def q5_1_gemv_q8(raw, xq, xd, xsum, table, out):
 
 class Int8Kernel(JitKernel):
     """A matrix with 8-bit activations: up to ``direct_rows`` rows (and every row inside ``Workspace.rowwise``) by
-    integer dot products (``gemv1_q8``/``gemv_q8``), more rows exactly as the type's float kernel (``exact``:
-    decoded tile, BLAS)."""
+    integer dot products (``gemv1_q8``/``gemv_q8``), more rows exactly as the type's float kernel (``exact``)."""
 
     block = Q8_ACT_BLOCK
     constants = (F16_TABLE,)
+    direct_rows = 8  # the multi-row kernels hold GEMV_ROWS rows' accumulators; crossover with the exact tile: 8-16
     exact: tuple[str, str]  # (module of this package, float kernel class) whose decoder prefill uses
 
     def __init__(self, raw: np.ndarray) -> None:
         super().__init__(raw)
         module, name = self.exact
-        self.decode = getattr(importlib.import_module(f".{module}", __package__), name).decode
+        self.exact_kernel = getattr(importlib.import_module(f".{module}", __package__), name)(raw)
+        self.decode = self.exact_kernel.decode
+
+    def product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
+        """Up to :attr:`direct_rows` rows by the integer dot products, more as the float kernel multiplies them
+        (its own row kernels up to its ``direct_rows``, then a decoded tile and BLAS)."""
+        x = xk[0]
+        if len(x) <= self.direct_rows:
+            super().product(r0, r1, xk, out, scratch)
+            return
+        self.exact_kernel.product(r0, r1, self.exact_kernel.prepare(x), out, scratch)
 
     def activations(self, x: np.ndarray) -> tuple:
         """:func:`quantize_rows`'s ``q`` and ``d`` in the forms the kernels read (:meth:`forms`)."""

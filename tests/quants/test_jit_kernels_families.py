@@ -131,7 +131,7 @@ def test_each_row_is_the_same_alone_and_in_any_batch(qtype: QType) -> None:
     cols = columns(qtype)
     raw = random_rows(qtype, 40, cols, seed=4)
     kernel = jit_kernel(qtype, raw)
-    x = activations(GEMV_ROWS + 3, cols, seed=5)
+    x = activations(max(GEMV_ROWS, kernel.direct_rows) + 3, cols, seed=5)
     scratch = Scratch()
     alone = np.empty((len(x), 40), np.float32)
     for i in range(len(x)):
