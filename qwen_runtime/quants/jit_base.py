@@ -328,7 +328,9 @@ class JitKernel:
     def prepare(self, x: np.ndarray) -> tuple:
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"activations of shape {x.shape} for a matrix of {self.in_features} columns")
-        x = aligned(np.ascontiguousarray(x, dtype=np.float32))
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if len(x) <= self.direct_rows:  # the row kernels' loads (BLAS takes the tile path's rows as they are)
+            x = aligned(x)
         return (x, *self.activations(x))
 
     def product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
