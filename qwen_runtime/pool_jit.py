@@ -56,6 +56,36 @@ def load_fresh(typingctx, array, index):  # noqa: ARG001
 
 
 @intrinsic
+def fetch_add(typingctx, array, index, value):  # noqa: ARG001
+    """``array[index] += value`` on an int64 array, atomically (acquire-release); returns the value before."""
+    if not isinstance(array, types.Array) or array.dtype != types.int64 or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        value = context.cast(builder, args[2], signature.args[2], types.int64)
+        return builder.atomic_rmw("add", builder.gep(data, [args[1]]), value, "acq_rel")
+
+    return types.int64(array, index, value), codegen
+
+
+@intrinsic
+def store_fresh(typingctx, array, index, value):  # noqa: ARG001
+    """``array[index] = value`` on an int64 array, a release store: whatever the thread wrote before is visible to a
+    thread whose :func:`load_fresh` reads the value."""
+    if not isinstance(array, types.Array) or array.dtype != types.int64 or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        value = context.cast(builder, args[2], signature.args[2], types.int64)
+        builder.store_atomic(value, builder.gep(data, [args[1]]), "release", 8)
+        return context.get_dummy_value()
+
+    return types.void(array, index, value), codegen
+
+
+@intrinsic
 def cycles(typingctx):  # noqa: ARG001
     """The CPU's cycle counter (``llvm.readcyclecounter``: the time-stamp counter on x86, constant-rate)."""
     def codegen(context, builder, signature, args):

@@ -24,6 +24,7 @@ from ..ops import rms_norm
 from ..pool import STEP_TOKENS
 from ..weights import TiledWeight, gated_matmul
 from .base import Mixer, WeightStore, make_mixer
+from .decode_step import DecodeStep
 
 
 @functools.cache
@@ -78,6 +79,8 @@ class Model:
         self.lm_head = self.embed if self.tied else store.matrix(MODEL_TENSOR.OUTPUT)
         self.workspace = store.workspace
         self._row_kernels = all(not isinstance(w, TiledWeight) or w.compiled for w in store.matrices())
+        # every layer of a decode step in one compiled call per thread, when the model qualifies
+        self.step = DecodeStep.offer(config, self.blocks, self.workspace)
 
     @property
     def path(self) -> Path:
@@ -174,6 +177,10 @@ class Model:
         state = cache.begin(valid)
         b, t = ids.shape
         h = self.embed.rows(ids.reshape(-1)).reshape(b, t, -1)  # [B, T, H]
+        if states is None and self.step is not None and self.step.runs(b, t):
+            self.step(h.reshape(b, -1), cache, state)  # h [B, 1, H] updated in place
+            cache.commit(state)
+            return h
         if states is not None:
             states.append(h)
         for blk, layer_cache in zip(self.blocks, cache.layers, strict=True):

@@ -273,6 +273,113 @@ def gemv_groups(group, raw, x, args, out):
                 group(1, raw, r, x, i0, args, out, acc)
 
 
+# The C signature of a type's row product (``<type>_rows``), which the compiled decode step calls through its address
+# (:mod:`qwen_runtime.models.step_jit`): ``(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out,
+# out_stride)``, addresses and sizes as int64: ``out[i, r] = x[i] @ W[r]`` for the ``rows`` stored rows at ``raw``
+# and the ``n`` (at most GEMV_ROWS) activation rows at ``x`` [n, cols]; ``sums`` [n, sums_cols] the activations' block
+# sums the type takes (:meth:`JitKernel.sums_width`), ``table`` the float16 table, ``out`` rows ``out_stride`` floats
+# apart.  One product function per type, each a thin call of the type's ``gemv1``/``gemv``.
+ROW_PRODUCT = types.void(*([types.int64] * 11))
+row_cfunc = numba.cfunc(ROW_PRODUCT, nopython=True, cache=True)
+
+
+@intrinsic
+def f32_at(typingctx, address):  # noqa: ARG001
+    """The int64 ``address`` as a float32 pointer (for ``numba.carray``)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.float32)))
+
+    return types.CPointer(types.float32)(address), codegen
+
+
+@intrinsic
+def u8_at(typingctx, address):  # noqa: ARG001
+    """The int64 ``address`` as a uint8 pointer (for ``numba.carray``)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint8)))
+
+    return types.CPointer(types.uint8)(address), codegen
+
+
+@intrinsic
+def call_product(typingctx, function, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out,
+                 out_stride):  # noqa: ARG001
+    """Call the :data:`ROW_PRODUCT` at address ``function`` (a type's ``<type>_rows``.address) with the other
+    arguments, every one an int64."""
+    operands = (raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
+    if not all(isinstance(a, types.Integer) for a in (function, *operands)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        kind = ir.FunctionType(ir.VoidType(), [i64] * len(operands))
+        target = builder.inttoptr(args[0], kind.as_pointer())
+        builder.call(target, [context.cast(builder, a, t, types.int64) for a, t in zip(args[1:], signature.args[1:],
+                                                                                        strict=True)])
+        return context.get_dummy_value()
+
+    return types.void(function, *operands), codegen
+
+
+@inline
+def product_arrays(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    """The arrays of a :data:`ROW_PRODUCT` call: stored rows uint8 [rows, row_bytes], activations [n, cols], sums
+    [n, sums_cols], the float16 table and the output columns [n, rows] (rows ``out_stride`` apart)."""
+    return (numba.carray(u8_at(raw), (rows, row_bytes)), numba.carray(f32_at(x), (n, cols)),
+            numba.carray(f32_at(sums), (n, sums_cols)), numba.carray(f32_at(table), (F16_TABLE.size,)),
+            numba.carray(f32_at(out), (n, out_stride))[:, :rows])
+
+
+@inline
+def sums_product(gemv1, gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    """A :data:`ROW_PRODUCT` of a type whose kernels take ``(raw, x, sums, table, out)`` (raw as uint8)."""
+    w, xs, s, t, o = product_arrays(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
+    if n == 1:
+        gemv1(w, xs, s, t, o)
+    else:
+        gemv(w, xs, s, t, o)
+
+
+@inline
+def table_product(gemv1, gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride, dtype):
+    """A :data:`ROW_PRODUCT` of a type whose kernels take ``(raw, x, table, out)``, raw viewed as ``dtype``."""
+    w, xs, _, t, o = product_arrays(raw, rows, row_bytes, x, n, cols, sums, 0, table, out, out_stride)
+    if n == 1:
+        gemv1(w.view(dtype), xs, t, o)
+    else:
+        gemv(w.view(dtype), xs, t, o)
+
+
+@compiled(types.void(F32_2D_C, types.int64, F32_2D_C), contract=False)
+def block_sums(x, width, out):
+    """``out[i, j] = Σ x[i, j*width : (j+1)*width]``, the activations' block sums of the types with minimums, in
+    numpy's pairwise order (eight running sums of every eighth value, then ``((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))``):
+    :meth:`JitKernel.activations` and the compiled decode step both take them from here.  # [N, n] -> [N, n/width]"""
+    s = np.empty(8, np.float32)
+    for i in range(x.shape[0]):
+        for j in range(out.shape[1]):
+            base = j * width
+            for k in range(8):
+                s[k] = x[i, base + k]
+            for k in range(8, width, 8):
+                for m in range(8):
+                    s[m] += x[i, base + k + m]
+            out[i, j] = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+
+
+def sums_of(x: np.ndarray, width: int) -> np.ndarray:
+    """:func:`block_sums` of ``x`` (C-contiguous float32) in blocks of ``width``.  # [N, n] -> [N, n/width]"""
+    out = np.empty((len(x), x.shape[1] // width), np.float32)
+    block_sums(x, width, out)
+    return out
+
+
 def aligned(x: np.ndarray) -> np.ndarray:
     """``x`` (float32, C-contiguous) itself when it starts on an :data:`ALIGN`-byte boundary, else a copy that
     does."""
@@ -299,6 +406,10 @@ class JitKernel:
     block: int
     type_size: int
     constants: tuple = ()
+    # The type's ROW_PRODUCT (a compiled C function, called by address from the compiled decode step; None: the
+    # step is not offered) and the width of the activation block sums it takes (0: none; :func:`block_sums`).
+    row_product: object = None
+    sums_width = 0
     # Products of up to this many rows read the blocks directly, more decode a tile for BLAS.  One thread, ms of CPU
     # per million weights, row kernels / tile + BLAS: Q8_0 4864 x 896 16 rows 0.46 / 0.67, 32 rows 0.84 / 1.43, 64
     # rows 1.66 / 2.00; 896 x 4864 32 rows 1.04 / 1.44; Q4_K 4864 x 1024 32 rows 1.22 / 1.48, 64 rows 2.31 / 1.94.

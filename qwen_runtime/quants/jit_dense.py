@@ -38,6 +38,8 @@ from .jit_base import (
     inline,
     lanes_sum,
     prefetch,
+    product_arrays,
+    row_cfunc,
     rows_fma,
     stack_f32,
     zero_lanes,
@@ -183,6 +185,26 @@ def bf16_decode(raw, tile):
     decode_loop(bf16_to_f32, raw, tile)
 
 
+@inline
+def dense_product(gemv1, gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    """A :data:`~.jit_base.ROW_PRODUCT` of a 16-bit type (the stored rows as uint16, no sums, no table)."""
+    w, xs, _, _, o = product_arrays(raw, rows, row_bytes, x, n, cols, sums, 0, table, out, out_stride)
+    if n == 1:
+        gemv1(w.view(np.uint16), xs, o)
+    else:
+        gemv(w.view(np.uint16), xs, o)
+
+
+@row_cfunc
+def f16_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    dense_product(f16_gemv1, f16_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
+
+
+@row_cfunc
+def bf16_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    dense_product(bf16_gemv1, bf16_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
+
+
 class Dense16JitKernel(JitKernel):
     """A 16-bit dense matrix, stored rows viewed as uint16 (one element per "block")."""
 
@@ -198,11 +220,13 @@ class Dense16JitKernel(JitKernel):
 class F16JitKernel(Dense16JitKernel):
     qtype, type_size = QType.F16, 2
     gemv1, gemv, decode = staticmethod(f16_gemv1), staticmethod(f16_gemv), staticmethod(f16_decode)
+    row_product = f16_rows
 
 
 class BF16JitKernel(Dense16JitKernel):
     qtype, type_size = QType.BF16, 2
     gemv1, gemv, decode = staticmethod(bf16_gemv1), staticmethod(bf16_gemv), staticmethod(bf16_decode)
+    row_product = bf16_rows
 
 
 KERNELS = (F16JitKernel, BF16JitKernel)

@@ -18,7 +18,19 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, types
 
-from .jit_base import ACC_FLOATS, F32_1D, F32_2D, F32_2D_C, GEMV_ROWS, I8_2D, U8_2D, compiled, prefetch, stack_f32
+from .jit_base import (
+    ACC_FLOATS,
+    F32_1D,
+    F32_2D,
+    F32_2D_C,
+    GEMV_ROWS,
+    I8_2D,
+    U8_2D,
+    compiled,
+    prefetch,
+    stack_f32,
+    sums_of,
+)
 from .jit_int8 import (
     I16_2D,
     Int8Kernel,
@@ -31,7 +43,7 @@ from .jit_int8 import (
     lanes_zero,
     row_groups,
 )
-from .jit_kquants import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, k23_scales, q4_k_scales, sums_per_16, sums_per_32
+from .jit_kquants import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, k23_scales, q4_k_scales
 from .kquants import Q2_K, Q3_K
 
 Q2_K_BYTES, Q3_K_BYTES = Q2_K().type_size, Q3_K().type_size
@@ -210,7 +222,7 @@ class Q4_KInt8Kernel(Int8Kernel):
     gemv1_q8, gemv_q8 = staticmethod(q4_k_gemv1_q8), staticmethod(q4_k_gemv_q8)
 
     def activations(self, x: np.ndarray) -> tuple:
-        return (*super().activations(x), sums_per_32(x))
+        return (*super().activations(x), sums_of(x, 32))
 
 
 class Q5_KInt8Kernel(Q4_KInt8Kernel):
@@ -230,7 +242,7 @@ class Q2_KInt8Kernel(Int8Kernel):
     gemv1_q8, gemv_q8 = staticmethod(q2_k_gemv1_q8), staticmethod(q2_k_gemv_q8)
 
     def activations(self, x: np.ndarray) -> tuple:
-        return (*super().activations(x), sums_per_16(x))
+        return (*super().activations(x), sums_of(x, 16))
 
 
 class Q3_KInt8Kernel(Q2_KInt8Kernel):

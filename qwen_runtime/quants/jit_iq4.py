@@ -21,7 +21,17 @@ import numpy as np
 
 from .base import QType
 from .iq4 import IQ4_NL, IQ4_XS
-from .jit_base import F16_TABLE, LANES, JitKernel, compiled, gemv1_rows, gemv_groups, inline
+from .jit_base import (
+    F16_TABLE,
+    LANES,
+    JitKernel,
+    compiled,
+    gemv1_rows,
+    gemv_groups,
+    inline,
+    row_cfunc,
+    sums_product,
+)
 from .jit_legacy import (
     DECODE,
     GEMV,
@@ -102,6 +112,16 @@ def iq4_xs_decode(raw, table, tile):
     decode_loop(_level_values, _xs_sub_block_at, IQ4_XS_GEO, raw, table, tile)
 
 
+@row_cfunc
+def iq4_nl_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    sums_product(iq4_nl_gemv1, iq4_nl_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
+
+
+@row_cfunc
+def iq4_xs_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    sums_product(iq4_xs_gemv1, iq4_xs_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
+
+
 class IQ4JitKernel(JitKernel):
     """An IQ4 matrix: ``gemv(raw, x, sums, table, out)`` (``sums`` [N, 0]: no minimum), ``decode(raw, table,
     tile)``."""
@@ -115,11 +135,13 @@ class IQ4JitKernel(JitKernel):
 class IQ4_NLJitKernel(IQ4JitKernel):
     qtype, block, type_size = QType.IQ4_NL, LANES, IQ4_NL_GEO[0]
     gemv1, gemv, decode = staticmethod(iq4_nl_gemv1), staticmethod(iq4_nl_gemv), staticmethod(iq4_nl_decode)
+    row_product = iq4_nl_rows
 
 
 class IQ4_XSJitKernel(IQ4JitKernel):
     qtype, block, type_size = QType.IQ4_XS, IQ4_XS().block_size, XS_BYTES
     gemv1, gemv, decode = staticmethod(iq4_xs_gemv1), staticmethod(iq4_xs_gemv), staticmethod(iq4_xs_decode)
+    row_product = iq4_xs_rows
 
 
 KERNELS = (IQ4_NLJitKernel, IQ4_XSJitKernel)

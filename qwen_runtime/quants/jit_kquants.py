@@ -52,9 +52,13 @@ from .jit_base import (
     inline,
     lanes_sum,
     prefetch,
+    row_cfunc,
     rows_fma,
     splat,
     stack_f32,
+    sums_of,
+    sums_product,
+    table_product,
     zero_lanes,
 )
 
@@ -405,14 +409,30 @@ def q3_k_decode(raw, table, tile):
     k23_decode(raw, table, tile, True)
 
 
-def sums_per_32(x: np.ndarray) -> np.ndarray:
-    """Each row's sums over consecutive groups of 32 values (the sub-blocks of minimums).  # [N, n] -> [N, n/32]"""
-    return x.reshape(len(x), -1, 32).sum(axis=2, dtype=np.float32)
+@row_cfunc
+def q4_k_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    sums_product(q4_k_gemv1, q4_k_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
 
 
-def sums_per_16(x: np.ndarray) -> np.ndarray:
-    """Each row's sums over consecutive groups of 16 values (Q2_K's sub-blocks).  # [N, n] -> [N, n/16]"""
-    return x.reshape(len(x), -1, 16).sum(axis=2, dtype=np.float32)
+@row_cfunc
+def q5_k_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    sums_product(q5_k_gemv1, q5_k_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
+
+
+@row_cfunc
+def q2_k_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    sums_product(q2_k_gemv1, q2_k_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
+
+
+@row_cfunc
+def q3_k_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    sums_product(q3_k_gemv1, q3_k_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
+
+
+@row_cfunc
+def q6_k_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    table_product(q6_k_gemv1, q6_k_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride,
+                  np.uint8)
 
 
 class Q4_KJitKernel(JitKernel):
@@ -420,16 +440,19 @@ class Q4_KJitKernel(JitKernel):
     constants = (F16_TABLE,)
     gemv1 = staticmethod(q4_k_gemv1)
     gemv = staticmethod(q4_k_gemv)
+    row_product = q4_k_rows
+    sums_width = LANES
     decode = staticmethod(q4_k_decode)
 
     def activations(self, x: np.ndarray) -> tuple:
-        return (sums_per_32(x),)
+        return (sums_of(x, self.sums_width),)
 
 
 class Q5_KJitKernel(Q4_KJitKernel):
     type_size = Q5_K_BYTES
     gemv1 = staticmethod(q5_k_gemv1)
     gemv = staticmethod(q5_k_gemv)
+    row_product = q5_k_rows
     decode = staticmethod(q5_k_decode)
 
 
@@ -437,14 +460,18 @@ class Q2_KJitKernel(JitKernel):
     block, type_size = QK_K, 84
     constants = (F16_TABLE,)
     gemv1, gemv, decode = staticmethod(q2_k_gemv1), staticmethod(q2_k_gemv), staticmethod(q2_k_decode)
+    row_product = q2_k_rows
+    sums_width = 16
 
     def activations(self, x: np.ndarray) -> tuple:
-        return (sums_per_16(x),)
+        return (sums_of(x, self.sums_width),)
 
 
 class Q3_KJitKernel(Q2_KJitKernel):
     type_size = 110
     gemv1, gemv, decode = staticmethod(q3_k_gemv1), staticmethod(q3_k_gemv), staticmethod(q3_k_decode)
+    row_product = q3_k_rows
+    sums_width = 0  # no minimums: its kernels never read the sums
 
     def activations(self, x: np.ndarray) -> tuple:
         return (np.zeros((len(x), 1), np.float32),)  # no minimums: the shared signature's unused sums
@@ -455,4 +482,5 @@ class Q6_KJitKernel(JitKernel):
     constants = (F16_TABLE,)
     gemv1 = staticmethod(q6_k_gemv1)
     gemv = staticmethod(q6_k_gemv)
+    row_product = q6_k_rows
     decode = staticmethod(q6_k_decode)

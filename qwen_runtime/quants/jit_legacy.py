@@ -56,8 +56,11 @@ from .jit_base import (
     inline,
     lanes_sum,
     prefetch,
+    row_cfunc,
     rows_fma,
     stack_f32,
+    sums_of,
+    sums_product,
     zero_lanes,
 )
 from .legacy import Q4_0, Q4_1, Q5_0, Q5_1
@@ -329,6 +332,26 @@ def q5_1_decode(raw, table, tile):
     decode_loop(_q5_values, _block_at, Q5_1_GEO, raw, table, tile)
 
 
+@row_cfunc
+def q4_0_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    sums_product(q4_0_gemv1, q4_0_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
+
+
+@row_cfunc
+def q4_1_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    sums_product(q4_1_gemv1, q4_1_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
+
+
+@row_cfunc
+def q5_0_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    sums_product(q5_0_gemv1, q5_0_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
+
+
+@row_cfunc
+def q5_1_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    sums_product(q5_1_gemv1, q5_1_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
+
+
 class LegacyJitKernel(JitKernel):
     """A legacy-type matrix: ``gemv(raw, x, sums, table, out)``, ``decode(raw, table, tile)``."""
 
@@ -341,25 +364,31 @@ class LegacyJitKernel(JitKernel):
         row and block, whatever the other rows."""
         if not self.has_min:
             return (np.empty((len(x), 0), np.float32),)
-        return (np.ascontiguousarray(x.reshape(len(x), -1, LANES).sum(axis=2, dtype=np.float32)),)
+        return (sums_of(x, LANES),)
 
 
 class Q4_0JitKernel(LegacyJitKernel):
     qtype, type_size = QType.Q4_0, Q4_0_GEO[0]
     gemv1, gemv, decode = staticmethod(q4_0_gemv1), staticmethod(q4_0_gemv), staticmethod(q4_0_decode)
+    row_product = q4_0_rows
 
 
 class Q4_1JitKernel(LegacyJitKernel):
     qtype, type_size, has_min = QType.Q4_1, Q4_1_GEO[0], True
+    sums_width = LANES
     gemv1, gemv, decode = staticmethod(q4_1_gemv1), staticmethod(q4_1_gemv), staticmethod(q4_1_decode)
+    row_product = q4_1_rows
 
 
 class Q5_0JitKernel(LegacyJitKernel):
     qtype, type_size = QType.Q5_0, Q5_0_GEO[0]
     gemv1, gemv, decode = staticmethod(q5_0_gemv1), staticmethod(q5_0_gemv), staticmethod(q5_0_decode)
+    row_product = q5_0_rows
 
 
 class Q5_1JitKernel(LegacyJitKernel):
     qtype, type_size, has_min = QType.Q5_1, Q5_1_GEO[0], True
+    sums_width = LANES
     gemv1, gemv, decode = staticmethod(q5_1_gemv1), staticmethod(q5_1_gemv), staticmethod(q5_1_decode)
+    row_product = q5_1_rows
 KERNELS = (Q4_0JitKernel, Q4_1JitKernel, Q5_0JitKernel, Q5_1JitKernel)

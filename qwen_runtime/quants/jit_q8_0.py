@@ -33,8 +33,10 @@ from .jit_base import (
     inline,
     lanes_sum,
     prefetch,
+    row_cfunc,
     rows_fma,
     splat,
+    table_product,
     zero_lanes,
 )
 from .q8_0 import Q8_0_BLOCK, Q8_0_BYTES
@@ -103,12 +105,20 @@ def q8_0_decode(raw, table, tile):
                 row[b * 32 + k] = d * np.float32(q[2 + k])
 
 
+@row_cfunc
+def q8_0_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    """The :data:`~.jit_base.ROW_PRODUCT` of Q8_0 (the stored rows as int8)."""
+    table_product(q8_0_gemv1, q8_0_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride,
+                  np.int8)
+
+
 class Q8_0JitKernel(JitKernel):
     block, type_size = Q8_0_BLOCK, Q8_0_BYTES
     constants = (F16_TABLE,)
     gemv1 = staticmethod(q8_0_gemv1)
     gemv = staticmethod(q8_0_gemv)
     decode = staticmethod(q8_0_decode)
+    row_product = q8_0_rows
 
     def stored(self, raw: np.ndarray) -> np.ndarray:
         return raw.view(np.int8)

@@ -15,6 +15,7 @@ compiled decoder reproduces bit for bit.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from qwen_runtime.weights import gated_matmul, make_weight, matmul_many
 
 pytest.importorskip("numba")
 from qwen_runtime.ops_jit import silu_mul  # noqa: E402
-from qwen_runtime.quants.jit_base import GEMV_ROWS  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.quants.jit_base import F16_TABLE, GEMV_ROWS, sums_of  # noqa: E402 (numba is needed from here on)
 from qwen_runtime.quants.jit_q8_0 import Q8_0JitKernel  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -141,6 +142,37 @@ def test_each_row_is_the_same_alone_and_in_any_batch(qtype: QType) -> None:
         if n <= kernel.direct_rows:
             kernel.product(0, 40, kernel.prepare(x[:n]), together, scratch)
             assert np.array_equal(together, alone[:n])
+
+
+ROW_PRODUCT = ctypes.CFUNCTYPE(None, *([ctypes.c_int64] * 11))
+
+
+@pytest.mark.parametrize("qtype", COMPILED, ids=lambda q: q.name)
+@pytest.mark.parametrize("n", [1, 3, GEMV_ROWS])
+def test_row_product_by_address_equals_the_kernel_bit_for_bit(qtype: QType, n: int) -> None:
+    """Each type's ROW_PRODUCT (what the compiled decode step calls by address): rows 5..37 of the matrix written
+    into columns of a wider output, the same bits as the kernel's own product, block sums from ``block_sums``."""
+    raw = random_blocks(qtype, 40, 512, seed=8)
+    kernel = jit_kernel(qtype, raw)
+    x, *extra = kernel.prepare(np.random.default_rng(9).normal(0, 1, (n, 512)).astype(np.float32))
+    expected = np.empty((n, 32), np.float32)
+    kernel.product(5, 37, (x, *extra), expected, Scratch())
+    width = kernel.sums_width
+    sums = sums_of(x, width) if width else np.empty((n, 0), np.float32)
+    stored = kernel.raw.view(np.uint8)
+    out = np.full((n, 50), np.nan, np.float32)
+    ROW_PRODUCT(kernel.row_product.address)(stored[5:].ctypes.data, 32, stored.shape[1], x.ctypes.data, n, 512,
+                                            sums.ctypes.data, sums.shape[1], F16_TABLE.ctypes.data,
+                                            out[:, 3:].ctypes.data, out.shape[1])
+    assert np.array_equal(out[:, 3:35], expected)
+    assert np.isnan(out[:, :3]).all() and np.isnan(out[:, 35:]).all()  # nothing written outside its columns
+
+
+@pytest.mark.parametrize("width", [16, 32])
+def test_block_sums_are_numpys_pairwise_sums(width: int) -> None:
+    rng = np.random.default_rng(10)
+    x = (rng.normal(0, 1, (4, 1024)) * rng.uniform(0.01, 1e4, (4, 1))).astype(np.float32)
+    assert np.array_equal(sums_of(x, width), x.reshape(4, -1, width).sum(axis=2, dtype=np.float32))
 
 
 @pytest.mark.parametrize("qtype", COMPILED, ids=lambda q: q.name)

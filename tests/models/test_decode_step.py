@@ -1,0 +1,93 @@
+"""The compiled decode step (``models/step_jit.py``) against the per-operation path it replaces: the same logits,
+bit for bit, for every dense family, several stored types, batches, ragged rows, one thread or two, and a pool
+thread that leaves the step early."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from runtime_helpers import DENSE_FAMILIES, Converted
+
+from qwen_runtime import load
+from qwen_runtime.generate import left_pad
+from qwen_runtime.models import decode_step
+
+pytest.importorskip("numba")
+
+STEPS = 4
+
+
+def decode(model, prompts: list[np.ndarray], compiled: bool, rowwise: bool = False) -> list[np.ndarray]:
+    """A left-padded prefill of ``prompts`` and STEPS greedy decode steps, with the compiled step on or off:
+    the logits of every step [B, V]."""
+    step, model.step = model.step, (model.step if compiled else None)
+    ids, valid = left_pad(prompts)
+    cache = model.make_cache(len(prompts), ids.shape[1] + STEPS)
+    out = [model.forward(ids, cache, valid, last_only=True)]
+    try:
+        for _ in range(STEPS):
+            if rowwise:
+                with model.workspace.rowwise():
+                    out.append(model.forward(out[-1].argmax(-1)[:, None], cache, last_only=True))
+            else:
+                out.append(model.forward(out[-1].argmax(-1)[:, None], cache, last_only=True))
+    finally:
+        model.step = step
+    return out
+
+
+def prompts(model, lengths: tuple[int, ...]) -> list[np.ndarray]:
+    rng = np.random.default_rng(sum(lengths))
+    return [rng.integers(0, model.config.vocab_size, n) for n in lengths]
+
+
+@pytest.mark.parametrize("name", DENSE_FAMILIES)
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "fp16", "q5_1"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_step_equals_the_per_operation_path_bit_for_bit(converted: Converted, name: str, dtype: str,
+                                                                 threads: int) -> None:
+    model = load(converted(name, "gguf", dtype), kernels="numba", threads=threads)
+    assert model.step is not None
+    batch = prompts(model, (5, 11, 3))
+    for rowwise in (False, True):
+        got, want = decode(model, batch, True, rowwise), decode(model, batch, False, rowwise)
+        for a, b in zip(got, want, strict=True):
+            assert np.array_equal(a, b)
+    lone = decode(model, batch[:1], True)
+    assert np.array_equal(lone[-1][0], decode(model, batch[:1], False)[-1][0])
+
+
+def test_a_pool_thread_that_leaves_early_changes_nothing(converted: Converted, monkeypatch: pytest.MonkeyPatch,
+                                                         ) -> None:
+    """A helper that gives up waiting at once (as on a busy machine) leaves its share to the caller."""
+    model = load(converted("qwen2-tiny", "gguf", "q8_0"), kernels="numba", threads=2)
+    batch = prompts(model, (7, 2))
+    want = decode(model, batch, False)
+    monkeypatch.setattr(decode_step, "WAIT_US", 0)
+    for a, b in zip(decode(model, batch, True), want, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_the_step_counts_its_chunks(converted: Converted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every chunk of every product runs exactly once a step, whoever claims it."""
+    model = load(converted("qwen3-tiny", "gguf", "q8_0"), kernels="numba", threads=2)
+    done: list[int] = []
+
+    def counted(worker: int, args: tuple, scratch: object) -> None:
+        done.append(decode_step.jit().decode_layers(worker, *args))
+
+    monkeypatch.setattr(decode_step, "_worker", counted)
+    decode(model, prompts(model, (4,)), True)
+    step = model.step
+    per_step = len(step.chunks) * model.config.num_hidden_layers
+    assert sum(done) == STEPS * per_step
+
+
+def test_models_without_a_compiled_step(converted: Converted) -> None:
+    """Hybrid Qwen3.5, 8-bit activations and the numpy kernels keep the per-operation path."""
+    assert load(converted("qwen35-tiny", "gguf", "q8_0"), kernels="numba").step is None
+    assert load(converted("qwen2-tiny", "gguf", "q8_0"), kernels="numba", activations="q8").step is None
+    model = load(converted("qwen2-tiny", "gguf", "q8_0"), kernels="numpy")
+    assert model.step is None
+    model = load(converted("qwen2-tiny", "gguf", "fp32"), kernels="numba")
+    assert model.step is None  # float32 matrices multiply through BLAS
