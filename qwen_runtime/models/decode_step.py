@@ -94,11 +94,16 @@ class DecodeStep:
             return None
         if not all(type(blk.mixer) is Attention for blk in blocks):
             return None
+        hidden, q, kv, inter = (config.hidden_size, config.num_attention_heads * config.head_dim,
+                                config.num_key_value_heads * config.head_dim, config.intermediate_size)
+        shapes = [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q), (inter, hidden), (inter, hidden),
+                  (hidden, inter)]
         weights = []
         for blk in blocks:
             layer = [blk.mixer.wq, blk.mixer.wk, blk.mixer.wv, blk.mixer.wo, blk.mlp.gate, blk.mlp.up, blk.mlp.down]
-            if not all(isinstance(w, TiledWeight) and w.compiled and w.kernel.row_product is not None for w in layer):
-                return None
+            if not all(isinstance(w, TiledWeight) and w.compiled and w.kernel.row_product is not None
+                       and (w.out_features, w.in_features) == shape for w, shape in zip(layer, shapes, strict=True)):
+                return None  # the compiled step reads every shape from the config, without bounds checks
             weights.append(layer)
         return cls(config, blocks, ws, weights)
 
@@ -115,15 +120,17 @@ class DecodeStep:
     def __call__(self, h: np.ndarray, cache: Cache, state: BatchState) -> None:
         """Every layer for ``h`` [B, H] (the embedded new tokens, updated in place to the last block's output)."""
         layers: list[KVCache] = cache.layers
-        if not all(isinstance(kv, KVCache) and kv.keys.flags.c_contiguous and kv.values.flags.c_contiguous
-                   for kv in layers):
-            raise ValueError("the compiled decode step needs each layer's KV cache as contiguous arrays")
         b = h.shape[0]
+        capacity = layers[0].keys.shape[2] if layers and isinstance(layers[0], KVCache) else 0
+        shape = (b, self.config.num_key_value_heads, capacity, self.config.head_dim)
+        if not all(isinstance(kv, KVCache) and kv.keys.shape == kv.values.shape == shape and kv.keys.flags.c_contiguous
+                   and kv.values.flags.c_contiguous for kv in layers) or not h.flags.c_contiguous:
+            raise ValueError("the compiled decode step needs contiguous activations and KV caches of the model's shape")
         c = self.config
         cos, sin = (np.ascontiguousarray(a) for a in state.rotary(c.rotary_dim, c.rope_theta))  # [B, 1, r/2]
         slots, key_valid = (np.ascontiguousarray(a) for a in state.slots())  # [B, 1], [B, S]
         kv = np.array([(layer.keys.ctypes.data, layer.values.ctypes.data) for layer in layers], np.int64)
-        dims = np.array([b, *self.shape, layers[0].keys.shape[2], self.flags], np.int64)
+        dims = np.array([b, *self.shape, capacity, self.flags], np.int64)
         work, offsets = self._buffers(b)
         step = jit()
         rate = step.cycles_per_us()
