@@ -211,6 +211,7 @@ class Workspace:
             pool_jit.cycles_per_us()
             self._polls = pool_jit
         self.row_invariant = False  # inside rowwise(): see there
+        self.dry = False  # inside dry_run(): see there
         self._keeping = 0  # open keep_scratch() blocks
         self.active_rows: np.ndarray | None = None  # inside rowwise(rows): the activation rows multiplied
 
@@ -227,6 +228,16 @@ class Workspace:
             yield
         finally:
             self.row_invariant, self.active_rows = previous
+
+    @contextlib.contextmanager
+    def dry_run(self) -> Iterator[None]:
+        """Inside the block, weight products give zeros without reading the weights (everything else runs): a model's
+        warm-up loads its compiled code before the first prompt reads the weights (``models.warm_up``)."""
+        self.dry = True
+        try:
+            yield
+        finally:
+            self.dry = False
 
     def compiled_step(self, tokens: int, limit: int) -> bool:
         """Whether a pass of ``tokens`` new tokens per row runs the decode step's compiled kernels: with

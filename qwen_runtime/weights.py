@@ -202,6 +202,8 @@ def matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
 
 def _matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
     """:func:`matmul_many` of every row of ``x``."""
+    if weights and weights[0].ws.dry:  # Workspace.dry_run: zeros, the weights unread
+        return [np.zeros((x.shape[0], w.out_features), np.float32) for w in weights]
     outputs = [np.empty((x.shape[0], w.out_features), np.float32) for w in weights]  # tasks fill column blocks
     prepared: dict[QType, object] = {}
     if weights and reads_blocks(weights, len(x)):
@@ -295,6 +297,9 @@ def gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
 
 def _gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
     """:func:`gated_matmul` of every row of ``x``."""
+    if gate.ws.dry:  # Workspace.dry_run: the activation of zero products, the weights unread
+        g = np.zeros((x.shape[0], gate.out_features), np.float32)
+        return swiglu(gate.ws)(g, g.copy(), out=g)
     direct = reads_blocks([gate, up], len(x))
     if gate.blocks() != up.blocks() and not direct:
         g, u = _matmul_many([gate, up], x)

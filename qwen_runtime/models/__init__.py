@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..formats import ModelFiles, open_model_files
+from ..jit_setup import release_compiler_pages
 from ..weights import TILE_ELEMENTS
 from . import attention, qwen35  # noqa: F401  (register the mixers of each layer type)
 from .base import MIXERS, BatchState, Mixer, WeightStore, register_mixer
@@ -27,8 +28,17 @@ def build_model(source: str | Path | ModelFiles, tile_elements: int = TILE_ELEME
 
 
 def warm_up(model: Model) -> None:
-    """One decode step of one token, thrown away: the compiled decode-step ops are loaded from numba's cache (or
-    compiled, the first time on a machine) while the model loads, not inside the first prompt, as llama.cpp
-    warms up too.  The products' kernels are already compiled when their weights are built."""
-    cache = model.make_cache(1, 1)
-    model.forward(np.zeros((1, 1), np.int64), cache, last_only=True)
+    """Decode steps of one token, thrown away: the compiled ops of a decode step (by the compiled step and op by op,
+    as a prompt runs them) are loaded from numba's cache (or compiled, the first time on a machine) while the model
+    loads, not inside the first prompt, as llama.cpp warms up too.  The products' kernels are already compiled
+    when their weights are built, so the steps skip them (``Workspace.dry_run``: the weights are not read), and
+    LLVM's code pages are released before the first prompt reads the weights
+    (:func:`..jit_setup.release_compiler_pages`): the peak resident memory does not hold both."""
+    step = model.step
+    try:
+        with model.workspace.dry_run():
+            for model.step in {step, None}:
+                model.forward(np.zeros((1, 1), np.int64), model.make_cache(1, 1), last_only=True)
+    finally:
+        model.step = step
+    release_compiler_pages()

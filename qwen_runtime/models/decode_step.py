@@ -27,6 +27,7 @@ from .attention import Attention
 # threads finish a product within a chunk of each other, large enough that the claims (one atomic add each) cost
 # nothing.
 CHUNK_BYTES = 64 << 10
+GUIDED = True
 # How long a pool thread waits for the next product before it leaves the rest of the step to the caller: longer
 # than any operation between two products (attention over a long cache), shorter than a stalled step.
 WAIT_US = 50_000
@@ -51,9 +52,16 @@ def chunk_rows(row_bytes: int) -> int:
     return max(DIRECT_ROW_ALIGN, CHUNK_BYTES // row_bytes // DIRECT_ROW_ALIGN * DIRECT_ROW_ALIGN)
 
 
-def split_rows(matrix: int, rows: int, step: int) -> list[tuple[int, int, int]]:
-    """``(matrix, r0, r1)`` chunks of ``step`` rows covering ``rows``."""
-    return [(matrix, r0, min(r0 + step, rows)) for r0 in range(0, rows, step)]
+def split_rows(matrix: int, rows: int, step: int, threads: int = 1) -> list[tuple[int, int, int]]:
+    """``(matrix, r0, r1)`` chunks covering ``rows``: with ``GUIDED``, each a share ``1 / (2 * threads)`` of the rows
+    left (a multiple of DIRECT_ROW_ALIGN), at least ``step``; else ``step`` rows each."""
+    out, r0 = [], 0
+    while r0 < rows:
+        share = (rows - r0) // (2 * threads) // DIRECT_ROW_ALIGN * DIRECT_ROW_ALIGN if GUIDED else 0
+        r1 = min(r0 + max(step, share), rows)
+        out.append((matrix, r0, r1))
+        r0 = r1
+    return out
 
 
 class DecodeStep:
@@ -71,10 +79,11 @@ class DecodeStep:
                          blk.mixer.k_norm] for blk in blocks]
         self.vecs = np.array([[0 if v is None else v.ctypes.data for v in layer] for layer in self.vectors], np.int64)
         first = self.mats[0]
-        kinds = [[m for q in (0, 1, 2) for m in split_rows(q, int(first[q, 2]), chunk_rows(int(first[q, 3])))],
-                 split_rows(3, int(first[3, 2]), chunk_rows(int(first[3, 3]))),
-                 split_rows(4, int(first[4, 2]), chunk_rows(int(first[4, 3] + first[5, 3]))),
-                 split_rows(6, int(first[6, 2]), chunk_rows(int(first[6, 3])))]
+        n = ws.threads
+        kinds = [[m for q in (0, 1, 2) for m in split_rows(q, int(first[q, 2]), chunk_rows(int(first[q, 3])), n)],
+                 split_rows(3, int(first[3, 2]), chunk_rows(int(first[3, 3])), n),
+                 split_rows(4, int(first[4, 2]), chunk_rows(int(first[4, 3] + first[5, 3])), n),
+                 split_rows(6, int(first[6, 2]), chunk_rows(int(first[6, 3])), n)]
         self.chunks = np.array([chunk for kind in kinds for chunk in kind], np.int64)  # [C, 3]
         self.starts = np.cumsum([0] + [len(kind) for kind in kinds]).astype(np.int64)  # [5]
         self.gate_rows = max(r1 - r0 for _, r0, r1 in kinds[2])
@@ -135,7 +144,8 @@ class DecodeStep:
         step = jit()
         rate = step.cycles_per_us()
         sync = np.zeros(step.sync_size(len(layers)), np.int64)
-        args = (h, self.mats, self.vecs, self.chunks, self.starts, kv, dims, self.eps, cos, sin, slots, key_valid,
+        starts = np.zeros_like(self.starts) if self.ws.dry else self.starts  # Workspace.dry_run: no product
+        args = (h, self.mats, self.vecs, self.chunks, starts, kv, dims, self.eps, cos, sin, slots, key_valid,
                 work, offsets, step.F16_TABLE, sync, int(WAIT_US * rate), int(LOST_US * rate))
         workers = self.ws.threads if self.ws.pooled else 1
         self.ws.run([partial(_worker, w, args) for w in range(workers)])

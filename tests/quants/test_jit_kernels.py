@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from gguf import quants
 
-from qwen_runtime.jit_setup import cpu_features, import_closure, imported_files
+from qwen_runtime.jit_setup import cpu_features, import_closure, imported_files, release_compiler_pages
 from qwen_runtime.pool import Scratch, Workspace, resolve_kernels
 from qwen_runtime.quants import JIT_KERNELS, QType, codec, jit_kernel
 from qwen_runtime.tensors import StoredTensor
@@ -311,3 +311,28 @@ def test_cache_stamp_covers_the_modules_a_kernel_imports(tmp_path: Path) -> None
     stamp = Q8_0JitKernel.gemv._cache._impl._locator.get_source_stamp()
     assert type(Q8_0JitKernel.gemv._cache._impl._locator).__name__ == "KernelSourcesLocator"
     assert stamp[1] == import_closure(Path(Q8_0JitKernel.gemv.py_func.__code__.co_filename))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_PAGEOUT is Linux's")
+def test_compiler_pages_released_and_compiling_still_works() -> None:
+    """LLVM's read-only code is advised out (how much leaves memory depends on other processes mapping it too), and
+    numba compiles afterwards all the same (the pages fault back in)."""
+    import numba
+
+    assert release_compiler_pages() > 0
+
+    @numba.njit
+    def twice(x):
+        return 2 * x
+
+    assert twice(21) == 42
+
+
+def test_dry_run_products_are_zeros_and_end_with_the_block() -> None:
+    raw = random_blocks(QType.Q8_0, 64, 256, seed=11)
+    ws = Workspace(threads=2, kernels="numba")
+    w, up = (make_weight(StoredTensor(n, QType.Q8_0, (64, 256), "mem", data=raw), ws) for n in "wu")
+    x = np.random.default_rng(12).normal(0, 1, (3, 256)).astype(np.float32)
+    with ws.dry_run():
+        assert not w.matmul(x).any() and not gated_matmul(w, up, x).any()
+    assert not ws.dry and w.matmul(x).any()
