@@ -3,9 +3,9 @@
 runs it on every pool thread for each eligible step (one new token per row, see :meth:`DecodeStep.runs`).
 
 Offered for models whose every layer is softmax attention (:class:`.attention.Attention`: Qwen2, Qwen2.5, Qwen3,
-DeepSeek-R1-Distill-Qwen) with compiled float kernels for every matrix; Qwen3.5's hybrid layers and 8-bit
-activations keep the per-operation path.  :mod:`.step_jit` explains why and how, and why the numbers are the
-per-operation path's, bit for bit.
+DeepSeek-R1-Distill-Qwen) or Qwen3.5's gated attention and Gated DeltaNet, with compiled float kernels for every
+matrix; 8-bit activations keep the per-operation path.  :mod:`.step_jit` explains why and how, and why the numbers
+are the per-operation path's, bit for bit.
 """
 
 from __future__ import annotations
@@ -15,19 +15,17 @@ from functools import partial
 from types import ModuleType
 
 import numpy as np
-from gguf import MODEL_TENSOR
 
 from ..cache import BatchState, Cache, KVCache
 from ..config import ModelConfig
 from ..pool import Scratch, Workspace
 from ..weights import DIRECT_ROW_ALIGN, TiledWeight
 from .attention import Attention
+from .qwen35 import GatedAttention, GatedDeltaNet, LinearAttentionCache
 
-# Bytes of stored rows per chunk a worker claims (rounded to DIRECT_ROW_ALIGN rows): small enough that the two
-# threads finish a product within a chunk of each other, large enough that the claims (one atomic add each) cost
-# nothing.
-CHUNK_BYTES = 64 << 10
-GUIDED = True
+# Bytes of stored rows per chunk a worker claims at least (rounded to DIRECT_ROW_ALIGN rows); larger shares of the
+# rows left first (:func:`split_rows`), so that the threads finish a product within a small chunk of each other.
+CHUNK_BYTES = 32 << 10
 # How long a pool thread waits for the next product before it leaves the rest of the step to the caller: longer
 # than any operation between two products (attention over a long cache), shorter than a stalled step.
 WAIT_US = 50_000
@@ -35,8 +33,7 @@ WAIT_US = 50_000
 # ~10 us): it leaves the rest of the step to the caller rather than hold a chunk the caller would wait for again.
 LOST_US = 1_000
 ALIGN_FLOATS = 16  # buffers start on 64-byte boundaries (the row kernels' aligned loads)
-MATRICES = (MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V, MODEL_TENSOR.ATTN_OUT,
-            MODEL_TENSOR.FFN_GATE, MODEL_TENSOR.FFN_UP, MODEL_TENSOR.FFN_DOWN)
+PHASE_MATRICES = ((0, 1, 2, 3), (4,), (5,), (7,))  # each product phase's matrices (gate/up: chunks of gate's rows)
 
 
 @functools.cache
@@ -47,51 +44,93 @@ def jit() -> ModuleType:
 
 
 def chunk_rows(row_bytes: int) -> int:
-    """Rows per chunk of a matrix of ``row_bytes`` bytes per row: about :data:`CHUNK_BYTES`, a multiple of
-    DIRECT_ROW_ALIGN."""
+    """The fewest rows per chunk of a matrix of ``row_bytes`` bytes per row: about :data:`CHUNK_BYTES`, a multiple
+    of DIRECT_ROW_ALIGN."""
     return max(DIRECT_ROW_ALIGN, CHUNK_BYTES // row_bytes // DIRECT_ROW_ALIGN * DIRECT_ROW_ALIGN)
 
 
-def split_rows(matrix: int, rows: int, step: int, threads: int = 1) -> list[tuple[int, int, int]]:
-    """``(matrix, r0, r1)`` chunks covering ``rows``: with ``GUIDED``, each a share ``1 / (2 * threads)`` of the rows
-    left (a multiple of DIRECT_ROW_ALIGN), at least ``step``; else ``step`` rows each."""
+def split_rows(matrix: int, rows: int, step: int, threads: int) -> list[tuple[int, int, int]]:
+    """``(matrix, r0, r1)`` chunks covering ``rows``, each ``1 / (2 * threads)`` of the rows left (a multiple of
+    DIRECT_ROW_ALIGN) and at least ``step`` rows: large chunks first, small ones at the end of a product."""
     out, r0 = [], 0
     while r0 < rows:
-        share = (rows - r0) // (2 * threads) // DIRECT_ROW_ALIGN * DIRECT_ROW_ALIGN if GUIDED else 0
+        share = (rows - r0) // (2 * threads) // DIRECT_ROW_ALIGN * DIRECT_ROW_ALIGN
         r1 = min(r0 + max(step, share), rows)
         out.append((matrix, r0, r1))
         r0 = r1
     return out
 
 
+def matrix_entry(w: TiledWeight | None) -> tuple[int, int, int, int, int]:
+    """A matrix's ``mats`` entry (:mod:`.step_jit`): its row product's address, its stored rows' address, rows,
+    bytes per row and the width of the activation block sums it takes; zeros for an absent matrix."""
+    if w is None:
+        return 0, 0, 0, 0, 0
+    k = w.kernel
+    return k.row_product.address, k.raw.ctypes.data, w.out_features, k.raw.shape[1] * k.raw.itemsize, k.sums_width
+
+
+def layer_parts(config: ModelConfig, blk: object) -> tuple[int, list, list, list[tuple[int, int]]] | None:
+    """A block's layer kind (:data:`.step_jit.ATTENTION` or ``LINEAR``), its 8 matrices (None where absent), its 7
+    vectors (the two norms, then the mixer's) and the shape each matrix must have; None for a mixer the compiled
+    step does not run."""
+    c, mixer, mlp = config, blk.mixer, blk.mlp
+    hidden, inter = c.hidden_size, c.intermediate_size
+    ffn = [mlp.gate, mlp.up, mlp.down]
+    ffn_shapes = [(inter, hidden), (inter, hidden), (hidden, inter)]
+    norms = [blk.mixer_norm, blk.mlp_norm]
+    if type(mixer) in (Attention, GatedAttention):
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        gated = type(mixer) is GatedAttention
+        biases = [None] * 3 if gated else [mixer.bq, mixer.bk, mixer.bv]
+        return (jit().ATTENTION, [mixer.wq, mixer.wk, mixer.wv, None, mixer.wo, *ffn],
+                [*norms, *biases, mixer.q_norm, mixer.k_norm],
+                [((2 if gated else 1) * q, hidden), (kv, hidden), (kv, hidden), None, (hidden, q), *ffn_shapes])
+    if type(mixer) is GatedDeltaNet and mixer.conv_taps.shape[0] >= 2:
+        hv, values = c.linear_num_value_heads, c.linear_num_value_heads * c.linear_value_head_dim
+        return (jit().LINEAR, [mixer.w_qkv, mixer.w_z, mixer.w_beta, mixer.w_alpha, mixer.w_out, *ffn],
+                [*norms, mixer.conv_taps, mixer.dt_bias, mixer.ssm_a, mixer.norm, mixer.key_heads],
+                [(c.linear_conv_dim, hidden), (values, hidden), (hv, hidden), (hv, hidden), (hidden, values),
+                 *ffn_shapes])
+    return None
+
+
 class DecodeStep:
     """A model's compiled decode step (:func:`.step_jit.decode_layers`): built by :meth:`offer` when the model
     qualifies, called by the model for steps that :meth:`runs`."""
 
-    def __init__(self, config: ModelConfig, blocks: list, ws: Workspace, weights: list[list[TiledWeight]]) -> None:
+    def __init__(self, config: ModelConfig, ws: Workspace, kinds: list[int], weights: list[list],
+                 vectors: list[list]) -> None:
         c = self.config = config
         self.ws = ws
-        self.weights = weights  # [L][7]: they keep the stored rows alive
-        self.mats = np.array([[(w.kernel.row_product.address, w.kernel.raw.ctypes.data, w.out_features,
-                                w.kernel.raw.shape[1] * w.kernel.raw.itemsize, w.kernel.sums_width) for w in layer]
-                              for layer in weights], np.int64)  # [L, 7, 5]
-        self.vectors = [[blk.mixer_norm, blk.mlp_norm, blk.mixer.bq, blk.mixer.bk, blk.mixer.bv, blk.mixer.q_norm,
-                         blk.mixer.k_norm] for blk in blocks]
-        self.vecs = np.array([[0 if v is None else v.ctypes.data for v in layer] for layer in self.vectors], np.int64)
-        first = self.mats[0]
-        n = ws.threads
-        kinds = [[m for q in (0, 1, 2) for m in split_rows(q, int(first[q, 2]), chunk_rows(int(first[q, 3])), n)],
-                 split_rows(3, int(first[3, 2]), chunk_rows(int(first[3, 3])), n),
-                 split_rows(4, int(first[4, 2]), chunk_rows(int(first[4, 3] + first[5, 3])), n),
-                 split_rows(6, int(first[6, 2]), chunk_rows(int(first[6, 3])), n)]
-        self.chunks = np.array([chunk for kind in kinds for chunk in kind], np.int64)  # [C, 3]
-        self.starts = np.cumsum([0] + [len(kind) for kind in kinds]).astype(np.int64)  # [5]
-        self.gate_rows = max(r1 - r0 for _, r0, r1 in kinds[2])
+        self.weights, self.vectors = weights, vectors  # [L][8], [L][7]: they keep what the addresses point to alive
+        self.layers = np.array(kinds, np.int64)  # [L]
+        self.mats = np.array([[matrix_entry(w) for w in layer] for layer in weights], np.int64)  # [L, 8, 5]
+        self.vecs = np.array([[0 if v is None else v.ctypes.data for v in layer] for layer in vectors], np.int64)
+        chunks, starts, self.gate_rows = [], np.zeros((2, 5), np.int64), 0
+        for kind in (jit().ATTENTION, jit().LINEAR):
+            if kind not in kinds:
+                starts[kind] = len(chunks)
+                continue
+            first = self.mats[kinds.index(kind)]  # chunk rows from the first layer of the kind (types may differ)
+            for phase, matrices in enumerate(PHASE_MATRICES):
+                starts[kind, phase] = len(chunks)
+                for m in matrices:
+                    rows, row_bytes = int(first[m, 2]), int(first[m, 3]) * (2 if phase == 2 else 1)
+                    chunks += split_rows(m, rows, chunk_rows(row_bytes), ws.threads) if rows else []
+            starts[kind, 4] = len(chunks)
+            self.gate_rows = max([self.gate_rows] + [r1 - r0 for _, r0, r1 in chunks[starts[kind, 2]:starts[kind, 3]]])
+        self.chunks, self.starts = np.array(chunks, np.int64).reshape(-1, 3), starts  # [C, 3], [2, 5]
         spec = c.spec
-        self.flags = (jit().HAS_BIAS if spec.attention_bias else 0) | (jit().HAS_QK_NORM if spec.qk_norm else 0)
-        self.shape = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size)
+        step = jit()
+        self.flags = (step.HAS_BIAS if spec.attention_bias else 0) | (step.HAS_QK_NORM if spec.qk_norm else 0)
+        # q's rows: nh·hd, or 2·nh·hd when each head's gate follows its query (Qwen3.5)
+        q_rows = next((int(m[0, 2]) for m, k in zip(self.mats, kinds, strict=True) if k == step.ATTENTION), 0)
+        self.dims = [c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
+                     q_rows, c.linear_num_key_heads or 0, c.linear_key_head_dim or 0, c.linear_num_value_heads or 0,
+                     c.linear_value_head_dim or 0, c.linear_conv_kernel_dim or 0, c.linear_conv_dim or 0]
         self.eps = np.float32(c.rms_norm_eps)
-        self.direct_rows = min(w.kernel.direct_rows for layer in weights for w in layer)
+        self.direct_rows = min(w.kernel.direct_rows for layer in weights for w in layer if w is not None)
         self._work = np.empty(0, np.float32)
 
     @classmethod
@@ -101,62 +140,82 @@ class DecodeStep:
         spec = config.spec
         if ws.kernels != "numba" or ws.activations != "float" or (spec.attention_bias and spec.qk_norm):
             return None
-        if not all(type(blk.mixer) is Attention for blk in blocks):
-            return None
-        hidden, q, kv, inter = (config.hidden_size, config.num_attention_heads * config.head_dim,
-                                config.num_key_value_heads * config.head_dim, config.intermediate_size)
-        shapes = [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q), (inter, hidden), (inter, hidden),
-                  (hidden, inter)]
-        weights = []
+        kinds, weights, vectors = [], [], []
         for blk in blocks:
-            layer = [blk.mixer.wq, blk.mixer.wk, blk.mixer.wv, blk.mixer.wo, blk.mlp.gate, blk.mlp.up, blk.mlp.down]
-            if not all(isinstance(w, TiledWeight) and w.compiled and w.kernel.row_product is not None
-                       and (w.out_features, w.in_features) == shape for w, shape in zip(layer, shapes, strict=True)):
+            parts = layer_parts(config, blk)
+            if parts is None:
+                return None
+            kind, matrices, vecs, shapes = parts
+            if not all(w is None if shape is None else
+                       isinstance(w, TiledWeight) and w.compiled and w.kernel.row_product is not None
+                       and (w.out_features, w.in_features) == shape for w, shape in zip(matrices, shapes, strict=True)):
                 return None  # the compiled step reads every shape from the config, without bounds checks
-            weights.append(layer)
-        return cls(config, blocks, ws, weights)
+            kinds.append(kind)
+            weights.append(matrices)
+            vectors.append(vecs)
+        return cls(config, ws, kinds, weights, vectors)
 
-    def runs(self, batch: int, tokens: int) -> bool:
+    def runs(self, batch: int, tokens: int, cache: Cache) -> bool:
         """Whether a pass of ``tokens`` new tokens for ``batch`` rows runs this step: one token per row, products the
         per-operation path also multiplies by the row kernels (up to ``direct_rows`` rows, or any inside
-        ``Workspace.rowwise`` without a row subset), and the workspace still on the compiled float kernels (tests
-        switch a loaded model's ``kernels``)."""
+        ``Workspace.rowwise`` without a row subset), the workspace still on the compiled float kernels (tests
+        switch a loaded model's ``kernels``), and no Gated DeltaNet state checkpointed (such a pass records its
+        inputs for a rollback, op by op)."""
         ws = self.ws
         if tokens != 1 or ws.active_rows is not None or ws.kernels != "numba" or ws.activations != "float":
+            return False
+        if any(isinstance(layer, LinearAttentionCache) and layer.saved is not None for layer in cache.layers):
             return False
         return batch <= self.direct_rows or ws.row_invariant
 
     def __call__(self, h: np.ndarray, cache: Cache, state: BatchState) -> None:
         """Every layer for ``h`` [B, H] (the embedded new tokens, updated in place to the last block's output)."""
-        layers: list[KVCache] = cache.layers
-        b = h.shape[0]
-        capacity = layers[0].keys.shape[2] if layers and isinstance(layers[0], KVCache) else 0
-        shape = (b, self.config.num_key_value_heads, capacity, self.config.head_dim)
-        if not all(isinstance(kv, KVCache) and kv.keys.shape == kv.values.shape == shape and kv.keys.flags.c_contiguous
-                   and kv.values.flags.c_contiguous for kv in layers) or not h.flags.c_contiguous:
-            raise ValueError("the compiled decode step needs contiguous activations and KV caches of the model's shape")
-        c = self.config
+        c, b = self.config, h.shape[0]
+        caches, capacity = self._caches(cache.layers, b)
+        if not h.flags.c_contiguous:
+            raise ValueError("the compiled decode step needs contiguous activations")
         cos, sin = (np.ascontiguousarray(a) for a in state.rotary(c.rotary_dim, c.rope_theta))  # [B, 1, r/2]
         slots, key_valid = (np.ascontiguousarray(a) for a in state.slots())  # [B, 1], [B, S]
-        kv = np.array([(layer.keys.ctypes.data, layer.values.ctypes.data) for layer in layers], np.int64)
-        dims = np.array([b, *self.shape, capacity, self.flags], np.int64)
+        valid = np.ascontiguousarray(state.valid)  # [B, 1]
+        dims = np.array([b, *self.dims[:5], capacity, self.flags, *self.dims[5:]], np.int64)
         work, offsets = self._buffers(b)
         step = jit()
         rate = step.cycles_per_us()
-        sync = np.zeros(step.sync_size(len(layers)), np.int64)
+        sync = np.zeros(step.sync_size(len(self.layers)), np.int64)
         starts = np.zeros_like(self.starts) if self.ws.dry else self.starts  # Workspace.dry_run: no product
-        args = (h, self.mats, self.vecs, self.chunks, starts, kv, dims, self.eps, cos, sin, slots, key_valid,
-                work, offsets, step.F16_TABLE, sync, int(WAIT_US * rate), int(LOST_US * rate))
+        args = (h, self.layers, self.mats, self.vecs, self.chunks, starts, caches, dims, self.eps, cos, sin, slots,
+                key_valid, valid, work, offsets, step.F16_TABLE, sync, int(WAIT_US * rate), int(LOST_US * rate))
         workers = self.ws.threads if self.ws.pooled else 1
         self.ws.run([partial(_worker, w, args) for w in range(workers)])
+
+    def _caches(self, layers: list, batch: int) -> tuple[np.ndarray, int]:
+        """The addresses of each layer's cache arrays [L, 2] and the KV caches' slots, every shape checked against
+        the config (the compiled code reads them without bounds checks)."""
+        c = self.config
+        capacity = next((layer.keys.shape[2] for layer in layers if isinstance(layer, KVCache)), 0)
+        kv_shape = (batch, c.num_key_value_heads, capacity, c.head_dim)
+        conv_shape, state_shape = ((batch, *shape) for shape in LinearAttentionCache.row_shapes(c)) \
+            if c.linear_conv_dim else ((), ())
+        arrays = []
+        for kind, layer in zip(self.layers, layers, strict=True):
+            pair = (layer.keys, layer.values) if kind == jit().ATTENTION and isinstance(layer, KVCache) else \
+                (layer.conv, layer.state) if isinstance(layer, LinearAttentionCache) else None
+            shapes = (kv_shape, kv_shape) if kind == jit().ATTENTION else (conv_shape, state_shape)
+            if pair is None or any(a.shape != s or not a.flags.c_contiguous or a.dtype != np.float32
+                                   for a, s in zip(pair, shapes, strict=True)):
+                raise ValueError("the compiled decode step needs contiguous float32 caches of the model's shapes")
+            arrays.append([a.ctypes.data for a in pair])
+        return np.array(arrays, np.int64), capacity
 
     def _buffers(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
         """The step's activation buffers for ``batch`` rows in one float32 array (kept between steps, grown when a
         larger batch comes) and where each starts (:data:`.step_jit.X` ...)."""
-        hidden, nh, nkv, hd, inter = self.shape
-        widest = max(hidden, inter, nh * hd)
-        sizes = [hidden, nh * hd, nkv * hd, nkv * hd, nh * hd, hidden, hidden, inter, hidden, widest // 16,
-                 widest // 32] + [self.gate_rows] * (2 * self.ws.threads)
+        hidden, nh, nkv, hd, inter, q_rows, _, _, hv, dv, _, channels = self.dims
+        projections = [max(q_rows, channels), max(nkv * hd, hv * dv), max(nkv * hd, hv), hv]
+        mixed = max(nh * hd, hv * dv)
+        widest = max(hidden, inter, mixed)
+        sizes = [hidden, *projections, mixed, hidden, hidden, inter, hidden, widest // 16, widest // 32] \
+            + [self.gate_rows] * (2 * self.ws.threads)
         offsets, total = [], 0
         for size in sizes:
             offsets.append(total)

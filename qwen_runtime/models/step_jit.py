@@ -1,5 +1,6 @@
-"""The compiled decode step of the softmax-attention models: every layer of one new token per row in one compiled
-call per pool thread, with no Python between the operations.  Driven by :mod:`.decode_step`.
+"""The compiled decode step: every layer of one new token per row in one compiled call per pool thread, with no
+Python between the operations, for softmax-attention layers (Qwen2, Qwen2.5, Qwen3, DeepSeek-R1-Distill-Qwen) and
+Qwen3.5's gated attention and Gated DeltaNet layers.  Driven by :mod:`.decode_step`.
 
 Why: a decode step of the Python path runs each layer's seven products, its norms and attention as separate calls
 from Python.  On Qwen2.5-0.5B (one thread) about 28 % of a step was Python between the products, and with two
@@ -20,38 +21,49 @@ for bit (tested).
 
 The plan (built once per model by :class:`.decode_step.DecodeStep`), all int64:
 
-* ``mats`` [L, 7, 5]: per layer and matrix (:data:`Q` .. :data:`DOWN`), the row product's address, the stored
-  rows' address, rows, bytes per row, and the width of the activation block sums it takes (0: none);
-* ``vecs`` [L, 7]: the addresses of the float32 vectors :data:`ATTN_NORM` .. :data:`K_NORM` (0: absent);
-* ``chunks`` [C, 3]: (matrix, first row, end row) of each product kind in turn (:data:`QKV`, :data:`OUT`,
-  :data:`GATE_UP`, :data:`DOWN_PROJ`), ``starts`` [5] each kind's first chunk;
-* ``kv`` [L, 2]: each layer's cache keys and values, float32 [B, nkv, S, hd];
-* ``dims``: :data:`BATCH` .. :data:`FLAGS`;
+* ``layers`` [L]: each layer's kind, :data:`ATTENTION` or :data:`LINEAR` (Gated DeltaNet);
+* ``mats`` [L, 8, 5]: per layer and matrix (:data:`IN0` .. :data:`DOWN`; the input projections are q, k, v of
+  attention and qkv, z, β, α of Gated DeltaNet), the row product's address, the stored rows' address, rows, bytes
+  per row, and the width of the activation block sums it takes (0: none);
+* ``vecs`` [L, 7]: the addresses of a layer's vectors: the two norms, then attention's q/k/v biases and q/k norms
+  or Gated DeltaNet's conv taps [K, C], dt bias, A, norm and key head of each value head (int64) (0: absent);
+* ``chunks`` [C, 3]: (matrix, first row, end row) of each product phase in turn (:data:`PROJ`, :data:`OUT`,
+  :data:`GATE_UP`, :data:`DOWN_PROJ`), ``starts`` [2, 5] each layer kind's first chunk of each phase;
+* ``caches`` [L, 2]: each layer's cache arrays: keys and values [B, nkv, S, hd], or conv inputs [B, K-1, C] and
+  delta state [B, Hv, dk, dv];
+* ``dims``: :data:`BATCH` .. :data:`CONV_DIM`;
 * ``offsets``: where each activation buffer starts in ``work`` (:data:`X` .. :data:`GATE`), float32, 64-byte aligned.
 
-Shapes: B rows, H hidden, nh/nkv heads, hd head dim, I intermediate, S cache slots.
+Shapes: B rows, H hidden, nh/nkv heads, hd head dim, I intermediate, S cache slots; Gated DeltaNet's Hk/Hv key and
+value heads of dk/dv, C conv channels, K conv taps.
 """
 
 from __future__ import annotations
 
-from numba import carray, njit
+from numba import carray, njit, types
+from numba.extending import intrinsic
 
 from ..ops_jit import add_rms_norm_rows, rms_norm_rows, silu_mul_rows
 from ..pool_jit import cpu_relax, cycles, cycles_per_us, fetch_add, load_fresh, store_fresh
 from ..quants.jit_base import F16_TABLE, GEMV_ROWS, block_sums, call_product, f32_at
-from .attention_jit import attention_step
+from .attention_jit import attention_step, sigmoid_gate
+from .gated_delta_jit import linear_attention_step
 
 JIT = {"nogil": True, "cache": True, "error_model": "numpy"}
 __all__ = ["F16_TABLE", "cycles_per_us", "decode_layers", "sync_size"]  # what .decode_step takes from here
 
-Q, K, V, OUT_W, GATE_W, UP, DOWN = range(7)  # the matrices of a layer (``mats``' second axis)
+ATTENTION, LINEAR = 0, 1  # layer kinds
+IN0, IN1, IN2, IN3, OUT_W, GATE_W, UP, DOWN = range(8)  # the matrices of a layer (``mats``' second axis)
 FN, RAW, ROWS, ROW_BYTES, SUMS = range(5)  # a matrix's entries
-ATTN_NORM, MLP_NORM, Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM = range(7)  # ``vecs``' second axis
-QKV, OUT, GATE_UP, DOWN_PROJ = range(4)  # product kinds (phases of a layer)
-FIRST, LAST = (Q, OUT_W, GATE_W, DOWN), (V, OUT_W, UP, DOWN)  # each kind's matrices
-BATCH, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, SLOTS, FLAGS = range(8)  # ``dims``
+ATTN_NORM, MLP_NORM = 0, 1  # ``vecs``' second axis: both kinds
+Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM = 2, 3, 4, 5, 6  # attention
+CONV_TAPS, DT_BIAS, SSM_A, SSM_NORM, KEY_HEADS = 2, 3, 4, 5, 6  # Gated DeltaNet
+PROJ, OUT, GATE_UP, DOWN_PROJ = range(4)  # product phases of a layer
+FIRST, LAST = (IN0, OUT_W, GATE_W, DOWN), (IN3, OUT_W, UP, DOWN)  # each phase's matrices (absent ones: no chunks)
+(BATCH, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, SLOTS, FLAGS, Q_WIDTH, KEY_HEADS_LIN, KEY_DIM, VALUE_HEADS,
+ VALUE_DIM, CONV_TAPS_K, CONV_DIM) = range(15)  # ``dims``
 HAS_BIAS, HAS_QK_NORM = 1, 2  # FLAGS bits
-X, YQ, YK, YV, ATT, ATT_OUT, X2, ACT, MLP_OUT, SUMS16, SUMS32, GATE = range(12)  # ``offsets`` (GATE: per worker)
+X, Y0, Y1, Y2, Y3, ATT, ATT_OUT, X2, ACT, MLP_OUT, SUMS16, SUMS32, GATE = range(13)  # ``offsets`` (GATE: per worker)
 POSTED = 0  # sync[POSTED]: phases posted so far
 LINE = 8  # int64 per cache line: each phase's two counters on a line of their own
 CLAIMED, DONE = 0, 1
@@ -60,6 +72,18 @@ CLAIMED, DONE = 0, 1
 def sync_size(layers: int) -> int:
     """int64 entries of a step's ``sync`` array (zeroed before each step)."""
     return LINE * (4 * layers + 1)
+
+
+@intrinsic
+def i64_at(typingctx, address):  # noqa: ARG001
+    """The int64 ``address`` as an int64 pointer (for ``numba.carray``)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int64)))
+
+    return types.CPointer(types.int64)(address), codegen
 
 
 @njit(**JIT)
@@ -137,15 +161,18 @@ def prepare_sums(mats, layer, first, last, x, work, offsets):
 
 
 @njit(**JIT)
-def work_phase(worker, kind, layer, phase, sync, mats, chunks, starts, x, sums16, sums32, table, outs, work, offsets,
-               lost):
-    """Claim chunks of product ``kind`` of ``layer`` until none is left; returns how many this worker did, negated
-    when a worker other than 0 lost its CPU during its last chunk (a chunk taking more than ``lost`` cycles).
+def work_phase(worker, phase, layer, kind, sync, mats, chunks, starts, x, sums16, sums32, table, outs, work,
+               offsets, lost):
+    """Claim chunks of product ``phase`` (:data:`PROJ` ...) of ``layer`` (of layer kind ``kind``) until none is
+    left; returns how many this worker did, negated when a worker other than 0 lost its CPU during its last chunk
+    (a chunk taking more than ``lost`` cycles).
 
-    x [N, in] the product's input; outs: the float32 [N, *] outputs (q, k, v, attention out, activation, MLP out)
+    x [N, in] the product's input; outs: the float32 [N, *] outputs (the four input projections, the mixer's
+    output projection, the activation, the MLP's output)
     """
-    first, count = starts[kind], starts[kind + 1] - starts[kind]
-    claims, done = LINE * (phase + 1) + CLAIMED, LINE * (phase + 1) + DONE
+    first, count = starts[kind, phase], starts[kind, phase + 1] - starts[kind, phase]
+    step_phase = 4 * layer + phase
+    claims, done = LINE * (step_phase + 1) + CLAIMED, LINE * (step_phase + 1) + DONE
     did = 0
     while True:
         c = fetch_add(sync, claims, 1)
@@ -153,19 +180,16 @@ def work_phase(worker, kind, layer, phase, sync, mats, chunks, starts, x, sums16
             return did
         began = cycles()
         m, r0, r1 = chunks[first + c, 0], chunks[first + c, 1], chunks[first + c, 2]
-        if kind == QKV:
-            product(mats[layer, m], r0, r1, x, sums16, sums32, table, outs[m], r0)
-        elif kind == OUT:
-            product(mats[layer, m], r0, r1, x, sums16, sums32, table, outs[3], r0)
-        elif kind == GATE_UP:
+        if phase == GATE_UP:
             n, rows = x.shape[0], r1 - r0
             g = rows_of(work, offsets[GATE + 2 * worker], n, rows)
             u = rows_of(work, offsets[GATE + 2 * worker + 1], n, rows)
             product(mats[layer, GATE_W], r0, r1, x, sums16, sums32, table, g, 0)
             product(mats[layer, UP], r0, r1, x, sums16, sums32, table, u, 0)
-            silu_mul_rows(g, u, outs[4][:, r0:r1])
+            silu_mul_rows(g, u, outs[5][:, r0:r1])
         else:
-            product(mats[layer, m], r0, r1, x, sums16, sums32, table, outs[5], r0)
+            product(mats[layer, m], r0, r1, x, sums16, sums32, table, outs[min(m, 4) if phase != DOWN_PROJ else 6],
+                    r0)
         fetch_add(sync, done, 1)
         did += 1
         if worker and cycles() - began > lost:
@@ -173,69 +197,104 @@ def work_phase(worker, kind, layer, phase, sync, mats, chunks, starts, x, sums16
 
 
 @njit(**JIT)
-def attention(layer, dims, vecs, kv, eps, yq, yk, yv, cos, sin, slots, key_valid):
+def attention(layer, dims, vecs, caches, eps, yq, yk, yv, cos, sin, slots, key_valid, out):
     """Biases or q/k norms, RoPE, the cache writes and attention of one layer (:func:`.attention_jit.attention_step`
-    with the Python path's arguments).  -> [B, nh, 1, hd]"""
+    with the per-operation path's arguments), then Qwen3.5's gate when q carries one: ``out`` [B, nh·hd]."""
     b, nh, nkv, hd, s = dims[BATCH], dims[HEADS], dims[KV_HEADS], dims[HEAD_DIM], dims[SLOTS]
-    keys = carray(f32_at(kv[layer, 0]), (b, nkv, s, hd))
-    values = carray(f32_at(kv[layer, 1]), (b, nkv, s, hd))
-    q4, k4, v4 = yq.reshape((b, 1, nh, hd)), yk.reshape((b, 1, nkv, hd)), yv.reshape((b, 1, nkv, hd))
+    keys = carray(f32_at(caches[layer, 0]), (b, nkv, s, hd))
+    values = carray(f32_at(caches[layer, 1]), (b, nkv, s, hd))
+    width = dims[Q_WIDTH] // nh  # hd, or 2·hd when each head's gate follows its query
+    q4, k4, v4 = yq.reshape((b, 1, nh, width)), yk.reshape((b, 1, nkv, hd)), yv.reshape((b, 1, nkv, hd))
     if dims[FLAGS] & HAS_BIAS:
-        return attention_step(q4, k4, v4, vector(vecs, layer, Q_BIAS, nh * hd), vector(vecs, layer, K_BIAS, nkv * hd),
-                              vector(vecs, layer, V_BIAS, nkv * hd), None, None, eps, cos, sin, slots, key_valid,
-                              keys, values)
-    if dims[FLAGS] & HAS_QK_NORM:
-        return attention_step(q4, k4, v4, None, None, None, vector(vecs, layer, Q_NORM, hd),
-                              vector(vecs, layer, K_NORM, hd), eps, cos, sin, slots, key_valid, keys, values)
-    return attention_step(q4, k4, v4, None, None, None, None, None, eps, cos, sin, slots, key_valid, keys, values)
+        o = attention_step(q4, k4, v4, vector(vecs, layer, Q_BIAS, nh * hd), vector(vecs, layer, K_BIAS, nkv * hd),
+                           vector(vecs, layer, V_BIAS, nkv * hd), None, None, eps, cos, sin, slots, key_valid,
+                           keys, values)
+    elif dims[FLAGS] & HAS_QK_NORM:
+        o = attention_step(q4, k4, v4, None, None, None, vector(vecs, layer, Q_NORM, hd),
+                           vector(vecs, layer, K_NORM, hd), eps, cos, sin, slots, key_valid, keys, values)
+    else:
+        o = attention_step(q4, k4, v4, None, None, None, None, None, eps, cos, sin, slots, key_valid, keys, values)
+    if width == hd:
+        out[:] = o.reshape((b, nh * hd))
+    else:
+        sigmoid_gate(o, q4, out)
 
 
 @njit(**JIT)
-def decode_layers(worker, h, mats, vecs, chunks, starts, kv, dims, eps, cos, sin, slots, key_valid, work, offsets,
-                  table, sync, ticks, lost):
+def linear(layer, dims, vecs, caches, eps, mixed, z, beta, alpha, valid, out):
+    """Gated DeltaNet's conv step and delta rule of one layer (:func:`.gated_delta_jit.linear_attention_step` with the
+    per-operation path's arguments; ``mixed`` is overwritten): ``out`` [B, Hv·dv]."""
+    b, hv, dk, dv = dims[BATCH], dims[VALUE_HEADS], dims[KEY_DIM], dims[VALUE_DIM]
+    taps, channels = dims[CONV_TAPS_K], dims[CONV_DIM]
+    conv = carray(f32_at(caches[layer, 0]), (b, taps - 1, channels))
+    state = carray(f32_at(caches[layer, 1]), (b, hv, dk, dv))
+    o = linear_attention_step(mixed.reshape((b, 1, channels)), carray(f32_at(vecs[layer, CONV_TAPS]), (taps, channels)),
+                              conv, z.reshape((b, 1, hv, dv)), beta.reshape((b, 1, hv)), alpha.reshape((b, 1, hv)),
+                              carray(i64_at(vecs[layer, KEY_HEADS]), (hv,)), vector(vecs, layer, SSM_A, hv),
+                              vector(vecs, layer, DT_BIAS, hv), vector(vecs, layer, SSM_NORM, dv), eps, valid, state)
+    out[:] = o.reshape((b, hv * dv))
+
+
+@njit(**JIT)
+def widths(dims, kind):
+    """The widths of a layer kind's input projections and of its mixer's output."""
+    if kind == ATTENTION:
+        kv = dims[KV_HEADS] * dims[HEAD_DIM]
+        return dims[Q_WIDTH], kv, kv, 0, dims[HEADS] * dims[HEAD_DIM]
+    hv = dims[VALUE_HEADS]
+    return dims[CONV_DIM], hv * dims[VALUE_DIM], hv, hv, hv * dims[VALUE_DIM]
+
+
+@njit(**JIT)
+def decode_layers(worker, h, layers, mats, vecs, chunks, starts, caches, dims, eps, cos, sin, slots, key_valid,
+                  valid, work, offsets, table, sync, ticks, lost):
     """Every layer of a decode step, as worker ``worker`` (0: the caller, who also runs what lies between products
     and updates ``h`` [B, H] in place; see the module docstring).  Returns the chunks this worker multiplied.
 
-    cos/sin float32 [B, 1, r/2]; slots int64 [B, 1] and key_valid bool [B, S] (C-contiguous); work float32 (the
-    buffers at ``offsets``); table: the float16 table; sync: int64 [:func:`sync_size`], zero; ticks: cycles a
-    worker other than 0 waits for a post before it leaves the rest to worker 0; lost: a gap in a worker's polls or
-    chunk this many cycles long means it lost its CPU (the machine is busy), and it leaves too.
+    cos/sin float32 [B, 1, r/2]; slots int64 [B, 1], key_valid bool [B, S] and valid bool [B, 1] (C-contiguous);
+    work float32 (the buffers at ``offsets``); table: the float16 table; sync: int64 [:func:`sync_size`], zero;
+    ticks: cycles a worker other than 0 waits for a post before it leaves the rest to worker 0; lost: a gap in a
+    worker's polls or chunk this many cycles long means it lost its CPU (the machine is busy), and it leaves too.
     """
-    b, hidden, nh, nkv, hd, inter = (dims[BATCH], dims[HIDDEN], dims[HEADS], dims[KV_HEADS], dims[HEAD_DIM],
-                                     dims[INTERMEDIATE])
+    b, hidden, inter = dims[BATCH], dims[HIDDEN], dims[INTERMEDIATE]
     x, x2 = rows_of(work, offsets[X], b, hidden), rows_of(work, offsets[X2], b, hidden)
-    att, act = rows_of(work, offsets[ATT], b, nh * hd), rows_of(work, offsets[ACT], b, inter)
-    outs = (rows_of(work, offsets[YQ], b, nh * hd), rows_of(work, offsets[YK], b, nkv * hd),
-            rows_of(work, offsets[YV], b, nkv * hd), rows_of(work, offsets[ATT_OUT], b, hidden), act,
-            rows_of(work, offsets[MLP_OUT], b, hidden))
-    inputs = (x, att, x2, act)
+    act = rows_of(work, offsets[ACT], b, inter)
+    attn_out, mlp_out = rows_of(work, offsets[ATT_OUT], b, hidden), rows_of(work, offsets[MLP_OUT], b, hidden)
     did = 0
-    for layer in range(mats.shape[0]):
-        for kind in range(4):
-            phase = 4 * layer + kind
+    for layer in range(len(layers)):
+        kind = layers[layer]
+        w0, w1, w2, w3, w_att = widths(dims, kind)
+        att = rows_of(work, offsets[ATT], b, w_att)
+        outs = (rows_of(work, offsets[Y0], b, w0), rows_of(work, offsets[Y1], b, w1),
+                rows_of(work, offsets[Y2], b, w2), rows_of(work, offsets[Y3], b, w3), attn_out, act, mlp_out)
+        inputs = (x, att, x2, act)
+        for phase in range(4):
+            step_phase = 4 * layer + phase
             if worker == 0:
-                if kind == QKV:
+                if phase == PROJ:
                     rms_norm_rows(h, vector(vecs, layer, ATTN_NORM, hidden), eps, x)
-                elif kind == OUT:
-                    o = attention(layer, dims, vecs, kv, eps, outs[0], outs[1], outs[2], cos, sin, slots, key_valid)
-                    att[:] = o.reshape((b, nh * hd))
-                elif kind == GATE_UP:
-                    add_rms_norm_rows(h, outs[3], vector(vecs, layer, MLP_NORM, hidden), eps, h, x2)
-                sums16, sums32 = prepare_sums(mats, layer, FIRST[kind], LAST[kind], inputs[kind], work, offsets)
-                post(sync, phase)
-            elif not await_post(sync, phase, ticks, lost):
+                elif phase == OUT and kind == ATTENTION:
+                    attention(layer, dims, vecs, caches, eps, outs[0], outs[1], outs[2], cos, sin, slots, key_valid,
+                              att)
+                elif phase == OUT:
+                    linear(layer, dims, vecs, caches, eps, outs[0], outs[1], outs[2], outs[3], valid, att)
+                elif phase == GATE_UP:
+                    add_rms_norm_rows(h, attn_out, vector(vecs, layer, MLP_NORM, hidden), eps, h, x2)
+                sums16, sums32 = prepare_sums(mats, layer, FIRST[phase], LAST[phase], inputs[phase], work, offsets)
+                post(sync, step_phase)
+            elif not await_post(sync, step_phase, ticks, lost):
                 return did
             else:
-                n, cols = inputs[kind].shape
+                n, cols = inputs[phase].shape
                 sums16 = rows_of(work, offsets[SUMS16], n, cols // 16)
                 sums32 = rows_of(work, offsets[SUMS32], n, cols // 32)
-            done = work_phase(worker, kind, layer, phase, sync, mats, chunks, starts, inputs[kind], sums16, sums32,
+            done = work_phase(worker, phase, layer, kind, sync, mats, chunks, starts, inputs[phase], sums16, sums32,
                               table, outs, work, offsets, lost)
             did += abs(done)
             if done < 0:
                 return did
             if worker == 0:
-                await_done(sync, phase, starts[kind + 1] - starts[kind])
-                if kind == DOWN_PROJ:
-                    h += outs[5]
+                await_done(sync, step_phase, starts[kind, phase + 1] - starts[kind, phase])
+                if phase == DOWN_PROJ:
+                    h += mlp_out
     return did

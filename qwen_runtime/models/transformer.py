@@ -177,7 +177,7 @@ class Model:
         state = cache.begin(valid)
         b, t = ids.shape
         h = self.embed.rows(ids.reshape(-1)).reshape(b, t, -1)  # [B, T, H]
-        if states is None and self.step is not None and self.step.runs(b, t):
+        if states is None and self.step is not None and self.step.runs(b, t, cache):
             self.step(h.reshape(b, -1), cache, state)  # h [B, 1, H] updated in place
             cache.commit(state)
             return h

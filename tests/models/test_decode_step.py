@@ -1,6 +1,6 @@
 """The compiled decode step (``models/step_jit.py``) against the per-operation path it replaces: the same logits,
-bit for bit, for every dense family, several stored types, batches, ragged rows, one thread or two, and a pool
-thread that leaves the step early."""
+bit for bit, for every family (Qwen3.5's hybrid layers included), several stored types, batches, ragged rows, one
+thread or two, and a pool thread that leaves the step early."""
 
 from __future__ import annotations
 
@@ -41,7 +41,10 @@ def prompts(model, lengths: tuple[int, ...]) -> list[np.ndarray]:
     return [rng.integers(0, model.config.vocab_size, n) for n in lengths]
 
 
-@pytest.mark.parametrize("name", DENSE_FAMILIES)
+FAMILIES = (*DENSE_FAMILIES, "qwen35-tiny", "qwen35-tiny-gqa")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "fp16", "q5_1"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_compiled_step_equals_the_per_operation_path_bit_for_bit(converted: Converted, name: str, dtype: str,
@@ -83,9 +86,19 @@ def test_the_step_counts_its_chunks(converted: Converted, monkeypatch: pytest.Mo
     assert sum(done) == STEPS * per_step
 
 
+def test_a_checkpointed_state_steps_op_by_op(converted: Converted) -> None:
+    """A pass that may be rolled back (speculative decoding's checkpoint) records its Gated DeltaNet inputs op by
+    op, so the compiled step steps aside for it."""
+    model = load(converted("qwen35-tiny", "gguf", "q8_0"), kernels="numba")
+    cache = model.make_cache(1, 8)
+    model.forward(np.array([[1, 2]]), cache)
+    assert model.step.runs(1, 1, cache)
+    cache.checkpoint()
+    assert not model.step.runs(1, 1, cache)
+
+
 def test_models_without_a_compiled_step(converted: Converted) -> None:
-    """Hybrid Qwen3.5, 8-bit activations and the numpy kernels keep the per-operation path."""
-    assert load(converted("qwen35-tiny", "gguf", "q8_0"), kernels="numba").step is None
+    """8-bit activations, the numpy kernels and float32 matrices keep the per-operation path."""
     assert load(converted("qwen2-tiny", "gguf", "q8_0"), kernels="numba", activations="q8").step is None
     model = load(converted("qwen2-tiny", "gguf", "q8_0"), kernels="numpy")
     assert model.step is None
