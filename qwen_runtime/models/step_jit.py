@@ -40,12 +40,11 @@ value heads of dk/dv, C conv channels, K conv taps.
 
 from __future__ import annotations
 
-from numba import carray, njit, types
-from numba.extending import intrinsic
+from numba import carray, njit
 
 from ..ops_jit import add_rms_norm_rows, rms_norm_rows, silu_mul_rows
 from ..pool_jit import cpu_relax, cycles, cycles_per_us, fetch_add, load_fresh, store_fresh
-from ..quants.jit_base import F16_TABLE, GEMV_ROWS, block_sums, call_product, f32_at
+from ..quants.jit_base import F16_TABLE, GEMV_ROWS, block_sums, call_product, f32_at, i64_at
 from .attention_jit import attention_step, sigmoid_gate
 from .gated_delta_jit import linear_attention_step
 
@@ -72,18 +71,6 @@ CLAIMED, DONE = 0, 1
 def sync_size(layers: int) -> int:
     """int64 entries of a step's ``sync`` array (zeroed before each step)."""
     return LINE * (4 * layers + 1)
-
-
-@intrinsic
-def i64_at(typingctx, address):  # noqa: ARG001
-    """The int64 ``address`` as an int64 pointer (for ``numba.carray``)."""
-    if not isinstance(address, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int64)))
-
-    return types.CPointer(types.int64)(address), codegen
 
 
 @njit(**JIT)

@@ -283,28 +283,24 @@ ROW_PRODUCT = types.void(*([types.int64] * 11))
 row_cfunc = numba.cfunc(ROW_PRODUCT, nopython=True, cache=True)
 
 
-@intrinsic
-def f32_at(typingctx, address):  # noqa: ARG001
-    """The int64 ``address`` as a float32 pointer (for ``numba.carray``)."""
-    if not isinstance(address, types.Integer):
-        return None
+def address_as(dtype: types.Type):  # -> an intrinsic
+    """An intrinsic taking an int64 address to a pointer to ``dtype`` (for ``numba.carray``)."""
+    pointer = types.CPointer(dtype)
 
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.float32)))
+    @intrinsic
+    def at(typingctx, address):  # noqa: ARG001
+        if not isinstance(address, types.Integer):
+            return None
 
-    return types.CPointer(types.float32)(address), codegen
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(pointer))
+
+        return pointer(address), codegen
+
+    return at
 
 
-@intrinsic
-def u8_at(typingctx, address):  # noqa: ARG001
-    """The int64 ``address`` as a uint8 pointer (for ``numba.carray``)."""
-    if not isinstance(address, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint8)))
-
-    return types.CPointer(types.uint8)(address), codegen
+f32_at, u8_at, i64_at = (address_as(t) for t in (types.float32, types.uint8, types.int64))
 
 
 @intrinsic
