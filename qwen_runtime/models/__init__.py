@@ -37,7 +37,8 @@ def warm_up(model: Model) -> None:
     step = model.step
     try:
         with model.workspace.dry_run():
-            for model.step in {step, None}:
+            for path in dict.fromkeys((step, None)):  # the compiled step (when offered), then op by op
+                model.step = path
                 model.forward(np.zeros((1, 1), np.int64), model.make_cache(1, 1), last_only=True)
     finally:
         model.step = step
