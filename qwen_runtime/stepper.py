@@ -31,6 +31,8 @@ import numpy as np
 from .sampling import NEG_INF, SamplingParams, sample
 from .tokenizer import StreamDecoder, Tokenizer
 
+NO_TOKENS = np.zeros(0, np.int64)  # an empty history: the penalties that read it do nothing
+
 
 class FinishReason(StrEnum):
     """Why a row ended, spelled as OpenAI's ``finish_reason`` (a ``str``: it compares and serialises as its text)."""
@@ -165,9 +167,11 @@ class RowStepper:
                 masked = np.full(logits.shape, NEG_INF, np.float32)
                 masked[ids] = logits[ids]
                 logits = masked
-        seen = np.asarray(self.prompt_ids + self.tokens, np.int64)
-        output = np.asarray(self.tokens, np.int64)
-        return int(sample(logits[None], [self.params], [seen], [self.rng], [output])[0])
+        p = self.params
+        # the histories only for the penalties that read them: the prompt's copy grew with every step of every row
+        seen = np.asarray(self.prompt_ids + self.tokens, np.int64) if p.repetition_penalty != 1.0 else NO_TOKENS
+        output = np.asarray(self.tokens, np.int64) if p.presence_penalty or p.frequency_penalty else NO_TOKENS
+        return int(sample(logits[None], [p], [seen], [self.rng], [output])[0])
 
     def record(self, token: int) -> Step:
         """Take ``token``: the text it completes and whether the row ends."""

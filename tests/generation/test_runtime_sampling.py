@@ -145,3 +145,30 @@ def test_filters_match_transformers_warpers() -> None:
         scores = proc(ids, scores)
     expected = torch.softmax(scores, dim=-1)[0].numpy()
     np.testing.assert_allclose(filtered_probs(logits, params, seen), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(), SamplingParams(temperature=0.9), SamplingParams(repetition_penalty=3.0),
+    SamplingParams(presence_penalty=2.0), SamplingParams(frequency_penalty=1.5),
+    SamplingParams(temperature=0.9, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5),
+])
+def test_stepper_picks_what_sample_picks_with_the_whole_history(params: SamplingParams) -> None:
+    """A row's stepper hands the penalties its prompt and output (and skips building them when no penalty reads
+    them): every pick is sample()'s with the full histories, on logits whose best tokens are the history's."""
+    from qwen_runtime.stepper import RowStepper
+
+    prompt = [3, 7, 7, 11]
+    stepper = RowStepper(prompt, params, np.random.default_rng(9), 12, frozenset())
+    reference_rng = np.random.default_rng(9)
+    logits_rng = np.random.default_rng(4)
+    tokens: list[int] = []
+    for _ in range(12):
+        logits = logits_rng.normal(0, 0.5, 32).astype(np.float32)
+        logits[prompt + tokens] += 2.0  # the history holds the most likely tokens: penalties change the pick
+        want = int(sample(logits[None], [params], [np.asarray(prompt + tokens)], [reference_rng],
+                          [np.asarray(tokens, np.int64)])[0])
+        step = stepper.step(logits)
+        assert step.token == want
+        tokens.append(want)
+    if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        assert set(tokens) - set(prompt), "the penalties never changed a pick: the test shows nothing"
