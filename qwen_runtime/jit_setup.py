@@ -36,6 +36,8 @@ import sys
 import threading
 from pathlib import Path
 
+from .memory import MADV_PAGEOUT, advise, mapped_ranges
+
 _PROBED = "scipy.linalg.cython_blas"  # what numba.np.arraymath imports to probe for BLAS
 _LOCK = threading.Lock()  # models loaded in two threads at once set numba up once
 PACKAGE = Path(__file__).resolve().parent  # the package whose compiled functions get the wider stamp
@@ -72,9 +74,6 @@ def prepare_numba() -> None:
         use_kernel_sources_locator()
 
 
-MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (clean file pages leave memory; contents never change)
-
-
 def release_compiler_pages() -> int:
     """Ask the kernel to reclaim the resident pages of LLVM's code (the read-only mappings of llvmlite's library):
     about 68 MiB that numba touches while it loads kernels from its cache, and not again until it compiles
@@ -82,24 +81,8 @@ def release_compiler_pages() -> int:
     its weights are read (``models.warm_up``), so that the process's peak resident memory is the weights, not the
     weights plus the compiler.  Linux only; elsewhere, or when the kernel refuses, nothing happens.  Returns the
     bytes advised."""
-    if not sys.platform.startswith("linux"):
-        return 0
-    import ctypes
-
-    try:
-        maps = Path("/proc/self/maps").read_text(encoding="ascii").splitlines()
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return 0
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    advised = 0
-    for line in maps:
-        fields = line.split()
-        if len(fields) > 5 and "libllvmlite" in fields[5] and "w" not in fields[1]:
-            start, end = (int(a, 16) for a in fields[0].split("-"))
-            if madvise(start, end - start, MADV_PAGEOUT) == 0:
-                advised += end - start
-    return advised
+    return sum(end - start for start, end, mode in mapped_ranges("libllvmlite")
+               if "w" not in mode and advise(start, end - start, MADV_PAGEOUT))
 
 
 def imported_files(path: Path, root: Path) -> list[Path]:

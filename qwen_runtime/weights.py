@@ -44,6 +44,7 @@ import numpy as np
 
 from . import ops
 from .errors import FormatError
+from .memory import MADV_POPULATE_READ, advise
 from .pool import Scratch, Workspace
 from .quants import JIT_KERNELS, TileKernel, codec, jit_kernel
 from .quants.base import RowTileKernel
@@ -375,6 +376,16 @@ def weight_overhead(tensors: Iterable[StoredTensor], kernels: str = "numpy") -> 
     """What a model's weights add to anonymous memory (the rest lives in the page cache): :func:`kept_bytes` of
     every matrix (Q8_0's block scales widened to float32 by the numpy kernels)."""
     return sum(kept_bytes(t.qtype, t.nbytes, kernels) for t in tensors if len(t.shape) == 2)
+
+
+def populate(weights: Iterable[Weight]) -> None:
+    """Map the stored rows of ``weights`` into the process now (``MADV_POPULATE_READ``, reading them from the file
+    where the page cache lacks them), as llama.cpp's loader does: the first prompt does not take the page faults.
+    A hint; nothing happens where the kernel lacks it."""
+    for w in weights:
+        rows = w.raw if isinstance(w, TiledWeight) else getattr(w, "w", None)
+        if rows is not None:
+            advise(rows.ctypes.data, rows.nbytes, MADV_POPULATE_READ)
 
 
 def load_vector(tensor: StoredTensor) -> np.ndarray:

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..formats import ModelFiles, open_model_files
 from ..jit_setup import release_compiler_pages
-from ..weights import TILE_ELEMENTS
+from ..weights import TILE_ELEMENTS, populate
 from . import attention, qwen35  # noqa: F401  (register the mixers of each layer type)
 from .base import MIXERS, BatchState, Mixer, WeightStore, register_mixer
 from .transformer import Block, Model
@@ -32,8 +32,8 @@ def warm_up(model: Model) -> None:
     as a prompt runs them) are loaded from numba's cache (or compiled, the first time on a machine) while the model
     loads, not inside the first prompt, as llama.cpp warms up too.  The products' kernels are already compiled
     when their weights are built, so the steps skip them (``Workspace.dry_run``: the weights are not read), and
-    LLVM's code pages are released before the first prompt reads the weights
-    (:func:`..jit_setup.release_compiler_pages`): the peak resident memory does not hold both."""
+    LLVM's code pages are released before the weights are mapped in (:func:`..jit_setup.release_compiler_pages`,
+    then :func:`..weights.populate`): the peak resident memory does not hold both."""
     step = model.step
     try:
         with model.workspace.dry_run():
@@ -43,3 +43,4 @@ def warm_up(model: Model) -> None:
     finally:
         model.step = step
     release_compiler_pages()
+    populate(model.matrices)
