@@ -26,11 +26,15 @@ from .qwen35 import GatedAttention, GatedDeltaNet, LinearAttentionCache
 # Bytes of stored rows per chunk a worker claims at least (rounded to DIRECT_ROW_ALIGN rows); larger shares of the
 # rows left first (:func:`split_rows`), so that the threads finish a product within a small chunk of each other.
 CHUNK_BYTES = 32 << 10
+# ... and at most this many (a 7B model's first share of a product would be 19 MB): a thread that loses its CPU in
+# the middle of a chunk keeps the others waiting for that chunk only.
+MAX_CHUNK_BYTES = 1 << 20
 # How long a pool thread waits for the next product before it leaves the rest of the step to the caller: longer
 # than any operation between two products (attention over a long cache), shorter than a stalled step.
 WAIT_US = 50_000
-# A pool thread whose chunk or poll took this long lost its CPU to another thread (a busy machine; a chunk takes
-# ~10 us): it leaves the rest of the step to the caller rather than hold a chunk the caller would wait for again.
+# A pool thread that finds this long a gap between two of its polls for the next product lost its CPU to another
+# thread (a busy machine): it leaves the rest of the step to the caller rather than claim chunks it may be
+# descheduled in again.
 LOST_US = 1_000
 ALIGN_FLOATS = 16  # buffers start on 64-byte boundaries (the row kernels' aligned loads)
 PHASE_MATRICES = ((0, 1, 2, 3), (4,), (5,), (7,))  # each product phase's matrices (gate/up: chunks of gate's rows)
@@ -43,19 +47,21 @@ def jit() -> ModuleType:
     return step_jit
 
 
-def chunk_rows(row_bytes: int) -> int:
-    """The fewest rows per chunk of a matrix of ``row_bytes`` bytes per row: about :data:`CHUNK_BYTES`, a multiple
-    of DIRECT_ROW_ALIGN."""
-    return max(DIRECT_ROW_ALIGN, CHUNK_BYTES // row_bytes // DIRECT_ROW_ALIGN * DIRECT_ROW_ALIGN)
+def chunk_rows(row_bytes: int, size: int = CHUNK_BYTES) -> int:
+    """Rows per chunk of ``size`` bytes of a matrix of ``row_bytes`` bytes per row, a multiple of DIRECT_ROW_ALIGN
+    (at least one)."""
+    return max(DIRECT_ROW_ALIGN, size // row_bytes // DIRECT_ROW_ALIGN * DIRECT_ROW_ALIGN)
 
 
-def split_rows(matrix: int, rows: int, step: int, threads: int) -> list[tuple[int, int, int]]:
-    """``(matrix, r0, r1)`` chunks covering ``rows``, each ``1 / (2 * threads)`` of the rows left (a multiple of
-    DIRECT_ROW_ALIGN) and at least ``step`` rows: large chunks first, small ones at the end of a product."""
+def split_rows(matrix: int, rows: int, row_bytes: int, threads: int) -> list[tuple[int, int, int]]:
+    """``(matrix, r0, r1)`` chunks covering ``rows`` of ``row_bytes`` bytes, each ``1 / (2 * threads)`` of the rows
+    left (a multiple of DIRECT_ROW_ALIGN) between :data:`CHUNK_BYTES` and :data:`MAX_CHUNK_BYTES`: large chunks
+    first, small ones at the end of a product."""
+    least, most = chunk_rows(row_bytes), chunk_rows(row_bytes, MAX_CHUNK_BYTES)
     out, r0 = [], 0
     while r0 < rows:
         share = (rows - r0) // (2 * threads) // DIRECT_ROW_ALIGN * DIRECT_ROW_ALIGN
-        r1 = min(r0 + max(step, share), rows)
+        r1 = min(r0 + min(most, max(least, share)), rows)
         out.append((matrix, r0, r1))
         r0 = r1
     return out
@@ -117,7 +123,7 @@ class DecodeStep:
                 starts[kind, phase] = len(chunks)
                 for m in matrices:
                     rows, row_bytes = int(first[m, 2]), int(first[m, 3]) * (2 if phase == 2 else 1)
-                    chunks += split_rows(m, rows, chunk_rows(row_bytes), ws.threads) if rows else []
+                    chunks += split_rows(m, rows, row_bytes, ws.threads) if rows else []
             starts[kind, 4] = len(chunks)
             self.gate_rows = max([self.gate_rows] + [r1 - r0 for _, r0, r1 in chunks[starts[kind, 2]:starts[kind, 3]]])
         self.chunks, self.starts = np.array(chunks, np.int64).reshape(-1, 3), starts  # [C, 3], [2, 5]

@@ -149,10 +149,9 @@ def prepare_sums(mats, layer, first, last, x, work, offsets):
 
 @njit(**JIT)
 def work_phase(worker, phase, layer, kind, sync, mats, chunks, starts, x, sums16, sums32, table, outs, work,
-               offsets, lost):
+               offsets):
     """Claim chunks of product ``phase`` (:data:`PROJ` ...) of ``layer`` (of layer kind ``kind``) until none is
-    left; returns how many this worker did, negated when a worker other than 0 lost its CPU during its last chunk
-    (a chunk taking more than ``lost`` cycles).
+    left; returns how many this worker did.
 
     x [N, in] the product's input; outs: the float32 [N, *] outputs (the four input projections, the mixer's
     output projection, the activation, the MLP's output)
@@ -165,7 +164,6 @@ def work_phase(worker, phase, layer, kind, sync, mats, chunks, starts, x, sums16
         c = fetch_add(sync, claims, 1)
         if c >= count:
             return did
-        began = cycles()
         m, r0, r1 = chunks[first + c, 0], chunks[first + c, 1], chunks[first + c, 2]
         if phase == GATE_UP:
             n, rows = x.shape[0], r1 - r0
@@ -179,8 +177,6 @@ def work_phase(worker, phase, layer, kind, sync, mats, chunks, starts, x, sums16
                     r0)
         fetch_add(sync, done, 1)
         did += 1
-        if worker and cycles() - began > lost:
-            return -did  # preempted during the chunk: leave the rest of the step to worker 0
 
 
 @njit(**JIT)
@@ -240,8 +236,8 @@ def decode_layers(worker, h, layers, mats, vecs, chunks, starts, caches, dims, e
 
     cos/sin float32 [B, 1, r/2]; slots int64 [B, 1], key_valid bool [B, S] and valid bool [B, 1] (C-contiguous);
     work float32 (the buffers at ``offsets``); table: the float16 table; sync: int64 [:func:`sync_size`], zero;
-    ticks: cycles a worker other than 0 waits for a post before it leaves the rest to worker 0; lost: a gap in a
-    worker's polls or chunk this many cycles long means it lost its CPU (the machine is busy), and it leaves too.
+    ticks: cycles a worker other than 0 waits for a post before it leaves the rest to worker 0; lost: a gap this many
+    cycles long between two of a worker's polls means it lost its CPU (the machine is busy), and it leaves too.
     """
     b, hidden, inter = dims[BATCH], dims[HIDDEN], dims[INTERMEDIATE]
     x, x2 = rows_of(work, offsets[X], b, hidden), rows_of(work, offsets[X2], b, hidden)
@@ -275,11 +271,8 @@ def decode_layers(worker, h, layers, mats, vecs, chunks, starts, caches, dims, e
                 n, cols = inputs[phase].shape
                 sums16 = rows_of(work, offsets[SUMS16], n, cols // 16)
                 sums32 = rows_of(work, offsets[SUMS32], n, cols // 32)
-            done = work_phase(worker, phase, layer, kind, sync, mats, chunks, starts, inputs[phase], sums16, sums32,
-                              table, outs, work, offsets, lost)
-            did += abs(done)
-            if done < 0:
-                return did
+            did += work_phase(worker, phase, layer, kind, sync, mats, chunks, starts, inputs[phase], sums16, sums32,
+                              table, outs, work, offsets)
             if worker == 0:
                 await_done(sync, step_phase, starts[kind, phase + 1] - starts[kind, phase])
                 if phase == DOWN_PROJ:
