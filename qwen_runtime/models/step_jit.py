@@ -43,7 +43,7 @@ from __future__ import annotations
 from numba import carray, njit
 
 from ..ops_jit import add_rms_norm_rows, rms_norm_rows, silu_mul_rows
-from ..pool_jit import cpu_relax, cycles, cycles_per_us, fetch_add, load_fresh, store_fresh
+from ..pool_jit import CHANGED, cpu_relax, cycles_per_us, fetch_add, load_fresh, poll, store_fresh
 from ..quants.jit_base import F16_TABLE, GEMV_ROWS, block_sums, call_product, f32_at, i64_at
 from .attention_jit import attention_step, sigmoid_gate
 from .gated_delta_jit import linear_attention_step
@@ -82,14 +82,8 @@ def post(sync, phase):
 @njit(**JIT)
 def await_post(sync, phase, ticks, lost):
     """Other workers: wait until ``phase`` is posted; False when that took more than ``ticks`` cycles or the thread
-    lost its CPU meanwhile (two polls ``lost`` cycles apart)."""
-    now = start = cycles()
-    while load_fresh(sync, POSTED) <= phase:
-        cpu_relax()
-        before, now = now, cycles()
-        if now - start > ticks or now - before > lost:
-            return False
-    return True
+    lost its CPU meanwhile (two polls ``lost`` cycles apart): the pool's own polling loop, on the posted counter."""
+    return poll(sync[POSTED:POSTED + 1], phase + 1, True, ticks, lost) == CHANGED
 
 
 @njit(**JIT)
