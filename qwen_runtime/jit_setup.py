@@ -25,6 +25,11 @@ stack accumulators' alignment of ``quants/jit_base.py``, the tables of ``quants/
 ``jit_base.py`` alone, ``jit_dense.py``'s cached code from before the edit was loaded and crashed (an update by
 ``git pull`` rewrites only the changed files).  The stamp of a function of this package therefore also covers
 every module of the package its module imports, transitively (:func:`import_closure`).
+
+With ``NUMBA_CACHE_DIR`` set, the locator also files a module's code under that hash rather than under the
+checkout's path (numba's own choice): a fresh clone, a CI checkout or a second worktree of the same sources loads
+what any other compiled, and two versions of a module never overwrite each other's index.  (CI clones the project
+afresh each run; the first compile of every kernel module took 2-3 minutes of its time.)
 """
 
 from __future__ import annotations
@@ -135,17 +140,18 @@ class KernelSourcesLocator:
     @staticmethod
     @functools.lru_cache(maxsize=1)
     def wrapper() -> type:
-        from numba.core import caching
+        from numba.core import caching, config
 
         class Locator(caching._CacheLocator):
             def __init__(self, inner: object, py_file: str) -> None:
                 self._inner, self._py_file = inner, Path(py_file)
 
-            def ensure_cache_path(self) -> None:
-                self._inner.ensure_cache_path()
-
             def get_cache_path(self) -> str:
-                return self._inner.get_cache_path()
+                user_dir = getattr(caching, "UserProvidedCacheLocator", None) or caching._UserProvidedCacheLocator
+                if not isinstance(self._inner, user_dir):
+                    return self._inner.get_cache_path()  # numba's __pycache__ beside the module
+                module = self._py_file.resolve().relative_to(PACKAGE.parent).with_suffix("")
+                return str(Path(config.CACHE_DIR, f"{'.'.join(module.parts)}-{import_closure(self._py_file)[:20]}"))
 
             def get_source_stamp(self) -> object:
                 return self._inner.get_source_stamp(), import_closure(self._py_file)

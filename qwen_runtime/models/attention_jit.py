@@ -65,35 +65,43 @@ def attend_slots(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_slot
 
     q [B, nh, T, hd] (unscaled); keys/values [B, nkv, ≥S, hd] (only slots up to a token's own are read);
     query_slots int [B, T]: the slot of each new token; key_valid bool [B, ≥S]: which slots hold real tokens (a
-    token always sees its own); out [B, nh, T, hd].  Query head h reads kv head h // (nh / nkv).
+    token always sees its own); out [B, nh, T, hd].  Query head h reads kv head h // (nh / nkv).  Each (row, kv
+    head) pair is :func:`attend_pair`, which the compiled decode step hands to its threads one pair at a time.
+    """
+    for b in range(q.shape[0]):
+        for kv in range(keys.shape[1]):
+            attend_pair(q, keys, values, query_slots, key_valid, b, kv, out)
+
+
+@njit(**JIT)
+def attend_pair(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_slots: np.ndarray,
+                key_valid: np.ndarray, b: int, kv: int, out: np.ndarray) -> None:
+    """:func:`attend_slots` of batch row ``b``'s query heads of kv head ``kv`` (arguments as there).
 
     Each cached key is read once for all query heads of its kv head (dot products in lanes over hd); the weighted
     sum of values runs in lanes over hd (:func:`_weighted_sum`).  (Scores from a transposed tile of keys, a lane
     per slot, ran 4x slower: numba keeps such accumulators in memory.)
     """
-    batch, heads, length, hd = q.shape
-    kv_heads = keys.shape[1]
-    group = heads // kv_heads
+    heads, length, hd = q.shape[1], q.shape[2], q.shape[3]
+    group = heads // keys.shape[1]
     scale = F32(1.0 / np.sqrt(hd))  # as the reference scales q
-    scores = np.empty((group, query_slots.max() + 1), np.float32)
-    qs = np.empty((group, hd), np.float32)  # the scaled queries of one kv head
-    for b in range(batch):
-        for kv in range(kv_heads):
-            kb, vb = keys[b, kv], values[b, kv]  # [S, hd]
-            for t in range(length):
-                own = query_slots[b, t]
-                seen = own + 1
-                for g in range(group):
-                    for i in range(hd):
-                        qs[g, i] = q[b, kv * group + g, t, i] * scale
-                for s in range(seen):
-                    k = kb[s]
-                    visible = key_valid[b, s] or s == own
-                    for g in range(group):
-                        scores[g, s] = dot(qs[g], k) if visible else MASKED
-                for g in range(group):
-                    _softmax_masked(scores, g, seen)
-                    _weighted_sum(scores, g, seen, vb, out[b, kv * group + g, t])
+    scores = np.empty((group, query_slots[b].max() + 1), np.float32)
+    qs = np.empty((group, hd), np.float32)  # the scaled queries of the kv head
+    kb, vb = keys[b, kv], values[b, kv]  # [S, hd]
+    for t in range(length):
+        own = query_slots[b, t]
+        seen = own + 1
+        for g in range(group):
+            for i in range(hd):
+                qs[g, i] = q[b, kv * group + g, t, i] * scale
+        for s in range(seen):
+            k = kb[s]
+            visible = key_valid[b, s] or s == own
+            for g in range(group):
+                scores[g, s] = dot(qs[g], k) if visible else MASKED
+        for g in range(group):
+            _softmax_masked(scores, g, seen)
+            _weighted_sum(scores, g, seen, vb, out[b, kv * group + g, t])
 
 
 @njit(**JIT)
@@ -146,22 +154,31 @@ def attention_step(yq: np.ndarray, yk: np.ndarray, yv: np.ndarray, bq: np.ndarra
                    bv: np.ndarray | None, q_norm: np.ndarray | None, k_norm: np.ndarray | None, eps: float,
                    cos: np.ndarray, sin: np.ndarray, slots: np.ndarray, key_valid: np.ndarray, keys: np.ndarray,
                    values: np.ndarray) -> np.ndarray:
-    """A few new tokens' attention from their projections, in one call: :func:`prepare_heads` of q (its own array),
-    k and v (into the cache at ``slots``), then :func:`attend_slots`.
+    """A few new tokens' attention from their projections, in one call: :func:`prepare_attention` (q into its own
+    array, k and v into the cache at ``slots``), then :func:`attend_slots`.
 
     yq [B, T, nh, ≥hd]; yk/yv [B, T, nkv, hd]; biases [heads·hd] or None; norms [hd] or None; cos/sin
     [B, T, r/2]; slots int [B, T] and key_valid bool [B, ≥S] (:meth:`BatchState.slots`); keys/values
     [B, nkv, S, hd] (the cache, written) -> [B, nh, T, hd]
     """
     batch, length, heads, _ = yq.shape
-    hd = keys.shape[3]
-    q = np.empty((batch, heads, length, hd), np.float32)
+    q = np.empty((batch, heads, length, keys.shape[3]), np.float32)
+    prepare_attention(yq, yk, yv, bq, bk, bv, q_norm, k_norm, eps, cos, sin, slots, keys, values, q)
+    out = np.empty(q.shape, np.float32)
+    attend_slots(q, keys, values, slots, key_valid, out)
+    return out
+
+
+@njit(**JIT)
+def prepare_attention(yq: np.ndarray, yk: np.ndarray, yv: np.ndarray, bq: np.ndarray | None, bk: np.ndarray | None,
+                      bv: np.ndarray | None, q_norm: np.ndarray | None, k_norm: np.ndarray | None, eps: float,
+                      cos: np.ndarray, sin: np.ndarray, slots: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                      q: np.ndarray) -> None:
+    """:func:`prepare_heads` of q into ``q`` [B, nh, T, hd], of k and v into the cache at ``slots`` (arguments as
+    :func:`attention_step`'s)."""
     prepare_heads(yq, bq, q_norm, eps, cos, sin, None, q)
     prepare_heads(yk, bk, k_norm, eps, cos, sin, slots, keys)
     prepare_heads(yv, bv, None, eps, None, None, slots, values)
-    out = np.empty((batch, heads, length, hd), np.float32)
-    attend_slots(q, keys, values, slots, key_valid, out)
-    return out
 
 
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_slots: np.ndarray, key_valid: np.ndarray,

@@ -220,8 +220,8 @@ class DecodeStep:
         projections = [max(q_rows, channels), max(nkv * hd, hv * dv), max(nkv * hd, hv), hv]
         mixed = max(nh * hd, hv * dv)
         widest = max(hidden, inter, mixed)
-        sizes = [hidden, *projections, mixed, hidden, hidden, inter, hidden, widest // 16, widest // 32] \
-            + [self.gate_rows] * (2 * self.ws.threads)
+        sizes = [hidden, *projections, mixed, hidden, hidden, inter, hidden, widest // 16, widest // 32, nh * hd,
+                 nh * hd] + [self.gate_rows] * (2 * self.ws.threads)
         offsets, total = [], 0
         for size in sizes:
             offsets.append(total)

@@ -86,45 +86,54 @@ def delta_step(mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.
     (updated); out [B, T, Hv, dv].  One step (docs §3.4): S̄ = e^g S, u = β(v − S̄ᵀk), S ← S̄ + k uᵀ,
     o = Sᵀq = e^g (Sᵀq) + (q·k) u, both reads from the state before the step.
     """
-    batch, length, _ = mixed.shape
+    for b in range(mixed.shape[0]):
+        for h in range(state.shape[1]):
+            delta_head(mixed, z, b_gate, a_gate, key_heads, ssm_a, dt_bias, norm, eps, valid, state, b, h, out)
+
+
+@njit(**JIT)
+def delta_head(mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.ndarray, key_heads: np.ndarray,
+               ssm_a: np.ndarray, dt_bias: np.ndarray, norm: np.ndarray, eps: float, valid: np.ndarray,
+               state: np.ndarray, b: int, h: int, out: np.ndarray) -> None:
+    """:func:`delta_step` of batch row ``b``'s value head ``h`` (arguments as there): the compiled decode step hands
+    the heads to its threads one at a time."""
+    length = mixed.shape[1]
     value_heads, dk, dv = state.shape[1], state.shape[2], state.shape[3]
     key_width = mixed.shape[2] - value_heads * dv  # 2·Hk·dk
     scale = F32(dk ** -0.5)
     qn, kn = np.empty(dk, np.float32), np.empty(dk, np.float32)
     reads_q, reads_k, u = np.empty(dv, np.float32), np.empty(dv, np.float32), np.empty(dv, np.float32)
-    for b in range(batch):
-        for h in range(value_heads):
-            s = state[b, h]  # [dk, dv]
-            q0 = key_heads[h] * dk
-            for t in range(length):
-                _l2_normalize(mixed[b, t, q0:q0 + dk], scale, qn)
-                _l2_normalize(mixed[b, t, key_width // 2 + q0:key_width // 2 + q0 + dk], ONE, kn)
-                v = mixed[b, t, key_width + h * dv:key_width + (h + 1) * dv]
-                beta, decay = ZERO, ONE
-                if valid[b, t]:
-                    beta = ONE / (ONE + F32(math.exp(-b_gate[b, t, h])))
-                    g = ssm_a[h] * _softplus(a_gate[b, t, h] + dt_bias[h])
-                    decay = ZERO if g < LOG_DECAY_FLOOR else F32(math.exp(g))
-                reads_q[:] = ZERO
-                reads_k[:] = ZERO
-                for i in range(dk):
-                    qi, ki = qn[i], kn[i]
-                    for d in range(dv):
-                        reads_q[d] += qi * s[i, d]
-                        reads_k[d] += ki * s[i, d]
-                qk = dot(qn, kn)
-                o = out[b, t, h]
-                for d in range(dv):
-                    u[d] = beta * (v[d] - decay * reads_k[d])
-                    o[d] = decay * reads_q[d] + qk * u[d]
-                for i in range(dk):
-                    ki = kn[i]
-                    for d in range(dv):
-                        s[i, d] = s[i, d] * decay + ki * u[d]
-                norm_row(o, norm, eps, o)
-                zt = z[b, t, h]
-                for d in range(dv):
-                    o[d] = o[d] * silu32(zt[d])
+    s = state[b, h]  # [dk, dv]
+    q0 = key_heads[h] * dk
+    for t in range(length):
+        _l2_normalize(mixed[b, t, q0:q0 + dk], scale, qn)
+        _l2_normalize(mixed[b, t, key_width // 2 + q0:key_width // 2 + q0 + dk], ONE, kn)
+        v = mixed[b, t, key_width + h * dv:key_width + (h + 1) * dv]
+        beta, decay = ZERO, ONE
+        if valid[b, t]:
+            beta = ONE / (ONE + F32(math.exp(-b_gate[b, t, h])))
+            g = ssm_a[h] * _softplus(a_gate[b, t, h] + dt_bias[h])
+            decay = ZERO if g < LOG_DECAY_FLOOR else F32(math.exp(g))
+        reads_q[:] = ZERO
+        reads_k[:] = ZERO
+        for i in range(dk):
+            qi, ki = qn[i], kn[i]
+            for d in range(dv):
+                reads_q[d] += qi * s[i, d]
+                reads_k[d] += ki * s[i, d]
+        qk = dot(qn, kn)
+        o = out[b, t, h]
+        for d in range(dv):
+            u[d] = beta * (v[d] - decay * reads_k[d])
+            o[d] = decay * reads_q[d] + qk * u[d]
+        for i in range(dk):
+            ki = kn[i]
+            for d in range(dv):
+                s[i, d] = s[i, d] * decay + ki * u[d]
+        norm_row(o, norm, eps, o)
+        zt = z[b, t, h]
+        for d in range(dv):
+            o[d] = o[d] * silu32(zt[d])
 
 
 @njit(**JIT)

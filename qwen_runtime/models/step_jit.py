@@ -8,16 +8,18 @@ threads every product's hand-off to the pool thread waited for the GIL (the help
 the caller has entered its own kernel), so a second core gave 1.25x (Q4_0) and 1.38x (q8_0) where llama.cpp gets
 1.8x.
 
-How: worker 0 (the calling thread) runs what lies between the products (the norms, attention with its cache
-writes, the residual adds, the activations' block sums) and then *posts* the product (:func:`post`); every worker,
-itself included, claims chunks of the product's rows with an atomic counter until none is left (:func:`work_phase`),
-and worker 0 waits until every chunk is done.  The other workers wait for the next post polling a counter, without
-the GIL; one that waits longer than its ``ticks`` returns, and worker 0 claims the rest itself.  A chunk's rows are
-multiplied by the type's row kernel, called by address (:data:`~..quants.jit_base.ROW_PRODUCT`), in groups of
-:data:`~..quants.jit_base.GEMV_ROWS` activation rows as ``Workspace.rowwise`` does; every other operation is the
-Python path's own compiled function (:mod:`..ops_jit`, :mod:`.attention_jit`) on arrays of the same types.  A row's
-result does not depend on the chunk or group it is computed in, so the step's numbers are the Python path's, bit
-for bit (tested).
+How: worker 0 (the calling thread) runs what lies between the products (the norms, q/k/v's preparation and cache
+writes or the conv step, the residual adds, the activations' block sums) and then *posts* the product
+(:func:`post`); every worker, itself included, claims chunks of the product's rows with an atomic counter until none
+is left (:func:`work_phase`), and worker 0 waits until every chunk is done. The mixer's heads are a phase of their
+own, claimed the same way one (row, kv head) pair of attention or (row, value head) pair of the delta rule at a time
+(:func:`work_mix`): with worker 0 alone attending, decode at 2,048 cached tokens ran at 0.64x its speed at 128 (run
+12). The other workers wait for the next post polling a counter, without the GIL; one that waits longer than its
+``ticks`` returns, and worker 0 claims the rest itself. A chunk's rows are multiplied by the type's row kernel,
+called by address (:data:`~..quants.jit_base.ROW_PRODUCT`), in groups of :data:`~..quants.jit_base.GEMV_ROWS`
+activation rows as ``Workspace.rowwise`` does; every other operation is the Python path's own compiled function
+(:mod:`..ops_jit`, :mod:`.attention_jit`) on arrays of the same types. A row's result does not depend on the chunk
+or group it is computed in, so the step's numbers are the Python path's, bit for bit (tested).
 
 The plan (built once per model by :class:`.decode_step.DecodeStep`), all int64:
 
@@ -45,8 +47,8 @@ from numba import carray, njit
 from ..ops_jit import add_rms_norm_rows, rms_norm_rows, silu_mul_rows
 from ..pool_jit import CHANGED, cpu_relax, cycles_per_us, fetch_add, load_fresh, poll, store_fresh
 from ..quants.jit_base import F16_TABLE, GEMV_ROWS, block_sums, call_product, f32_at, i64_at
-from .attention_jit import attention_step, sigmoid_gate
-from .gated_delta_jit import linear_attention_step
+from .attention_jit import attend_pair, prepare_attention, sigmoid_gate
+from .gated_delta_jit import conv_step, delta_head
 
 JIT = {"nogil": True, "cache": True, "error_model": "numpy"}
 __all__ = ["F16_TABLE", "cycles_per_us", "decode_layers", "sync_size"]  # what .decode_step takes from here
@@ -57,12 +59,16 @@ FN, RAW, ROWS, ROW_BYTES, SUMS = range(5)  # a matrix's entries
 ATTN_NORM, MLP_NORM = 0, 1  # ``vecs``' second axis: both kinds
 Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM = 2, 3, 4, 5, 6  # attention
 CONV_TAPS, DT_BIAS, SSM_A, SSM_NORM, KEY_HEADS = 2, 3, 4, 5, 6  # Gated DeltaNet
-PROJ, OUT, GATE_UP, DOWN_PROJ = range(4)  # product phases of a layer
+PROJ, OUT, GATE_UP, DOWN_PROJ = range(4)  # product phases of a layer (``starts``' second axis)
+MIX = 4  # the phase between PROJ and OUT: the mixer's heads, one (row, head) pair per claim
+STAGES = 5  # phases of a layer, in the order they run: PROJ, MIX, OUT, GATE_UP, DOWN_PROJ
+ORDER = (PROJ, MIX, OUT, GATE_UP, DOWN_PROJ)
 FIRST, LAST = (IN0, OUT_W, GATE_W, DOWN), (IN3, OUT_W, UP, DOWN)  # each phase's matrices (absent ones: no chunks)
 (BATCH, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, SLOTS, FLAGS, Q_WIDTH, KEY_HEADS_LIN, KEY_DIM, VALUE_HEADS,
  VALUE_DIM, CONV_TAPS_K, CONV_DIM) = range(15)  # ``dims``
 HAS_BIAS, HAS_QK_NORM = 1, 2  # FLAGS bits
-X, Y0, Y1, Y2, Y3, ATT, ATT_OUT, X2, ACT, MLP_OUT, SUMS16, SUMS32, GATE = range(13)  # ``offsets`` (GATE: per worker)
+X, Y0, Y1, Y2, Y3, ATT, ATT_OUT, X2, ACT, MLP_OUT, SUMS16, SUMS32, Q_HEADS, HEADS_OUT, GATE = range(15)  # ``offsets``
+# (GATE: two per worker)
 POSTED = 0  # sync[POSTED]: phases posted so far
 LINE = 8  # int64 per cache line: each phase's two counters on a line of their own
 CLAIMED, DONE = 0, 1
@@ -70,7 +76,7 @@ CLAIMED, DONE = 0, 1
 
 def sync_size(layers: int) -> int:
     """int64 entries of a step's ``sync`` array (zeroed before each step)."""
-    return LINE * (4 * layers + 1)
+    return LINE * (STAGES * layers + 1)
 
 
 @njit(**JIT)
@@ -142,16 +148,15 @@ def prepare_sums(mats, layer, first, last, x, work, offsets):
 
 
 @njit(**JIT)
-def work_phase(worker, phase, layer, kind, sync, mats, chunks, starts, x, sums16, sums32, table, outs, work,
-               offsets):
-    """Claim chunks of product ``phase`` (:data:`PROJ` ...) of ``layer`` (of layer kind ``kind``) until none is
-    left; returns how many this worker did.
+def work_phase(worker, phase, step_phase, layer, kind, sync, mats, chunks, starts, x, sums16, sums32, table, outs,
+               work, offsets):
+    """Claim chunks of product ``phase`` (:data:`PROJ` ...) of ``layer`` (of layer kind ``kind``), the step's phase
+    ``step_phase``, until none is left; returns how many this worker did.
 
     x [N, in] the product's input; outs: the float32 [N, *] outputs (the four input projections, the mixer's
     output projection, the activation, the MLP's output)
     """
     first, count = starts[kind, phase], starts[kind, phase + 1] - starts[kind, phase]
-    step_phase = 4 * layer + phase
     claims, done = LINE * (step_phase + 1) + CLAIMED, LINE * (step_phase + 1) + DONE
     did = 0
     while True:
@@ -174,42 +179,88 @@ def work_phase(worker, phase, layer, kind, sync, mats, chunks, starts, x, sums16
 
 
 @njit(**JIT)
-def attention(layer, dims, vecs, caches, eps, yq, yk, yv, cos, sin, slots, key_valid, out):
-    """Biases or q/k norms, RoPE, the cache writes and attention of one layer (:func:`.attention_jit.attention_step`
-    with the per-operation path's arguments), then Qwen3.5's gate when q carries one: ``out`` [B, nh·hd]."""
-    b, nh, nkv, hd, s = dims[BATCH], dims[HEADS], dims[KV_HEADS], dims[HEAD_DIM], dims[SLOTS]
-    keys = carray(f32_at(caches[layer, 0]), (b, nkv, s, hd))
-    values = carray(f32_at(caches[layer, 1]), (b, nkv, s, hd))
-    width = dims[Q_WIDTH] // nh  # hd, or 2·hd when each head's gate follows its query
-    q4, k4, v4 = yq.reshape((b, 1, nh, width)), yk.reshape((b, 1, nkv, hd)), yv.reshape((b, 1, nkv, hd))
-    if dims[FLAGS] & HAS_BIAS:
-        o = attention_step(q4, k4, v4, vector(vecs, layer, Q_BIAS, nh * hd), vector(vecs, layer, K_BIAS, nkv * hd),
-                           vector(vecs, layer, V_BIAS, nkv * hd), None, None, eps, cos, sin, slots, key_valid,
-                           keys, values)
-    elif dims[FLAGS] & HAS_QK_NORM:
-        o = attention_step(q4, k4, v4, None, None, None, vector(vecs, layer, Q_NORM, hd),
-                           vector(vecs, layer, K_NORM, hd), eps, cos, sin, slots, key_valid, keys, values)
-    else:
-        o = attention_step(q4, k4, v4, None, None, None, None, None, eps, cos, sin, slots, key_valid, keys, values)
-    if width == hd:
-        out[:] = o.reshape((b, nh * hd))
-    else:
-        sigmoid_gate(o, q4, out)
+def kv_cache(layer, dims, caches):
+    """An attention layer's cached keys and values [B, nkv, S, hd]."""
+    shape = (dims[BATCH], dims[KV_HEADS], dims[SLOTS], dims[HEAD_DIM])
+    return carray(f32_at(caches[layer, 0]), shape), carray(f32_at(caches[layer, 1]), shape)
 
 
 @njit(**JIT)
-def linear(layer, dims, vecs, caches, eps, mixed, z, beta, alpha, valid, out):
-    """Gated DeltaNet's conv step and delta rule of one layer (:func:`.gated_delta_jit.linear_attention_step` with the
-    per-operation path's arguments; ``mixed`` is overwritten): ``out`` [B, Hv·dv]."""
-    b, hv, dk, dv = dims[BATCH], dims[VALUE_HEADS], dims[KEY_DIM], dims[VALUE_DIM]
-    taps, channels = dims[CONV_TAPS_K], dims[CONV_DIM]
-    conv = carray(f32_at(caches[layer, 0]), (b, taps - 1, channels))
-    state = carray(f32_at(caches[layer, 1]), (b, hv, dk, dv))
-    o = linear_attention_step(mixed.reshape((b, 1, channels)), carray(f32_at(vecs[layer, CONV_TAPS]), (taps, channels)),
-                              conv, z.reshape((b, 1, hv, dv)), beta.reshape((b, 1, hv)), alpha.reshape((b, 1, hv)),
-                              carray(i64_at(vecs[layer, KEY_HEADS]), (hv,)), vector(vecs, layer, SSM_A, hv),
-                              vector(vecs, layer, DT_BIAS, hv), vector(vecs, layer, SSM_NORM, dv), eps, valid, state)
-    out[:] = o.reshape((b, hv * dv))
+def delta_state(layer, dims, caches):
+    """A Gated DeltaNet layer's recurrent state [B, Hv, dk, dv]."""
+    return carray(f32_at(caches[layer, 1]), (dims[BATCH], dims[VALUE_HEADS], dims[KEY_DIM], dims[VALUE_DIM]))
+
+
+@njit(**JIT)
+def prepare_mix(layer, kind, dims, vecs, caches, eps, outs, cos, sin, slots, valid, q):
+    """Worker 0, before the mixer's heads: attention's biases or q/k norms, RoPE and cache writes
+    (:func:`.attention_jit.prepare_attention`, q into ``q`` [B, nh, 1, hd]), or Gated DeltaNet's conv step
+    (:func:`.gated_delta_jit.conv_step`, over its projection ``outs[0]``) with the per-operation path's arguments."""
+    b, nh, nkv, hd = dims[BATCH], dims[HEADS], dims[KV_HEADS], dims[HEAD_DIM]
+    if kind == LINEAR:
+        taps, channels = dims[CONV_TAPS_K], dims[CONV_DIM]
+        conv = carray(f32_at(caches[layer, 0]), (b, taps - 1, channels))
+        conv_step(outs[0].reshape((b, 1, channels)), carray(f32_at(vecs[layer, CONV_TAPS]), (taps, channels)), conv,
+                  valid)
+        return
+    keys, values = kv_cache(layer, dims, caches)
+    q4 = outs[0].reshape((b, 1, nh, dims[Q_WIDTH] // nh))
+    k4, v4 = outs[1].reshape((b, 1, nkv, hd)), outs[2].reshape((b, 1, nkv, hd))
+    if dims[FLAGS] & HAS_BIAS:
+        prepare_attention(q4, k4, v4, vector(vecs, layer, Q_BIAS, nh * hd), vector(vecs, layer, K_BIAS, nkv * hd),
+                          vector(vecs, layer, V_BIAS, nkv * hd), None, None, eps, cos, sin, slots, keys, values, q)
+    elif dims[FLAGS] & HAS_QK_NORM:
+        prepare_attention(q4, k4, v4, None, None, None, vector(vecs, layer, Q_NORM, hd),
+                          vector(vecs, layer, K_NORM, hd), eps, cos, sin, slots, keys, values, q)
+    else:
+        prepare_attention(q4, k4, v4, None, None, None, None, None, eps, cos, sin, slots, keys, values, q)
+
+
+@njit(**JIT)
+def mix_units(dims, kind):
+    """How many (row, head) pairs the mixer's heads phase has: kv heads of attention, value heads of DeltaNet."""
+    return dims[BATCH] * (dims[KV_HEADS] if kind == ATTENTION else dims[VALUE_HEADS])
+
+
+@njit(**JIT)
+def work_mix(step_phase, layer, kind, sync, dims, vecs, caches, eps, outs, q, slots, key_valid, valid, heads, att):
+    """Claim (row, head) pairs of the mixer's heads until none is left: :func:`.attention_jit.attend_pair` into
+    ``heads`` [B, nh, 1, hd], or :func:`.gated_delta_jit.delta_head` into ``att``; returns how many this worker did.
+    """
+    claims, done = LINE * (step_phase + 1) + CLAIMED, LINE * (step_phase + 1) + DONE
+    count = mix_units(dims, kind)
+    b = dims[BATCH]
+    did = 0
+    while True:
+        c = fetch_add(sync, claims, 1)
+        if c >= count:
+            return did
+        if kind == ATTENTION:
+            keys, values = kv_cache(layer, dims, caches)
+            attend_pair(q, keys, values, slots, key_valid, c // dims[KV_HEADS], c % dims[KV_HEADS], heads)
+        else:
+            hv, dv = dims[VALUE_HEADS], dims[VALUE_DIM]
+            delta_head(outs[0].reshape((b, 1, dims[CONV_DIM])), outs[1].reshape((b, 1, hv, dv)),
+                       outs[2].reshape((b, 1, hv)), outs[3].reshape((b, 1, hv)),
+                       carray(i64_at(vecs[layer, KEY_HEADS]), (hv,)), vector(vecs, layer, SSM_A, hv),
+                       vector(vecs, layer, DT_BIAS, hv), vector(vecs, layer, SSM_NORM, dv), eps, valid,
+                       delta_state(layer, dims, caches), c // hv, c % hv, att.reshape((b, 1, hv, dv)))
+        fetch_add(sync, done, 1)
+        did += 1
+
+
+@njit(**JIT)
+def finish_mix(kind, dims, outs, heads, att):
+    """Worker 0, after the mixer's heads: attention's heads merged into ``att`` [B, nh·hd], through Qwen3.5's
+    sigmoid gate when q carries one (DeltaNet's heads wrote ``att`` themselves)."""
+    if kind == LINEAR:
+        return
+    b, nh, hd = dims[BATCH], dims[HEADS], dims[HEAD_DIM]
+    width = dims[Q_WIDTH] // nh  # hd, or 2·hd when each head's gate follows its query
+    if width == hd:
+        att[:] = heads.reshape((b, nh * hd))
+    else:
+        sigmoid_gate(heads, outs[0].reshape((b, 1, nh, width)), att)
 
 
 @njit(**JIT)
@@ -237,6 +288,9 @@ def decode_layers(worker, h, layers, mats, vecs, chunks, starts, caches, dims, e
     x, x2 = rows_of(work, offsets[X], b, hidden), rows_of(work, offsets[X2], b, hidden)
     act = rows_of(work, offsets[ACT], b, inter)
     attn_out, mlp_out = rows_of(work, offsets[ATT_OUT], b, hidden), rows_of(work, offsets[MLP_OUT], b, hidden)
+    q = work[offsets[Q_HEADS]:offsets[Q_HEADS] + b * dims[HEADS] * dims[HEAD_DIM]].reshape(
+        (b, dims[HEADS], 1, dims[HEAD_DIM]))
+    heads = work[offsets[HEADS_OUT]:offsets[HEADS_OUT] + q.size].reshape(q.shape)
     did = 0
     for layer in range(len(layers)):
         kind = layers[layer]
@@ -245,30 +299,37 @@ def decode_layers(worker, h, layers, mats, vecs, chunks, starts, caches, dims, e
         outs = (rows_of(work, offsets[Y0], b, w0), rows_of(work, offsets[Y1], b, w1),
                 rows_of(work, offsets[Y2], b, w2), rows_of(work, offsets[Y3], b, w3), attn_out, act, mlp_out)
         inputs = (x, att, x2, act)
-        for phase in range(4):
-            step_phase = 4 * layer + phase
+        for stage in range(STAGES):
+            phase, step_phase = ORDER[stage], STAGES * layer + stage
             if worker == 0:
                 if phase == PROJ:
                     rms_norm_rows(h, vector(vecs, layer, ATTN_NORM, hidden), eps, x)
-                elif phase == OUT and kind == ATTENTION:
-                    attention(layer, dims, vecs, caches, eps, outs[0], outs[1], outs[2], cos, sin, slots, key_valid,
-                              att)
+                elif phase == MIX:
+                    prepare_mix(layer, kind, dims, vecs, caches, eps, outs, cos, sin, slots, valid, q)
                 elif phase == OUT:
-                    linear(layer, dims, vecs, caches, eps, outs[0], outs[1], outs[2], outs[3], valid, att)
+                    finish_mix(kind, dims, outs, heads, att)
                 elif phase == GATE_UP:
                     add_rms_norm_rows(h, attn_out, vector(vecs, layer, MLP_NORM, hidden), eps, h, x2)
-                sums16, sums32 = prepare_sums(mats, layer, FIRST[phase], LAST[phase], inputs[phase], work, offsets)
+                if phase != MIX:
+                    sums16, sums32 = prepare_sums(mats, layer, FIRST[phase], LAST[phase], inputs[phase], work,
+                                                  offsets)
                 post(sync, step_phase)
             elif not await_post(sync, step_phase, ticks, lost):
                 return did
-            else:
+            elif phase != MIX:
                 n, cols = inputs[phase].shape
                 sums16 = rows_of(work, offsets[SUMS16], n, cols // 16)
                 sums32 = rows_of(work, offsets[SUMS32], n, cols // 32)
-            did += work_phase(worker, phase, layer, kind, sync, mats, chunks, starts, inputs[phase], sums16, sums32,
-                              table, outs, work, offsets)
+            if phase == MIX:
+                work_mix(step_phase, layer, kind, sync, dims, vecs, caches, eps, outs, q, slots, key_valid, valid,
+                         heads, att)
+                count = mix_units(dims, kind)
+            else:
+                did += work_phase(worker, phase, step_phase, layer, kind, sync, mats, chunks, starts, inputs[phase],
+                                  sums16, sums32, table, outs, work, offsets)
+                count = starts[kind, phase + 1] - starts[kind, phase]
             if worker == 0:
-                await_done(sync, step_phase, starts[kind, phase + 1] - starts[kind, phase])
+                await_done(sync, step_phase, count)
                 if phase == DOWN_PROJ:
                     h += mlp_out
     return did

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -311,6 +312,22 @@ def test_cache_stamp_covers_the_modules_a_kernel_imports(tmp_path: Path) -> None
     stamp = Q8_0JitKernel.gemv._cache._impl._locator.get_source_stamp()
     assert type(Q8_0JitKernel.gemv._cache._impl._locator).__name__ == "KernelSourcesLocator"
     assert stamp[1] == import_closure(Path(Q8_0JitKernel.gemv.py_func.__code__.co_filename))
+
+
+def test_two_checkouts_of_the_same_sources_share_the_numba_cache(tmp_path: Path) -> None:
+    """With NUMBA_CACHE_DIR set, a module's compiled code is filed under the hash of its sources, not under the
+    checkout's path: a second copy of the package loads what the first compiled (CI clones afresh every run)."""
+    code = ("import numpy as np\nfrom qwen_runtime import ops_jit\nops_jit.silu32(np.float32(1))\n"
+            "stats = ops_jit.silu32.stats\nprint(sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))")
+    source = Path(sys.modules[silu_mul.__module__].__file__).parent
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    counts = []
+    for copy in ("a", "b"):
+        shutil.copytree(source, tmp_path / copy / "qwen_runtime", ignore=shutil.ignore_patterns("__pycache__"))
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**env, "PYTHONPATH": str(tmp_path / copy)}, cwd=tmp_path / copy)
+        counts.append(run.stdout.split()[-2:])
+    assert counts == [["0", "1"], ["1", "0"]]  # (hits, misses): compiled by the first copy, loaded by the second
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_PAGEOUT is Linux's")
