@@ -231,7 +231,7 @@ class GatedDeltaNet:
         """Whether a step of ``tokens`` new tokens per row runs :mod:`.gated_delta_jit`'s kernels (a recurrent
         step with compiled kernels, :meth:`~qwen_runtime.pool.Workspace.compiled_step`; the conv kernel needs K ≥ 2,
         Qwen3.5's is 4)."""
-        return self.ws.compiled_step(tokens, gd.RECURRENT_MAX_TOKENS) and self.conv_taps.shape[0] >= 2
+        return self.ws.compiled_step(tokens, gd.COMPILED_RECURRENT_MAX_TOKENS) and self.conv_taps.shape[0] >= 2
 
     def _compiled(self, x: np.ndarray, cache: LinearAttentionCache, state: BatchState) -> np.ndarray:
         """The projections, then the conv step and every value head's delta-rule step in compiled code.
@@ -267,7 +267,7 @@ class GatedDeltaNet:
         return gated_delta_jit().linear_attention_step(
             mixed.reshape(b, t, -1), self.conv_taps, cache.conv, z.reshape(b, t, hv, dv), b_gate.reshape(b, t, hv),
             a_gate.reshape(b, t, hv), self.key_heads, self.ssm_a, self.dt_bias, self.norm, np.float32(c.rms_norm_eps),
-            valid, cache.state)
+            np.ascontiguousarray(valid), cache.state)  # a prefill chunk's columns of a ragged batch's mask: one type
 
     def _conv(self, mixed: np.ndarray, conv_state: np.ndarray, valid: np.ndarray | None, channels: slice,
               scratch: Scratch) -> None:
