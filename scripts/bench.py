@@ -228,10 +228,14 @@ def jit_startup(env: dict[str, str], cache_dir: Path, pairs: int = 5) -> dict[st
 
         # the first model's start compiles the decode step's ops and the compiled step into the cache: CPU seconds
         first["first_model_start_s"] = start("numba")["cpu_s"]
-        samples = [{"numba": start("numba"), "numpy": start("numpy")} for _ in range(pairs)]
+        def floor() -> dict[str, float]:
+            wall, _, out = run_measured([sys.executable, str(WORKER), "floor", "-"], cold_env)
+            return {**json.loads(out.strip().splitlines()[-1]), "wall_s": wall}
+
+        samples = [{"numba": start("numba"), "numpy": start("numpy"), "floor": floor()} for _ in range(pairs)]
     added = [{key: s["numba"][key] - s["numpy"][key] for key in ("cpu_s", "wall_s")} for s in samples]
     return {"first": first, "warm": medians(added), "numpy": medians([s["numpy"] for s in samples]),
-            "samples": samples}
+            "floor": medians([s["floor"] for s in samples]), "samples": samples}
 
 
 def read_bandwidth(files: Sequence[Path], env: dict[str, str], threads: int) -> dict[str, float]:
@@ -295,15 +299,16 @@ def triple(ours: dict, plain: dict, peer: dict, key: str) -> str:
     return f"{fmt(x)} / {fmt(plain.get(key, NAN))} / {fmt(y)} ({fmt(ratio(x, y), 2)})"
 
 
-def bandwidth(ours: dict) -> float:
-    """Decode bandwidth in GB/s: stored bytes of the matrices read per token x tokens/s."""
-    return ours.get("weight_gb_per_token", NAN) * ours.get("decode_tps", NAN)
+def bandwidth(ours: dict, run: dict | None = None) -> float:
+    """Decode bandwidth in GB/s of ``run`` (default: ours) on the same file: stored bytes of the matrices read per
+    token (our worker counts them) x tokens/s."""
+    return ours.get("weight_gb_per_token", NAN) * (ours if run is None else run).get("decode_tps", NAN)
 
 
-def decode_bandwidth(ours: dict, read_gbps: float) -> str:
-    """``decode GB/s (x read bandwidth)``."""
-    gbps = bandwidth(ours)
-    return f"{fmt(gbps)} ({fmt(ratio(gbps, read_gbps), 2)})"
+def decode_bandwidth(ours: dict, llama: dict, read_gbps: float) -> str:
+    """``decode GB/s ours / llama (each x read bandwidth)``: llama.cpp's shows how near a decode gets."""
+    gbps, theirs = bandwidth(ours), bandwidth(ours, llama)
+    return f"{fmt(gbps)} / {fmt(theirs)} ({fmt(ratio(gbps, read_gbps), 2)} / {fmt(ratio(theirs, read_gbps), 2)})"
 
 
 def runtime_row(model: str, dtype: str, m: dict[str, dict], others: Sequence[str] = (),
@@ -314,7 +319,7 @@ def runtime_row(model: str, dtype: str, m: dict[str, dict], others: Sequence[str
     other_cells = [f"{fmt(m.get(f'ours_{k}', {}).get('prefill_tps', NAN))} / "
                    f"{fmt(m.get(f'ours_{k}', {}).get('decode_tps', NAN))}" for k in others]
     cells = [model, dtype, triple(o, pl, ll, "prefill_tps"), triple(o, pl, ll, "decode_tps"),
-             decode_bandwidth(o, read_gbps), *other_cells,
+             decode_bandwidth(o, ll, read_gbps), *other_cells,
              f"{fmt(batch)} ({fmt(ratio(batch, single), 2)})",
              f"{pair(oc, lc, 'decode_tps', with_ratio=False)} ({fmt(ratio(context, o.get('decode_tps', NAN)), 2)})",
              pair(o, ll, "ttft_s", 2, False), pair(o, ll, "load_s", 2, False), pair(o, ll, "VmHWM", 0),
@@ -327,7 +332,7 @@ def runtime_table(summary: dict, plan: Plan, kernels: Sequence[str] = ("numba",)
     others = list(kernels[1:])
     head = ["model", "type", f"prefill({plan.prompt}) tok/s ours / numpy / llama (× llama)",
             f"decode({plan.new}) tok/s ours / numpy / llama (× llama)",
-            f"decode GB/s ours (× read {fmt(read_gbps)} GB/s)",
+            f"decode GB/s ours / llama (× read {fmt(read_gbps)} GB/s)",
             *(f"ours with {k} kernels: prefill / decode tok/s" for k in others),
             f"batch-{plan.batch} agg. tok/s ours (× llama 1-stream)",
             f"decode @{plan.context} ours / llama (ours × own decode)", "TTFT s ours / llama",
@@ -351,7 +356,8 @@ def jit_lines(jit: dict[str, Any]) -> list[str]:
             f"Compiled kernels' warm-cache start-up (bundled model, q8_0, process start to first token, numba minus "
             f"numpy, median of {len(jit['samples'])} alternating pairs): {fmt(warm['cpu_s'], 2)} s CPU "
             f"({fmt(numpy['cpu_s'], 2)} s with numpy), {fmt(warm['wall_s'], 2)} s wall "
-            f"({fmt(numpy['wall_s'], 2)} s with numpy).", ""]
+            f"({fmt(numpy['wall_s'], 2)} s with numpy).  numba's own share, importing it and calling one cached "
+            f"trivial function: {fmt(jit.get('floor', {}).get('cpu_s', NAN), 2)} s CPU.", ""]
 
 
 def conversion_table(summary: dict) -> list[str]:
@@ -396,8 +402,11 @@ def targets(runs: dict, conversions: dict, config: dict[str, Any], plan: Plan, r
             for dtype, goal in (("q8_0", 1.0), ("fp32", 1.0), ("q4_k_m", 0.9))]
     out += [Target("q8_0 batch aggregate / llama q8_0 decode", r("q8_0", "decode_tps", "ours_batch"), 2.0),
             Target("fp32 decode / plain numpy fp32", r("fp32", "decode_tps", b="numpy"), 1.0)]
-    out += [Target(f"{dtype} decode bandwidth / plain read", ratio(bandwidth(runs.get(dtype, {}).get("ours", {})),
-                                                                    read_gbps), 0.8) for dtype in runs]
+    for dtype in runs:
+        ours, llama = runs[dtype].get("ours", {}), runs[dtype].get("llama", {})
+        out.append(Target(f"{dtype} decode bandwidth / plain read (llama.cpp's: "
+                          f"{fmt(ratio(bandwidth(ours, llama), read_gbps), 2)})",
+                          ratio(bandwidth(ours), read_gbps), 0.8))
     kv = cache_mib(config, plan.prompt + plan.new)
     for dtype in runs:
         out += [Target(f"{dtype} decode @{plan.context} / our decode @{plan.prompt}",

@@ -3,6 +3,7 @@
     python scripts/bench_worker.py ENGINE MODEL_FILE --prompt N --new N [--batch B] [--threads 2] [--kernels K]
     python scripts/bench_worker.py jit -          import numba and every compiled-kernel module, timed
     python scripts/bench_worker.py start FILE     load FILE (--kernels K) and generate one token: CPU seconds
+    python scripts/bench_worker.py floor -        numba alone: import it and call one cached function, CPU seconds
     python scripts/bench_worker.py read FILE      plain read bandwidth: numpy sums over FILE on --threads threads
 
 ENGINE is ``ours`` (qwen_runtime, with ``--kernels`` numba, numba-q8 or numpy), ``numpy`` (the plain numpy peer,
@@ -101,6 +102,25 @@ def run_start(path: str, kernels: str) -> dict[str, float]:
     return {"cpu_s": usage.ru_utime + usage.ru_stime}
 
 
+def run_floor() -> dict[str, float]:
+    """CPU seconds numba itself adds to a process (numpy already imported): its import and its CPU target's set-up,
+    up to the first call of one trivial compiled function read from its cache.  The floor under the compiled
+    kernels' warm start-up (``start`` with numba minus numpy)."""
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    before = cpu()
+    import numba
+
+    numba.njit(cache=True)(_one_more)(1)
+    return {"cpu_s": cpu() - before}
+
+
+def _one_more(x: int) -> int:
+    return x + 1
+
+
 def run_read(path: str, threads: int) -> dict[str, float]:
     """GB/s of plain numpy sums over the memory-mapped ``path`` (read once first so it is in the page cache),
     split over ``threads`` threads (numpy releases the GIL in reductions): the physical limit of a decode step
@@ -156,7 +176,7 @@ def run_llama(path: str, batch: int, prompt: int, new: int, threads: int) -> dic
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("engine", choices=("ours", "numpy", "llama", "jit", "start", "read"))
+    p.add_argument("engine", choices=("ours", "numpy", "llama", "jit", "start", "floor", "read"))
     p.add_argument("model")
     p.add_argument("--prompt", type=int, default=0)
     p.add_argument("--new", type=int, default=0)
@@ -169,6 +189,8 @@ def main() -> None:
         result = run_jit()
     elif args.engine == "start":
         result = run_start(args.model, args.kernels)
+    elif args.engine == "floor":
+        result = run_floor()
     elif args.engine == "read":
         result = run_read(args.model, args.threads)
     elif args.engine == "ours":
