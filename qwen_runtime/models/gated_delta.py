@@ -27,10 +27,6 @@ from ..pool import Scratch, single_threaded_blas
 L2_EPS = 1e-6  # HF/FLA l2norm epsilon, inside the square root
 CHUNK = 64  # chunk length of the chunked form (HF's and FLA's)
 RECURRENT_MAX_TOKENS = 4  # up to this many tokens the per-token recurrence is cheaper than one chunk
-# ... and with the compiled kernels (:mod:`.gated_delta_jit`, one thread), up to this many: the chunked form's
-# numpy passes cost a fixed ~4.7 ms per layer.  Qwen3.5-0.8B q8_0, 2 threads, whole forward pass of T tokens,
-# chunked / compiled recurrence: T=5 187/102 ms, 11 276/183, 16 299/224, 32 446/374, 64 724/715.
-COMPILED_RECURRENT_MAX_TOKENS = 32
 # Chunks per pass of the chunked form: its intra-chunk work runs for this many chunks at once, in scratch buffers
 # whose size this bounds (a 128-token pass of 8 heads of 128 x 128: 5.2 MB), whatever the prompt length; one chunk
 # per pass took 7-12% more CPU.

@@ -86,8 +86,18 @@ def delta_step(mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.
     (updated); out [B, T, Hv, dv].  One step (docs §3.4): S̄ = e^g S, u = β(v − S̄ᵀk), S ← S̄ + k uᵀ,
     o = Sᵀq = e^g (Sᵀq) + (q·k) u, both reads from the state before the step.
     """
-    for b in range(mixed.shape[0]):
-        for h in range(state.shape[1]):
+    delta_heads(mixed, z, b_gate, a_gate, key_heads, ssm_a, dt_bias, norm, eps, valid, state, 0, mixed.shape[0], 0,
+                state.shape[1], out)
+
+
+@njit(**JIT)
+def delta_heads(mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.ndarray, key_heads: np.ndarray,
+                ssm_a: np.ndarray, dt_bias: np.ndarray, norm: np.ndarray, eps: float, valid: np.ndarray,
+                state: np.ndarray, b0: int, b1: int, h0: int, h1: int, out: np.ndarray) -> None:
+    """:func:`delta_step` of batch rows ``b0:b1``'s value heads ``h0:h1`` (arguments as there): each (row, head)
+    is :func:`delta_head`, so a pass's heads can be shared among threads with the same numbers."""
+    for b in range(b0, b1):
+        for h in range(h0, h1):
             delta_head(mixed, z, b_gate, a_gate, key_heads, ssm_a, dt_bias, norm, eps, valid, state, b, h, out)
 
 
@@ -134,16 +144,3 @@ def delta_head(mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.
         zt = z[b, t, h]
         for d in range(dv):
             o[d] = o[d] * silu32(zt[d])
-
-
-@njit(**JIT)
-def linear_attention_step(mixed: np.ndarray, taps: np.ndarray, conv_state: np.ndarray, z: np.ndarray,
-                          b_gate: np.ndarray, a_gate: np.ndarray, key_heads: np.ndarray, ssm_a: np.ndarray,
-                          dt_bias: np.ndarray, norm: np.ndarray, eps: float, valid: np.ndarray,
-                          state: np.ndarray) -> np.ndarray:
-    """:func:`conv_step` then :func:`delta_step` in one call (arguments as there; ``mixed`` is overwritten by the
-    conv output).  # -> [B, T, Hv, dv]"""
-    conv_step(mixed, taps, conv_state, valid)
-    out = np.empty((mixed.shape[0], mixed.shape[1], state.shape[1], state.shape[3]), np.float32)
-    delta_step(mixed, z, b_gate, a_gate, key_heads, ssm_a, dt_bias, norm, eps, valid, state, out)
-    return out

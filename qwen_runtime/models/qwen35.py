@@ -212,7 +212,7 @@ class GatedDeltaNet:
         c = self.config
         b, t, h = x.shape
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
-        if self._compiled_step(t):
+        if self._compiled_step():
             return self.w_out.matmul(self._compiled(x.reshape(b * t, h), cache, state)).reshape(b, t, h)
         valid = None if state.valid.all() else state.valid  # [B, T]
         mixed, z, b_gate, a_gate = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x.reshape(b * t, h))
@@ -227,11 +227,14 @@ class GatedDeltaNet:
                                  a_gate.reshape(b, t, hv), cache.state, valid, o), [b, hv], [1, HEAD_GROUP], share)
         return self.w_out.matmul(o.reshape(b * t, hv * dv)).reshape(b, t, h)
 
-    def _compiled_step(self, tokens: int) -> bool:
-        """Whether a step of ``tokens`` new tokens per row runs :mod:`.gated_delta_jit`'s kernels (a recurrent
-        step with compiled kernels, :meth:`~qwen_runtime.pool.Workspace.compiled_step`; the conv kernel needs K ≥ 2,
-        Qwen3.5's is 4)."""
-        return self.ws.compiled_step(tokens, gd.COMPILED_RECURRENT_MAX_TOKENS) and self.conv_taps.shape[0] >= 2
+    def _compiled_step(self) -> bool:
+        """Whether a pass runs :mod:`.gated_delta_jit`'s kernels: the recurrence
+        token by token, its heads shared among the threads (the conv kernel needs K ≥ 2, Qwen3.5's is 4), with
+        ``kernels="numba"`` whatever the length.  The numpy path's chunked form costs a fixed ~4.7 ms of numpy
+        calls per layer and pass, and more per token: Qwen3.5-0.8B q8_0, whole forward passes, chunked / compiled,
+        2 threads: 5 tokens 206 / 134 ms, 11 261 / 196, 32 470 / 372, 128 1394 / 1121, 256 2307 / 1937, 4 rows of
+        64 2393 / 1761; 1 thread: 128 2710 / 2447, 256 3894 / 3104."""
+        return self.ws.kernels == "numba" and self.conv_taps.shape[0] >= 2
 
     def _compiled(self, x: np.ndarray, cache: LinearAttentionCache, state: BatchState) -> np.ndarray:
         """The projections, then the conv step and every value head's delta-rule step in compiled code.
@@ -259,15 +262,26 @@ class GatedDeltaNet:
 
     def _step(self, mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.ndarray,
               cache: LinearAttentionCache, valid: np.ndarray) -> np.ndarray:
-        """The compiled conv and delta-rule step of ``valid`` [B, T]'s tokens on the cache's state (``mixed`` is
-        overwritten).  # [B*T, C], [B*T, Hv*dv], 2 x [B*T, Hv] -> [B, T, Hv, dv]"""
+        """The compiled conv step, then the delta rule's (row, value head) pairs shared among the pool's threads
+        (:func:`.gated_delta_jit.delta_heads`: the same numbers however they are shared), on ``valid`` [B, T]'s
+        tokens and the cache's state (``mixed`` is overwritten).  # [B*T, C], [B*T, Hv*dv], 2 x [B*T, Hv] ->
+        [B, T, Hv, dv]"""
         c = self.config
         b, t = valid.shape
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
-        return gated_delta_jit().linear_attention_step(
-            mixed.reshape(b, t, -1), self.conv_taps, cache.conv, z.reshape(b, t, hv, dv), b_gate.reshape(b, t, hv),
-            a_gate.reshape(b, t, hv), self.key_heads, self.ssm_a, self.dt_bias, self.norm, np.float32(c.rms_norm_eps),
-            np.ascontiguousarray(valid), cache.state)  # a prefill chunk's columns of a ragged batch's mask: one type
+        kernels = gated_delta_jit()
+        valid = np.ascontiguousarray(valid)  # a prefill chunk's columns of a ragged batch's mask: one type
+        x = mixed.reshape(b, t, -1)  # [B, T, C]
+        kernels.conv_step(x, self.conv_taps, cache.conv, valid)
+        out = np.empty((b, t, hv, dv), np.float32)
+        args = (x, z.reshape(b, t, hv, dv), b_gate.reshape(b, t, hv), a_gate.reshape(b, t, hv), self.key_heads,
+                self.ssm_a, self.dt_bias, self.norm, np.float32(c.rms_norm_eps), valid, cache.state)
+
+        def heads(rows: slice, group: slice, scratch: Scratch) -> None:
+            kernels.delta_heads(*args, rows.start, rows.stop, group.start, group.stop, out)
+
+        self.ws.run_grid(heads, [b, hv], [1, self.ws.balanced(hv, HEAD_GROUP)], t > gd.RECURRENT_MAX_TOKENS)
+        return out
 
     def _conv(self, mixed: np.ndarray, conv_state: np.ndarray, valid: np.ndarray | None, channels: slice,
               scratch: Scratch) -> None:

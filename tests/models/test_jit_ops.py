@@ -375,18 +375,19 @@ def test_delta_step_tokens_in_turn_and_padding() -> None:
     assert np.all(np.abs(got - want) <= 2 * err_out)
 
 
-def test_linear_attention_step_is_its_parts() -> None:
+def test_delta_heads_shared_among_threads_equal_one_delta_step() -> None:
+    """A pass's (row, value head) pairs shared out in any blocks (the pool's threads) give delta_step's numbers."""
     rng = np.random.default_rng(10)
     hk, hv, order = 2, 4, V_HEAD_GROUPED
-    inp = delta_inputs(rng, 2, 2, hk, hv, 16, 8)
-    valid = np.array([[False, True], [True, True]])
-    taps, conv_state = rand(rng, 4, inp["mixed"].shape[2]), rand(rng, 2, 3, inp["mixed"].shape[2])
-    mixed, conv2, state = inp["mixed"].copy(), conv_state.copy(), inp["state"].copy()
+    inp = delta_inputs(rng, 2, 3, hk, hv, 16, 8)
+    valid = np.array([[False, True, True], [True, True, True]])
     keys = gd.key_head_index(hk, hv, v_head_permutation(order, hk, hv))
-    args = (inp["z"], inp["b_gate"], inp["a_gate"], keys, inp["ssm_a"], inp["dt_bias"], inp["norm"], F32(1e-6), valid)
-    got = gdj.linear_attention_step(inp["mixed"], taps, conv_state, *args, inp["state"])
-    gdj.conv_step(mixed, taps, conv2, valid)
-    want = np.empty_like(got)
-    gdj.delta_step(mixed, *args, state, want)
-    for a, b in ((got, want), (inp["mixed"], mixed), (conv_state, conv2), (inp["state"], state)):
-        np.testing.assert_array_equal(a, b)
+    args = (inp["mixed"], inp["z"], inp["b_gate"], inp["a_gate"], keys, inp["ssm_a"], inp["dt_bias"], inp["norm"],
+            F32(1e-6), valid)
+    want, state = np.empty((2, 3, hv, 8), F32), inp["state"].copy()
+    gdj.delta_step(*args, state, want)
+    got, shared = np.empty_like(want), inp["state"].copy()
+    for b0, b1, h0, h1 in ((1, 2, 1, 4), (0, 1, 0, 3), (1, 2, 0, 1), (0, 1, 3, 4)):
+        gdj.delta_heads(*args, shared, b0, b1, h0, h1, got)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(shared, state)
