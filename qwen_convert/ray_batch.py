@@ -120,6 +120,7 @@ def run_batch_on_ray(jobs: Sequence[ConversionJob], force: bool = False, verify:
     has finished (a worker that died sent no ``("stop",)``).
     """
     tags = [uuid.uuid4().hex[:16] for _ in jobs]
+    existed = [job.out.exists() for job in jobs]  # never removed below: only what this run wrote
     remote = [RemoteJob((job, force, verify, tag), job_memory(job, verify is not None), name=job.out.name)
               for job, tag in zip(jobs, tags, strict=True)]
     finished: set[int] = set()
@@ -137,8 +138,10 @@ def run_batch_on_ray(jobs: Sequence[ConversionJob], force: bool = False, verify:
 
     try:
         return run_on_ray(convert_task, remote, on_done=done, on_event=on_event, on_lost=lost)
-    except BaseException:
+    except BaseException:  # the tasks are cancelled and stopped by now (run_on_ray)
         for i, job in enumerate(jobs):
-            if i not in finished:
+            if i not in finished:  # a task may have finished before the driver heard of it: its output goes too
                 remove_path(temp_path(job.out, tags[i]))
+                if not existed[i]:
+                    remove_path(job.out)
         raise

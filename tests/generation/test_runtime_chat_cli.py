@@ -60,14 +60,15 @@ def test_ctrl_c_stops_the_reply_not_the_program() -> None:
                              "--max-new-tokens", "100000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        proc.stdin.write(b"Tell me everything\n")
+        # the tiny model's greedy reply to this ends after 1,264 tokens (~0.65 s on 2 cores): interrupt it as soon
+        # as it is being written (a pause here once let a shorter reply end first on a loaded machine)
+        proc.stdin.write(b"Tell me everything, at length\n")
         proc.stdin.flush()
         seen, deadline = b"", time.monotonic() + 60
         while seen.count(b"> ") < 1 or len(seen.split(b"> ", 1)[1]) < 20:  # the reply is being written
             chunk = os.read(proc.stdout.fileno(), 4096)
             assert chunk and time.monotonic() < deadline, (seen, proc.stderr.read() if not chunk else b"")
             seen += chunk
-        time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
         proc.stdin.write(b"/exit\n")
         proc.stdin.flush()
