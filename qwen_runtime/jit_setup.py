@@ -124,11 +124,16 @@ def import_closure(path: Path, root: Path = PACKAGE) -> str:
     return digest.hexdigest()
 
 
-def use_kernel_sources_locator() -> None:
-    """Put :class:`KernelSourcesLocator` first in numba's cache locators (once)."""
+def caching_class(name: str) -> type:
+    """Class ``name`` of numba's cache machinery (numba < 0.62 names it privately, with a leading underscore)."""
     from numba.core import caching
 
-    impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # numba < 0.62 names it privately
+    return getattr(caching, name, None) or getattr(caching, f"_{name}")
+
+
+def use_kernel_sources_locator() -> None:
+    """Put :class:`KernelSourcesLocator` first in numba's cache locators (once)."""
+    impl = caching_class("CacheImpl")
     if KernelSourcesLocator.wrapper() not in impl._locator_classes:
         impl._locator_classes.insert(0, KernelSourcesLocator.wrapper())
 
@@ -147,8 +152,7 @@ class KernelSourcesLocator:
                 self._inner, self._py_file = inner, Path(py_file)
 
             def get_cache_path(self) -> str:
-                user_dir = getattr(caching, "UserProvidedCacheLocator", None) or caching._UserProvidedCacheLocator
-                if not isinstance(self._inner, user_dir):
+                if not isinstance(self._inner, caching_class("UserProvidedCacheLocator")):
                     return self._inner.get_cache_path()  # numba's __pycache__ beside the module
                 module = self._py_file.resolve().relative_to(PACKAGE.parent).with_suffix("")
                 return str(Path(config.CACHE_DIR, f"{'.'.join(module.parts)}-{import_closure(self._py_file)[:20]}"))
@@ -163,8 +167,7 @@ class KernelSourcesLocator:
             def from_function(cls, py_func: object, py_file: str) -> object:
                 if PACKAGE not in Path(py_file).resolve().parents:
                     return None
-                impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl
-                for locator in impl._locator_classes:
+                for locator in caching_class("CacheImpl")._locator_classes:
                     inner = None if locator is cls else locator.from_function(py_func, py_file)
                     if inner is not None:
                         return cls(inner, py_file)

@@ -98,23 +98,24 @@ def run_start(path: str, kernels: str) -> dict[str, float]:
     model = qwen_runtime.load(path, threads=1, kernels=kernels)
     prompt = [list(range(1, 6))]  # ids below any vocabulary's size (the bundled model has 4,160)
     next(iter(qwen_runtime.stream(model, prompt, max_new_tokens=2, use_tokenizer=False)))
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return {"cpu_s": usage.ru_utime + usage.ru_stime}
+    return {"cpu_s": cpu_seconds()}
 
 
 def run_floor() -> dict[str, float]:
     """CPU seconds numba itself adds to a process (numpy already imported): its import and its CPU target's set-up,
     up to the first call of one trivial compiled function read from its cache.  The floor under the compiled
     kernels' warm start-up (``start`` with numba minus numpy)."""
-    def cpu() -> float:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return usage.ru_utime + usage.ru_stime
-
-    before = cpu()
+    before = cpu_seconds()
     import numba
 
     numba.njit(cache=True)(_one_more)(1)
-    return {"cpu_s": cpu() - before}
+    return {"cpu_s": cpu_seconds() - before}
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process so far, user and system, every thread."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _one_more(x: int) -> int:

@@ -48,7 +48,6 @@ OPS: list[tuple[Any, str, str]] = [
     (attention_jit, "attend", "attention over the cache"), (attention_jit, "gate", "sigmoid gate"),
     (attention_jit, "attention_step", "q/k/v prep + attention (one compiled call)"),
     (gated_delta_jit, "conv_step", "conv1d step"),
-    (gated_delta_jit, "delta_step", "delta rule step (+ l2 norms, gates, gated norm)"),
     (gated_delta_jit, "delta_heads", "delta rule step (+ l2 norms, gates, gated norm)"),
     (transformer.Block, "__call__", "block glue (residual adds)"),
     (transformer.Model, "forward", "model glue (embedding ids, head slicing)"),

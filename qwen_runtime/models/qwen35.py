@@ -228,9 +228,9 @@ class GatedDeltaNet:
         return self.w_out.matmul(o.reshape(b * t, hv * dv)).reshape(b, t, h)
 
     def _compiled_step(self) -> bool:
-        """Whether a pass runs :mod:`.gated_delta_jit`'s kernels: the recurrence
-        token by token, its heads shared among the threads (the conv kernel needs K ≥ 2, Qwen3.5's is 4), with
-        ``kernels="numba"`` whatever the length.  The numpy path's chunked form costs a fixed ~4.7 ms of numpy
+        """Whether a pass runs :mod:`.gated_delta_jit`'s kernels: the recurrence token by token, its heads shared
+        among the threads (the conv kernel needs K ≥ 2, Qwen3.5's is 4), with ``kernels="numba"`` whatever the
+        length.  The numpy path's chunked form costs a fixed ~4.7 ms of numpy
         calls per layer and pass, and more per token: Qwen3.5-0.8B q8_0, whole forward passes, chunked / compiled,
         2 threads: 5 tokens 206 / 134 ms, 11 261 / 196, 32 470 / 372, 128 1394 / 1121, 256 2307 / 1937, 4 rows of
         64 2393 / 1761; 1 thread: 128 2710 / 2447, 256 3894 / 3104."""
