@@ -94,9 +94,23 @@ def await_post(sync, phase, ticks, lost):
 
 @njit(**JIT)
 def await_done(sync, phase, count):
-    """Worker 0: wait until the ``count`` chunks of ``phase`` are done."""
+    """Worker 0: wait until the ``count`` units of ``phase`` are done."""
     while load_fresh(sync, LINE * (phase + 1) + DONE) < count:
         cpu_relax()
+
+
+@njit(**JIT)
+def claim(sync, phase, count):
+    """The next of the ``count`` units of ``phase`` (product chunks or mixer heads) for this worker, or -1 when
+    every one is claimed."""
+    c = fetch_add(sync, LINE * (phase + 1) + CLAIMED, 1)
+    return c if c < count else -1
+
+
+@njit(**JIT)
+def finish(sync, phase):
+    """One more unit of ``phase`` is done (what :func:`await_done` counts)."""
+    fetch_add(sync, LINE * (phase + 1) + DONE, 1)
 
 
 @njit(**JIT)
@@ -157,11 +171,10 @@ def work_phase(worker, phase, step_phase, layer, kind, sync, mats, chunks, start
     output projection, the activation, the MLP's output)
     """
     first, count = starts[kind, phase], starts[kind, phase + 1] - starts[kind, phase]
-    claims, done = LINE * (step_phase + 1) + CLAIMED, LINE * (step_phase + 1) + DONE
     did = 0
     while True:
-        c = fetch_add(sync, claims, 1)
-        if c >= count:
+        c = claim(sync, step_phase, count)
+        if c < 0:
             return did
         m, r0, r1 = chunks[first + c, 0], chunks[first + c, 1], chunks[first + c, 2]
         if phase == GATE_UP:
@@ -174,7 +187,7 @@ def work_phase(worker, phase, step_phase, layer, kind, sync, mats, chunks, start
         else:
             product(mats[layer, m], r0, r1, x, sums16, sums32, table, outs[min(m, 4) if phase != DOWN_PROJ else 6],
                     r0)
-        fetch_add(sync, done, 1)
+        finish(sync, step_phase)
         did += 1
 
 
@@ -225,16 +238,13 @@ def mix_units(dims, kind):
 @njit(**JIT)
 def work_mix(step_phase, layer, kind, sync, dims, vecs, caches, eps, outs, q, slots, key_valid, valid, heads, att):
     """Claim (row, head) pairs of the mixer's heads until none is left: :func:`.attention_jit.attend_pair` into
-    ``heads`` [B, nh, 1, hd], or :func:`.gated_delta_jit.delta_head` into ``att``; returns how many this worker did.
-    """
-    claims, done = LINE * (step_phase + 1) + CLAIMED, LINE * (step_phase + 1) + DONE
+    ``heads`` [B, nh, 1, hd], or :func:`.gated_delta_jit.delta_head` into ``att``."""
     count = mix_units(dims, kind)
     b = dims[BATCH]
-    did = 0
     while True:
-        c = fetch_add(sync, claims, 1)
-        if c >= count:
-            return did
+        c = claim(sync, step_phase, count)
+        if c < 0:
+            return
         if kind == ATTENTION:
             keys, values = kv_cache(layer, dims, caches)
             attend_pair(q, keys, values, slots, key_valid, c // dims[KV_HEADS], c % dims[KV_HEADS], heads)
@@ -245,8 +255,7 @@ def work_mix(step_phase, layer, kind, sync, dims, vecs, caches, eps, outs, q, sl
                        carray(i64_at(vecs[layer, KEY_HEADS]), (hv,)), vector(vecs, layer, SSM_A, hv),
                        vector(vecs, layer, DT_BIAS, hv), vector(vecs, layer, SSM_NORM, dv), eps, valid,
                        delta_state(layer, dims, caches), c // hv, c % hv, att.reshape((b, 1, hv, dv)))
-        fetch_add(sync, done, 1)
-        did += 1
+        finish(sync, step_phase)
 
 
 @njit(**JIT)
