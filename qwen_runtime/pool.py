@@ -21,12 +21,13 @@ OpenBLAS's worker threads keep spinning after every multi-threaded call (measure
 200 ms sleep after a 2-thread GEMM, 41 ms even after setting one thread), so handing the cores back and
 forth between BLAS and the pool leaves a spinning thread on the core the pool needs.
 
-* ``blas_products=True`` (every matrix is float32, nothing to widen): every product is one BLAS call on the
-  whole matrix with BLAS's own threads, :meth:`Workspace.run` runs its tasks in turn on the calling thread,
-  and no pool thread is ever started.  This is how plain numpy multiplies: an fp32 decode step is GEMVs
+* ``blas_products=True`` (every matrix is float32, nothing to widen, and the numpy kernels): every product is
+  one BLAS call on the whole matrix with BLAS's own threads, :meth:`Workspace.run` runs its tasks in turn on the
+  calling thread, and no pool thread is ever started.  This is how plain numpy multiplies: an fp32 decode step is GEMVs
   bound by memory bandwidth, which OpenBLAS splits over its threads with no Python in between.
-* ``blas_products=False`` (a stored type must be widened before BLAS can read it): the pool's threads widen
-  and multiply tiles in parallel, with BLAS held to one thread.
+* ``blas_products=False`` (a stored type must be widened before BLAS can read it, or the compiled kernels, whose
+  decode step runs fp32 models too): the pool's threads widen and multiply tiles in parallel, with BLAS held to
+  one thread.
 
 The compiled kernels (``kernels="numba"``, :func:`resolve_kernels`) follow the same policy: they are
 single-threaded ``nogil`` functions that the pool's threads call, so numba's own thread pool never starts and

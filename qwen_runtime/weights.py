@@ -2,11 +2,12 @@
 
 A :class:`Weight` is a ``[out, in]`` matrix as stored in the model file (memory-mapped, never copied whole):
 
-* :class:`F32Weight` multiplies straight from the memory map (BLAS reads the mapped pages), a block of rows
-  per task.
-* :class:`TiledWeight` (every other type) hands ``block_rows`` rows at a time to its type's tile kernel
-  (:mod:`.quants`), which decodes them into float32 scratch buffers of the pool thread doing it (:mod:`.pool`:
-  a :class:`Workspace` keeps them per thread, shared by every weight of a model) and BLAS-multiplies.  No
+* :class:`F32Weight` (F32 with the numpy kernels) multiplies straight from the memory map (BLAS reads the mapped
+  pages), a block of rows per task.
+* :class:`TiledWeight` (every other type, and every type with the compiled kernels) hands ``block_rows`` rows at a
+  time to its type's tile kernel (:mod:`.quants`), which decodes them into float32 scratch buffers of the pool
+  thread doing it (:mod:`.pool`: a :class:`Workspace` keeps them per thread, shared by every weight of a model)
+  and BLAS-multiplies.  No
   float32 copy of a whole matrix ever exists: anonymous memory stays at one tile per thread, plus Q8_0's
   block scales widened to float32 (2/17 of its stored bytes).
 
@@ -57,6 +58,8 @@ TILE_ELEMENTS = 1 << 20
 
 class Weight:
     """A stored ``[out, in]`` matrix that multiplies float32 activations, one block of rows per pool task."""
+
+    compiled = False  # whether a compiled row kernel multiplies it (row-invariant by construction)
 
     def __init__(self, tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> None:
         if len(tensor.shape) != 2:
@@ -143,7 +146,8 @@ class F32Weight(Weight):
 
 
 class TiledWeight(Weight):
-    """Weights of any stored type but F32, multiplied ``block_rows`` rows at a time by their type's tile kernel.
+    """Weights of any stored type (F32 only with the compiled kernels), multiplied ``block_rows`` rows at a time by
+    their type's tile kernel.
 
     The kernel (:meth:`qwen_runtime.quants.Codec.kernel`) owns everything type-specific: the activation
     layout it multiplies (:meth:`prepare`), the decoding of a tile and any per-tile state it keeps.
@@ -357,8 +361,9 @@ def swiglu(ws: Workspace) -> Callable[..., np.ndarray]:
 
 
 def make_weight(tensor: StoredTensor, ws: Workspace, tile_elements: int = TILE_ELEMENTS) -> Weight:
-    """The weight kind for a stored matrix."""
-    if tensor.qtype == QType.F32:
+    """The weight kind for a stored matrix: F32 with the numpy kernels in place for BLAS, every type with the
+    compiled ones by its row kernel (F32 included: so that the compiled decode step runs fp32 models)."""
+    if tensor.qtype == QType.F32 and ws.kernels != "numba":
         return F32Weight(tensor, ws, tile_elements)
     return TiledWeight(tensor, ws, tile_elements)
 

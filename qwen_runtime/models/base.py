@@ -45,7 +45,8 @@ class WeightStore:
     def __init__(self, files: ModelFiles, tile_elements: int = TILE_ELEMENTS, threads: int | None = None,
                  kernels: str | None = None, activations: str = "float") -> None:
         self.files = files
-        self.workspace = Workspace(threads, blas_products=all_float32(files), kernels=resolve_kernels(kernels),
+        kernels = resolve_kernels(kernels)
+        self.workspace = Workspace(threads, blas_products=kernels == "numpy" and all_float32(files), kernels=kernels,
                                    activations=activations)
         self.tile_elements = tile_elements
         self._matrices: dict[str, Weight] = {}
@@ -70,8 +71,9 @@ class WeightStore:
 
 
 def all_float32(files: ModelFiles) -> bool:
-    """Whether every matrix of the model is stored as float32: its products then run as whole-matrix BLAS
-    calls with BLAS's own threads, no tile pool (the per-model threading policy of :mod:`..pool`)."""
+    """Whether every matrix of the model is stored as float32: with the numpy kernels its products then run as
+    whole-matrix BLAS calls with BLAS's own threads, no tile pool (the per-model threading policy of
+    :mod:`..pool`); the compiled kernels run it on the pool, as every other type."""
     return all(t.qtype == QType.F32 for t in files.tensors.values() if len(t.shape) == 2)
 
 

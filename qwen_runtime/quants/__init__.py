@@ -45,6 +45,7 @@ JIT_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q4_K: ("jit_kquants", "Q4_KJitKernel"),
     QType.Q5_K: ("jit_kquants", "Q5_KJitKernel"),
     QType.Q6_K: ("jit_kquants", "Q6_KJitKernel"),
+    QType.F32: ("jit_dense", "F32JitKernel"),
     QType.F16: ("jit_dense", "F16JitKernel"),
     QType.BF16: ("jit_dense", "BF16JitKernel"),
     QType.Q4_0: ("jit_legacy", "Q4_0JitKernel"),

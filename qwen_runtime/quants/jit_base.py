@@ -83,6 +83,7 @@ F16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float1
 U8_2D = types.Array(types.uint8, 2, "C", readonly=True)
 I8_2D = types.Array(types.int8, 2, "C", readonly=True)
 U16_2D = types.Array(types.uint16, 2, "C", readonly=True)
+F32_2D_RO = types.Array(types.float32, 2, "C", readonly=True)
 F32_1D = types.float32[::1]
 F32_2D_C = types.float32[:, ::1]
 F32_2D = types.float32[:, :]  # output column blocks: any row stride
@@ -449,9 +450,13 @@ class JitKernel:
         if len(x) <= self.direct_rows:
             self._rows(self.raw[r0:r1], x, extra, out)
             return
+        np.matmul(x, self.tile(r0, r1, scratch).T, out=out)
+
+    def tile(self, r0: int, r1: int, scratch: Scratch) -> np.ndarray:
+        """Stored rows ``r0:r1`` as float32 [r1 - r0, in] for BLAS: decoded into the thread's scratch tile."""
         tile = scratch.array("tile", (r1 - r0, self.in_features))
         self.decode(self.raw[r0:r1], *self.constants, tile)
-        np.matmul(x, tile.T, out=out)
+        return tile
 
     def product_rows(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
         """``out = x @ W[r0:r1].T`` with every row by the row kernel, whatever the number of rows (groups of

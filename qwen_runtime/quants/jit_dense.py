@@ -1,15 +1,21 @@
-"""Compiled kernels of the dense 16-bit types F16 and BF16 (numba): the stored rows read in place as uint16.
+"""Compiled kernels of the dense types F32, F16 and BF16 (numba): the stored rows read in place (F32 as float32,
+the 16-bit types as uint16).
 
 Row ``i`` of the product keeps 32 float32 lanes ``acc[k] = fma(f32(w[c + k]), x[i, c + k], acc[k])`` over the
 row's chunks of 32 columns ``c`` (a last partial chunk padded with zeros), summed once at the end (see
 :mod:`.jit_base`: the rows of a group share each widened chunk, their lanes held in registers).
-The widening is exact: BF16 bits shifted into the high half of a uint32 and reinterpreted, F16 bits
-reinterpreted as LLVM ``half`` and extended (the hardware conversion; a signalling NaN comes out quiet, its
-payload otherwise kept, where numpy keeps it signalling — still a NaN).
+F32 rows need no widening; the 16-bit ones are widened exactly: BF16 bits shifted into the high half of a uint32
+and reinterpreted, F16 bits reinterpreted as LLVM ``half`` and extended (the hardware conversion; a signalling NaN
+comes out quiet, its payload otherwise kept, where numpy keeps it signalling — still a NaN).
 
-Assembly (numba 0.68, this Xeon with AVX-512 and F16C; ``inspect_asm``): per chunk F16 widens with two packed
-``vcvtph2ps`` to zmm, BF16 with ``vpmovzxwd`` + ``vpslld``; then per row of the group two ``vfmadd231ps`` with
-the activations as memory operands into accumulators held in zmm registers.
+Assembly (numba 0.68, this Xeon with AVX-512 and F16C; ``inspect_asm``): per chunk F32 loads two zmm, F16 widens
+with two packed ``vcvtph2ps`` to zmm, BF16 with ``vpmovzxwd`` + ``vpslld``; then per row of the group two
+``vfmadd231ps`` with the activations as memory operands into accumulators held in zmm registers.
+
+Why F32 has a kernel at all: BLAS multiplies float32 rows as they are, but a decode step of BLAS calls runs its
+norms, attention and hand-offs from Python between the products; with a row kernel the compiled decode step
+(:mod:`qwen_runtime.models.step_jit`) runs fp32 models too.  Prefill (more than ``direct_rows`` rows) still hands
+the mapped rows to BLAS, with no copy.
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ from llvmlite import ir
 from numba import carray, types
 from numba.extending import intrinsic
 
+from ..pool import Scratch
 from .base import QType
 from .jit_base import (
     F32_2D,
     F32_2D_C,
+    F32_2D_RO,
     GROUP_ROWS,
     HALF,
     I32,
@@ -73,10 +81,17 @@ def bf16_to_f32(typingctx, bits):  # noqa: ARG001
     return types.float32(types.uint16), codegen
 
 
-def _widen_fma(bf16: bool) -> object:
+@inline
+def same_f32(value):
+    """F32's "widening": the value itself."""
+    return value
+
+
+def _widen_fma(kind: str) -> object:
     """An intrinsic ``(w, c, x, i0, rows, acc)``: ``acc[i, k] = fma(f32(w[c + k]), x[i0 + i, c + k], acc[i, k])``
-    for ``i < rows`` (a literal) and the 32 lanes: the row's 32 stored values from ``c`` widened in two
-    ``<16 x i16>`` loads (BF16: shifted into the high half, F16: LLVM ``half`` extended)."""
+    for ``i < rows`` (a literal) and the 32 lanes: the row's 32 stored values from ``c`` in two loads, ``<16 x
+    float>`` for ``kind`` "f32", else ``<16 x i16>`` widened ("bf16": shifted into the high half, "f16": LLVM
+    ``half`` extended)."""
 
     @intrinsic
     def widen_fma(typingctx, w, c, x, i0, rows, acc):  # noqa: ARG001
@@ -86,11 +101,13 @@ def _widen_fma(bf16: bool) -> object:
 
         def codegen(context, builder, signature, args):
             data = context.make_array(signature.args[0])(context, builder, args[0]).data
-            at = builder.bitcast(builder.gep(data, [args[1]]), V16_I16.as_pointer())
+            at = builder.bitcast(builder.gep(data, [args[1]]), (V16_F32 if kind == "f32" else V16_I16).as_pointer())
             halves = []
             for h in range(2):
                 bits = builder.load(builder.gep(at, [I32(h)]), align=2)
-                if bf16:
+                if kind == "f32":
+                    halves.append(bits)
+                elif kind == "bf16":
                     wide = builder.shl(builder.zext(bits, V16_I32), ir.Constant(V16_I32, [16] * HALF))
                     halves.append(builder.bitcast(wide, V16_F32))
                 else:
@@ -103,7 +120,7 @@ def _widen_fma(bf16: bool) -> object:
     return widen_fma
 
 
-f16_fma, bf16_fma = _widen_fma(bf16=False), _widen_fma(bf16=True)
+f32_fma, f16_fma, bf16_fma = _widen_fma("f32"), _widen_fma("f16"), _widen_fma("bf16")
 
 
 @inline
@@ -133,6 +150,11 @@ def dense_group(widen, widen_fma, rows, raw, r, x, i0, out, acc):
 
 
 @inline
+def f32_group(rows, raw, r, x, i0, args, out, acc):
+    dense_group(same_f32, f32_fma, rows, raw, r, x, i0, out, acc)
+
+
+@inline
 def f16_group(rows, raw, r, x, i0, args, out, acc):
     dense_group(f16_to_f32, f16_fma, rows, raw, r, x, i0, out, acc)
 
@@ -153,6 +175,17 @@ def decode_loop(widen, raw, tile):
 
 GEMV = types.void(U16_2D, F32_2D_C, F32_2D)
 DECODE = types.void(U16_2D, F32_2D_C)
+F32_GEMV = types.void(F32_2D_RO, F32_2D_C, F32_2D)
+
+
+@compiled(F32_GEMV)
+def f32_gemv1(raw, x, out):
+    gemv1_rows(f32_group, raw, x, (), out)
+
+
+@compiled(F32_GEMV)
+def f32_gemv(raw, x, out):
+    gemv_groups(f32_group, raw, x, (), out)
 
 
 @compiled(GEMV)
@@ -186,47 +219,67 @@ def bf16_decode(raw, tile):
 
 
 @inline
-def dense_product(gemv1, gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
-    """A :data:`~.jit_base.ROW_PRODUCT` of a 16-bit type (the stored rows as uint16, no sums, no table)."""
+def dense_product(gemv1, gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride, dtype):
+    """A :data:`~.jit_base.ROW_PRODUCT` of a dense type (the stored rows viewed as ``dtype``, no sums, no table)."""
     w, xs, _, _, o = product_arrays(raw, rows, row_bytes, x, n, cols, sums, 0, table, out, out_stride)
     if n == 1:
-        gemv1(w.view(np.uint16), xs, o)
+        gemv1(w.view(dtype), xs, o)
     else:
-        gemv(w.view(np.uint16), xs, o)
+        gemv(w.view(dtype), xs, o)
+
+
+@row_cfunc
+def f32_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
+    dense_product(f32_gemv1, f32_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride,
+                  np.float32)
 
 
 @row_cfunc
 def f16_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
-    dense_product(f16_gemv1, f16_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
+    dense_product(f16_gemv1, f16_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride,
+                  np.uint16)
 
 
 @row_cfunc
 def bf16_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride):
-    dense_product(bf16_gemv1, bf16_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
+    dense_product(bf16_gemv1, bf16_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride,
+                  np.uint16)
 
 
-class Dense16JitKernel(JitKernel):
-    """A 16-bit dense matrix, stored rows viewed as uint16 (one element per "block")."""
+class DenseJitKernel(JitKernel):
+    """A dense matrix, stored rows viewed as ``dtype`` (one element per "block")."""
 
     block = 1
+    dtype: type = np.uint16
 
     def stored_unit(self) -> int:
         return 1
 
     def stored(self, raw: np.ndarray) -> np.ndarray:
-        return raw.view(np.uint16)
+        return raw.view(self.dtype)
 
 
-class F16JitKernel(Dense16JitKernel):
+class F32JitKernel(DenseJitKernel):
+    """Float32 rows: the row kernels read them in place, and BLAS multiplies the mapped rows themselves (no tile)."""
+
+    qtype, type_size, dtype = QType.F32, 4, np.float32
+    gemv1, gemv = staticmethod(f32_gemv1), staticmethod(f32_gemv)
+    row_product = f32_rows
+
+    def tile(self, r0: int, r1: int, scratch: Scratch) -> np.ndarray:
+        return self.raw[r0:r1]
+
+
+class F16JitKernel(DenseJitKernel):
     qtype, type_size = QType.F16, 2
     gemv1, gemv, decode = staticmethod(f16_gemv1), staticmethod(f16_gemv), staticmethod(f16_decode)
     row_product = f16_rows
 
 
-class BF16JitKernel(Dense16JitKernel):
+class BF16JitKernel(DenseJitKernel):
     qtype, type_size = QType.BF16, 2
     gemv1, gemv, decode = staticmethod(bf16_gemv1), staticmethod(bf16_gemv), staticmethod(bf16_decode)
     row_product = bf16_rows
 
 
-KERNELS = (F16JitKernel, BF16JitKernel)
+KERNELS = (F32JitKernel, F16JitKernel, BF16JitKernel)

@@ -43,17 +43,23 @@ F16_FIELDS = {QType.Q8_0: (0,), QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q5_0
               QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2),
               QType.Q6_K: (208,), QType.IQ4_NL: (0,), QType.IQ4_XS: (0,)}
 EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF, 0x1C00, 0x9C00], np.uint16)
+EDGE_F32 = np.array([0.0, -0.0, 1e-40, -1e-45, 2.0**23, -(2.0**23)], np.float32)  # ±0, subnormals, BF16's largest
 COMPILED = sorted(JIT_KERNELS, key=lambda q: q.name)
 
 
 def random_blocks(qtype: QType, rows: int, cols: int, seed: int, edges: float = 0.1) -> np.ndarray:
     """Stored rows of random bytes (every quant value, ±max included), float16 fields finite: mostly scales
-    of about 1e-3, a fraction ``edges`` of edge values (zero, negative zero, subnormal, largest).  F16/BF16:
+    of about 1e-3, a fraction ``edges`` of edge values (zero, negative zero, subnormal, largest).  F32/F16/BF16:
     normal(0, 0.05) weights, half that fraction replaced by edge values (BF16's largest: 2**24, so that products
-    with the test's largest activations stay finite, as for the quantized types).  Timings need ``edges=0``:
-    subnormal arithmetic takes microcode assists, 5-20x slower."""
+    with the test's largest activations stay finite, as for the quantized types; F32's the same).  Timings need
+    ``edges=0``: subnormal arithmetic takes microcode assists, 5-20x slower."""
     rng = np.random.default_rng(seed)
     c = codec(qtype)
+    if qtype == QType.F32:
+        w = rng.normal(0, 0.05, (rows, cols)).astype(np.float32)
+        picks = rng.random(w.shape) < edges / 2
+        w[picks] = rng.choice(EDGE_F32, int(picks.sum()))
+        return w
     if not c.quantized:
         bits = rng.normal(0, 0.05, (rows, cols)).astype(np.float32)
         raw = bits.astype(np.float16).view(np.uint16) if qtype == QType.F16 else (bits.view(np.uint32) >> 16)
@@ -101,8 +107,7 @@ def bound(qtype: QType, raw: np.ndarray, x: np.ndarray, direct: bool) -> np.ndar
 def test_decode_equals_reference_bit_for_bit(qtype: QType) -> None:
     raw = random_blocks(qtype, 37, 512, seed=1)
     kernel = jit_kernel(qtype, raw)
-    tile = np.empty((37, 512), np.float32)
-    kernel.decode(kernel.raw, *kernel.constants, tile)
+    tile = kernel.tile(0, 37, Scratch())
     ref = codec(qtype).reference(raw)
     assert np.array_equal(tile.view(np.uint32), ref.view(np.uint32))
 

@@ -1,4 +1,4 @@
-"""The compiled kernels of F16, BF16, the legacy types (Q4_0, Q4_1, Q5_0, Q5_1) and IQ4 (IQ4_NL, IQ4_XS)
+"""The compiled kernels of F32, F16, BF16, the legacy types (Q4_0, Q4_1, Q5_0, Q5_1) and IQ4 (IQ4_NL, IQ4_XS)
 against each codec's plain reference decoder.
 
 Error model of a product row (``jit_legacy``, ``jit_iq4``, ``jit_dense``), with ``exact`` the float64 product
@@ -32,11 +32,12 @@ pytest.importorskip("numba")
 from qwen_runtime.quants.jit_base import GEMV_ROWS  # noqa: E402 (numba is needed from here on)
 
 EPS32 = float(np.finfo(np.float32).eps)
-TYPES = (QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.IQ4_NL, QType.IQ4_XS)
+TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.IQ4_NL, QType.IQ4_XS)
 MINIMUM = {QType.Q4_1: 2, QType.Q5_1: 2}  # byte of each block's float16 minimum
 # float16 edge values for scales and minimums: zeros of both signs, subnormals, the largest, a small normal.
 EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF, 0x1C00, 0x9C00], np.uint16)
 EDGE_BF16 = np.array([0x0000, 0x8000, 0x0001, 0x807F, 0x5F7F, 0xDF7F], np.uint16)  # ±0, subnormals, ±1.8e19
+EDGE_F32 = np.array([0.0, -0.0, 1e-40, -1e-45, 1.8e19, -1.8e19], np.float32)  # the same for F32
 
 
 def test_every_type_of_this_file_is_registered() -> None:
@@ -45,7 +46,7 @@ def test_every_type_of_this_file_is_registered() -> None:
 
 def columns(qtype: QType) -> int:
     """A row length of several blocks (IQ4_XS: 256 per block); dense rows not a multiple of 32."""
-    return {QType.F16: 301, QType.BF16: 301, QType.IQ4_XS: 768}.get(qtype, 320)
+    return {QType.F32: 301, QType.F16: 301, QType.BF16: 301, QType.IQ4_XS: 768}.get(qtype, 320)
 
 
 def random_rows(qtype: QType, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -56,6 +57,10 @@ def random_rows(qtype: QType, rows: int, cols: int, seed: int) -> np.ndarray:
     c = codec(qtype)
     if not c.quantized:
         w = rng.normal(0, 0.05, (rows, cols)).astype(np.float32)
+        if qtype == QType.F32:
+            picks = rng.random(w.shape) < 0.05
+            w[picks] = rng.choice(EDGE_F32, int(picks.sum()))
+            return w
         bits = w.astype(np.float16).view(np.uint16) if qtype == QType.F16 else (w.view(np.uint32) >> 16)
         bits = bits.astype(np.uint16)
         picks = rng.random(bits.shape) < 0.05
@@ -103,8 +108,7 @@ def activations(rows: int, cols: int, seed: int) -> np.ndarray:
 def test_decode_equals_reference_bit_for_bit(qtype: QType) -> None:
     raw = random_rows(qtype, 37, columns(qtype), seed=1)
     kernel = jit_kernel(qtype, raw)
-    tile = np.empty((37, columns(qtype)), np.float32)
-    kernel.decode(kernel.raw, *kernel.constants, tile)
+    tile = kernel.tile(0, 37, Scratch())
     assert np.array_equal(tile.view(np.uint32), codec(qtype).reference(raw).view(np.uint32))
 
 
