@@ -8,7 +8,15 @@ A Q4_K block of 256 values has 8 sub-blocks of 32 with ``value = ds_j * q - dm_j
 ``j`` of its ``qh`` bytes as bit 4, :func:`.jit_int8.group_q5_k_pairs_fma`), the minimums against the float32
 activation sums per 32 (exact activations, as the float kernel).  A Q6_K block has 16 sub-blocks of 16 values
 ``d * sc_j * (q - 32)`` (``sc_j`` int8, ``q`` 6 bits): each activation block of 32 spans two, whose scales
-multiply the two halves of the 16 pair lanes (:func:`.jit_int8.group_q6_pairs_fma`).  One and several
+multiply the two halves of the 16 pair lanes (:func:`.jit_int8.group_q6_pairs_fma`).
+
+With AVX-512 VNNI, Q4_K goes 64 weights at a time instead (:func:`q4_k_vnni_group`): a chunk's 32 bytes give
+sub-blocks ``2c`` (low nibbles) and ``2c + 1`` (high) as one ``<64 x i8>`` against the row's 64 activations in
+one ``vpdpbusd``, lanes 0-7 the first sub-block, 8-15 the second, each lane's scale ``ds_j * d_x[j]`` from an
+``<8 x float>`` computed once per block and row (:func:`block_scales`, which also keeps the minimums in 8 lanes).
+Q4_K 18944 x 3584, one thread, ms of CPU per million weights, pairs / VNNI: 1 row 0.075 / 0.032, 3 rows 0.188 /
+0.088, 8 rows 0.297 / 0.138; the Qwen2.5-7B-shaped Q4_K_M file's decode with 8-bit activations 2.60 -> 3.18
+tok/s (llama.cpp 3.74).  One and several
 activation rows run the same loops (groups of 1, or :func:`.jit_int8.row_groups`).  A module of its own so that
 models without K-quants do not load these kernels.
 """
@@ -16,7 +24,10 @@ models without K-quants do not load these kernels.
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import carray, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from .jit_base import (
     ACC_FLOATS,
@@ -32,8 +43,16 @@ from .jit_base import (
     sums_of,
 )
 from .jit_int8 import (
+    FEATURES,
     I16_2D,
+    V16_F32,
+    V16_I32,
+    V32_I8,
+    V64_I8,
     Int8Kernel,
+    _literal,
+    _pointer,
+    _vpdpbusd,
     group_k23_pairs_fma,
     group_nibbles32_pairs_fma,
     group_q5_k_pairs_fma,
@@ -73,7 +92,8 @@ def q4_k_group(update, size, group, r0, r1, i0, raw, xq, xd, xsum, table, out): 
     nb, cols, nd = xd.shape[1] // 8, xq.shape[1], xd.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     mins = carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
-    ds, dm = carray(stack_f32(8), (8,)), carray(stack_f32(8), (8,))
+    dsp, dmp = stack_f32(8), stack_f32(8)
+    ds, dm = carray(dsp, (8,)), carray(dmp, (8,))
     s = carray(sums, (GEMV_ROWS,))
     for r in range(r0, r1):
         lanes_zero(acc, group)
@@ -82,7 +102,7 @@ def q4_k_group(update, size, group, r0, r1, i0, raw, xq, xd, xsum, table, out): 
         for b in range(nb):
             blk = raw[r, b * size: b * size + size]
             prefetch(blk, 0)
-            k45_scales(blk, table, ds, dm)
+            k45_scales(blk, table, dsp, dmp)
             for j in range(8):
                 for g in range(group):
                     mins[g] += dm[j] * xsum[i0 + g, b * 8 + j]
@@ -159,6 +179,106 @@ def k23_group(update, q3, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # 
             out[i0 + g, r] = t[g] - mins[g]
 
 
+VNNI = {"avx512vnni", "avx512bw"} <= FEATURES  # the Q4_K kernels below (else the pairs of q4_k_group)
+I64, F32 = ir.IntType(64), ir.FloatType()
+V8_F32, V16_I32_IDX = ir.VectorType(F32, 8), ir.VectorType(ir.IntType(32), 16)
+SCALES = 8 * GEMV_ROWS  # floats of a group's per-block scale vectors (8 per activation row)
+
+
+@intrinsic
+def block_scales(typingctx, ds, dm, xd, xsum, at, stride, p, mins, group):  # noqa: ARG001
+    """For ``g < group``: ``p[8g + j] = ds[j] * xd[at + g stride + j]`` and ``mins[8g + j] += dm[j] * xsum[at +
+    g stride + j]`` (j < 8, one ``<8 x float>`` each): a Q4_K block's sub-block scales times each activation row's
+    scales, and its minimums against the row's sums, each row's minimums kept in 8 lanes."""
+    if not _literal(group):
+        return None
+    count = group.literal_value
+
+    def codegen(context, builder, signature, args):
+        def vec(pointer):
+            return builder.bitcast(pointer, V8_F32.as_pointer())
+
+        sc, mn = builder.load(vec(args[0]), align=4), builder.load(vec(args[1]), align=4)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8_F32, [V8_F32] * 3), "llvm.fma.v8f32")
+        for g in range(count):
+            at = builder.add(args[4], builder.mul(args[5], I64(g)))
+            xd_g = builder.load(_pointer(context, builder, signature.args[2], args[2], at, V8_F32), align=4)
+            xs_g = builder.load(_pointer(context, builder, signature.args[3], args[3], at, V8_F32), align=4)
+            builder.store(builder.fmul(sc, xd_g), vec(builder.gep(args[6], [I64(8 * g)])), align=4)
+            m_at = vec(builder.gep(args[7], [I64(8 * g)]))
+            builder.store(builder.call(fma, [mn, xs_g, builder.load(m_at, align=4)]), m_at, align=4)
+        return context.get_dummy_value()
+
+    return types.void(ds, dm, xd, xsum, at, stride, p, mins, group), codegen
+
+
+@intrinsic
+def group_nibbles64_vnni_fma(typingctx, blk, at, x, x_at, x_stride, p, chunk, acc, group):  # noqa: ARG001
+    """Chunk ``chunk`` (a literal, 0..3) of a Q4_K block times ``group`` activation rows: the 32 bytes at
+    ``blk[at]`` give sub-block ``2 chunk`` (low nibbles) and ``2 chunk + 1`` (high), as one ``<64 x i8>`` against
+    row ``g``'s 64 int8 activations at ``x[x_at + g x_stride]`` in one ``vpdpbusd`` (16 exact sums of 4 products:
+    lanes 0-7 the first sub-block, 8-15 the second), converted to float32 and fused into the row's 16 lanes
+    (``acc + 16 g``) with the two sub-blocks' scales ``p[8g + 2 chunk]``, ``p[8g + 2 chunk + 1]``."""
+    if not _literal(group) or not isinstance(chunk, types.IntegerLiteral):
+        return None
+    count, c = group.literal_value, chunk.literal_value
+
+    def codegen(context, builder, signature, args):
+        q = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], V32_I8), align=1)
+        low = builder.and_(q, ir.Constant(V32_I8, [15] * 32))
+        high = builder.lshr(q, ir.Constant(V32_I8, [4] * 32))
+        w = builder.bitcast(builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(ir.IntType(32), 64),
+                                                                          list(range(64)))), V16_I32)
+        zero = ir.Constant(V16_I32, [0] * 16)
+        pick = ir.Constant(V16_I32_IDX, [2 * c] * 8 + [2 * c + 1] * 8)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3),
+                                             "llvm.fma.v16f32")
+        for g in range(count):
+            x_at = builder.add(args[3], builder.mul(args[4], I64(g)))
+            xv = builder.load(_pointer(context, builder, signature.args[2], args[2], x_at, V64_I8), align=1)
+            sums = builder.sitofp(builder.call(_vpdpbusd(builder), [zero, w, builder.bitcast(xv, V16_I32)]),
+                                  V16_F32)
+            scales = builder.load(builder.bitcast(builder.gep(args[5], [I64(8 * g)]), V8_F32.as_pointer()), align=4)
+            scale = builder.shuffle_vector(scales, ir.Constant(V8_F32, ir.Undefined), pick)
+            lanes = builder.bitcast(builder.gep(args[7], [I64(16 * g)]), V16_F32.as_pointer())
+            builder.store(builder.call(fma, [sums, scale, builder.load(lanes, align=4)]), lanes, align=4)
+        return context.get_dummy_value()
+
+    return types.void(blk, at, x, x_at, x_stride, p, chunk, acc, group), codegen
+
+
+@inline
+def q4_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
+    """:func:`q4_k_group`'s sums with AVX-512 VNNI: per block the scales once (:func:`block_scales`), then each
+    chunk of 64 weights in one ``vpdpbusd`` per activation row (:func:`group_nibbles64_vnni_fma`); each row's
+    minimums in 8 lanes summed pairwise at the end.  ``xq`` int8 for one row and several alike."""
+    nb, cols, nd = xd.shape[1] // 8, xq.shape[1], xd.shape[1]
+    acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
+    s = carray(sums, (GEMV_ROWS,))
+    p, minp = stack_f32(SCALES), stack_f32(SCALES)
+    mins = carray(minp, (SCALES,))
+    dsp, dmp = stack_f32(8), stack_f32(8)
+    for r in range(r0, r1):
+        lanes_zero(acc, group)
+        for k in range(8 * group):
+            mins[k] = 0
+        for b in range(nb):
+            blk = raw[r, b * Q4_K_BYTES: b * Q4_K_BYTES + Q4_K_BYTES]
+            prefetch(blk, 0)
+            k45_scales(blk, table, dsp, dmp)
+            block_scales(dsp, dmp, xd, xsum, i0 * nd + b * 8, nd, p, minp, group)
+            x_at = i0 * cols + b * QK_K
+            group_nibbles64_vnni_fma(blk, 16, xq, x_at, cols, p, 0, acc, group)
+            group_nibbles64_vnni_fma(blk, 48, xq, x_at + 64, cols, p, 1, acc, group)
+            group_nibbles64_vnni_fma(blk, 80, xq, x_at + 128, cols, p, 2, acc, group)
+            group_nibbles64_vnni_fma(blk, 112, xq, x_at + 192, cols, p, 3, acc, group)
+        lanes_sums(acc, group, sums)
+        for g in range(group):
+            m = 8 * g
+            out[i0 + g, r] = s[g] - (((mins[m] + mins[m + 1]) + (mins[m + 2] + mins[m + 3]))
+                                     + ((mins[m + 4] + mins[m + 5]) + (mins[m + 6] + mins[m + 7])))
+
+
 Q6_K_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
 Q6_K_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_1D, F32_2D)
 
@@ -207,6 +327,16 @@ def q4_k_gemv_q8(raw, xq, xd, xsum, table, out):
     row_groups(q4_k_group, None, Q4_K_BYTES, raw, xq, xd, xsum, table, out)
 
 
+if VNNI:  # compiled only where the CPU has the instruction
+    @compiled(Q4_K_GEMV)
+    def q4_k_gemv1_vnni(raw, xq, xd, xsum, table, out):
+        q4_k_vnni_group(None, None, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
+
+    @compiled(Q4_K_GEMV)
+    def q4_k_gemv_vnni(raw, xq, xd, xsum, table, out):
+        row_groups(q4_k_vnni_group, None, None, raw, xq, xd, xsum, table, out)
+
+
 @compiled(Q4_K_GEMV)
 def q5_k_gemv1_q8(raw, xq, xd, xsum, table, out):
     q4_k_group(None, Q5_K_BYTES, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
@@ -218,16 +348,28 @@ def q5_k_gemv_q8(raw, xq, xd, xsum, table, out):
 
 
 class Q4_KInt8Kernel(Int8Kernel):
+    """Q4_K with 8-bit activations: ``vpdpbusd`` on 64 weights at a time where the CPU has AVX-512 VNNI (int8
+    activations for any number of rows), else :func:`q4_k_group`'s pairs (int16 activations for several rows)."""
+
     block, type_size, exact = QK_K, Q4_K_BYTES, ("jit_kquants", "Q4_KJitKernel")
-    gemv1_q8, gemv_q8 = staticmethod(q4_k_gemv1_q8), staticmethod(q4_k_gemv_q8)
+    if VNNI:
+        gemv1_q8, gemv_q8 = staticmethod(q4_k_gemv1_vnni), staticmethod(q4_k_gemv_vnni)
+    else:
+        gemv1_q8, gemv_q8 = staticmethod(q4_k_gemv1_q8), staticmethod(q4_k_gemv_q8)
 
     def activations(self, x: np.ndarray) -> tuple:
         return (*super().activations(x), sums_of(x, 32))
 
+    def forms(self, q: np.ndarray, d: np.ndarray) -> tuple:
+        return (q, d, q, d) if VNNI else super().forms(q, d)
 
-class Q5_KInt8Kernel(Q4_KInt8Kernel):
-    type_size, exact = Q5_K_BYTES, ("jit_kquants", "Q5_KJitKernel")
+
+class Q5_KInt8Kernel(Int8Kernel):
+    block, type_size, exact = QK_K, Q5_K_BYTES, ("jit_kquants", "Q5_KJitKernel")
     gemv1_q8, gemv_q8 = staticmethod(q5_k_gemv1_q8), staticmethod(q5_k_gemv_q8)
+
+    def activations(self, x: np.ndarray) -> tuple:
+        return (*super().activations(x), sums_of(x, 32))
 
 
 class Q6_KInt8Kernel(Int8Kernel):

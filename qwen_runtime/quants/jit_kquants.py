@@ -116,18 +116,51 @@ def splat32(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
                                                                                       [0] * LANES))
 
 
+V4_I8, V8_I32, V8_F32 = ir.VectorType(I8, 4), ir.VectorType(I32, 8), ir.VectorType(ir.FloatType(), 8)
+
+
+@intrinsic
+def k45_scales_at(typingctx, blk, d, dmin, ds, dm):  # noqa: ARG001
+    """``ds[j] = d * sc_j`` and ``dm[j] = dmin * m_j`` (j < 8, float32 pointers) of a Q4_K/Q5_K block's 6-bit
+    values packed in bytes 4..15, unpacked in ``<4 x i8>`` vectors and multiplied as ``<8 x float>``: the
+    reference's operations, a few vector instructions instead of some sixty scalar ones per block."""
+    if not (isinstance(ds, types.CPointer) and isinstance(dm, types.CPointer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+
+        def four(at):
+            return builder.load(builder.bitcast(builder.gep(data, [ir.IntType(64)(at)]), V4_I8.as_pointer()), align=1)
+
+        def const(v):
+            return ir.Constant(V4_I8, [v] * 4)
+
+        a, b, c = four(4), four(8), four(12)  # sc_0..3 | hi bits, m_0..3 | hi bits, low nibbles sc_4..7 | m_4..7
+        low_sc, low_m = builder.and_(a, const(int(M6))), builder.and_(b, const(int(M6)))
+        high_sc = builder.or_(builder.and_(c, const(int(M4))),
+                              builder.shl(builder.lshr(a, const(int(S6))), const(int(S4))))
+        high_m = builder.or_(builder.lshr(c, const(int(S4))),
+                             builder.shl(builder.lshr(b, const(int(S6))), const(int(S4))))
+        for low, high, scale, out in ((low_sc, high_sc, args[1], args[3]), (low_m, high_m, args[2], args[4])):
+            values = builder.uitofp(builder.shuffle_vector(low, high, ir.Constant(V8_I32, list(range(8)))), V8_F32)
+            one = builder.insert_element(ir.Constant(V8_F32, ir.Undefined), scale, I32(0))
+            scales = builder.shuffle_vector(one, ir.Constant(V8_F32, ir.Undefined), ir.Constant(V8_I32, [0] * 8))
+            builder.store(builder.fmul(scales, values), builder.bitcast(out, V8_F32.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(blk, d, dmin, ds, dm), codegen
+
+
 @inline
 def q4_k_scales(blk, table, ds, dm):
-    """``ds[j] = d * sc_j`` and ``dm[j] = dmin * m_j`` (j < 8) of one Q4_K/Q5_K block (6-bit values packed in
-    bytes 4..15, float16 d and dmin in bytes 0..3), as the reference computes them.  Inlined: a call in the
-    block loop made LLVM keep the row kernels' zmm accumulators on the stack around it (caller-saved)."""
-    d = table[np.int64(blk[0]) | (np.int64(blk[1]) << 8)]
-    dmin = table[np.int64(blk[2]) | (np.int64(blk[3]) << 8)]
-    for j in range(4):
-        ds[j] = d * np.float32(blk[4 + j] & M6)
-        dm[j] = dmin * np.float32(blk[8 + j] & M6)
-        ds[j + 4] = d * np.float32((blk[12 + j] & M4) | ((blk[4 + j] >> S6) << S4))
-        dm[j + 4] = dmin * np.float32((blk[12 + j] >> S4) | ((blk[8 + j] >> S6) << S4))
+    """:func:`k45_scales_at` of one Q4_K/Q5_K block (float16 d and dmin in bytes 0..3 through ``table``) into the
+    stack buffers ``ds`` and ``dm`` (:func:`.jit_base.stack_f32` pointers of 8 floats).  Inlined: a call in the
+    block loop made LLVM keep the row kernels' zmm accumulators on the stack around it (caller-saved).  Measured
+    against the scalar unpacking it replaces (Q4_K 18944 x 3584, one thread, ms of CPU per million weights): 1 row
+    0.090 -> 0.071, 3 rows 0.222 -> 0.162, 8 rows 0.260 -> 0.250; the same bits."""
+    k45_scales_at(blk, table[np.int64(blk[0]) | (np.int64(blk[1]) << 8)],
+                  table[np.int64(blk[2]) | (np.int64(blk[3]) << 8)], ds, dm)
 
 
 @numba.njit(inline="always")
@@ -148,14 +181,15 @@ def k45_group(size, rows, raw, r, x, i0, args, out, acc):
     qs_at = size - 128
     high = 1 if size == Q5_K_BYTES else 0  # Q5_K's bit 4 from qh (bytes 16..47); Q4_K: none
     mins = carray(stack_f32(GROUP_ROWS), (GROUP_ROWS,))
-    ds, dm = carray(stack_f32(8), (8,)), carray(stack_f32(8), (8,))
+    dsp, dmp = stack_f32(8), stack_f32(8)
+    ds, dm = carray(dsp, (8,)), carray(dmp, (8,))
     for i in range(rows):
         mins[i] = 0
     zero_lanes(acc, rows)
     for b in range(x.shape[1] // QK_K):
         blk = raw[r, b * size: b * size + size]
         prefetch(blk, 0)
-        q4_k_scales(blk, table, ds, dm)
+        q4_k_scales(blk, table, dsp, dmp)
         for c in range(4):
             for i in range(rows):
                 mins[i] += dm[2 * c] * xsum[i0 + i, b * 8 + 2 * c] + dm[2 * c + 1] * xsum[i0 + i, b * 8 + 2 * c + 1]
@@ -182,12 +216,13 @@ def k45_decode(raw, table, tile, size):
     """``tile`` [R, nb * 256] = Q4_K/Q5_K rows decoded (``(d * sc) * q - dmin * m``, as the reference)."""
     nb = tile.shape[1] // 256
     qs_at = size - 128
-    ds, dm = carray(stack_f32(8), (8,)), carray(stack_f32(8), (8,))
+    dsp, dmp = stack_f32(8), stack_f32(8)
+    ds, dm = carray(dsp, (8,)), carray(dmp, (8,))
     for r in range(raw.shape[0]):
         row = tile[r]
         for b in range(nb):
             blk = raw[r, b * size: b * size + size]
-            q4_k_scales(blk, table, ds, dm)
+            q4_k_scales(blk, table, dsp, dmp)
             for c in range(4):
                 qs = blk[qs_at + 32 * c: qs_at + 32 * c + 32]
                 base = b * 256 + 64 * c
