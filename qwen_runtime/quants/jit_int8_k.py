@@ -16,7 +16,9 @@ one ``vpdpbusd``, lanes 0-7 the first sub-block, 8-15 the second, each lane's sc
 ``<8 x float>`` computed once per block and row (:func:`block_scales`, which also keeps the minimums in 8 lanes).
 Q4_K 18944 x 3584, one thread, ms of CPU per million weights, pairs / VNNI: 1 row 0.075 / 0.032, 3 rows 0.188 /
 0.088, 8 rows 0.297 / 0.138; the Qwen2.5-7B-shaped Q4_K_M file's decode with 8-bit activations 2.60 -> 3.18
-tok/s (llama.cpp 3.74).  One and several
+tok/s (llama.cpp 3.74).  Q6_K likewise (:func:`q6_k_vnni_group`): its 6-bit ``q`` (0..63) taken unsigned, the
+``- 32`` as a start value of ``vpdpbusd`` (``-32`` times the activations' sums of 4, once per product:
+:meth:`Q6_KInt8Kernel.forms`); on the 7B file's Q6_K matrices 0.114 -> 0.085 ms per million weights.  One and several
 activation rows run the same loops (groups of 1, or :func:`.jit_int8.row_groups`).  A module of its own so that
 models without K-quants do not load these kernels.
 """
@@ -62,7 +64,7 @@ from .jit_int8 import (
     lanes_zero,
     row_groups,
 )
-from .jit_kquants import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, k23_scales, q4_k_scales
+from .jit_kquants import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, k23_scales, q4_k_scales, q6_k_scales_at
 from .kquants import Q2_K, Q3_K
 
 Q2_K_BYTES, Q3_K_BYTES = Q2_K().type_size, Q3_K().type_size
@@ -183,6 +185,8 @@ VNNI = {"avx512vnni", "avx512bw"} <= FEATURES  # the Q4_K kernels below (else th
 I64, F32 = ir.IntType(64), ir.FloatType()
 V8_F32, V16_I32_IDX = ir.VectorType(F32, 8), ir.VectorType(ir.IntType(32), 16)
 SCALES = 8 * GEMV_ROWS  # floats of a group's per-block scale vectors (8 per activation row)
+Q6_SCALES = 16 * GEMV_ROWS  # the same for Q6_K (16 per activation row)
+I32_2D = types.Array(types.int32, 2, "C", readonly=True)  # Q6_K's activation biases
 
 
 @intrinsic
@@ -279,8 +283,115 @@ def q4_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, ou
                                      + ((mins[m + 4] + mins[m + 5]) + (mins[m + 6] + mins[m + 7])))
 
 
+@intrinsic
+def q6_k_block_scales(typingctx, ds, xd, at, stride, p, group):  # noqa: ARG001
+    """For ``g < group``: ``p[16g + j] = ds[j] * xd[at + g stride + j // 2]`` (j < 16): a Q6_K block's 16
+    sub-block scales times each activation row's scales (an activation block of 32 spans two sub-blocks)."""
+    if not _literal(group):
+        return None
+    count = group.literal_value
+
+    def codegen(context, builder, signature, args):
+        scales = builder.load(builder.bitcast(args[0], V16_F32.as_pointer()), align=4)
+        pairs = ir.Constant(V16_I32_IDX, [j // 2 for j in range(16)])
+        for g in range(count):
+            at = builder.add(args[2], builder.mul(args[3], I64(g)))
+            xd_g = builder.load(_pointer(context, builder, signature.args[1], args[1], at, V8_F32), align=4)
+            wide = builder.shuffle_vector(xd_g, ir.Constant(V8_F32, ir.Undefined), pairs)
+            builder.store(builder.fmul(scales, wide),
+                          builder.bitcast(builder.gep(args[4], [I64(16 * g)]), V16_F32.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(ds, xd, at, stride, p, group), codegen
+
+
+@intrinsic
+def group_q6_vnni_fma(typingctx, blk, h, x, x_at, x_stride, bias, bias_at, bias_stride, p, part, acc,
+                      group):  # noqa: ARG001
+    """Values ``128 h + 64 part`` .. ``+ 63`` of a Q6_K block (``part`` a literal, 0 or 1) times ``group`` activation
+    rows: steps ``s = 2 part`` and ``2 part + 1`` of half ``h``, their 6-bit ``q`` (0..63, from ``ql`` and ``qh`` as
+    :func:`.jit_int8.group_q6_pairs_fma` takes them) as one ``<64 x i8>`` against row ``g``'s 64 int8 activations
+    in one ``vpdpbusd`` started from ``bias`` (``-32`` times the row's sums of 4 activations, so the lanes hold the
+    sums of ``(q - 32) x``), converted to float32 and fused into the row's 16 lanes with the scales of sub-blocks
+    ``8 h + 4 part`` .. ``+ 3``, four lanes each, from ``p[16 g ...]`` (:func:`q6_k_block_scales`)."""
+    if not _literal(group) or not isinstance(part, types.IntegerLiteral):
+        return None
+    count, k = group.literal_value, part.literal_value
+
+    def codegen(context, builder, signature, args):
+        def load32(at):
+            return builder.load(_pointer(context, builder, signature.args[0], args[0], at, V32_I8), align=1)
+
+        def bits(v, shift, mask):
+            return builder.and_(builder.lshr(v, ir.Constant(V32_I8, [shift] * 32)), ir.Constant(V32_I8, [mask] * 32))
+
+        h64 = builder.mul(args[1], I64(64))
+        qh = load32(builder.add(builder.mul(args[1], I64(32)), I64(128)))
+        steps = []
+        for s in (2 * k, 2 * k + 1):
+            low = bits(load32(builder.add(h64, I64(32 * (s % 2)))), 4 * (s // 2), 15)
+            high = builder.shl(bits(qh, 2 * s, 3), ir.Constant(V32_I8, [4] * 32))
+            steps.append(builder.or_(low, high))
+        w = builder.bitcast(builder.shuffle_vector(steps[0], steps[1], ir.Constant(ir.VectorType(ir.IntType(32), 64),
+                                                                                   list(range(64)))), V16_I32)
+        pick = ir.Constant(V16_I32_IDX, [4 * k + j // 4 for j in range(16)])  # of half h's 8 sub-blocks
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3),
+                                             "llvm.fma.v16f32")
+        for g in range(count):
+            x_at = builder.add(args[3], builder.mul(args[4], I64(g)))
+            xv = builder.load(_pointer(context, builder, signature.args[2], args[2], x_at, V64_I8), align=1)
+            b_at = builder.add(args[6], builder.mul(args[7], I64(g)))
+            start = builder.load(_pointer(context, builder, signature.args[5], args[5], b_at, V16_I32), align=4)
+            sums = builder.sitofp(builder.call(_vpdpbusd(builder), [start, w, builder.bitcast(xv, V16_I32)]),
+                                  V16_F32)
+            half = builder.gep(args[8], [builder.add(I64(16 * g), builder.mul(args[1], I64(8)))])
+            scales = builder.load(builder.bitcast(half, V8_F32.as_pointer()), align=4)
+            scale = builder.shuffle_vector(scales, ir.Constant(V8_F32, ir.Undefined), pick)
+            lanes = builder.bitcast(builder.gep(args[10], [I64(16 * g)]), V16_F32.as_pointer())
+            builder.store(builder.call(fma, [sums, scale, builder.load(lanes, align=4)]), lanes, align=4)
+        return context.get_dummy_value()
+
+    return types.void(blk, h, x, x_at, x_stride, bias, bias_at, bias_stride, p, part, acc, group), codegen
+
+
+@inline
+def q6_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xbias, table, out):  # noqa: ARG001 (row_groups')
+    """:func:`q6_k_group`'s sums with AVX-512 VNNI: per block the 16 scales once and per row their products with
+    the activation scales (:func:`q6_k_block_scales`), then 64 values at a time in one ``vpdpbusd`` per row
+    (:func:`group_q6_vnni_fma`); ``xbias`` int32 [N, cols / 4] the rows' ``-32 * (sum of 4 activations)``."""
+    nb, cols, nd, nbias = xd.shape[1] // 8, xq.shape[1], xd.shape[1], xbias.shape[1]
+    acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
+    s = carray(sums, (GEMV_ROWS,))
+    p, dsp = stack_f32(Q6_SCALES), stack_f32(16)
+    for r in range(r0, r1):
+        lanes_zero(acc, group)
+        for b in range(nb):
+            blk = raw[r, b * Q6_K_BYTES: b * Q6_K_BYTES + Q6_K_BYTES]
+            prefetch(blk, 0)
+            q6_k_scales_at(blk, table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)], dsp)
+            q6_k_block_scales(dsp, xd, i0 * nd + b * 8, nd, p, group)
+            for h in range(2):
+                x_at, b_at = i0 * cols + b * QK_K + 128 * h, i0 * nbias + b * 64 + 32 * h
+                group_q6_vnni_fma(blk, h, xq, x_at, cols, xbias, b_at, nbias, p, 0, acc, group)
+                group_q6_vnni_fma(blk, h, xq, x_at + 64, cols, xbias, b_at + 16, nbias, p, 1, acc, group)
+        lanes_sums(acc, group, sums)
+        for g in range(group):
+            out[i0 + g, r] = s[g]
+
+
 Q6_K_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
 Q6_K_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_1D, F32_2D)
+
+
+Q6_K_GEMV_VNNI = types.void(U8_2D, I8_2D, F32_2D_C, I32_2D, F32_1D, F32_2D)
+if VNNI:
+    @compiled(Q6_K_GEMV_VNNI)
+    def q6_k_gemv1_vnni(raw, xq, xd, xbias, table, out):
+        q6_k_vnni_group(None, None, 1, 0, raw.shape[0], 0, raw, xq, xd, xbias, table, out)
+
+    @compiled(Q6_K_GEMV_VNNI)
+    def q6_k_gemv_vnni(raw, xq, xd, xbias, table, out):
+        row_groups(q6_k_vnni_group, None, None, raw, xq, xd, xbias, table, out)
 
 
 @compiled(Q6_K_GEMV)
@@ -373,8 +484,20 @@ class Q5_KInt8Kernel(Int8Kernel):
 
 
 class Q6_KInt8Kernel(Int8Kernel):
+    """Q6_K with 8-bit activations: ``vpdpbusd`` on 64 weights at a time where the CPU has AVX-512 VNNI (int8
+    activations and their ``-32 *`` sums of 4 for any number of rows), else :func:`q6_k_group`'s pairs."""
+
     block, type_size, exact = QK_K, Q6_K_BYTES, ("jit_kquants", "Q6_KJitKernel")
-    gemv1_q8, gemv_q8 = staticmethod(q6_k_gemv1_q8), staticmethod(q6_k_gemv_q8)
+    if VNNI:
+        gemv1_q8, gemv_q8 = staticmethod(q6_k_gemv1_vnni), staticmethod(q6_k_gemv_vnni)
+    else:
+        gemv1_q8, gemv_q8 = staticmethod(q6_k_gemv1_q8), staticmethod(q6_k_gemv_q8)
+
+    def forms(self, q: np.ndarray, d: np.ndarray) -> tuple:
+        if not VNNI:
+            return super().forms(q, d)
+        bias = q.reshape(len(q), -1, 4).sum(axis=2, dtype=np.int32) * np.int32(-32)  # [N, cols / 4]
+        return q, d, q, d, bias
 
 
 class Q2_KInt8Kernel(Int8Kernel):

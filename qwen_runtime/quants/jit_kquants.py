@@ -265,24 +265,47 @@ def q5_k_decode(raw, table, tile):
     k45_decode(raw, table, tile, Q5_K_BYTES)
 
 
+V16_I8 = ir.VectorType(I8, HALF)
+
+
+@intrinsic
+def q6_k_scales_at(typingctx, blk, d, ds):  # noqa: ARG001
+    """``ds[j] = d * sc_j`` (j < 16, a float32 pointer) of a Q6_K block's int8 scales (bytes 192..207), as one
+    ``<16 x float>`` product: the reference's operations.  Measured against two scalar products per 32 values
+    (Q6_K 18944 x 3584, one thread, ms of CPU per million weights): 1 row 0.108 -> 0.090, 3 rows 0.216 -> 0.177;
+    the same bits."""
+    if not isinstance(ds, types.CPointer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        at = builder.gep(data, [ir.IntType(64)(192)])
+        scales = builder.sitofp(builder.load(builder.bitcast(at, V16_I8.as_pointer()), align=1), V16_F32)
+        builder.store(builder.fmul(splat(builder, args[1], V16_F32), scales),
+                      builder.bitcast(args[2], V16_F32.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(blk, d, ds), codegen
+
+
 @inline
 def q6_k_group(rows, raw, r, x, i0, args, out, acc):
     """``out[i0 + i, r] = x[i0 + i] @ W[r]`` for ``i < rows`` (a literal) of Q6_K rows ``raw`` [R, nb * 210]:
     in half ``h``, step ``s`` the 6-bit values from ``ql`` and ``qh`` minus 32, lanes 0-15 and 16-31 scaled by
     their sub-blocks' ``d * sc``."""
     (table,) = args
+    dsp = stack_f32(16)
+    ds = carray(dsp, (16,))
     zero_lanes(acc, rows)
     for b in range(x.shape[1] // QK_K):
         blk = raw[r, b * Q6_K_BYTES: b * Q6_K_BYTES + Q6_K_BYTES]
         prefetch(blk, 0)
-        d = table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)]
+        q6_k_scales_at(blk, table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)], dsp)
         for h in range(2):
             for s in range(4):
                 j = 8 * h + 2 * s
-                d0 = d * np.float32(np.int8(blk[192 + j]))
-                d1 = d * np.float32(np.int8(blk[193 + j]))
-                fields_rows(blk, 64 * h + 32 * (s % 2), 4 * (s // 2), 15, 128 + 32 * h, 2 * s, 3, 4, 32, d0, d1,
-                            x, i0, b * QK_K + 128 * h + 32 * s, rows, acc)
+                fields_rows(blk, 64 * h + 32 * (s % 2), 4 * (s // 2), 15, 128 + 32 * h, 2 * s, 3, 4, 32, ds[j],
+                            ds[j + 1], x, i0, b * QK_K + 128 * h + 32 * s, rows, acc)
     for i in range(rows):
         out[i0 + i, r] = lanes_sum(acc, i)
 
