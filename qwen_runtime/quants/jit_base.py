@@ -133,27 +133,39 @@ def bits_to_f32(typingctx, bits):  # noqa: ARG001
 # one thread, 1024 / 2048 / 4096 / 8192 bytes: Q4_K 0.063 / 0.060 / 0.054 / 0.055, Q6_K 0.084 / 0.085 / 0.075 /
 # 0.079; the float kernels the same within noise at 2048 and 4096 (Q4_K 0.081, Q8_0 0.050-0.054, Q4_0 0.054).
 PREFETCH_BYTES = 4096
+# F32 rows (4 bytes a weight, four times Q8_0's) lost at 4096: the fp32 Qwen2.5-0.5B file's decode step, 2 threads,
+# three alternating pairs, 66.4 / 65.8 / 66.8 ms at 2048 against 77.4 / 77.6 / 76.8 at 4096 (the 16-bit and
+# quantized files' steps 1.5-2.5 % faster at 4096: fp16 39.2 against 39.4-40.1 ms, q8_0 26.2-26.3 against 26.7-26.8).
+F32_PREFETCH_BYTES = 2048
 
 
-@intrinsic
-def prefetch(typingctx, array, at):  # noqa: ARG001
-    """Ask for the bytes :data:`PREFETCH_BYTES` after element ``at`` of the C-contiguous ``array`` (a hint: never
-    faults, even past the end of the rows)."""
-    if not isinstance(array, types.Array) or not isinstance(at, types.Integer):
-        return None
+def prefetcher(distance: int):  # -> an intrinsic
+    """An intrinsic ``(array, at)`` asking for the bytes ``distance`` after element ``at`` of the C-contiguous
+    ``array`` (a hint: never faults, even past the end of the rows)."""
 
-    def codegen(context, builder, signature, args):
-        byte = ir.IntType(8).as_pointer()
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        start = builder.bitcast(builder.gep(data, [args[1]]), byte)
-        ahead = builder.gep(start, [ir.Constant(ir.IntType(64), PREFETCH_BYTES)])
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32]),
-                                            "llvm.prefetch.p0i8")
-        builder.call(fn, [ahead, i32(0), i32(3), i32(1)])  # read, keep in every cache level, data
-        return context.get_dummy_value()
+    @intrinsic
+    def prefetch(typingctx, array, at):  # noqa: ARG001
+        if not isinstance(array, types.Array) or not isinstance(at, types.Integer):
+            return None
 
-    return types.void(array, at), codegen
+        def codegen(context, builder, signature, args):
+            byte = ir.IntType(8).as_pointer()
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            start = builder.bitcast(builder.gep(data, [args[1]]), byte)
+            ahead = builder.gep(start, [ir.Constant(ir.IntType(64), distance)])
+            i32 = ir.IntType(32)
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32]),
+                                                "llvm.prefetch.p0i8")
+            builder.call(fn, [ahead, i32(0), i32(3), i32(1)])  # read, keep in every cache level, data
+            return context.get_dummy_value()
+
+        return types.void(array, at), codegen
+
+    return prefetch
+
+
+prefetch = prefetcher(PREFETCH_BYTES)  # what every row kernel calls for the block it starts
+prefetch_f32 = prefetcher(F32_PREFETCH_BYTES)  # F32 rows' (4 bytes per weight)
 
 
 def splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:

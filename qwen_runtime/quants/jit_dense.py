@@ -46,6 +46,7 @@ from .jit_base import (
     inline,
     lanes_sum,
     prefetch,
+    prefetch_f32,
     product_arrays,
     row_cfunc,
     rows_fma,
@@ -124,16 +125,16 @@ f32_fma, f16_fma, bf16_fma = _widen_fma("f32"), _widen_fma("f16"), _widen_fma("b
 
 
 @inline
-def dense_group(widen, widen_fma, rows, raw, r, x, i0, out, acc):
+def dense_group(widen, widen_fma, fetch, rows, raw, r, x, i0, out, acc):
     """``out[i0 + i, r] = x[i0 + i] @ W[r]`` for ``i < rows`` (a literal): the row's chunks of 32 columns into the
-    group's lanes (held in registers), then a last partial chunk as a chunk padded with zeros (its products
-    add +0 to the other lanes), then each row's lanes summed."""
+    group's lanes (held in registers; ``fetch`` the type's prefetch), then a last partial chunk as a chunk padded
+    with zeros (its products add +0 to the other lanes), then each row's lanes summed."""
     n = x.shape[1]
     full = n - n % LANES
     zero_lanes(acc, rows)
     w = raw[r]
     for c in range(0, full, LANES):
-        prefetch(w, c)
+        fetch(w, c)
         widen_fma(w, c, x, i0, rows, acc)
     if full < n:
         tail = carray(stack_f32(TILE_FLOATS), (GROUP_ROWS + 1, LANES))
@@ -151,17 +152,17 @@ def dense_group(widen, widen_fma, rows, raw, r, x, i0, out, acc):
 
 @inline
 def f32_group(rows, raw, r, x, i0, args, out, acc):
-    dense_group(same_f32, f32_fma, rows, raw, r, x, i0, out, acc)
+    dense_group(same_f32, f32_fma, prefetch_f32, rows, raw, r, x, i0, out, acc)
 
 
 @inline
 def f16_group(rows, raw, r, x, i0, args, out, acc):
-    dense_group(f16_to_f32, f16_fma, rows, raw, r, x, i0, out, acc)
+    dense_group(f16_to_f32, f16_fma, prefetch, rows, raw, r, x, i0, out, acc)
 
 
 @inline
 def bf16_group(rows, raw, r, x, i0, args, out, acc):
-    dense_group(bf16_to_f32, bf16_fma, rows, raw, r, x, i0, out, acc)
+    dense_group(bf16_to_f32, bf16_fma, prefetch, rows, raw, r, x, i0, out, acc)
 
 
 @inline
