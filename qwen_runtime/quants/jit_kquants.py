@@ -12,7 +12,7 @@ rows of a group, each doing ``acc = fma(w, x, acc)`` into zmm registers (see :mo
   ``2c``) and the high nibble (value ``64c + 32 + l``, sub-block ``2c + 1``); Q5_K adds bits ``2c`` and
   ``2c + 1`` of ``qh[l]`` as bit 4 (one generic body, :func:`k45_group`, inlined with each type's size).
   The ``dmin * m_j`` terms are ``(dmin * m_j) * sum(x over sub-block j)``, from per-32 activation sums
-  computed once per product (:meth:`Q4_KJitKernel.activations`) and kept in one scalar per row.
+  computed once per product (:meth:`Q4_KJitKernel.activations`) and kept in 8 lanes per row (:func:`minimums_fma`).
 * Q6_K: 2 halves of 128 values; in half ``h``, step ``s`` (0..3), lane ``l`` is value ``128h + 32s + l``:
   nibble ``s // 2`` of ``ql[64h + 32(s % 2) + l]`` and bits ``2s, 2s+1`` of ``qh[32h + l]`` as bits 4-5,
   minus 32; lanes 0-15 and 16-31 belong to sub-blocks ``8h + 2s`` and ``8h + 2s + 1``.
@@ -32,6 +32,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import carray, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .jit_base import (
@@ -152,6 +153,33 @@ def k45_scales_at(typingctx, blk, d, dmin, ds, dm):  # noqa: ARG001
     return types.void(blk, d, dmin, ds, dm), codegen
 
 
+MIN_LANES = 8 * GROUP_ROWS  # a group's minimum lanes (8 per activation row)
+
+
+@intrinsic
+def minimums_fma(typingctx, dm, xsum, at, stride, mins, rows):  # noqa: ARG001
+    """``mins[8i + j] = fma(dm[j], xsum[at + i stride + j], mins[8i + j])`` for ``i < rows`` (a literal) and j < 8:
+    a Q4_K/Q5_K block's minimums (``dm``, a float32 pointer) against each activation row's sums per 32 (``xsum``,
+    flat index), one ``<8 x float>`` per row."""
+    if not isinstance(rows, types.IntegerLiteral):
+        return None
+    count = rows.literal_value
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        minimums = builder.load(builder.bitcast(args[0], V8_F32.as_pointer()), align=4)
+        sums = context.make_array(signature.args[1])(context, builder, args[1]).data
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8_F32, [V8_F32] * 3), "llvm.fma.v8f32")
+        for i in range(count):
+            at = builder.add(args[2], builder.mul(args[3], i64(i)))
+            row = builder.load(builder.bitcast(builder.gep(sums, [at]), V8_F32.as_pointer()), align=4)
+            lanes = builder.bitcast(builder.gep(args[4], [i64(8 * i)]), V8_F32.as_pointer())
+            builder.store(builder.call(fma, [minimums, row, builder.load(lanes, align=4)]), lanes, align=4)
+        return context.get_dummy_value()
+
+    return types.void(dm, xsum, at, stride, mins, rows), codegen
+
+
 @inline
 def q4_k_scales(blk, table, ds, dm):
     """:func:`k45_scales_at` of one Q4_K/Q5_K block (float16 d and dmin in bytes 0..3 through ``table``) into the
@@ -176,29 +204,35 @@ def k45_value(blk, qs, k, c, high, size):
 @inline
 def k45_group(size, rows, raw, r, x, i0, args, out, acc):
     """``out[i0 + i, r] = x[i0 + i] @ W[r]`` for ``i < rows`` (a literal) of Q4_K (``size`` 144) or Q5_K (176) rows
-    ``raw`` [R, nb * size]; ``args`` = (``xsum`` [N, nb * 8], sums of x per 32; the float16 table)."""
+    ``raw`` [R, nb * size]; ``args`` = (``xsum`` [N, nb * 8], sums of x per 32; the float16 table).  Each row's
+    minimums go into 8 lanes, one fused ``<8 x float>`` per block (:func:`minimums_fma`), summed pairwise at the
+    end: against one scalar sum per row, 1 row 0.071 -> 0.058 ms per million weights, 3 rows 0.162 -> 0.140 (Q4_K
+    18944 x 3584, one thread)."""
     xsum, table = args
     qs_at = size - 128
     high = 1 if size == Q5_K_BYTES else 0  # Q5_K's bit 4 from qh (bytes 16..47); Q4_K: none
-    mins = carray(stack_f32(GROUP_ROWS), (GROUP_ROWS,))
+    minp = stack_f32(MIN_LANES)
+    mins = carray(minp, (MIN_LANES,))
     dsp, dmp = stack_f32(8), stack_f32(8)
-    ds, dm = carray(dsp, (8,)), carray(dmp, (8,))
-    for i in range(rows):
-        mins[i] = 0
+    ds = carray(dsp, (8,))
+    nd = xsum.shape[1]
+    for k in range(8 * rows):
+        mins[k] = 0
     zero_lanes(acc, rows)
     for b in range(x.shape[1] // QK_K):
         blk = raw[r, b * size: b * size + size]
         prefetch(blk, 0)
         q4_k_scales(blk, table, dsp, dmp)
+        minimums_fma(dmp, xsum, i0 * nd + b * 8, nd, minp, rows)
         for c in range(4):
-            for i in range(rows):
-                mins[i] += dm[2 * c] * xsum[i0 + i, b * 8 + 2 * c] + dm[2 * c + 1] * xsum[i0 + i, b * 8 + 2 * c + 1]
             col = b * QK_K + 64 * c
             d0, d1 = ds[2 * c], ds[2 * c + 1]
             fields_rows(blk, qs_at + 32 * c, 0, 15, 16, 2 * c, high, 4, 0, d0, d0, x, i0, col, rows, acc)
             fields_rows(blk, qs_at + 32 * c, 4, 15, 16, 2 * c + 1, high, 4, 0, d1, d1, x, i0, col + 32, rows, acc)
     for i in range(rows):
-        out[i0 + i, r] = lanes_sum(acc, i) - mins[i]
+        m = 8 * i
+        out[i0 + i, r] = lanes_sum(acc, i) - (((mins[m] + mins[m + 1]) + (mins[m + 2] + mins[m + 3]))
+                                              + ((mins[m + 4] + mins[m + 5]) + (mins[m + 6] + mins[m + 7])))
 
 
 @inline
