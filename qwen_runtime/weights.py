@@ -7,9 +7,8 @@ A :class:`Weight` is a ``[out, in]`` matrix as stored in the model file (memory-
 * :class:`TiledWeight` (every other type, and every type with the compiled kernels) hands ``block_rows`` rows at a
   time to its type's tile kernel (:mod:`.quants`), which decodes them into float32 scratch buffers of the pool
   thread doing it (:mod:`.pool`: a :class:`Workspace` keeps them per thread, shared by every weight of a model)
-  and BLAS-multiplies.  No
-  float32 copy of a whole matrix ever exists: anonymous memory stays at one tile per thread, plus Q8_0's
-  block scales widened to float32 (2/17 of its stored bytes).
+  and BLAS-multiplies.  No float32 copy of a whole matrix ever exists: anonymous memory stays at one tile per
+  thread, plus Q8_0's block scales widened to float32 (2/17 of its stored bytes).
 
 :func:`matmul_many` runs the tiles of projections sharing an input (q/k/v) as one pool run;
 :func:`gated_matmul` also applies SwiGLU's activation inside each gate/up task.  Products that the compiled row

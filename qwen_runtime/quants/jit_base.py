@@ -408,10 +408,10 @@ class JitKernel:
     """A stored matrix multiplied by compiled kernels (the :class:`~qwen_runtime.quants.TileKernel` interface).
 
     Subclasses set ``block`` and ``type_size`` and the compiled functions ``gemv`` (any 1..GEMV_ROWS rows),
-    ``gemv1`` (one row, optional: the same operations, faster) and ``decode``, called as
-    ``gemv(raw, x, *activations, *constants, out)`` and ``decode(raw, *constants, tile)``; they may override
-    :meth:`activations` for per-row quantities of ``x`` shared by every weight (per-block sums) and set
-    ``constants`` (tables).
+    ``gemv1`` (one row, optional: the same operations, faster) and ``decode`` (or override :meth:`tile`, as F32
+    does), called as ``gemv(raw, x, *activations, *constants, out)`` and ``decode(raw, *constants, tile)``; they
+    may override :meth:`activations` for per-row quantities of ``x`` shared by every weight (per-block sums) and
+    set ``constants`` (tables).
     Compiled code runs without bounds checks: every shape it sees is checked here first.
     """
 

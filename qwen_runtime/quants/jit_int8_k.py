@@ -13,7 +13,7 @@ multiply the two halves of the 16 pair lanes (:func:`.jit_int8.group_q6_pairs_fm
 With AVX-512 VNNI, Q4_K goes 64 weights at a time instead (:func:`q4_k_vnni_group`): a chunk's 32 bytes give
 sub-blocks ``2c`` (low nibbles) and ``2c + 1`` (high) as one ``<64 x i8>`` against the row's 64 activations in
 one ``vpdpbusd``, lanes 0-7 the first sub-block, 8-15 the second, each lane's scale ``ds_j * d_x[j]`` from an
-``<8 x float>`` computed once per block and row (:func:`block_scales`, which also keeps the minimums in 8 lanes).
+``<8 x float>`` computed once per block and row (:func:`scale_products`; the minimums in 8 lanes, as the float kernel).
 Q4_K 18944 x 3584, one thread, ms of CPU per million weights, pairs / VNNI: 1 row 0.075 / 0.032, 3 rows 0.188 /
 0.088, 8 rows 0.297 / 0.138; the Qwen2.5-7B-shaped Q4_K_M file's decode with 8-bit activations 2.60 -> 3.18
 tok/s (llama.cpp 3.74).  Q6_K likewise (:func:`q6_k_vnni_group`): its 6-bit ``q`` (0..63) taken unsigned, the
@@ -64,7 +64,19 @@ from .jit_int8 import (
     lanes_zero,
     row_groups,
 )
-from .jit_kquants import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, k23_scales, q4_k_scales, q6_k_scales_at
+from .jit_kquants import (
+    MIN_LANES,
+    Q4_K_BYTES,
+    Q5_K_BYTES,
+    Q6_K_BYTES,
+    QK_K,
+    V8_F32,
+    k23_scales,
+    minimums_fma,
+    minimums_sum,
+    q4_k_scales,
+    q6_k_scales_at,
+)
 from .kquants import Q2_K, Q3_K
 
 Q2_K_BYTES, Q3_K_BYTES = Q2_K().type_size, Q3_K().type_size
@@ -183,37 +195,34 @@ def k23_group(update, q3, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # 
 
 VNNI = {"avx512vnni", "avx512bw"} <= FEATURES  # the Q4_K kernels below (else the pairs of q4_k_group)
 I64, F32 = ir.IntType(64), ir.FloatType()
-V8_F32, V16_I32_IDX = ir.VectorType(F32, 8), ir.VectorType(ir.IntType(32), 16)
-SCALES = 8 * GEMV_ROWS  # floats of a group's per-block scale vectors (8 per activation row)
+V16_I32_IDX = ir.VectorType(ir.IntType(32), 16)
+SCALES = 8 * GEMV_ROWS  # floats of a group's per-block scale products (8 per activation row)
 Q6_SCALES = 16 * GEMV_ROWS  # the same for Q6_K (16 per activation row)
 I32_2D = types.Array(types.int32, 2, "C", readonly=True)  # Q6_K's activation biases
 
 
 @intrinsic
-def block_scales(typingctx, ds, dm, xd, xsum, at, stride, p, mins, group):  # noqa: ARG001
-    """For ``g < group``: ``p[8g + j] = ds[j] * xd[at + g stride + j]`` and ``mins[8g + j] += dm[j] * xsum[at +
-    g stride + j]`` (j < 8, one ``<8 x float>`` each): a Q4_K block's sub-block scales times each activation row's
-    scales, and its minimums against the row's sums, each row's minimums kept in 8 lanes."""
-    if not _literal(group):
+def scale_products(typingctx, ds, xd, at, stride, p, width, group):  # noqa: ARG001
+    """For ``g < group``: ``p[width g + j] = ds[j] * xd[at + g stride + j * 8 // width]`` (j < ``width``, a literal:
+    8 for Q4_K's sub-blocks of 32, one activation block each; 16 for Q6_K's sub-blocks of 16, two per activation
+    block): a block's sub-block scales times each activation row's scales, one vector product per row."""
+    if not _literal(group) or not isinstance(width, types.IntegerLiteral) or width.literal_value not in (8, 16):
         return None
-    count = group.literal_value
+    count, n = group.literal_value, width.literal_value
+    vector = ir.VectorType(F32, n)
 
     def codegen(context, builder, signature, args):
-        def vec(pointer):
-            return builder.bitcast(pointer, V8_F32.as_pointer())
-
-        sc, mn = builder.load(vec(args[0]), align=4), builder.load(vec(args[1]), align=4)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8_F32, [V8_F32] * 3), "llvm.fma.v8f32")
+        scales = builder.load(builder.bitcast(args[0], vector.as_pointer()), align=4)
+        blocks = ir.Constant(ir.VectorType(ir.IntType(32), n), [j * 8 // n for j in range(n)])
         for g in range(count):
-            at = builder.add(args[4], builder.mul(args[5], I64(g)))
-            xd_g = builder.load(_pointer(context, builder, signature.args[2], args[2], at, V8_F32), align=4)
-            xs_g = builder.load(_pointer(context, builder, signature.args[3], args[3], at, V8_F32), align=4)
-            builder.store(builder.fmul(sc, xd_g), vec(builder.gep(args[6], [I64(8 * g)])), align=4)
-            m_at = vec(builder.gep(args[7], [I64(8 * g)]))
-            builder.store(builder.call(fma, [mn, xs_g, builder.load(m_at, align=4)]), m_at, align=4)
+            at = builder.add(args[2], builder.mul(args[3], I64(g)))
+            xd_g = builder.load(_pointer(context, builder, signature.args[1], args[1], at, V8_F32), align=4)
+            wide = builder.shuffle_vector(xd_g, ir.Constant(V8_F32, ir.Undefined), blocks)
+            builder.store(builder.fmul(scales, wide),
+                          builder.bitcast(builder.gep(args[4], [I64(n * g)]), vector.as_pointer()), align=4)
         return context.get_dummy_value()
 
-    return types.void(ds, dm, xd, xsum, at, stride, p, mins, group), codegen
+    return types.void(ds, xd, at, stride, p, width, group), codegen
 
 
 @intrinsic
@@ -253,14 +262,15 @@ def group_nibbles64_vnni_fma(typingctx, blk, at, x, x_at, x_stride, p, chunk, ac
 
 @inline
 def q4_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
-    """:func:`q4_k_group`'s sums with AVX-512 VNNI: per block the scales once (:func:`block_scales`), then each
-    chunk of 64 weights in one ``vpdpbusd`` per activation row (:func:`group_nibbles64_vnni_fma`); each row's
-    minimums in 8 lanes summed pairwise at the end.  ``xq`` int8 for one row and several alike."""
+    """:func:`q4_k_group`'s sums with AVX-512 VNNI: per block the scales once and their products with each row's
+    activation scales (:func:`scale_products`), each row's minimums into 8 lanes
+    (:func:`.jit_kquants.minimums_fma`, as the float kernel), then each chunk of 64 weights in one ``vpdpbusd`` per
+    activation row (:func:`group_nibbles64_vnni_fma`).  ``xq`` int8 for one row and several alike."""
     nb, cols, nd = xd.shape[1] // 8, xq.shape[1], xd.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     s = carray(sums, (GEMV_ROWS,))
-    p, minp = stack_f32(SCALES), stack_f32(SCALES)
-    mins = carray(minp, (SCALES,))
+    p, minp = stack_f32(SCALES), stack_f32(MIN_LANES)
+    mins = carray(minp, (MIN_LANES,))
     dsp, dmp = stack_f32(8), stack_f32(8)
     for r in range(r0, r1):
         lanes_zero(acc, group)
@@ -270,7 +280,8 @@ def q4_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, ou
             blk = raw[r, b * Q4_K_BYTES: b * Q4_K_BYTES + Q4_K_BYTES]
             prefetch(blk, 0)
             k45_scales(blk, table, dsp, dmp)
-            block_scales(dsp, dmp, xd, xsum, i0 * nd + b * 8, nd, p, minp, group)
+            scale_products(dsp, xd, i0 * nd + b * 8, nd, p, 8, group)
+            minimums_fma(dmp, xsum, i0 * nd + b * 8, nd, minp, group)
             x_at = i0 * cols + b * QK_K
             group_nibbles64_vnni_fma(blk, 16, xq, x_at, cols, p, 0, acc, group)
             group_nibbles64_vnni_fma(blk, 48, xq, x_at + 64, cols, p, 1, acc, group)
@@ -278,31 +289,7 @@ def q4_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, ou
             group_nibbles64_vnni_fma(blk, 112, xq, x_at + 192, cols, p, 3, acc, group)
         lanes_sums(acc, group, sums)
         for g in range(group):
-            m = 8 * g
-            out[i0 + g, r] = s[g] - (((mins[m] + mins[m + 1]) + (mins[m + 2] + mins[m + 3]))
-                                     + ((mins[m + 4] + mins[m + 5]) + (mins[m + 6] + mins[m + 7])))
-
-
-@intrinsic
-def q6_k_block_scales(typingctx, ds, xd, at, stride, p, group):  # noqa: ARG001
-    """For ``g < group``: ``p[16g + j] = ds[j] * xd[at + g stride + j // 2]`` (j < 16): a Q6_K block's 16
-    sub-block scales times each activation row's scales (an activation block of 32 spans two sub-blocks)."""
-    if not _literal(group):
-        return None
-    count = group.literal_value
-
-    def codegen(context, builder, signature, args):
-        scales = builder.load(builder.bitcast(args[0], V16_F32.as_pointer()), align=4)
-        pairs = ir.Constant(V16_I32_IDX, [j // 2 for j in range(16)])
-        for g in range(count):
-            at = builder.add(args[2], builder.mul(args[3], I64(g)))
-            xd_g = builder.load(_pointer(context, builder, signature.args[1], args[1], at, V8_F32), align=4)
-            wide = builder.shuffle_vector(xd_g, ir.Constant(V8_F32, ir.Undefined), pairs)
-            builder.store(builder.fmul(scales, wide),
-                          builder.bitcast(builder.gep(args[4], [I64(16 * g)]), V16_F32.as_pointer()), align=4)
-        return context.get_dummy_value()
-
-    return types.void(ds, xd, at, stride, p, group), codegen
+            out[i0 + g, r] = s[g] - minimums_sum(mins, g)
 
 
 @intrinsic
@@ -313,7 +300,7 @@ def group_q6_vnni_fma(typingctx, blk, h, x, x_at, x_stride, bias, bias_at, bias_
     :func:`.jit_int8.group_q6_pairs_fma` takes them) as one ``<64 x i8>`` against row ``g``'s 64 int8 activations
     in one ``vpdpbusd`` started from ``bias`` (``-32`` times the row's sums of 4 activations, so the lanes hold the
     sums of ``(q - 32) x``), converted to float32 and fused into the row's 16 lanes with the scales of sub-blocks
-    ``8 h + 4 part`` .. ``+ 3``, four lanes each, from ``p[16 g ...]`` (:func:`q6_k_block_scales`)."""
+    ``8 h + 4 part`` .. ``+ 3``, four lanes each, from ``p[16 g ...]`` (:func:`scale_products`)."""
     if not _literal(group) or not isinstance(part, types.IntegerLiteral):
         return None
     count, k = group.literal_value, part.literal_value
@@ -357,7 +344,7 @@ def group_q6_vnni_fma(typingctx, blk, h, x, x_at, x_stride, bias, bias_at, bias_
 @inline
 def q6_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xbias, table, out):  # noqa: ARG001 (row_groups')
     """:func:`q6_k_group`'s sums with AVX-512 VNNI: per block the 16 scales once and per row their products with
-    the activation scales (:func:`q6_k_block_scales`), then 64 values at a time in one ``vpdpbusd`` per row
+    the activation scales (:func:`scale_products`), then 64 values at a time in one ``vpdpbusd`` per row
     (:func:`group_q6_vnni_fma`); ``xbias`` int32 [N, cols / 4] the rows' ``-32 * (sum of 4 activations)``."""
     nb, cols, nd, nbias = xd.shape[1] // 8, xq.shape[1], xd.shape[1], xbias.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
@@ -369,7 +356,7 @@ def q6_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xbias, table, o
             blk = raw[r, b * Q6_K_BYTES: b * Q6_K_BYTES + Q6_K_BYTES]
             prefetch(blk, 0)
             q6_k_scales_at(blk, table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)], dsp)
-            q6_k_block_scales(dsp, xd, i0 * nd + b * 8, nd, p, group)
+            scale_products(dsp, xd, i0 * nd + b * 8, nd, p, 16, group)
             for h in range(2):
                 x_at, b_at = i0 * cols + b * QK_K + 128 * h, i0 * nbias + b * 64 + 32 * h
                 group_q6_vnni_fma(blk, h, xq, x_at, cols, xbias, b_at, nbias, p, 0, acc, group)
@@ -475,12 +462,12 @@ class Q4_KInt8Kernel(Int8Kernel):
         return (q, d, q, d) if VNNI else super().forms(q, d)
 
 
-class Q5_KInt8Kernel(Int8Kernel):
-    block, type_size, exact = QK_K, Q5_K_BYTES, ("jit_kquants", "Q5_KJitKernel")
-    gemv1_q8, gemv_q8 = staticmethod(q5_k_gemv1_q8), staticmethod(q5_k_gemv_q8)
+class Q5_KInt8Kernel(Q4_KInt8Kernel):
+    """Q5_K: the pairs kernel on every CPU (int16 activations for several rows)."""
 
-    def activations(self, x: np.ndarray) -> tuple:
-        return (*super().activations(x), sums_of(x, 32))
+    type_size, exact = Q5_K_BYTES, ("jit_kquants", "Q5_KJitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(q5_k_gemv1_q8), staticmethod(q5_k_gemv_q8)
+    forms = Int8Kernel.forms
 
 
 class Q6_KInt8Kernel(Int8Kernel):

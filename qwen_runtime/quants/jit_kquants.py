@@ -181,6 +181,14 @@ def minimums_fma(typingctx, dm, xsum, at, stride, mins, rows):  # noqa: ARG001
 
 
 @inline
+def minimums_sum(mins, i):
+    """Row ``i``'s 8 minimum lanes (:func:`minimums_fma`) summed pairwise: ``((0+1)+(2+3))+((4+5)+(6+7))``."""
+    m = 8 * i
+    return ((mins[m] + mins[m + 1]) + (mins[m + 2] + mins[m + 3])) + ((mins[m + 4] + mins[m + 5])
+                                                                     + (mins[m + 6] + mins[m + 7]))
+
+
+@inline
 def q4_k_scales(blk, table, ds, dm):
     """:func:`k45_scales_at` of one Q4_K/Q5_K block (float16 d and dmin in bytes 0..3 through ``table``) into the
     stack buffers ``ds`` and ``dm`` (:func:`.jit_base.stack_f32` pointers of 8 floats).  Inlined: a call in the
@@ -230,9 +238,7 @@ def k45_group(size, rows, raw, r, x, i0, args, out, acc):
             fields_rows(blk, qs_at + 32 * c, 0, 15, 16, 2 * c, high, 4, 0, d0, d0, x, i0, col, rows, acc)
             fields_rows(blk, qs_at + 32 * c, 4, 15, 16, 2 * c + 1, high, 4, 0, d1, d1, x, i0, col + 32, rows, acc)
     for i in range(rows):
-        m = 8 * i
-        out[i0 + i, r] = lanes_sum(acc, i) - (((mins[m] + mins[m + 1]) + (mins[m + 2] + mins[m + 3]))
-                                              + ((mins[m + 4] + mins[m + 5]) + (mins[m + 6] + mins[m + 7])))
+        out[i0 + i, r] = lanes_sum(acc, i) - minimums_sum(mins, i)
 
 
 @inline
