@@ -317,7 +317,8 @@ def runtime_row(model: str, dtype: str, m: dict[str, dict], others: Sequence[str
     ob, oc, lc = m.get("ours_batch", {}), m.get("ours_context", {}), m.get("llama_context", {})
     batch, single, context = (d.get("decode_tps", NAN) for d in (ob, ll, oc))
     other_cells = [f"{fmt(m.get(f'ours_{k}', {}).get('prefill_tps', NAN))} / "
-                   f"{fmt(m.get(f'ours_{k}', {}).get('decode_tps', NAN))}" for k in others]
+                   f"{fmt(m.get(f'ours_{k}', {}).get('decode_tps', NAN))} "
+                   f"({fmt(ratio(bandwidth(o, m.get(f'ours_{k}', {})), read_gbps), 2)})" for k in others]
     cells = [model, dtype, triple(o, pl, ll, "prefill_tps"), triple(o, pl, ll, "decode_tps"),
              decode_bandwidth(o, ll, read_gbps), *other_cells,
              f"{fmt(batch)} ({fmt(ratio(batch, single), 2)})",
@@ -333,7 +334,7 @@ def runtime_table(summary: dict, plan: Plan, kernels: Sequence[str] = ("numba",)
     head = ["model", "type", f"prefill({plan.prompt}) tok/s ours / numpy / llama (× llama)",
             f"decode({plan.new}) tok/s ours / numpy / llama (× llama)",
             f"decode GB/s ours / llama (× read {fmt(read_gbps)} GB/s)",
-            *(f"ours with {k} kernels: prefill / decode tok/s" for k in others),
+            *(f"ours with {k} kernels: prefill / decode tok/s (decode GB/s × read)" for k in others),
             f"batch-{plan.batch} agg. tok/s ours (× llama 1-stream)",
             f"decode @{plan.context} ours / llama (ours × own decode)", "TTFT s ours / llama",
             "load s ours / llama", "peak RSS MiB ours / llama (×)", "anon MiB ours / llama",
@@ -407,6 +408,10 @@ def targets(runs: dict, conversions: dict, config: dict[str, Any], plan: Plan, r
         out.append(Target(f"{dtype} decode bandwidth / plain read (llama.cpp's: "
                           f"{fmt(ratio(bandwidth(ours, llama), read_gbps), 2)})",
                           ratio(bandwidth(ours), read_gbps), 0.8))
+        q8 = runs[dtype].get("ours_numba-q8")
+        if q8 and dtype not in ("fp16", "fp32"):  # 8-bit activations, as llama.cpp multiplies
+            out.append(Target(f"{dtype} decode bandwidth with 8-bit activations / plain read",
+                              ratio(bandwidth(ours, q8), read_gbps), 0.8))
     kv = cache_mib(config, plan.prompt + plan.new)
     for dtype in runs:
         out += [Target(f"{dtype} decode @{plan.context} / our decode @{plan.prompt}",

@@ -3,9 +3,9 @@
 runs it on every pool thread for each eligible step (one new token per row, see :meth:`DecodeStep.runs`).
 
 Offered for models whose every layer is softmax attention (:class:`.attention.Attention`: Qwen2, Qwen2.5, Qwen3,
-DeepSeek-R1-Distill-Qwen) or Qwen3.5's gated attention and Gated DeltaNet, with compiled float kernels for every
-matrix; 8-bit activations keep the per-operation path.  :mod:`.step_jit` explains why and how, and why the numbers
-are the per-operation path's, bit for bit.
+DeepSeek-R1-Distill-Qwen) or Qwen3.5's gated attention and Gated DeltaNet, with compiled kernels for every matrix,
+float or (``activations="q8"``) integer-dot ones.  :mod:`.step_jit` explains why and how, and why the numbers are
+the per-operation path's, bit for bit.
 """
 
 from __future__ import annotations
@@ -67,13 +67,23 @@ def split_rows(matrix: int, rows: int, row_bytes: int, threads: int) -> list[tup
     return out
 
 
-def matrix_entry(w: TiledWeight | None) -> tuple[int, int, int, int, int]:
+def row_product(kernel: object) -> tuple[object, int]:
+    """A compiled kernel's row product for the step and the slots of the forms table it reads: its
+    :data:`~..quants.jit_q8_act.Q8_ROW_PRODUCT` with 8-bit activations, else its float ROW_PRODUCT and 0 (None for a
+    kernel without one)."""
+    q8 = getattr(kernel, "q8_row_product", None)
+    return (q8, kernel.q8_slots) if q8 is not None else (kernel.row_product, 0)
+
+
+def matrix_entry(w: TiledWeight | None) -> tuple[int, int, int, int, int, int]:
     """A matrix's ``mats`` entry (:mod:`.step_jit`): its row product's address, its stored rows' address, rows,
-    bytes per row and the width of the activation block sums it takes; zeros for an absent matrix."""
+    bytes per row, the width of the activation block sums it takes and the forms it reads; zeros for an absent
+    matrix."""
     if w is None:
-        return 0, 0, 0, 0, 0
+        return 0, 0, 0, 0, 0, 0
     k = w.kernel
-    return k.row_product.address, k.raw.ctypes.data, w.out_features, k.raw.shape[1] * k.raw.itemsize, k.sums_width
+    function, slots = row_product(k)
+    return function.address, k.raw.ctypes.data, w.out_features, k.raw.shape[1] * k.raw.itemsize, k.sums_width, slots
 
 
 def layer_parts(config: ModelConfig, blk: object) -> tuple[int, list, list, list[tuple[int, int]]] | None:
@@ -111,7 +121,8 @@ class DecodeStep:
         self.ws = ws
         self.weights, self.vectors = weights, vectors  # [L][8], [L][7]: they keep what the addresses point to alive
         self.layers = np.array(kinds, np.int64)  # [L]
-        self.mats = np.array([[matrix_entry(w) for w in layer] for layer in weights], np.int64)  # [L, 8, 5]
+        self.mats = np.array([[matrix_entry(w) for w in layer] for layer in weights], np.int64)  # [L, 8, 6]
+        self.activations = ws.activations  # what the kernels were built for
         self.vecs = np.array([[0 if v is None else v.ctypes.data for v in layer] for layer in vectors], np.int64)
         chunks, starts, self.gate_rows = [], np.zeros((2, 5), np.int64), 0
         for kind in (jit().ATTENTION, jit().LINEAR):
@@ -144,7 +155,7 @@ class DecodeStep:
         """The compiled step of a model's ``blocks`` (:class:`.transformer.Block`), or None when the model does not
         qualify (see the module docstring)."""
         spec = config.spec
-        if ws.kernels != "numba" or ws.activations != "float" or (spec.attention_bias and spec.qk_norm):
+        if ws.kernels != "numba" or (spec.attention_bias and spec.qk_norm):
             return None
         kinds, weights, vectors = [], [], []
         for blk in blocks:
@@ -153,7 +164,7 @@ class DecodeStep:
                 return None
             kind, matrices, vecs, shapes = parts
             if not all(w is None if shape is None else
-                       isinstance(w, TiledWeight) and w.compiled and w.kernel.row_product is not None
+                       isinstance(w, TiledWeight) and w.compiled and row_product(w.kernel)[0] is not None
                        and (w.out_features, w.in_features) == shape for w, shape in zip(matrices, shapes, strict=True)):
                 return None  # the compiled step reads every shape from the config, without bounds checks
             kinds.append(kind)
@@ -165,10 +176,11 @@ class DecodeStep:
         """Whether a pass of ``tokens`` new tokens for ``batch`` rows runs this step: one token per row, products the
         per-operation path also multiplies by the row kernels (up to ``direct_rows`` rows, or any inside
         ``Workspace.rowwise`` without a row subset), the workspace still on the compiled float kernels (tests
-        switch a loaded model's ``kernels``), and no Gated DeltaNet state checkpointed (such a pass records its
-        inputs for a rollback, op by op)."""
+        switch a loaded model's ``kernels``) with the activations its kernels were built for, and no Gated DeltaNet
+        state checkpointed (such a pass records its inputs for a rollback, op by op)."""
         ws = self.ws
-        if tokens != 1 or ws.active_rows is not None or ws.kernels != "numba" or ws.activations != "float":
+        if (tokens != 1 or ws.active_rows is not None or ws.kernels != "numba"
+                or ws.activations != self.activations):
             return False
         if any(isinstance(layer, LinearAttentionCache) and layer.saved is not None for layer in cache.layers):
             return False
@@ -184,13 +196,14 @@ class DecodeStep:
         slots, key_valid = (np.ascontiguousarray(a) for a in state.slots())  # [B, 1], [B, S]
         valid = np.ascontiguousarray(state.valid)  # [B, 1]
         dims = np.array([b, *self.dims[:5], capacity, self.flags, *self.dims[5:]], np.int64)
-        work, offsets = self._buffers(b)
+        work, offsets, forms = self._buffers(b)
         step = jit()
         rate = step.cycles_per_us()
         sync = np.zeros(step.sync_size(len(self.layers)), np.int64)
         starts = np.zeros_like(self.starts) if self.ws.dry else self.starts  # Workspace.dry_run: no product
         args = (h, self.layers, self.mats, self.vecs, self.chunks, starts, caches, dims, self.eps, cos, sin, slots,
-                key_valid, valid, work, offsets, step.F16_TABLE, sync, int(WAIT_US * rate), int(LOST_US * rate))
+                key_valid, valid, work, offsets, forms, step.F16_TABLE, sync, int(WAIT_US * rate),
+                int(LOST_US * rate))
         workers = self.ws.threads if self.ws.pooled else 1
         self.ws.run([partial(_worker, w, args) for w in range(workers)])
 
@@ -213,23 +226,30 @@ class DecodeStep:
             arrays.append([a.ctypes.data for a in pair])
         return np.array(arrays, np.int64), capacity
 
-    def _buffers(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    def _buffers(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The step's activation buffers for ``batch`` rows in one float32 array (kept between steps, grown when a
-        larger batch comes) and where each starts (:data:`.step_jit.X` ...)."""
+        larger batch comes), where each starts (:data:`.step_jit.X` ...) and, in the same array, the forms table of
+        the products with 8-bit activations (:mod:`..quants.jit_q8_act`; zeros without)."""
+        from ..quants import jit_q8_act
         hidden, nh, nkv, hd, inter, q_rows, _, _, hv, dv, _, channels = self.dims
         projections = [max(q_rows, channels), max(nkv * hd, hv * dv), max(nkv * hd, hv), hv]
         mixed = max(nh * hd, hv * dv)
         widest = max(hidden, inter, mixed)
         sizes = [hidden, *projections, mixed, hidden, hidden, inter, hidden, widest // 16, widest // 32, nh * hd,
                  nh * hd] + [self.gate_rows] * (2 * self.ws.threads)
+        q8 = bool(self.mats[..., jit().FORMS].any())
+        slots = [-(-size // 4) for size in jit_q8_act.forms_bytes(1, widest)] if q8 else []  # floats per row
         offsets, total = [], 0
-        for size in sizes:
+        for size in sizes + slots:
             offsets.append(total)
             total += -(-batch * size // ALIGN_FLOATS) * ALIGN_FLOATS
         if self._work.size < total + ALIGN_FLOATS:
             self._work = np.empty(total + ALIGN_FLOATS, np.float32)
         skip = (-self._work.ctypes.data % (4 * ALIGN_FLOATS)) // 4
-        return self._work[skip:skip + total], np.array(offsets, np.int64)
+        work = self._work[skip:skip + total]
+        forms = np.array([work.ctypes.data + 4 * at for at in offsets[len(sizes):]] or [0] * jit_q8_act.SLOTS,
+                         np.int64)
+        return work, np.array(offsets[:len(sizes)], np.int64), forms
 
 
 def _worker(worker: int, args: tuple, scratch: Scratch) -> None:

@@ -24,9 +24,11 @@ or group it is computed in, so the step's numbers are the Python path's, bit for
 The plan (built once per model by :class:`.decode_step.DecodeStep`), all int64:
 
 * ``layers`` [L]: each layer's kind, :data:`ATTENTION` or :data:`LINEAR` (Gated DeltaNet);
-* ``mats`` [L, 8, 5]: per layer and matrix (:data:`IN0` .. :data:`DOWN`; the input projections are q, k, v of
+* ``mats`` [L, 8, 6]: per layer and matrix (:data:`IN0` .. :data:`DOWN`; the input projections are q, k, v of
   attention and qkv, z, β, α of Gated DeltaNet), the row product's address, the stored rows' address, rows, bytes
-  per row, and the width of the activation block sums it takes (0: none);
+  per row, the width of the activation block sums it takes (0: none), and the slots of the forms table it reads
+  with 8-bit activations (0: float activations, a :data:`~..quants.jit_base.ROW_PRODUCT`; else a
+  :data:`~..quants.jit_q8_act.Q8_ROW_PRODUCT`, the input quantized once per product by worker 0);
 * ``vecs`` [L, 7]: the addresses of a layer's vectors: the two norms, then attention's q/k/v biases and q/k norms
   or Gated DeltaNet's conv taps [K, C], dt bias, A, norm and key head of each value head (int64) (0: absent);
 * ``chunks`` [C, 3]: (matrix, first row, end row) of each product phase in turn (:data:`PROJ`, :data:`OUT`,
@@ -47,6 +49,7 @@ from numba import carray, njit
 from ..ops_jit import add_rms_norm_rows, rms_norm_rows, silu_mul_rows
 from ..pool_jit import CHANGED, cpu_relax, cycles_per_us, fetch_add, load_fresh, poll, store_fresh
 from ..quants.jit_base import F16_TABLE, GEMV_ROWS, block_sums, call_product, f32_at, i64_at
+from ..quants.jit_q8_act import call_q8_product, prepare_forms
 from .attention_jit import attend_pair, prepare_attention, sigmoid_gate
 from .gated_delta_jit import conv_step, delta_head
 
@@ -55,7 +58,7 @@ __all__ = ["F16_TABLE", "cycles_per_us", "decode_layers", "sync_size"]  # what .
 
 ATTENTION, LINEAR = 0, 1  # layer kinds
 IN0, IN1, IN2, IN3, OUT_W, GATE_W, UP, DOWN = range(8)  # the matrices of a layer (``mats``' second axis)
-FN, RAW, ROWS, ROW_BYTES, SUMS = range(5)  # a matrix's entries
+FN, RAW, ROWS, ROW_BYTES, SUMS, FORMS = range(6)  # a matrix's entries
 ATTN_NORM, MLP_NORM = 0, 1  # ``vecs``' second axis: both kinds
 Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM = 2, 3, 4, 5, 6  # attention
 CONV_TAPS, DT_BIAS, SSM_A, SSM_NORM, KEY_HEADS = 2, 3, 4, 5, 6  # Gated DeltaNet
@@ -126,44 +129,55 @@ def vector(vecs, layer, which, size):
 
 
 @njit(**JIT)
-def product(mat, r0, r1, x, sums16, sums32, table, out, col):
+def product(mat, r0, r1, x, sums16, sums32, forms, table, out, col):
     """``out[:, col:col + r1 - r0] = x @ W[r0:r1].T`` by the matrix's row product, GEMV_ROWS activation rows per call.
 
-    mat int64 [5] (a ``mats`` entry); x [N, in]; sums16/sums32 the block sums of ``x`` (C-contiguous, used per the
-    matrix's width); out [N, ≥ col + r1 - r0]
+    mat int64 [6] (a ``mats`` entry); x [N, in]; sums16/sums32 the block sums of ``x`` (C-contiguous, used per the
+    matrix's width); forms: the forms table of ``x`` (:mod:`..quants.jit_q8_act`), for a matrix with 8-bit
+    activations (its FORMS entry not 0); out [N, ≥ col + r1 - r0]
     """
     n, cols = x.shape
     width = mat[SUMS]
     sums = sums32 if width == 32 else sums16
     sums_cols = cols // width if width else 0
     stride = out.shape[1]
+    raw = mat[RAW] + r0 * mat[ROW_BYTES]
     for i in range(0, n, GEMV_ROWS):
         m = min(GEMV_ROWS, n - i)
-        call_product(mat[FN], mat[RAW] + r0 * mat[ROW_BYTES], r1 - r0, mat[ROW_BYTES], x.ctypes.data + 4 * i * cols,
-                     m, cols, sums.ctypes.data + 4 * i * sums_cols, sums_cols, table.ctypes.data,
-                     out.ctypes.data + 4 * (i * stride + col), stride)
+        at, out_at = sums.ctypes.data + 4 * i * sums_cols, out.ctypes.data + 4 * (i * stride + col)
+        if mat[FORMS]:
+            call_q8_product(mat[FN], raw, r1 - r0, mat[ROW_BYTES], forms.ctypes.data, i, m, cols, at, sums_cols,
+                            table.ctypes.data, out_at, stride)
+        else:
+            call_product(mat[FN], raw, r1 - r0, mat[ROW_BYTES], x.ctypes.data + 4 * i * cols, m, cols, at, sums_cols,
+                         table.ctypes.data, out_at, stride)
 
 
 @njit(**JIT)
-def prepare_sums(mats, layer, first, last, x, work, offsets):
-    """The block sums of ``x`` [N, in] that matrices ``first..last`` of ``layer`` take -> (sums16, sums32)."""
+def prepare_inputs(mats, layer, first, last, x, work, offsets, forms):
+    """What matrices ``first..last`` of ``layer`` take of ``x`` [N, in] besides ``x``: its block sums ->
+    (sums16, sums32), and its forms table with 8-bit activations (``forms``, filled in place)."""
     n, cols = x.shape
     sums16 = rows_of(work, offsets[SUMS16], n, cols // 16)
     sums32 = rows_of(work, offsets[SUMS32], n, cols // 32)
     need16 = need32 = False
+    slots = 0
     for m in range(first, last + 1):
         need16 |= mats[layer, m, SUMS] == 16
         need32 |= mats[layer, m, SUMS] == 32
+        slots |= mats[layer, m, FORMS]
     if need16:
         block_sums(x, 16, sums16)
     if need32:
         block_sums(x, 32, sums32)
+    if slots:
+        prepare_forms(x, slots, forms.ctypes.data)
     return sums16, sums32
 
 
 @njit(**JIT)
-def work_phase(worker, phase, step_phase, layer, kind, sync, mats, chunks, starts, x, sums16, sums32, table, outs,
-               work, offsets):
+def work_phase(worker, phase, step_phase, layer, kind, sync, mats, chunks, starts, x, sums16, sums32, forms, table,
+               outs, work, offsets):
     """Claim chunks of product ``phase`` (:data:`PROJ` ...) of ``layer`` (of layer kind ``kind``), the step's phase
     ``step_phase``, until none is left; returns how many this worker did.
 
@@ -181,12 +195,12 @@ def work_phase(worker, phase, step_phase, layer, kind, sync, mats, chunks, start
             n, rows = x.shape[0], r1 - r0
             g = rows_of(work, offsets[GATE + 2 * worker], n, rows)
             u = rows_of(work, offsets[GATE + 2 * worker + 1], n, rows)
-            product(mats[layer, GATE_W], r0, r1, x, sums16, sums32, table, g, 0)
-            product(mats[layer, UP], r0, r1, x, sums16, sums32, table, u, 0)
+            product(mats[layer, GATE_W], r0, r1, x, sums16, sums32, forms, table, g, 0)
+            product(mats[layer, UP], r0, r1, x, sums16, sums32, forms, table, u, 0)
             silu_mul_rows(g, u, outs[5][:, r0:r1])
         else:
-            product(mats[layer, m], r0, r1, x, sums16, sums32, table, outs[min(m, 4) if phase != DOWN_PROJ else 6],
-                    r0)
+            product(mats[layer, m], r0, r1, x, sums16, sums32, forms, table,
+                    outs[min(m, 4) if phase != DOWN_PROJ else 6], r0)
         finish(sync, step_phase)
         did += 1
 
@@ -284,14 +298,16 @@ def widths(dims, kind):
 
 @njit(**JIT)
 def decode_layers(worker, h, layers, mats, vecs, chunks, starts, caches, dims, eps, cos, sin, slots, key_valid,
-                  valid, work, offsets, table, sync, ticks, lost):
+                  valid, work, offsets, forms, table, sync, ticks, lost):
     """Every layer of a decode step, as worker ``worker`` (0: the caller, who also runs what lies between products
     and updates ``h`` [B, H] in place; see the module docstring).  Returns the chunks this worker multiplied.
 
     cos/sin float32 [B, 1, r/2]; slots int64 [B, 1], key_valid bool [B, S] and valid bool [B, 1] (C-contiguous);
-    work float32 (the buffers at ``offsets``); table: the float16 table; sync: int64 [:func:`sync_size`], zero;
-    ticks: cycles a worker other than 0 waits for a post before it leaves the rest to worker 0; lost: a gap this many
-    cycles long between two of a worker's polls means it lost its CPU (the machine is busy), and it leaves too.
+    work float32 (the buffers at ``offsets``); forms int64 [SLOTS]: the forms table of every product input with
+    8-bit activations (:mod:`..quants.jit_q8_act`, its slots sized for the widest); table: the float16 table; sync:
+    int64 [:func:`sync_size`], zero; ticks: cycles a worker other than 0 waits for a post before it leaves the rest
+    to worker 0; lost: a gap this many cycles long between two of a worker's polls means it lost its CPU (the machine
+    is busy), and it leaves too.
     """
     b, hidden, inter = dims[BATCH], dims[HIDDEN], dims[INTERMEDIATE]
     x, x2 = rows_of(work, offsets[X], b, hidden), rows_of(work, offsets[X2], b, hidden)
@@ -320,8 +336,8 @@ def decode_layers(worker, h, layers, mats, vecs, chunks, starts, caches, dims, e
                 elif phase == GATE_UP:
                     add_rms_norm_rows(h, attn_out, vector(vecs, layer, MLP_NORM, hidden), eps, h, x2)
                 if phase != MIX:
-                    sums16, sums32 = prepare_sums(mats, layer, FIRST[phase], LAST[phase], inputs[phase], work,
-                                                  offsets)
+                    sums16, sums32 = prepare_inputs(mats, layer, FIRST[phase], LAST[phase], inputs[phase], work,
+                                                    offsets, forms)
                 post(sync, step_phase)
             elif not await_post(sync, step_phase, ticks, lost):
                 return did
@@ -335,7 +351,7 @@ def decode_layers(worker, h, layers, mats, vecs, chunks, starts, caches, dims, e
                 count = mix_units(dims, kind)
             else:
                 did += work_phase(worker, phase, step_phase, layer, kind, sync, mats, chunks, starts, inputs[phase],
-                                  sums16, sums32, table, outs, work, offsets)
+                                  sums16, sums32, forms, table, outs, work, offsets)
                 count = starts[kind, phase + 1] - starts[kind, phase]
             if worker == 0:
                 await_done(sync, step_phase, count)

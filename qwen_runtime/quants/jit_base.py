@@ -327,16 +327,18 @@ def call_product(typingctx, function, raw, rows, row_bytes, x, n, cols, sums, su
     operands = (raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
     if not all(isinstance(a, types.Integer) for a in (function, *operands)):
         return None
+    return types.void(function, *operands), call_at
 
-    def codegen(context, builder, signature, args):
-        i64 = ir.IntType(64)
-        kind = ir.FunctionType(ir.VoidType(), [i64] * len(operands))
-        target = builder.inttoptr(args[0], kind.as_pointer())
-        builder.call(target, [context.cast(builder, a, t, types.int64) for a, t in zip(args[1:], signature.args[1:],
-                                                                                        strict=True)])
-        return context.get_dummy_value()
 
-    return types.void(function, *operands), codegen
+def call_at(context, builder: ir.IRBuilder, signature, args: list):
+    """The code of an intrinsic calling the C function at address ``args[0]`` with the other arguments, each taken
+    to int64 (:func:`call_product`)."""
+    i64 = ir.IntType(64)
+    kind = ir.FunctionType(ir.VoidType(), [i64] * (len(args) - 1))
+    target = builder.inttoptr(args[0], kind.as_pointer())
+    builder.call(target, [context.cast(builder, a, t, types.int64)
+                          for a, t in zip(args[1:], signature.args[1:], strict=True)])
+    return context.get_dummy_value()
 
 
 @inline

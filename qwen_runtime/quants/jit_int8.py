@@ -2,17 +2,19 @@
 Q5_1, IQ4_NL and IQ4_XS weights times activations quantized per 32-block (:mod:`.q8_act`, the plain
 reference; the K-quants in :mod:`.jit_int8_k`).
 
-A product first quantizes its activation rows once (:func:`quantize_rows`, the same float32 operations as
-:func:`.q8_act.quantize_activations`, bit for bit).  Row ``r`` then keeps 16 float32 lanes; per block ``b``
+A product first quantizes its activation rows once (:func:`.jit_q8_act.quantize_rows`, the same float32 operations
+as :func:`.q8_act.quantize_activations`, bit for bit).  Row ``r`` then keeps 16 float32 lanes; per block ``b``
 the 32 integer weights (Q4_0's and Q5_0's nibbles and bit 4 unpacked in int8 vector arithmetic, minus the
 bias; IQ4's levels looked up with ``pshufb``) and the 32 activations are taken to int16, multiplied in pairs
 and the pairs added in int32 (``<16 x i32>``, exact: :func:`_pairs16`), converted to float32 (exact: below 2^24)
-and fused into the lanes, ``lanes = fma(pairs, d_w * d_x, lanes)``; the lanes are summed once at the end, in
-order.  Q8_0 goes by pairs of blocks (:func:`q8_0_quads_fma`): the 64 weights against the 64 activations
-stored as ``x + 128`` (uint8) in one ``vpdpbusd`` (AVX-512 VNNI; the ``128 * sum(w)`` it adds taken off by a
-bias computed once per weight pair) gives 16 exact sums of 4 products, lanes 0-7 of the first block, 8-15 of
-the second: half the conversions and fused adds per block (elsewhere the same sums from ``pmaddwd`` pairs).
-Q4_1's and Q5_1's minimums multiply the float32 activation sums per 32 (as Q4_K's).
+and fused into the lanes, ``lanes = fma(pairs, d_w * d_x, lanes)``; the lanes are summed once at the end,
+pairwise (:func:`lanes_sums`).  Q8_0 goes by pairs of blocks (:func:`q8_0_quads_fma`): the 64 weights against the
+64 activations stored as ``x + 128`` (uint8) in one ``vpdpbusd`` (AVX-512 VNNI; the ``128 * sum(w)`` it adds
+taken off by a bias computed once per weight pair) gives 16 exact sums of 4 products, lanes 0-7 of the first
+block, 8-15 of the second: half the conversions and fused adds per block (elsewhere the same sums from
+``pmaddwd`` pairs).  With VNNI, Q4_0 and Q5_0 go the same way (:func:`quads_group`), their nibbles (and bit 4,
+selected by a mask register: :func:`.jit_legacy.bit4_bytes`) minus the bias as the signed weights.  Q4_1's and
+Q5_1's minimums multiply the float32 activation sums per 32 (as Q4_K's).
 
 Rows: one activation row (``gemv1_q8``) and several (``gemv_q8``) run the same inline loop
 (:func:`row_group`), for several rows in fixed groups of :data:`GROUP` (then 4, 2, 1: :func:`row_groups`) over
@@ -24,19 +26,23 @@ constant offset).  A row's operations are the same whatever its group, so its nu
 the other rows (the server's batch invariance).  Measured (ms of CPU per million weights, one thread, out of
 cache, medians of 3 A/B pairs; the kernels before these groups, one activation row at a time / now): 8 rows
 Q8_0 0.38 / 0.21, Q4_0 0.38 / 0.28, Q5_0 0.40 / 0.36, Q4_K 0.54 / 0.38, Q6_K 0.45 / 0.37; 16 rows 0.73 / 0.41,
-0.74 / 0.54, 0.72 / 0.66, 0.89 / 0.70, 0.79 / 0.70; one row unchanged (Q8_0 0.10, Q4_0 0.075, Q4_K 0.09-0.11,
-Q6_K 0.16).
+0.74 / 0.54, 0.72 / 0.66, 0.89 / 0.70, 0.79 / 0.70.  Then the quads for Q4_0/Q5_0, the mask for bit 4 and the
+pairwise lane sums (4864 x 896, medians of 7, before / after): Q4_0 1 row 0.067 / 0.048, 8 rows 0.20 / 0.15;
+Q5_0 1 row 0.104 / 0.056, 8 rows 0.33 / 0.16; on 3584 x 4864 Q4_0 1 row 0.042 (the exact kernel 0.054).
+
+Each type also has a :data:`.jit_q8_act.Q8_ROW_PRODUCT` (``<type>_q8_rows``), the compiled decode step's call by
+address with the forms it prepared once per product input (:func:`quads_product`, :func:`pairs_product`).
 
 Assembly (numba 0.68, this Xeon with AVX-512; ``inspect_asm``), per block of the 1-row loop: ``prefetcht0``
-2 KiB ahead, the scale's table load and ``vmulss``, ``vpmovsxbw`` to zmm (Q4_0 first ``vpand``/
-``vgf2p8affineqb``/``vinserti128``/``vpaddb`` on the 16 bytes, Q5_0 adds ``vpsrlvd`` for bit 4), one
-``vpmaddwd`` zmm, ``vcvtdq2ps`` and ``vfmadd213ps`` with the lanes in a register; Q8_0 per pair of blocks
-``vinserti64x4``, two ``vpdpbusd``, ``vcvtdq2ps``, ``vmulps`` and ``vfmadd231ps``.  The group-of-8 loop: the
-weights once, then per row a ``vpmaddwd`` (``vpdpbusd``) from memory, ``vcvtdq2ps``, the scale and a
-``vfmadd231ps`` into one of 8 zmm lanes, no stack traffic (Q4_0: 73 instructions per block for 8 rows, Q8_0: 91
-per pair of blocks).  Written as generic IR (``sext``, ``mul``, even/odd
-``add`` in int32) LLVM narrowed the products to int16 and emitted ``vpmullw``/``vpmovdw``/``vpmovsxwd``
-shuffles instead of ``vpmaddwd``, hence the x86 intrinsics.
+4 KiB ahead, the scale's table load and ``vmulss``, ``vpmovsxbw`` to zmm (Q4_0 first ``vpand``/
+``vgf2p8affineqb``/``vinserti128``/``vpaddb`` on the 16 bytes, Q5_0 a ``kmovd`` and a masked move for bit 4),
+one ``vpmaddwd`` zmm, ``vcvtdq2ps`` and ``vfmadd213ps`` with the lanes in a register; Q8_0 (and with VNNI Q4_0,
+Q5_0 after their unpacking and one ``vpermt2q``) per pair of blocks ``vinserti64x4``, two ``vpdpbusd``,
+``vcvtdq2ps``, ``vmulps`` and ``vfmadd231ps``.  The group-of-8 loop: the weights once, then per row a
+``vpmaddwd`` (``vpdpbusd``) from memory, ``vcvtdq2ps``, the scale and a ``vfmadd231ps`` into one of 8 zmm lanes,
+no stack traffic (Q4_0 pairs: 73 instructions per block for 8 rows, Q8_0: 91 per pair of blocks).  Written as
+generic IR (``sext``, ``mul``, even/odd ``add`` in int32) LLVM narrowed the products to int16 and emitted
+``vpmullw``/``vpmovdw``/``vpmovsxwd`` shuffles instead of ``vpmaddwd``, hence the x86 intrinsics.
 """
 
 from __future__ import annotations
@@ -66,16 +72,18 @@ from .jit_base import (
     compiled,
     prefetch,
     stack_f32,
+    sums_of,
 )
+from .jit_legacy import bit4_bytes
+from .jit_q8_act import D8, Q8_ROW_PRODUCT, Q16, XU, D, Q, form_arrays, product_arrays, quantize_rows, slots
 from .legacy import Q4_0, Q4_1, Q5_0, Q5_1
 from .q8_0 import Q8_0_BYTES
-from .q8_act import Q8_ACT_BLOCK, Q8_ACT_MAX
+from .q8_act import Q8_ACT_BLOCK
 
 PAIRS = Q8_ACT_BLOCK // 2  # int32 lanes of a block's products (pairs of adjacent products)
 GROUP = 8  # activation rows whose lanes a multi-row kernel keeps in registers at once (8 x 16 float32)
 CHUNK = 16  # stored rows a multi-row kernel takes through all its groups of activation rows before the next ones
 inline = numba.njit(inline="always", cache=True, fastmath={"contract"})
-I8_2D_W = types.int8[:, ::1]  # quantized activations (written by quantize_rows)
 I16_2D = types.Array(types.int16, 2, "C", readonly=True)  # the same widened to int16 (multi-row kernels)
 I16, I32, F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
 V32_I8, V32_I16 = ir.VectorType(ir.IntType(8), Q8_ACT_BLOCK), ir.VectorType(I16, Q8_ACT_BLOCK)
@@ -99,6 +107,7 @@ def _target_features() -> frozenset[str]:
 
 
 FEATURES = _target_features()
+VNNI = {"avx512vnni", "avx512bw"} <= FEATURES  # vpdpbusd: the quads kernels (else pmaddwd pairs)
 
 
 def _pairs16(builder: ir.IRBuilder, w16: ir.Value, x16: ir.Value) -> ir.Value:
@@ -250,11 +259,7 @@ def _nibbles(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
     high = builder.lshr(q, ir.Constant(V16_I8, [4] * PAIRS))
     w = builder.shuffle_vector(low, high, ir.Constant(V32_I32, list(range(Q8_ACT_BLOCK))))
     if signature.args[2] != types.none:
-        qh = args[2]
-        bits = _splat(builder, builder.trunc(qh, I32) if qh.type.width > 32 else qh, V32_I32)
-        bit = builder.and_(builder.lshr(bits, ir.Constant(V32_I32, list(range(Q8_ACT_BLOCK)))),
-                           ir.Constant(V32_I32, [1] * Q8_ACT_BLOCK))
-        w = builder.or_(w, builder.shl(builder.trunc(bit, V32_I8), ir.Constant(V32_I8, [4] * Q8_ACT_BLOCK)))
+        w = builder.or_(w, bit4_bytes(builder, args[2], 0, Q8_ACT_BLOCK))
     return builder.sub(w, _splat(builder, builder.trunc(args[3], ir.IntType(8)), V32_I8))
 
 
@@ -374,7 +379,7 @@ def _vpdpbusd(builder: ir.IRBuilder):
 
 def _vnni_bias(builder: ir.IRBuilder, w: ir.Value) -> ir.Value | None:
     """``-128 * (w[4j] + ... + w[4j+3])`` (``<16 x i32>``) where the CPU has AVX-512 VNNI, else None."""
-    if not {"avx512vnni", "avx512bw"} <= FEATURES:
+    if not VNNI:
         return None
     zero = ir.Constant(V16_I32, [0] * PAIRS)
     sums = builder.call(_vpdpbusd(builder), [zero, builder.bitcast(ir.Constant(V64_I8, [-128] * 64), V16_I32),
@@ -382,37 +387,69 @@ def _vnni_bias(builder: ir.IRBuilder, w: ir.Value) -> ir.Value | None:
     return builder.sub(zero, sums)
 
 
+BYTES, NIBBLES, BIT4 = 0, 1, 2  # q8_0_quads_fma's kinds of weights: Q8_0's bytes, Q4_0's nibbles, Q5_0's (bit 4)
+
+
+def _weights64(context, builder: ir.IRBuilder, signature, args: list, kind: int, alone: int) -> ir.Value:
+    """The ``<64 x i8>`` signed weights of two blocks of 32 for :func:`q8_0_quads_fma` (its arguments ``blocks,
+    o0, o1, qh0, qh1, bias``): :data:`BYTES`, Q8_0's quants at ``blocks[o0]`` and ``blocks[o1]``;
+    :data:`NIBBLES`, the 16 bytes there as Q4_0's nibbles (a block's values ``k`` and ``16 + k`` the low and high
+    nibble of byte ``k``); :data:`BIT4`, those with bit 4 of each value from ``qh0``/``qh1`` (Q5_0); the nibbles
+    minus ``bias``.  With ``alone`` block 0 alone: block 1's weights are zeros."""
+    blocks, o0, o1, qh0, qh1, bias = args[:6]
+    pick = ir.Constant(ir.VectorType(I32, 64), list(range(64)))
+    if kind == BYTES:
+        def load32(at):
+            return builder.load(_pointer(context, builder, signature.args[0], blocks, at, V32_I8), align=1)
+
+        zeros = ir.Constant(V32_I8, [0] * Q8_ACT_BLOCK)
+        return builder.shuffle_vector(load32(o0), zeros if alone else load32(o1), pick)
+    q0, q1 = (builder.load(_pointer(context, builder, signature.args[0], blocks, o, V16_I8), align=1) for o in (o0, o1))
+    both = builder.shuffle_vector(q0, q1, ir.Constant(V32_I32, list(range(Q8_ACT_BLOCK))))
+    low = builder.and_(both, ir.Constant(V32_I8, [15] * Q8_ACT_BLOCK))
+    high = builder.lshr(both, ir.Constant(V32_I8, [4] * Q8_ACT_BLOCK))
+    order = [*range(16), *range(32, 48), *range(16, 32), *range(48, 64)]  # lo0, hi0, lo1, hi1
+    w = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, 64), order))
+    if kind == BIT4:
+        masks = [builder.bitcast(builder.trunc(qh, I32) if qh.type.width > 32 else qh, ir.VectorType(ir.IntType(1), 32))
+                 for qh in (qh0, qh1)]
+        mask = builder.shuffle_vector(*masks, ir.Constant(ir.VectorType(I32, 64), list(range(64))))
+        w = builder.or_(w, builder.select(mask, ir.Constant(V64_I8, [16] * 64), ir.Constant(V64_I8, [0] * 64)))
+    w = builder.sub(w, _splat(builder, builder.trunc(bias, ir.IntType(8)), V64_I8))
+    if alone:
+        keep = ir.Constant(V64_I8, [-1] * Q8_ACT_BLOCK + [0] * Q8_ACT_BLOCK)
+        w = builder.and_(w, keep)
+    return w
+
+
 @intrinsic
-def q8_0_quads_fma(typingctx, blocks, o0, o1, form, xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, acc,
-                   group):  # noqa: ARG001
-    """Two Q8_0 blocks (quants at ``blocks[o0]`` and ``blocks[o1]``, scales ``d0``, ``d1``) times ``group``
-    activation rows (a literal) at once: row ``g``'s 64 activations ``xu[x_at + g * x_stride]`` (uint8, ``x +
-    128``) with scales ``d_x0``, ``d_x1`` from ``xd[d_at + g * d_stride]``; its 16 lanes at ``acc + 16 g``: lanes
-    0-7 ``fma(f32(quads of block 0), d0 * d_x0, lanes)``, 8-15 block 1's (:func:`_quads`).  ``form`` (a literal):
-    bit 0 set, block 0 alone (the row's last, odd block; lanes 8-15 add exact zeros); bit 1 set, ``xd`` holds
-    each block's scale 8 times (:meth:`Q8_0Int8Kernel.forms`: one 64-byte load per row, no shuffle), else once."""
-    if not (_literal(group) and isinstance(form, types.IntegerLiteral)):
+def q8_0_quads_fma(typingctx, blocks, o0, o1, qh0, qh1, bias, kind, form, xu, x_at, x_stride, xd, d_at, d_stride,
+                   d0, d1, acc, group):  # noqa: ARG001
+    """Two blocks of 32 weights (:func:`_weights64`: Q8_0's, or Q4_0's and Q5_0's by ``form``; scales ``d0``,
+    ``d1``) times ``group`` activation rows (a literal) at once: row ``g``'s 64 activations ``xu[x_at + g *
+    x_stride]`` (uint8, ``x + 128``) with scales ``d_x0``, ``d_x1`` from ``xd[d_at + g * d_stride]``; its 16 lanes
+    at ``acc + 16 g``: lanes 0-7 ``fma(f32(quads of block 0), d0 * d_x0, lanes)``, 8-15 block 1's
+    (:func:`_quads`).  ``form`` (a literal): bit 0 set, block 0 alone (the row's last, odd block; lanes 8-15 add
+    exact zeros); bit 1 set, ``xd`` holds each block's scale 8 times (:meth:`Q8_0Int8Kernel.forms`: one 64-byte
+    load per row, no shuffle), else once; ``kind`` (a literal) the weights' (:data:`BYTES` ...)."""
+    if not (_literal(group) and all(isinstance(a, types.IntegerLiteral) for a in (kind, form))):
         return None
 
     def codegen(context, builder, signature, args):
-        blocks, o0, o1, _, xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, acc, _ = args
-        alone, expanded = signature.args[3].literal_value & 1, signature.args[3].literal_value & 2
-        pick = ir.Constant(ir.VectorType(I32, 64), list(range(64)))
+        xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, acc, _ = args[8:]
+        form = signature.args[7].literal_value
+        alone, expanded = form & 1, form & 2
         zeros = ir.Constant(V32_I8, [0] * Q8_ACT_BLOCK)
-
-        def load32(array_type, array, at):
-            return builder.load(_pointer(context, builder, array_type, array, at, V32_I8), align=1)
-
-        w0 = load32(signature.args[0], blocks, o0)
-        w = builder.shuffle_vector(w0, zeros if alone else load32(signature.args[0], blocks, o1), pick)
+        pick = ir.Constant(ir.VectorType(I32, 64), list(range(64)))
+        w = _weights64(context, builder, signature, args, signature.args[6].literal_value, alone)
         bias = _vnni_bias(builder, w)
         upper = ir.Constant(V16_I32, [*range(8), *range(24, 32)])
         scale_w = builder.shuffle_vector(_splat(builder, d0, V16_F32), _splat(builder, d0 if alone else d1, V16_F32),
                                          upper)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3),
                                              "llvm.fma.v16f32")
-        x_pointer = _pointer(context, builder, signature.args[4], xu, x_at, ir.IntType(8))
-        f32_pointer = _pointer(context, builder, signature.args[7], xd, d_at, F32)
+        x_pointer = _pointer(context, builder, signature.args[8], xu, x_at, ir.IntType(8))
+        f32_pointer = _pointer(context, builder, signature.args[11], xd, d_at, F32)
         v8_f32 = ir.VectorType(F32, 8)
         for g in range(signature.args[-1].literal_value):
             row = ir.Constant(ir.IntType(64), g)
@@ -437,7 +474,8 @@ def q8_0_quads_fma(typingctx, blocks, o0, o1, form, xu, x_at, x_stride, xd, d_at
                           align=4)
         return context.get_dummy_value()
 
-    return (types.void(blocks, o0, o1, form, xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, acc, group), codegen)
+    return (types.void(blocks, o0, o1, qh0, qh1, bias, kind, form, xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, acc,
+                       group), codegen)
 
 
 @intrinsic
@@ -457,8 +495,8 @@ def lanes_zero(typingctx, acc, group):  # noqa: ARG001
 
 @intrinsic
 def lanes_sums(typingctx, acc, group, sums):  # noqa: ARG001
-    """``sums[g] = ((0 + acc[16 g]) + acc[16 g + 1]) + ...`` for ``g < group``: each row's lanes summed in
-    order, as the one-row loop sums its lanes."""
+    """``sums[g]`` = the sum of row ``g``'s 16 lanes at ``acc + 16 g`` for ``g < group``, pairwise (the upper half
+    onto the lower, 16 -> 8 -> 4 -> 2 -> 1: four dependent adds instead of sixteen), the one-row loop's order too."""
     if not _literal(group):
         return None
 
@@ -466,30 +504,18 @@ def lanes_sums(typingctx, acc, group, sums):  # noqa: ARG001
         for g in range(signature.args[1].literal_value):
             at = builder.gep(args[0], [ir.Constant(ir.IntType(64), g * PAIRS)])
             lanes = builder.load(builder.bitcast(at, V16_F32.as_pointer()), align=4)
-            total = ir.Constant(F32, 0.0)
-            for k in range(PAIRS):
-                total = builder.fadd(total, builder.extract_element(lanes, I32(k)))
-            builder.store(total, builder.gep(args[2], [ir.Constant(ir.IntType(64), g)]))
+            width = PAIRS
+            while width > 1:
+                width //= 2
+                halves = [builder.shuffle_vector(lanes, lanes, ir.Constant(ir.VectorType(I32, width),
+                                                                           list(range(k, k + width))))
+                          for k in (0, width)]
+                lanes = builder.fadd(*halves)
+            out = builder.gep(args[2], [ir.Constant(ir.IntType(64), g)])
+            builder.store(builder.extract_element(lanes, I32(0)), out)
         return context.get_dummy_value()
 
     return types.void(acc, group, sums), codegen
-
-
-@compiled(types.void(F32_2D_C, I8_2D_W, F32_2D_C), contract=False)
-def quantize_rows(x, q, d):
-    """``q``, ``d`` = :func:`.q8_act.quantize_activations` of ``x`` [N, nb * 32] (the same float32 operations)."""
-    nb = d.shape[1]
-    for i in range(x.shape[0]):
-        for b in range(nb):
-            xs = x[i, b * 32: b * 32 + 32]
-            amax = np.float32(0)
-            for k in range(32):
-                amax = max(amax, abs(xs[k]))
-            scale = amax / Q8_ACT_MAX
-            inverse = np.float32(1) / scale if scale > 0 else np.float32(0)
-            d[i, b] = scale
-            for k in range(32):
-                q[i, b * 32 + k] = np.int8(np.rint(xs[k] * inverse))
 
 
 @inline
@@ -518,6 +544,12 @@ def _q5_bits(blocks, o, geo):
     return (np.uint32(np.uint8(blocks[qh])) | (np.uint32(np.uint8(blocks[qh + 1])) << np.uint32(8))
             | (np.uint32(np.uint8(blocks[qh + 2])) << np.uint32(16))
             | (np.uint32(np.uint8(blocks[qh + 3])) << np.uint32(24)))
+
+
+@inline
+def _qh(blocks, o, geo):
+    """:func:`_q5_bits` of a 5-bit type, 0 for the others (``geo[3]`` -1)."""
+    return _q5_bits(blocks, o, geo) if geo[3] >= 0 else np.uint32(0)
 
 
 @inline
@@ -563,15 +595,16 @@ def row_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):
 
 
 @inline
-def q8_0_group(expanded, geo, group, r0, r1, i0, raw, xu, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
-    """:func:`row_group` for Q8_0 by pairs of blocks (:func:`q8_0_quads_fma`): ``xu`` [N, nb * 32] the
-    activations plus 128 as uint8, each lane a sum over every other block of 4-product sums; ``expanded`` (a
-    literal, in the protocol's ``update`` place): ``xd`` [N, nb * 8], each block's scale 8 times."""
+def quads_group(kind, expanded, geo, group, r0, r1, i0, raw, xu, xd, table, out):
+    """:func:`row_group` by pairs of blocks (:func:`q8_0_quads_fma`, weights of ``kind``, a literal): ``xu`` [N,
+    nb * 32] the activations plus 128 as uint8, each lane a sum over every other block of 4-product sums;
+    ``expanded`` (a literal): ``xd`` [N, nb * 8], each block's scale 8 times."""
     cols, nd = xu.shape[1], xd.shape[1]
     nb = cols // 32
     per = 8 if expanded else 1
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     s = carray(sums, (GEMV_ROWS,))
+    bias = geo[2]
     for r in range(r0, r1):
         blocks = raw[r]
         lanes_zero(acc, group)
@@ -579,22 +612,43 @@ def q8_0_group(expanded, geo, group, r0, r1, i0, raw, xu, xd, xsum, table, out):
             b = 2 * b2
             o0, d0 = _block(table, blocks, b, geo)
             o1, d1 = _block(table, blocks, b + 1, geo)
+            h0, h1 = _qh(blocks, o0, geo), _qh(blocks, o1, geo)
             x_at, d_at = i0 * cols + b * 32, i0 * nd + b * per
+            q0, q1 = o0 + geo[1], o1 + geo[1]
             if expanded:
-                q8_0_quads_fma(blocks, o0 + geo[1], o1 + geo[1], 2, xu, x_at, cols, xd, d_at, nd, d0, d1, acc, group)
+                q8_0_quads_fma(blocks, q0, q1, h0, h1, bias, kind, 2, xu, x_at, cols, xd, d_at, nd, d0, d1, acc, group)
             else:
-                q8_0_quads_fma(blocks, o0 + geo[1], o1 + geo[1], 0, xu, x_at, cols, xd, d_at, nd, d0, d1, acc, group)
+                q8_0_quads_fma(blocks, q0, q1, h0, h1, bias, kind, 0, xu, x_at, cols, xd, d_at, nd, d0, d1, acc, group)
         if nb % 2:
             b = nb - 1
             o0, d0 = _block(table, blocks, b, geo)
-            x_at, d_at = i0 * cols + b * 32, i0 * nd + b * per
+            h0 = _qh(blocks, o0, geo)
+            x_at, d_at, q0 = i0 * cols + b * 32, i0 * nd + b * per, o0 + geo[1]
             if expanded:
-                q8_0_quads_fma(blocks, o0 + geo[1], o0 + geo[1], 3, xu, x_at, cols, xd, d_at, nd, d0, d0, acc, group)
+                q8_0_quads_fma(blocks, q0, q0, h0, h0, bias, kind, 3, xu, x_at, cols, xd, d_at, nd, d0, d0, acc, group)
             else:
-                q8_0_quads_fma(blocks, o0 + geo[1], o0 + geo[1], 1, xu, x_at, cols, xd, d_at, nd, d0, d0, acc, group)
+                q8_0_quads_fma(blocks, q0, q0, h0, h0, bias, kind, 1, xu, x_at, cols, xd, d_at, nd, d0, d0, acc, group)
         lanes_sums(acc, group, sums)
         for g in range(group):
             out[i0 + g, r] = s[g]
+
+
+@inline
+def q8_0_quads(expanded, geo, group, r0, r1, i0, raw, xu, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
+    """:func:`quads_group` of Q8_0 (``expanded`` in the protocol's ``update`` place)."""
+    quads_group(BYTES, expanded, geo, group, r0, r1, i0, raw, xu, xd, table, out)
+
+
+@inline
+def q4_0_quads(expanded, geo, group, r0, r1, i0, raw, xu, xd, xsum, table, out):  # noqa: ARG001
+    """:func:`quads_group` of Q4_0."""
+    quads_group(NIBBLES, expanded, geo, group, r0, r1, i0, raw, xu, xd, table, out)
+
+
+@inline
+def q5_0_quads(expanded, geo, group, r0, r1, i0, raw, xu, xd, xsum, table, out):  # noqa: ARG001
+    """:func:`quads_group` of Q5_0."""
+    quads_group(BIT4, expanded, geo, group, r0, r1, i0, raw, xu, xd, table, out)
 
 
 @inline
@@ -635,12 +689,31 @@ MIN_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
 
 @compiled(Q8_0_GEMV)
 def q8_0_gemv1_q8(raw, xu, xd, table, out):
-    q8_0_group(False, Q8_0_GEO, 1, 0, raw.shape[0], 0, raw, xu, xd, xd, table, out)
+    q8_0_quads(False, Q8_0_GEO, 1, 0, raw.shape[0], 0, raw, xu, xd, xd, table, out)
 
 
 @compiled(Q8_0_GEMV)
 def q8_0_gemv_q8(raw, xu, xd, table, out):
-    row_groups(q8_0_group, True, Q8_0_GEO, raw, xu, xd, xd, table, out)
+    row_groups(q8_0_quads, True, Q8_0_GEO, raw, xu, xd, xd, table, out)
+
+
+QUADS_GEMV = types.void(U8_2D, U8_2D, F32_2D_C, F32_1D, F32_2D)  # Q4_0/Q5_0 by quads: activations + 128 as uint8
+if VNNI:
+    @compiled(QUADS_GEMV)
+    def q4_0_gemv1_vnni(raw, xu, xd, table, out):
+        q4_0_quads(False, Q4_0_GEO, 1, 0, raw.shape[0], 0, raw, xu, xd, xd, table, out)
+
+    @compiled(QUADS_GEMV)
+    def q4_0_gemv_vnni(raw, xu, xd, table, out):
+        row_groups(q4_0_quads, True, Q4_0_GEO, raw, xu, xd, xd, table, out)
+
+    @compiled(QUADS_GEMV)
+    def q5_0_gemv1_vnni(raw, xu, xd, table, out):
+        q5_0_quads(False, Q5_0_GEO, 1, 0, raw.shape[0], 0, raw, xu, xd, xd, table, out)
+
+    @compiled(QUADS_GEMV)
+    def q5_0_gemv_vnni(raw, xu, xd, table, out):
+        row_groups(q5_0_quads, True, Q5_0_GEO, raw, xu, xd, xd, table, out)
 
 
 @compiled(LEGACY_GEMV)
@@ -703,6 +776,100 @@ def q5_1_gemv_q8(raw, xq, xd, xsum, table, out):
     row_groups(row_group, _q5_group, Q5_1_GEO, raw, xq, xd, xsum, table, out)
 
 
+q8_cfunc = numba.cfunc(Q8_ROW_PRODUCT, nopython=True, cache=True)
+QUADS_SLOTS, PAIRS_SLOTS = slots(XU, D, D8), slots(Q, Q16, D)  # what quads_product and pairs_product read
+
+
+@inline
+def quads_product(gemv1, gemv, dtype, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out,
+                  out_stride):
+    """A :data:`.jit_q8_act.Q8_ROW_PRODUCT` of a quads kernel (raw viewed as ``dtype``): ``xu`` and ``d`` for
+    one row, ``xu`` and ``d8`` for several (:meth:`Q8_0Int8Kernel.forms`)."""
+    w, _, t, o = product_arrays(raw, rows, row_bytes, n, sums, 0, table, out, out_stride)
+    _, xu, _, d, d8, _ = form_arrays(forms, first, n, cols)
+    if n == 1:
+        gemv1(w.view(dtype), xu, d, t, o)
+    else:
+        gemv(w.view(dtype), xu, d8, t, o)
+
+
+@inline
+def pairs_product(gemv1, gemv, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out,
+                  out_stride):
+    """A :data:`.jit_q8_act.Q8_ROW_PRODUCT` of a pairs kernel: ``q`` and ``d`` for one row, ``q16`` and ``d``
+    for several (:meth:`Int8Kernel.forms`)."""
+    w, _, t, o = product_arrays(raw, rows, row_bytes, n, sums, 0, table, out, out_stride)
+    q, _, q16, d, _, _ = form_arrays(forms, first, n, cols)
+    if n == 1:
+        gemv1(w, q, d, t, o)
+    else:
+        gemv(w, q16, d, t, o)
+
+
+@inline
+def pairs_sums_product(gemv1, gemv, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out,
+                       out_stride):
+    """:func:`pairs_product` of a kernel that also takes the float activation sums (per 32 or 16)."""
+    w, s, t, o = product_arrays(raw, rows, row_bytes, n, sums, sums_cols, table, out, out_stride)
+    q, _, q16, d, _, _ = form_arrays(forms, first, n, cols)
+    if n == 1:
+        gemv1(w, q, d, s, t, o)
+    else:
+        gemv(w, q16, d, s, t, o)
+
+
+@q8_cfunc
+def q8_0_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+    quads_product(q8_0_gemv1_q8, q8_0_gemv_q8, np.int8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
+                  table, out, out_stride)
+
+
+if VNNI:
+    @q8_cfunc
+    def q4_0_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+        quads_product(q4_0_gemv1_vnni, q4_0_gemv_vnni, np.uint8, raw, rows, row_bytes, forms, first, n, cols, sums,
+                      sums_cols, table, out, out_stride)
+
+    @q8_cfunc
+    def q5_0_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+        quads_product(q5_0_gemv1_vnni, q5_0_gemv_vnni, np.uint8, raw, rows, row_bytes, forms, first, n, cols, sums,
+                      sums_cols, table, out, out_stride)
+else:
+    @q8_cfunc
+    def q4_0_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+        pairs_product(q4_0_gemv1_q8, q4_0_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table,
+                      out, out_stride)
+
+    @q8_cfunc
+    def q5_0_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+        pairs_product(q5_0_gemv1_q8, q5_0_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table,
+                      out, out_stride)
+
+
+@q8_cfunc
+def iq4_nl_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+    pairs_product(iq4_nl_gemv1_q8, iq4_nl_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table,
+                  out, out_stride)
+
+
+@q8_cfunc
+def iq4_xs_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+    pairs_product(iq4_xs_gemv1_q8, iq4_xs_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table,
+                  out, out_stride)
+
+
+@q8_cfunc
+def q4_1_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+    pairs_sums_product(q4_1_gemv1_q8, q4_1_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
+                       table, out, out_stride)
+
+
+@q8_cfunc
+def q5_1_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+    pairs_sums_product(q5_1_gemv1_q8, q5_1_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
+                       table, out, out_stride)
+
+
 class Int8Kernel(JitKernel):
     """A matrix with 8-bit activations: up to ``direct_rows`` rows (and every row inside ``Workspace.rowwise``) by
     integer dot products (``gemv1_q8``/``gemv_q8``), more rows exactly as the type's float kernel (``exact``)."""
@@ -711,6 +878,10 @@ class Int8Kernel(JitKernel):
     constants = (F16_TABLE,)
     direct_rows = 8  # the multi-row kernels hold GEMV_ROWS rows' accumulators; crossover with the exact tile: 8-16
     exact: tuple[str, str]  # (module of this package, float kernel class) whose decoder prefill uses
+    # The type's Q8_ROW_PRODUCT (called by address from the compiled decode step) and the slots of the forms table it
+    # reads (:mod:`.jit_q8_act`); ``sums_width``: the float activation sums it also takes (0: none).
+    q8_row_product: object = None
+    q8_slots = PAIRS_SLOTS
 
     def __init__(self, raw: np.ndarray) -> None:
         super().__init__(raw)
@@ -750,6 +921,7 @@ class Int8Kernel(JitKernel):
 class Q8_0Int8Kernel(Int8Kernel):
     type_size, exact = Q8_0_BYTES, ("jit_q8_0", "Q8_0JitKernel")
     gemv1_q8, gemv_q8 = staticmethod(q8_0_gemv1_q8), staticmethod(q8_0_gemv_q8)
+    q8_row_product, q8_slots = q8_0_q8_rows, QUADS_SLOTS
 
     def stored(self, raw: np.ndarray) -> np.ndarray:
         return raw.view(np.int8)
@@ -762,24 +934,41 @@ class Q8_0Int8Kernel(Int8Kernel):
 
 
 class Q4_0Int8Kernel(Int8Kernel):
+    """Q4_0: with AVX-512 VNNI by pairs of blocks as Q8_0 (:func:`quads_group`, the nibbles minus 8 as its signed
+    weights), else :func:`row_group`'s pairs."""
+
     type_size, exact = Q4_0_GEO[0], ("jit_legacy", "Q4_0JitKernel")
-    gemv1_q8, gemv_q8 = staticmethod(q4_0_gemv1_q8), staticmethod(q4_0_gemv_q8)
+    q8_row_product = q4_0_q8_rows
+    if VNNI:
+        gemv1_q8, gemv_q8 = staticmethod(q4_0_gemv1_vnni), staticmethod(q4_0_gemv_vnni)
+        forms, q8_slots = Q8_0Int8Kernel.forms, QUADS_SLOTS
+    else:
+        gemv1_q8, gemv_q8 = staticmethod(q4_0_gemv1_q8), staticmethod(q4_0_gemv_q8)
 
 
 class Q5_0Int8Kernel(Int8Kernel):
+    """Q5_0: as Q4_0, bit 4 from ``qh``."""
+
     type_size, exact = Q5_0_GEO[0], ("jit_legacy", "Q5_0JitKernel")
-    gemv1_q8, gemv_q8 = staticmethod(q5_0_gemv1_q8), staticmethod(q5_0_gemv_q8)
+    q8_row_product = q5_0_q8_rows
+    if VNNI:
+        gemv1_q8, gemv_q8 = staticmethod(q5_0_gemv1_vnni), staticmethod(q5_0_gemv_vnni)
+        forms, q8_slots = Q8_0Int8Kernel.forms, QUADS_SLOTS
+    else:
+        gemv1_q8, gemv_q8 = staticmethod(q5_0_gemv1_q8), staticmethod(q5_0_gemv_q8)
 
 
 
 class IQ4_NLInt8Kernel(Int8Kernel):
     type_size, exact = IQ4_NL_GEO[0], ("jit_iq4", "IQ4_NLJitKernel")
     gemv1_q8, gemv_q8 = staticmethod(iq4_nl_gemv1_q8), staticmethod(iq4_nl_gemv_q8)
+    q8_row_product = iq4_nl_q8_rows
 
 
 class IQ4_XSInt8Kernel(Int8Kernel):
     block, type_size, exact = IQ4_XS().block_size, IQ4_XS_GEO[0], ("jit_iq4", "IQ4_XSJitKernel")
     gemv1_q8, gemv_q8 = staticmethod(iq4_xs_gemv1_q8), staticmethod(iq4_xs_gemv_q8)
+    q8_row_product = iq4_xs_q8_rows
 
 
 class Q4_1Int8Kernel(Int8Kernel):
@@ -787,11 +976,13 @@ class Q4_1Int8Kernel(Int8Kernel):
 
     type_size, exact = Q4_1_GEO[0], ("jit_legacy", "Q4_1JitKernel")
     gemv1_q8, gemv_q8 = staticmethod(q4_1_gemv1_q8), staticmethod(q4_1_gemv_q8)
+    q8_row_product, sums_width = q4_1_q8_rows, Q8_ACT_BLOCK
 
     def activations(self, x: np.ndarray) -> tuple:
-        return (*super().activations(x), x.reshape(len(x), -1, Q8_ACT_BLOCK).sum(axis=2, dtype=np.float32))
+        return (*super().activations(x), sums_of(x, self.sums_width))
 
 
 class Q5_1Int8Kernel(Q4_1Int8Kernel):
     type_size, exact = Q5_1_GEO[0], ("jit_legacy", "Q5_1JitKernel")
     gemv1_q8, gemv_q8 = staticmethod(q5_1_gemv1_q8), staticmethod(q5_1_gemv_q8)
+    q8_row_product = q5_1_q8_rows

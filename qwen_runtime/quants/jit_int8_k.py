@@ -45,12 +45,13 @@ from .jit_base import (
     sums_of,
 )
 from .jit_int8 import (
-    FEATURES,
     I16_2D,
+    PAIRS_SLOTS,
     V16_F32,
     V16_I32,
     V32_I8,
     V64_I8,
+    VNNI,
     Int8Kernel,
     _literal,
     _pointer,
@@ -62,6 +63,9 @@ from .jit_int8 import (
     inline,
     lanes_sums,
     lanes_zero,
+    pairs_product,
+    pairs_sums_product,
+    q8_cfunc,
     row_groups,
 )
 from .jit_kquants import (
@@ -77,6 +81,7 @@ from .jit_kquants import (
     q4_k_scales,
     q6_k_scales_at,
 )
+from .jit_q8_act import B32, D, Q, form_arrays, product_arrays, slots
 from .kquants import Q2_K, Q3_K
 
 Q2_K_BYTES, Q3_K_BYTES = Q2_K().type_size, Q3_K().type_size
@@ -193,7 +198,6 @@ def k23_group(update, q3, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # 
             out[i0 + g, r] = t[g] - mins[g]
 
 
-VNNI = {"avx512vnni", "avx512bw"} <= FEATURES  # the Q4_K kernels below (else the pairs of q4_k_group)
 I64, F32 = ir.IntType(64), ir.FloatType()
 V16_I32_IDX = ir.VectorType(ir.IntType(32), 16)
 SCALES = 8 * GEMV_ROWS  # floats of a group's per-block scale products (8 per activation row)
@@ -445,18 +449,82 @@ def q5_k_gemv_q8(raw, xq, xd, xsum, table, out):
     row_groups(q4_k_group, None, Q5_K_BYTES, raw, xq, xd, xsum, table, out)
 
 
+@inline
+def int8_sums_product(gemv1, gemv, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out,
+                      out_stride):
+    """A :data:`.jit_q8_act.Q8_ROW_PRODUCT` of Q4_K's VNNI kernels: ``q``, ``d`` and the float sums per 32 for
+    any number of rows."""
+    w, s, t, o = product_arrays(raw, rows, row_bytes, n, sums, sums_cols, table, out, out_stride)
+    q, _, _, d, _, _ = form_arrays(forms, first, n, cols)
+    if n == 1:
+        gemv1(w, q, d, s, t, o)
+    else:
+        gemv(w, q, d, s, t, o)
+
+
+if VNNI:
+    @inline
+    def q6_k_vnni_product(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+        """The :data:`.jit_q8_act.Q8_ROW_PRODUCT` of Q6_K's VNNI kernels: ``q``, ``d`` and ``b32``."""
+        w, _, t, o = product_arrays(raw, rows, row_bytes, n, sums, 0, table, out, out_stride)
+        q, _, _, d, _, b32 = form_arrays(forms, first, n, cols)
+        if n == 1:
+            q6_k_gemv1_vnni(w, q, d, b32, t, o)
+        else:
+            q6_k_gemv_vnni(w, q, d, b32, t, o)
+
+    @q8_cfunc
+    def q4_k_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+        int8_sums_product(q4_k_gemv1_vnni, q4_k_gemv_vnni, raw, rows, row_bytes, forms, first, n, cols, sums,
+                          sums_cols, table, out, out_stride)
+
+    @q8_cfunc
+    def q6_k_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+        q6_k_vnni_product(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride)
+else:
+    @q8_cfunc
+    def q4_k_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+        pairs_sums_product(q4_k_gemv1_q8, q4_k_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums,
+                           sums_cols, table, out, out_stride)
+
+    @q8_cfunc
+    def q6_k_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+        pairs_product(q6_k_gemv1_q8, q6_k_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
+                      table, out, out_stride)
+
+
+@q8_cfunc
+def q5_k_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+    pairs_sums_product(q5_k_gemv1_q8, q5_k_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
+                       table, out, out_stride)
+
+
+@q8_cfunc
+def q2_k_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+    pairs_sums_product(q2_k_gemv1_q8, q2_k_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
+                       table, out, out_stride)
+
+
+@q8_cfunc
+def q3_k_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+    pairs_sums_product(q3_k_gemv1_q8, q3_k_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
+                       table, out, out_stride)
+
+
 class Q4_KInt8Kernel(Int8Kernel):
     """Q4_K with 8-bit activations: ``vpdpbusd`` on 64 weights at a time where the CPU has AVX-512 VNNI (int8
     activations for any number of rows), else :func:`q4_k_group`'s pairs (int16 activations for several rows)."""
 
     block, type_size, exact = QK_K, Q4_K_BYTES, ("jit_kquants", "Q4_KJitKernel")
+    q8_row_product, sums_width = q4_k_q8_rows, 32
     if VNNI:
         gemv1_q8, gemv_q8 = staticmethod(q4_k_gemv1_vnni), staticmethod(q4_k_gemv_vnni)
+        q8_slots = slots(Q, D)
     else:
         gemv1_q8, gemv_q8 = staticmethod(q4_k_gemv1_q8), staticmethod(q4_k_gemv_q8)
 
     def activations(self, x: np.ndarray) -> tuple:
-        return (*super().activations(x), sums_of(x, 32))
+        return (*super().activations(x), sums_of(x, self.sums_width))
 
     def forms(self, q: np.ndarray, d: np.ndarray) -> tuple:
         return (q, d, q, d) if VNNI else super().forms(q, d)
@@ -467,7 +535,7 @@ class Q5_KInt8Kernel(Q4_KInt8Kernel):
 
     type_size, exact = Q5_K_BYTES, ("jit_kquants", "Q5_KJitKernel")
     gemv1_q8, gemv_q8 = staticmethod(q5_k_gemv1_q8), staticmethod(q5_k_gemv_q8)
-    forms = Int8Kernel.forms
+    forms, q8_row_product, q8_slots = Int8Kernel.forms, q5_k_q8_rows, PAIRS_SLOTS
 
 
 class Q6_KInt8Kernel(Int8Kernel):
@@ -475,8 +543,10 @@ class Q6_KInt8Kernel(Int8Kernel):
     activations and their ``-32 *`` sums of 4 for any number of rows), else :func:`q6_k_group`'s pairs."""
 
     block, type_size, exact = QK_K, Q6_K_BYTES, ("jit_kquants", "Q6_KJitKernel")
+    q8_row_product = q6_k_q8_rows
     if VNNI:
         gemv1_q8, gemv_q8 = staticmethod(q6_k_gemv1_vnni), staticmethod(q6_k_gemv_vnni)
+        q8_slots = slots(Q, D, B32)
     else:
         gemv1_q8, gemv_q8 = staticmethod(q6_k_gemv1_q8), staticmethod(q6_k_gemv_q8)
 
@@ -492,14 +562,16 @@ class Q2_KInt8Kernel(Int8Kernel):
 
     block, type_size, exact = QK_K, Q2_K_BYTES, ("jit_kquants", "Q2_KJitKernel")
     gemv1_q8, gemv_q8 = staticmethod(q2_k_gemv1_q8), staticmethod(q2_k_gemv_q8)
+    q8_row_product, sums_width = q2_k_q8_rows, 16
 
     def activations(self, x: np.ndarray) -> tuple:
-        return (*super().activations(x), sums_of(x, 16))
+        return (*super().activations(x), sums_of(x, self.sums_width))
 
 
 class Q3_KInt8Kernel(Q2_KInt8Kernel):
     type_size, exact = Q3_K_BYTES, ("jit_kquants", "Q3_KJitKernel")
     gemv1_q8, gemv_q8 = staticmethod(q3_k_gemv1_q8), staticmethod(q3_k_gemv_q8)
+    q8_row_product, sums_width = q3_k_q8_rows, 0  # no minimums: its kernels never read the sums
 
     def activations(self, x: np.ndarray) -> tuple:
         return (*Int8Kernel.activations(self, x), np.zeros((len(x), 1), np.float32))  # no minimums

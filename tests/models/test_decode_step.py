@@ -4,10 +4,14 @@ thread or two, and a pool thread that leaves the step early."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+from convert_helpers import write_qwen2
 from runtime_helpers import DENSE_FAMILIES, Converted
 
+from qwen_convert.convert import convert
 from qwen_runtime import load
 from qwen_runtime.generate import left_pad
 from qwen_runtime.models import decode_step
@@ -97,11 +101,50 @@ def test_a_checkpointed_state_steps_op_by_op(converted: Converted) -> None:
     assert not model.step.runs(1, 1, cache)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "q5_1", "iq4_nl"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_step_with_8_bit_activations_equals_the_per_operation_path(converted: Converted, name: str,
+                                                                           dtype: str, threads: int) -> None:
+    """With ``activations="q8"`` the step quantizes each product's input once (``prepare_forms``) and calls the
+    types' integer-dot row products: the per-operation path's logits, bit for bit."""
+    model = load(converted(name, "gguf", dtype), kernels="numba", threads=threads, activations="q8")
+    assert model.step is not None
+    batch = prompts(model, (5, 11, 3))
+    for rowwise in (False, True):
+        got, want = decode(model, batch, True, rowwise), decode(model, batch, False, rowwise)
+        for a, b in zip(got, want, strict=True):
+            assert np.array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def kquant_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen2 checkpoint whose rows hold whole K-quant blocks (hidden 256, intermediate 512)."""
+    return write_qwen2(tmp_path_factory.mktemp("kquant") / "src", hidden=256, inter=512)
+
+
+@pytest.mark.parametrize("dtype", ["q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "q6_k", "iq4_xs"])
+def test_compiled_step_with_8_bit_activations_on_k_quants(kquant_source: Path, tmp_path: Path, dtype: str) -> None:
+    """The K-quant and IQ4_XS row products with 8-bit activations (a model whose matrices are those types): the
+    per-operation path's logits, bit for bit, for one row and a batch."""
+    path = convert(kquant_source, tmp_path / f"m-{dtype}.gguf", "gguf", dtype).output
+    model = load(path, kernels="numba", threads=2, activations="q8")
+    assert model.step is not None
+    for lengths in ((6,), (5, 9, 3)):
+        batch = prompts(model, lengths)
+        for a, b in zip(decode(model, batch, True), decode(model, batch, False), strict=True):
+            assert np.array_equal(a, b)
+
+
 def test_models_without_a_compiled_step(converted: Converted) -> None:
-    """8-bit activations and the numpy kernels keep the per-operation path (float32 matrices through whole-matrix
-    BLAS calls with the numpy kernels)."""
-    assert load(converted("qwen2-tiny", "gguf", "q8_0"), kernels="numba", activations="q8").step is None
+    """The numpy kernels keep the per-operation path (float32 matrices through whole-matrix BLAS calls); a model
+    built for 8-bit activations steps aside when its workspace is switched back to float ones."""
     for dtype in ("q8_0", "fp32"):
         model = load(converted("qwen2-tiny", "gguf", dtype), kernels="numpy")
         assert model.step is None
     assert load(converted("qwen2-tiny", "gguf", "fp32"), kernels="numba").step is not None
+    model = load(converted("qwen2-tiny", "gguf", "q8_0"), kernels="numba", activations="q8")
+    cache = model.make_cache(1, 4)
+    assert model.step.runs(1, 1, cache)
+    model.workspace.activations = "float"
+    assert not model.step.runs(1, 1, cache)

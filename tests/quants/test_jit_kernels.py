@@ -28,7 +28,7 @@ from gguf import quants
 
 from qwen_runtime.jit_setup import cpu_features, import_closure, imported_files, release_compiler_pages
 from qwen_runtime.pool import Scratch, Workspace, resolve_kernels
-from qwen_runtime.quants import JIT_KERNELS, QType, codec, jit_kernel
+from qwen_runtime.quants import JIT_KERNELS, JIT_Q8_KERNELS, QType, codec, jit_kernel
 from qwen_runtime.tensors import StoredTensor
 from qwen_runtime.weights import gated_matmul, make_weight, matmul_many
 
@@ -36,6 +36,7 @@ pytest.importorskip("numba")
 from qwen_runtime.ops_jit import silu_mul  # noqa: E402
 from qwen_runtime.quants.jit_base import F16_TABLE, GEMV_ROWS, sums_of  # noqa: E402 (numba is needed from here on)
 from qwen_runtime.quants.jit_q8_0 import Q8_0JitKernel  # noqa: E402
+from qwen_runtime.quants.jit_q8_act import forms_bytes, prepare_forms  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 # Byte offsets of the float16 fields of each block (scales and minimums): set to edge values below.
@@ -172,6 +173,34 @@ def test_row_product_by_address_equals_the_kernel_bit_for_bit(qtype: QType, n: i
                                             out[:, 3:].ctypes.data, out.shape[1])
     assert np.array_equal(out[:, 3:35], expected)
     assert np.isnan(out[:, :3]).all() and np.isnan(out[:, 35:]).all()  # nothing written outside its columns
+
+
+Q8_ROW_PRODUCT = ctypes.CFUNCTYPE(None, *([ctypes.c_int64] * 12))
+
+
+@pytest.mark.parametrize("qtype", sorted(JIT_Q8_KERNELS, key=lambda q: q.name), ids=lambda q: q.name)
+@pytest.mark.parametrize("n", [1, 3, GEMV_ROWS])
+def test_q8_row_product_by_address_equals_the_kernel_bit_for_bit(qtype: QType, n: int) -> None:
+    """Each type's Q8_ROW_PRODUCT (the compiled decode step's call with 8-bit activations): the forms table filled
+    by ``prepare_forms`` for two more rows than it uses (the product reads rows 2..), rows 5..37 of the matrix into
+    columns of a wider output: the same bits as the kernel's own product, which quantizes in numpy."""
+    raw = random_blocks(qtype, 40, 512, seed=8)
+    kernel = jit_kernel(qtype, raw, "q8")
+    x = np.random.default_rng(9).normal(0, 1, (n + 2, 512)).astype(np.float32)
+    expected = np.empty((n, 32), np.float32)
+    kernel.product_rows(5, 37, kernel.prepare(x[2:]), expected, Scratch())
+    buffers = [np.zeros(size + 64, np.uint8) for size in forms_bytes(n + 2, 512)]
+    forms = np.array([b.ctypes.data + (-b.ctypes.data % 64) for b in buffers], np.int64)
+    prepare_forms(x, kernel.q8_slots, forms.ctypes.data)
+    width = kernel.sums_width
+    sums = sums_of(x[2:], width) if width else np.empty((n, 0), np.float32)
+    stored = kernel.raw.view(np.uint8)
+    out = np.full((n, 50), np.nan, np.float32)
+    Q8_ROW_PRODUCT(kernel.q8_row_product.address)(stored[5:].ctypes.data, 32, stored.shape[1], forms.ctypes.data, 2,
+                                                  n, 512, sums.ctypes.data, sums.shape[1], F16_TABLE.ctypes.data,
+                                                  out[:, 3:].ctypes.data, out.shape[1])
+    assert np.array_equal(out[:, 3:35], expected)
+    assert np.isnan(out[:, :3]).all() and np.isnan(out[:, 35:]).all()
 
 
 @pytest.mark.parametrize("width", [16, 32])
