@@ -13,8 +13,13 @@ pairwise (:func:`lanes_sums`).  Q8_0 goes by pairs of blocks (:func:`q8_0_quads_
 taken off by a bias computed once per weight pair) gives 16 exact sums of 4 products, lanes 0-7 of the first
 block, 8-15 of the second: half the conversions and fused adds per block (elsewhere the same sums from
 ``pmaddwd`` pairs).  With VNNI, Q4_0 and Q5_0 go the same way (:func:`quads_group`), their nibbles (and bit 4,
-selected by a mask register: :func:`.jit_legacy.bit4_bytes`) minus the bias as the signed weights.  Q4_1's and
-Q5_1's minimums multiply the float32 activation sums per 32 (as Q4_K's).
+selected by a mask register: :func:`.jit_legacy.bit4_bytes`) minus the bias as the signed weights.  One activation
+row goes the other way round (:data:`START`): the weights are the unsigned operand (Q8_0's plus 128, the nibbles
+as stored) against the int8 activations, and each ``vpdpbusd`` starts from ``-bias`` times the activations' sums
+of 4 (computed once per product, :func:`.jit_q8_act.start_values`, shifted to the type's bias): no second
+``vpdpbusd`` per pair of blocks for the weights' sums, and a shorter chain (151936 x 896, one thread: Q8_0 0.087 ->
+0.070, the exact kernel 0.072; Q4_0 0.053 -> 0.048).  The sums are exact either way, so a row's numbers are the
+same alone and in a group.  Q4_1's and Q5_1's minimums multiply the float32 activation sums per 32 (as Q4_K's).
 
 Rows: one activation row (``gemv1_q8``) and several (``gemv_q8``) run the same inline loop
 (:func:`row_group`), for several rows in fixed groups of :data:`GROUP` (then 4, 2, 1: :func:`row_groups`) over
@@ -75,7 +80,20 @@ from .jit_base import (
     sums_of,
 )
 from .jit_legacy import bit4_bytes
-from .jit_q8_act import D8, Q8_ROW_PRODUCT, Q16, XU, D, Q, form_arrays, product_arrays, quantize_rows, slots
+from .jit_q8_act import (
+    B32,
+    D8,
+    Q8_ROW_PRODUCT,
+    Q16,
+    XU,
+    D,
+    Q,
+    form_arrays,
+    product_arrays,
+    quantize_rows,
+    slots,
+    start_values,
+)
 from .legacy import Q4_0, Q4_1, Q5_0, Q5_1
 from .q8_0 import Q8_0_BYTES
 from .q8_act import Q8_ACT_BLOCK
@@ -388,22 +406,32 @@ def _vnni_bias(builder: ir.IRBuilder, w: ir.Value) -> ir.Value | None:
 
 
 BYTES, NIBBLES, BIT4 = 0, 1, 2  # q8_0_quads_fma's kinds of weights: Q8_0's bytes, Q4_0's nibbles, Q5_0's (bit 4)
+# q8_0_quads_fma's forms (bits): block 0 alone, the scales expanded, one row from start values (signed activations)
+ALONE, EXPANDED, START = 1, 2, 4
+EXPANDED_ALONE, START_ALONE = EXPANDED | ALONE, START | ALONE
 
 
-def _weights64(context, builder: ir.IRBuilder, signature, args: list, kind: int, alone: int) -> ir.Value:
-    """The ``<64 x i8>`` signed weights of two blocks of 32 for :func:`q8_0_quads_fma` (its arguments ``blocks,
-    o0, o1, qh0, qh1, bias``): :data:`BYTES`, Q8_0's quants at ``blocks[o0]`` and ``blocks[o1]``;
-    :data:`NIBBLES`, the 16 bytes there as Q4_0's nibbles (a block's values ``k`` and ``16 + k`` the low and high
-    nibble of byte ``k``); :data:`BIT4`, those with bit 4 of each value from ``qh0``/``qh1`` (Q5_0); the nibbles
-    minus ``bias``.  With ``alone`` block 0 alone: block 1's weights are zeros."""
+def _weights64(context, builder: ir.IRBuilder, signature, args: list, kind: int, alone: int,
+               unsigned: bool = False) -> ir.Value:
+    """The ``<64 x i8>`` weights of two blocks of 32 for :func:`q8_0_quads_fma` (its arguments ``blocks, o0, o1,
+    qh0, qh1, bias``): :data:`BYTES`, Q8_0's quants at ``blocks[o0]`` and ``blocks[o1]``; :data:`NIBBLES`, the 16
+    bytes there as Q4_0's nibbles (a block's values ``k`` and ``16 + k`` the low and high nibble of byte ``k``);
+    :data:`BIT4`, those with bit 4 of each value from ``qh0``/``qh1`` (Q5_0).  Signed: the nibbles minus ``bias``;
+    ``unsigned``: the nibbles as they are, Q8_0's quants plus 128 (``vpdpbusd``'s unsigned operand).  With
+    ``alone`` block 0 alone: block 1's weights are zeros."""
     blocks, o0, o1, qh0, qh1, bias = args[:6]
     pick = ir.Constant(ir.VectorType(I32, 64), list(range(64)))
+    keep = ir.Constant(V64_I8, [-1] * Q8_ACT_BLOCK + [0] * Q8_ACT_BLOCK)
     if kind == BYTES:
         def load32(at):
             return builder.load(_pointer(context, builder, signature.args[0], blocks, at, V32_I8), align=1)
 
         zeros = ir.Constant(V32_I8, [0] * Q8_ACT_BLOCK)
-        return builder.shuffle_vector(load32(o0), zeros if alone else load32(o1), pick)
+        w = builder.shuffle_vector(load32(o0), zeros if alone else load32(o1), pick)
+        if unsigned:
+            w = builder.xor(w, ir.Constant(V64_I8, [-128] * 64))
+            w = builder.and_(w, keep) if alone else w
+        return w
     q0, q1 = (builder.load(_pointer(context, builder, signature.args[0], blocks, o, V16_I8), align=1) for o in (o0, o1))
     both = builder.shuffle_vector(q0, q1, ir.Constant(V32_I32, list(range(Q8_ACT_BLOCK))))
     low = builder.and_(both, ir.Constant(V32_I8, [15] * Q8_ACT_BLOCK))
@@ -415,34 +443,53 @@ def _weights64(context, builder: ir.IRBuilder, signature, args: list, kind: int,
                  for qh in (qh0, qh1)]
         mask = builder.shuffle_vector(*masks, ir.Constant(ir.VectorType(I32, 64), list(range(64))))
         w = builder.or_(w, builder.select(mask, ir.Constant(V64_I8, [16] * 64), ir.Constant(V64_I8, [0] * 64)))
-    w = builder.sub(w, _splat(builder, builder.trunc(bias, ir.IntType(8)), V64_I8))
+    if not unsigned:
+        w = builder.sub(w, _splat(builder, builder.trunc(bias, ir.IntType(8)), V64_I8))
+    return builder.and_(w, keep) if alone else w
+
+
+def _start_values(context, builder: ir.IRBuilder, array_type, start: ir.Value, at: ir.Value, kind: int,
+                  alone: int) -> ir.Value:
+    """``vpdpbusd``'s start values for unsigned weights against signed activations: ``-bias`` times each sum of 4
+    activations (bias 128 for Q8_0's quants plus 128, 8 for Q4_0's nibbles, 16 for Q5_0's), from the 16 values
+    ``-32 * (sum of 4)`` at ``start[at]`` (:data:`.jit_q8_act.B32`) by a shift; lanes 8-15 zero ``alone``."""
     if alone:
-        keep = ir.Constant(V64_I8, [-1] * Q8_ACT_BLOCK + [0] * Q8_ACT_BLOCK)
-        w = builder.and_(w, keep)
-    return w
+        eight = builder.load(_pointer(context, builder, array_type, start, at, ir.VectorType(I32, 8)), align=4)
+        values = builder.shuffle_vector(eight, ir.Constant(ir.VectorType(I32, 8), [0] * 8),
+                                        ir.Constant(V16_I32, list(range(16))))
+    else:
+        values = builder.load(_pointer(context, builder, array_type, start, at, V16_I32), align=4)
+    if kind == BYTES:
+        return builder.shl(values, ir.Constant(V16_I32, [2] * PAIRS))
+    return builder.ashr(values, ir.Constant(V16_I32, [2 if kind == NIBBLES else 1] * PAIRS))
 
 
 @intrinsic
 def q8_0_quads_fma(typingctx, blocks, o0, o1, qh0, qh1, bias, kind, form, xu, x_at, x_stride, xd, d_at, d_stride,
-                   d0, d1, acc, group):  # noqa: ARG001
+                   d0, d1, start, start_at, acc, group):  # noqa: ARG001
     """Two blocks of 32 weights (:func:`_weights64`: Q8_0's, or Q4_0's and Q5_0's by ``form``; scales ``d0``,
     ``d1``) times ``group`` activation rows (a literal) at once: row ``g``'s 64 activations ``xu[x_at + g *
     x_stride]`` (uint8, ``x + 128``) with scales ``d_x0``, ``d_x1`` from ``xd[d_at + g * d_stride]``; its 16 lanes
     at ``acc + 16 g``: lanes 0-7 ``fma(f32(quads of block 0), d0 * d_x0, lanes)``, 8-15 block 1's
     (:func:`_quads`).  ``form`` (a literal): bit 0 set, block 0 alone (the row's last, odd block; lanes 8-15 add
     exact zeros); bit 1 set, ``xd`` holds each block's scale 8 times (:meth:`Q8_0Int8Kernel.forms`: one 64-byte
-    load per row, no shuffle), else once; ``kind`` (a literal) the weights' (:data:`BYTES` ...)."""
+    load per row, no shuffle), else once; bit 2 (:data:`START`, one row): ``xu`` holds the signed activations
+    (int8) and the weights are the unsigned operand, the sums started from :func:`_start_values` of ``start``
+    [``start_at``] (fewer operations and a shorter chain for one row; the same exact sums); ``kind`` (a literal)
+    the weights' (:data:`BYTES` ...)."""
     if not (_literal(group) and all(isinstance(a, types.IntegerLiteral) for a in (kind, form))):
+        return None
+    if form.literal_value & START and group.literal_value != 1:
         return None
 
     def codegen(context, builder, signature, args):
-        xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, acc, _ = args[8:]
-        form = signature.args[7].literal_value
-        alone, expanded = form & 1, form & 2
+        xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, start, start_at, acc, _ = args[8:]
+        form, kind = signature.args[7].literal_value, signature.args[6].literal_value
+        alone, expanded, started = form & 1, form & 2, form & START
         zeros = ir.Constant(V32_I8, [0] * Q8_ACT_BLOCK)
         pick = ir.Constant(ir.VectorType(I32, 64), list(range(64)))
-        w = _weights64(context, builder, signature, args, signature.args[6].literal_value, alone)
-        bias = _vnni_bias(builder, w)
+        w = _weights64(context, builder, signature, args, kind, alone, unsigned=bool(started))
+        bias = None if started else _vnni_bias(builder, w)
         upper = ir.Constant(V16_I32, [*range(8), *range(24, 32)])
         scale_w = builder.shuffle_vector(_splat(builder, d0, V16_F32), _splat(builder, d0 if alone else d1, V16_F32),
                                          upper)
@@ -458,7 +505,12 @@ def q8_0_quads_fma(typingctx, blocks, o0, o1, qh0, qh1, bias, kind, form, xu, x_
                 x = builder.shuffle_vector(builder.load(builder.bitcast(at, V32_I8.as_pointer()), align=1), zeros, pick)
             else:
                 x = builder.load(builder.bitcast(at, V64_I8.as_pointer()), align=1)
-            quads = builder.sitofp(_quads(builder, w, x, bias), V16_F32)
+            if started:
+                values = _start_values(context, builder, signature.args[16], start, start_at, kind, alone)
+                quads = builder.sitofp(builder.call(_vpdpbusd(builder), [values, builder.bitcast(w, V16_I32),
+                                                                          builder.bitcast(x, V16_I32)]), V16_F32)
+            else:
+                quads = builder.sitofp(_quads(builder, w, x, bias), V16_F32)
             d_row = builder.gep(f32_pointer, [builder.mul(row, d_stride)])
             if expanded and alone:
                 eight = builder.load(builder.bitcast(d_row, v8_f32.as_pointer()), align=4)
@@ -474,8 +526,8 @@ def q8_0_quads_fma(typingctx, blocks, o0, o1, qh0, qh1, bias, kind, form, xu, x_
                           align=4)
         return context.get_dummy_value()
 
-    return (types.void(blocks, o0, o1, qh0, qh1, bias, kind, form, xu, x_at, x_stride, xd, d_at, d_stride, d0, d1, acc,
-                       group), codegen)
+    return (types.void(blocks, o0, o1, qh0, qh1, bias, kind, form, xu, x_at, x_stride, xd, d_at, d_stride, d0, d1,
+                       start, start_at, acc, group), codegen)
 
 
 @intrinsic
@@ -595,13 +647,15 @@ def row_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):
 
 
 @inline
-def quads_group(kind, expanded, geo, group, r0, r1, i0, raw, xu, xd, table, out):
-    """:func:`row_group` by pairs of blocks (:func:`q8_0_quads_fma`, weights of ``kind``, a literal): ``xu`` [N,
-    nb * 32] the activations plus 128 as uint8, each lane a sum over every other block of 4-product sums;
-    ``expanded`` (a literal): ``xd`` [N, nb * 8], each block's scale 8 times."""
+def quads_group(kind, form, geo, group, r0, r1, i0, raw, xu, xd, start, table, out):
+    """:func:`row_group` by pairs of blocks (:func:`q8_0_quads_fma`, weights of ``kind``, a literal), each lane a
+    sum over every other block of 4-product sums.  ``form`` (a literal): 0, ``xu`` [N, nb * 32] the activations plus
+    128 as uint8 and ``xd`` [N, nb] their scales; :data:`EXPANDED`, ``xd`` [N, nb * 8] each block's scale 8 times;
+    :data:`START` (one row, VNNI), ``xu`` the activations as int8, ``xd`` [N, nb] and ``start`` [N, nb * 8] the
+    rows' -32 times each sum of 4 activations (:data:`.jit_q8_act.B32`)."""
     cols, nd = xu.shape[1], xd.shape[1]
     nb = cols // 32
-    per = 8 if expanded else 1
+    per = nd // nb
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     s = carray(sums, (GEMV_ROWS,))
     bias = geo[2]
@@ -613,42 +667,45 @@ def quads_group(kind, expanded, geo, group, r0, r1, i0, raw, xu, xd, table, out)
             o0, d0 = _block(table, blocks, b, geo)
             o1, d1 = _block(table, blocks, b + 1, geo)
             h0, h1 = _qh(blocks, o0, geo), _qh(blocks, o1, geo)
-            x_at, d_at = i0 * cols + b * 32, i0 * nd + b * per
+            x_at, d_at, s_at = i0 * cols + b * 32, i0 * nd + b * per, i0 * (cols // 4) + b * 8
             q0, q1 = o0 + geo[1], o1 + geo[1]
-            if expanded:
-                q8_0_quads_fma(blocks, q0, q1, h0, h1, bias, kind, 2, xu, x_at, cols, xd, d_at, nd, d0, d1, acc, group)
-            else:
-                q8_0_quads_fma(blocks, q0, q1, h0, h1, bias, kind, 0, xu, x_at, cols, xd, d_at, nd, d0, d1, acc, group)
+            q8_0_quads_fma(blocks, q0, q1, h0, h1, bias, kind, form, xu, x_at, cols, xd, d_at, nd, d0, d1, start,
+                           s_at, acc, group)
         if nb % 2:
             b = nb - 1
             o0, d0 = _block(table, blocks, b, geo)
             h0 = _qh(blocks, o0, geo)
-            x_at, d_at, q0 = i0 * cols + b * 32, i0 * nd + b * per, o0 + geo[1]
-            if expanded:
-                q8_0_quads_fma(blocks, q0, q0, h0, h0, bias, kind, 3, xu, x_at, cols, xd, d_at, nd, d0, d0, acc, group)
+            x_at, d_at, s_at, q0 = i0 * cols + b * 32, i0 * nd + b * per, i0 * (cols // 4) + b * 8, o0 + geo[1]
+            if form == START:
+                q8_0_quads_fma(blocks, q0, q0, h0, h0, bias, kind, START_ALONE, xu, x_at, cols, xd, d_at, nd, d0, d0,
+                               start, s_at, acc, group)
+            elif form == EXPANDED:
+                q8_0_quads_fma(blocks, q0, q0, h0, h0, bias, kind, EXPANDED_ALONE, xu, x_at, cols, xd, d_at, nd, d0,
+                               d0, start, s_at, acc, group)
             else:
-                q8_0_quads_fma(blocks, q0, q0, h0, h0, bias, kind, 1, xu, x_at, cols, xd, d_at, nd, d0, d0, acc, group)
+                q8_0_quads_fma(blocks, q0, q0, h0, h0, bias, kind, ALONE, xu, x_at, cols, xd, d_at, nd, d0, d0, start,
+                               s_at, acc, group)
         lanes_sums(acc, group, sums)
         for g in range(group):
             out[i0 + g, r] = s[g]
 
 
 @inline
-def q8_0_quads(expanded, geo, group, r0, r1, i0, raw, xu, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
-    """:func:`quads_group` of Q8_0 (``expanded`` in the protocol's ``update`` place)."""
-    quads_group(BYTES, expanded, geo, group, r0, r1, i0, raw, xu, xd, table, out)
+def q8_0_quads(form, geo, group, r0, r1, i0, raw, xu, xd, start, table, out):
+    """:func:`quads_group` of Q8_0 (``form`` in the protocol's ``update`` place, the start values in its ``xsum``)."""
+    quads_group(BYTES, form, geo, group, r0, r1, i0, raw, xu, xd, start, table, out)
 
 
 @inline
-def q4_0_quads(expanded, geo, group, r0, r1, i0, raw, xu, xd, xsum, table, out):  # noqa: ARG001
+def q4_0_quads(form, geo, group, r0, r1, i0, raw, xu, xd, start, table, out):
     """:func:`quads_group` of Q4_0."""
-    quads_group(NIBBLES, expanded, geo, group, r0, r1, i0, raw, xu, xd, table, out)
+    quads_group(NIBBLES, form, geo, group, r0, r1, i0, raw, xu, xd, start, table, out)
 
 
 @inline
-def q5_0_quads(expanded, geo, group, r0, r1, i0, raw, xu, xd, xsum, table, out):  # noqa: ARG001
+def q5_0_quads(form, geo, group, r0, r1, i0, raw, xu, xd, start, table, out):
     """:func:`quads_group` of Q5_0."""
-    quads_group(BIT4, expanded, geo, group, r0, r1, i0, raw, xu, xd, table, out)
+    quads_group(BIT4, form, geo, group, r0, r1, i0, raw, xu, xd, start, table, out)
 
 
 @inline
@@ -685,35 +742,39 @@ LEGACY_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
 LEGACY_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_1D, F32_2D)
 MIN_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)  # + activation sums per 32
 MIN_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
-
-
-@compiled(Q8_0_GEMV)
-def q8_0_gemv1_q8(raw, xu, xd, table, out):
-    q8_0_quads(False, Q8_0_GEO, 1, 0, raw.shape[0], 0, raw, xu, xd, xd, table, out)
+I32_2D = types.Array(types.int32, 2, "C", readonly=True)  # start values (jit_q8_act.B32)
+QUADS_GEMV = types.void(U8_2D, U8_2D, F32_2D_C, F32_1D, F32_2D)  # Q4_0/Q5_0 by quads: activations + 128 as uint8
 
 
 @compiled(Q8_0_GEMV)
 def q8_0_gemv_q8(raw, xu, xd, table, out):
-    row_groups(q8_0_quads, True, Q8_0_GEO, raw, xu, xd, xd, table, out)
+    row_groups(q8_0_quads, EXPANDED, Q8_0_GEO, raw, xu, xd, xd, table, out)
 
 
-QUADS_GEMV = types.void(U8_2D, U8_2D, F32_2D_C, F32_1D, F32_2D)  # Q4_0/Q5_0 by quads: activations + 128 as uint8
-if VNNI:
-    @compiled(QUADS_GEMV)
-    def q4_0_gemv1_vnni(raw, xu, xd, table, out):
-        q4_0_quads(False, Q4_0_GEO, 1, 0, raw.shape[0], 0, raw, xu, xd, xd, table, out)
+if VNNI:  # one row from start values: int8 activations, the weights as vpdpbusd's unsigned operand
+    @compiled(types.void(I8_2D, I8_2D, F32_2D_C, I32_2D, F32_1D, F32_2D))
+    def q8_0_gemv1_q8(raw, xq, xd, start, table, out):
+        q8_0_quads(START, Q8_0_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, start, table, out)
+
+    @compiled(types.void(U8_2D, I8_2D, F32_2D_C, I32_2D, F32_1D, F32_2D))
+    def q4_0_gemv1_vnni(raw, xq, xd, start, table, out):
+        q4_0_quads(START, Q4_0_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, start, table, out)
 
     @compiled(QUADS_GEMV)
     def q4_0_gemv_vnni(raw, xu, xd, table, out):
-        row_groups(q4_0_quads, True, Q4_0_GEO, raw, xu, xd, xd, table, out)
+        row_groups(q4_0_quads, EXPANDED, Q4_0_GEO, raw, xu, xd, xd, table, out)
 
-    @compiled(QUADS_GEMV)
-    def q5_0_gemv1_vnni(raw, xu, xd, table, out):
-        q5_0_quads(False, Q5_0_GEO, 1, 0, raw.shape[0], 0, raw, xu, xd, xd, table, out)
+    @compiled(types.void(U8_2D, I8_2D, F32_2D_C, I32_2D, F32_1D, F32_2D))
+    def q5_0_gemv1_vnni(raw, xq, xd, start, table, out):
+        q5_0_quads(START, Q5_0_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, start, table, out)
 
     @compiled(QUADS_GEMV)
     def q5_0_gemv_vnni(raw, xu, xd, table, out):
-        row_groups(q5_0_quads, True, Q5_0_GEO, raw, xu, xd, xd, table, out)
+        row_groups(q5_0_quads, EXPANDED, Q5_0_GEO, raw, xu, xd, xd, table, out)
+else:
+    @compiled(Q8_0_GEMV)
+    def q8_0_gemv1_q8(raw, xu, xd, table, out):
+        q8_0_quads(0, Q8_0_GEO, 1, 0, raw.shape[0], 0, raw, xu, xd, xd, table, out)
 
 
 @compiled(LEGACY_GEMV)
@@ -777,20 +838,32 @@ def q5_1_gemv_q8(raw, xq, xd, xsum, table, out):
 
 
 q8_cfunc = numba.cfunc(Q8_ROW_PRODUCT, nopython=True, cache=True)
-QUADS_SLOTS, PAIRS_SLOTS = slots(XU, D, D8), slots(Q, Q16, D)  # what quads_product and pairs_product read
+QUADS_SLOTS, PAIRS_SLOTS = slots(Q, XU, D, D8, B32), slots(Q, Q16, D)  # what quads_product and pairs_product read
 
 
-@inline
-def quads_product(gemv1, gemv, dtype, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out,
-                  out_stride):
-    """A :data:`.jit_q8_act.Q8_ROW_PRODUCT` of a quads kernel (raw viewed as ``dtype``): ``xu`` and ``d`` for
-    one row, ``xu`` and ``d8`` for several (:meth:`Q8_0Int8Kernel.forms`)."""
-    w, _, t, o = product_arrays(raw, rows, row_bytes, n, sums, 0, table, out, out_stride)
-    _, xu, _, d, d8, _ = form_arrays(forms, first, n, cols)
-    if n == 1:
-        gemv1(w.view(dtype), xu, d, t, o)
-    else:
-        gemv(w.view(dtype), xu, d8, t, o)
+if VNNI:
+    @inline
+    def quads_product(gemv1, gemv, dtype, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out,
+                      out_stride):
+        """A :data:`.jit_q8_act.Q8_ROW_PRODUCT` of a quads kernel (raw viewed as ``dtype``; :meth:`QuadsKernel.forms`):
+        ``q``, ``d`` and ``b32`` for one row, ``xu`` and ``d8`` for several."""
+        w, _, t, o = product_arrays(raw, rows, row_bytes, n, sums, 0, table, out, out_stride)
+        q, xu, _, d, d8, b32 = form_arrays(forms, first, n, cols)
+        if n == 1:
+            gemv1(w.view(dtype), q, d, b32, t, o)
+        else:
+            gemv(w.view(dtype), xu, d8, t, o)
+else:
+    @inline
+    def quads_product(gemv1, gemv, dtype, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out,
+                      out_stride):
+        """Without VNNI (Q8_0 only): ``xu`` and ``d`` for one row, ``xu`` and ``d8`` for several."""
+        w, _, t, o = product_arrays(raw, rows, row_bytes, n, sums, 0, table, out, out_stride)
+        _, xu, _, d, d8, _ = form_arrays(forms, first, n, cols)
+        if n == 1:
+            gemv1(w.view(dtype), xu, d, t, o)
+        else:
+            gemv(w.view(dtype), xu, d8, t, o)
 
 
 @inline
@@ -918,45 +991,66 @@ class Int8Kernel(JitKernel):
             self.gemv_q8(raw, q_rows, d_rows, *rest, *self.constants, out)
 
 
-class Q8_0Int8Kernel(Int8Kernel):
+class QuadsKernel(Int8Kernel):
+    """A type multiplied by pairs of blocks (:func:`quads_group`): one row from ``q``, ``d`` and the start values
+    ``b32`` where the CPU has AVX-512 VNNI (``xu`` and ``d`` elsewhere), several rows from ``xu`` and ``d8``."""
+
+    q8_slots = QUADS_SLOTS
+
+    def forms(self, q: np.ndarray, d: np.ndarray) -> tuple:
+        """(q, d, xu, d8, b32): the activations, their scales, the activations plus 128 as uint8, each scale 8
+        times, -32 times each sum of 4 activations (what each kernel reads of them, :meth:`_rows`)."""
+        xu = q.view(np.uint8) ^ np.uint8(128)
+        return q, d, xu, np.repeat(d, PAIRS // 2, axis=1), start_values(q)
+
+    def _rows(self, raw: np.ndarray, x: np.ndarray, extra: list, out: np.ndarray) -> None:
+        q, d, xu, d8, b32 = extra
+        if len(x) == 1 and VNNI:
+            self.gemv1_q8(raw, q, d, b32, *self.constants, out)
+        elif len(x) == 1:
+            self.gemv1_q8(raw, xu, d, *self.constants, out)
+        else:
+            self.gemv_q8(raw, xu, d8, *self.constants, out)
+
+
+class Q8_0Int8Kernel(QuadsKernel):
     type_size, exact = Q8_0_BYTES, ("jit_q8_0", "Q8_0JitKernel")
     gemv1_q8, gemv_q8 = staticmethod(q8_0_gemv1_q8), staticmethod(q8_0_gemv_q8)
-    q8_row_product, q8_slots = q8_0_q8_rows, QUADS_SLOTS
+    q8_row_product = q8_0_q8_rows
 
     def stored(self, raw: np.ndarray) -> np.ndarray:
         return raw.view(np.int8)
 
-    def forms(self, q: np.ndarray, d: np.ndarray) -> tuple:
-        """Both kernels read the activations plus 128 as uint8 (:func:`q8_0_quads_fma`); for more than one row
-        each block's scale 8 times (a 64-byte load per row and pair of blocks)."""
-        xu = q.view(np.uint8) ^ np.uint8(128)
-        return xu, d, xu, (np.repeat(d, PAIRS // 2, axis=1) if len(q) > 1 else d)
 
+if VNNI:
+    class Q4_0Int8Kernel(QuadsKernel):
+        """Q4_0 with AVX-512 VNNI: by pairs of blocks as Q8_0 (:func:`quads_group`, the nibbles as they are
+        against ``q`` for one row, minus 8 against ``xu`` for several)."""
 
-class Q4_0Int8Kernel(Int8Kernel):
-    """Q4_0: with AVX-512 VNNI by pairs of blocks as Q8_0 (:func:`quads_group`, the nibbles minus 8 as its signed
-    weights), else :func:`row_group`'s pairs."""
-
-    type_size, exact = Q4_0_GEO[0], ("jit_legacy", "Q4_0JitKernel")
-    q8_row_product = q4_0_q8_rows
-    if VNNI:
+        type_size, exact = Q4_0_GEO[0], ("jit_legacy", "Q4_0JitKernel")
         gemv1_q8, gemv_q8 = staticmethod(q4_0_gemv1_vnni), staticmethod(q4_0_gemv_vnni)
-        forms, q8_slots = Q8_0Int8Kernel.forms, QUADS_SLOTS
-    else:
-        gemv1_q8, gemv_q8 = staticmethod(q4_0_gemv1_q8), staticmethod(q4_0_gemv_q8)
+        q8_row_product = q4_0_q8_rows
 
+    class Q5_0Int8Kernel(QuadsKernel):
+        """Q5_0 with AVX-512 VNNI: as Q4_0, bit 4 from ``qh``."""
 
-class Q5_0Int8Kernel(Int8Kernel):
-    """Q5_0: as Q4_0, bit 4 from ``qh``."""
-
-    type_size, exact = Q5_0_GEO[0], ("jit_legacy", "Q5_0JitKernel")
-    q8_row_product = q5_0_q8_rows
-    if VNNI:
+        type_size, exact = Q5_0_GEO[0], ("jit_legacy", "Q5_0JitKernel")
         gemv1_q8, gemv_q8 = staticmethod(q5_0_gemv1_vnni), staticmethod(q5_0_gemv_vnni)
-        forms, q8_slots = Q8_0Int8Kernel.forms, QUADS_SLOTS
-    else:
-        gemv1_q8, gemv_q8 = staticmethod(q5_0_gemv1_q8), staticmethod(q5_0_gemv_q8)
+        q8_row_product = q5_0_q8_rows
+else:
+    class Q4_0Int8Kernel(Int8Kernel):
+        """Q4_0 without VNNI: :func:`row_group`'s pairs."""
 
+        type_size, exact = Q4_0_GEO[0], ("jit_legacy", "Q4_0JitKernel")
+        gemv1_q8, gemv_q8 = staticmethod(q4_0_gemv1_q8), staticmethod(q4_0_gemv_q8)
+        q8_row_product = q4_0_q8_rows
+
+    class Q5_0Int8Kernel(Int8Kernel):
+        """Q5_0 without VNNI: :func:`row_group`'s pairs."""
+
+        type_size, exact = Q5_0_GEO[0], ("jit_legacy", "Q5_0JitKernel")
+        gemv1_q8, gemv_q8 = staticmethod(q5_0_gemv1_q8), staticmethod(q5_0_gemv_q8)
+        q8_row_product = q5_0_q8_rows
 
 
 class IQ4_NLInt8Kernel(Int8Kernel):

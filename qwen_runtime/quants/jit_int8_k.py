@@ -46,6 +46,7 @@ from .jit_base import (
 )
 from .jit_int8 import (
     I16_2D,
+    I32_2D,
     PAIRS_SLOTS,
     V16_F32,
     V16_I32,
@@ -81,7 +82,7 @@ from .jit_kquants import (
     q4_k_scales,
     q6_k_scales_at,
 )
-from .jit_q8_act import B32, D, Q, form_arrays, product_arrays, slots
+from .jit_q8_act import B32, D, Q, form_arrays, product_arrays, slots, start_values
 from .kquants import Q2_K, Q3_K
 
 Q2_K_BYTES, Q3_K_BYTES = Q2_K().type_size, Q3_K().type_size
@@ -202,7 +203,6 @@ I64, F32 = ir.IntType(64), ir.FloatType()
 V16_I32_IDX = ir.VectorType(ir.IntType(32), 16)
 SCALES = 8 * GEMV_ROWS  # floats of a group's per-block scale products (8 per activation row)
 Q6_SCALES = 16 * GEMV_ROWS  # the same for Q6_K (16 per activation row)
-I32_2D = types.Array(types.int32, 2, "C", readonly=True)  # Q6_K's activation biases
 
 
 @intrinsic
@@ -553,8 +553,7 @@ class Q6_KInt8Kernel(Int8Kernel):
     def forms(self, q: np.ndarray, d: np.ndarray) -> tuple:
         if not VNNI:
             return super().forms(q, d)
-        bias = q.reshape(len(q), -1, 4).sum(axis=2, dtype=np.int32) * np.int32(-32)  # [N, cols / 4]
-        return q, d, q, d, bias
+        return q, d, q, d, start_values(q)
 
 
 class Q2_KInt8Kernel(Int8Kernel):

@@ -97,6 +97,11 @@ def prepare_forms(x, mask, forms):
                                              + np.int32(q[i, 4 * k + 2]) + np.int32(q[i, 4 * k + 3]))
 
 
+def start_values(q: np.ndarray) -> np.ndarray:
+    """:data:`B32` of ``q`` in numpy (the kernels' ``forms``), -32 times each sum of 4.  # [N, n] -> int32 [N, n/4]"""
+    return q.reshape(len(q), -1, 4).sum(axis=2, dtype=np.int32) * np.int32(-32)
+
+
 def forms_bytes(rows: int, cols: int) -> list[int]:
     """Bytes of each slot for ``rows`` activation rows of up to ``cols`` columns (a multiple of 32)."""
     return [int(rows * cols * ROW_BYTES[s]) for s in range(SLOTS)]

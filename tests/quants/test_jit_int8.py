@@ -425,7 +425,8 @@ AVX2_ONLY = "+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,+bmi,+bmi2"
 def test_the_other_instruction_forms(form: str) -> None:
     """This file's kernel tests in a process compiling for another CPU (``NUMBA_CPU_FEATURES``; numba keys its
     cache by them): AVX2's two 256-bit ``pmaddwd`` and the generic sums of 4, or AVX-512BW without VNNI (Q8_0's
-    sums of 4 from ``pmaddwd`` pairs): the same exact sums, so every assertion holds as it is."""
+    sums of 4 from ``pmaddwd`` pairs): the same exact sums, so every assertion holds as it is; with them the compiled
+    decode step's row products (``test_jit_kernels.py``), whose forms differ without VNNI."""
     from llvmlite import binding as llvm
 
     host = llvm.get_host_cpu_features().flatten().split(",")
@@ -438,8 +439,9 @@ def test_the_other_instruction_forms(form: str) -> None:
             pytest.skip("needs an AVX-512 VNNI CPU")
         features = ",".join("-avx512vnni" if f == "+avx512vnni" else f for f in host)
     env = {**os.environ, "NUMBA_CPU_FEATURES": features}
+    row_products = f"{Path(__file__).parent / 'test_jit_kernels.py'}::test_q8_row_product_by_address_equals_the_kernel"
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
-                             "-k", "not model_logits", __file__],  # the kernels only: no conversion, no model
+                             "-k", "not model_logits", __file__, row_products],  # the kernels only: no model
                             capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 

@@ -180,7 +180,7 @@ Q8_ROW_PRODUCT = ctypes.CFUNCTYPE(None, *([ctypes.c_int64] * 12))
 
 @pytest.mark.parametrize("qtype", sorted(JIT_Q8_KERNELS, key=lambda q: q.name), ids=lambda q: q.name)
 @pytest.mark.parametrize("n", [1, 3, GEMV_ROWS])
-def test_q8_row_product_by_address_equals_the_kernel_bit_for_bit(qtype: QType, n: int) -> None:
+def test_q8_row_product_by_address_equals_the_kernel(qtype: QType, n: int) -> None:
     """Each type's Q8_ROW_PRODUCT (the compiled decode step's call with 8-bit activations): the forms table filled
     by ``prepare_forms`` for two more rows than it uses (the product reads rows 2..), rows 5..37 of the matrix into
     columns of a wider output: the same bits as the kernel's own product, which quantizes in numpy."""
