@@ -48,18 +48,25 @@ def prompts(model, lengths: tuple[int, ...]) -> list[np.ndarray]:
 FAMILIES = (*DENSE_FAMILIES, "qwen35-tiny", "qwen35-tiny-gqa")
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "fp16", "q5_1", "fp32"])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_compiled_step_equals_the_per_operation_path_bit_for_bit(converted: Converted, name: str, dtype: str,
-                                                                 threads: int) -> None:
-    model = load(converted(name, "gguf", dtype), kernels="numba", threads=threads)
+def assert_step_equals_per_operation(model) -> list[np.ndarray]:
+    """The compiled step's logits equal the per-operation path's, bit for bit, for a ragged batch of three, as it
+    is and row-wise; returns the batch."""
     assert model.step is not None
     batch = prompts(model, (5, 11, 3))
     for rowwise in (False, True):
         got, want = decode(model, batch, True, rowwise), decode(model, batch, False, rowwise)
         for a, b in zip(got, want, strict=True):
             assert np.array_equal(a, b)
+    return batch
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "fp16", "q5_1", "fp32"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_step_equals_the_per_operation_path_bit_for_bit(converted: Converted, name: str, dtype: str,
+                                                                 threads: int) -> None:
+    model = load(converted(name, "gguf", dtype), kernels="numba", threads=threads)
+    batch = assert_step_equals_per_operation(model)
     lone = decode(model, batch[:1], True)
     assert np.array_equal(lone[-1][0], decode(model, batch[:1], False)[-1][0])
 
@@ -108,13 +115,8 @@ def test_compiled_step_with_8_bit_activations_equals_the_per_operation_path(conv
                                                                            dtype: str, threads: int) -> None:
     """With ``activations="q8"`` the step quantizes each product's input once (``prepare_forms``) and calls the
     types' integer-dot row products: the per-operation path's logits, bit for bit."""
-    model = load(converted(name, "gguf", dtype), kernels="numba", threads=threads, activations="q8")
-    assert model.step is not None
-    batch = prompts(model, (5, 11, 3))
-    for rowwise in (False, True):
-        got, want = decode(model, batch, True, rowwise), decode(model, batch, False, rowwise)
-        for a, b in zip(got, want, strict=True):
-            assert np.array_equal(a, b)
+    assert_step_equals_per_operation(load(converted(name, "gguf", dtype), kernels="numba", threads=threads,
+                                          activations="q8"))
 
 
 @pytest.fixture(scope="module")
