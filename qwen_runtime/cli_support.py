@@ -99,8 +99,8 @@ def add_activations_option(p: argparse.ArgumentParser, note: str = "") -> None:
     """``--activations {float,q8}``: what the products multiply (:func:`qwen_runtime.load`'s ``activations``);
     ``note`` is added to the help."""
     p.add_argument("--activations", choices=ACTIVATION_CHOICES, default="float",
-                   help="q8: quantize the activations of decode products to 8 bits and multiply Q8_0, Q4_0, Q5_0, "
-                   "Q4_K and Q6_K weights in integers, as llama.cpp does (faster, not exact; compiled kernels only)"
+                   help="q8: quantize the activations of decode products to 8 bits and multiply every quantized "
+                   "type's weights in integers, as llama.cpp does (faster, not exact; compiled kernels only)"
                    f"{note}; default float: float32 activations, exact")
 
 
