@@ -16,8 +16,10 @@ own, claimed the same way one (row, kv head) pair of attention or (row, value he
 (:func:`work_mix`): with worker 0 alone attending, decode at 2,048 cached tokens ran at 0.64x its speed at 128 (run
 12). The other workers wait for the next post polling a counter, without the GIL; one that waits longer than its
 ``ticks`` returns, and worker 0 claims the rest itself. A chunk's rows are multiplied by the type's row kernel,
-called by address (:data:`~..quants.jit_base.ROW_PRODUCT`), in groups of :data:`~..quants.jit_base.GEMV_ROWS`
-activation rows as ``Workspace.rowwise`` does; every other operation is the Python path's own compiled function
+called by address (:data:`~..quants.jit_base.ROW_PRODUCT`; with 8-bit activations the integer-dot
+:data:`~..quants.jit_q8_act.Q8_ROW_PRODUCT` on the forms of the input worker 0 quantized once before posting the
+product), in groups of :data:`~..quants.jit_base.GEMV_ROWS` activation rows as ``Workspace.rowwise`` does; every other
+operation is the Python path's own compiled function
 (:mod:`..ops_jit`, :mod:`.attention_jit`) on arrays of the same types. A row's result does not depend on the chunk
 or group it is computed in, so the step's numbers are the Python path's, bit for bit (tested).
 

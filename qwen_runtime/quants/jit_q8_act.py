@@ -10,7 +10,8 @@ further):
 * :data:`XU`: ``q + 128`` as uint8 [N, cols] (the unsigned operand of ``vpdpbusd``: Q8_0, Q4_0, Q5_0);
 * :data:`Q16`: ``q`` as int16 [N, cols] (the pairs kernels for several rows: no widening per row and block);
 * :data:`D8`: ``d`` with each value 8 times, float32 [N, cols / 4] (Q8_0's several rows: one 64-byte load);
-* :data:`B32`: ``-32`` times each sum of 4 of ``q``, int32 [N, cols / 4] (Q6_K's ``vpdpbusd`` start values).
+* :data:`B32`: ``-32`` times each sum of 4 of ``q``, int32 [N, cols / 4] (the start values of ``vpdpbusd``: Q6_K's,
+  and shifted to their bias those of one row of Q8_0, Q4_0 and Q5_0).
 
 These are the integer operations of the kernels' own ``forms`` (numpy, the per-operation path), so the numbers are
 the same.  A module of its own, small, so that the compiled decode step loads it without the kernels.
