@@ -743,6 +743,7 @@ LEGACY_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_1D, F32_2D)
 MIN_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)  # + activation sums per 32
 MIN_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
 I32_2D = types.Array(types.int32, 2, "C", readonly=True)  # start values (jit_q8_act.B32)
+START_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, I32_2D, F32_1D, F32_2D)  # int8 activations, scales, start values
 QUADS_GEMV = types.void(U8_2D, U8_2D, F32_2D_C, F32_1D, F32_2D)  # Q4_0/Q5_0 by quads: activations + 128 as uint8
 
 
@@ -756,7 +757,7 @@ if VNNI:  # one row from start values: int8 activations, the weights as vpdpbusd
     def q8_0_gemv1_q8(raw, xq, xd, start, table, out):
         q8_0_quads(START, Q8_0_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, start, table, out)
 
-    @compiled(types.void(U8_2D, I8_2D, F32_2D_C, I32_2D, F32_1D, F32_2D))
+    @compiled(START_GEMV)
     def q4_0_gemv1_vnni(raw, xq, xd, start, table, out):
         q4_0_quads(START, Q4_0_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, start, table, out)
 
@@ -764,7 +765,7 @@ if VNNI:  # one row from start values: int8 activations, the weights as vpdpbusd
     def q4_0_gemv_vnni(raw, xu, xd, table, out):
         row_groups(q4_0_quads, EXPANDED, Q4_0_GEO, raw, xu, xd, xd, table, out)
 
-    @compiled(types.void(U8_2D, I8_2D, F32_2D_C, I32_2D, F32_1D, F32_2D))
+    @compiled(START_GEMV)
     def q5_0_gemv1_vnni(raw, xq, xd, start, table, out):
         q5_0_quads(START, Q5_0_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, start, table, out)
 

@@ -33,21 +33,19 @@ from numba.extending import intrinsic
 
 from .jit_base import (
     ACC_FLOATS,
-    F32_1D,
-    F32_2D,
-    F32_2D_C,
     GEMV_ROWS,
-    I8_2D,
-    U8_2D,
     compiled,
     prefetch,
     stack_f32,
     sums_of,
 )
 from .jit_int8 import (
-    I16_2D,
-    I32_2D,
+    LEGACY_GEMV,
+    LEGACY_GEMV_ROWS,
+    MIN_GEMV,
+    MIN_GEMV_ROWS,
     PAIRS_SLOTS,
+    START_GEMV,
     V16_F32,
     V16_I32,
     V32_I8,
@@ -370,81 +368,72 @@ def q6_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xbias, table, o
             out[i0 + g, r] = s[g]
 
 
-Q6_K_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
-Q6_K_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_1D, F32_2D)
-
-
-Q6_K_GEMV_VNNI = types.void(U8_2D, I8_2D, F32_2D_C, I32_2D, F32_1D, F32_2D)
 if VNNI:
-    @compiled(Q6_K_GEMV_VNNI)
+    @compiled(START_GEMV)
     def q6_k_gemv1_vnni(raw, xq, xd, xbias, table, out):
         q6_k_vnni_group(None, None, 1, 0, raw.shape[0], 0, raw, xq, xd, xbias, table, out)
 
-    @compiled(Q6_K_GEMV_VNNI)
+    @compiled(START_GEMV)
     def q6_k_gemv_vnni(raw, xq, xd, xbias, table, out):
         row_groups(q6_k_vnni_group, None, None, raw, xq, xd, xbias, table, out)
 
 
-@compiled(Q6_K_GEMV)
+@compiled(LEGACY_GEMV)
 def q6_k_gemv1_q8(raw, xq, xd, table, out):
     q6_k_group(None, None, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
 
 
-@compiled(Q6_K_GEMV_ROWS)
+@compiled(LEGACY_GEMV_ROWS)
 def q6_k_gemv_q8(raw, xq, xd, table, out):
     row_groups(q6_k_group, None, None, raw, xq, xd, xd, table, out)
 
 
-Q4_K_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
-Q4_K_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
-
-
-@compiled(Q4_K_GEMV)
+@compiled(MIN_GEMV)
 def q2_k_gemv1_q8(raw, xq, xd, xsum, table, out):
     k23_group(None, False, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
 
 
-@compiled(Q4_K_GEMV_ROWS)
+@compiled(MIN_GEMV_ROWS)
 def q2_k_gemv_q8(raw, xq, xd, xsum, table, out):
     row_groups(k23_group, None, False, raw, xq, xd, xsum, table, out)
 
 
-@compiled(Q4_K_GEMV)
+@compiled(MIN_GEMV)
 def q3_k_gemv1_q8(raw, xq, xd, xsum, table, out):
     k23_group(None, True, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
 
 
-@compiled(Q4_K_GEMV_ROWS)
+@compiled(MIN_GEMV_ROWS)
 def q3_k_gemv_q8(raw, xq, xd, xsum, table, out):
     row_groups(k23_group, None, True, raw, xq, xd, xsum, table, out)
 
 
-@compiled(Q4_K_GEMV)
+@compiled(MIN_GEMV)
 def q4_k_gemv1_q8(raw, xq, xd, xsum, table, out):
     q4_k_group(None, Q4_K_BYTES, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
 
 
-@compiled(Q4_K_GEMV_ROWS)
+@compiled(MIN_GEMV_ROWS)
 def q4_k_gemv_q8(raw, xq, xd, xsum, table, out):
     row_groups(q4_k_group, None, Q4_K_BYTES, raw, xq, xd, xsum, table, out)
 
 
 if VNNI:  # compiled only where the CPU has the instruction
-    @compiled(Q4_K_GEMV)
+    @compiled(MIN_GEMV)
     def q4_k_gemv1_vnni(raw, xq, xd, xsum, table, out):
         q4_k_vnni_group(None, None, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
 
-    @compiled(Q4_K_GEMV)
+    @compiled(MIN_GEMV)
     def q4_k_gemv_vnni(raw, xq, xd, xsum, table, out):
         row_groups(q4_k_vnni_group, None, None, raw, xq, xd, xsum, table, out)
 
 
-@compiled(Q4_K_GEMV)
+@compiled(MIN_GEMV)
 def q5_k_gemv1_q8(raw, xq, xd, xsum, table, out):
     q4_k_group(None, Q5_K_BYTES, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
 
 
-@compiled(Q4_K_GEMV_ROWS)
+@compiled(MIN_GEMV_ROWS)
 def q5_k_gemv_q8(raw, xq, xd, xsum, table, out):
     row_groups(q4_k_group, None, Q5_K_BYTES, raw, xq, xd, xsum, table, out)
 
