@@ -161,7 +161,9 @@ class TiledWeight(Weight):
         self.compiled = compiled is not None  # its row kernel is row-invariant by construction
 
     def prepare(self, x: np.ndarray) -> object:
-        if not self.ws.row_invariant or self.compiled:
+        if self.compiled:  # told which products follow: :meth:`block_product`'s rowwise ones or not
+            return self.kernel.prepare(x, rowwise=self.ws.row_invariant)
+        if not self.ws.row_invariant:
             return self.kernel.prepare(x)
         if isinstance(self.kernel, RowTileKernel):
             return [self.kernel.prepare(x[i:i + 1]) for i in range(len(x))]

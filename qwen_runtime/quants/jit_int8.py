@@ -56,9 +56,8 @@ import importlib
 
 import numba
 import numpy as np
-from llvmlite import binding as llvm
 from llvmlite import ir
-from numba import carray, config, types
+from numba import carray, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -70,6 +69,7 @@ from .jit_base import (
     F32_1D,
     F32_2D,
     F32_2D_C,
+    FEATURES,
     GEMV_ROWS,
     I8_2D,
     U8_2D,
@@ -117,14 +117,6 @@ def _pointer(context, builder: ir.IRBuilder, array_type: types.Array, array: ir.
     return builder.bitcast(builder.gep(data, [at]), vector.as_pointer())
 
 
-def _target_features() -> frozenset[str]:
-    """The CPU features numba compiles for (its own choice: ``NUMBA_CPU_FEATURES``, else the host's), which
-    also key its on-disk cache, so a kernel cached for one CPU is never loaded on another."""
-    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else llvm.get_host_cpu_features().flatten()
-    return frozenset(f[1:] for f in features.split(",") if f.startswith("+"))
-
-
-FEATURES = _target_features()
 VNNI = {"avx512vnni", "avx512bw"} <= FEATURES  # vpdpbusd: the quads kernels (else pmaddwd pairs)
 
 
@@ -945,8 +937,8 @@ def q5_1_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, t
 
 
 class Prepared(tuple):
-    """:meth:`Int8Kernel.prepare` of more than ``direct_rows`` rows: the activations and their 8-bit forms, and in
-    ``exact`` the float kernel's preparation of the same rows."""
+    """:meth:`Int8Kernel.prepare` of more than ``direct_rows`` rows for :meth:`Int8Kernel.product`: the activations
+    alone, and in ``exact`` the float kernel's preparation of them (no 8-bit forms: the exact kernel multiplies)."""
 
     exact: object
 
@@ -970,15 +962,15 @@ class Int8Kernel(JitKernel):
         self.exact_kernel = getattr(importlib.import_module(f".{module}", __package__), name)(raw)
         self.decode = self.exact_kernel.decode
 
-    def prepare(self, x: np.ndarray) -> tuple:
-        """The 8-bit activations (for the integer products: :meth:`product` of up to :attr:`direct_rows` rows and
-        :meth:`product_rows` of any) and, for more rows, also the float kernel's own preparation of ``x``, once per
-        product rather than once per tile (its sums are per-row Python and numpy work, holding the GIL: on the 7B
-        Q4_K_M file a 16-token prefill with ``q8`` took 3.2 s against 1.7 exact, 6,567 preparations instead of 127)."""
-        xk = super().prepare(x)
-        if len(x) <= self.direct_rows:
-            return xk
-        prepared = Prepared(xk)
+    def prepare(self, x: np.ndarray, rowwise: bool = False) -> tuple:
+        """The 8-bit activations, for the integer products (:meth:`product` of up to :attr:`direct_rows` rows, and
+        ``rowwise`` :meth:`product_rows` of any); for :meth:`product` of more rows only the float kernel's own
+        preparation of ``x`` (:class:`Prepared`), once per product rather than once per tile (its sums are
+        per-row Python and numpy work, holding the GIL: on the 7B Q4_K_M file a 16-token prefill with ``q8`` took
+        3.2 s against 1.7 exact, 6,567 preparations instead of 127)."""
+        if len(x) <= self.direct_rows or rowwise:
+            return super().prepare(x)
+        prepared = Prepared((x,))
         prepared.exact = self.exact_kernel.prepare(x)
         return prepared
 

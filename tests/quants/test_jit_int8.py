@@ -106,7 +106,7 @@ def activations(n: int, cols: int, seed: int) -> np.ndarray:
 
 def run(kernel: Int8Kernel, x: np.ndarray) -> np.ndarray:
     out = np.empty((len(x), kernel.raw.shape[0]), np.float32)
-    xq, *extra = kernel.prepare(x)
+    xq, *extra = kernel.prepare(x, rowwise=True)  # the row kernels, whatever the number of rows
     kernel._rows(kernel.raw, xq, extra, out)
     return out
 
@@ -426,7 +426,9 @@ def test_the_other_instruction_forms(form: str) -> None:
     """This file's kernel tests in a process compiling for another CPU (``NUMBA_CPU_FEATURES``; numba keys its
     cache by them): AVX2's two 256-bit ``pmaddwd`` and the generic sums of 4, or AVX-512BW without VNNI (Q8_0's
     sums of 4 from ``pmaddwd`` pairs): the same exact sums, so every assertion holds as it is; with them the compiled
-    decode step's row products (``test_jit_kernels.py``), whose forms differ without VNNI."""
+    decode step's row products (``test_jit_kernels.py``), whose forms differ without VNNI, and the float kernels'
+    tests, whose small groups of rows convert and scale each block without AVX-512F instead of looking the values
+    up (``jit_base.PERMUTE``)."""
     from llvmlite import binding as llvm
 
     host = llvm.get_host_cpu_features().flatten().split(",")
@@ -439,10 +441,13 @@ def test_the_other_instruction_forms(form: str) -> None:
             pytest.skip("needs an AVX-512 VNNI CPU")
         features = ",".join("-avx512vnni" if f == "+avx512vnni" else f for f in host)
     env = {**os.environ, "NUMBA_CPU_FEATURES": features}
-    row_products = f"{Path(__file__).parent / 'test_jit_kernels.py'}::test_q8_row_product_by_address_equals_the_kernel"
+    kernels = Path(__file__).parent / "test_jit_kernels.py"
+    tests = ["test_q8_row_product_by_address_equals_the_kernel", "test_product_within_float32_error_model",
+             "test_each_row_is_the_same_alone_and_in_any_batch",
+             "test_row_product_by_address_equals_the_kernel_bit_for_bit"]
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
-                             "-k", "not model_logits", __file__, row_products],  # the kernels only: no model
-                            capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2])
+                             "-k", "not model_logits", __file__, *[f"{kernels}::{test}" for test in tests]],
+                            capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2])  # no model
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 

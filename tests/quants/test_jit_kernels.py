@@ -129,7 +129,7 @@ def test_product_within_float32_error_model(qtype: QType, n: int) -> None:
         kernel.product(r0, r1, kernel.prepare(x), got[:, r0:r1], scratch)
     assert np.all(np.abs(got - exact) <= bound(qtype, raw, x, n <= kernel.direct_rows))
     rowwise = np.empty_like(got)
-    kernel.product_rows(0, rows, kernel.prepare(x), rowwise, scratch)
+    kernel.product_rows(0, rows, kernel.prepare(x, rowwise=True), rowwise, scratch)
     assert np.all(np.abs(rowwise - exact) <= bound(qtype, raw, x, True))
 
 
@@ -144,7 +144,7 @@ def test_each_row_is_the_same_alone_and_in_any_batch(qtype: QType) -> None:
         kernel.product(0, 40, kernel.prepare(x[i:i + 1]), alone[i:i + 1], scratch)
     for n in (2, 5, GEMV_ROWS, kernel.direct_rows, len(x)):
         together = np.empty((n, 40), np.float32)
-        kernel.product_rows(0, 40, kernel.prepare(x[:n]), together, scratch)
+        kernel.product_rows(0, 40, kernel.prepare(x[:n], rowwise=True), together, scratch)
         assert np.array_equal(together, alone[:n])
         if n <= kernel.direct_rows:
             kernel.product(0, 40, kernel.prepare(x[:n]), together, scratch)
@@ -188,7 +188,7 @@ def test_q8_row_product_by_address_equals_the_kernel(qtype: QType, n: int) -> No
     kernel = jit_kernel(qtype, raw, "q8")
     x = np.random.default_rng(9).normal(0, 1, (n + 2, 512)).astype(np.float32)
     expected = np.empty((n, 32), np.float32)
-    kernel.product_rows(5, 37, kernel.prepare(x[2:]), expected, Scratch())
+    kernel.product_rows(5, 37, kernel.prepare(x[2:], rowwise=True), expected, Scratch())
     buffers = [np.zeros(size + 64, np.uint8) for size in forms_bytes(n + 2, 512)]
     forms = np.array([b.ctypes.data + (-b.ctypes.data % 64) for b in buffers], np.int64)
     prepare_forms(x, kernel.q8_slots, forms.ctypes.data)

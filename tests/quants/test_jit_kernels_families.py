@@ -126,7 +126,7 @@ def test_product_within_float32_error_model(qtype: QType, n: int) -> None:
         kernel.product(r0, r1, kernel.prepare(x), got[:, r0:r1], scratch)
     assert np.all(np.abs(got - exact) <= bound(qtype, raw, x, n <= kernel.direct_rows))
     rowwise = np.full((n, rows), np.nan, np.float32)
-    kernel.product_rows(0, rows, kernel.prepare(x), rowwise, scratch)
+    kernel.product_rows(0, rows, kernel.prepare(x, rowwise=True), rowwise, scratch)
     assert np.all(np.abs(rowwise - exact) <= bound(qtype, raw, x, True))
 
 
@@ -142,7 +142,7 @@ def test_each_row_is_the_same_alone_and_in_any_batch(qtype: QType) -> None:
         kernel.product(0, 40, kernel.prepare(x[i:i + 1]), alone[i:i + 1], scratch)
     for n in (2, 5, kernel.direct_rows, GEMV_ROWS, len(x)):
         together = np.empty((n, 40), np.float32)
-        kernel.product_rows(0, 40, kernel.prepare(x[:n]), together, scratch)
+        kernel.product_rows(0, 40, kernel.prepare(x[:n], rowwise=True), together, scratch)
         assert np.array_equal(together.view(np.uint32), alone[:n].view(np.uint32))
         if n <= kernel.direct_rows:
             kernel.product(0, 40, kernel.prepare(x[:n]), together, scratch)
