@@ -13,6 +13,8 @@ rows of a group, each doing ``acc = fma(w, x, acc)`` into zmm registers (see :mo
   ``2c + 1`` of ``qh[l]`` as bit 4 (one generic body, :func:`k45_group`, inlined with each type's size).
   The ``dmin * m_j`` terms are ``(dmin * m_j) * sum(x over sub-block j)``, from per-32 activation sums
   computed once per product (:meth:`Q4_KJitKernel.activations`) and kept in 8 lanes per row (:func:`minimums_fma`).
+  With AVX-512F, groups of up to ``TABLE_ROWS`` rows look a chunk's weights up in tables of ``d * j``
+  (:func:`k45_table_rows`) instead of converting and scaling them: the same products.
 * Q6_K: 2 halves of 128 values; in half ``h``, step ``s`` (0..3), lane ``l`` is value ``128h + 32s + l``:
   nibble ``s // 2`` of ``ql[64h + 32(s % 2) + l]`` and bits ``2s, 2s+1`` of ``qh[32h + l]`` as bits 4-5,
   minus 32; lanes 0-15 and 16-31 belong to sub-blocks ``8h + 2s`` and ``8h + 2s + 1``.
