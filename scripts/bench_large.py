@@ -8,8 +8,8 @@ without a memory limit smaller than the file.
    15.2 GB of random normal(0, 0.02) weights, the real Qwen2.5 tokenizer), converts it to an fp16 GGUF with
    ``qwen-convert`` and quantizes that with llama.cpp's own quantizer (``llama_model_quantize``, its Q4_K_M
    mixture); the fp16 GGUF is deleted once the Q4_K_M file (about 4.7 GB) exists.
-2. Measures both runtimes on that file in fresh processes (``bench_worker.py``): a short prompt, greedy decode,
-   peak RSS.
+2. Measures both runtimes on that file in fresh processes (``bench_worker.py``), in turn, the file read into the
+   page cache first: a short prompt, greedy decode, peak RSS; ours also with ``--activations q8``.
 3. Measures both again inside a memory cgroup limited to ``--memory-limit`` (less than the file): the mapped
    weights cannot all stay resident, so each token reads part of them from the page cache or disk again.  A run
    that the kernel kills for memory is recorded as failed, with its exit status.
@@ -36,6 +36,10 @@ from bench import WORKER, bench_env, convert_ours, machine, run_measured
 from bench_models import LARGE_MODELS, build_checkpoint
 
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+# The runs: (bench_worker engine, our --kernels); our 8-bit activations only without the limit (in turn with the
+# others), as they read the same bytes per token.
+ENGINES = {"ours": ("ours", None), "ours_q8": ("ours", "numba-q8"), "llama": ("llama", None)}
+LIMITED = ("ours", "llama")
 FREE_DISK_GB = 35
 
 
@@ -76,11 +80,20 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
+def read_through(path: Path) -> None:
+    """Read ``path`` once, so that the unlimited runs find it in the page cache whatever ran before."""
+    with path.open("rb") as handle:
+        while handle.read(1 << 24):
+            pass
+
+
 def measure(engine: str, gguf: Path, args: argparse.Namespace, env: dict[str, str],
             prefix: list[str] = ()) -> dict[str, Any]:
-    """One fresh-process measurement (``bench_worker.py``); a failed run is recorded with its error."""
-    cmd = [*prefix, sys.executable, str(WORKER), engine, str(gguf), "--prompt", str(args.prompt),
-           "--new", str(args.new), "--threads", str(args.threads)]
+    """One fresh-process measurement (``bench_worker.py``) of a name of :data:`ENGINES`; a failed run is recorded
+    with its error."""
+    worker, kernels = ENGINES[engine]
+    cmd = [*prefix, sys.executable, str(WORKER), worker, str(gguf), "--prompt", str(args.prompt),
+           "--new", str(args.new), "--threads", str(args.threads), *(["--kernels", kernels] if kernels else [])]
     try:
         wall, rss, out = run_measured(cmd, env)
     except RuntimeError as exc:
@@ -124,9 +137,10 @@ def report(results: dict[str, Any]) -> list[str]:
              f"{results['prompt']}-token prompt + {results['new']} tokens:", "",
              "| run | decode tok/s ours / llama | peak RSS MiB ours / llama | wall s ours / llama |",
              "|---|---|---|---|"]
-    for name in ("unlimited", "limited"):
-        ours, llama = results[name]["ours"], results[name]["llama"]
-        label = name if name == "unlimited" else f"memory limit {results['memory_limit']}"
+    rows = [("unlimited", "ours", "unlimited"), ("unlimited", "ours_q8", "unlimited, ours with --activations q8"),
+            ("limited", "ours", f"memory limit {results['memory_limit']}")]
+    for name, engine, label in rows:
+        ours, llama = results[name][engine], results[name]["llama"]
         lines.append(f"| {label} | {cell(ours, 'decode_tps', 2)} / {cell(llama, 'decode_tps', 2)} | "
                      f"{cell(ours, 'VmHWM', 0)} / {cell(llama, 'VmHWM', 0)} | "
                      f"{cell(ours, 'wall_s')} / {cell(llama, 'wall_s')} |")
@@ -139,10 +153,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"machine": machine(), "file_gb": gguf.stat().st_size / 1e9, "build": steps,
                                "threads": args.threads, "prompt": args.prompt, "new": args.new,
                                "memory_limit": args.memory_limit, "unlimited": {}, "limited": {}}
+    read_through(gguf)
+    for _ in range(args.repeat):
+        for engine in ENGINES:
+            results["unlimited"].setdefault(engine, []).append(measure(engine, gguf, args, env))
     with memory_cgroup(parse_size(args.memory_limit)) as prefix:
         for _ in range(args.repeat):
-            for engine in ("ours", "llama"):
-                results["unlimited"].setdefault(engine, []).append(measure(engine, gguf, args, env))
+            for engine in LIMITED:
                 drop_page_cache(gguf)
                 results["limited"].setdefault(engine, []).append(measure(engine, gguf, args, env, prefix))
     for name in ("unlimited", "limited"):  # the median sample by decode speed (failed runs sort first)

@@ -294,7 +294,8 @@ def k45_value(blk, qs, k, c, high, size):
 @inline
 def k45_group(size, chunk, rows, raw, r, x, i0, args, out, acc):
     """``out[i0 + i, r] = x[i0 + i] @ W[r]`` for ``i < rows`` (a literal) of Q4_K (``size`` 144) or Q5_K (176) rows
-    ``raw`` [R, nb * size]; ``args`` = (``xsum`` [N, nb * 8], sums of x per 32; the float16 table).  Each row's
+    ``raw`` [R, nb * size], each 64-value chunk by the type's ``chunk`` step (:func:`q4_k_chunk`,
+    :func:`q5_k_chunk`); ``args`` = (``xsum`` [N, nb * 8], sums of x per 32; the float16 table).  Each row's
     minimums go into 8 lanes, one fused ``<8 x float>`` per block (:func:`minimums_fma`), summed pairwise at the
     end: against one scalar sum per row, 1 row 0.071 -> 0.058 ms per million weights, 3 rows 0.162 -> 0.140 (Q4_K
     18944 x 3584, one thread)."""
