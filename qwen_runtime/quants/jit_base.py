@@ -95,12 +95,29 @@ PERMUTE = "avx512f" in FEATURES
 TABLE_ROWS = 2
 
 
-def level_table(builder: ir.IRBuilder, d: ir.Value, levels: list) -> ir.Value:
-    """``d * levels[j]`` for the 16 integers ``levels`` as a ``<16 x float>``: each value rounded once, exactly as
+def splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
+    """``value`` in every element of the LLVM vector type ``vector``."""
+    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, I32(0))
+    zeros = ir.Constant(ir.VectorType(I32, vector.count), [0] * vector.count)
+    return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), zeros)
+
+
+def level_table(builder: ir.IRBuilder, d: ir.Value, levels: ir.Value) -> ir.Value:
+    """``d * levels[j]`` for a ``<16 x float>`` of 16 integer ``levels``: each value rounded once, exactly as
     ``d * f32(q)`` rounds for a stored ``q`` whose level is ``levels[j]`` (one ``vmulps`` per 16 levels)."""
-    one = builder.insert_element(ir.Constant(V16_F32, ir.Undefined), d, I32(0))
-    scale = builder.shuffle_vector(one, ir.Constant(V16_F32, ir.Undefined), ir.Constant(V16_I32, [0] * HALF))
-    return builder.fmul(scale, ir.Constant(V16_F32, [float(v) for v in levels]))
+    return builder.fmul(splat(builder, d, V16_F32), levels)
+
+
+def levels_of(values: list) -> ir.Constant:
+    """16 integer levels as the ``<16 x float>`` constant :func:`level_table` takes."""
+    return ir.Constant(V16_F32, [float(v) for v in values])
+
+
+def nibble_indices(builder: ir.IRBuilder, source: ir.Value) -> list:
+    """The 16 bytes at the ``<16 x i8>`` pointer ``source`` zero-extended to int32 (``vpmovzxbd`` from memory): as
+    they are, whose low nibbles :func:`look_up` reads, and shifted right by 4 for the high nibbles."""
+    quads = builder.zext(builder.load(source, align=1), V16_I32)
+    return [quads, builder.lshr(quads, ir.Constant(V16_I32, [4] * HALF))]
 
 
 def look_up(builder: ir.IRBuilder, index: ir.Value, tables: list, high: ir.Value | None = None) -> ir.Value:
@@ -205,11 +222,6 @@ prefetch = prefetcher(PREFETCH_BYTES)  # what every row kernel calls for the blo
 prefetch_f32 = prefetcher(F32_PREFETCH_BYTES)  # F32 rows' (4 bytes per weight)
 
 
-def splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
-    """``value`` in every element of ``vector`` (an LLVM vector of :data:`HALF` elements)."""
-    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, I32(0))
-    return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), ir.Constant(ir.VectorType(I32, HALF),
-                                                                                       [0] * HALF))
 
 
 def rows_fma(context: object, builder: ir.IRBuilder, x_type: types.Array, x: ir.Value, i0: ir.Value, col: ir.Value,

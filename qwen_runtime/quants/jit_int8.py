@@ -76,6 +76,7 @@ from .jit_base import (
     JitKernel,
     compiled,
     prefetch,
+    splat,
     stack_f32,
     sums_of,
 )
@@ -146,13 +147,6 @@ def _pairs16(builder: ir.IRBuilder, w16: ir.Value, x16: ir.Value) -> ir.Value:
     return total
 
 
-def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
-    """``value`` in every element of ``vector``."""
-    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, I32(0))
-    zeros = ir.Constant(ir.VectorType(I32, vector.count), [0] * vector.count)
-    return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), zeros)
-
-
 def _iq4_levels(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
     """The ``<32 x i8>`` weights of an IQ4 block of 32: ``IQ4_LEVELS`` at the 4-bit indices of the 16 bytes at
     ``blocks[at]`` (the first two arguments; Q4_0's nibble order), looked up with ``pshufb`` (the 16 levels in
@@ -176,7 +170,7 @@ def _nibbles32(context, builder: ir.IRBuilder, signature, args: list) -> ir.Valu
     """The ``<32 x i8>`` weights 0..15 of a Q4_K sub-block: the low (``shift`` 0) or high (4) nibbles of the 32
     bytes at ``blocks[at]`` (the first three arguments)."""
     q = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], V32_I8), align=1)
-    count = _splat(builder, builder.trunc(args[2], ir.IntType(8)), V32_I8)
+    count = splat(builder, builder.trunc(args[2], ir.IntType(8)), V32_I8)
     return builder.and_(builder.lshr(q, count), ir.Constant(V32_I8, [15] * Q8_ACT_BLOCK))
 
 
@@ -184,7 +178,7 @@ def _nibbles32_high(context, builder: ir.IRBuilder, signature, args: list) -> ir
     """The ``<32 x i8>`` weights 0..31 of a Q5_K sub-block: :func:`_nibbles32` plus bit ``bit`` of the 32 bytes
     at ``blocks[qh_at]`` as bit 4 (the first five arguments ``blocks, at, shift, qh_at, bit``)."""
     h = builder.load(_pointer(context, builder, signature.args[0], args[0], args[3], V32_I8), align=1)
-    count = _splat(builder, builder.trunc(args[4], ir.IntType(8)), V32_I8)
+    count = splat(builder, builder.trunc(args[4], ir.IntType(8)), V32_I8)
     bit = builder.and_(builder.lshr(h, count), ir.Constant(V32_I8, [1] * Q8_ACT_BLOCK))
     return builder.or_(_nibbles32(context, builder, signature, args),
                        builder.shl(bit, ir.Constant(V32_I8, [4] * Q8_ACT_BLOCK)))
@@ -196,7 +190,7 @@ def _q6(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
 
     def bits(at, by, mask):
         q = builder.load(_pointer(context, builder, signature.args[0], args[0], at, V32_I8), align=1)
-        count = _splat(builder, builder.trunc(by, ir.IntType(8)), V32_I8)
+        count = splat(builder, builder.trunc(by, ir.IntType(8)), V32_I8)
         return builder.and_(builder.lshr(q, count), ir.Constant(V32_I8, [mask] * Q8_ACT_BLOCK))
 
     w = builder.or_(bits(args[1], args[2], 15),
@@ -211,7 +205,7 @@ def _k23(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
 
     def bits(at, by, mask):
         q = builder.load(_pointer(context, builder, signature.args[0], args[0], at, V32_I8), align=1)
-        count = _splat(builder, builder.trunc(by, ir.IntType(8)), V32_I8)
+        count = splat(builder, builder.trunc(by, ir.IntType(8)), V32_I8)
         return builder.and_(builder.lshr(q, count), ir.Constant(V32_I8, [mask] * Q8_ACT_BLOCK))
 
     w = bits(args[1], args[2], 3)
@@ -236,9 +230,9 @@ def _fma_group(context, builder: ir.IRBuilder, signature, w: ir.Value, args: lis
     group = signature.args[-1].literal_value
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3), "llvm.fma.v16f32")
     w16 = builder.sext(w, V32_I16)
-    scale_w = _splat(builder, dw[0], V16_F32)
+    scale_w = splat(builder, dw[0], V16_F32)
     if halves:
-        upper = _splat(builder, dw[1], V16_F32)
+        upper = splat(builder, dw[1], V16_F32)
         scale_w = builder.shuffle_vector(scale_w, upper, ir.Constant(V16_I32, [*range(8), *range(24, 32)]))
     f32_pointer = _pointer(context, builder, txd, xd, d_at, F32)
     narrow = tx.dtype == types.int8
@@ -251,7 +245,7 @@ def _fma_group(context, builder: ir.IRBuilder, signature, w: ir.Value, args: lis
         else:
             qx = builder.load(builder.bitcast(at, V32_I16.as_pointer()), align=2)
         pairs = builder.sitofp(_pairs16(builder, w16, qx), V16_F32)
-        dx = _splat(builder, builder.load(builder.gep(f32_pointer, [builder.mul(row, d_stride)])), V16_F32)
+        dx = splat(builder, builder.load(builder.gep(f32_pointer, [builder.mul(row, d_stride)])), V16_F32)
         at = builder.bitcast(builder.gep(acc, [ir.Constant(ir.IntType(64), g * PAIRS)]), V16_F32.as_pointer())
         builder.store(builder.call(fma, [pairs, builder.fmul(scale_w, dx), builder.load(at, align=4)]), at, align=4)
 
@@ -270,7 +264,7 @@ def _nibbles(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
     w = builder.shuffle_vector(low, high, ir.Constant(V32_I32, list(range(Q8_ACT_BLOCK))))
     if signature.args[2] != types.none:
         w = builder.or_(w, bit4_bytes(builder, args[2], 0, Q8_ACT_BLOCK))
-    return builder.sub(w, _splat(builder, builder.trunc(args[3], ir.IntType(8)), V32_I8))
+    return builder.sub(w, splat(builder, builder.trunc(args[3], ir.IntType(8)), V32_I8))
 
 
 @intrinsic
@@ -436,7 +430,7 @@ def _weights64(context, builder: ir.IRBuilder, signature, args: list, kind: int,
         mask = builder.shuffle_vector(*masks, ir.Constant(ir.VectorType(I32, 64), list(range(64))))
         w = builder.or_(w, builder.select(mask, ir.Constant(V64_I8, [16] * 64), ir.Constant(V64_I8, [0] * 64)))
     if not unsigned:
-        w = builder.sub(w, _splat(builder, builder.trunc(bias, ir.IntType(8)), V64_I8))
+        w = builder.sub(w, splat(builder, builder.trunc(bias, ir.IntType(8)), V64_I8))
     return builder.and_(w, keep) if alone else w
 
 
@@ -483,7 +477,7 @@ def q8_0_quads_fma(typingctx, blocks, o0, o1, qh0, qh1, bias, kind, form, xu, x_
         w = _weights64(context, builder, signature, args, kind, alone, unsigned=bool(started))
         bias = None if started else _vnni_bias(builder, w)
         upper = ir.Constant(V16_I32, [*range(8), *range(24, 32)])
-        scale_w = builder.shuffle_vector(_splat(builder, d0, V16_F32), _splat(builder, d0 if alone else d1, V16_F32),
+        scale_w = builder.shuffle_vector(splat(builder, d0, V16_F32), splat(builder, d0 if alone else d1, V16_F32),
                                          upper)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3),
                                              "llvm.fma.v16f32")
@@ -512,7 +506,7 @@ def q8_0_quads_fma(typingctx, blocks, o0, o1, qh0, qh1, bias, kind, form, xu, x_
             else:
                 dx0 = builder.load(d_row)
                 dx1 = dx0 if alone else builder.load(builder.gep(d_row, [ir.Constant(ir.IntType(64), 1)]))
-                dx = builder.shuffle_vector(_splat(builder, dx0, V16_F32), _splat(builder, dx1, V16_F32), upper)
+                dx = builder.shuffle_vector(splat(builder, dx0, V16_F32), splat(builder, dx1, V16_F32), upper)
             lanes = builder.bitcast(builder.gep(acc, [ir.Constant(ir.IntType(64), g * PAIRS)]), V16_F32.as_pointer())
             builder.store(builder.call(fma, [quads, builder.fmul(scale_w, dx), builder.load(lanes, align=4)]), lanes,
                           align=4)

@@ -58,7 +58,9 @@ from .jit_base import (
     inline,
     lanes_sum,
     level_table,
+    levels_of,
     look_up,
+    nibble_indices,
     prefetch,
     row_cfunc,
     rows_fma,
@@ -99,11 +101,11 @@ def fields_rows(typingctx, blk, lo_at, lo_shift, lo_mask, hi_at, hi_shift, hi_ma
 
         def field(at, shift, mask):
             v = builder.load(builder.bitcast(builder.gep(data, [at]), V32_I8.as_pointer()), align=1)
-            v = builder.lshr(v, splat32(builder, builder.trunc(shift, I8)))
-            return builder.and_(v, splat32(builder, builder.trunc(mask, I8)))
+            v = builder.lshr(v, splat(builder, builder.trunc(shift, I8), V32_I8))
+            return builder.and_(v, splat(builder, builder.trunc(mask, I8), V32_I8))
 
-        high = builder.shl(field(args[4], args[5], args[6]), splat32(builder, builder.trunc(args[7], I8)))
-        bias = splat32(builder, builder.trunc(args[8], I8))
+        high = builder.shl(field(args[4], args[5], args[6]), splat(builder, builder.trunc(args[7], I8), V32_I8))
+        bias = splat(builder, builder.trunc(args[8], I8), V32_I8)
         q = builder.sub(builder.or_(field(args[1], args[2], args[3]), high), bias)
         w = []
         for h in range(2):
@@ -115,13 +117,6 @@ def fields_rows(typingctx, blk, lo_at, lo_shift, lo_mask, hi_at, hi_shift, hi_ma
 
     return types.void(blk, lo_at, lo_shift, lo_mask, hi_at, hi_shift, hi_mask, hi_up, bias, d0, d1, x, i0, col, rows,
                       acc), codegen
-
-
-def splat32(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
-    """``value`` (an i8) in all 32 elements of a ``<32 x i8>``."""
-    one = builder.insert_element(ir.Constant(V32_I8, ir.Undefined), value, I32(0))
-    return builder.shuffle_vector(one, ir.Constant(V32_I8, ir.Undefined), ir.Constant(ir.VectorType(I32, LANES),
-                                                                                      [0] * LANES))
 
 
 V4_I8, V8_I32, V8_F32 = ir.VectorType(I8, 4), ir.VectorType(I32, 8), ir.VectorType(ir.FloatType(), 8)
@@ -161,78 +156,58 @@ def k45_scales_at(typingctx, blk, d, dmin, ds, dm):  # noqa: ARG001
 
 
 @intrinsic
-def k45_table_rows(typingctx, blk, at, qh_bit, d_low, d_high, x, i0, col, rows, acc):  # noqa: ARG001
+def k45_table_rows(typingctx, size, blk, at, qh_bit, d_low, d_high, x, i0, col, rows, acc):  # noqa: ARG001
     """``acc[i, k] = fma(w[k], x[i0 + i, col + k], acc[i, k])`` for ``i < rows`` (a literal) and the 64 values of a
-    Q4_K/Q5_K chunk: the 32 bytes at ``blk[at]``, low nibbles (values 0-31, scale ``d_low``) then high ones (32-63,
-    ``d_high``); for Q5_K (``qh_bit`` an integer, None for Q4_K) bits ``qh_bit`` and ``qh_bit + 1`` of the 32
+    Q4_K (``size`` 144, a literal) or Q5_K (176) chunk: the 32 bytes at ``blk[at]``, low nibbles (values 0-31,
+    scale ``d_low``) then high ones (32-63, ``d_high``); for Q5_K bits ``qh_bit`` and ``qh_bit + 1`` of the 32
     ``qh`` bytes (16..47) are the halves' bit 4.  The weights ``d * q`` are looked up (:func:`.jit_base.look_up`)
     in tables of ``d * j`` (:func:`.jit_base.level_table`): the bytes zero-extended to int32 straight from memory,
     the high nibbles by one shift, no conversion or scaling per weight; the same products, rounded the same
     way, as :func:`fields_rows`."""
-    if not isinstance(rows, types.IntegerLiteral):
+    if not (isinstance(rows, types.IntegerLiteral) and isinstance(size, types.IntegerLiteral)):
         return None
-    count = rows.literal_value
-    five = qh_bit != types.none
+    count, five = rows.literal_value, size.literal_value == Q5_K_BYTES
 
     def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        data = context.make_array(signature.args[1])(context, builder, args[1]).data
 
-        def load(at, vector):
-            return builder.load(builder.bitcast(builder.gep(data, [at]), vector.as_pointer()), align=1)
+        def pointer(at, vector):
+            return builder.bitcast(builder.gep(data, [at]), vector.as_pointer())
 
-        quads = [builder.zext(load(builder.add(args[1], args[1].type(16 * h)), V16_I8), V16_I32) for h in range(2)]
-        qh = load(ir.IntType(64)(16), V32_I8) if five else None
+        halves = [nibble_indices(builder, pointer(builder.add(args[2], args[2].type(16 * h)), V16_I8))
+                  for h in range(2)]
+        qh = builder.load(pointer(ir.IntType(64)(16), V32_I8), align=1) if five else None
         for h in range(2):
-            tables = [level_table(builder, args[3 + h], range(16 * t, 16 * t + 16)) for t in range(2 if five else 1)]
+            tables = [level_table(builder, args[4 + h], levels_of(range(16 * t, 16 * t + 16)))
+                      for t in range(2 if five else 1)]
             bit = None
             if five:
-                shift = builder.trunc(builder.add(args[2], args[2].type(h)), I8)
-                bit = builder.icmp_unsigned("!=", builder.and_(builder.lshr(qh, splat32(builder, shift)),
-                                                               splat32(builder, I8(1))), ir.Constant(V32_I8, [0] * 32))
+                shift = splat(builder, builder.trunc(builder.add(args[3], args[3].type(h)), I8), V32_I8)
+                bit = builder.icmp_unsigned("!=", builder.and_(builder.lshr(qh, shift), splat(builder, I8(1), V32_I8)),
+                                            ir.Constant(V32_I8, [0] * LANES))
             w = []
             for half in range(2):
-                index = builder.lshr(quads[half], ir.Constant(V16_I32, [4] * HALF)) if h else quads[half]
                 lanes = ir.Constant(V16_I32, list(range(HALF * half, HALF * half + HALF)))
                 high = builder.shuffle_vector(bit, bit, lanes) if five else None
-                w.append(look_up(builder, index, tables, high))
-            column = builder.add(args[7], args[7].type(32 * h))
-            rows_fma(context, builder, signature.args[5], args[5], args[6], column, count, args[9], w)
+                w.append(look_up(builder, halves[half][h], tables, high))
+            column = builder.add(args[8], args[8].type(32 * h))
+            rows_fma(context, builder, signature.args[6], args[6], args[7], column, count, args[10], w)
         return context.get_dummy_value()
 
-    return types.void(blk, at, qh_bit, d_low, d_high, x, i0, col, rows, acc), codegen
+    return types.void(size, blk, at, qh_bit, d_low, d_high, x, i0, col, rows, acc), codegen
 
 
 @inline
-def q4_k_fields(blk, at, c, d0, d1, x, i0, col, rows, acc):
-    """The 64 values of chunk ``c`` (its 32 bytes at ``blk[at]``) of a Q4_K block into the rows' lanes, converted
-    and scaled (:func:`fields_rows`)."""
-    fields_rows(blk, at, 0, 15, 16, 0, 0, 4, 0, d0, d0, x, i0, col, rows, acc)
-    fields_rows(blk, at, 4, 15, 16, 0, 0, 4, 0, d1, d1, x, i0, col + 32, rows, acc)
-
-
-@inline
-def q5_k_fields(blk, at, c, d0, d1, x, i0, col, rows, acc):
-    """As :func:`q4_k_fields` for Q5_K, bits ``2c`` and ``2c + 1`` of ``qh`` as bit 4."""
-    fields_rows(blk, at, 0, 15, 16, 2 * c, 1, 4, 0, d0, d0, x, i0, col, rows, acc)
-    fields_rows(blk, at, 4, 15, 16, 2 * c + 1, 1, 4, 0, d1, d1, x, i0, col + 32, rows, acc)
-
-
-@inline
-def q4_k_chunk(blk, at, c, d0, d1, x, i0, col, rows, acc):
-    """Chunk ``c`` of a Q4_K block: looked up for small groups of rows where the CPU can (the same products)."""
+def k45_chunk(size, blk, at, c, d0, d1, x, i0, col, rows, acc):
+    """The 64 values of chunk ``c`` (its 32 bytes at ``blk[at]``) of a Q4_K (``size`` 144) or Q5_K (176) block into
+    the rows' lanes: looked up for small groups of rows where the CPU can (:func:`k45_table_rows`), else converted
+    and scaled (:func:`fields_rows`, Q5_K's bits ``2c`` and ``2c + 1`` of ``qh`` as bit 4); the same products."""
     if PERMUTE and rows <= TABLE_ROWS:
-        k45_table_rows(blk, at, None, d0, d1, x, i0, col, rows, acc)
+        k45_table_rows(size, blk, at, 2 * c, d0, d1, x, i0, col, rows, acc)
     else:
-        q4_k_fields(blk, at, c, d0, d1, x, i0, col, rows, acc)
-
-
-@inline
-def q5_k_chunk(blk, at, c, d0, d1, x, i0, col, rows, acc):
-    """As :func:`q4_k_chunk` for Q5_K."""
-    if PERMUTE and rows <= TABLE_ROWS:
-        k45_table_rows(blk, at, 2 * c, d0, d1, x, i0, col, rows, acc)
-    else:
-        q5_k_fields(blk, at, c, d0, d1, x, i0, col, rows, acc)
+        high = 1 if size == Q5_K_BYTES else 0  # Q5_K's bit 4 from qh (bytes 16..47); Q4_K: none
+        fields_rows(blk, at, 0, 15, 16, 2 * c, high, 4, 0, d0, d0, x, i0, col, rows, acc)
+        fields_rows(blk, at, 4, 15, 16, 2 * c + 1, high, 4, 0, d1, d1, x, i0, col + 32, rows, acc)
 
 
 MIN_LANES = 8 * GROUP_ROWS  # a group's minimum lanes (8 per activation row)
@@ -292,13 +267,12 @@ def k45_value(blk, qs, k, c, high, size):
 
 
 @inline
-def k45_group(size, chunk, rows, raw, r, x, i0, args, out, acc):
+def k45_group(size, rows, raw, r, x, i0, args, out, acc):
     """``out[i0 + i, r] = x[i0 + i] @ W[r]`` for ``i < rows`` (a literal) of Q4_K (``size`` 144) or Q5_K (176) rows
-    ``raw`` [R, nb * size], each 64-value chunk by the type's ``chunk`` step (:func:`q4_k_chunk`,
-    :func:`q5_k_chunk`); ``args`` = (``xsum`` [N, nb * 8], sums of x per 32; the float16 table).  Each row's
-    minimums go into 8 lanes, one fused ``<8 x float>`` per block (:func:`minimums_fma`), summed pairwise at the
-    end: against one scalar sum per row, 1 row 0.071 -> 0.058 ms per million weights, 3 rows 0.162 -> 0.140 (Q4_K
-    18944 x 3584, one thread)."""
+    ``raw`` [R, nb * size], each 64-value chunk by :func:`k45_chunk`; ``args`` = (``xsum`` [N, nb * 8], sums of x per
+    32; the float16 table). Each row's minimums go into 8 lanes, one fused ``<8 x float>`` per block
+    (:func:`minimums_fma`), summed pairwise at the end: against one scalar sum per row, 1 row 0.071 -> 0.058 ms per
+    million weights, 3 rows 0.162 -> 0.140 (Q4_K 18944 x 3584, one thread)."""
     xsum, table = args
     qs_at = size - 128
     minp = stack_f32(MIN_LANES)
@@ -315,19 +289,19 @@ def k45_group(size, chunk, rows, raw, r, x, i0, args, out, acc):
         q4_k_scales(blk, table, dsp, dmp)
         minimums_fma(dmp, xsum, i0 * nd + b * 8, nd, minp, rows)
         for c in range(4):
-            chunk(blk, qs_at + 32 * c, c, ds[2 * c], ds[2 * c + 1], x, i0, b * QK_K + 64 * c, rows, acc)
+            k45_chunk(size, blk, qs_at + 32 * c, c, ds[2 * c], ds[2 * c + 1], x, i0, b * QK_K + 64 * c, rows, acc)
     for i in range(rows):
         out[i0 + i, r] = lanes_sum(acc, i) - minimums_sum(mins, i)
 
 
 @inline
 def q4_k_group(rows, raw, r, x, i0, args, out, acc):
-    k45_group(Q4_K_BYTES, q4_k_chunk, rows, raw, r, x, i0, args, out, acc)
+    k45_group(Q4_K_BYTES, rows, raw, r, x, i0, args, out, acc)
 
 
 @inline
 def q5_k_group(rows, raw, r, x, i0, args, out, acc):
-    k45_group(Q5_K_BYTES, q5_k_chunk, rows, raw, r, x, i0, args, out, acc)
+    k45_group(Q5_K_BYTES, rows, raw, r, x, i0, args, out, acc)
 
 
 @numba.njit(inline="always")

@@ -61,10 +61,13 @@ from .jit_base import (
     inline,
     lanes_sum,
     level_table,
+    levels_of,
     look_up,
+    nibble_indices,
     prefetch,
     row_cfunc,
     rows_fma,
+    splat,
     stack_f32,
     sums_of,
     sums_product,
@@ -78,12 +81,6 @@ X86 = llvm.get_process_triple().startswith(("x86_64", "i386", "i686"))  # pshufb
 
 I8, I32, F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
 V16_I8, V16_I32, V16_F32 = ir.VectorType(I8, HALF), ir.VectorType(I32, HALF), ir.VectorType(F32, HALF)
-
-
-def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
-    """``value`` in every element of ``vector``."""
-    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, I32(0))
-    return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), ir.Constant(V16_I32, [0] * HALF))
 
 
 def _data(context: object, builder: ir.IRBuilder, array_type: types.Array, array: ir.Value) -> ir.Value:
@@ -120,7 +117,7 @@ def _values(context: object, builder: ir.IRBuilder, signature: object, args: lis
     if levels:
         halves = [_levels(builder, h) for h in halves]
     else:
-        offset = _splat(builder, builder.trunc(bias, I8), V16_I8)
+        offset = splat(builder, builder.trunc(bias, I8), V16_I8)
         halves = [builder.sub(h, offset) for h in halves]
     return [builder.sitofp(h, V16_F32) for h in halves]
 
@@ -133,18 +130,15 @@ def _looked_up(context: object, builder: ir.IRBuilder, signature: object, args: 
     blocks, at, qh, bias = args[:4]
     source = builder.bitcast(builder.gep(_data(context, builder, signature.args[0], blocks), [at]),
                              V16_I8.as_pointer())
-    quads = builder.zext(builder.load(source, align=1), V16_I32)
     five = signature.args[2] != types.none
     if levels:
-        tables = [level_table(builder, args[4], [int(v) for v in IQ4_LEVELS])]
+        tables = [level_table(builder, args[4], levels_of(IQ4_LEVELS))]
     else:
-        offset = _splat(builder, builder.trunc(bias, I32), V16_I32)
-        tables = [builder.fmul(_splat(builder, args[4], V16_F32),
-                               builder.sitofp(builder.sub(ir.Constant(V16_I32, list(range(16 * t, 16 * t + HALF))),
-                                                          offset), V16_F32)) for t in range(2 if five else 1)]
+        offset = splat(builder, builder.trunc(bias, I32), V16_I32)
+        first = [ir.Constant(V16_I32, list(range(16 * t, 16 * t + HALF))) for t in range(2 if five else 1)]
+        tables = [level_table(builder, args[4], builder.sitofp(builder.sub(j, offset), V16_F32)) for j in first]
     w = []
-    for h in range(2):
-        index = builder.lshr(quads, ir.Constant(V16_I32, [4] * HALF)) if h else quads
+    for h, index in enumerate(nibble_indices(builder, source)):
         high = None
         if five:
             bits = builder.trunc(builder.lshr(qh, ir.Constant(qh.type, HALF * h)), ir.IntType(HALF))
@@ -181,7 +175,7 @@ def _lanes_rows(levels: bool) -> object:
             if PERMUTE and count <= TABLE_ROWS:
                 w = _looked_up(context, builder, signature, args, levels)
             else:
-                scale = _splat(builder, args[4], V16_F32)
+                scale = splat(builder, args[4], V16_F32)
                 w = [builder.fmul(v, scale) for v in _values(context, builder, signature, args, levels)]
             rows_fma(context, builder, signature.args[5], args[5], args[6], args[7], count, args[9], w)
             return context.get_dummy_value()
@@ -199,7 +193,7 @@ def _lanes_decode(levels: bool) -> object:
     def lanes_decode(typingctx, blocks, at, qh, bias, d, start, out):  # noqa: ARG001
         def codegen(context, builder, signature, args):
             out_at = builder.bitcast(_data(context, builder, signature.args[6], args[6]), V16_F32.as_pointer())
-            scale, first = _splat(builder, args[4], V16_F32), _splat(builder, args[5], V16_F32)
+            scale, first = splat(builder, args[4], V16_F32), splat(builder, args[5], V16_F32)
             for h, w in enumerate(_values(context, builder, signature, args, levels)):
                 builder.store(builder.fadd(builder.fmul(w, scale), first), builder.gep(out_at, [I32(h)]), align=4)
             return context.get_dummy_value()
