@@ -11,10 +11,11 @@ them and release the GIL, so numba's own thread pool never starts (:mod:`qwen_ru
 accumulators in registers).  A block's 32 weights are decoded once into float32 with their scale folded in,
 ``w[k] = d * f32(q[k])``, which is exact for every stored type (an 11-bit float16 significand times integer
 scales and quants whose product is at most 2**12 in magnitude: see each kernel); then each activation row
-``i`` keeps 32 float32 lanes ``acc[i, k] = fma(w[k], x[i, k], acc[i, k])`` over the blocks in order, and sums
-them once at the end by a fixed pairwise tree (lanes ``k`` and ``k + 16``, then 8, 4, 2, 1:
-:func:`lanes_sum`).  Each term is rounded once (the fused multiply-add), so a row is at least as accurate as
-with the scale on the activation side.  The multi-row kernels run the rows in groups of :data:`GROUP_ROWS`,
+``i`` keeps 32 float32 lanes ``acc[i, k] = fma(w[k], x[i, k], acc[i, k])`` over the blocks in order and sums
+them by a fixed pairwise tree (lanes ``k`` and ``k + 16``, then 8, 4, 2, 1: :func:`lanes_sum`); the K-quants do
+that per chunk of :data:`CHUNK_COLS` columns and add the chunks' sums in order (:func:`deposit`).  Each term is
+rounded once (the fused multiply-add), so a row is at least as accurate as with the scale on the activation
+side.  The multi-row kernels run the rows in groups of :data:`GROUP_ROWS`,
 4, 2 and 1 (a compile-time count, one specialisation per count: :func:`gemv_groups`), so that a group's
 ``2 * GROUP_ROWS`` zmm accumulators stay in registers and the decoded block is shared by the group's rows;
 the one-row kernel is the group of one, so a row's result is the same bits whatever the other rows
@@ -70,6 +71,16 @@ ACC_FLOATS = GEMV_ROWS * LANES  # the stack accumulators of a kernel for GEMV_RO
 GROUP_ROWS = 8
 GROUP_FLOATS = GROUP_ROWS * LANES
 TILE_ROWS = 16  # stored rows the groups of a multi-row product take in turn (:func:`gemv_groups`)
+# Columns of a K-quant row product's chunk: each activation row's lanes are summed per chunk (:func:`lanes_sum`)
+# and the chunks' sums added in order (:func:`deposit`), so that a chunk of activations (8 KiB a row) stays in the
+# L1 cache while the tile's rows stream through it.  Over whole rows of 4096 or more columns the K-quant loops
+# slowed down: a 1-row Q6_K product of 3584 x 18944 (the 7B-shaped model's down projection) took 0.19 ms of CPU
+# per million weights against 0.054 with the same loop reading only 2048 columns of activations over and over;
+# chunked, 0.06-0.074 (Q4_K 0.097 -> 0.044, Q5_K 0.12 -> 0.065; Qwen2.5-0.5B's 896 x 4864: Q4_K 0.072 -> 0.046).
+# The 32-value types and the dense ones did not slow down over whole rows, and chunked they lost 10-20 % (Q4_0
+# 3584 x 18944 0.050 -> 0.061, Q8_0 0.065 -> 0.074): they pass 0, whole rows.
+CHUNK_COLS = 2048
+LINE = 64  # bytes of a cache line
 TILE_FLOATS = GROUP_FLOATS + LANES  # a partial block: its weights and a group's activations (:func:`buffer_fma`)
 ALIGN = 64  # bytes: activations start on a cache line (a zmm load across two lines costs two)
 
@@ -219,6 +230,7 @@ def prefetcher(distance: int):  # -> an intrinsic
 
 
 prefetch = prefetcher(PREFETCH_BYTES)  # what every row kernel calls for the block it starts
+prefetch_at = prefetcher(0)  # the element itself (:func:`fetch_span`)
 prefetch_f32 = prefetcher(F32_PREFETCH_BYTES)  # F32 rows' (4 bytes per weight)
 
 
@@ -299,43 +311,86 @@ def zero_lanes(acc, rows):
 
 
 @inline
-def gemv1_rows(group, raw, x, args, out):
-    """``out[0, r] = x[0] @ W[r]`` for every stored row ``r``: ``group(1, raw, r, x, 0, args, out, acc)``, the
-    type's block loop for a group of one row (``args``: its activation quantities and constants)."""
-    acc = stack_f32(LANES)
-    for r in range(raw.shape[0]):
-        group(1, raw, r, x, 0, args, out, acc)
+def deposit(out, i, r, value, c0):
+    """``out[i, r] = value`` for a row's first chunk of columns (``c0 == 0``), else ``out[i, r] += value``: what a
+    group adds for the chunk ``c0:c1`` (:func:`gemv1_rows`)."""
+    if c0 == 0:
+        out[i, r] = value
+    else:
+        out[i, r] += value
 
 
 @inline
-def gemv_groups(group, raw, x, args, out):
+def fetch_span(raw, r, e0, e1):
+    """Ask for the elements ``e0:e1`` of stored row ``r`` of ``raw``, one prefetch per cache line (a hint: ``r`` may
+    be past the last row)."""
+    base = r * raw.shape[1]
+    for e in range(e0, e1, LINE // raw.itemsize):
+        prefetch_at(raw, base + e)
+
+
+@inline
+def gemv1_rows(group, raw, x, args, out, chunk):
+    """``out[0, r] = x[0] @ W[r]`` for every stored row ``r``: ``group(1, raw, r, x, 0, c0, c1, args, out, acc)``,
+    the type's block loop for a group of one row over the columns ``c0:c1`` (``args``: its activation quantities
+    and constants), whole rows in turn or, for rows longer than ``chunk`` columns (0: never), in the order of
+    :func:`gemv_groups` (the same chunks, so the same bits)."""
+    cols = x.shape[1]
+    acc = stack_f32(LANES)
+    if chunk == 0 or cols <= chunk:
+        for r in range(raw.shape[0]):
+            group(1, raw, r, x, 0, 0, cols, args, out, acc)
+        return
+    for t0 in range(0, raw.shape[0], TILE_ROWS):
+        t1 = min(t0 + TILE_ROWS, raw.shape[0])
+        for c0 in range(0, cols, chunk):
+            c1 = min(c0 + chunk, cols)
+            e0, e1 = c0 * raw.shape[1] // cols, c1 * raw.shape[1] // cols
+            for r in range(t0, t1):
+                fetch_span(raw, r + TILE_ROWS, e0, e1)
+                group(1, raw, r, x, 0, c0, c1, args, out, acc)
+
+
+@inline
+def gemv_groups(group, raw, x, args, out, chunk):
     """``out[i, r] = x[i] @ W[r]`` for any number of rows: the rows in groups of GROUP_ROWS, then the rest in
-    groups of 4, 2 and 1 (its binary digits), each by ``group(count, raw, r, x, first row, args, out, acc)``
-    with a literal count (its own specialisation, accumulators in registers); a row's operations do not depend
-    on its group.  Every count 1-7 as its own group ran 7 rows in 0.19 against 0.25 ms per million weights
-    (Q8_0) but made the first-ever compile of all kernels 1.5x longer (77 against 51 s of CPU).  The stored rows
-    go by tiles of :data:`TILE_ROWS`, each group over the whole tile, so that a group's activations stay in the
-    L1 cache while the tile's rows (read from memory by the first group) come from L2 for the others."""
-    n = x.shape[0]
+    groups of 4, 2 and 1 (its binary digits), each by ``group(count, raw, r, x, first row, c0, c1, args, out,
+    acc)`` with a literal count (its own specialisation, accumulators in registers); a row's operations do not
+    depend on its group.  Every count 1-7 as its own group ran 7 rows in 0.19 against 0.25 ms per million weights
+    (Q8_0) but made the first-ever compile of all kernels 1.5x longer (77 against 51 s of CPU).
+
+    The stored rows go by tiles of :data:`TILE_ROWS` and their columns by chunks of ``chunk`` (0: whole rows), each
+    group over the tile's chunk, so that a group's activations stay in the L1 cache while the tile's rows (read
+    from memory by the first group) come from L2 for the others.  With more than one chunk, each chunk asks for
+    the same chunk of the next tile's rows (:func:`fetch_span`), so that the strided reads find their bytes in
+    cache: without it the chunked 1-row Q6_K product above took 0.18 ms per million weights."""
+    n, cols = x.shape[0], x.shape[1]
+    step = cols if chunk == 0 else chunk
     acc = stack_f32(GROUP_FLOATS)
     for t0 in range(0, raw.shape[0], TILE_ROWS):
         t1 = min(t0 + TILE_ROWS, raw.shape[0])
-        i0 = 0
-        while n - i0 >= GROUP_ROWS:
-            for r in range(t0, t1):
-                group(GROUP_ROWS, raw, r, x, i0, args, out, acc)
-            i0 += GROUP_ROWS
-        if n - i0 >= 4:
-            for r in range(t0, t1):
-                group(4, raw, r, x, i0, args, out, acc)
-            i0 += 4
-        if n - i0 >= 2:
-            for r in range(t0, t1):
-                group(2, raw, r, x, i0, args, out, acc)
-            i0 += 2
-        if n - i0 >= 1:
-            for r in range(t0, t1):
-                group(1, raw, r, x, i0, args, out, acc)
+        for c0 in range(0, cols, step):
+            c1 = min(c0 + step, cols)
+            if c1 - c0 < cols:
+                e0, e1 = c0 * raw.shape[1] // cols, c1 * raw.shape[1] // cols
+                for r in range(t0, t1):
+                    fetch_span(raw, r + TILE_ROWS, e0, e1)
+            i0 = 0
+            while n - i0 >= GROUP_ROWS:
+                for r in range(t0, t1):
+                    group(GROUP_ROWS, raw, r, x, i0, c0, c1, args, out, acc)
+                i0 += GROUP_ROWS
+            if n - i0 >= 4:
+                for r in range(t0, t1):
+                    group(4, raw, r, x, i0, c0, c1, args, out, acc)
+                i0 += 4
+            if n - i0 >= 2:
+                for r in range(t0, t1):
+                    group(2, raw, r, x, i0, c0, c1, args, out, acc)
+                i0 += 2
+            if n - i0 >= 1:
+                for r in range(t0, t1):
+                    group(1, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 # The C signature of a type's row product (``<type>_rows``), which the compiled decode step calls through its address

@@ -41,6 +41,7 @@ from .jit_base import (
     JitKernel,
     buffer_fma,
     compiled,
+    deposit,
     gemv1_rows,
     gemv_groups,
     inline,
@@ -125,18 +126,18 @@ f32_fma, f16_fma, bf16_fma = _widen_fma("f32"), _widen_fma("f16"), _widen_fma("b
 
 
 @inline
-def dense_group(widen, widen_fma, fetch, rows, raw, r, x, i0, out, acc):
-    """``out[i0 + i, r] = x[i0 + i] @ W[r]`` for ``i < rows`` (a literal): the row's chunks of 32 columns into the
-    group's lanes (held in registers; ``fetch`` the type's prefetch), then a last partial chunk as a chunk padded
-    with zeros (its products add +0 to the other lanes), then each row's lanes summed."""
+def dense_group(widen, widen_fma, fetch, rows, raw, r, x, i0, c0, c1, out, acc):
+    """``out[i0 + i, r] (+)= x[i0 + i, c0:c1] @ W[r, c0:c1]`` for ``i < rows`` (a literal): the columns by 32 into
+    the group's lanes (held in registers; ``fetch`` the type's prefetch), then a last partial 32 (in the last
+    chunk) as 32 padded with zeros (its products add +0 to the other lanes), then each row's lanes summed."""
     n = x.shape[1]
     full = n - n % LANES
     zero_lanes(acc, rows)
     w = raw[r]
-    for c in range(0, full, LANES):
+    for c in range(c0, min(c1, full), LANES):
         fetch(w, c)
         widen_fma(w, c, x, i0, rows, acc)
-    if full < n:
+    if full < c1:
         tail = carray(stack_f32(TILE_FLOATS), (GROUP_ROWS + 1, LANES))
         for i in range(rows + 1):
             for k in range(LANES):
@@ -147,22 +148,22 @@ def dense_group(widen, widen_fma, fetch, rows, raw, r, x, i0, out, acc):
                 tail[1 + i, k] = x[i0 + i, full + k]
         buffer_fma(tail, rows, acc)
     for i in range(rows):
-        out[i0 + i, r] = lanes_sum(acc, i)
+        deposit(out, i0 + i, r, lanes_sum(acc, i), c0)
 
 
 @inline
-def f32_group(rows, raw, r, x, i0, args, out, acc):
-    dense_group(same_f32, f32_fma, prefetch_f32, rows, raw, r, x, i0, out, acc)
+def f32_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+    dense_group(same_f32, f32_fma, prefetch_f32, rows, raw, r, x, i0, c0, c1, out, acc)
 
 
 @inline
-def f16_group(rows, raw, r, x, i0, args, out, acc):
-    dense_group(f16_to_f32, f16_fma, prefetch, rows, raw, r, x, i0, out, acc)
+def f16_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+    dense_group(f16_to_f32, f16_fma, prefetch, rows, raw, r, x, i0, c0, c1, out, acc)
 
 
 @inline
-def bf16_group(rows, raw, r, x, i0, args, out, acc):
-    dense_group(bf16_to_f32, bf16_fma, prefetch, rows, raw, r, x, i0, out, acc)
+def bf16_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+    dense_group(bf16_to_f32, bf16_fma, prefetch, rows, raw, r, x, i0, c0, c1, out, acc)
 
 
 @inline
@@ -181,22 +182,22 @@ F32_GEMV = types.void(F32_2D_RO, F32_2D_C, F32_2D)
 
 @compiled(F32_GEMV)
 def f32_gemv1(raw, x, out):
-    gemv1_rows(f32_group, raw, x, (), out)
+    gemv1_rows(f32_group, raw, x, (), out, 0)
 
 
 @compiled(F32_GEMV)
 def f32_gemv(raw, x, out):
-    gemv_groups(f32_group, raw, x, (), out)
+    gemv_groups(f32_group, raw, x, (), out, 0)
 
 
 @compiled(GEMV)
 def f16_gemv1(raw, x, out):
-    gemv1_rows(f16_group, raw, x, (), out)
+    gemv1_rows(f16_group, raw, x, (), out, 0)
 
 
 @compiled(GEMV)
 def f16_gemv(raw, x, out):
-    gemv_groups(f16_group, raw, x, (), out)
+    gemv_groups(f16_group, raw, x, (), out, 0)
 
 
 @compiled(DECODE)
@@ -206,12 +207,12 @@ def f16_decode(raw, tile):
 
 @compiled(GEMV)
 def bf16_gemv1(raw, x, out):
-    gemv1_rows(bf16_group, raw, x, (), out)
+    gemv1_rows(bf16_group, raw, x, (), out, 0)
 
 
 @compiled(GEMV)
 def bf16_gemv(raw, x, out):
-    gemv_groups(bf16_group, raw, x, (), out)
+    gemv_groups(bf16_group, raw, x, (), out, 0)
 
 
 @compiled(DECODE)

@@ -73,18 +73,18 @@ def _xs_sub_block_at(table, blocks, b, geo):
 
 
 @inline
-def iq4_nl_group(rows, raw, r, x, i0, args, out, acc):
-    group_loop(_levels, _block_at, IQ4_NL_GEO, rows, raw, r, x, i0, args, out, acc)
+def iq4_nl_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+    group_loop(_levels, _block_at, IQ4_NL_GEO, rows, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @compiled(GEMV)
 def iq4_nl_gemv1(raw, x, sums, table, out):
-    gemv1_rows(iq4_nl_group, raw, x, (sums, table), out)
+    gemv1_rows(iq4_nl_group, raw, x, (sums, table), out, 0)
 
 
 @compiled(GEMV)
 def iq4_nl_gemv(raw, x, sums, table, out):
-    gemv_groups(iq4_nl_group, raw, x, (sums, table), out)
+    gemv_groups(iq4_nl_group, raw, x, (sums, table), out, 0)
 
 
 @compiled(DECODE, contract=False)
@@ -93,18 +93,18 @@ def iq4_nl_decode(raw, table, tile):
 
 
 @inline
-def iq4_xs_group(rows, raw, r, x, i0, args, out, acc):
-    group_loop(_levels, _xs_sub_block_at, IQ4_XS_GEO, rows, raw, r, x, i0, args, out, acc)
+def iq4_xs_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+    group_loop(_levels, _xs_sub_block_at, IQ4_XS_GEO, rows, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @compiled(GEMV)
 def iq4_xs_gemv1(raw, x, sums, table, out):
-    gemv1_rows(iq4_xs_group, raw, x, (sums, table), out)
+    gemv1_rows(iq4_xs_group, raw, x, (sums, table), out, 0)
 
 
 @compiled(GEMV)
 def iq4_xs_gemv(raw, x, sums, table, out):
-    gemv_groups(iq4_xs_group, raw, x, (sums, table), out)
+    gemv_groups(iq4_xs_group, raw, x, (sums, table), out, 0)
 
 
 @compiled(DECODE, contract=False)

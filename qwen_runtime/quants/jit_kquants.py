@@ -38,6 +38,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .jit_base import (
+    CHUNK_COLS,
     F16_TABLE,
     F32_1D,
     F32_2D,
@@ -53,6 +54,7 @@ from .jit_base import (
     V16_I32,
     JitKernel,
     compiled,
+    deposit,
     gemv1_rows,
     gemv_groups,
     inline,
@@ -267,12 +269,12 @@ def k45_value(blk, qs, k, c, high, size):
 
 
 @inline
-def k45_group(size, rows, raw, r, x, i0, args, out, acc):
-    """``out[i0 + i, r] = x[i0 + i] @ W[r]`` for ``i < rows`` (a literal) of Q4_K (``size`` 144) or Q5_K (176) rows
-    ``raw`` [R, nb * size], each 64-value chunk by :func:`k45_chunk`; ``args`` = (``xsum`` [N, nb * 8], sums of x per
-    32; the float16 table). Each row's minimums go into 8 lanes, one fused ``<8 x float>`` per block
-    (:func:`minimums_fma`), summed pairwise at the end: against one scalar sum per row, 1 row 0.071 -> 0.058 ms per
-    million weights, 3 rows 0.162 -> 0.140 (Q4_K 18944 x 3584, one thread)."""
+def k45_group(size, rows, raw, r, x, i0, c0, c1, args, out, acc):
+    """``out[i0 + i, r] (+)= x[i0 + i, c0:c1] @ W[r, c0:c1]`` (:func:`.jit_base.deposit`) for ``i < rows`` (a literal)
+    of Q4_K (``size`` 144) or Q5_K (176) rows ``raw`` [R, nb * size], each 64-value chunk by :func:`k45_chunk`; ``args``
+    = (``xsum`` [N, nb * 8], sums of x per 32; the float16 table).  Each row's minimums go into 8 lanes, one fused
+    ``<8 x float>`` per block (:func:`minimums_fma`), summed pairwise at the end: against one scalar sum per row, 1 row
+    0.071 -> 0.058 ms per million weights, 3 rows 0.162 -> 0.140 (Q4_K 18944 x 3584, one thread)."""
     xsum, table = args
     qs_at = size - 128
     minp = stack_f32(MIN_LANES)
@@ -283,7 +285,7 @@ def k45_group(size, rows, raw, r, x, i0, args, out, acc):
     for k in range(8 * rows):
         mins[k] = 0
     zero_lanes(acc, rows)
-    for b in range(x.shape[1] // QK_K):
+    for b in range(c0 // QK_K, c1 // QK_K):
         blk = raw[r, b * size: b * size + size]
         prefetch(blk, 0)
         q4_k_scales(blk, table, dsp, dmp)
@@ -291,17 +293,17 @@ def k45_group(size, rows, raw, r, x, i0, args, out, acc):
         for c in range(4):
             k45_chunk(size, blk, qs_at + 32 * c, c, ds[2 * c], ds[2 * c + 1], x, i0, b * QK_K + 64 * c, rows, acc)
     for i in range(rows):
-        out[i0 + i, r] = lanes_sum(acc, i) - minimums_sum(mins, i)
+        deposit(out, i0 + i, r, lanes_sum(acc, i) - minimums_sum(mins, i), c0)
 
 
 @inline
-def q4_k_group(rows, raw, r, x, i0, args, out, acc):
-    k45_group(Q4_K_BYTES, rows, raw, r, x, i0, args, out, acc)
+def q4_k_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+    k45_group(Q4_K_BYTES, rows, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @inline
-def q5_k_group(rows, raw, r, x, i0, args, out, acc):
-    k45_group(Q5_K_BYTES, rows, raw, r, x, i0, args, out, acc)
+def q5_k_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+    k45_group(Q5_K_BYTES, rows, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @numba.njit(inline="always")
@@ -330,12 +332,12 @@ K_DECODE = types.void(U8_2D, F32_1D, F32_2D_C)
 
 @compiled(K45_GEMV)
 def q4_k_gemv1(raw, x, xsum, table, out):
-    gemv1_rows(q4_k_group, raw, x, (xsum, table), out)
+    gemv1_rows(q4_k_group, raw, x, (xsum, table), out, CHUNK_COLS)
 
 
 @compiled(K45_GEMV)
 def q4_k_gemv(raw, x, xsum, table, out):
-    gemv_groups(q4_k_group, raw, x, (xsum, table), out)
+    gemv_groups(q4_k_group, raw, x, (xsum, table), out, CHUNK_COLS)
 
 
 @compiled(K_DECODE, contract=False)
@@ -345,12 +347,12 @@ def q4_k_decode(raw, table, tile):
 
 @compiled(K45_GEMV)
 def q5_k_gemv1(raw, x, xsum, table, out):
-    gemv1_rows(q5_k_group, raw, x, (xsum, table), out)
+    gemv1_rows(q5_k_group, raw, x, (xsum, table), out, CHUNK_COLS)
 
 
 @compiled(K45_GEMV)
 def q5_k_gemv(raw, x, xsum, table, out):
-    gemv_groups(q5_k_group, raw, x, (xsum, table), out)
+    gemv_groups(q5_k_group, raw, x, (xsum, table), out, CHUNK_COLS)
 
 
 @compiled(K_DECODE, contract=False)
@@ -381,15 +383,15 @@ def q6_k_scales_at(typingctx, blk, d, ds):  # noqa: ARG001
 
 
 @inline
-def q6_k_group(rows, raw, r, x, i0, args, out, acc):
-    """``out[i0 + i, r] = x[i0 + i] @ W[r]`` for ``i < rows`` (a literal) of Q6_K rows ``raw`` [R, nb * 210]:
-    in half ``h``, step ``s`` the 6-bit values from ``ql`` and ``qh`` minus 32, lanes 0-15 and 16-31 scaled by
+def q6_k_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+    """``out[i0 + i, r] (+)= x[i0 + i, c0:c1] @ W[r, c0:c1]`` for ``i < rows`` (a literal) of Q6_K rows ``raw`` [R, nb *
+    210]: in half ``h``, step ``s`` the 6-bit values from ``ql`` and ``qh`` minus 32, lanes 0-15 and 16-31 scaled by
     their sub-blocks' ``d * sc``."""
     (table,) = args
     dsp = stack_f32(16)
     ds = carray(dsp, (16,))
     zero_lanes(acc, rows)
-    for b in range(x.shape[1] // QK_K):
+    for b in range(c0 // QK_K, c1 // QK_K):
         blk = raw[r, b * Q6_K_BYTES: b * Q6_K_BYTES + Q6_K_BYTES]
         prefetch(blk, 0)
         q6_k_scales_at(blk, table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)], dsp)
@@ -399,19 +401,19 @@ def q6_k_group(rows, raw, r, x, i0, args, out, acc):
                 fields_rows(blk, 64 * h + 32 * (s % 2), 4 * (s // 2), 15, 128 + 32 * h, 2 * s, 3, 4, 32, ds[j],
                             ds[j + 1], x, i0, b * QK_K + 128 * h + 32 * s, rows, acc)
     for i in range(rows):
-        out[i0 + i, r] = lanes_sum(acc, i)
+        deposit(out, i0 + i, r, lanes_sum(acc, i), c0)
 
 
 @compiled(types.void(U8_2D, F32_2D_C, F32_1D, F32_2D))
 def q6_k_gemv1(raw, x, table, out):
     """``out[0, r] = x[0] @ W[r]`` for Q6_K rows ``raw`` [R, nb * 210]."""
-    gemv1_rows(q6_k_group, raw, x, (table,), out)
+    gemv1_rows(q6_k_group, raw, x, (table,), out, CHUNK_COLS)
 
 
 @compiled(types.void(U8_2D, F32_2D_C, F32_1D, F32_2D))
 def q6_k_gemv(raw, x, table, out):
     """:func:`q6_k_gemv1` for 1..GEMV_ROWS rows, each by the same operations."""
-    gemv_groups(q6_k_group, raw, x, (table,), out)
+    gemv_groups(q6_k_group, raw, x, (table,), out, CHUNK_COLS)
 
 
 @compiled(types.void(U8_2D, F32_1D, F32_2D_C), contract=False)
@@ -468,10 +470,11 @@ def k23_value(blk, k, h, s, q3):
 
 
 @inline
-def k23_group(q3, rows, raw, r, x, i0, args, out, acc):
-    """``out[i0 + i, r] = x[i0 + i] @ W[r]`` for ``i < rows`` (a literal) of Q2_K or (``q3``) Q3_K rows; ``args`` =
-    (``xsum`` [N, nb * 16], sums of x per 16 for Q2_K's minimums; the float16 table).  Lanes 0-15 and 16-31 of
-    step (h, s) belong to sub-blocks ``8h + 2s`` and ``8h + 2s + 1``; Q3_K's value is ``(low | hbit << 2) - 4``."""
+def k23_group(q3, rows, raw, r, x, i0, c0, c1, args, out, acc):
+    """``out[i0 + i, r] (+)= x[i0 + i, c0:c1] @ W[r, c0:c1]`` for ``i < rows`` (a literal) of Q2_K or (``q3``)  Q3_K
+    rows; ``args`` = (``xsum`` [N, nb * 16], sums of x per 16 for Q2_K's minimums; the float16 table).  Lanes 0-15 and
+    16-31 of step (h, s) belong to sub-blocks ``8h + 2s`` and ``8h + 2s + 1``; Q3_K's value is ``(low | hbit << 2) -
+    4``."""
     xsum, table = args
     size = 110 if q3 else 84
     mins = carray(stack_f32(GROUP_ROWS), (GROUP_ROWS,))
@@ -479,7 +482,7 @@ def k23_group(q3, rows, raw, r, x, i0, args, out, acc):
     for i in range(rows):
         mins[i] = 0
     zero_lanes(acc, rows)
-    for b in range(x.shape[1] // QK_K):
+    for b in range(c0 // QK_K, c1 // QK_K):
         blk = raw[r, b * size: b * size + size]
         prefetch(blk, 0)
         k23_scales(blk, table, ds, dm, q3)
@@ -495,17 +498,17 @@ def k23_group(q3, rows, raw, r, x, i0, args, out, acc):
                         mins[i] += dm[j] * xsum[i0 + i, b * 16 + j] + dm[j + 1] * xsum[i0 + i, b * 16 + j + 1]
                     fields_rows(blk, 16 + 32 * h, 2 * s, 3, 0, 0, 0, 0, 0, ds[j], ds[j + 1], x, i0, col, rows, acc)
     for i in range(rows):
-        out[i0 + i, r] = lanes_sum(acc, i) - mins[i]
+        deposit(out, i0 + i, r, lanes_sum(acc, i) - mins[i], c0)
 
 
 @inline
-def q2_k_group(rows, raw, r, x, i0, args, out, acc):
-    k23_group(False, rows, raw, r, x, i0, args, out, acc)
+def q2_k_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+    k23_group(False, rows, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @inline
-def q3_k_group(rows, raw, r, x, i0, args, out, acc):
-    k23_group(True, rows, raw, r, x, i0, args, out, acc)
+def q3_k_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+    k23_group(True, rows, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @numba.njit(inline="always")
@@ -531,12 +534,12 @@ def k23_decode(raw, table, tile, q3):
 
 @compiled(K45_GEMV)
 def q2_k_gemv1(raw, x, xsum, table, out):
-    gemv1_rows(q2_k_group, raw, x, (xsum, table), out)
+    gemv1_rows(q2_k_group, raw, x, (xsum, table), out, CHUNK_COLS)
 
 
 @compiled(K45_GEMV)
 def q2_k_gemv(raw, x, xsum, table, out):
-    gemv_groups(q2_k_group, raw, x, (xsum, table), out)
+    gemv_groups(q2_k_group, raw, x, (xsum, table), out, CHUNK_COLS)
 
 
 @compiled(K_DECODE, contract=False)
@@ -546,12 +549,12 @@ def q2_k_decode(raw, table, tile):
 
 @compiled(K45_GEMV)
 def q3_k_gemv1(raw, x, xsum, table, out):
-    gemv1_rows(q3_k_group, raw, x, (xsum, table), out)
+    gemv1_rows(q3_k_group, raw, x, (xsum, table), out, CHUNK_COLS)
 
 
 @compiled(K45_GEMV)
 def q3_k_gemv(raw, x, xsum, table, out):
-    gemv_groups(q3_k_group, raw, x, (xsum, table), out)
+    gemv_groups(q3_k_group, raw, x, (xsum, table), out, CHUNK_COLS)
 
 
 @compiled(K_DECODE, contract=False)

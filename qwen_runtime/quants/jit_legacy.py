@@ -56,6 +56,7 @@ from .jit_base import (
     U8_2D,
     JitKernel,
     compiled,
+    deposit,
     gemv1_rows,
     gemv_groups,
     inline,
@@ -254,18 +255,18 @@ def _q5_values(blocks, o, geo, d, start, out):
 
 
 @inline
-def group_loop(update, locate, geo, rows, raw, r, x, i0, args, out, acc):
-    """``out[i0 + i, r] = x[i0 + i] @ W[r]`` for ``i < rows`` (a literal) of blocks of 32 values: ``locate`` gives a
-    block's byte, scale and minimum, ``update`` adds its products to the group's lanes (held in registers); the
-    types with a minimum add ``m * sum(x over the block)`` to one scalar per row (``args``: the block sums
-    [N, nb] and the float16 table)."""
+def group_loop(update, locate, geo, rows, raw, r, x, i0, c0, c1, args, out, acc):
+    """``out[i0 + i, r] (+)= x[i0 + i, c0:c1] @ W[r, c0:c1]`` (:func:`.jit_base.deposit`) for ``i < rows`` (a literal)
+    of blocks of 32 values: ``locate`` gives a block's byte, scale and minimum, ``update`` adds its products to the
+    group's lanes (held in registers); the types with a minimum add ``m * sum(x over the block)`` to one scalar per row
+    (``args``: the block sums [N, nb] and the float16 table)."""
     sums, table = args
     offset = carray(stack_f32(GROUP_ROWS), (GROUP_ROWS,))
     for i in range(rows):
         offset[i] = 0
     zero_lanes(acc, rows)
     blocks = raw[r]
-    for b in range(x.shape[1] // LANES):
+    for b in range(c0 // LANES, c1 // LANES):
         o, d, m = locate(table, blocks, b, geo)
         prefetch(blocks, o)
         if geo[3]:
@@ -273,7 +274,7 @@ def group_loop(update, locate, geo, rows, raw, r, x, i0, args, out, acc):
                 offset[i] += m * sums[i0 + i, b]
         update(blocks, o, geo, d, x, i0, b * LANES, rows, acc)
     for i in range(rows):
-        out[i0 + i, r] = lanes_sum(acc, i) + offset[i]
+        deposit(out, i0 + i, r, lanes_sum(acc, i) + offset[i], c0)
 
 
 @inline
@@ -296,18 +297,18 @@ Q5_0_GEO = (Q5_0().type_size, Q5_0.qs_at, Q5_0.bias, False)
 Q5_1_GEO = (Q5_1().type_size, Q5_1.qs_at, Q5_1.bias, True)
 
 @inline
-def q4_0_group(rows, raw, r, x, i0, args, out, acc):
-    group_loop(_q4, _block_at, Q4_0_GEO, rows, raw, r, x, i0, args, out, acc)
+def q4_0_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+    group_loop(_q4, _block_at, Q4_0_GEO, rows, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @compiled(GEMV)
 def q4_0_gemv1(raw, x, sums, table, out):
-    gemv1_rows(q4_0_group, raw, x, (sums, table), out)
+    gemv1_rows(q4_0_group, raw, x, (sums, table), out, 0)
 
 
 @compiled(GEMV)
 def q4_0_gemv(raw, x, sums, table, out):
-    gemv_groups(q4_0_group, raw, x, (sums, table), out)
+    gemv_groups(q4_0_group, raw, x, (sums, table), out, 0)
 
 
 @compiled(DECODE, contract=False)
@@ -316,18 +317,18 @@ def q4_0_decode(raw, table, tile):
 
 
 @inline
-def q4_1_group(rows, raw, r, x, i0, args, out, acc):
-    group_loop(_q4, _block_at, Q4_1_GEO, rows, raw, r, x, i0, args, out, acc)
+def q4_1_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+    group_loop(_q4, _block_at, Q4_1_GEO, rows, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @compiled(GEMV)
 def q4_1_gemv1(raw, x, sums, table, out):
-    gemv1_rows(q4_1_group, raw, x, (sums, table), out)
+    gemv1_rows(q4_1_group, raw, x, (sums, table), out, 0)
 
 
 @compiled(GEMV)
 def q4_1_gemv(raw, x, sums, table, out):
-    gemv_groups(q4_1_group, raw, x, (sums, table), out)
+    gemv_groups(q4_1_group, raw, x, (sums, table), out, 0)
 
 
 @compiled(DECODE, contract=False)
@@ -336,18 +337,18 @@ def q4_1_decode(raw, table, tile):
 
 
 @inline
-def q5_0_group(rows, raw, r, x, i0, args, out, acc):
-    group_loop(_q5, _block_at, Q5_0_GEO, rows, raw, r, x, i0, args, out, acc)
+def q5_0_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+    group_loop(_q5, _block_at, Q5_0_GEO, rows, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @compiled(GEMV)
 def q5_0_gemv1(raw, x, sums, table, out):
-    gemv1_rows(q5_0_group, raw, x, (sums, table), out)
+    gemv1_rows(q5_0_group, raw, x, (sums, table), out, 0)
 
 
 @compiled(GEMV)
 def q5_0_gemv(raw, x, sums, table, out):
-    gemv_groups(q5_0_group, raw, x, (sums, table), out)
+    gemv_groups(q5_0_group, raw, x, (sums, table), out, 0)
 
 
 @compiled(DECODE, contract=False)
@@ -356,18 +357,18 @@ def q5_0_decode(raw, table, tile):
 
 
 @inline
-def q5_1_group(rows, raw, r, x, i0, args, out, acc):
-    group_loop(_q5, _block_at, Q5_1_GEO, rows, raw, r, x, i0, args, out, acc)
+def q5_1_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+    group_loop(_q5, _block_at, Q5_1_GEO, rows, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @compiled(GEMV)
 def q5_1_gemv1(raw, x, sums, table, out):
-    gemv1_rows(q5_1_group, raw, x, (sums, table), out)
+    gemv1_rows(q5_1_group, raw, x, (sums, table), out, 0)
 
 
 @compiled(GEMV)
 def q5_1_gemv(raw, x, sums, table, out):
-    gemv_groups(q5_1_group, raw, x, (sums, table), out)
+    gemv_groups(q5_1_group, raw, x, (sums, table), out, 0)
 
 
 @compiled(DECODE, contract=False)

@@ -28,6 +28,7 @@ from .jit_base import (
     V16_F32,
     JitKernel,
     compiled,
+    deposit,
     gemv1_rows,
     gemv_groups,
     inline,
@@ -65,30 +66,31 @@ def q8_block_fma(typingctx, blocks, at, d, x, i0, col, rows, acc):  # noqa: ARG0
 
 
 @inline
-def q8_0_group(rows, raw, r, x, i0, args, out, acc):
-    """``out[i0 + i, r] = x[i0 + i] @ W[r]`` for ``i < rows`` (a literal): the lanes of the group in registers."""
+def q8_0_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+    """``out[i0 + i, r] (+)= x[i0 + i, c0:c1] @ W[r, c0:c1]`` for ``i < rows`` (a literal): the lanes of the group
+    in registers."""
     (table,) = args
     zero_lanes(acc, rows)
     blocks = raw[r]
-    for b in range(x.shape[1] // LANES):
+    for b in range(c0 // LANES, c1 // LANES):
         o = b * Q8_0_BYTES
         prefetch(blocks, o)
         d = table[np.int64(np.uint8(blocks[o])) | (np.int64(np.uint8(blocks[o + 1])) << 8)]
         q8_block_fma(blocks, o + 2, d, x, i0, b * LANES, rows, acc)
     for i in range(rows):
-        out[i0 + i, r] = lanes_sum(acc, i)
+        deposit(out, i0 + i, r, lanes_sum(acc, i), c0)
 
 
 @compiled(types.void(I8_2D, F32_2D_C, F32_1D, F32_2D))
 def q8_0_gemv1(raw, x, table, out):
     """``out[0, r] = x[0] @ W[r]`` for Q8_0 rows ``raw`` (int8 view) [R, nb * 34], ``x`` [1, nb * 32]."""
-    gemv1_rows(q8_0_group, raw, x, (table,), out)
+    gemv1_rows(q8_0_group, raw, x, (table,), out, 0)
 
 
 @compiled(types.void(I8_2D, F32_2D_C, F32_1D, F32_2D))
 def q8_0_gemv(raw, x, table, out):
     """``out[i, r] = x[i] @ W[r]`` for 1..GEMV_ROWS rows of ``x``, each by :func:`q8_0_gemv1`'s operations."""
-    gemv_groups(q8_0_group, raw, x, (table,), out)
+    gemv_groups(q8_0_group, raw, x, (table,), out, 0)
 
 
 @compiled(types.void(I8_2D, F32_1D, F32_2D_C))

@@ -2,12 +2,13 @@
 
 Error model of a product row (``qwen_runtime/quants/jit_base.py``): each term ``fma(d * q, x, acc)`` multiplies
 the exact weight (as the reference decoder stores it) and rounds once, each of the 32 lanes adds its
-``L = n / 32`` terms in order and the lanes are summed by a 5-level pairwise tree: ``L + 5`` roundings at most.
+``L = n / 32`` terms in order and the lanes are summed by a 5-level pairwise tree: ``L + 5`` roundings at most;
+K-quant rows longer than CHUNK_COLS do that per chunk and add the ``c`` chunks' sums in order: ``L + 5 + c``.
 Types with a minimum (``w = dl * q - ml``) apply it to per-sub-block activation sums separately (numpy's
 pairwise float32 sums: at most 7 roundings for 32 values), a fused product-sum per chunk and one running sum
 per row, then one subtraction, so ``|w|`` is replaced by ``|dl * q| + |ml|`` there (what the kernel actually
 adds).  The bound checked, ``(nb + 32 + 2) * eps32 * sum |x| |w|`` (``nb``: blocks per row, or ``n / 32`` for
-F16/BF16; first-order gamma_m), holds that count for the shapes here (512 columns: L = 16).
+F16/BF16; first-order gamma_m), holds that count for the shapes here (512 columns: L = 16; 2304: L = 72, c = 2).
 Decoded tiles multiplied by BLAS (more rows than ``direct_rows``) sum up to ``n`` terms per output:
 ``(n + 2) * eps32``.  ``exact`` is computed in float64 from the reference decoder's float32 weights, which the
 compiled decoder reproduces bit for bit.
@@ -28,13 +29,13 @@ from gguf import quants
 
 from qwen_runtime.jit_setup import cpu_features, import_closure, imported_files, release_compiler_pages
 from qwen_runtime.pool import Scratch, Workspace, resolve_kernels
-from qwen_runtime.quants import JIT_KERNELS, JIT_Q8_KERNELS, QType, codec, jit_kernel
+from qwen_runtime.quants import DENSE_TYPES, JIT_KERNELS, JIT_Q8_KERNELS, QType, codec, jit_kernel
 from qwen_runtime.tensors import StoredTensor
 from qwen_runtime.weights import gated_matmul, make_weight, matmul_many
 
 pytest.importorskip("numba")
 from qwen_runtime.ops_jit import silu_mul  # noqa: E402
-from qwen_runtime.quants.jit_base import F16_TABLE, GEMV_ROWS, sums_of  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.quants.jit_base import CHUNK_COLS, F16_TABLE, GEMV_ROWS, sums_of  # noqa: E402 (numba is needed from here on)
 from qwen_runtime.quants.jit_q8_0 import Q8_0JitKernel  # noqa: E402
 from qwen_runtime.quants.jit_q8_act import forms_bytes, prepare_forms  # noqa: E402
 
@@ -149,6 +150,27 @@ def test_each_row_is_the_same_alone_and_in_any_batch(qtype: QType) -> None:
         if n <= kernel.direct_rows:
             kernel.product(0, 40, kernel.prepare(x[:n]), together, scratch)
             assert np.array_equal(together, alone[:n])
+
+
+@pytest.mark.parametrize("qtype", COMPILED, ids=lambda q: q.name)
+def test_rows_longer_than_a_chunk_within_the_error_model_and_the_same_in_any_batch(qtype: QType) -> None:
+    """Rows of more than CHUNK_COLS columns (the K-quants sum them chunk by chunk, a partial last chunk here; the
+    dense types end with a partial 32): every product within the bound, each row the same bits alone and in a
+    batch."""
+    cols = CHUNK_COLS + 256 + (5 if qtype in DENSE_TYPES else 0)
+    raw = random_blocks(qtype, 21, cols, seed=6)
+    kernel = jit_kernel(qtype, raw)
+    x = np.random.default_rng(7).normal(0, 1, (GEMV_ROWS + 3, cols)).astype(np.float32)
+    exact = x.astype(np.float64) @ codec(qtype).reference(raw).astype(np.float64).T
+    scratch = Scratch()
+    alone = np.empty((len(x), 21), np.float32)
+    for i in range(len(x)):
+        kernel.product(0, 21, kernel.prepare(x[i:i + 1]), alone[i:i + 1], scratch)
+    assert np.all(np.abs(alone - exact) <= bound(qtype, raw, x, True))
+    for n in (2, 3, 9, len(x)):
+        together = np.empty((n, 21), np.float32)
+        kernel.product_rows(0, 21, kernel.prepare(x[:n], rowwise=True), together, scratch)
+        assert np.array_equal(together, alone[:n])
 
 
 ROW_PRODUCT = ctypes.CFUNCTYPE(None, *([ctypes.c_int64] * 11))
