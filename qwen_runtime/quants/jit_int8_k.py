@@ -19,8 +19,9 @@ Q4_K 18944 x 3584, one thread, ms of CPU per million weights, pairs / VNNI: 1 ro
 tok/s (llama.cpp 3.74).  Q6_K likewise (:func:`q6_k_vnni_group`): its 6-bit ``q`` (0..63) taken unsigned, the
 ``- 32`` as a start value of ``vpdpbusd`` (``-32`` times the activations' sums of 4, once per product:
 :meth:`Q6_KInt8Kernel.forms`); on the 7B file's Q6_K matrices 0.114 -> 0.085 ms per million weights.  One and several
-activation rows run the same loops (groups of 1, or :func:`.jit_int8.row_groups`).  A module of its own so that
-models without K-quants do not load these kernels.
+activation rows run the same loops (groups of 1, or :func:`.jit_int8.row_groups`), rows longer than
+:data:`WHOLE_COLS` columns by chunks of columns (:func:`chunked`).  A module of its own so that models without
+K-quants do not load these kernels.
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ from numba.extending import intrinsic
 
 from .jit_base import (
     ACC_FLOATS,
+    CHUNK_COLS,
     GEMV_ROWS,
+    TILE_ROWS,
     compiled,
+    deposit,
+    fetch_span,
     prefetch,
     stack_f32,
     sums_of,
@@ -101,13 +106,13 @@ def k45_group_update(blk, j, size, xq, x_at, cols, xd, d_at, nd, ds, acc, group)
 
 
 @inline
-def q4_k_group(update, size, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
+def q4_k_group(update, size, group, r0, r1, i0, raw, xq, xd, xsum, table, out, b0, b1):  # noqa: ARG001 (row_groups')
     """``out[i, r] = sum_j ds_j * d_x[i, j] * (q_j . q_x[i, j]) - dm_j * xsum[i, j]`` over the 32-value
     sub-blocks ``j`` of Q4_K/Q5_K rows ``r0 <= r < r1`` (blocks of ``size`` bytes) for the activation rows
     ``i0 <= i < i0 + group`` (``ds``, ``dm``: :func:`.jit_kquants.q4_k_scales`; ``xsum``: the float32 activation
     sums per 32, as the float kernel's minimums; :func:`.jit_int8.row_group`'s protocol): each block's scales
     decoded and its weights unpacked once for the group."""
-    nb, cols, nd = xd.shape[1] // 8, xq.shape[1], xd.shape[1]
+    cols, nd = xq.shape[1], xd.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     mins = carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
     dsp, dmp = stack_f32(8), stack_f32(8)
@@ -117,7 +122,7 @@ def q4_k_group(update, size, group, r0, r1, i0, raw, xq, xd, xsum, table, out): 
         lanes_zero(acc, group)
         for g in range(group):
             mins[g] = 0
-        for b in range(nb):
+        for b in range(b0, b1):
             blk = raw[r, b * size: b * size + size]
             prefetch(blk, 0)
             k45_scales(blk, table, dsp, dmp)
@@ -128,20 +133,20 @@ def q4_k_group(update, size, group, r0, r1, i0, raw, xq, xd, xsum, table, out): 
                                  ds[j], acc, group)
         lanes_sums(acc, group, sums)
         for g in range(group):
-            out[i0 + g, r] = s[g] - mins[g]
+            deposit(out, i0 + g, r, s[g] - mins[g], b0)
 
 
 @inline
-def q6_k_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
+def q6_k_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out, b0, b1):  # noqa: ARG001 (row_groups')
     """``out[i, r] = sum_j d * sc_j * d_x[i, j // 2] * (w_j . q_x[i, j])`` over the 16-value sub-blocks ``j`` of
     Q6_K rows ``r0 <= r < r1`` for the activation rows ``i0 <= i < i0 + group`` (``w = q - 32``; two sub-blocks
     per activation block of 32, their scales in the two halves of the lanes)."""
-    nb, cols, nd = xd.shape[1] // 8, xq.shape[1], xd.shape[1]
+    cols, nd = xq.shape[1], xd.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     t = carray(sums, (GEMV_ROWS,))
     for r in range(r0, r1):
         lanes_zero(acc, group)
-        for b in range(nb):
+        for b in range(b0, b1):
             o = b * Q6_K_BYTES
             blk = raw[r, o: o + Q6_K_BYTES]
             prefetch(blk, 0)
@@ -157,18 +162,18 @@ def q6_k_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  
                                        group)
         lanes_sums(acc, group, sums)
         for g in range(group):
-            out[i0 + g, r] = t[g]
+            deposit(out, i0 + g, r, t[g], b0)
 
 
 @inline
-def k23_group(update, q3, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
+def k23_group(update, q3, group, r0, r1, i0, raw, xq, xd, xsum, table, out, b0, b1):  # noqa: ARG001 (row_groups')
     """``out[i, r] = sum_j ds_j * d_x[i, j // 2] * (w_j . q_x[i, j]) - dm_j * xsum[i, j]`` over the 16-value
     sub-blocks ``j`` of Q2_K rows (``q3`` False; ``xsum`` the float32 activation sums per 16) or Q3_K rows (no
     minimums) ``r0 <= r < r1``, for the activation rows ``i0 <= i < i0 + group``: step ``(h, s)`` of a block is
     its activation block of 32 ``4h + s``, lanes 0-7 sub-block ``8h + 2s``, 8-15 the next one
     (:func:`.jit_kquants.k23_scales`)."""
     size = Q3_K_BYTES if q3 else Q2_K_BYTES
-    nb, cols, nd = xd.shape[1] // 8, xq.shape[1], xd.shape[1]
+    cols, nd = xq.shape[1], xd.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     t, mins = carray(sums, (GEMV_ROWS,)), carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
     ds, dm = carray(stack_f32(16), (16,)), carray(stack_f32(16), (16,))
@@ -176,7 +181,7 @@ def k23_group(update, q3, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # 
         lanes_zero(acc, group)
         for g in range(group):
             mins[g] = 0
-        for b in range(nb):
+        for b in range(b0, b1):
             blk = raw[r, b * size: b * size + size]
             prefetch(blk, 0)
             k23_scales(blk, table, ds, dm, q3)
@@ -194,7 +199,7 @@ def k23_group(update, q3, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # 
                                             ds[j + 1], acc, group)
         lanes_sums(acc, group, sums)
         for g in range(group):
-            out[i0 + g, r] = t[g] - mins[g]
+            deposit(out, i0 + g, r, t[g] - mins[g], b0)
 
 
 I64, F32 = ir.IntType(64), ir.FloatType()
@@ -263,12 +268,12 @@ def group_nibbles64_vnni_fma(typingctx, blk, at, x, x_at, x_stride, p, chunk, ac
 
 
 @inline
-def q4_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
+def q4_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out, b0, b1):  # noqa: ARG001 (row_groups')
     """:func:`q4_k_group`'s sums with AVX-512 VNNI: per block the scales once and their products with each row's
     activation scales (:func:`scale_products`), each row's minimums into 8 lanes
     (:func:`.jit_kquants.minimums_fma`, as the float kernel), then each chunk of 64 weights in one ``vpdpbusd`` per
     activation row (:func:`group_nibbles64_vnni_fma`).  ``xq`` int8 for one row and several alike."""
-    nb, cols, nd = xd.shape[1] // 8, xq.shape[1], xd.shape[1]
+    cols, nd = xq.shape[1], xd.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     s = carray(sums, (GEMV_ROWS,))
     p, minp = stack_f32(SCALES), stack_f32(MIN_LANES)
@@ -278,7 +283,7 @@ def q4_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, ou
         lanes_zero(acc, group)
         for k in range(8 * group):
             mins[k] = 0
-        for b in range(nb):
+        for b in range(b0, b1):
             blk = raw[r, b * Q4_K_BYTES: b * Q4_K_BYTES + Q4_K_BYTES]
             prefetch(blk, 0)
             k45_scales(blk, table, dsp, dmp)
@@ -291,7 +296,7 @@ def q4_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, ou
             group_nibbles64_vnni_fma(blk, 112, xq, x_at + 192, cols, p, 3, acc, group)
         lanes_sums(acc, group, sums)
         for g in range(group):
-            out[i0 + g, r] = s[g] - minimums_sum(mins, g)
+            deposit(out, i0 + g, r, s[g] - minimums_sum(mins, g), b0)
 
 
 @intrinsic
@@ -344,17 +349,17 @@ def group_q6_vnni_fma(typingctx, blk, h, x, x_at, x_stride, bias, bias_at, bias_
 
 
 @inline
-def q6_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xbias, table, out):  # noqa: ARG001 (row_groups')
+def q6_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xbias, table, out, b0, b1):  # noqa: ARG001 (row_groups')
     """:func:`q6_k_group`'s sums with AVX-512 VNNI: per block the 16 scales once and per row their products with
     the activation scales (:func:`scale_products`), then 64 values at a time in one ``vpdpbusd`` per row
     (:func:`group_q6_vnni_fma`); ``xbias`` int32 [N, cols / 4] the rows' ``-32 * (sum of 4 activations)``."""
-    nb, cols, nd, nbias = xd.shape[1] // 8, xq.shape[1], xd.shape[1], xbias.shape[1]
+    cols, nd, nbias = xq.shape[1], xd.shape[1], xbias.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     s = carray(sums, (GEMV_ROWS,))
     p, dsp = stack_f32(Q6_SCALES), stack_f32(16)
     for r in range(r0, r1):
         lanes_zero(acc, group)
-        for b in range(nb):
+        for b in range(b0, b1):
             blk = raw[r, b * Q6_K_BYTES: b * Q6_K_BYTES + Q6_K_BYTES]
             prefetch(blk, 0)
             q6_k_scales_at(blk, table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)], dsp)
@@ -365,77 +370,107 @@ def q6_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xbias, table, o
                 group_q6_vnni_fma(blk, h, xq, x_at + 64, cols, xbias, b_at + 16, nbias, p, 1, acc, group)
         lanes_sums(acc, group, sums)
         for g in range(group):
-            out[i0 + g, r] = s[g]
+            deposit(out, i0 + g, r, s[g], b0)
+
+
+# Rows of up to this many columns go whole through the 8-bit-activation K-quant kernels, longer ones by chunks of
+# CHUNK_COLS (:func:`chunked`).  One row, one thread, ms of CPU per million weights: 18944 x 3584, whole rows Q4_K
+# 0.020-0.021 and Q6_K 0.027-0.029 against 0.039-0.043 and 0.077-0.086 chunked; 3584 x 18944, whole rows 0.074-0.094
+# and 0.117-0.120 against 0.050-0.054 and 0.086 chunked (0.023-0.029 for Q4_K with the activations of only 2048
+# columns read over and over: what a long row's activations cost, which these chunks only partly recover).
+WHOLE_COLS = 8192
+
+
+@inline
+def chunked(group_fn, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):
+    """:func:`.jit_int8.row_groups`' protocol for a K-quant's ``group_fn`` (in the place of ``update``), called as
+    ``group_fn(None, geo, group, t0, t1, i0, raw, xq, xd, xsum, table, out, b0, b1)`` for its blocks ``b0:b1``:
+    whole rows of up to :data:`WHOLE_COLS` columns, longer ones by tiles of :data:`.jit_base.TILE_ROWS` stored rows
+    and chunks of :data:`.jit_base.CHUNK_COLS` columns, each chunk asking for the next tile's (the float kernels'
+    order, :func:`.jit_base.gemv_groups`: the chunks' sums added in order, whatever the group)."""
+    nb = xd.shape[1] // 8
+    step = CHUNK_COLS // QK_K
+    if nb * QK_K <= WHOLE_COLS:
+        group_fn(None, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out, 0, nb)
+        return
+    size = raw.shape[1] // nb
+    for t0 in range(r0, r1, TILE_ROWS):
+        t1 = min(t0 + TILE_ROWS, r1)
+        for b0 in range(0, nb, step):
+            b1 = min(b0 + step, nb)
+            for r in range(t0, t1):
+                fetch_span(raw, r + TILE_ROWS, b0 * size, b1 * size)
+            group_fn(None, geo, group, t0, t1, i0, raw, xq, xd, xsum, table, out, b0, b1)
 
 
 if VNNI:
     @compiled(START_GEMV)
     def q6_k_gemv1_vnni(raw, xq, xd, xbias, table, out):
-        q6_k_vnni_group(None, None, 1, 0, raw.shape[0], 0, raw, xq, xd, xbias, table, out)
+        chunked(q6_k_vnni_group, None, 1, 0, raw.shape[0], 0, raw, xq, xd, xbias, table, out)
 
     @compiled(START_GEMV)
     def q6_k_gemv_vnni(raw, xq, xd, xbias, table, out):
-        row_groups(q6_k_vnni_group, None, None, raw, xq, xd, xbias, table, out)
+        row_groups(chunked, q6_k_vnni_group, None, raw, xq, xd, xbias, table, out)
 
 
 @compiled(LEGACY_GEMV)
 def q6_k_gemv1_q8(raw, xq, xd, table, out):
-    q6_k_group(None, None, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
+    chunked(q6_k_group, None, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
 
 
 @compiled(LEGACY_GEMV_ROWS)
 def q6_k_gemv_q8(raw, xq, xd, table, out):
-    row_groups(q6_k_group, None, None, raw, xq, xd, xd, table, out)
+    row_groups(chunked, q6_k_group, None, raw, xq, xd, xd, table, out)
 
 
 @compiled(MIN_GEMV)
 def q2_k_gemv1_q8(raw, xq, xd, xsum, table, out):
-    k23_group(None, False, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
+    chunked(k23_group, False, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
 
 
 @compiled(MIN_GEMV_ROWS)
 def q2_k_gemv_q8(raw, xq, xd, xsum, table, out):
-    row_groups(k23_group, None, False, raw, xq, xd, xsum, table, out)
+    row_groups(chunked, k23_group, False, raw, xq, xd, xsum, table, out)
 
 
 @compiled(MIN_GEMV)
 def q3_k_gemv1_q8(raw, xq, xd, xsum, table, out):
-    k23_group(None, True, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
+    chunked(k23_group, True, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
 
 
 @compiled(MIN_GEMV_ROWS)
 def q3_k_gemv_q8(raw, xq, xd, xsum, table, out):
-    row_groups(k23_group, None, True, raw, xq, xd, xsum, table, out)
+    row_groups(chunked, k23_group, True, raw, xq, xd, xsum, table, out)
 
 
 @compiled(MIN_GEMV)
 def q4_k_gemv1_q8(raw, xq, xd, xsum, table, out):
-    q4_k_group(None, Q4_K_BYTES, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
+    chunked(q4_k_group, Q4_K_BYTES, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
 
 
 @compiled(MIN_GEMV_ROWS)
 def q4_k_gemv_q8(raw, xq, xd, xsum, table, out):
-    row_groups(q4_k_group, None, Q4_K_BYTES, raw, xq, xd, xsum, table, out)
+    row_groups(chunked, q4_k_group, Q4_K_BYTES, raw, xq, xd, xsum, table, out)
 
 
 if VNNI:  # compiled only where the CPU has the instruction
     @compiled(MIN_GEMV)
     def q4_k_gemv1_vnni(raw, xq, xd, xsum, table, out):
-        q4_k_vnni_group(None, None, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
+        chunked(q4_k_vnni_group, None, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
 
     @compiled(MIN_GEMV)
     def q4_k_gemv_vnni(raw, xq, xd, xsum, table, out):
-        row_groups(q4_k_vnni_group, None, None, raw, xq, xd, xsum, table, out)
+        row_groups(chunked, q4_k_vnni_group, None, raw, xq, xd, xsum, table, out)
 
 
 @compiled(MIN_GEMV)
 def q5_k_gemv1_q8(raw, xq, xd, xsum, table, out):
-    q4_k_group(None, Q5_K_BYTES, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
+    chunked(q4_k_group, Q5_K_BYTES, 1, 0, raw.shape[0], 0, raw, xq, xd, xsum, table, out)
 
 
 @compiled(MIN_GEMV_ROWS)
 def q5_k_gemv_q8(raw, xq, xd, xsum, table, out):
-    row_groups(q4_k_group, None, Q5_K_BYTES, raw, xq, xd, xsum, table, out)
+    row_groups(chunked, q4_k_group, Q5_K_BYTES, raw, xq, xd, xsum, table, out)
 
 
 @inline

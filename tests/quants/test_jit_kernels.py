@@ -35,7 +35,8 @@ from qwen_runtime.weights import gated_matmul, make_weight, matmul_many
 
 pytest.importorskip("numba")
 from qwen_runtime.ops_jit import silu_mul  # noqa: E402
-from qwen_runtime.quants.jit_base import CHUNK_COLS, F16_TABLE, GEMV_ROWS, sums_of  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.quants.jit_base import CHUNK_COLS, F16_TABLE, GEMV_ROWS, TILE_ROWS, sums_of  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.quants.jit_int8_k import WHOLE_COLS  # noqa: E402
 from qwen_runtime.quants.jit_q8_0 import Q8_0JitKernel  # noqa: E402
 from qwen_runtime.quants.jit_q8_act import forms_bytes, prepare_forms  # noqa: E402
 
@@ -171,6 +172,37 @@ def test_rows_longer_than_a_chunk_within_the_error_model_and_the_same_in_any_bat
         together = np.empty((n, 21), np.float32)
         kernel.product_rows(0, 21, kernel.prepare(x[:n], rowwise=True), together, scratch)
         assert np.array_equal(together, alone[:n])
+
+
+K_QUANTS = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda q: q.name)
+@pytest.mark.parametrize("activations", ["float", "q8"])
+def test_long_k_quant_rows_are_their_chunks_added_in_order_bit_for_bit(qtype: QType, activations: str) -> None:
+    """K-quant rows longer than a chunk (float activations: CHUNK_COLS; 8-bit: WHOLE_COLS) are the float32 sums,
+    in order, of the same kernel over each chunk of CHUNK_COLS columns alone (whole rows each), with a partial
+    last chunk and a partial last tile of stored rows; one row alone gives the same bits as in a batch."""
+    cols = (CHUNK_COLS if activations == "float" else WHOLE_COLS) + CHUNK_COLS + 512
+    rows = TILE_ROWS + 5
+    raw = random_blocks(qtype, rows, cols, seed=8)
+    x = np.random.default_rng(9).normal(0, 1, (3, cols)).astype(np.float32)
+    scratch = Scratch()
+
+    def rowwise(kernel: object, x: np.ndarray) -> np.ndarray:
+        out = np.empty((len(x), rows), np.float32)
+        kernel.product_rows(0, rows, kernel.prepare(x, rowwise=True), out, scratch)
+        return out
+
+    kernel = jit_kernel(qtype, raw, activations=activations)
+    expected = np.zeros((len(x), rows), np.float32)
+    for c0 in range(0, cols, CHUNK_COLS):
+        c1 = min(c0 + CHUNK_COLS, cols)
+        piece = np.ascontiguousarray(raw[:, c0 * raw.shape[1] // cols: c1 * raw.shape[1] // cols])
+        part = rowwise(jit_kernel(qtype, piece, activations=activations), x[:, c0:c1])
+        expected = part if c0 == 0 else expected + part
+    assert np.array_equal(rowwise(kernel, x), expected)
+    assert np.array_equal(rowwise(kernel, x[1:2]), expected[1:2])
 
 
 ROW_PRODUCT = ctypes.CFUNCTYPE(None, *([ctypes.c_int64] * 11))
