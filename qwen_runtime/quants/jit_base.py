@@ -230,10 +230,8 @@ def prefetcher(distance: int):  # -> an intrinsic
 
 
 prefetch = prefetcher(PREFETCH_BYTES)  # what every row kernel calls for the block it starts
-prefetch_at = prefetcher(0)  # the element itself (:func:`fetch_span`)
+prefetch_at = prefetcher(0)  # the element itself (:func:`fetch_row`)
 prefetch_f32 = prefetcher(F32_PREFETCH_BYTES)  # F32 rows' (4 bytes per weight)
-
-
 
 
 def rows_fma(context: object, builder: ir.IRBuilder, x_type: types.Array, x: ir.Value, i0: ir.Value, col: ir.Value,
@@ -321,12 +319,25 @@ def deposit(out, i, r, value, c0):
 
 
 @inline
-def fetch_span(raw, r, e0, e1):
-    """Ask for the elements ``e0:e1`` of stored row ``r`` of ``raw``, one prefetch per cache line (a hint: ``r`` may
-    be past the last row)."""
+def fetch_row(raw, r, c0, c1, cols):
+    """Ask for the columns ``c0:c1`` of the ``cols`` of stored row ``r`` of ``raw``, one prefetch per cache line (a
+    hint: ``r`` may be past the last row)."""
+    e0, e1 = c0 * raw.shape[1] // cols, c1 * raw.shape[1] // cols
     base = r * raw.shape[1]
     for e in range(e0, e1, LINE // raw.itemsize):
         prefetch_at(raw, base + e)
+
+
+@inline
+def tile_groups(count, group, raw, t0, t1, x, i0, c0, c1, args, out, acc, fetch):
+    """``group(count, raw, r, x, i0, c0, c1, args, out, acc)`` for the stored rows ``t0 <= r < t1``, each first
+    asking, if ``fetch``, for the same columns of the row a tile further (:func:`fetch_row`).  The requests go
+    between the groups: the whole next tile's asked at once, the 1-row Q6_K 3584 x 18944 product took 0.16 ms per
+    million weights instead of 0.057."""
+    for r in range(t0, t1):
+        if fetch:
+            fetch_row(raw, r + TILE_ROWS, c0, c1, x.shape[1])
+        group(count, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @inline
@@ -344,11 +355,7 @@ def gemv1_rows(group, raw, x, args, out, chunk):
     for t0 in range(0, raw.shape[0], TILE_ROWS):
         t1 = min(t0 + TILE_ROWS, raw.shape[0])
         for c0 in range(0, cols, chunk):
-            c1 = min(c0 + chunk, cols)
-            e0, e1 = c0 * raw.shape[1] // cols, c1 * raw.shape[1] // cols
-            for r in range(t0, t1):
-                fetch_span(raw, r + TILE_ROWS, e0, e1)
-                group(1, raw, r, x, 0, c0, c1, args, out, acc)
+            tile_groups(1, group, raw, t0, t1, x, 0, c0, min(c0 + chunk, cols), args, out, acc, True)
 
 
 @inline
@@ -362,7 +369,7 @@ def gemv_groups(group, raw, x, args, out, chunk):
     The stored rows go by tiles of :data:`TILE_ROWS` and their columns by chunks of ``chunk`` (0: whole rows), each
     group over the tile's chunk, so that a group's activations stay in the L1 cache while the tile's rows (read
     from memory by the first group) come from L2 for the others.  With more than one chunk, each chunk asks for
-    the same chunk of the next tile's rows (:func:`fetch_span`), so that the strided reads find their bytes in
+    the same chunk of the next tile's rows (:func:`fetch_row`), so that the strided reads find their bytes in
     cache: without it the chunked 1-row Q6_K product above took 0.18 ms per million weights."""
     n, cols = x.shape[0], x.shape[1]
     step = cols if chunk == 0 else chunk
@@ -371,26 +378,19 @@ def gemv_groups(group, raw, x, args, out, chunk):
         t1 = min(t0 + TILE_ROWS, raw.shape[0])
         for c0 in range(0, cols, step):
             c1 = min(c0 + step, cols)
-            if c1 - c0 < cols:
-                e0, e1 = c0 * raw.shape[1] // cols, c1 * raw.shape[1] // cols
-                for r in range(t0, t1):
-                    fetch_span(raw, r + TILE_ROWS, e0, e1)
+            fetch = c1 - c0 < cols
             i0 = 0
             while n - i0 >= GROUP_ROWS:
-                for r in range(t0, t1):
-                    group(GROUP_ROWS, raw, r, x, i0, c0, c1, args, out, acc)
+                tile_groups(GROUP_ROWS, group, raw, t0, t1, x, i0, c0, c1, args, out, acc, fetch and i0 == 0)
                 i0 += GROUP_ROWS
             if n - i0 >= 4:
-                for r in range(t0, t1):
-                    group(4, raw, r, x, i0, c0, c1, args, out, acc)
+                tile_groups(4, group, raw, t0, t1, x, i0, c0, c1, args, out, acc, fetch and i0 == 0)
                 i0 += 4
             if n - i0 >= 2:
-                for r in range(t0, t1):
-                    group(2, raw, r, x, i0, c0, c1, args, out, acc)
+                tile_groups(2, group, raw, t0, t1, x, i0, c0, c1, args, out, acc, fetch and i0 == 0)
                 i0 += 2
             if n - i0 >= 1:
-                for r in range(t0, t1):
-                    group(1, raw, r, x, i0, c0, c1, args, out, acc)
+                tile_groups(1, group, raw, t0, t1, x, i0, c0, c1, args, out, acc, fetch and i0 == 0)
 
 
 # The C signature of a type's row product (``<type>_rows``), which the compiled decode step calls through its address

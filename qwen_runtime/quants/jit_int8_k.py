@@ -39,7 +39,7 @@ from .jit_base import (
     TILE_ROWS,
     compiled,
     deposit,
-    fetch_span,
+    fetch_row,
     prefetch,
     stack_f32,
     sums_of,
@@ -393,14 +393,13 @@ def chunked(group_fn, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):
     if nb * QK_K <= WHOLE_COLS:
         group_fn(None, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out, 0, nb)
         return
-    size = raw.shape[1] // nb
     for t0 in range(r0, r1, TILE_ROWS):
         t1 = min(t0 + TILE_ROWS, r1)
         for b0 in range(0, nb, step):
             b1 = min(b0 + step, nb)
             for r in range(t0, t1):
-                fetch_span(raw, r + TILE_ROWS, b0 * size, b1 * size)
-            group_fn(None, geo, group, t0, t1, i0, raw, xq, xd, xsum, table, out, b0, b1)
+                fetch_row(raw, r + TILE_ROWS, b0, b1, nb)
+                group_fn(None, geo, group, r, r + 1, i0, raw, xq, xd, xsum, table, out, b0, b1)
 
 
 if VNNI:
