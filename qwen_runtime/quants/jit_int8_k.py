@@ -374,10 +374,11 @@ def q6_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xbias, table, o
 
 
 # Rows of up to this many columns go whole through the 8-bit-activation K-quant kernels, longer ones by chunks of
-# CHUNK_COLS (:func:`chunked`).  One row, one thread, ms of CPU per million weights: 18944 x 3584, whole rows Q4_K
-# 0.020-0.021 and Q6_K 0.027-0.029 against 0.039-0.043 and 0.077-0.086 chunked; 3584 x 18944, whole rows 0.074-0.094
-# and 0.117-0.120 against 0.050-0.054 and 0.086 chunked (0.023-0.029 for Q4_K with the activations of only 2048
-# columns read over and over: what a long row's activations cost, which these chunks only partly recover).
+# CHUNK_COLS (:func:`chunked`).  One row, one thread, ms of CPU per million weights: 3584 x 18944, whole rows Q4_K
+# 0.074-0.094 and Q6_K 0.117-0.120 against 0.027-0.035 and 0.036 chunked (0.023-0.029 for Q4_K with the activations
+# of only 2048 columns read over and over: what a long row's activations cost); 18944 x 3584, whole rows
+# 0.021-0.023 and 0.027-0.029 against 0.024 and 0.030-0.038 chunked; 896 x 4864, 0.026-0.028 and 0.038 against
+# 0.029-0.041 and 0.052-0.054 chunked.
 WHOLE_COLS = 8192
 
 
