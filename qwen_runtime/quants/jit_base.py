@@ -70,6 +70,8 @@ ACC_FLOATS = GEMV_ROWS * LANES  # the stack accumulators of a kernel for GEMV_RO
 # Activation rows whose accumulators a float row kernel keeps in registers at once (2 zmm each: 16 of the 32).
 GROUP_ROWS = 8
 GROUP_FLOATS = GROUP_ROWS * LANES
+PAIR = 2  # stored rows a one-row kernel of the 32-value types multiplies at once (:func:`gemv1_rows`)
+PAIR_FLOATS = PAIR * LANES  # their lanes
 TILE_ROWS = 16  # stored rows the groups of a multi-row product take in turn (:func:`gemv_groups`)
 # Columns of a K-quant row product's chunk: each activation row's lanes are summed per chunk (:func:`lanes_sum`)
 # and the chunks' sums added in order (:func:`deposit`), so that a chunk of activations (8 KiB a row) stays in the
@@ -297,6 +299,19 @@ def lanes_sum(typingctx, acc, i):  # noqa: ARG001
     return types.float32(acc, i), codegen
 
 
+@intrinsic
+def lanes_at(typingctx, acc, i):  # noqa: ARG001
+    """The 32 lanes of accumulator row ``i`` at ``acc`` (``acc + 32 * i``, a float32 pointer), where :func:`rows_fma`
+    adds the products of a group's second stored row (:func:`pair_rows`)."""
+    if acc != types.CPointer(types.float32) or not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.gep(args[0], [builder.mul(args[1], args[1].type(LANES))])
+
+    return types.CPointer(types.float32)(acc, i), codegen
+
+
 inline = numba.njit(inline="always", cache=True, fastmath={"contract"})  # steps inlined into the kernels
 
 
@@ -318,6 +333,45 @@ def deposit(out, i, r, value, c0):
         out[i, r] += value
 
 
+# How a group's block step asks for its stored row's bytes ahead (:func:`fetch_block`).
+FETCH_NONE, FETCH_ROW, FETCH_PAIR = 0, 1, 2
+
+
+@inline
+def fetch_block(fetch, blocks, o, size, how):
+    """Ask for the bytes ahead of the block of ``size`` elements at element ``o`` of the stored row ``blocks``
+    (``fetch``: the type's :func:`prefetcher`), as ``how`` says (a constant): FETCH_ROW the row's own stream;
+    FETCH_PAIR, for the second row of a pair (:func:`pair_rows`), the stream of both rows' bytes, which a pair
+    reads twice as fast as one row (the first row, FETCH_NONE, asks for nothing).  With each row of a pair asking
+    for its own bytes ahead, one row of Q8_0 896 x 4864 took 0.081-0.086 ms of CPU per million weights out of cache
+    against 0.048-0.050 one row at a time; with the pair's stream 0.039-0.042."""
+    if how == FETCH_ROW:
+        fetch(blocks, o)
+    elif how == FETCH_PAIR:
+        fetch(blocks, 2 * o)
+        fetch(blocks, 2 * o + size)
+
+
+@inline
+def first_fetch(stored):
+    """How the first stored row of a group asks for its bytes (:func:`fetch_block`): alone its own stream, in a pair
+    nothing (the second row asks for both)."""
+    return FETCH_ROW if stored == 1 else FETCH_NONE
+
+
+@inline
+def pair_rows(raw, r, stored):
+    """The stored rows of a group (:func:`gemv1_rows`): row ``r`` and, if ``stored == 2``, row ``r + 1`` (row ``r``
+    again when ``r`` is the last row, whose second result is then not deposited: :func:`stored_row`)."""
+    return raw[r], raw[min(r + stored - 1, raw.shape[0] - 1)]
+
+
+@inline
+def stored_row(raw, r, s):
+    """Whether the ``s``-th stored row of a group starting at row ``r`` is a row of ``raw`` (:func:`pair_rows`)."""
+    return r + s < raw.shape[0]
+
+
 @inline
 def fetch_row(raw, r, c0, c1, cols):
     """Ask for the columns ``c0:c1`` of the ``cols`` of stored row ``r`` of ``raw``, one prefetch per cache line (a
@@ -330,27 +384,37 @@ def fetch_row(raw, r, c0, c1, cols):
 
 @inline
 def tile_groups(count, group, raw, t0, t1, x, i0, c0, c1, args, out, acc, fetch):
-    """``group(count, raw, r, x, i0, c0, c1, args, out, acc)`` for the stored rows ``t0 <= r < t1``, each first
+    """``group(count, 1, raw, r, x, i0, c0, c1, args, out, acc)`` for the stored rows ``t0 <= r < t1``, each first
     asking, if ``fetch``, for the same columns of the row a tile further (:func:`fetch_row`).  The requests go
     between the groups: the whole next tile's asked at once, the 1-row Q6_K 3584 x 18944 product took 0.16 ms per
     million weights instead of 0.057."""
     for r in range(t0, t1):
         if fetch:
             fetch_row(raw, r + TILE_ROWS, c0, c1, x.shape[1])
-        group(count, raw, r, x, i0, c0, c1, args, out, acc)
+        group(count, 1, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @inline
-def gemv1_rows(group, raw, x, args, out, chunk):
-    """``out[0, r] = x[0] @ W[r]`` for every stored row ``r``: ``group(1, raw, r, x, 0, c0, c1, args, out, acc)``,
-    the type's block loop for a group of one row over the columns ``c0:c1`` (``args``: its activation quantities
-    and constants), whole rows in turn or, for rows longer than ``chunk`` columns (0: never), in the order of
-    :func:`gemv_groups` (the same chunks, so the same bits)."""
+def gemv1_rows(group, stored, raw, x, args, out, chunk):
+    """``out[0, r] = x[0] @ W[r]`` for every stored row ``r``: ``group(1, stored, raw, r, x, 0, c0, c1, args, out,
+    acc)``, the type's block loop for a group of one activation row over the columns ``c0:c1`` of ``stored`` (a
+    constant, 1 or :data:`PAIR`) consecutive stored rows from ``r`` (``args``: its activation quantities and
+    constants); rows longer than ``chunk`` columns (0: never) one at a time in the order of :func:`gemv_groups` (the
+    same chunks, so the same bits).
+
+    The types of blocks of 32 take whole rows by pairs (:func:`pair_rows`), the blocks of the two interleaved, each
+    row into its own lanes: one row's lanes take one fused add per block, whose latency (4 cycles) bounded the loop,
+    and a pair runs two such chains side by side, its rows' operations (so their bits) unchanged.  One row, one
+    thread, ms of CPU per million weights, in cache (1024 x 896) / out of cache (896 x 4864), one row at a time ->
+    pairs: Q4_0 0.030 -> 0.026 / 0.036-0.038 -> 0.027-0.029, Q8_0 0.032 -> 0.027 / 0.050-0.054 -> 0.040-0.042,
+    IQ4_NL 0.030 -> 0.025 in cache.  The dense types and the K-quants take one row at a time: F16 reads at memory
+    speed either way, and the K-quants' loops are bounded by their operations per block (Q4_K 1024 x 1024 in cache
+    0.039 against 0.038 with pairs, Q6_K 0.050 against 0.050)."""
     cols = x.shape[1]
-    acc = stack_f32(LANES)
+    acc = stack_f32(PAIR_FLOATS)
     if chunk == 0 or cols <= chunk:
-        for r in range(raw.shape[0]):
-            group(1, raw, r, x, 0, 0, cols, args, out, acc)
+        for r in range(0, raw.shape[0], stored):
+            group(1, stored, raw, r, x, 0, 0, cols, args, out, acc)
         return
     for t0 in range(0, raw.shape[0], TILE_ROWS):
         t1 = min(t0 + TILE_ROWS, raw.shape[0])
@@ -361,10 +425,11 @@ def gemv1_rows(group, raw, x, args, out, chunk):
 @inline
 def gemv_groups(group, raw, x, args, out, chunk):
     """``out[i, r] = x[i] @ W[r]`` for any number of rows: the rows in groups of GROUP_ROWS, then the rest in
-    groups of 4, 2 and 1 (its binary digits), each by ``group(count, raw, r, x, first row, c0, c1, args, out,
+    groups of 4, 2 and 1 (its binary digits), each by ``group(count, 1, raw, r, x, first row, c0, c1, args, out,
     acc)`` with a literal count (its own specialisation, accumulators in registers); a row's operations do not
-    depend on its group.  Every count 1-7 as its own group ran 7 rows in 0.19 against 0.25 ms per million weights
-    (Q8_0) but made the first-ever compile of all kernels 1.5x longer (77 against 51 s of CPU).
+    depend on its group (nor on whether it was multiplied alone or in a pair of stored rows).  Every count 1-7 as
+    its own group ran 7 rows in 0.19 against 0.25 ms per million weights (Q8_0) but made the first-ever compile of
+    all kernels 1.5x longer (77 against 51 s of CPU).
 
     The stored rows go by tiles of :data:`TILE_ROWS` and their columns by chunks of ``chunk`` (0: whole rows), each
     group over the tile's chunk, so that a group's activations stay in the L1 cache while the tile's rows (read

@@ -152,17 +152,17 @@ def dense_group(widen, widen_fma, fetch, rows, raw, r, x, i0, c0, c1, out, acc):
 
 
 @inline
-def f32_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+def f32_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):  # noqa: ARG001
     dense_group(same_f32, f32_fma, prefetch_f32, rows, raw, r, x, i0, c0, c1, out, acc)
 
 
 @inline
-def f16_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+def f16_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):  # noqa: ARG001
     dense_group(f16_to_f32, f16_fma, prefetch, rows, raw, r, x, i0, c0, c1, out, acc)
 
 
 @inline
-def bf16_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+def bf16_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):  # noqa: ARG001
     dense_group(bf16_to_f32, bf16_fma, prefetch, rows, raw, r, x, i0, c0, c1, out, acc)
 
 
@@ -182,7 +182,7 @@ F32_GEMV = types.void(F32_2D_RO, F32_2D_C, F32_2D)
 
 @compiled(F32_GEMV)
 def f32_gemv1(raw, x, out):
-    gemv1_rows(f32_group, raw, x, (), out, 0)
+    gemv1_rows(f32_group, 1, raw, x, (), out, 0)
 
 
 @compiled(F32_GEMV)
@@ -192,7 +192,7 @@ def f32_gemv(raw, x, out):
 
 @compiled(GEMV)
 def f16_gemv1(raw, x, out):
-    gemv1_rows(f16_group, raw, x, (), out, 0)
+    gemv1_rows(f16_group, 1, raw, x, (), out, 0)
 
 
 @compiled(GEMV)
@@ -207,7 +207,7 @@ def f16_decode(raw, tile):
 
 @compiled(GEMV)
 def bf16_gemv1(raw, x, out):
-    gemv1_rows(bf16_group, raw, x, (), out, 0)
+    gemv1_rows(bf16_group, 1, raw, x, (), out, 0)
 
 
 @compiled(GEMV)

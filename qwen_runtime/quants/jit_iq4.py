@@ -24,6 +24,7 @@ from .iq4 import IQ4_NL, IQ4_XS
 from .jit_base import (
     F16_TABLE,
     LANES,
+    PAIR,
     JitKernel,
     compiled,
     gemv1_rows,
@@ -73,13 +74,13 @@ def _xs_sub_block_at(table, blocks, b, geo):
 
 
 @inline
-def iq4_nl_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
-    group_loop(_levels, _block_at, IQ4_NL_GEO, rows, raw, r, x, i0, c0, c1, args, out, acc)
+def iq4_nl_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
+    group_loop(_levels, _block_at, IQ4_NL_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @compiled(GEMV)
 def iq4_nl_gemv1(raw, x, sums, table, out):
-    gemv1_rows(iq4_nl_group, raw, x, (sums, table), out, 0)
+    gemv1_rows(iq4_nl_group, PAIR, raw, x, (sums, table), out, 0)
 
 
 @compiled(GEMV)
@@ -93,13 +94,13 @@ def iq4_nl_decode(raw, table, tile):
 
 
 @inline
-def iq4_xs_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
-    group_loop(_levels, _xs_sub_block_at, IQ4_XS_GEO, rows, raw, r, x, i0, c0, c1, args, out, acc)
+def iq4_xs_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
+    group_loop(_levels, _xs_sub_block_at, IQ4_XS_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @compiled(GEMV)
 def iq4_xs_gemv1(raw, x, sums, table, out):
-    gemv1_rows(iq4_xs_group, raw, x, (sums, table), out, 0)
+    gemv1_rows(iq4_xs_group, PAIR, raw, x, (sums, table), out, 0)
 
 
 @compiled(GEMV)

@@ -297,12 +297,12 @@ def k45_group(size, rows, raw, r, x, i0, c0, c1, args, out, acc):
 
 
 @inline
-def q4_k_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+def q4_k_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):  # noqa: ARG001
     k45_group(Q4_K_BYTES, rows, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @inline
-def q5_k_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+def q5_k_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):  # noqa: ARG001
     k45_group(Q5_K_BYTES, rows, raw, r, x, i0, c0, c1, args, out, acc)
 
 
@@ -332,7 +332,7 @@ K_DECODE = types.void(U8_2D, F32_1D, F32_2D_C)
 
 @compiled(K45_GEMV)
 def q4_k_gemv1(raw, x, xsum, table, out):
-    gemv1_rows(q4_k_group, raw, x, (xsum, table), out, CHUNK_COLS)
+    gemv1_rows(q4_k_group, 1, raw, x, (xsum, table), out, CHUNK_COLS)
 
 
 @compiled(K45_GEMV)
@@ -347,7 +347,7 @@ def q4_k_decode(raw, table, tile):
 
 @compiled(K45_GEMV)
 def q5_k_gemv1(raw, x, xsum, table, out):
-    gemv1_rows(q5_k_group, raw, x, (xsum, table), out, CHUNK_COLS)
+    gemv1_rows(q5_k_group, 1, raw, x, (xsum, table), out, CHUNK_COLS)
 
 
 @compiled(K45_GEMV)
@@ -383,7 +383,7 @@ def q6_k_scales_at(typingctx, blk, d, ds):  # noqa: ARG001
 
 
 @inline
-def q6_k_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+def q6_k_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):  # noqa: ARG001
     """``out[i0 + i, r] (+)= x[i0 + i, c0:c1] @ W[r, c0:c1]`` for ``i < rows`` (a literal) of Q6_K rows ``raw`` [R, nb *
     210]: in half ``h``, step ``s`` the 6-bit values from ``ql`` and ``qh`` minus 32, lanes 0-15 and 16-31 scaled by
     their sub-blocks' ``d * sc``."""
@@ -407,7 +407,7 @@ def q6_k_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
 @compiled(types.void(U8_2D, F32_2D_C, F32_1D, F32_2D))
 def q6_k_gemv1(raw, x, table, out):
     """``out[0, r] = x[0] @ W[r]`` for Q6_K rows ``raw`` [R, nb * 210]."""
-    gemv1_rows(q6_k_group, raw, x, (table,), out, CHUNK_COLS)
+    gemv1_rows(q6_k_group, 1, raw, x, (table,), out, CHUNK_COLS)
 
 
 @compiled(types.void(U8_2D, F32_2D_C, F32_1D, F32_2D))
@@ -502,12 +502,12 @@ def k23_group(q3, rows, raw, r, x, i0, c0, c1, args, out, acc):
 
 
 @inline
-def q2_k_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+def q2_k_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):  # noqa: ARG001
     k23_group(False, rows, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @inline
-def q3_k_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
+def q3_k_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):  # noqa: ARG001
     k23_group(True, rows, raw, r, x, i0, c0, c1, args, out, acc)
 
 
@@ -534,7 +534,7 @@ def k23_decode(raw, table, tile, q3):
 
 @compiled(K45_GEMV)
 def q2_k_gemv1(raw, x, xsum, table, out):
-    gemv1_rows(q2_k_group, raw, x, (xsum, table), out, CHUNK_COLS)
+    gemv1_rows(q2_k_group, 1, raw, x, (xsum, table), out, CHUNK_COLS)
 
 
 @compiled(K45_GEMV)
@@ -549,7 +549,7 @@ def q2_k_decode(raw, table, tile):
 
 @compiled(K45_GEMV)
 def q3_k_gemv1(raw, x, xsum, table, out):
-    gemv1_rows(q3_k_group, raw, x, (xsum, table), out, CHUNK_COLS)
+    gemv1_rows(q3_k_group, 1, raw, x, (xsum, table), out, CHUNK_COLS)
 
 
 @compiled(K45_GEMV)

@@ -49,27 +49,34 @@ from .jit_base import (
     F32_1D,
     F32_2D,
     F32_2D_C,
+    FETCH_PAIR,
     GROUP_ROWS,
     LANES,
+    PAIR,
     PERMUTE,
     TABLE_ROWS,
     U8_2D,
     JitKernel,
     compiled,
     deposit,
+    fetch_block,
+    first_fetch,
     gemv1_rows,
     gemv_groups,
     inline,
+    lanes_at,
     lanes_sum,
     level_table,
     levels_of,
     look_up,
     nibble_indices,
+    pair_rows,
     prefetch,
     row_cfunc,
     rows_fma,
     splat,
     stack_f32,
+    stored_row,
     sums_of,
     sums_product,
     zero_lanes,
@@ -255,26 +262,39 @@ def _q5_values(blocks, o, geo, d, start, out):
 
 
 @inline
-def group_loop(update, locate, geo, rows, raw, r, x, i0, c0, c1, args, out, acc):
-    """``out[i0 + i, r] (+)= x[i0 + i, c0:c1] @ W[r, c0:c1]`` (:func:`.jit_base.deposit`) for ``i < rows`` (a literal)
-    of blocks of 32 values: ``locate`` gives a block's byte, scale and minimum, ``update`` adds its products to the
-    group's lanes (held in registers); the types with a minimum add ``m * sum(x over the block)`` to one scalar per row
-    (``args``: the block sums [N, nb] and the float16 table)."""
+def block_step(update, locate, geo, rows, blocks, b, x, i0, sums, table, offset, k, acc, how):
+    """Block ``b`` of a stored row times ``rows`` activation rows: the products into the lanes at ``acc``, the
+    minimum's into ``offset[k + i]`` (``how``: its :func:`.jit_base.fetch_block`)."""
+    o, d, m = locate(table, blocks, b, geo)
+    fetch_block(prefetch, blocks, o, geo[0], how)
+    if geo[3]:
+        for i in range(rows):
+            offset[k + i] += m * sums[i0 + i, b]
+    update(blocks, o, geo, d, x, i0, b * LANES, rows, acc)
+
+
+@inline
+def group_loop(update, locate, geo, rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
+    """``out[i0 + i, r + s] (+)= x[i0 + i, c0:c1] @ W[r + s, c0:c1]`` (:func:`.jit_base.deposit`) for ``i < rows`` (a
+    literal) and the ``s < stored`` rows of :func:`.jit_base.pair_rows`, of blocks of 32 values: ``locate`` gives a
+    block's byte, scale and minimum, ``update`` adds its products to the group's lanes (held in registers); the
+    types with a minimum add ``m * sum(x over the block)`` to one scalar per row (``args``: the block sums [N, nb]
+    and the float16 table)."""
     sums, table = args
     offset = carray(stack_f32(GROUP_ROWS), (GROUP_ROWS,))
-    for i in range(rows):
+    for i in range(rows * stored):
         offset[i] = 0
-    zero_lanes(acc, rows)
-    blocks = raw[r]
+    zero_lanes(acc, rows * stored)
+    first, second = pair_rows(raw, r, stored)
     for b in range(c0 // LANES, c1 // LANES):
-        o, d, m = locate(table, blocks, b, geo)
-        prefetch(blocks, o)
-        if geo[3]:
+        block_step(update, locate, geo, rows, first, b, x, i0, sums, table, offset, 0, acc, first_fetch(stored))
+        if stored == 2:
+            block_step(update, locate, geo, rows, second, b, x, i0, sums, table, offset, rows, lanes_at(acc, rows),
+                       FETCH_PAIR)
+    for s in range(stored):
+        if stored_row(raw, r, s):
             for i in range(rows):
-                offset[i] += m * sums[i0 + i, b]
-        update(blocks, o, geo, d, x, i0, b * LANES, rows, acc)
-    for i in range(rows):
-        deposit(out, i0 + i, r, lanes_sum(acc, i) + offset[i], c0)
+                deposit(out, i0 + i, r + s, lanes_sum(acc, s * rows + i) + offset[s * rows + i], c0)
 
 
 @inline
@@ -297,13 +317,13 @@ Q5_0_GEO = (Q5_0().type_size, Q5_0.qs_at, Q5_0.bias, False)
 Q5_1_GEO = (Q5_1().type_size, Q5_1.qs_at, Q5_1.bias, True)
 
 @inline
-def q4_0_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
-    group_loop(_q4, _block_at, Q4_0_GEO, rows, raw, r, x, i0, c0, c1, args, out, acc)
+def q4_0_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
+    group_loop(_q4, _block_at, Q4_0_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @compiled(GEMV)
 def q4_0_gemv1(raw, x, sums, table, out):
-    gemv1_rows(q4_0_group, raw, x, (sums, table), out, 0)
+    gemv1_rows(q4_0_group, PAIR, raw, x, (sums, table), out, 0)
 
 
 @compiled(GEMV)
@@ -317,13 +337,13 @@ def q4_0_decode(raw, table, tile):
 
 
 @inline
-def q4_1_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
-    group_loop(_q4, _block_at, Q4_1_GEO, rows, raw, r, x, i0, c0, c1, args, out, acc)
+def q4_1_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
+    group_loop(_q4, _block_at, Q4_1_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @compiled(GEMV)
 def q4_1_gemv1(raw, x, sums, table, out):
-    gemv1_rows(q4_1_group, raw, x, (sums, table), out, 0)
+    gemv1_rows(q4_1_group, PAIR, raw, x, (sums, table), out, 0)
 
 
 @compiled(GEMV)
@@ -337,13 +357,13 @@ def q4_1_decode(raw, table, tile):
 
 
 @inline
-def q5_0_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
-    group_loop(_q5, _block_at, Q5_0_GEO, rows, raw, r, x, i0, c0, c1, args, out, acc)
+def q5_0_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
+    group_loop(_q5, _block_at, Q5_0_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @compiled(GEMV)
 def q5_0_gemv1(raw, x, sums, table, out):
-    gemv1_rows(q5_0_group, raw, x, (sums, table), out, 0)
+    gemv1_rows(q5_0_group, PAIR, raw, x, (sums, table), out, 0)
 
 
 @compiled(GEMV)
@@ -357,13 +377,13 @@ def q5_0_decode(raw, table, tile):
 
 
 @inline
-def q5_1_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
-    group_loop(_q5, _block_at, Q5_1_GEO, rows, raw, r, x, i0, c0, c1, args, out, acc)
+def q5_1_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
+    group_loop(_q5, _block_at, Q5_1_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
 
 
 @compiled(GEMV)
 def q5_1_gemv1(raw, x, sums, table, out):
-    gemv1_rows(q5_1_group, raw, x, (sums, table), out, 0)
+    gemv1_rows(q5_1_group, PAIR, raw, x, (sums, table), out, 0)
 
 
 @compiled(GEMV)

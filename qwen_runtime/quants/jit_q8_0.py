@@ -22,21 +22,28 @@ from .jit_base import (
     F32_1D,
     F32_2D,
     F32_2D_C,
+    FETCH_PAIR,
     HALF,
     I8_2D,
     LANES,
+    PAIR,
     V16_F32,
     JitKernel,
     compiled,
     deposit,
+    fetch_block,
+    first_fetch,
     gemv1_rows,
     gemv_groups,
     inline,
+    lanes_at,
     lanes_sum,
+    pair_rows,
     prefetch,
     row_cfunc,
     rows_fma,
     splat,
+    stored_row,
     table_product,
     zero_lanes,
 )
@@ -66,25 +73,36 @@ def q8_block_fma(typingctx, blocks, at, d, x, i0, col, rows, acc):  # noqa: ARG0
 
 
 @inline
-def q8_0_group(rows, raw, r, x, i0, c0, c1, args, out, acc):
-    """``out[i0 + i, r] (+)= x[i0 + i, c0:c1] @ W[r, c0:c1]`` for ``i < rows`` (a literal): the lanes of the group
-    in registers."""
+def q8_0_block(table, blocks, b, x, i0, rows, acc, how):
+    """Block ``b`` of a stored row times ``rows`` activation rows into their lanes at ``acc`` (``how``: its
+    :func:`.jit_base.fetch_block`)."""
+    o = b * Q8_0_BYTES
+    fetch_block(prefetch, blocks, o, Q8_0_BYTES, how)
+    d = table[np.int64(np.uint8(blocks[o])) | (np.int64(np.uint8(blocks[o + 1])) << 8)]
+    q8_block_fma(blocks, o + 2, d, x, i0, b * LANES, rows, acc)
+
+
+@inline
+def q8_0_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
+    """``out[i0 + i, r + s] (+)= x[i0 + i, c0:c1] @ W[r + s, c0:c1]`` for ``i < rows`` (a literal) and the ``s <
+    stored`` rows of :func:`.jit_base.pair_rows`: the lanes of the group in registers."""
     (table,) = args
-    zero_lanes(acc, rows)
-    blocks = raw[r]
+    zero_lanes(acc, rows * stored)
+    first, second = pair_rows(raw, r, stored)
     for b in range(c0 // LANES, c1 // LANES):
-        o = b * Q8_0_BYTES
-        prefetch(blocks, o)
-        d = table[np.int64(np.uint8(blocks[o])) | (np.int64(np.uint8(blocks[o + 1])) << 8)]
-        q8_block_fma(blocks, o + 2, d, x, i0, b * LANES, rows, acc)
-    for i in range(rows):
-        deposit(out, i0 + i, r, lanes_sum(acc, i), c0)
+        q8_0_block(table, first, b, x, i0, rows, acc, first_fetch(stored))
+        if stored == 2:
+            q8_0_block(table, second, b, x, i0, rows, lanes_at(acc, rows), FETCH_PAIR)
+    for s in range(stored):
+        if stored_row(raw, r, s):
+            for i in range(rows):
+                deposit(out, i0 + i, r + s, lanes_sum(acc, s * rows + i), c0)
 
 
 @compiled(types.void(I8_2D, F32_2D_C, F32_1D, F32_2D))
 def q8_0_gemv1(raw, x, table, out):
     """``out[0, r] = x[0] @ W[r]`` for Q8_0 rows ``raw`` (int8 view) [R, nb * 34], ``x`` [1, nb * 32]."""
-    gemv1_rows(q8_0_group, raw, x, (table,), out, 0)
+    gemv1_rows(q8_0_group, PAIR, raw, x, (table,), out, 0)
 
 
 @compiled(types.void(I8_2D, F32_2D_C, F32_1D, F32_2D))
