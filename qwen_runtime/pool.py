@@ -71,6 +71,7 @@ rows to 8 bits first, as llama.cpp does (:mod:`qwen_runtime.quants.q8_act`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import itertools
@@ -368,8 +369,11 @@ class _Helpers:
         self.backoff = 0  # runs left without polling (a poller was descheduled: the machine is busy)
         self.spin_us = spin_us
         self.signal = np.zeros(1, np.int64)  # the generation, for helpers polling without the GIL
-        for i, scratch in enumerate(scratches):
-            threading.Thread(target=self._serve, args=(i, scratch), name=f"qwen-tiles-{i + 1}", daemon=True).start()
+        self.threads = [threading.Thread(target=self._serve, args=(i, scratch), name=f"qwen-tiles-{i + 1}", daemon=True)
+                        for i, scratch in enumerate(scratches)]
+        for thread in self.threads:
+            thread.start()
+        LIVE_HELPERS.add(self)
 
     def run(self, batch: _Batch, scratch: Scratch) -> None:
         """Post ``batch``, work on it with ``scratch`` and wait for the tasks the helpers claimed."""
@@ -404,6 +408,12 @@ class _Helpers:
             self.signal[0] = -1
             self.posted.notify_all()
 
+    def join(self, timeout: float) -> None:
+        """:meth:`close`, then wait up to ``timeout`` seconds for each helper to end."""
+        self.close()
+        for thread in self.threads:
+            thread.join(timeout)
+
     def _serve(self, index: int, scratch: Scratch) -> None:
         seen = 0
         while True:
@@ -418,6 +428,21 @@ class _Helpers:
                     return
                 seen, batch = self.generation, self.batch
             batch.work(scratch, index, self.settled)
+
+
+# Every pool's helpers not yet collected, ended at interpreter exit (:func:`end_helpers`).
+LIVE_HELPERS: weakref.WeakSet[_Helpers] = weakref.WeakSet()
+EXIT_JOIN_S = 1.0  # how long exit waits for each helper (one is at most a task away from its next poll)
+
+
+@atexit.register
+def end_helpers() -> None:
+    """End the pool threads still alive before the interpreter finalizes.  A daemon thread that is still inside
+    compiled code then (polling for a batch without the GIL) is ended by the interpreter when it next takes the
+    GIL, by unwinding its stack through numba's frames: a CI run's pytest process, all tests passed, died with a
+    segmentation fault at exit."""
+    for helpers in list(LIVE_HELPERS):
+        helpers.join(EXIT_JOIN_S)
 
 
 @contextlib.contextmanager
