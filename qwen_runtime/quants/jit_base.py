@@ -49,6 +49,8 @@ row kernel instead (calls of :data:`GEMV_ROWS` rows), so a row's numbers never d
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numba
 import numpy as np
 from llvmlite import binding as llvm
@@ -59,7 +61,9 @@ from numba.extending import intrinsic
 
 from ..errors import FormatError
 from ..jit_setup import prepare_numba
-from ..pool import Scratch
+
+if TYPE_CHECKING:  # an annotation only, kept out of the cache stamp of the kernels (jit_setup.import_closure)
+    from ..pool import Scratch
 
 prepare_numba()  # before this package's first compile or cache load (which happens at import)
 
@@ -458,6 +462,64 @@ def gemv_groups(group, raw, x, args, out, chunk):
                 tile_groups(1, group, raw, t0, t1, x, i0, c0, c1, args, out, acc, fetch and i0 == 0)
 
 
+# The loops of the types of blocks of 32 values with a float16 scale (Q8_0, the legacy types, IQ4): a block's
+# geometry ``geo`` (bytes per block, first byte of its quants, bias subtracted from q, has a minimum) and two
+# steps inlined into them, ``locate`` (a block's first byte, scale and minimum) and ``update`` (its products).
+SUMS_GEMV = types.void(U8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
+TABLE_DECODE = types.void(U8_2D, F32_1D, F32_2D_C)
+
+
+@inline
+def f16_at(table, blocks, at):
+    """The float16 field at byte ``at`` of a stored row, exactly as float32."""
+    return table[np.int64(blocks[at]) | (np.int64(blocks[at + 1]) << 8)]
+
+
+@inline
+def block_at(table, blocks, b, geo):
+    """(first byte, scale ``d``, minimum ``m`` or 0) of block ``b`` of a stored row; ``geo`` = (bytes per block,
+    first byte of qs, bias, has a minimum)."""
+    o = b * geo[0]
+    return o, f16_at(table, blocks, o), f16_at(table, blocks, o + 2) if geo[3] else np.float32(0)
+
+
+@inline
+def block_step(update, locate, geo, rows, blocks, b, x, i0, sums, table, offset, k, acc, how):
+    """Block ``b`` of a stored row times ``rows`` activation rows: the products into the lanes at ``acc``, the
+    minimum's into ``offset[k + i]`` (``how``: its :func:`fetch_block`)."""
+    o, d, m = locate(table, blocks, b, geo)
+    fetch_block(prefetch, blocks, o, geo[0], how)
+    if geo[3]:
+        for i in range(rows):
+            offset[k + i] += m * sums[i0 + i, b]
+    update(blocks, o, geo, d, x, i0, b * LANES, rows, acc)
+
+
+@inline
+def group_loop(update, locate, geo, rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
+    """``out[i0 + i, r + s] (+)= x[i0 + i, c0:c1] @ W[r + s, c0:c1]`` (:func:`deposit`) for ``i < rows`` (a
+    literal) and the ``s < stored`` rows of :func:`pair_rows`, of blocks of 32 values: ``locate`` gives a
+    block's byte, scale and minimum, ``update`` adds its products to the group's lanes (held in registers); the
+    types with a minimum add ``m * sum(x over the block)`` to one scalar per row (``args``: the block sums [N, nb]
+    and the float16 table)."""
+    sums, table = args
+    offset = numba.carray(stack_f32(GROUP_ROWS), (GROUP_ROWS,))
+    for i in range(rows * stored):
+        offset[i] = 0
+    zero_lanes(acc, rows * stored)
+    first, second = pair_rows(raw, r, stored)
+    for b in range(c0 // LANES, c1 // LANES):
+        block_step(update, locate, geo, rows, first, b, x, i0, sums, table, offset, 0, acc, first_fetch(stored))
+        if stored == 2:
+            block_step(update, locate, geo, rows, second, b, x, i0, sums, table, offset, rows, lanes_at(acc, rows),
+                       FETCH_PAIR)
+    for s in range(stored):
+        if stored_row(raw, r, s):
+            for i in range(rows):
+                total = lanes_sum(acc, s * rows + i)
+                deposit(out, i0 + i, r + s, total + offset[s * rows + i] if geo[3] else total, c0)
+
+
 # The C signature of a type's row product (``<type>_rows``), which the compiled decode step calls through its address
 # (:mod:`qwen_runtime.models.step_jit`): ``(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out,
 # out_stride)``, addresses and sizes as int64: ``out[i, r] = x[i] @ W[r]`` for the ``rows`` stored rows at ``raw``
@@ -659,3 +721,19 @@ class JitKernel:
     def _rows(self, raw: np.ndarray, x: np.ndarray, extra: list, out: np.ndarray) -> None:
         gemv = self.gemv1 if len(x) == 1 and hasattr(self, "gemv1") else self.gemv
         gemv(raw, x, *extra, *self.constants, out)
+
+
+class BlockSumsKernel(JitKernel):
+    """A type of blocks of 32 values with float16 scales (:func:`group_loop`): ``gemv(raw, x, sums, table, out)``,
+    ``decode(raw, table, tile)``; ``sums`` [N, nb] the activations' block sums of the types with a minimum, [N, 0]
+    for the others."""
+
+    block = LANES
+    constants = (F16_TABLE,)
+
+    def activations(self, x: np.ndarray) -> tuple:
+        """Each block's sum of ``x`` [N, nb] for the types with a minimum (``sums_width``; [N, 0] otherwise): one
+        float32 sum per row and block, whatever the other rows."""
+        if not self.sums_width:
+            return (np.empty((len(x), 0), np.float32),)
+        return (sums_of(x, self.sums_width),)

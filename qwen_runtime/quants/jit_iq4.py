@@ -22,27 +22,22 @@ import numpy as np
 from .base import QType
 from .iq4 import IQ4_NL, IQ4_XS
 from .jit_base import (
-    F16_TABLE,
     LANES,
     PAIR,
-    JitKernel,
+    SUMS_GEMV,
+    TABLE_DECODE,
+    BlockSumsKernel,
+    block_at,
     compiled,
+    f16_at,
     gemv1_rows,
     gemv_groups,
+    group_loop,
     inline,
     row_cfunc,
     sums_product,
 )
-from .jit_legacy import (
-    DECODE,
-    GEMV,
-    _block_at,
-    _f16,
-    decode_loop,
-    group_loop,
-    levels_decode,
-    levels_rows,
-)
+from .jit_legacy import decode_loop, levels_decode, levels_rows
 
 IQ4_NL_GEO = (IQ4_NL().type_size, 2, 0, False)  # as jit_legacy's: bytes, first byte of qs, -, -
 XS_BYTES, XS_SUBS = IQ4_XS().type_size, IQ4_XS().block_size // LANES  # 136 bytes, 8 sub-blocks of 32
@@ -70,27 +65,27 @@ def _xs_sub_block_at(table, blocks, b, geo):
     o = sb * XS_BYTES
     low = (np.int64(blocks[o + 4 + j // 2]) >> (4 * (j % 2))) & 15
     high = (((np.int64(blocks[o + 2]) | (np.int64(blocks[o + 3]) << 8)) >> (2 * j)) & 3) << 4
-    return o + 16 * j, _f16(table, blocks, o) * np.float32(low + high - 32), np.float32(0)
+    return o + 16 * j, f16_at(table, blocks, o) * np.float32(low + high - 32), np.float32(0)
 
 
 @inline
 def iq4_nl_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
-    group_loop(_levels, _block_at, IQ4_NL_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
+    group_loop(_levels, block_at, IQ4_NL_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
 
 
-@compiled(GEMV)
+@compiled(SUMS_GEMV)
 def iq4_nl_gemv1(raw, x, sums, table, out):
     gemv1_rows(iq4_nl_group, PAIR, raw, x, (sums, table), out, 0)
 
 
-@compiled(GEMV)
+@compiled(SUMS_GEMV)
 def iq4_nl_gemv(raw, x, sums, table, out):
     gemv_groups(iq4_nl_group, raw, x, (sums, table), out, 0)
 
 
-@compiled(DECODE, contract=False)
+@compiled(TABLE_DECODE, contract=False)
 def iq4_nl_decode(raw, table, tile):
-    decode_loop(_level_values, _block_at, IQ4_NL_GEO, raw, table, tile)
+    decode_loop(_level_values, block_at, IQ4_NL_GEO, raw, table, tile)
 
 
 @inline
@@ -98,17 +93,17 @@ def iq4_xs_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
     group_loop(_levels, _xs_sub_block_at, IQ4_XS_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
 
 
-@compiled(GEMV)
+@compiled(SUMS_GEMV)
 def iq4_xs_gemv1(raw, x, sums, table, out):
     gemv1_rows(iq4_xs_group, PAIR, raw, x, (sums, table), out, 0)
 
 
-@compiled(GEMV)
+@compiled(SUMS_GEMV)
 def iq4_xs_gemv(raw, x, sums, table, out):
     gemv_groups(iq4_xs_group, raw, x, (sums, table), out, 0)
 
 
-@compiled(DECODE, contract=False)
+@compiled(TABLE_DECODE, contract=False)
 def iq4_xs_decode(raw, table, tile):
     decode_loop(_level_values, _xs_sub_block_at, IQ4_XS_GEO, raw, table, tile)
 
@@ -123,23 +118,13 @@ def iq4_xs_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, o
     sums_product(iq4_xs_gemv1, iq4_xs_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
 
 
-class IQ4JitKernel(JitKernel):
-    """An IQ4 matrix: ``gemv(raw, x, sums, table, out)`` (``sums`` [N, 0]: no minimum), ``decode(raw, table,
-    tile)``."""
-
-    constants = (F16_TABLE,)
-
-    def activations(self, x: np.ndarray) -> tuple:
-        return (np.empty((len(x), 0), np.float32),)
-
-
-class IQ4_NLJitKernel(IQ4JitKernel):
-    qtype, block, type_size = QType.IQ4_NL, LANES, IQ4_NL_GEO[0]
+class IQ4_NLJitKernel(BlockSumsKernel):
+    qtype, type_size = QType.IQ4_NL, IQ4_NL_GEO[0]
     gemv1, gemv, decode = staticmethod(iq4_nl_gemv1), staticmethod(iq4_nl_gemv), staticmethod(iq4_nl_decode)
     row_product = iq4_nl_rows
 
 
-class IQ4_XSJitKernel(IQ4JitKernel):
+class IQ4_XSJitKernel(BlockSumsKernel):
     qtype, block, type_size = QType.IQ4_XS, IQ4_XS().block_size, XS_BYTES
     gemv1, gemv, decode = staticmethod(iq4_xs_gemv1), staticmethod(iq4_xs_gemv), staticmethod(iq4_xs_decode)
     row_product = iq4_xs_rows

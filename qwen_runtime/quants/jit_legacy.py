@@ -7,10 +7,10 @@ the low nibble of ``qs[k]``, value ``16 + k`` the high one.  Row ``i`` of the pr
 ``acc[k] = fma(d[b] * w[k], x[i, b*32 + k], acc[k])`` over the blocks ``b`` (see :mod:`.jit_base`), where
 ``w[k]`` is the value's integer part, ``q - 8`` or ``q - 16`` for the ``_0`` types: ``d * w`` is exact (an
 11-bit significand times at most 5 bits); the ``_1`` types add ``m[b] * sum(x over block b)`` to one scalar
-per row, the block sums computed once per product (:meth:`LegacyJitKernel.activations`) and shared by every
+per row, the block sums computed once per product (:meth:`.jit_base.BlockSumsKernel.activations`) and shared by every
 weight row.
 
-Each kernel is the shared loop :func:`group_loop` (one group of rows, run by :func:`.jit_base.gemv1_rows` and
+Each kernel is the shared loop :func:`.jit_base.group_loop` (one group of rows, run by :func:`.jit_base.gemv1_rows` and
 :func:`.jit_base.gemv_groups`) or :func:`decode_loop` around a per-block step passed as an argument (numba
 compiles one specialization per step, inlined).  The steps are small LLVM intrinsics on explicit
 ``<16 x ...>`` vectors (:func:`nibbles_rows`, :func:`nibbles_decode`): the 16 quant bytes loaded once, nibbles
@@ -38,48 +38,34 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
-from numba import carray, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .base import QType
 from .iq4 import IQ4_LEVELS
 from .jit_base import (
-    F16_TABLE,
-    F32_1D,
-    F32_2D,
-    F32_2D_C,
-    FETCH_PAIR,
-    GROUP_ROWS,
     LANES,
     PAIR,
     PERMUTE,
+    SUMS_GEMV,
+    TABLE_DECODE,
     TABLE_ROWS,
-    U8_2D,
-    JitKernel,
+    BlockSumsKernel,
+    block_at,
     compiled,
-    deposit,
-    fetch_block,
-    first_fetch,
     gemv1_rows,
     gemv_groups,
+    group_loop,
     inline,
-    lanes_at,
-    lanes_sum,
     level_table,
     levels_of,
     look_up,
     nibble_indices,
-    pair_rows,
-    prefetch,
     row_cfunc,
     rows_fma,
     splat,
-    stack_f32,
-    stored_row,
-    sums_of,
     sums_product,
-    zero_lanes,
 )
 from .legacy import Q4_0, Q4_1, Q5_0, Q5_1
 
@@ -216,20 +202,6 @@ levels_rows, levels_decode = _lanes_rows(levels=True), _lanes_decode(levels=True
 
 
 @inline
-def _f16(table, blocks, at):
-    """The float16 field at byte ``at`` of a stored row, exactly as float32."""
-    return table[np.int64(blocks[at]) | (np.int64(blocks[at + 1]) << 8)]
-
-
-@inline
-def _block_at(table, blocks, b, geo):
-    """(first byte, scale ``d``, minimum ``m`` or 0) of block ``b`` of a stored row; ``geo`` = (bytes per block,
-    first byte of qs, bias, has a minimum)."""
-    o = b * geo[0]
-    return o, _f16(table, blocks, o), _f16(table, blocks, o + 2) if geo[3] else np.float32(0)
-
-
-@inline
 def _u32(blocks, at):
     """The little-endian 32 bits at byte ``at``."""
     return (np.uint32(blocks[at]) | (np.uint32(blocks[at + 1]) << np.uint32(8))
@@ -262,42 +234,6 @@ def _q5_values(blocks, o, geo, d, start, out):
 
 
 @inline
-def block_step(update, locate, geo, rows, blocks, b, x, i0, sums, table, offset, k, acc, how):
-    """Block ``b`` of a stored row times ``rows`` activation rows: the products into the lanes at ``acc``, the
-    minimum's into ``offset[k + i]`` (``how``: its :func:`.jit_base.fetch_block`)."""
-    o, d, m = locate(table, blocks, b, geo)
-    fetch_block(prefetch, blocks, o, geo[0], how)
-    if geo[3]:
-        for i in range(rows):
-            offset[k + i] += m * sums[i0 + i, b]
-    update(blocks, o, geo, d, x, i0, b * LANES, rows, acc)
-
-
-@inline
-def group_loop(update, locate, geo, rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
-    """``out[i0 + i, r + s] (+)= x[i0 + i, c0:c1] @ W[r + s, c0:c1]`` (:func:`.jit_base.deposit`) for ``i < rows`` (a
-    literal) and the ``s < stored`` rows of :func:`.jit_base.pair_rows`, of blocks of 32 values: ``locate`` gives a
-    block's byte, scale and minimum, ``update`` adds its products to the group's lanes (held in registers); the
-    types with a minimum add ``m * sum(x over the block)`` to one scalar per row (``args``: the block sums [N, nb]
-    and the float16 table)."""
-    sums, table = args
-    offset = carray(stack_f32(GROUP_ROWS), (GROUP_ROWS,))
-    for i in range(rows * stored):
-        offset[i] = 0
-    zero_lanes(acc, rows * stored)
-    first, second = pair_rows(raw, r, stored)
-    for b in range(c0 // LANES, c1 // LANES):
-        block_step(update, locate, geo, rows, first, b, x, i0, sums, table, offset, 0, acc, first_fetch(stored))
-        if stored == 2:
-            block_step(update, locate, geo, rows, second, b, x, i0, sums, table, offset, rows, lanes_at(acc, rows),
-                       FETCH_PAIR)
-    for s in range(stored):
-        if stored_row(raw, r, s):
-            for i in range(rows):
-                deposit(out, i0 + i, r + s, lanes_sum(acc, s * rows + i) + offset[s * rows + i], c0)
-
-
-@inline
 def decode_loop(values, locate, geo, raw, table, tile):
     """``tile`` [R, nb * 32] = the rows decoded as the reference computes them: ``d * w`` or ``d * w + m``."""
     nb = tile.shape[1] // LANES
@@ -308,8 +244,6 @@ def decode_loop(values, locate, geo, raw, table, tile):
             values(blocks, o, geo, d, m if geo[3] else NEGATIVE_ZERO, row[b * LANES: b * LANES + LANES])
 
 
-GEMV = types.void(U8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
-DECODE = types.void(U8_2D, F32_1D, F32_2D_C)
 # Block geometry as compile-time constants: bytes per block, first byte of qs, bias subtracted from q, minimum.
 Q4_0_GEO = (Q4_0().type_size, Q4_0.qs_at, Q4_0.bias, False)
 Q4_1_GEO = (Q4_1().type_size, Q4_1.qs_at, Q4_1.bias, True)
@@ -318,82 +252,82 @@ Q5_1_GEO = (Q5_1().type_size, Q5_1.qs_at, Q5_1.bias, True)
 
 @inline
 def q4_0_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
-    group_loop(_q4, _block_at, Q4_0_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
+    group_loop(_q4, block_at, Q4_0_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
 
 
-@compiled(GEMV)
+@compiled(SUMS_GEMV)
 def q4_0_gemv1(raw, x, sums, table, out):
     gemv1_rows(q4_0_group, PAIR, raw, x, (sums, table), out, 0)
 
 
-@compiled(GEMV)
+@compiled(SUMS_GEMV)
 def q4_0_gemv(raw, x, sums, table, out):
     gemv_groups(q4_0_group, raw, x, (sums, table), out, 0)
 
 
-@compiled(DECODE, contract=False)
+@compiled(TABLE_DECODE, contract=False)
 def q4_0_decode(raw, table, tile):
-    decode_loop(_q4_values, _block_at, Q4_0_GEO, raw, table, tile)
+    decode_loop(_q4_values, block_at, Q4_0_GEO, raw, table, tile)
 
 
 @inline
 def q4_1_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
-    group_loop(_q4, _block_at, Q4_1_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
+    group_loop(_q4, block_at, Q4_1_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
 
 
-@compiled(GEMV)
+@compiled(SUMS_GEMV)
 def q4_1_gemv1(raw, x, sums, table, out):
     gemv1_rows(q4_1_group, PAIR, raw, x, (sums, table), out, 0)
 
 
-@compiled(GEMV)
+@compiled(SUMS_GEMV)
 def q4_1_gemv(raw, x, sums, table, out):
     gemv_groups(q4_1_group, raw, x, (sums, table), out, 0)
 
 
-@compiled(DECODE, contract=False)
+@compiled(TABLE_DECODE, contract=False)
 def q4_1_decode(raw, table, tile):
-    decode_loop(_q4_values, _block_at, Q4_1_GEO, raw, table, tile)
+    decode_loop(_q4_values, block_at, Q4_1_GEO, raw, table, tile)
 
 
 @inline
 def q5_0_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
-    group_loop(_q5, _block_at, Q5_0_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
+    group_loop(_q5, block_at, Q5_0_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
 
 
-@compiled(GEMV)
+@compiled(SUMS_GEMV)
 def q5_0_gemv1(raw, x, sums, table, out):
     gemv1_rows(q5_0_group, PAIR, raw, x, (sums, table), out, 0)
 
 
-@compiled(GEMV)
+@compiled(SUMS_GEMV)
 def q5_0_gemv(raw, x, sums, table, out):
     gemv_groups(q5_0_group, raw, x, (sums, table), out, 0)
 
 
-@compiled(DECODE, contract=False)
+@compiled(TABLE_DECODE, contract=False)
 def q5_0_decode(raw, table, tile):
-    decode_loop(_q5_values, _block_at, Q5_0_GEO, raw, table, tile)
+    decode_loop(_q5_values, block_at, Q5_0_GEO, raw, table, tile)
 
 
 @inline
 def q5_1_group(rows, stored, raw, r, x, i0, c0, c1, args, out, acc):
-    group_loop(_q5, _block_at, Q5_1_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
+    group_loop(_q5, block_at, Q5_1_GEO, rows, stored, raw, r, x, i0, c0, c1, args, out, acc)
 
 
-@compiled(GEMV)
+@compiled(SUMS_GEMV)
 def q5_1_gemv1(raw, x, sums, table, out):
     gemv1_rows(q5_1_group, PAIR, raw, x, (sums, table), out, 0)
 
 
-@compiled(GEMV)
+@compiled(SUMS_GEMV)
 def q5_1_gemv(raw, x, sums, table, out):
     gemv_groups(q5_1_group, raw, x, (sums, table), out, 0)
 
 
-@compiled(DECODE, contract=False)
+@compiled(TABLE_DECODE, contract=False)
 def q5_1_decode(raw, table, tile):
-    decode_loop(_q5_values, _block_at, Q5_1_GEO, raw, table, tile)
+    decode_loop(_q5_values, block_at, Q5_1_GEO, raw, table, tile)
 
 
 @row_cfunc
@@ -416,43 +350,28 @@ def q5_1_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out
     sums_product(q5_1_gemv1, q5_1_gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out_stride)
 
 
-class LegacyJitKernel(JitKernel):
-    """A legacy-type matrix: ``gemv(raw, x, sums, table, out)``, ``decode(raw, table, tile)``."""
-
-    block = LANES
-    constants = (F16_TABLE,)
-    has_min = False
-
-    def activations(self, x: np.ndarray) -> tuple:
-        """Each block's sum of ``x`` [N, nb] for the types with a minimum ([N, 0] otherwise): one float32 sum per
-        row and block, whatever the other rows."""
-        if not self.has_min:
-            return (np.empty((len(x), 0), np.float32),)
-        return (sums_of(x, LANES),)
-
-
-class Q4_0JitKernel(LegacyJitKernel):
+class Q4_0JitKernel(BlockSumsKernel):
     qtype, type_size = QType.Q4_0, Q4_0_GEO[0]
     gemv1, gemv, decode = staticmethod(q4_0_gemv1), staticmethod(q4_0_gemv), staticmethod(q4_0_decode)
     row_product = q4_0_rows
 
 
-class Q4_1JitKernel(LegacyJitKernel):
-    qtype, type_size, has_min = QType.Q4_1, Q4_1_GEO[0], True
-    sums_width = LANES
+class Q4_1JitKernel(BlockSumsKernel):
+    qtype, type_size, sums_width = QType.Q4_1, Q4_1_GEO[0], LANES
     gemv1, gemv, decode = staticmethod(q4_1_gemv1), staticmethod(q4_1_gemv), staticmethod(q4_1_decode)
     row_product = q4_1_rows
 
 
-class Q5_0JitKernel(LegacyJitKernel):
+class Q5_0JitKernel(BlockSumsKernel):
     qtype, type_size = QType.Q5_0, Q5_0_GEO[0]
     gemv1, gemv, decode = staticmethod(q5_0_gemv1), staticmethod(q5_0_gemv), staticmethod(q5_0_decode)
     row_product = q5_0_rows
 
 
-class Q5_1JitKernel(LegacyJitKernel):
-    qtype, type_size, has_min = QType.Q5_1, Q5_1_GEO[0], True
-    sums_width = LANES
+class Q5_1JitKernel(BlockSumsKernel):
+    qtype, type_size, sums_width = QType.Q5_1, Q5_1_GEO[0], LANES
     gemv1, gemv, decode = staticmethod(q5_1_gemv1), staticmethod(q5_1_gemv), staticmethod(q5_1_decode)
     row_product = q5_1_rows
+
+
 KERNELS = (Q4_0JitKernel, Q4_1JitKernel, Q5_0JitKernel, Q5_1JitKernel)
