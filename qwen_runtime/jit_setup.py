@@ -56,6 +56,21 @@ def cpu_features(host: str) -> str | None:
     return f"{host},-prefer-256-bit" if "+avx512f" in host.split(",") else None
 
 
+# The CPU features of the kernels' other instruction forms (``NUMBA_CPU_FEATURES``): AVX2 without AVX-512 (two 256-bit
+# ``pmaddwd`` and generic sums of 4; no table lookups) and AVX-512 without VNNI (Q8_0's sums of 4 from ``pmaddwd``).
+AVX2_FEATURES = "+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,+bmi,+bmi2"
+
+
+def other_instruction_forms(host: str) -> dict[str, str]:
+    """The ``NUMBA_CPU_FEATURES`` under which the kernels take their other instruction forms and the host (its LLVM
+    feature string) still runs them, by name: what the tests compile them for besides the host's own form."""
+    flags = host.split(",")
+    forms = {"avx2": AVX2_FEATURES} if "+avx2" in flags else {}
+    if "+avx512vnni" in flags:
+        forms["avx512 without vnni"] = ",".join("-avx512vnni" if f == "+avx512vnni" else f for f in flags)
+    return forms
+
+
 def prepare_numba() -> None:
     """Set up numba's CPU target without its SciPy import, once per process, before the first compile."""
     with _LOCK:

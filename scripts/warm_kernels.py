@@ -1,35 +1,67 @@
 """Compile every compiled kernel into numba's on-disk cache ahead of time, on every core at once.
 
-    python scripts/warm_kernels.py [--jobs N]
+    python scripts/warm_kernels.py [--jobs N] [--other-forms]
 
 The kernel modules compile their kernels when first imported (explicit signatures) and the compiled decode step
 when a model first runs; one process does that one function after another (about 4 minutes of CPU on this
 machine from a cold cache).  Here independent groups of modules compile in parallel processes, each group's
 modules in import order so that no two processes compile the same function; a model fixture of each decode-step
-kind (attention; Gated DeltaNet) then runs a few tokens.  `.ci/run` calls this before the tests, which then load
-every kernel from the cache.  With a warm cache it only loads them (seconds).  NUMBA_CACHE_DIR moves the cache.
+kind (attention; Gated DeltaNet) then runs a few tokens.  ``--other-forms`` also compiles every kernel module for
+the kernels' other instruction forms this CPU runs (``jit_setup.other_instruction_forms``: AVX2, AVX-512 without
+VNNI), which the tests check in processes of their own.  `.ci/run` calls this before the tests, which then load
+every kernel from the cache; with a warm cache it only loads them (seconds).  NUMBA_CACHE_DIR moves the cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
-# Groups of kernel modules that import no kernel module of another group (jit_base is shared: it compiles in
-# seconds), the longest first; the last group's modules import the others' and run when those are cached.
-GROUPS = (
-    ("qwen_runtime.quants.jit_legacy", "qwen_runtime.quants.jit_iq4", "qwen_runtime.quants.jit_int8"),
-    ("qwen_runtime.quants.jit_kquants", "qwen_runtime.quants.jit_dense", "qwen_runtime.quants.jit_q8_0",
-     "qwen_runtime.models.step_jit"),
-)
-LAST = ("qwen_runtime.quants.jit_int8_k",)
+KERNELS = "qwen_runtime.quants.jit_"
 MODELS = ("qwen2-tiny", "qwen35-tiny")  # one of each decode-step kind
+
+
+@dataclass
+class Task:
+    """Modules to import and fixture models to run in one process (``features``: its NUMBA_CPU_FEATURES), once
+    the tasks named in ``after`` are done (they compile what its modules import)."""
+
+    name: str
+    modules: tuple[str, ...]
+    models: tuple[str, ...] = ()
+    features: str | None = None
+    after: tuple[str, ...] = ()
+    process: subprocess.Popen | None = field(default=None, repr=False)
+    started: float = 0.0
+
+
+def plan(other_forms: bool) -> list[Task]:
+    """The tasks, the longest first: two groups of kernel modules that import no kernel module of the other
+    (jit_base, shared, compiles in seconds), then jit_int8_k (it imports both); with ``other_forms`` every kernel
+    module again for each other instruction form."""
+    tasks = [
+        Task("legacy, iq4, int8", tuple(KERNELS + m for m in ("legacy", "iq4", "int8"))),
+        Task("kquants, dense, q8_0, step", (*(KERNELS + m for m in ("kquants", "dense", "q8_0")),
+                                            "qwen_runtime.models.step_jit"), MODELS),
+        Task("int8_k", (KERNELS + "int8_k",), after=("legacy, iq4, int8", "kquants, dense, q8_0, step")),
+    ]
+    if other_forms:
+        from llvmlite import binding as llvm
+
+        from qwen_runtime.jit_setup import other_instruction_forms
+
+        for name, features in other_instruction_forms(llvm.get_host_cpu_features().flatten()).items():
+            modules = tuple(KERNELS + m for m in ("q8_0", "dense", "kquants", "iq4", "int8_k"))  # and what they import
+            tasks.append(Task(name, modules, features=features))
+    return tasks
 
 
 def warm(modules: list[str], models: list[str]) -> dict[str, float]:
@@ -53,14 +85,46 @@ def warm(modules: list[str], models: list[str]) -> dict[str, float]:
     return times
 
 
-def spawn(modules: tuple[str, ...], models: tuple[str, ...]) -> subprocess.Popen:
-    args = [sys.executable, __file__, "--worker", json.dumps([list(modules), list(models)])]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+def start(task: Task) -> None:
+    env = dict(os.environ)
+    if task.features:
+        env["NUMBA_CPU_FEATURES"] = task.features
+    args = [sys.executable, __file__, "--worker", json.dumps([list(task.modules), list(task.models)])]
+    task.process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def run(tasks: list[Task], jobs: int) -> dict[str, float]:
+    """Run the tasks, at most ``jobs`` at once, each as soon as the tasks it comes after are done."""
+    done: dict[str, float] = {}
+    times: dict[str, float] = {}
+    waiting, running = list(tasks), []
+    while waiting or running:
+        ready = [t for t in waiting if all(a in done for a in t.after)]
+        while ready and len(running) < jobs:
+            task = ready.pop(0)
+            waiting.remove(task)
+            task.started = time.perf_counter()
+            start(task)
+            running.append(task)
+        finished = next((t for t in running if t.process.poll() is not None), None)
+        if finished is None:
+            time.sleep(0.05)
+            continue
+        running.remove(finished)
+        out, _ = finished.process.communicate()
+        if finished.process.returncode:
+            sys.exit(f"warm_kernels: {finished.name} failed (exit status {finished.process.returncode})")
+        done[finished.name] = time.perf_counter() - finished.started
+        label = f" ({finished.name})" if finished.features else ""
+        times.update({f"{name}{label}": s for name, s in json.loads(out.splitlines()[-1]).items()})
+    return times
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--jobs", type=int, default=2, help="processes compiling at once (default 2)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes compiling at once (default: the "
+                   "cores)")
+    p.add_argument("--other-forms", action="store_true", help="also compile for the other instruction forms")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -68,19 +132,9 @@ def main() -> None:
         print(json.dumps(warm(modules, models)))
         return
     t0 = time.perf_counter()
-    plan = [(group, MODELS if i == len(GROUPS) - 1 else ()) for i, group in enumerate(GROUPS)]
-    waves = [plan[i:i + max(1, args.jobs)] for i in range(0, len(plan), max(1, args.jobs))] + [[(LAST, ())]]
-    times: dict[str, float] = {}
-    for wave in waves:
-        workers = [spawn(modules, models) for modules, models in wave]
-        for worker in workers:
-            out, _ = worker.communicate()
-            if worker.returncode:
-                sys.exit(f"warm_kernels: a worker failed (exit status {worker.returncode})")
-            times.update(json.loads(out.splitlines()[-1]))
-    for name, seconds in times.items():
-        print(f"{name:40s} {seconds:7.1f} s")
-    print(f"{'wall':40s} {time.perf_counter() - t0:7.1f} s")
+    for name, seconds in run(plan(args.other_forms), max(1, args.jobs)).items():
+        print(f"{name:60s} {seconds:7.1f} s")
+    print(f"{'wall':60s} {time.perf_counter() - t0:7.1f} s")
 
 
 if __name__ == "__main__":

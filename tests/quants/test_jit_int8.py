@@ -21,6 +21,7 @@ from runtime_helpers import Converted
 
 from qwen_runtime import load
 from qwen_runtime.errors import KernelsError
+from qwen_runtime.jit_setup import other_instruction_forms
 from qwen_runtime.pool import Workspace
 from qwen_runtime.quants import QType, codec, jit_kernel, q8_act
 from qwen_runtime.quants.iq4 import IQ4_LEVELS
@@ -417,9 +418,6 @@ def test_iq4_xs_exact_sums_error_model_and_rows(n: int) -> None:
         assert np.array_equal(run(kernel, x[:m]), alone[:m])
 
 
-AVX2_ONLY = "+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,+bmi,+bmi2"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["avx2", "avx512 without vnni"])
 def test_the_other_instruction_forms(form: str) -> None:
@@ -431,15 +429,9 @@ def test_the_other_instruction_forms(form: str) -> None:
     the values up (``jit_base.PERMUTE``; AVX-512 without VNNI compiles them as with it)."""
     from llvmlite import binding as llvm
 
-    host = llvm.get_host_cpu_features().flatten().split(",")
-    if form == "avx2":
-        if "+avx2" not in host:
-            pytest.skip("needs an AVX2 CPU")
-        features = AVX2_ONLY
-    else:
-        if "+avx512vnni" not in host:
-            pytest.skip("needs an AVX-512 VNNI CPU")
-        features = ",".join("-avx512vnni" if f == "+avx512vnni" else f for f in host)
+    features = other_instruction_forms(llvm.get_host_cpu_features().flatten()).get(form)
+    if features is None:
+        pytest.skip("needs an AVX2 CPU" if form == "avx2" else "needs an AVX-512 VNNI CPU")
     env = {**os.environ, "NUMBA_CPU_FEATURES": features}
     kernels = Path(__file__).parent / "test_jit_kernels.py"
     tests = ["test_q8_row_product_by_address_equals_the_kernel"]
