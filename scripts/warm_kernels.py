@@ -47,12 +47,10 @@ def plan(other_forms: bool) -> list[Task]:
     """The tasks, the longest first: two groups of kernel modules that import no kernel module of the other
     (jit_base, shared, compiles in seconds), then jit_int8_k (it imports both); with ``other_forms`` every kernel
     module again for each other instruction form."""
-    tasks = [
-        Task("legacy, iq4, int8", tuple(KERNELS + m for m in ("legacy", "iq4", "int8"))),
-        Task("kquants, dense, q8_0, step", (*(KERNELS + m for m in ("kquants", "dense", "q8_0")),
-                                            "qwen_runtime.models.step_jit"), MODELS),
-        Task("int8_k", (KERNELS + "int8_k",), after=("legacy, iq4, int8", "kquants, dense, q8_0, step")),
-    ]
+    groups = [Task("legacy, iq4, int8", tuple(KERNELS + m for m in ("legacy", "iq4", "int8"))),
+              Task("kquants, dense, q8_0, step", (*(KERNELS + m for m in ("kquants", "dense", "q8_0")),
+                                                  "qwen_runtime.models.step_jit"), MODELS)]
+    tasks = [*groups, Task("int8_k", (KERNELS + "int8_k",), after=tuple(g.name for g in groups))]
     if other_forms:
         from llvmlite import binding as llvm
 

@@ -19,6 +19,7 @@ from numba.extending import intrinsic
 
 from .jit_base import (
     HALF,
+    LANES,
     PAIR,
     SUMS_GEMV,
     TABLE_DECODE,
@@ -89,15 +90,14 @@ def q8_0_gemv(raw, x, sums, table, out):
 @compiled(TABLE_DECODE)
 def q8_0_decode(raw, table, tile):
     """``tile`` [R, nb * 32] = the Q8_0 rows decoded (``d * q`` in float32, as the reference)."""
-    nb = tile.shape[1] // 32
+    nb = tile.shape[1] // LANES
     width = tile.shape[1] // nb  # 32, hidden from the compiler: a constant trip count compiled to scalar code
     for r in range(raw.shape[0]):
         blocks, row = raw[r], tile[r]
         for b in range(nb):
-            q = blocks[b * 34: b * 34 + 34]
-            d = table[np.int64(q[0]) | (np.int64(q[1]) << 8)]
+            o, d, _ = block_at(table, blocks, b, Q8_0_GEO)
             for k in range(width):
-                row[b * 32 + k] = d * np.float32(np.int8(q[2 + k]))
+                row[b * LANES + k] = d * np.float32(np.int8(blocks[o + Q8_0_GEO[1] + k]))
 
 
 @row_cfunc
