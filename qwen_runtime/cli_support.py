@@ -8,6 +8,7 @@ import importlib.util
 import sys
 from collections.abc import Callable
 
+from .compile_events import on_first_compile
 from .errors import EXIT_CODES, MissingExtraError, QwenError, ResourceLimitError, exit_code
 from .pool import ACTIVATION_CHOICES, KERNEL_CHOICES, KERNELS_VARIABLE, STEP_TOKENS
 
@@ -17,10 +18,16 @@ MISSING_FILE = 2  # the same code as FormatError: an input file is missing
 # Memory ran out: the code of a request over the allowed memory (ResourceLimitError is a MemoryError too).
 # A chat template that exhausts memory is refused by the sandbox as a TemplateError (7) instead.
 OUT_OF_MEMORY = EXIT_CODES[ResourceLimitError]
+# What a command says when numba starts compiling kernels during its run (their first use on a machine: the first
+# model of a type waits 30-60 s on 2 cores; `scripts/warm_kernels.py` compiles them all ahead).
+COMPILING = ("numba is compiling kernels (once per machine and version: up to a few minutes; later runs load "
+             "them from its cache)")
 
 
 def run_guarded(prog: str, main: Callable[[], int | None]) -> int:
-    """Run ``main`` and return its exit code; errors become one line on stderr, never a traceback."""
+    """Run ``main`` and return its exit code; errors become one line on stderr, never a traceback.  When numba
+    starts compiling kernels meanwhile (not loading them from its cache), one line on stderr says so."""
+    on_first_compile(lambda: sys.stderr.write(f"{prog}: {COMPILING}\n"))
     try:
         return main() or 0
     except QwenError as exc:
@@ -43,6 +50,8 @@ def run_guarded(prog: str, main: Callable[[], int | None]) -> int:
     except Exception as exc:  # a bug, not a user error: still one line, never a traceback
         sys.stderr.write(f"{prog}: internal error: {type(exc).__name__}: {exc}\n")
         return 1
+    finally:
+        on_first_compile(None)
 
 
 class HelpFormatter(argparse.HelpFormatter):

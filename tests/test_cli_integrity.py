@@ -20,7 +20,8 @@ from qwen_convert.cli import convert_main, inspect_main
 from qwen_runtime import cli as run_cli
 from qwen_runtime import eval_cli
 from qwen_runtime.cli import main as run_main
-from qwen_runtime.cli_support import HelpFormatter
+from qwen_runtime.cli_support import COMPILING, HelpFormatter, run_guarded
+from qwen_runtime.compile_events import listen
 from qwen_runtime.errors import (
     EXIT_CODES,
     ConfigError,
@@ -232,3 +233,26 @@ def test_serve_takes_activations_and_turns(converted: Converted, capsys: pytest.
     with pytest.raises(SystemExit) as exc:
         serve_cli.main(["M", "--cache-turns", "--cache-memory", "0"])
     assert exc.value.code == 2 and "--cache-turns needs the prefix cache" in capsys.readouterr().err
+
+
+def test_a_command_says_once_that_numba_compiles(capsys: pytest.CaptureFixture[str]) -> None:
+    """A first run on a machine waits for numba to compile its kernels: one line on stderr says so, once per run,
+    and a compile after the command returned says nothing (functions made here are never in numba's cache, so
+    they compile; loads from the cache send no compile event)."""
+    import numba
+
+    listen()  # what loading a model with the compiled kernels does first
+
+    def fresh(k: int):  # -> a new compiled function
+        def add(x: int) -> int:
+            return x + k
+
+        return numba.njit(add)
+
+    def main() -> int:
+        return fresh(1)(1) + fresh(2)(1) - 5
+
+    assert run_guarded("qwen-x", main) == 0
+    assert capsys.readouterr().err == f"qwen-x: {COMPILING}\n"
+    assert fresh(3)(1) == 4
+    assert capsys.readouterr().err == ""

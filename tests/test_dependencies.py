@@ -21,7 +21,7 @@ PACKAGE_IMPORTS = {RUNTIME: {RUNTIME}, CONVERTER: {RUNTIME, CONVERTER}, SERVER: 
 RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("facts: errors, architectures, GGUF keys, config, tensor names, stored types, small kernels, the thread pool",
      ("errors", "archs", "gguf_keys", "config", "naming", "tensors", "quants", "ops", "jit_setup", "ops_jit", "pool",
-      "pool_jit",
+      "pool_jit", "compile_events",
       "cache", "limits", "memory")),
     ("formats: finding and reading model files", ("formats", "hub")),
     ("weights: multiplying stored tensors", ("weights",)),

@@ -30,6 +30,7 @@ import numpy as np
 from gguf import MODEL_TENSOR
 
 from ..cache import BatchState, CacheSize, LayerCache
+from ..compile_events import listen
 from ..config import ModelConfig
 from ..errors import FormatError
 from ..formats import ModelFiles
@@ -46,6 +47,8 @@ class WeightStore:
                  kernels: str | None = None, activations: str = "float") -> None:
         self.files = files
         kernels = resolve_kernels(kernels)
+        if kernels == "numba":
+            listen()  # a command then says when numba compiles (compile_events)
         self.workspace = Workspace(threads, blas_products=kernels == "numpy" and all_float32(files), kernels=kernels,
                                    activations=activations)
         self.tile_elements = tile_elements
