@@ -20,6 +20,7 @@ from typing import BinaryIO
 import numpy as np
 from gguf import quants
 
+from qwen_runtime.compile_events import listen
 from qwen_runtime.errors import FormatError
 from qwen_runtime.pool import default_threads
 from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_BYTES, QType, StoredTensor, stored_shape, to_float32
@@ -85,6 +86,7 @@ def encode_searched(x: np.ndarray, qtype: QType, importance: np.ndarray | None, 
     """A K-quant, IQ4 or importance-weighted Q4_0..Q5_1 encoding of float32 ``[rows, n]``, its rows split into
     up to ``threads`` parts encoded at once (the compiled searches release the GIL; blocks never span rows, so
     the parts are independent)."""
+    listen()  # a command then says when numba compiles the searches (their first use on a machine)
     from . import iq4_encode, kquant_encode, legacy_encode
 
     stored_shape(qtype, x.shape)  # refuses a row length that is not a multiple of the block
