@@ -24,8 +24,10 @@
    samples taken before, between and after the models: :func:`best_read`), printed
    beside each decode row with that row's decode bandwidth (stored bytes of the matrices read per token x
    tokens/s).
-5. Prints medians and ours/llama.cpp ratios (and ours / plain numpy / llama.cpp side by side) and writes
-   everything (with every sample) to a JSON file.
+5. Prints medians and ours/llama.cpp ratios (and ours / plain numpy / llama.cpp side by side), the ratios
+   paired round by round (:func:`paired_ratios`: the two engines' processes of a round run back to back, so on a
+   machine whose speed drifts the median of many rounds' ratios is steadier than the ratio of two medians), and
+   writes everything (with every sample) to a JSON file.
 
 For stable numbers run it alone on the machine; ratios within one run are what to compare.
 """
@@ -369,6 +371,38 @@ def jit_lines(jit: dict[str, Any]) -> list[str]:
             f"trivial function: {fmt(jit.get('floor', {}).get('cpu_s', NAN), 2)} s CPU.", ""]
 
 
+PAIRED_KEYS = ("prefill_tps", "decode_tps")
+
+
+def paired_ratios(raw: dict[str, dict[str, list[dict]]], a: str = "ours", b: str = "llama"
+                  ) -> dict[str, dict[str, float]]:
+    """Per dtype of one model (``raw[dtype][measurement]`` = samples, one per round), each round's ``a`` / ``b`` of
+    :data:`PAIRED_KEYS`: ``{dtype: {key: median, key_min, key_max, rounds}}`` (dtypes where both ran)."""
+    out: dict[str, dict[str, float]] = {}
+    for dtype, runs in raw.items():
+        pairs = list(zip(runs.get(a, []), runs.get(b, []), strict=False))
+        if not pairs:
+            continue
+        row: dict[str, float] = {"rounds": len(pairs)}
+        for key in PAIRED_KEYS:
+            values = [ratio(x.get(key, NAN), y.get(key, NAN)) for x, y in pairs]
+            values = [v for v in values if v == v]
+            if values:
+                row.update({key: statistics.median(values), f"{key}_min": min(values), f"{key}_max": max(values)})
+        out[dtype] = row
+    return out
+
+
+def paired_lines(paired: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+    """The paired ratios of every model and dtype, a line each."""
+    rows = [f"  {model} {dtype}: " + ", ".join(
+        f"{key.removesuffix('_tps')} {fmt(r[key], 2)} ({fmt(r[key + '_min'], 2)}-{fmt(r[key + '_max'], 2)})"
+        for key in PAIRED_KEYS if key in r) + f", {r['rounds']} rounds"
+        for model, dtypes in paired.items() for dtype, r in dtypes.items()]
+    return ["Ours / llama.cpp paired round by round (median of the rounds' ratios, min-max):", *rows, ""] \
+        if rows else []
+
+
 def conversion_table(summary: dict) -> list[str]:
     head = ["model", "type", "GGUF GB", "wall s ours / llama (×)", "peak RSS MiB ours / llama (×)"]
     rows = [f"| {model} | {dtype + (TWO_STEP_NOTE if dtype in LLAMA_TWO_STEP else '')} "
@@ -554,13 +588,14 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
 def report(results: dict[str, Any], plan: Plan) -> list[str]:
     conv, runs = summarize(results["conversion"]), summarize(results["runtime"])
     results["medians"] = {"conversion": conv, "runtime": runs}
+    results["paired"] = {model: paired_ratios(dtypes) for model, dtypes in results["runtime"].items()}
     lines = [f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores, "
              f"numpy {results['machine']['numpy']}, llama-cpp-python {results['machine']['llama_cpp_python']}, "
              f"{results['machine']['date']}; medians of {results['repeat']} runs "
              f"({results.get('conversion_repeat', results['repeat'])} of each conversion)", "",
              *(runtime_table(runs, plan, results.get("kernels", ["numba"]),
                              results.get("read", {}).get("read_gbps", NAN)) + [""] if any(runs.values()) else []),
-             *jit_lines(results.get("jit", {})), *conversion_table(conv), ""]
+             *paired_lines(results["paired"]), *jit_lines(results.get("jit", {})), *conversion_table(conv), ""]
     read_gbps = results.get("read", {}).get("read_gbps", NAN)
     for model in dict.fromkeys([*runs, *conv]):  # a NaN target was not measured (--quick, --dtypes, --no-llama)
         found = [t for t in targets(runs.get(model, {}), conv.get(model, {}), results["configs"][model], plan,
