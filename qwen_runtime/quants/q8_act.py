@@ -5,8 +5,8 @@ An activation row is quantized per block of 32 values, as llama.cpp's q8_0 activ
 block).  A stored block of 32 integer weights ``w`` (Q8_0's ``q``, Q4_0's ``q - 8``, Q5_0's ``q - 16``) with
 scale ``d_w`` then contributes ``(d_w * d) * sum(w * q)``, the sum exact in int32 (at most 32 * 128 * 127).
 This changes the numbers: the activations carry 8 bits, so a product's relative error is about 2^-9 of the
-row's magnitude, not float32's 2^-24 (measured logit errors in README's kernels section).  A block holding an
-infinity or NaN quantizes to unspecified values (the float path would carry them into the product).
+row's magnitude, not float32's 2^-24 (measured logit errors: docs/performance.md, "8-bit activations").  A block
+holding an infinity or NaN quantizes to unspecified values (the float path would carry them into the product).
 """
 
 from __future__ import annotations
