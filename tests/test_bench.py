@@ -1,0 +1,39 @@
+"""scripts/bench.py's paired ratios from a run's samples (no engine is run here)."""
+
+from __future__ import annotations
+
+import pytest
+
+bench = pytest.importorskip("bench")
+
+
+def rounds(ours: list[float], llama: list[float]) -> dict[str, list[dict[str, float]]]:
+    """One dtype's samples: round i ran ours at ``ours[i]`` and llama.cpp at ``llama[i]`` tok/s (prefill twice that)."""
+    return {"ours": [{"decode_tps": o, "prefill_tps": 2 * o} for o in ours],
+            "llama": [{"decode_tps": x, "prefill_tps": 2 * x} for x in llama]}
+
+
+def test_paired_ratios_are_the_median_of_each_rounds_ratio() -> None:
+    # the machine slows down over the run: the ratio of the medians (12 / 12 = 1.0) hides that ours led each round
+    raw = {"fp32": rounds([22, 13, 12, 11], [20, 12, 12, 10])}
+    paired = bench.paired_ratios(raw)["fp32"]
+    ratios = sorted([22 / 20, 13 / 12, 12 / 12, 11 / 10])
+    assert paired["rounds"] == 4
+    assert paired["decode_tps"] == pytest.approx((ratios[1] + ratios[2]) / 2)
+    assert (paired["decode_tps_min"], paired["decode_tps_max"]) == (pytest.approx(1.0), pytest.approx(1.1))
+    assert paired["prefill_tps"] == pytest.approx(paired["decode_tps"])
+
+
+def test_paired_ratios_skip_rows_without_both_engines_and_missing_metrics() -> None:
+    raw = {"q8_0": {"ours": [{"decode_tps": 50.0}]},  # --no-llama: nothing to pair
+           "q4_0": {"ours": [{"decode_tps": 60.0}, {"decode_tps": 66.0}], "llama": [{"decode_tps": 60.0}]}}
+    paired = bench.paired_ratios(raw)
+    assert list(paired) == ["q4_0"]
+    assert paired["q4_0"] == {"rounds": 1, "decode_tps": 1.0, "decode_tps_min": 1.0, "decode_tps_max": 1.0}
+
+
+def test_paired_lines_name_each_model_and_dtype() -> None:
+    paired = {"qwen2.5-0.5b": bench.paired_ratios({"fp32": rounds([18, 20], [20, 20])})}
+    lines = bench.paired_lines(paired)
+    assert lines[1] == "  qwen2.5-0.5b fp32: prefill 0.95 (0.90-1.00), decode 0.95 (0.90-1.00), 2 rounds"
+    assert bench.paired_lines({"qwen2.5-0.5b": {}}) == []
