@@ -61,6 +61,11 @@ class KernelsError(QwenError, ValueError):
     """The kernels asked for cannot run: an unknown choice, or compiled kernels without an importable numba."""
 
 
+class SchemaLimitError(QwenError, ValueError):
+    """A JSON schema over one of the limits that bound what compiling and enforcing it costs (the message names
+    the limit and its value: ``qwen_runtime.structured.MAX_*``)."""
+
+
 class VerificationError(QwenError):
     """A converted model does not match its source (the message names the first failing tensor or key)."""
 
@@ -76,6 +81,7 @@ EXIT_CODES: dict[type[QwenError], int] = {
     TemplateError: 7,
     ContextOverflowError: 8,
     VerificationError: 9,
+    SchemaLimitError: 1,
     QwenError: 1,
 }
 

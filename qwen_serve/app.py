@@ -37,7 +37,7 @@ from qwen_runtime.errors import TemplateError
 from qwen_runtime.limits import format_bytes
 from qwen_runtime.models import Model
 from qwen_runtime.stepper import Constraint, FinishReason
-from qwen_runtime.structured import GrammarCache, JsonConstraint, SchemaError
+from qwen_runtime.structured import GrammarCache, JsonConstraint, SchemaError, SchemaLimitError
 from qwen_runtime.tokenizer import Tokenizer
 
 from .engine import (
@@ -505,6 +505,9 @@ def json_constraint(state: ServerState, req: ChatRequest, prompt: str, reasoning
     try:
         grammar = state.grammars.get(None, req.tools, XML_CALLS in template) if forced else \
             state.grammars.get(req.json_schema)
+    except SchemaLimitError as exc:
+        where = "tools" if forced else "response_format"
+        raise APIError(400, f"{where}: {exc}", where, "schema_too_large") from None
     except SchemaError as exc:
         raise APIError(400, f"response_format: {exc}", "response_format", "unsupported_schema") from None
     what = "tool call" if forced else "JSON this response_format allows"

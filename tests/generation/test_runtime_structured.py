@@ -4,12 +4,15 @@ within its budget parses and follows the schema; schemas that cannot be enforced
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
 from shared_data import tokenizer_json
 
-from qwen_runtime.structured import Grammar, JsonConstraint, SchemaError, Vocabulary
+from qwen_runtime.errors import SchemaLimitError, exit_code
+from qwen_runtime.structured import Budget, Grammar, GrammarCache, JsonConstraint, SchemaError, Vocabulary
 from qwen_runtime.tokenizer import Tokenizer
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -120,3 +123,125 @@ def test_forced_tool_calls_parse_in_either_form(vocab, xml: bool) -> None:
             assert isinstance(arguments["a"], int) and isinstance(arguments["b"], int)
             assert set(arguments) <= {"a", "b", "note"}
     assert names <= {"add", "now"} and names
+
+
+# --- bounded cost (issue 42): hostile schemas are refused before anything is compiled or cached ----------------
+
+def fan_out(levels: int) -> dict:
+    """The audit's schema: each $def refers twice to the next, so expanding it doubles per level."""
+    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"$ref": f"#/$defs/d{i + 1}"}]} for i in range(levels)}
+    defs[f"d{levels}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+HOSTILE = [
+    (fan_out(20), "MAX_REF_EXPANSIONS"),
+    ({"type": "string", "maxLength": 100000}, "100000 is above the limit of 4096 .MAX_STRING_LENGTH"),
+    ({"type": "string", "maxLength": 1000000000}, "MAX_STRING_LENGTH"),
+    ({"type": "string", "minLength": 5000}, "MAX_STRING_LENGTH"),
+    ({"type": "array", "maxItems": 100000}, "MAX_ITEMS"),
+    (nested(600), "nested deeper than 64 levels .MAX_SCHEMA_DEPTH"),
+    ({"enum": list(range(2000))}, "more than 1024 values .MAX_ENUM_VALUES"),
+    ({"anyOf": [{"const": i} for i in range(300)]}, "MAX_ALTERNATIVES"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}, "MAX_PROPERTIES"),
+    ({"type": "array", "maxItems": 200, "items": {"type": "string", "maxLength": 200}}, "MAX_NFA_STATES"),
+    ({"description": "x" * 70000}, "above the limit of 65536 .MAX_SCHEMA_BYTES"),
+]
+
+
+@pytest.fixture(scope="module")
+def grammars(vocab) -> GrammarCache:
+    cache = GrammarCache(vocab[0], 151936)
+    cache.vocabulary()
+    return cache
+
+
+@pytest.mark.parametrize("index", range(len(HOSTILE)))
+def test_hostile_schemas_are_refused_quickly_naming_the_limit_and_not_cached(grammars, index: int) -> None:
+    schema, words = HOSTILE[index]
+    began = time.perf_counter()
+    with pytest.raises(SchemaLimitError, match=words) as caught:
+        grammars.get(schema)
+    assert time.perf_counter() - began < 1.0
+    assert "\n" not in str(caught.value) and exit_code(caught.value) == 1
+    assert schema not in grammars
+
+
+def test_realistic_schemas_are_within_the_limits(grammars) -> None:
+    """What real tool and response schemas use passes: nested objects, an enum of hundreds of values, long
+    strings, a recursive $ref, a hundred properties."""
+    tool = {"type": "object", "properties": {
+        "location": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 200}, "country": {"enum": [f"C{i:03d}" for i in range(300)]},
+            "coordinates": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2}},
+            "required": ["city"]},
+        "unit": {"enum": ["celsius", "fahrenheit"]}, "note": {"type": "string", "maxLength": 4096},
+        "tree": {"$ref": "#/$defs/node"}, **{f"flag{i}": {"type": "boolean"} for i in range(100)}},
+        "required": ["location"],
+        "$defs": {"node": {"type": "object", "properties": {"name": {"type": "string"}, "children": {
+            "type": "array", "items": {"$ref": "#/$defs/node"}}}, "required": ["name"]}}}
+    grammar = grammars.get(tool)
+    assert tool in grammars and grammar.min_tokens > 0
+
+
+def test_time_budget_names_itself(vocab) -> None:
+    with pytest.raises(SchemaLimitError, match="COMPILE_SECONDS"):
+        Grammar(SCHEMAS[1], vocab[1], budget=Budget(seconds=0))
+
+
+def test_a_slow_compilation_does_not_hold_back_another(grammars, monkeypatch) -> None:
+    """Compilation runs outside the cache's lock: a benign schema is served while another one is still being
+    compiled (held here mid-compilation)."""
+    import qwen_runtime.structured as structured
+
+    entered, release = threading.Event(), threading.Event()
+    real = structured.Grammar
+
+    def held(schema, *args, **kwargs):
+        if schema == {"type": "integer", "title": "held"}:
+            entered.set()
+            assert release.wait(30)
+        return real(schema, *args, **kwargs)
+
+    monkeypatch.setattr(structured, "Grammar", held)
+    slow = threading.Thread(target=grammars.get, args=({"type": "integer", "title": "held"},))
+    slow.start()
+    try:
+        assert entered.wait(30)
+        began = time.perf_counter()
+        grammars.get({"type": "boolean", "title": "benign"})
+        assert time.perf_counter() - began < 5 and slow.is_alive()
+    finally:
+        release.set()
+        slow.join()
+
+
+def test_masks_are_made_lazily_and_kept_within_their_budget(vocab) -> None:
+    """Only the start state's mask is made when a schema compiles; the masks of the states a row reaches are
+    made as it reaches them and the least recently used dropped past the byte budget, with the output still
+    valid (each inside-string mask here is ~1.8 MB)."""
+    tok = vocab[0]
+    cache = GrammarCache(tok, 151936, mask_bytes=4 << 20)
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 30, "maxLength": 40}},
+              "required": ["text"]}
+    grammar = cache.get(schema)
+    assert len(cache.masks) == 1
+    stop = tok.token_id("<|im_end|>")
+    rng = np.random.default_rng(0)
+    constraint, tokens = JsonConstraint(grammar, frozenset({stop})), []
+    for k in range(61):
+        token = int(rng.choice(constraint.allowed(60 - k)))
+        constraint.advance(token)
+        assert cache.masks.bytes <= 4 << 20
+        if token == stop:
+            break
+        tokens.append(token)
+    assert 30 <= len(json.loads(tok.decode(tokens, skip_special=False))["text"]) <= 40
+    assert 1 < len(cache.masks) < len(grammar._members)
