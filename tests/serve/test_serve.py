@@ -709,3 +709,41 @@ def test_response_format_json_on_random_weights(family: str) -> None:
             "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string",
                                                                                  "pattern": "a+"}}}})
         assert status == 400 and "pattern" in error_of(status, reply)["message"]
+
+
+def test_hostile_schemas_are_refused_while_a_stream_goes_on(server: RunningServer) -> None:
+    """Issue 42: the audit's hostile schemas (fan-out $refs, a huge maxLength, 600 levels deep, a big enum) are
+    each a 400 naming the limit, none stays cached, a benign schema beside them is served, and a concurrent
+    stream keeps its pace (a generous bound for noisy machines; scripts/bench_serve.py measures it precisely)."""
+    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"$ref": f"#/$defs/d{i + 1}"}]} for i in range(20)}
+    deep: dict = {"type": "string"}
+    for _ in range(600):
+        deep = {"type": "array", "items": deep}
+    hostile = [({"$defs": {**defs, "d20": {"type": "string"}}, "$ref": "#/$defs/d0"}, "MAX_REF_EXPANSIONS"),
+               ({"type": "string", "maxLength": 1000000000}, "MAX_STRING_LENGTH"),
+               (deep, "MAX_SCHEMA_DEPTH"), ({"enum": list(range(5000))}, "MAX_ENUM_VALUES")]
+    arrivals: list[float] = []
+
+    def stream() -> None:
+        for chunk in chat(server.client(), "Tell me a long story", max_tokens=120, stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                arrivals.append(time.monotonic())
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    deadline = time.monotonic() + 60
+    while not arrivals and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for schema, limit in hostile:
+        status, _, reply = http("POST", f"{server.url}/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 20,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "h", "schema": schema}}})
+        assert status == 400 and limit in error_of(status, reply)["message"], reply
+        assert schema not in server.app.state.server.grammars
+    began = time.monotonic()
+    benign = chat(server.client(), "x", max_tokens=90, response_format={
+        "type": "json_schema", "json_schema": {"name": "b", "schema": PERSON}}).choices[0].message.content
+    assert isinstance(json.loads(benign), dict) and time.monotonic() - began < 30
+    streaming.join(timeout=120)
+    assert len(arrivals) > 10 and max(np.diff(arrivals)) < 1.0
+    server.wait_idle()
