@@ -1,7 +1,9 @@
 """Convert many models to many (format, dtype) combinations, skipping outputs that are already done.
 
-Outputs are named ``<model>-<dtype>.gguf`` and ``<model>-<dtype>/`` inside one directory.  A failed job is
-recorded and the batch goes on; :func:`summary_table` renders the results for the CLI.
+Outputs are named ``<model>-<dtype>.gguf`` and ``<model>-<dtype>/`` inside one directory.  Before any work the
+plan is checked as a whole (:func:`check_jobs`): two jobs writing one output, an output that is a source, or
+an existing output ``--force`` may not replace (:mod:`qwen_convert.outputs`) stop the batch before it starts.
+A job that fails while running is recorded and the batch goes on; :func:`summary_table` renders the results.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from qwen_runtime.errors import QwenError
+from qwen_runtime.errors import OutputError, QwenError
 from qwen_runtime.formats import open_gguf, open_npy_dir
 from qwen_runtime.hub import model_name
 from qwen_runtime.limits import format_bytes
 
 from .convert import Progress, Verifier, convert, infer_format, path_size
+from .outputs import check_not_input, check_replaceable
 from .policy import check_dtype, file_type
 
 CONVERTED, SKIPPED, FAILED, VERIFIED = "converted", "skipped", "failed", "verified"
@@ -53,14 +56,32 @@ def output_name(src: Path, fmt: str, dtype: str) -> str:
 
 def plan_jobs(sources: Sequence[str | Path], out_dir: str | Path, formats: Sequence[str],
               dtypes: Sequence[str]) -> list[ConversionJob]:
-    """Every (source, format, dtype) combination, in that nesting order."""
-    jobs = []
+    """Every (source, format, dtype) combination, in that nesting order; :class:`OutputError` when two of
+    them would write the same output (two sources of one name)."""
+    jobs, planned = [], {}
     for src in map(Path, sources):
         for fmt in formats:
             infer_format("", fmt)
             for dtype in map(check_dtype, dtypes):
-                jobs.append(ConversionJob(src, Path(out_dir) / output_name(src, fmt, dtype), fmt, dtype))
+                job = ConversionJob(src, Path(out_dir) / output_name(src, fmt, dtype), fmt, dtype)
+                other = planned.setdefault(job.out.resolve(), job)
+                if other is not job:
+                    raise OutputError(f"{job.out}: both {other.src} and {src} would be converted to this output "
+                                      f"(outputs are named after the model's folder); convert them to separate "
+                                      f"--output-dir folders")
+                jobs.append(job)
     return jobs
+
+
+def check_jobs(jobs: Sequence[ConversionJob], force: bool) -> None:
+    """Before any work: no job writes over a source of the batch, and with ``force`` every existing output is
+    one that may be replaced (:func:`qwen_convert.outputs.check_replaceable`); raises
+    :class:`OutputExistsError` naming the first output in the way."""
+    sources = sorted({job.src for job in jobs})
+    for job in jobs:
+        check_not_input(job.out, sources)
+        if force and (job.out.exists() or job.out.is_symlink()):
+            check_replaceable(job.out)
 
 
 def output_is_complete(job: ConversionJob) -> bool:
@@ -104,7 +125,9 @@ def run_job(job: ConversionJob, force: bool = False, verify: VerifierFactory | N
 def run_batch(jobs: Sequence[ConversionJob], force: bool = False, verify: VerifierFactory | None = None,
               workers: int = 1, progress: Progress | None = None,
               on_done: Callable[[JobResult], None] | None = None) -> list[JobResult]:
-    """Run every job (``workers`` processes in parallel; per-tensor progress only with one worker)."""
+    """Run every job (``workers`` processes in parallel; per-tensor progress only with one worker) after
+    :func:`check_jobs`."""
+    check_jobs(jobs, force)
     if workers <= 1:
         results = []
         for job in jobs:

@@ -1,25 +1,21 @@
 """Convert one Hugging Face model directory to an npy directory or a GGUF file, atomically.
 
-The output is written under a temporary name beside the target (``.OUT.tmp-<pid>``, or ``.OUT.tmp-<tag>``
-when the caller names the attempt) and renamed only once complete (and verified, when asked); on any error
-or interrupt the temporary is removed and an existing output is left untouched.  An existing output is
-replaced only with ``force``.
+The output path is checked before any tensor is read and written through :mod:`qwen_convert.outputs`:
+under a temporary name, renamed into place once complete (and verified, when asked); an existing output is
+replaced only with ``force``, and only when it is an output of ours that is not an input of the run.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-from qwen_runtime.errors import FormatError, OutputError, OutputExistsError, QwenError
+from qwen_runtime.errors import FormatError, OutputError, QwenError
 from qwen_runtime.formats import detect_format, open_gguf, open_hf_dir, open_npy_dir
 from qwen_runtime.formats.base import V_HEAD_TILED, ModelFiles
 from qwen_runtime.hub import model_name
@@ -27,6 +23,7 @@ from qwen_runtime.hub import model_name
 from .gguf_writer import GGUFFileWriter
 from .imatrix import Importance
 from .npy_writer import NpyDirWriter
+from .outputs import atomic_output, check_output
 from .policy import MIXES, ModelFacts, QuantOptions, TensorSpec, block_size, check_dtype, ordered_specs, plan_outputs
 from .quantize import encode_rows, stream_rows
 
@@ -89,59 +86,6 @@ def path_size(path: Path) -> int:
     if path.is_dir():
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     return path.stat().st_size
-
-
-def remove_path(path: Path) -> None:
-    """Delete a file or directory tree if it exists."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def _replace(tmp: Path, target: Path) -> None:
-    """Move ``tmp`` to ``target``; an existing directory is moved aside first and restored on failure."""
-    if not (target.is_dir() and not target.is_symlink()):
-        os.replace(tmp, target)
-        return
-    aside = target.with_name(f".{target.name}.old-{os.getpid()}")
-    os.replace(target, aside)
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        os.replace(aside, target)
-        raise
-    remove_path(aside)
-
-
-def check_output(target: Path, force: bool) -> None:
-    """:class:`OutputExistsError` when ``target`` exists and ``force`` is not set."""
-    if (target.exists() or target.is_symlink()) and not force:
-        raise OutputExistsError(f"{target}: output already exists (use --force to overwrite)")
-
-
-def temp_path(target: Path, tag: str | None = None) -> Path:
-    """The temporary path a conversion to ``target`` writes: ``.NAME.tmp-<tag>`` (default tag: the pid)."""
-    return target.with_name(f".{target.name}.tmp-{tag or os.getpid()}")
-
-
-@contextmanager
-def atomic_output(target: Path, force: bool, tag: str | None = None) -> Iterator[Path]:
-    """Yield a temporary path beside ``target`` (:func:`temp_path`); rename it to ``target`` when the block
-    succeeds.  A leftover temporary of the same tag (an attempt that was killed) is removed first."""
-    check_output(target, force)
-    tmp = temp_path(target, tag)
-    remove_path(tmp)
-    try:
-        yield tmp
-        check_output(target, force)
-        try:
-            _replace(tmp, target)
-        except OSError as exc:
-            raise OutputError(f"{target}: cannot move the finished output into place ({exc.strerror})") from None
-    except BaseException:
-        remove_path(tmp)
-        raise
 
 
 def open_sink(fmt: str, tmp: Path, files: ModelFiles, dtype: str, specs: Sequence[TensorSpec],
@@ -228,12 +172,14 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str
     ``verify`` (e.g. :func:`verify_written_checksums`) runs on the complete temporary output, before the
     rename; ``tmp_tag`` names the temporary output (:func:`temp_path`), so a retried attempt replaces a killed
     one's.
-    Raises :class:`OutputExistsError` when ``out`` exists and ``force`` is false, :class:`FormatError`
+    Raises :class:`OutputExistsError` when ``out`` exists and ``force`` is false, or when ``out`` is not an
+    output ``force`` may replace (:func:`qwen_convert.outputs.check_output`), :class:`FormatError`
     (and subclasses) for bad input and :class:`OutputError` when the output cannot be written.
     """
     started = time.perf_counter()
     target, fmt, dtype = Path(out), infer_format(out, fmt), check_dtype(dtype)
-    check_output(target, force)
+    inputs = (src,) if importance is None else (src, importance.path)
+    check_output(target, force, inputs)
     files = open_source(src)
     if importance is not None:
         options = replace(options or QuantOptions(), imatrix=True)
@@ -251,10 +197,10 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str
     if progress is not None:
         progress.start(target.name, specs)
     try:
-        with atomic_output(target, force, tmp_tag) as tmp:
+        with atomic_output(target, force, tmp_tag, inputs) as tmp:
             try:
                 sink = open_sink(fmt, tmp, files, dtype, specs, name or model_name(files.path),
-                                 importance.metadata() if importance is not None else None)
+                                 importance.metadata(specs) if importance is not None else None)
             except OSError as exc:
                 raise OutputError(f"{target}: cannot create output ({exc.strerror or exc})") from None
             with sink:

@@ -45,6 +45,7 @@ from .convert import Progress, convert, path_size, verify_written_checksums
 from .imatrix import load_importance, write_imatrix
 from .imatrix_collect import compute_imatrix
 from .inspect import compare, open_pair
+from .outputs import atomic_output
 
 BUNDLED_MODEL = "qwen3-stdlib"
 HELDOUT_FILE = "heldout.txt"
@@ -202,7 +203,9 @@ def prepare_kquant_outputs(src: Path, out_dir: Path, calibration: str, progress:
     stamp.unlink(missing_ok=True)
     imatrix_path = out_dir / f"{model_name(src)}.imatrix.gguf"
     if not (reuse_weighted and imatrix_path.is_file()):
-        write_imatrix(imatrix_path, compute_imatrix(src, calibration, "demo-calibration", n_ctx=IMATRIX_CTX))
+        imatrix = compute_imatrix(src, calibration, "demo-calibration", n_ctx=IMATRIX_CTX)
+        with atomic_output(imatrix_path, force=True, inputs=(src,)) as tmp:
+            write_imatrix(tmp, imatrix)
     importance = load_importance(imatrix_path)
     outputs = []
     for weighted in (False, True):

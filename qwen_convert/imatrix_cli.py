@@ -2,8 +2,9 @@
 
     qwen-imatrix model.gguf -f calibration.txt -o imatrix.gguf [--ctx 512] [--chunks N]
 
-The output is written to a temporary name beside ``-o`` and renamed when complete; an existing file is
-replaced only with ``--force``.  Errors print one line on stderr and exit with the code of
+The output is checked before the matrix is computed (its folder exists; an existing file is replaced only
+with ``--force`` and only when it is a GGUF file that is not the model: :mod:`qwen_convert.outputs`), written
+to a temporary name beside ``-o`` and renamed when complete.  Errors print one line on stderr and exit with the code of
 :func:`qwen_runtime.errors.exit_code`.
 """
 
@@ -14,23 +15,22 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from qwen_runtime.cli_support import HelpFormatter, add_machine_options, run_guarded
+from qwen_runtime.cli_support import ArgumentParser, add_machine_options, run_guarded
 from qwen_runtime.evaluate import read_text
 from qwen_runtime.hub import resolve_model
 
-from .convert import atomic_output
 from .imatrix import write_imatrix
 from .imatrix_collect import compute_imatrix
+from .outputs import atomic_output, check_output
 
 DEFAULT_CTX = 512  # llama-imatrix's default context
 
 
 def imatrix_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qwen-imatrix", description="Compute an importance matrix (per weight matrix "
+    p = ArgumentParser(prog="qwen-imatrix", description="Compute an importance matrix (per weight matrix "
                                 "of the layers: sums of squared input activations per column and token counts) "
                                 "over a text, as llama-imatrix does, and write it in llama-imatrix's GGUF format "
-                                "for qwen-convert --imatrix or llama-quantize --imatrix.",
-                                formatter_class=HelpFormatter)
+                                "for qwen-convert --imatrix or llama-quantize --imatrix.")
     p.add_argument("model", metavar="MODEL", help="model to run: HF directory, npy directory, GGUF file or Hub id "
                    "ORG/NAME[:QUANT][@REVISION]")
     p.add_argument("-f", "--file", required=True, metavar="TEXT", help="calibration text (UTF-8; required, no default)")
@@ -46,6 +46,9 @@ def imatrix_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
+    output, model = Path(args.output), resolve_model(args.model)
+    inputs = (model, args.file)
+    check_output(output, args.force, inputs)
     text = read_text(args.file)
 
     def progress(done: int, total: int) -> None:
@@ -53,9 +56,9 @@ def _run(args: argparse.Namespace) -> int:
         if done == total:
             sys.stderr.write("\n")
 
-    imatrix = compute_imatrix(resolve_model(args.model), text, args.file, args.ctx, args.chunks, progress,
+    imatrix = compute_imatrix(model, text, args.file, args.ctx, args.chunks, progress,
                               args.threads, args.kernels)
-    with atomic_output(Path(args.output), args.force) as tmp:
+    with atomic_output(output, args.force, inputs=inputs) as tmp:
         write_imatrix(tmp, imatrix)
     print(f"wrote {args.output} ({len(imatrix.entries)} matrices, {imatrix.chunk_count} chunks of {args.ctx} tokens)")
     return 0

@@ -23,8 +23,9 @@ from qwen_runtime.executor import RemoteJob, Throttle, run_on_ray
 from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_BYTES, QType
 from qwen_runtime.weights import kept_bytes
 
-from .batch import FAILED, ConversionJob, JobResult, VerifierFactory, run_job
-from .convert import open_source, remove_path, temp_path
+from .batch import FAILED, ConversionJob, JobResult, VerifierFactory, check_jobs, run_job
+from .convert import open_source
+from .outputs import remove_path, temp_path
 from .policy import TensorSpec
 from .verify.behaviour import probe_ids
 
@@ -117,8 +118,10 @@ def run_batch_on_ray(jobs: Sequence[ConversionJob], force: bool = False, verify:
 
     Returns the results in job order, like :func:`qwen_convert.batch.run_batch`; ``on_done`` sees each as it
     finishes, ``on_event(job index, event)`` each :class:`RelayProgress` event and ``("done",)`` when the job
-    has finished (a worker that died sent no ``("stop",)``).
+    has finished (a worker that died sent no ``("stop",)``).  The plan is checked first
+    (:func:`qwen_convert.batch.check_jobs`).
     """
+    check_jobs(jobs, force)
     tags = [uuid.uuid4().hex[:16] for _ in jobs]
     existed = [job.out.exists() for job in jobs]  # never removed below: only what this run wrote
     remote = [RemoteJob((job, force, verify, tag), job_memory(job, verify is not None), name=job.out.name)

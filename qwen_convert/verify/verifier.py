@@ -13,7 +13,8 @@ from qwen_runtime.config import ModelConfig
 from qwen_runtime.formats import open_hf_dir, open_model_files
 from qwen_runtime.formats.base import ModelFiles
 
-from ..convert import remove_path, verify_written_checksums
+from ..convert import verify_written_checksums
+from ..outputs import check_replaceable, remove_path
 from ..policy import DTYPES
 from .metadata import check_metadata
 from .report import VerifyReport
@@ -84,6 +85,8 @@ class ConversionVerifier:
         fate = "output removed"
         if self.keep_failed:
             kept = failed_path(self.target)
+            if kept.exists() or kept.is_symlink():
+                check_replaceable(kept)
             remove_path(kept)
             tmp.rename(kept)
             fate = f"kept as {kept}"

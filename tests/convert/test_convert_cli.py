@@ -62,8 +62,6 @@ def test_existing_output_is_not_clobbered_without_force(capsys, tmp_path: Path, 
     code, _, err = run(capsys, model, "-o", out)
     assert code == 5 and "already exists" in err and str(out) in err
     assert out.read_bytes() == b"precious"
-    code, _, _ = run(capsys, model, "-o", out, "--force")
-    assert code == 0 and open_model_files(out).format == "gguf"
 
 
 def test_force_replaces_an_existing_npy_directory(capsys, tmp_path: Path, model: Path) -> None:
