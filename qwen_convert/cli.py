@@ -21,7 +21,7 @@ from qwen_runtime.hub import resolve_model
 
 from .batch import FAILED, ConversionJob, JobResult, plan_jobs, run_batch, summary_table
 from .bpw import DEFAULT_MIX, model_sensitivities, sensitivity_table
-from .convert import FORMATS, convert, infer_format
+from .convert import FORMATS, convert, infer_format, open_source
 from .imatrix import load_importance
 from .inspect import (
     compare,
@@ -150,6 +150,8 @@ def _run_single(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     fmt = infer_format(args.output, args.format[0] if args.format else None)
     options = quant_options(args)
     importance = load_importance(args.imatrix) if args.imatrix else None
+    if importance is not None:
+        print(importance.match_report(open_source(args.sources[0]).tensors))
     verifier = ConversionVerifier(args.sources[0], args.output, args.keep_failed) if args.verify else None
     try:
         result = convert(args.sources[0], args.output, fmt, args.dtype[0], force=args.force, name=args.name,

@@ -21,14 +21,28 @@ values divided by ``ncall``.  Checks, with llama.cpp's rules where it has one:
   its vector becomes all ones (plain, unweighted rounding error), with a warning naming the file and tensor
   (llama.cpp#16095: zero counts silently gave NaN weights before);
 * a vector whose length is not the tensor's row length is refused when quantizing (as llama-quantize does).
+
+Checks llama.cpp does not make, for values that would silently ruin a tensor (llama-quantize takes them and
+writes a model whose rows come out as zeros):
+
+* a negative value is refused (sums of squares cannot be negative; llama.cpp's searches would then maximise
+  the rounding error of that column);
+* a matrix whose values are all zero is refused, and so is, per stored type, a run of columns sharing one
+  scale whose values are all zero (:data:`ZERO_RUIN_GROUP`): with no weight anywhere in a block, llama.cpp's
+  scale search returns 0 and the block is stored as zeros;
+* names are matched against the model's tensors (:meth:`Importance.match_report`): a file of which no entry
+  names a tensor of the model is refused, and ``quantize.imatrix.entries_count`` counts the entries that match
+  (:meth:`Importance.metadata`; no ``quantize.imatrix.*`` keys when no tensor used a vector).
 """
 
 from __future__ import annotations
 
 import logging
 import struct
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from gguf import GGUFWriter
@@ -36,6 +50,9 @@ from gguf import GGUFWriter
 from qwen_runtime.errors import FormatError
 from qwen_runtime.formats.gguf_parse import parse_gguf, tensor_view
 from qwen_runtime.tensors import QType
+
+if TYPE_CHECKING:
+    from .policy import TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +67,11 @@ KV_STRING_MAX = 127  # llama-quantize copies these strings into a 128-byte buffe
 # Types whose llama.cpp quantizer takes the importance vector (quantize_q8_0 ignores it; F16/F32 are no quant).
 WEIGHTED_TYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K,
                             QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS})
+# Per weighted type, the run of columns whose all-zero weights make our (and llama.cpp's) search store them as
+# zeros: the 16-column sub-blocks of Q3_K / Q6_K, the 32-column blocks of Q4_0 / Q5_0 / IQ4, the 256-column
+# super-blocks of Q2_K / Q4_K / Q5_K.  Q4_1 / Q5_1 fall back to the block's min and max, so they have none.
+ZERO_RUIN_GROUP = {QType.Q3_K: 16, QType.Q6_K: 16, QType.Q4_0: 32, QType.Q5_0: 32, QType.IQ4_NL: 32,
+                   QType.IQ4_XS: 32, QType.Q2_K: 256, QType.Q4_K: 256, QType.Q5_K: 256}
 
 
 @dataclass
@@ -170,12 +192,27 @@ def importance_vectors(imatrix: Imatrix, path: str | Path) -> dict[str, np.ndarr
                     logger.warning("%s: tensor %s: no tokens were counted for matrix %d; using weights of 1 "
                                    "(llama.cpp's rule)", path, name, j)
         vector = np.ascontiguousarray(vector.reshape(-1), dtype=np.float32)
-        bad = np.flatnonzero(~np.isfinite(vector))
-        if bad.size:
-            raise FormatError(f"{path}: tensor {name!r}: non-finite importance at column {int(bad[0])} "
-                              f"({vector[bad[0]]}); {bad.size} of {vector.size} values are NaN or infinite")
+        _check_values(vector, entry.sums.shape[-1], path, name)
         vectors[name] = vector
     return vectors
+
+
+def _check_values(vector: np.ndarray, width: int, path: str | Path, name: str) -> None:
+    """:class:`FormatError` for a non-finite or negative value, or a matrix (``width`` values) all zero."""
+    bad = np.flatnonzero(~np.isfinite(vector))
+    if bad.size:
+        raise FormatError(f"{path}: tensor {name!r}: non-finite importance at column {int(bad[0])} "
+                          f"({vector[bad[0]]}); {bad.size} of {vector.size} values are NaN or infinite")
+    bad = np.flatnonzero(vector < 0)
+    if bad.size:
+        raise FormatError(f"{path}: tensor {name!r}: negative importance at column {int(bad[0])} "
+                          f"({float(vector[bad[0]]):.6g}); {bad.size} of {vector.size} values are negative (an importance "
+                          "is a mean of squares)")
+    zero = np.flatnonzero(~vector.reshape(-1, width).any(axis=1))
+    if zero.size:
+        which = f"matrix {int(zero[0])}'s" if vector.size > width else "all"
+        raise FormatError(f"{path}: tensor {name!r}: {which} {width} importance values are zero (quantizing with "
+                          "them would store the tensor as zeros)")
 
 
 @dataclass(frozen=True)
@@ -204,14 +241,55 @@ class Importance:
                 return None
             raise FormatError(f"{self.path}: tensor {name!r}: {vector.size} importance values for rows of "
                               f"{row_length}")
+        group = ZERO_RUIN_GROUP.get(qtype)
+        if group is not None and row_length % group == 0:
+            zero = np.flatnonzero(~vector.reshape(-1, group).any(axis=1))
+            if zero.size:
+                first = int(zero[0]) * group
+                raise FormatError(f"{self.path}: tensor {name!r}: importance is zero over columns {first}.."
+                                  f"{first + group - 1}: {qtype.name} would store them as zeros (each run of "
+                                  f"{group} columns needs a non-zero value)")
         return vector
 
-    def metadata(self) -> dict[str, str | int]:
-        """``quantize.imatrix.*`` keys as llama-quantize writes them (strings cut to 127 bytes)."""
+    def match_report(self, names: Collection[str]) -> str:
+        """How many entries name one of the model's tensors ``names``, as a line to print; :class:`FormatError`
+        when none does (the file belongs to another model, and would be silently ignored)."""
+        missing = sorted(set(self.vectors) - set(names))
+        matched = len(self.vectors) - len(missing)
+        if not matched:
+            example = next(iter(sorted(names)), "none")
+            raise FormatError(f"{self.path}: none of its {len(self.vectors)} entries names a tensor of the model "
+                              f"(it has {missing[0]!r}; the model e.g. {example!r})")
+        line = f"imatrix: {matched} of {len(self.vectors)} entries match the model's tensors"
+        if missing:
+            line += f" (not: {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+        return line
+
+    def used_by(self, specs: Iterable[TensorSpec]) -> list[str]:
+        """The tensors among ``specs`` (an output's plan) that are quantized with this file's vectors."""
+        return [s.name for s in specs if self.for_tensor(s.name, s.shape[-1], s.qtype) is not None]
+
+    def metadata(self, specs: Iterable[TensorSpec] | None = None) -> dict[str, str | int]:
+        """``quantize.imatrix.*`` keys as llama-quantize writes them (strings cut to 127 bytes).
+
+        With ``specs`` (the output's plan) the keys describe what the output used: ``entries_count`` counts the
+        entries naming a tensor of the plan (llama-quantize's count when they all do, as a file made for the
+        model does), and there are no keys at all when no tensor was quantized with a vector (an F16 output,
+        say), so a file never claims an importance matrix it does not reflect.  :class:`FormatError` when no
+        entry names a tensor of the plan.
+        """
+        entries = len(self.vectors)
+        if specs is not None:
+            specs = list(specs)
+            names = {s.name for s in specs}
+            self.match_report(names)
+            if not self.used_by(specs):
+                return {}
+            entries = len(names & self.vectors.keys())
         keys: dict[str, str | int] = {QUANTIZE_FILE_KEY: _cut(str(self.path))}
         if self.dataset is not None:
             keys[QUANTIZE_DATASET_KEY] = _cut(self.dataset)
-        keys[QUANTIZE_ENTRIES_KEY] = len(self.vectors)
+        keys[QUANTIZE_ENTRIES_KEY] = entries
         if self.chunk_count > 0:
             keys[QUANTIZE_CHUNKS_KEY] = self.chunk_count
         return keys

@@ -21,6 +21,7 @@ from qwen_convert.imatrix import (
     WEIGHTED_TYPES,
     Imatrix,
     ImatrixEntry,
+    Importance,
     importance_vectors,
     load_importance,
     read_imatrix,
@@ -112,6 +113,95 @@ def test_zero_count_is_repaired_with_ones_as_llama_cpp(tmp_path: Path, caplog) -
         vectors = load_importance(path).vectors
     assert np.array_equal(vectors["blk.0.attn_q.weight"], np.ones(8, np.float32))
     assert "zero.gguf: tensor blk.0.attn_q.weight: no tokens were counted" in caplog.text
+
+
+def test_negative_and_all_zero_entries_are_refused_naming_file_and_tensor(tmp_path: Path) -> None:
+    """The audit's hostile files (negative or all-zero values gave SNR 3-4 dB and rows of zeros, exit 0)."""
+    negative = _imatrix()
+    negative.entries["blk.0.attn_q.weight"].sums[0, 5] = -1.0
+    path = tmp_path / "neg.gguf"
+    write_imatrix(path, negative)
+    with pytest.raises(FormatError, match=r"neg.gguf: tensor 'blk.0.attn_q.weight': negative importance at "
+                                          r"column 5 \(-0.025\); 1 of 8"):
+        load_importance(path)
+    zero = _imatrix(counts=(40, 40))
+    zero.entries["blk.0.attn_q.weight"].sums[1] = 0.0  # the second of two matrices (an expert) all zero
+    write_imatrix(path, zero)
+    with pytest.raises(FormatError, match=r"neg.gguf: tensor 'blk.0.attn_q.weight': matrix 1's 8 importance "
+                                          r"values are zero"):
+        load_importance(path)
+    dat = tmp_path / "zero.dat"
+    dat.write_bytes(_legacy_bytes({"blk.3.attn_v.weight": (1, np.zeros(4, np.float32))}, None))
+    with pytest.raises(FormatError, match=r"zero.dat: tensor 'blk.3.attn_v.weight': all 4 importance values"):
+        load_importance(dat)
+
+
+def test_a_zero_run_that_would_zero_blocks_is_refused_for_that_type(tmp_path: Path) -> None:
+    """Zeros over one scale's columns make the weighted search store those columns as zeros: refused for the
+    types where they do (16 columns of Q6_K, 32 of Q4_0, 256 of Q4_K), accepted where they do not."""
+    vector = np.ones(512, np.float32)
+    vector[16:32] = 0.0
+    importance = Importance(tmp_path / "im.gguf", {"blk.0.ffn_down.weight": vector}, None, 0)
+    with pytest.raises(FormatError, match=r"im.gguf: tensor 'blk.0.ffn_down.weight': importance is zero over "
+                                          r"columns 16..31: Q6_K would store them as zeros"):
+        importance.for_tensor("blk.0.ffn_down.weight", 512, QType.Q6_K)
+    for qtype in (QType.Q4_0, QType.Q4_K, QType.Q4_1, QType.Q8_0):
+        importance.for_tensor("blk.0.ffn_down.weight", 512, qtype)
+    vector[:32] = 0.0
+    with pytest.raises(FormatError, match="columns 0..31: Q4_0"):
+        importance.for_tensor("blk.0.ffn_down.weight", 512, QType.Q4_0)
+    vector[256:] = 0.0
+    with pytest.raises(FormatError, match="columns 256..511: Q4_K"):
+        importance.for_tensor("blk.0.ffn_down.weight", 512, QType.Q4_K)
+    assert importance.for_tensor("blk.0.ffn_down.weight", 512, QType.Q4_1) is vector
+
+
+def _model_imatrix(tmp_path: Path, name: str = "im.gguf") -> tuple[Path, Imatrix]:
+    imatrix = compute_imatrix(fixture("qwen3-tiny"), TEXT, "calib.txt", n_ctx=32, chunks=2)
+    path = tmp_path / name
+    write_imatrix(path, imatrix)
+    return path, imatrix
+
+
+def test_convert_refuses_a_zero_run_before_writing(tmp_path: Path) -> None:
+    path, imatrix = _model_imatrix(tmp_path)
+    imatrix.entries["blk.0.attn_q.weight"].sums[0, 32:] = 0.0  # Q5_0 in the tiny model's q4_k_m
+    write_imatrix(path, imatrix)
+    out = tmp_path / "m.gguf"
+    with pytest.raises(FormatError, match=r"im.gguf: tensor 'blk.0.attn_q.weight': importance is zero over "
+                                          r"columns 32..63: Q5_0"):
+        convert(fixture("qwen3-tiny"), out, "gguf", "q4_k_m", importance=load_importance(path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["im.gguf"]
+
+
+def test_names_are_matched_against_the_model(tmp_path: Path, capsys) -> None:
+    """A file for another model is refused (it was ignored while the output claimed its entries); the CLI
+    prints how many entries match; entries_count counts those, and an output that used none (F16) has no
+    quantize.imatrix.* keys."""
+    from qwen_convert.cli import convert_main
+
+    path, imatrix = _model_imatrix(tmp_path)
+    foreign = Imatrix({name.replace("blk.", "model.layers."): e for name, e in imatrix.entries.items()},
+                      imatrix.datasets, imatrix.chunk_count, imatrix.chunk_size)
+    write_imatrix(tmp_path / "foreign.gguf", foreign)
+    src = fixture("qwen3-tiny")
+    assert convert_main([str(src), "-o", str(tmp_path / "a.gguf"), "--dtype", "q4_k_m", "--imatrix",
+                         str(tmp_path / "foreign.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert "foreign.gguf: none of its 14 entries names a tensor of the model" in err
+    assert not (tmp_path / "a.gguf").exists()
+    with pytest.raises(FormatError, match="none of its 14 entries"):
+        convert(src, tmp_path / "b.gguf", "gguf", "q4_k_m", importance=load_importance(tmp_path / "foreign.gguf"))
+
+    imatrix.entries["blk.7.attn_q.weight"] = imatrix.entries["blk.0.attn_q.weight"]
+    write_imatrix(path, imatrix)
+    assert convert_main([str(src), "-o", str(tmp_path / "c.gguf"), "--dtype", "q4_k_m", "--imatrix",
+                         str(path)]) == 0
+    assert "imatrix: 14 of 15 entries match the model's tensors (not: blk.7.attn_q.weight)" in \
+        capsys.readouterr().out
+    assert open_model_files(tmp_path / "c.gguf").metadata[QUANTIZE_ENTRIES_KEY] == 14
+    fp16 = convert(src, tmp_path / "d.gguf", "gguf", "fp16", importance=load_importance(path)).output
+    assert not [k for k in open_model_files(fp16).metadata if k.startswith("quantize.imatrix.")]
 
 
 def test_not_an_imatrix_is_refused(converted: Converted, tmp_path: Path) -> None:
