@@ -153,7 +153,7 @@ def test_another_models_entries_are_never_used(tmp_path: Path) -> None:
     shutil.copytree(fixture_dir("qwen3-tiny"), a)
     cache = tmp_path / "cache"
     first, _ = conversation(qwen_runtime.load(a), cache)
-    [mine] = list(cache.iterdir())
+    [mine] = [d for d in cache.iterdir() if d.is_dir()]  # and the cache's CACHEDIR.TAG
     assert len(list(mine.iterdir())) == 4
     for other in (qwen_runtime.load(fixture_dir("qwen2-tiny")), "touched"):
         if other == "touched":
