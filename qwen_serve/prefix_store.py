@@ -141,8 +141,8 @@ def _claim(fd: int, directory: Path) -> None:
                 handle.write(TAG_TEXT)
             os.fchmod(fd, DIRECTORIES)  # it is the cache's now
             return
-        if names == [TAG] and text is not None and TAG_TEXT.startswith(text) and time.monotonic() < deadline:
-            time.sleep(0.02)  # another server is writing the tag
+        if names == [TAG] and text == b"" and time.monotonic() < deadline:
+            time.sleep(0.02)  # another server is writing the tag (in one write)
             continue
         raise OutputError(f"{directory} is not empty and is not a qwen-serve prefix cache (no {TAG} of ours): "
                           "give --cache-dir a new or empty directory")

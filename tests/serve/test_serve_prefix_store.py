@@ -3,7 +3,9 @@ cached and gives the tokens it gives without any cache; damaged files and anothe
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -271,3 +273,240 @@ def test_cache_dir_without_a_prefix_cache_is_refused(capsys: pytest.CaptureFixtu
     from qwen_serve.cli import configure_parser
 
     assert configure_parser().parse_args(["m", "--cache-memory", "0"]).cache_memory == 0
+
+
+# --- the directory is the cache's own, and nothing read from it is trusted (issue #42) ---------------------------
+
+def tiny_store(directory: Path, blocks: int = 3):
+    """A store of qwen3-tiny's blocks with room for ``blocks`` of them (the engine is not needed)."""
+    from qwen_serve.prefix_store import PrefixStore
+    from qwen_serve.slots import SlotCache
+
+    model = qwen_runtime.load(fixture_dir("qwen3-tiny"))
+    slots = SlotCache(model, 1, 8 * BLOCK)
+    store = PrefixStore(directory, model, slots, BLOCK, CACHE)
+    store.capacity = blocks * block_bytes(store)
+    return store
+
+
+def block_bytes(store) -> int:
+    return sum(np.dtype(dtype).itemsize * int(np.prod(shape)) for layer in store.layout for _, dtype, shape in layer)
+
+
+def chain(store, tokens: list[int], seed: int = 0) -> list:
+    """The blocks of ``tokens`` (whole blocks), with random arrays of the store's layout."""
+    from qwen_serve.prefix_cache import Block
+
+    rng, parent, blocks = np.random.default_rng(seed), ROOT, []
+    for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+        own = np.asarray(tokens[start:start + BLOCK], np.int64)
+        arrays = [{name: rng.standard_normal(shape).astype(dtype) for name, dtype, shape in layer}
+                  for layer in store.layout]
+        kv = [(a["keys"], a["values"]) for a in arrays]
+        blocks.append(Block(parent, kv, [], block_bytes(store), key=block_key(parent, own), tokens=own))
+        parent = blocks[-1].key
+    return blocks
+
+
+def write(store, blocks: list) -> None:
+    """Start ``store``, queue ``blocks`` and wait until they are written (or dropped)."""
+    store.load(store.capacity)
+    store.start()
+    for b in blocks:
+        store.put(b)
+    store.close()
+
+
+def block_files(directory: Path) -> set[str]:
+    """The names of the block files in the cache ``directory`` (links not followed)."""
+    return {f.name for d in directory.iterdir() if d.is_dir() and not d.is_symlink() for f in d.glob("*.npz")
+            if f.is_file() and not f.is_symlink() and len(f.stem) == 64}
+
+
+def test_a_users_files_survive_start_and_eviction_and_links_are_not_followed(tmp_path: Path) -> None:
+    """A user's ``results.npz`` next to the blocks (in the cache and in its identity subdirectory), a linked
+    directory holding npz files (one named like a block) and a link named like a block all survive a start and
+    an eviction: only the store's own block files go (before, every ``*.npz`` that was not named like a block
+    was deleted at start as 'not a block file name')."""
+    cache, user = tmp_path / "cache", tmp_path / "user"
+    user.mkdir()
+    store = tiny_store(cache)
+    write(store, chain(store, list(range(3 * BLOCK))))
+    root = store.root
+    mine = {"results.npz": b"results", f"{'ab' * 32}.npz": b"not a block"}
+    for name, data in mine.items():
+        np.savez(user / name, data=np.frombuffer(data, np.uint8))
+    planted = [cache / "results.npz", root / "results.npz", root / f"{'cd' * 32}.npz", root / "linked",
+               cache / "linked"]
+    for path in planted[:2]:
+        shutil.copy(user / "results.npz", path)
+    planted[2].symlink_to(user / "results.npz")
+    planted[3].symlink_to(user, target_is_directory=True)
+    planted[4].symlink_to(user, target_is_directory=True)
+    before = {p: p.read_bytes() for p in [*planted[:2], *(user / n for n in mine)]}
+    store = tiny_store(cache)
+    second = chain(store, list(range(100, 100 + 3 * BLOCK)), seed=1)
+    write(store, second)  # evicts the first chain
+    assert store.status()["skipped"] == 0 and store.written == 3
+    assert block_files(cache) == {f"{b.key.hex()}.npz" for b in second}
+    assert all(p.read_bytes() == data for p, data in before.items())
+    assert all(p.is_symlink() for p in planted[2:])
+
+
+def test_a_linked_identity_directory_is_refused(tmp_path: Path) -> None:
+    """The identity subdirectory replaced by a link to a user's folder: the store refuses to start (one line
+    naming it) and leaves the folder as it was."""
+    cache, user = tmp_path / "cache", tmp_path / "user"
+    user.mkdir()
+    store = tiny_store(cache)
+    root = store.root
+    store.close()
+    root.rmdir()
+    root.symlink_to(user, target_is_directory=True)
+    victim = user / f"{'ab' * 32}.npz"
+    np.savez(victim, data=np.zeros(3))
+    with pytest.raises(OutputError, match=f"cannot use {root} .*symbolic link"):
+        tiny_store(cache)
+    assert victim.exists() and sorted(user.iterdir()) == [victim]
+
+
+@pytest.mark.parametrize("content", ["user", "other tag"])
+def test_a_non_empty_directory_without_our_tag_is_refused(tmp_path: Path, content: str) -> None:
+    """A folder holding a user's files, or another tool's CACHEDIR.TAG, is refused with one line naming it and
+    nothing in it changes; an empty folder is tagged and used."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    if content == "user":
+        np.savez(folder / "results.npz", data=np.zeros(3))
+    else:
+        (folder / "CACHEDIR.TAG").write_text("Signature: 8a477f597d28d172789f06886806bc55\n")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(OutputError, match=f"^{folder} is not empty and is not a qwen-serve prefix cache"):
+        tiny_store(folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    tiny_store(empty).close()
+    tiny_store(empty).close()  # tagged by the first
+    assert (empty / "CACHEDIR.TAG").read_text().startswith("Signature: 8a477f597d28d172789f06886806bc55\n")
+
+
+def test_files_are_0600_and_directories_0700_whatever_the_umask(tmp_path: Path) -> None:
+    """Under umask 022 (files 0644, directories 0755 before), the cache's directory, its identity subdirectory,
+    its tag and its block files are readable by their owner only: blocks hold prompts' token ids."""
+    old = os.umask(0o022)
+    try:
+        store = tiny_store(tmp_path / "new" / "cache")
+        write(store, chain(store, list(range(2 * BLOCK))))
+        adopted = tmp_path / "adopted"
+        adopted.mkdir(0o755)
+        tiny_store(adopted).close()
+    finally:
+        os.umask(old)
+    made = [tmp_path / "new" / "cache", adopted, *(tmp_path / "new" / "cache").rglob("*"), *adopted.rglob("*")]
+    assert len(made) == 8 and len(block_files(tmp_path / "new" / "cache")) == 2  # 2 x (tag, identity) + 2 blocks
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in made}
+    assert modes == {str(p.relative_to(tmp_path)): "0o700" if p.is_dir() else "0o600" for p in made}
+
+
+def test_an_altered_block_is_rejected_and_does_not_change_the_answer(family_model, reference, tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A block file rewritten with other values (a valid zip, its CRCs right, its header as it was) is refused
+    by its checksum, deleted with a warning, the block after it too; turn 2 restores the blocks before it and
+    answers exactly as without a cache (before, the altered block was restored)."""
+    path, model = family_model
+    first, second = conversation(model, tmp_path)
+    [target] = tmp_path.glob(f"*/{block_keys(first, 4)[2].hex()}.npz")
+    with np.load(target) as npz:
+        arrays = {name: npz[name] for name in npz.files}
+    for name, value in arrays.items():
+        if name[0].isdigit():
+            arrays[name] = (value * -3 + 1).astype(value.dtype)
+    with open(target, "wb") as handle:
+        np.savez(handle, **arrays)
+    altered = target.read_bytes()
+    with caplog.at_level(logging.WARNING, logger="qwen_serve"):
+        engine = make_engine(model, cache_dir=tmp_path)
+    try:
+        assert ask(engine, second) == reference
+        status = engine.status()["prefix_cache"]
+    finally:
+        engine.stop()
+    assert status["disk"]["loaded"] == 2 and status["disk"]["skipped"] == 1 and status["hit_tokens"] == 2 * BLOCK
+    assert any(target.name in r.getMessage() and "checksum" in r.getMessage() for r in caplog.records)
+    assert target.read_bytes() != altered  # deleted, then written again by turn 2's prefill
+
+
+def bomb(path: Path, member: str, kind: str) -> None:
+    """Rewrite a block file with ``member`` replaced: 'deflated' 256 MiB of zeros (about 250 KB on disk),
+    'small' 2 MiB deflated (a file no bigger than a block's), 'declared' a stored npy header claiming 2**36
+    floats in a few bytes."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as source:
+        members = {name: source.read(name) for name in source.namelist()}
+    size = {"deflated": 256 << 20, "small": 2 << 20, "declared": 1 << 38}[kind]
+    header = np.lib.format.header_data_from_array_1_0(np.zeros(0, np.float32)) | {"shape": (size // 4,)}
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(head, header)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as target:
+        for name, data in members.items():
+            if name != member:
+                target.writestr(name, data, zipfile.ZIP_STORED)
+            elif kind == "declared":
+                target.writestr(name, head.getvalue() + bytes(64), zipfile.ZIP_STORED)
+            else:
+                with target.open(name, "w", force_zip64=True) as out:
+                    out.write(head.getvalue())
+                    zeros = bytes(1 << 20)
+                    for _ in range(size >> 20):
+                        out.write(zeros)
+
+
+@pytest.mark.parametrize("kind", ["deflated", "small", "declared"])
+def test_an_oversized_entry_is_rejected_before_anything_big_is_allocated(tmp_path: Path, kind: str,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A block file whose member would decompress to 256 MiB (or 2 MiB) or whose npy header claims 1 TiB is
+    skipped and deleted at start, and the start allocates less than 1 MiB (blocks of 8 KiB: before, np.load
+    decompressed the member, 569 MB more resident in the audit's case); the block before it still loads."""
+    import tracemalloc
+
+    store = tiny_store(tmp_path)
+    blocks = chain(store, list(range(2 * BLOCK)))
+    write(store, blocks)
+    target = store.path(blocks[1].key)
+    bomb(target, "1.values.npy", kind)
+    store = tiny_store(tmp_path)
+    tracemalloc.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="qwen_serve"):
+            loaded = store.load(store.capacity)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        store.close()
+    assert [b.key for b in loaded] == [blocks[0].key] and store.status()["skipped"] == 1 and not target.exists()
+    assert peak < 1 << 20, peak
+    assert any(target.name in r.getMessage() and "skipping" in r.getMessage() for r in caplog.records)
+
+
+def test_two_stores_on_one_directory_share_one_budget(tmp_path: Path) -> None:
+    """Two servers of one model on one directory, each with room for 3 blocks, each writing 3 blocks of its
+    own at the same time: the directory never holds more than 3 (before, each counted only its own: 6), and
+    each store's count is the directory's."""
+    one, two = tiny_store(tmp_path), tiny_store(tmp_path)
+    chains = [chain(one, list(range(3 * BLOCK))), chain(two, list(range(100, 100 + 3 * BLOCK)), seed=1)]
+    for store in (one, two):
+        store.load(store.capacity)
+        store.start()
+    for a, b in zip(*chains, strict=True):
+        one.put(a)
+        two.put(b)
+    one.close()
+    two.close()
+    files = block_files(tmp_path)
+    assert 0 < len(files) <= 3 and one.written + two.written >= 3
+    assert files <= {f"{b.key.hex()}.npz" for c in chains for b in c}
+    last = tiny_store(tmp_path)
+    assert len(last.load(last.capacity)) == len(files) and last.status()["skipped"] == 0
+    last.close()
