@@ -67,8 +67,8 @@ def configure_parser() -> argparse.ArgumentParser:
                    help="prefix cache bound, e.g. 1G; 0 turns it off (default: a quarter of --max-memory)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="also keep the prefix cache on disk in DIR (bounded by --cache-memory, written as blocks are "
-                   "cached) and start with what an earlier server of the same model files and kernels left there "
-                   "(default: none, memory only)")
+                   "cached) and start with what an earlier server of the same model files and kernels left there; "
+                   "DIR must be new, empty or an earlier --cache-dir (default: none, memory only)")
     p.add_argument("--cache-turns", action="store_true",
                    help="the prefix cache also keeps where each request stopped (prompt end, answer end), so a chat's "
                    "next turn prefills only its new tokens, not everything after the last whole --prefill-chunk "
