@@ -8,8 +8,9 @@ name, dtype, shape per row).  A server reads only its own identity's subdirector
 another layout's) blocks are never used, and every file repeats the identity, which is checked too.
 
 **Only its own files.**  The directory is the cache's only if it holds this module's ``CACHEDIR.TAG`` (the
-cache-directory tag backup tools know, with a line of ours): a new or empty directory is tagged, any other is
-refused, so a mistyped ``--cache-dir`` never costs a user's files.  Inside, the module reads, writes and deletes
+cache-directory tag backup tools know, with a line of ours): a new or empty directory is tagged, and so is one
+holding only an earlier version's cache (identity subdirectories of block files); any other is refused, so a
+mistyped ``--cache-dir`` never costs a user's files.  Inside, the module reads, writes and deletes
 only regular files named as it names them (``<64 hex>.npz`` blocks, ``.tmp-*`` files being written) in
 identity subdirectories named as it names them; anything else is never touched, links are never followed (a
 linked identity subdirectory is refused, a linked file ignored), and files of another user are ignored.  The
@@ -81,6 +82,7 @@ TAG_TEXT = (b"Signature: 8a477f597d28d172789f06886806bc55\n"
             b"# its own files here.  About cache directory tags: https://bford.info/cachedir/\n")
 BLOCK_NAME = re.compile(r"[0-9a-f]{64}\.npz")
 TMP_NAME = re.compile(r"\.tmp-[0-9]+-[0-9]+-[0-9a-f]{64}\.npz")
+IDENTITY_NAME = re.compile(r"[0-9a-f]{32}")
 HEADER_ROOM = 1024  # bytes an npy header may take (numpy writes 128 for a block's arrays)
 META_ROOM = 4096  # bytes of a file's JSON header
 ZIP_ROOM = 512  # bytes of zip headers per member (local, central, zip64 extras)
@@ -115,6 +117,29 @@ def _open_directory(name: str, mode: int, dir_fd: int | None = None) -> int:
     return fd
 
 
+def _close_directory(fd: int, mode: int) -> None:
+    os.fchmod(fd, mode)
+    os.close(fd)
+
+
+def _earlier_cache(fd: int, names: list[str]) -> bool:
+    """Whether an untagged directory holds only what an earlier version's cache wrote: identity subdirectories
+    (not links) of block and temporary files.  Such a directory is tagged and used."""
+    for name in names:
+        if not IDENTITY_NAME.fullmatch(name):
+            return False
+        try:
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+        except OSError:
+            return False
+        try:
+            if not all(BLOCK_NAME.fullmatch(n) or TMP_NAME.fullmatch(n) for n in os.listdir(sub)):
+                return False
+        finally:
+            os.close(sub)
+    return True
+
+
 def _claim(fd: int, directory: Path) -> None:
     """Check that ``directory`` (open as ``fd``) is a cache of ours, tagging it if it is empty; else refuse."""
     deadline = time.monotonic() + CLAIM_WAIT
@@ -131,7 +156,7 @@ def _claim(fd: int, directory: Path) -> None:
         if text == TAG_TEXT:
             return
         names = os.listdir(fd)
-        if text is None and not names:
+        if text is None and (not names or _earlier_cache(fd, names)):
             try:
                 tag = os.open(TAG, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILES, dir_fd=fd)
             except FileExistsError:
@@ -140,6 +165,8 @@ def _claim(fd: int, directory: Path) -> None:
                 os.fchmod(tag, FILES)
                 handle.write(TAG_TEXT)
             os.fchmod(fd, DIRECTORIES)  # it is the cache's now
+            for name in names:  # an earlier version's identity subdirectories were 0755
+                _close_directory(_open_directory(name, DIRECTORIES, dir_fd=fd), DIRECTORIES)
             return
         if names == [TAG] and text == b"" and time.monotonic() < deadline:
             time.sleep(0.02)  # another server is writing the tag (in one write)

@@ -391,6 +391,22 @@ def test_a_non_empty_directory_without_our_tag_is_refused(tmp_path: Path, conten
     assert (empty / "CACHEDIR.TAG").read_text().startswith("Signature: 8a477f597d28d172789f06886806bc55\n")
 
 
+def test_an_earlier_versions_cache_is_tagged_and_used(tmp_path: Path) -> None:
+    """A folder holding only identity subdirectories of block files (what an earlier version wrote, untagged,
+    0755) is tagged and used, its subdirectories made 0700; one more file of a user's in it and it is refused."""
+    earlier = tmp_path / "earlier"
+    (earlier / ("0f" * 16)).mkdir(0o755, parents=True)
+    (earlier / ("0f" * 16) / f"{'ab' * 32}.npz").write_bytes(b"an earlier format's block")
+    tiny_store(earlier).close()
+    assert (earlier / "CACHEDIR.TAG").is_file() and (earlier / ("0f" * 16)).stat().st_mode & 0o777 == 0o700
+    with_user = tmp_path / "with_user"
+    (with_user / ("0f" * 16)).mkdir(parents=True)
+    (with_user / ("0f" * 16) / "results.npz").write_bytes(b"a user's")
+    with pytest.raises(OutputError, match="is not a qwen-serve prefix cache"):
+        tiny_store(with_user)
+    assert not (with_user / "CACHEDIR.TAG").exists()
+
+
 def test_files_are_0600_and_directories_0700_whatever_the_umask(tmp_path: Path) -> None:
     """Under umask 022 (files 0644, directories 0755 before), the cache's directory, its identity subdirectory,
     its tag and its block files are readable by their owner only: blocks hold prompts' token ids."""
