@@ -11,18 +11,20 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from tqdm import tqdm
 
-from qwen_runtime.cli_support import HelpFormatter, run_guarded
+from qwen_runtime.cli_support import ArgumentParser, positive_int, run_guarded
+from qwen_runtime.errors import UsageError
 from qwen_runtime.executor import EXECUTORS, LOCAL, RAY, connect
-from qwen_runtime.formats import open_model_files, verify_model_files
+from qwen_runtime.formats import MANIFEST_NAME, open_model_files, verify_model_files
 from qwen_runtime.hub import resolve_model
 
 from .batch import FAILED, ConversionJob, JobResult, plan_jobs, run_batch, summary_table
 from .bpw import DEFAULT_MIX, model_sensitivities, sensitivity_table
 from .convert import FORMATS, convert, infer_format, open_source
-from .imatrix import load_importance
+from .imatrix import WEIGHTED_TYPES, load_importance
 from .inspect import (
     compare,
     compare_json,
@@ -42,6 +44,7 @@ from .policy import (
     OVERRIDE_TYPES,
     QuantOptions,
     TensorSpec,
+    check_dtype,
     parse_tensor_type,
     parse_type,
 )
@@ -77,17 +80,28 @@ class TqdmProgress:
 
 
 def _csv(value: str, choices: Sequence[str], what: str) -> list[str]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
+    items = [v.strip().lower() for v in value.split(",") if v.strip()]
     bad = [v for v in items if v not in choices]
     if bad or not items:
         raise argparse.ArgumentTypeError(f"invalid {what} {value!r}; choose from {', '.join(choices)}")
     return items
 
 
+def _dtypes(value: str) -> list[str]:
+    """``--dtype``: a comma list of dtypes in any spelling :func:`~qwen_convert.policy.check_dtype` knows, as our
+    names."""
+    items = [v for v in value.split(",") if v.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"invalid dtype {value!r}; choose from {', '.join(DTYPES)}")
+    try:
+        return [check_dtype(v) for v in items]
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def convert_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qwen-convert", description="Convert HF Qwen models to npy directories or "
-                                "GGUF files (one model with -o, or every combination with --output-dir).",
-                                formatter_class=HelpFormatter)
+    p = ArgumentParser(prog="qwen-convert", description="Convert HF Qwen models to npy directories or GGUF files "
+                       "(one model with -o, or every combination with --output-dir).")
     p.add_argument("sources", nargs="+", metavar="MODEL", help="Hugging Face model directory or Hub id "
                    "ORG/NAME[@REVISION]")
     p.add_argument("-o", "--output", metavar="OUT", help="output path (a .gguf suffix selects GGUF; no default: "
@@ -96,10 +110,11 @@ def convert_parser() -> argparse.ArgumentParser:
                    help="batch mode: write <model>-<dtype>.gguf / <model>-<dtype>/ here (no default)")
     p.add_argument("--format", type=lambda v: _csv(v, FORMATS, "format"), help="npy or gguf (batch: comma list; "
                    "default: from the -o suffix, .gguf or else npy; batch: npy)")
-    p.add_argument("--dtype", type=lambda v: _csv(v, tuple(DTYPES), "dtype"), default=None,
+    p.add_argument("--dtype", type=_dtypes, default=None,
                    help=f"{', '.join(CONVERTER_DTYPES)} (every matrix that type), or one of llama.cpp's mixes "
-                   f"{', '.join(MIXES)} (llama-quantize's type per tensor) (batch: comma list; default fp16)")
-    types = ", ".join(q.name.lower() for q in OVERRIDE_TYPES)
+                   f"{', '.join(MIXES)} (llama-quantize's type per tensor); any case, and llama.cpp's spellings "
+                   "(F16, F32, Q4_K_M) too (batch: comma list; default fp16)")
+    types = ", ".join(q.name.lower() for q in OVERRIDE_TYPES) + "; any case, fp16/fp32 too"
     p.add_argument("--pure", action="store_true", help="with a mix: every quantizable matrix the mix's base type "
                    "(llama-quantize --pure; rows its block does not divide still fall back)")
     p.add_argument("--tensor-type", action="append", default=[], metavar="REGEX=TYPE",
@@ -118,7 +133,8 @@ def convert_parser() -> argparse.ArgumentParser:
                    f"(default {DEFAULT_MIX} with this option); see qwen-inspect --sensitivity (default: off)")
     p.add_argument("--token-embedding-type", metavar="TYPE", help="type of token_embd.weight; default: the "
                    "dtype's choice")
-    p.add_argument("--jobs", type=int, default=1, help="batch mode: conversions run in parallel (local executor)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="batch mode: conversions run in parallel (local "
+                   "executor)")
     p.add_argument("--executor", choices=EXECUTORS, default=LOCAL, help="batch mode: run the conversions in this "
                    "process (local) or as Ray tasks, one per output, each declaring the memory it needs (ray; "
                    "needs the ray extra)")
@@ -143,12 +159,50 @@ def quant_options(args: argparse.Namespace) -> QuantOptions:
                         output_type=output or None, token_embedding_type=embedding or None)
 
 
+def check_source(path: Path) -> Path:
+    """``path`` when it may be an HF model directory (the converter checks the rest); a folder of model folders
+    is refused once, with the hint that a shell glob converts them all, before any job starts."""
+    if path.is_dir() and not (path / "config.json").is_file() and not (path / MANIFEST_NAME).is_file():
+        models = sorted(p.name for p in path.iterdir() if (p / "config.json").is_file())
+        if models:
+            raise UsageError(f"{path}: a folder of {len(models)} model folders ({', '.join(models[:3])}"
+                             f"{', ...' if len(models) > 3 else ''}), not a model; convert them all with "
+                             f"qwen-convert {path}/* --output-dir DIR")
+    return path
+
+
+def check_single_output(output: Path, fmt: str) -> None:
+    """An output name that contradicts its format is refused: a ``.gguf`` name for an npy folder, a GGUF file
+    where a folder is, an npy folder where a file is."""
+    if fmt == "npy" and output.suffix.lower() == ".gguf":
+        raise UsageError(f"-o {output}: a .gguf name for an npy output (a folder); drop --format npy or name the "
+                         "folder without .gguf")
+    if fmt == "gguf" and output.is_dir():
+        raise UsageError(f"-o {output}: a folder; a GGUF output is a file (e.g. -o {output / 'model.gguf'})")
+    if fmt == "npy" and output.exists() and not output.is_dir():
+        raise UsageError(f"-o {output}: a file; an npy output is a folder (or use --format gguf)")
+
+
+def check_importance_use(dtype: str, options: QuantOptions) -> None:
+    """``--imatrix`` is refused when no tensor would be stored in a type it weights (fp32, fp16 and q8_0 without
+    per-tensor types that use it), so that no output claims an importance matrix it was not made with."""
+    types = [DTYPES[dtype][0], *(t for _, t in options.tensor_types), options.output_type,
+             options.token_embedding_type]
+    if not any(t in WEIGHTED_TYPES for t in types):
+        raise UsageError(f"--imatrix: --dtype {dtype} stores no tensor in a type an importance matrix weights "
+                         f"({', '.join(sorted(q.name for q in WEIGHTED_TYPES))}); drop --imatrix or choose such a "
+                         "type")
+
+
 def _run_single(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if len(args.sources) != 1 or len(args.dtype) > 1 or (args.format and len(args.format) > 1):
         parser.error("-o converts one MODEL to one format and dtype; use --output-dir for several")
-    args.sources = [resolve_model(args.sources[0])]
     fmt = infer_format(args.output, args.format[0] if args.format else None)
+    check_single_output(Path(args.output), fmt)
     options = quant_options(args)
+    if args.imatrix and args.target_bpw is None:
+        check_importance_use(args.dtype[0], options)
+    args.sources = [check_source(resolve_model(args.sources[0]))]
     importance = load_importance(args.imatrix) if args.imatrix else None
     if importance is not None:
         print(importance.match_report(open_source(args.sources[0]).tensors))
@@ -200,7 +254,8 @@ class RemoteBars:
 
 
 def _run_batch(args: argparse.Namespace) -> int:
-    jobs = plan_jobs([resolve_model(s) for s in args.sources], args.out_dir, args.format or ["npy"], args.dtype)
+    jobs = plan_jobs([check_source(resolve_model(s)) for s in args.sources], args.out_dir, args.format or ["npy"],
+                     args.dtype)
     verify = BatchVerifier(args.keep_failed) if args.verify else None
     overall = tqdm(total=len(jobs), desc="jobs", unit="job", position=0, leave=False, dynamic_ncols=True,
                    disable=None)
@@ -249,12 +304,19 @@ def convert_main(argv: Sequence[str] | None = None) -> int:
     if args.address is not None and args.executor != RAY:
         parser.error("--address needs --executor ray")
     per_tensor = args.pure or args.tensor_type or args.output_tensor_type or args.token_embedding_type
-    if (per_tensor or args.imatrix or args.target_bpw is not None) and args.out_dir is not None:
-        parser.error("--pure, --tensor-type, --output-tensor-type, --token-embedding-type, --imatrix and "
-                     "--target-bpw convert one model: use -o OUT")
+    if (per_tensor or args.imatrix or args.target_bpw is not None or args.name) and args.out_dir is not None:
+        parser.error("--pure, --tensor-type, --output-tensor-type, --token-embedding-type, --imatrix, "
+                     "--target-bpw and --name convert one model: use -o OUT")
+    if args.jobs != 1 and args.output is not None:
+        parser.error("--jobs runs a batch's conversions in parallel: use --output-dir DIR (-o converts one)")
+    if args.keep_failed and not args.verify:
+        parser.error("--keep-failed keeps an output that failed --verify: it needs --verify")
     if args.target_bpw is not None and args.pure:
         parser.error("--target-bpw chooses a type per tensor: it cannot be combined with --pure")
     args.dtype = args.dtype or ([DEFAULT_MIX] if args.target_bpw is not None else ["fp16"])
+    if args.target_bpw is not None and args.dtype[0] not in MIXES:
+        parser.error(f"--target-bpw needs one of llama.cpp's mixes as --dtype ({', '.join(MIXES)}), not "
+                     f"{args.dtype[0]}")
     _logging(args.verbose)
     if args.output is not None:
         return run_guarded("qwen-convert", lambda: _run_single(args, parser))
@@ -262,10 +324,9 @@ def convert_main(argv: Sequence[str] | None = None) -> int:
 
 
 def inspect_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qwen-inspect", description="What a model is (architecture, context length, "
-                                "rope, tokenizer, special tokens, chat template, bytes per type) and per-tensor "
-                                "statistics, for an HF directory, npy directory or GGUF file; with --compare, the "
-                                "error of B against A.", formatter_class=HelpFormatter)
+    p = ArgumentParser(prog="qwen-inspect", description="What a model is (architecture, context length, rope, "
+                       "tokenizer, special tokens, chat template, bytes per type) and per-tensor statistics, for an "
+                       "HF directory, npy directory or GGUF file; with --compare, the error of B against A.")
     p.add_argument("path", metavar="MODEL", help="HF model directory, npy model directory, GGUF file or Hub id "
                    "ORG/NAME[:QUANT][@REVISION] (so are B and SRC)")
     p.add_argument("--meta", action="store_true", help="print the metadata view alone, without tensor statistics")
@@ -320,6 +381,17 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def inspect_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``qwen-inspect``."""
-    args = inspect_parser().parse_args(argv)
+    parser = inspect_parser()
+    args = parser.parse_args(argv)
+    modes = [flag for flag, on in (("--meta", args.meta), ("--compare", args.compare), ("--sensitivity",
+             args.sensitivity), ("--verify", args.verify), ("--verify-against", args.verify_against)) if on]
+    if len(modes) > 1:
+        parser.error(f"{' and '.join(modes)} are different reports: give one")
+    if args.imatrix and not args.sensitivity:
+        parser.error("--imatrix weights --sensitivity's errors: it needs --sensitivity")
+    if args.filter and modes and modes[0] in ("--meta", "--verify", "--verify-against"):
+        parser.error(f"--filter selects tensors for statistics, --compare or --sensitivity, not {modes[0]}")
+    if args.json and modes and modes[0] in ("--sensitivity", "--verify"):
+        parser.error(f"--json: {modes[0]} prints a table only")
     _logging(False)
     return run_guarded("qwen-inspect", lambda: _inspect(args))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qwen_runtime.cli_support import HelpFormatter, add_machine_options, run_guarded
+from qwen_runtime.cli_support import ArgumentParser, add_machine_options, positive_int, run_guarded, window
 from qwen_runtime.evaluate import METHOD, EvalResult, count_targets, read_text
 from qwen_runtime.limits import format_bytes
 
@@ -41,11 +41,10 @@ DEFAULT_PROMPT = "class Reader:\n    def __init__(self"
 
 
 def configure_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qwen-demo", description="Convert a model (default: the bundled "
+    p = ArgumentParser(prog="qwen-demo", description="Convert a model (default: the bundled "
                                 "qwen3-stdlib) to npy and GGUF in fp32, fp16 and q8_0; print each output's "
                                 "size and error vs the source, its perplexity and KL divergence from the "
-                                "source on held-out text, and a greedy completion with speed and peak RSS.",
-                                formatter_class=HelpFormatter)
+                                "source on held-out text, and a greedy completion with speed and peak RSS.")
     p.add_argument("-o", "--output", "--out", dest="out", type=Path, default=DEFAULT_OUT, metavar="DIR",
                    help="output directory (default: ./qwen-demo-out; complete outputs of the same source are reused)")
     p.add_argument("--model", type=Path, default=None, metavar="MODEL",
@@ -58,12 +57,12 @@ def configure_parser() -> argparse.ArgumentParser:
                    "table (default: off: 14 more outputs to convert and score; completions stay the six above)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT,
                    help=f"prompt completed by every output (default: {DEFAULT_PROMPT!r})")
-    p.add_argument("-n", "--max-new-tokens", type=int, default=32, metavar="N",
+    p.add_argument("-n", "--max-new-tokens", type=positive_int, default=32, metavar="N",
                    help="tokens each output generates (default 32)")
-    p.add_argument("--eval-tokens", type=int, default=2048, help="tokens of the text to score (default: 2048)")
-    p.add_argument("-c", "--ctx", type=int, default=256, help="perplexity window (default 256, the bundled model's "
+    p.add_argument("--eval-tokens", type=positive_int, default=2048, help="tokens of the text to score (default: 2048)")
+    p.add_argument("-c", "--ctx", type=window, default=256, help="perplexity window (default 256, the bundled model's "
                    "training context)")
-    p.add_argument("--stride", type=int, default=128, help="tokens between perplexity windows (default 128)")
+    p.add_argument("--stride", type=positive_int, default=128, help="tokens between perplexity windows (default 128)")
     add_machine_options(p)
     return p
 
@@ -129,7 +128,11 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``qwen-demo``."""
-    args = configure_parser().parse_args(argv)
+    parser = configure_parser()
+    args = parser.parse_args(argv)
+    if args.stride > args.ctx:
+        parser.error(f"--stride {args.stride} is more than the window --ctx {args.ctx}: tokens between windows "
+                     "would never be scored")
     return run_guarded("qwen-demo", lambda: run(args))
 
 

@@ -32,7 +32,7 @@ from enum import Enum
 from gguf import GGML_QUANT_SIZES, MODEL_TENSOR, TENSOR_NAMES, LlamaFileType
 
 from qwen_runtime.config import ModelConfig
-from qwen_runtime.errors import QwenError
+from qwen_runtime.errors import QwenError, UsageError
 from qwen_runtime.tensors import QType, stored_nbytes
 
 logger = logging.getLogger(__name__)
@@ -199,6 +199,13 @@ MIXES: dict[str, Mix] = {
 # Every --dtype: -> (base GGML type, general.file_type).
 DTYPES: dict[str, tuple[QType, LlamaFileType]] = {
     **CONVERTER_DTYPES, **{name: (mix.base, mix.file_type) for name, mix in MIXES.items()}}
+# The one table of spellings: every name --dtype and the type options take besides ours and the GGML type names
+# (all in any case), so that llama.cpp's and numpy's names work wherever a type is named.
+ALIASES: dict[str, QType] = {"f32": QType.F32, "fp32": QType.F32, "float32": QType.F32,
+                             "f16": QType.F16, "fp16": QType.F16, "float16": QType.F16, "half": QType.F16}
+# Named types this converter does not write: refused with what to use instead.
+UNWRITABLE = {"bf16": "this converter does not write BF16; f32 keeps bf16 weights exactly, f16 in half the size",
+              "bfloat16": "this converter does not write BF16; f32 keeps bf16 weights exactly, f16 in half the size"}
 
 
 @dataclass(frozen=True)
@@ -219,7 +226,7 @@ class QuantOptions:
             try:
                 compiled.append((re.compile(pattern.lower()), qtype))
             except re.error as exc:
-                raise QwenError(f"--tensor-type {pattern!r}: not a regular expression ({exc})") from None
+                raise UsageError(f"--tensor-type {pattern!r}: not a regular expression ({exc})") from None
         object.__setattr__(self, "_patterns", tuple(compiled))
 
     def manual_type(self, name: str) -> QType | None:
@@ -232,11 +239,16 @@ class QuantOptions:
 
 
 def parse_type(text: str, what: str) -> QType:
-    """A GGML type named case-insensitively (``q4_K``, ``Q8_0``, ``f16``), one of :data:`OVERRIDE_TYPES`."""
-    found = next((q for q in OVERRIDE_TYPES if q.name.lower() == text.strip().lower()), None)
+    """A GGML type named case-insensitively (``q4_K``, ``Q8_0``, ``f16``, ``fp16``: :data:`ALIASES`), one of
+    :data:`OVERRIDE_TYPES`; else a :class:`UsageError` naming ``what`` (the flag)."""
+    key = text.strip().lower()
+    if key in UNWRITABLE:
+        raise UsageError(f"{what}: {UNWRITABLE[key]}")
+    found = ALIASES[key] if key in ALIASES else next((q for q in OVERRIDE_TYPES if q.name.lower() == key), None)
     if found is None:
-        raise QwenError(f"{what}: unknown or unwritable type {text!r}; choose from "
-                        f"{', '.join(q.name for q in OVERRIDE_TYPES)}")
+        hint = f" ({key} is a --dtype mix; its base type is {MIXES[key].base.name})" if key in MIXES else ""
+        raise UsageError(f"{what}: unknown or unwritable type {text!r}{hint}; choose from "
+                         f"{', '.join(q.name for q in OVERRIDE_TYPES)} (any case; fp16/fp32 too)")
     return found
 
 
@@ -244,7 +256,7 @@ def parse_tensor_type(text: str) -> tuple[str, QType]:
     """``REGEX=TYPE`` of ``--tensor-type`` (split at the first ``=``, as llama-quantize does)."""
     pattern, sep, type_name = text.partition("=")
     if not sep or not pattern or not type_name:
-        raise QwenError(f"--tensor-type {text!r}: expected REGEX=TYPE (e.g. attn_v=q8_0)")
+        raise UsageError(f"--tensor-type {text!r}: expected REGEX=TYPE (e.g. attn_v=q8_0)")
     return pattern, parse_type(type_name, f"--tensor-type {text!r}")
 
 
@@ -264,10 +276,17 @@ class TensorSpec:
 
 
 def check_dtype(dtype: str) -> str:
-    """``dtype`` if it names an output dtype, else :class:`QwenError` listing the choices."""
-    if dtype not in DTYPES:
-        raise QwenError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
-    return dtype
+    """Our name of the output dtype ``dtype`` names: a key of :data:`DTYPES` or llama.cpp's spelling of one, in any
+    case (``Q4_K_M``, ``F16``, ``fp16``, ``f32``: :data:`ALIASES`); else a :class:`UsageError` listing the
+    choices."""
+    key = dtype.strip().lower()
+    if key in UNWRITABLE:
+        raise UsageError(f"dtype {dtype!r}: {UNWRITABLE[key]}")
+    if key in ALIASES:
+        key = next(name for name, (qtype, _) in CONVERTER_DTYPES.items() if qtype == ALIASES[key])
+    if key not in DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)} (any case; f16, f32 too)")
+    return key
 
 
 def block_size(qtype: QType) -> int:
@@ -313,7 +332,8 @@ def fallback(name: str, row_length: int, qtype: QType) -> QType:
 def tensor_qtype(name: str, shape: tuple[int, ...], dtype: str) -> QType:
     """The GGML type a canonical tensor is stored as for a converter dtype (a key of :data:`CONVERTER_DTYPES`);
     a mix's types depend on the whole model: :func:`plan_types`."""
-    if check_dtype(dtype) in MIXES:
+    dtype = check_dtype(dtype)
+    if dtype in MIXES:
         raise QwenError(f"dtype {dtype!r} chooses types per model: use plan_types")
     if not allows_quantization(name, shape):
         return QType.F32
@@ -391,12 +411,12 @@ def plan_types(shapes: dict[str, tuple[int, ...]], dtype: str, facts: ModelFacts
     (``--pure`` or ``--tensor-type`` with an unquantized dtype) or a type cannot hold a tensor's rows.
     """
     options = options or QuantOptions()
-    base = DTYPES[check_dtype(dtype)][0]
-    mix = MIXES.get(dtype)
+    dtype = check_dtype(dtype)
+    base, mix = DTYPES[dtype][0], MIXES.get(dtype)
     if mix is not None and facts is None:
         raise ValueError(f"dtype {dtype!r} needs the model's facts (block count, query groups)")
     if (options.tensor_types or options.pure) and not is_quantized(base):
-        raise QwenError(f"--tensor-type and --pure need a quantized --dtype, not {dtype}")
+        raise UsageError(f"--tensor-type and --pure need a quantized --dtype, not {dtype}")
     chooser = _Chooser(shapes, mix, base, facts, options)
     return {name: chooser.choose(name, shapes[name]) for name in sorted(shapes, key=llama_order)}
 

@@ -11,6 +11,7 @@ Errors print one line on stderr and exit with the code of :func:`qwen_runtime.er
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,9 +19,18 @@ from typing import TextIO
 
 from . import Generation, Model, SamplingParams, chat_format, encode_prompts, load, stream
 from .chat import fit_chat, reply_budget
-from .cli_support import HelpFormatter, add_activations_option, add_draft_option, add_machine_options, run_guarded
-from .errors import ContextOverflowError
-from .limits import format_bytes, parse_memory_size
+from .cli_support import (
+    ArgumentParser,
+    add_activations_option,
+    add_draft_option,
+    add_machine_options,
+    clamp_context,
+    memory_size,
+    positive_int,
+    run_guarded,
+)
+from .errors import ContextOverflowError, UsageError
+from .limits import format_bytes
 
 EPILOG = """\
 Where the prompt comes from: each -p and each -f FILE is one prompt (several make a batch, printed row by
@@ -36,8 +46,7 @@ generation_config.json; qwen-serve instead samples with the model's generation_c
 
 
 def configure_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qwen-run", description="Generate text with a Qwen model (numpy only).",
-                                epilog=EPILOG, formatter_class=HelpFormatter)
+    p = ArgumentParser(prog="qwen-run", description="Generate text with a Qwen model (numpy only).", epilog=EPILOG)
     p.add_argument("model", metavar="MODEL", help="HF model directory, npy model directory, GGUF file or Hub id "
                    "ORG/NAME[:QUANT][@REVISION]")
     p.add_argument("-p", "--prompt", action="append", default=[],
@@ -48,10 +57,11 @@ def configure_parser() -> argparse.ArgumentParser:
                    "prompt, an interactive chat")
     p.add_argument("--system", default=None, help="system message (needs --chat; default: none)")
     p.add_argument("--no-think", action="store_true", help="Qwen3 chat: pass enable_thinking=false")
-    p.add_argument("-n", "--max-new-tokens", type=int, default=256, metavar="N",
+    p.add_argument("-n", "--max-new-tokens", type=positive_int, default=256, metavar="N",
                    help="most tokens to generate per reply, cut to what the context leaves")
-    p.add_argument("-c", "--ctx", type=int, default=None, metavar="TOKENS", help="context length to use, prompt + "
-                   "reply (default: the model's context length)")
+    p.add_argument("-c", "--ctx", type=positive_int, default=None, metavar="TOKENS", help="context length to use, "
+                   "prompt + reply; more than the model's is cut to it, with a note (default: the model's context "
+                   "length)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
     p.add_argument("--top-p", type=float, default=1.0, help="sample in the smallest set of probability >= p; 1 = all")
@@ -62,7 +72,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the output (-2..2); 0 = off")
     p.add_argument("--seed", type=int, default=None, help="random seed of the sampler (default: a fresh one each "
                    "run; greedy decoding needs none)")
-    p.add_argument("--max-memory", type=parse_memory_size, default=None, metavar="SIZE",
+    p.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
                    help="memory allowed for cache and activations, e.g. 2G (default: 80%% of MemAvailable)")
     p.add_argument("--stats", action="store_true", help="print speed, memory, threads and kernels on stderr")
     add_draft_option(p, "; several prompts at once decode plainly")
@@ -100,14 +110,24 @@ def print_stats(gen: Generation, out: TextIO) -> None:
                   f"({s.draft_accepted / s.draft_proposed:.0%})\n")
 
 
-def context_length(model: Model, args: argparse.Namespace) -> int:
-    """The context a prompt and its reply share: ``--ctx``, at most the model's."""
-    limit = model.config.max_position_embeddings
-    if args.ctx is None:
-        return limit
-    if not 1 <= args.ctx <= limit:
-        raise ValueError(f"--ctx must be between 1 and the model's context length of {limit}, got {args.ctx}")
-    return args.ctx
+def context_length(model: Model, args: argparse.Namespace, err: TextIO | None = None) -> int:
+    """The context a prompt and its reply share: ``--ctx``, cut to the model's with a note (as qwen-serve does)."""
+    return clamp_context("qwen-run", args.ctx, model.config.max_position_embeddings, err or sys.stderr)
+
+
+def draft_note(model: Model, args: argparse.Namespace, prompts: int) -> str | None:
+    """Why ``--draft`` cannot apply to this run (a note for stderr), or None when it applies or was not asked."""
+    if not args.draft:
+        return None
+    if not model.exact_steps:
+        why = f"it needs the compiled kernels (numba), and this model runs on {model.workspace.kernels}"
+    elif args.temperature > 0:
+        why = "sampled replies (--temperature > 0) decode plainly"
+    elif prompts > 1:
+        why = "several prompts at once decode plainly"
+    else:
+        return None
+    return f"qwen-run: note: --draft is off: {why}\n"
 
 
 def budget_note(asked: int, allowed: int, prompt_tokens: int, context: int) -> str:
@@ -122,7 +142,10 @@ def run_prompts(model: Model, args: argparse.Namespace, sampling: SamplingParams
     """
     err = err or sys.stderr
     ids = encode_prompts(model, args.prompt, args.chat, args.system, _thinking(args))
-    context, longest = context_length(model, args), max(len(i) for i in ids)
+    context, longest = context_length(model, args, err), max(len(i) for i in ids)
+    note = draft_note(model, args, len(ids))
+    if note:
+        err.write(note)
     max_new = reply_budget(longest, args.max_new_tokens, context)
     if max_new < args.max_new_tokens:
         err.write(budget_note(args.max_new_tokens, max_new, longest, context))
@@ -155,7 +178,10 @@ def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingP
     (:func:`qwen_runtime.chat.fit_chat`) and stderr says so; a message that cannot fit is refused, not sent.
     """
     err = err or sys.stderr
-    fmt, context = chat_format(model), context_length(model, args)
+    fmt, context = chat_format(model), context_length(model, args, err)
+    note = draft_note(model, args, 1)
+    if note:
+        err.write(note)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     out.write(CHAT_HELP + "\n")
@@ -224,9 +250,20 @@ def read_prompt_file(path: Path) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def run(args: argparse.Namespace) -> None:
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
-                              args.presence_penalty, args.frequency_penalty)
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling options as :class:`SamplingParams`; a value out of range is a :class:`UsageError` naming its
+    flag (``--top-p``), not the field (``top_p``)."""
+    fields = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    try:
+        return SamplingParams(*(getattr(args, f) for f in fields))
+    except ValueError as exc:
+        message = str(exc).removeprefix("sampling: ")
+        for field in fields:
+            message = re.sub(rf"^{field}\b", "--" + field.replace("_", "-"), message)
+        raise UsageError(message) from None
+
+
+def run(args: argparse.Namespace, sampling: SamplingParams) -> None:
     model = load(args.model, threads=args.threads, kernels=args.kernels, activations=args.activations)
     args.prompt = [*args.prompt, *(read_prompt_file(f) for f in args.file)]
     if args.prompt:
@@ -245,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--system needs --chat (a raw prompt has no system message)")
     if args.no_think and not args.chat:
         parser.error("--no-think needs --chat (it is passed to the chat template)")
-    return run_guarded("qwen-run", lambda: run(args))
+    return run_guarded("qwen-run", lambda: run(args, sampling_params(args)))
 
 
 if __name__ == "__main__":

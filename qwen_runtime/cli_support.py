@@ -1,35 +1,51 @@
-"""What every command-line entry point shares: turning failures into one line and an exit code, the options of
-the machine a model runs on (``-t/--threads``, ``--kernels``) and speculative decoding's ``--draft``."""
+"""What every command-line entry point shares: its parser (one-line usage errors, ``--version``), turning
+failures into one line and an exit code, the options of the machine a model runs on (``-t/--threads``,
+``--kernels``) and speculative decoding's ``--draft``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
+from typing import Any, NoReturn, TextIO
 
-from .compile_events import on_first_compile
-from .errors import EXIT_CODES, MissingExtraError, QwenError, ResourceLimitError, exit_code
+from .compile_events import on_compiling
+from .errors import EXIT_CODES, MissingExtraError, QwenError, ResourceLimitError, UsageError, exit_code
+from .limits import parse_memory_size
 from .pool import ACTIVATION_CHOICES, KERNEL_CHOICES, KERNELS_VARIABLE, STEP_TOKENS
 
-USAGE_ERROR = 2  # an invalid option value (argparse uses the same code for bad usage)
+PACKAGE = "qwen-numpy"
+USAGE_ERROR = EXIT_CODES[UsageError]  # an invalid option or value, whether argparse or the command finds it
 INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
+# The reader of standard output went away (`qwen-inspect --json | head`): 128 + SIGPIPE, the status a shell
+# reports for a program the signal ends (`yes | head`), so `set -o pipefail` sees the output was cut short.
+BROKEN_PIPE = 141
 MISSING_FILE = 2  # the same code as FormatError: an input file is missing
 # Memory ran out: the code of a request over the allowed memory (ResourceLimitError is a MemoryError too).
 # A chat template that exhausts memory is refused by the sandbox as a TemplateError (7) instead.
 OUT_OF_MEMORY = EXIT_CODES[ResourceLimitError]
-# What a command says when numba starts compiling kernels during its run (their first use on a machine: the first
-# model of a type waits 30-60 s on 2 cores; `scripts/warm_kernels.py` compiles them all ahead).
-COMPILING = ("numba is compiling kernels (once per machine and version: up to a few minutes; later runs load "
-             "them from its cache)")
+# What a command says when numba starts compiling a group of kernels during its run (their first use on a machine:
+# the first model of a type waits 30-60 s on 2 cores; `scripts/warm_kernels.py` compiles them all ahead), with
+# what: compile_events.describe's name of the group.
+COMPILING = ("numba is compiling {what} (once per machine and version, up to a few minutes; later runs load them "
+             "from its cache)")
 
 
 def run_guarded(prog: str, main: Callable[[], int | None]) -> int:
     """Run ``main`` and return its exit code; errors become one line on stderr, never a traceback.  When numba
-    starts compiling kernels meanwhile (not loading them from its cache), one line on stderr says so."""
-    on_first_compile(lambda: sys.stderr.write(f"{prog}: {COMPILING}\n"))
+    starts compiling kernels meanwhile (not loading them from its cache), one line on stderr per group of kernels
+    says which."""
+    on_compiling(lambda what: sys.stderr.write(f"{prog}: {COMPILING.format(what=what)}\n"))
     try:
-        return main() or 0
+        code = main() or 0
+        sys.stdout.flush()  # a reader that went away is seen here, not at exit as a message from Python
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return BROKEN_PIPE
     except QwenError as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
         return exit_code(exc)
@@ -51,7 +67,40 @@ def run_guarded(prog: str, main: Callable[[], int | None]) -> int:
         sys.stderr.write(f"{prog}: internal error: {type(exc).__name__}: {exc}\n")
         return 1
     finally:
-        on_first_compile(None)
+        on_compiling(None)
+
+
+def _silence_stdout() -> None:
+    """Point standard output at /dev/null, so that the interpreter's final flush of what is still buffered for a
+    closed pipe does not fail again and print a message."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a file descriptor (a test's capture): nothing to flush
+        pass
+
+
+def package_version() -> str:
+    """The installed version of this project (what ``--version`` prints)."""
+    try:
+        return importlib.metadata.version(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The parser of every command: help from :class:`HelpFormatter`, ``--version``, and usage errors in one line
+    (``prog: error: ...``, exit code :data:`USAGE_ERROR`) instead of argparse's usage block."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.add_argument("--version", action="version", version=f"%(prog)s {package_version()} ({PACKAGE})",
+                          help="print the version and exit")
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -70,6 +119,17 @@ class HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+def clamp_context(prog: str, asked: int | None, limit: int, err: TextIO) -> int:
+    """``-c/--ctx`` of qwen-run and qwen-serve: ``asked`` (default: the model's context length ``limit``), cut to
+    ``limit`` with a note on ``err`` when it asks for more, so that one ``--ctx`` works with models of any size."""
+    if asked is None:
+        return limit
+    if asked > limit:
+        err.write(f"{prog}: note: --ctx {asked} is more than the model's context length of {limit}; using {limit}\n")
+        return limit
+    return asked
+
+
 def require_extra(module: str, extra: str, feature: str) -> None:
     """Raise :class:`MissingExtraError` naming ``extra`` when ``module`` is not installed."""
     if importlib.util.find_spec(module) is None:
@@ -77,12 +137,25 @@ def require_extra(module: str, extra: str, feature: str) -> None:
                                 f"(no module {module!r}): pip install 'qwen-numpy[{extra}]'")
 
 
+def integer(text: str, least: int, what: str) -> int:
+    """``text`` as an integer of at least ``least``, else an argparse error saying ``what`` was expected."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
+    return integer(text, 1, "a positive integer")
+
+
+def count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    return integer(text, 0, "an integer >= 0")
 
 
 def add_draft_option(p: argparse.ArgumentParser, note: str = "") -> None:
@@ -96,11 +169,25 @@ def add_draft_option(p: argparse.ArgumentParser, note: str = "") -> None:
                    "(default 0: off)")
 
 
+def window(text: str) -> int:
+    """An argparse type: a perplexity window of at least 2 tokens (one to condition on, one to score)."""
+    return integer(text, 2, "a window of at least 2 tokens")
+
+
+def memory_size(text: str) -> int:
+    """An argparse type: a memory size such as ``512M`` or ``4G`` (:func:`~qwen_runtime.limits.parse_memory_size`),
+    its error worded for the command line."""
+    try:
+        return parse_memory_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def draft_tokens(text: str) -> int:
     """An argparse type: draft tokens per verify pass, 0 to ``STEP_TOKENS - 1``."""
-    value = int(text)
-    if not 0 <= value < STEP_TOKENS:
-        raise argparse.ArgumentTypeError(f"expected 0 to {STEP_TOKENS - 1} draft tokens, got {text}")
+    value = integer(text, 0, f"0 to {STEP_TOKENS - 1} draft tokens")
+    if value >= STEP_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected 0 to {STEP_TOKENS - 1} draft tokens, got {text!r}")
     return value
 
 

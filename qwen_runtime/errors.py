@@ -12,6 +12,11 @@ class QwenError(Exception):
     """Base class of every error this project raises on purpose."""
 
 
+class UsageError(QwenError, ValueError):
+    """Options that are invalid or do not fit together (the message names the flags); exit code 2, as argparse's
+    own usage errors, so that a script sees one code for a bad command line whoever detects it."""
+
+
 class FormatError(QwenError, ValueError):
     """A model file is missing, truncated, corrupt or inconsistent."""
 
@@ -76,6 +81,7 @@ EXIT_CODES: dict[type[QwenError], int] = {
     UnsupportedTokenizerError: 3,
     ConfigError: 4,
     FormatError: 2,
+    UsageError: 2,
     OutputExistsError: 5,
     ResourceLimitError: 6,
     TemplateError: 7,

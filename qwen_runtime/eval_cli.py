@@ -17,7 +17,16 @@ from collections.abc import Callable, Sequence
 from tqdm import tqdm
 
 from . import load
-from .cli_support import HelpFormatter, add_activations_option, add_machine_options, run_guarded
+from .cli_support import (
+    ArgumentParser,
+    add_activations_option,
+    add_machine_options,
+    clamp_context,
+    positive_int,
+    run_guarded,
+    window,
+)
+from .errors import UsageError
 from .evaluate import (
     EvalResult,
     check_models,
@@ -43,20 +52,21 @@ METHOD_HELP = ("Method: the text is tokenized once (BOS only if the model adds o
 
 
 def configure_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qwen-eval", description="Perplexity of a text file under one or more "
-                                "models, and their divergence from a reference model.", epilog=METHOD_HELP,
-                                formatter_class=HelpFormatter)
+    p = ArgumentParser(prog="qwen-eval", description="Perplexity of a text file under one or more models, and "
+                       "their divergence from a reference model.", epilog=METHOD_HELP)
     p.add_argument("models", nargs="+", metavar="MODEL", help="HF directory, npy directory, GGUF file "
                    "or Hub id ORG/NAME[:QUANT][@REVISION]")
     p.add_argument("-f", "--file", required=True, help="UTF-8 text file to score (required, no default)")
     p.add_argument("--reference", metavar="REF", help="reference model (same tokenizer) for KL divergence "
                    "(default: none)")
-    p.add_argument("-c", "--ctx", type=int, default=None, help=f"window length in tokens (default: {DEFAULT_CTX}, "
-                   "or the model's context length when smaller)")
-    p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: ctx/2)")
-    p.add_argument("--eval-tokens", "--max-tokens", dest="max_tokens", type=int, default=None, metavar="N",
+    p.add_argument("-c", "--ctx", type=window, default=None, help=f"window length in tokens, at least 2; more than "
+                   f"a model's context length is cut to it, with a note (default: {DEFAULT_CTX}, or the model's "
+                   "context length when smaller)")
+    p.add_argument("--stride", type=positive_int, default=None, help="tokens between window starts, at most --ctx "
+                   "(default: ctx/2)")
+    p.add_argument("--eval-tokens", "--max-tokens", dest="max_tokens", type=positive_int, default=None, metavar="N",
                    help="score only the first N tokens of the text (default: all of it)")
-    p.add_argument("--chunk", type=int, default=None, help="tokens per forward pass inside a window; bounds "
+    p.add_argument("--chunk", type=positive_int, default=None, help="tokens per forward pass inside a window; bounds "
                    "memory to a few chunk x vocab float64 arrays (default: about 4M logits, 8 to 256 tokens)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--executor", choices=EXECUTORS, default=LOCAL, help="score the models together in this "
@@ -121,7 +131,11 @@ def run(args: argparse.Namespace) -> None:
               for path in args.models]
     reference = (load(args.reference, threads=args.threads, kernels=args.kernels, activations=args.activations)
                  if args.reference else None)
-    ctx = args.ctx or min(DEFAULT_CTX, *(m.config.max_position_embeddings for m in models))
+    limit = min(m.config.max_position_embeddings for m in (*models, *([reference] if reference else [])))
+    ctx = clamp_context("qwen-eval", args.ctx, limit, sys.stderr) if args.ctx else min(DEFAULT_CTX, limit)
+    if args.stride is not None and args.stride > ctx:
+        raise UsageError(f"--stride {args.stride} is more than the window of {ctx} tokens (--ctx): tokens between "
+                         "windows would never be scored")
     stride = args.stride or max(1, ctx // 2)
     ids = encode_text(models[0], read_text(args.file), args.max_tokens)
     remote = args.executor == RAY

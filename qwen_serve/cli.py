@@ -19,49 +19,50 @@ import sys
 from collections.abc import Sequence
 
 from qwen_runtime.cli_support import (
-    HelpFormatter,
+    ArgumentParser,
     add_activations_option,
     add_draft_option,
     add_machine_options,
+    clamp_context,
+    count,
+    integer,
+    memory_size,
+    positive_int,
     require_extra,
     run_guarded,
 )
 from qwen_runtime.errors import QwenError
-from qwen_runtime.limits import parse_memory_size
 
 from .protocol import MAX_BODY_BYTES
 
 API_KEY_ENV = "QWEN_API_KEY"
 
 
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
-
 def cache_size(text: str) -> int:
     """``--cache-memory``: a memory size, or 0 (no prefix cache)."""
-    return 0 if text.strip() == "0" else parse_memory_size(text)
+    return 0 if text.strip() == "0" else memory_size(text)
+
+
+def context(text: str) -> int:
+    """``-c/--ctx``: at least 2 tokens (a prompt token and a completion token)."""
+    return integer(text, 2, "a context of at least 2 tokens")
 
 
 def configure_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qwen-serve", description="Serve a Qwen model over OpenAI's HTTP API "
+    p = ArgumentParser(prog="qwen-serve", description="Serve a Qwen model over OpenAI's HTTP API "
                                 "(chat and text completions, streaming, continuous batching; the serve extra). "
                                 "Fields a request leaves out take the model's generation_config.json defaults, "
-                                "then OpenAI's, so it samples unless told otherwise (qwen-run is greedy by default).",
-                                formatter_class=HelpFormatter)
+                                "then OpenAI's, so it samples unless told otherwise (qwen-run is greedy by default).")
     p.add_argument("model", metavar="MODEL", help="HF model directory, npy model directory, GGUF file or Hub id "
                    "ORG/NAME[:QUANT][@REVISION]")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
-    p.add_argument("--max-batch", type=positive, default=8, help="rows decoded together (default 8)")
-    p.add_argument("--max-queue", type=int, default=64,
+    p.add_argument("--max-batch", type=positive_int, default=8, help="rows decoded together (default 8)")
+    p.add_argument("--max-queue", type=count, default=64,
                    help="requests waiting beyond the batch before the server answers 503 (default 64)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 request "
                    f"(default: the {API_KEY_ENV} environment variable, which ps does not show; else no key)")
-    p.add_argument("--max-memory", type=parse_memory_size, default=None, metavar="SIZE",
+    p.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
                    help="memory for cache and activations, e.g. 4G (default: 80%% of MemAvailable)")
     p.add_argument("--cache-memory", type=cache_size, default=None, metavar="SIZE",
                    help="prefix cache bound, e.g. 1G; 0 turns it off (default: a quarter of --max-memory)")
@@ -75,12 +76,13 @@ def configure_parser() -> argparse.ArgumentParser:
                    "block; in memory only; not bit-identical to no cache (the answer was decoded token by token, "
                    "a prompt without the cache prefills it in one chunk)")
     p.add_argument("--model-name", default=None, help="the name clients use (default: the file or directory name)")
-    p.add_argument("-c", "--ctx", "--max-context", dest="max_context", type=positive, default=None, metavar="TOKENS",
-                   help="tokens one request may hold, prompt + completion (default: the model's context)")
-    p.add_argument("--prefill-chunk", type=positive, default=128,
+    p.add_argument("-c", "--ctx", "--max-context", dest="max_context", type=context, default=None, metavar="TOKENS",
+                   help="tokens one request may hold, prompt + completion; more than the model's context is cut to "
+                   "it, with a note, as in qwen-run (default: the model's context)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=128,
                    help="prompt tokens prefilled between two decode steps (default 128)")
     add_draft_option(p)
-    p.add_argument("--max-body", type=positive, default=MAX_BODY_BYTES, metavar="BYTES",
+    p.add_argument("--max-body", type=positive_int, default=MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body accepted, in bytes (default %(default)s)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's and the server's log level")
@@ -89,7 +91,7 @@ def configure_parser() -> argparse.ArgumentParser:
     ray = p.add_argument_group("Ray Serve (the ray extra; qwen_serve/ray_app.py)")
     ray.add_argument("--ray", action="store_true", help="serve through Ray Serve: --replicas copies of the app, "
                      "each with its own engine, behind Ray's HTTP proxy on --host:--port")
-    ray.add_argument("--replicas", type=positive, default=1, help="with --ray: replicas (default 1)")
+    ray.add_argument("--replicas", type=positive_int, default=1, help="with --ray: replicas (default 1)")
     ray.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs each replica declares "
                      "(default 1)")
     ray.add_argument("--address", metavar="ADDR", help="with --ray: the Ray cluster (default: RAY_ADDRESS, else "
@@ -118,6 +120,8 @@ def run(args: argparse.Namespace) -> None:
                      max_context=args.max_context, max_body_bytes=args.max_body, cache_memory=args.cache_memory,
                      threads=args.threads, kernels=args.kernels, draft_tokens=args.draft, cache_dir=args.cache_dir,
                      activations=args.activations, cache_turns=args.cache_turns)
+    clamp_context("qwen-serve", args.max_context, app.state.server.engine.model.config.max_position_embeddings,
+                  sys.stderr)
     host, port = sock.getsockname()[:2]
     logging.getLogger("qwen_serve").info(startup_banner(app, f"http://{host}:{port}"))
     uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])

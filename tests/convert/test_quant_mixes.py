@@ -98,7 +98,7 @@ def test_cli_options_reach_the_plan(tmp_path: Path) -> None:
     assert options == QuantOptions(pure=True, tensor_types=(("attn_K", QType.Q8_0), ("ffn", QType.Q4_1)),
                                    output_type=QType.F16)
     assert convert_main([str(fixture("qwen3-tiny")), "-o", str(tmp_path / "a.gguf"), "--dtype", "fp16",
-                         "--tensor-type", "attn=q8_0"]) == 1
+                         "--tensor-type", "attn=q8_0"]) == 2  # a usage error
     assert not (tmp_path / "a.gguf").exists()
     with pytest.raises(SystemExit):
         convert_main([str(fixture("qwen3-tiny")), "--out-dir", str(tmp_path), "--dtype", "q4_k_m", "--pure"])
