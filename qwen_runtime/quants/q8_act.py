@@ -41,3 +41,24 @@ def product(w: np.ndarray, w_scales: np.ndarray, x: np.ndarray) -> np.ndarray:
     q, d = quantize_activations(x)
     sums = block_sums(w, q).astype(np.float64)  # [N, R, nb]
     return np.einsum("nrb,rb,nb->nr", sums, w_scales.astype(np.float64), d.astype(np.float64))
+
+
+def q8_0_weights(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The integer weights and float32 scales of Q8_0 rows.  # raw uint8 [R, nb * 34] -> (int8 [R, nb * 32], [R, nb])"""
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(len(raw), -1, 34)
+    scales = blocks[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return blocks[:, :, 2:].view(np.int8).reshape(len(raw), -1), scales
+
+
+def product_blockwise(w: np.ndarray, w_scales: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """``x @ W.T`` with 8-bit activations ``q``, ``d`` (:func:`quantize_activations`) in float32, the blocks in
+    order: ``acc = acc + f32(sum(w q)) * (d_w * d_x)``, every operation rounded to float32 (no fused add).  The
+    compiled prefill kernels (:mod:`.jit_amx`) use exactly these operations in this order, so they are held to it
+    bit for bit; the decode kernels sum in another order (lanes over pairs of blocks), so they agree with it within
+    float32 summation error.  # w int [R, nb * 32], w_scales [R, nb], q int8 [N, nb * 32], d [N, nb] -> [N, R]"""
+    sums = block_sums(w, q)  # [N, R, nb] exact
+    acc = np.zeros(sums.shape[:2], np.float32)
+    for b in range(sums.shape[2]):
+        scale = w_scales[None, :, b].astype(np.float32) * d[:, None, b].astype(np.float32)  # [N, R]
+        acc = acc + sums[:, :, b].astype(np.float32) * scale
+    return acc
