@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from qwen_runtime import cli as run_cli
 from qwen_runtime import eval_cli
 from qwen_runtime.cli import main as run_main
 from qwen_runtime.cli_support import COMPILING, HelpFormatter, run_guarded
-from qwen_runtime.compile_events import listen
+from qwen_runtime.compile_events import describe, listen
 from qwen_runtime.errors import (
     EXIT_CODES,
     ConfigError,
@@ -253,6 +255,72 @@ def test_a_command_says_once_that_numba_compiles(capsys: pytest.CaptureFixture[s
         return fresh(1)(1) + fresh(2)(1) - 5
 
     assert run_guarded("qwen-x", main) == 0
-    assert capsys.readouterr().err == f"qwen-x: {COMPILING}\n"
+    assert capsys.readouterr().err == f"qwen-x: {COMPILING.format(what='kernels')}\n"
     assert fresh(3)(1) == 4
     assert capsys.readouterr().err == ""
+
+
+def test_the_compile_note_names_each_group_of_kernels_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """A wait of several groups (--activations q8 compiles the Q4_0..Q5_1 kernels, then the 8-bit-activation
+    ones: 66 s in the audit, with one unexplained line) says what compiles as each group starts, once per group;
+    numba's own helpers add no line."""
+    import numba
+
+    listen()
+
+    def compiled(module: str, k: int):  # -> a new compiled function of ``module`` (numba imports a real one)
+        def add(x: int) -> int:
+            return x + k
+
+        add.__module__ = module
+        return numba.njit(add)
+
+    def main() -> int:
+        legacy, int8 = "qwen_runtime.quants.jit_legacy_probe", "qwen_runtime.quants.jit_int8_probe"
+        total = compiled(legacy, 1)(0) + compiled(legacy, 2)(0) + compiled(int8, 3)(0)
+        total += compiled("numba.np.probe", 4)(0)
+        return total - 10
+
+    assert run_guarded("qwen-run", main) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "qwen-run: numba is compiling the Q4_0/Q4_1/Q5_0/Q5_1 kernels (once per machine and version, up to a few "
+        "minutes; later runs load them from its cache)",
+        f"qwen-run: {COMPILING.format(what='the 8-bit-activation kernels')}"]
+    assert [describe(m) for m in ("qwen_runtime.quants.jit_kquants", "qwen_runtime.models.step_jit",
+                                  "qwen_convert.quant_search", "elsewhere")] == [
+        "the K-quant (Q2_K..Q6_K) kernels", "the compiled decode step", "the quantizers' rounding searches", "kernels"]
+
+
+COMPILING_SCRIPT = """
+import sys
+from qwen_runtime.cli_support import run_guarded
+from qwen_runtime.compile_events import listen
+listen()
+import cached
+sys.exit(run_guarded("qwen-x", lambda: cached.add(1) - 2))
+"""
+
+
+def test_a_cached_compile_says_so_once_per_machine(tmp_path: Path) -> None:
+    """Two commands in a fresh NUMBA_CACHE_DIR: the first compiles and says so, the second loads the function
+    from numba's cache and says nothing (test_kernels_compile_once_per_machine does this with a model)."""
+    (tmp_path / "cached.py").write_text("import numba\n\n\n@numba.njit(cache=True)\ndef add(x):\n    return x + 1\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", COMPILING_SCRIPT], capture_output=True, text=True, env=env,
+                           cwd=tmp_path, timeout=120) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr
+    assert runs[0].stderr == f"qwen-x: {COMPILING.format(what='kernels')}\n"
+    assert runs[1].stderr == ""
+
+
+@pytest.mark.slow
+def test_kernels_compile_once_per_machine(tmp_path: Path) -> None:
+    """A model's first run in a fresh NUMBA_CACHE_DIR compiles its kernels and names them (about a minute on 2
+    cores); the second run loads every one from the cache and says nothing."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "qwen_runtime.cli", str(fixture_dir("qwen2-tiny")), "-p", "ab", "-n", "2",
+           "--kernels", "numba"]
+    runs = [subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr
+    assert "qwen-run: numba is compiling the F32/F16 kernels (once per machine" in runs[0].stderr
+    assert "numba" not in runs[1].stderr
