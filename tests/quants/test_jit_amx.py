@@ -16,10 +16,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from qwen_runtime.errors import KernelsError
 from qwen_runtime.pool import Scratch
 from qwen_runtime.quants import QType, codec, q8_act
 
 pytest.importorskip("numba")
+from qwen_runtime.quants import jit_amx  # noqa: E402 (numba is needed from here on)
 from qwen_runtime.quants.jit_base import GEMV_ROWS  # noqa: E402
 from qwen_runtime.quants.jit_int8 import Q8_0Int8Kernel  # noqa: E402
 
@@ -113,3 +115,69 @@ def test_reference_integer_sums_exact() -> None:
     expected = (x.astype(np.int64) @ w.astype(np.int64).T).astype(np.float32)
     assert np.array_equal(reference(raw, x), expected)
     assert np.array_equal(decode_kernel(raw, x), expected)
+
+
+@pytest.mark.parametrize(("m", "rows", "nb"), [(1, 16, 1), (37, 53, 14), (32, 64, 3), (50, 33, 7), (96, 40, 28)])
+def test_amx_product_equals_the_reference(m: int, rows: int, nb: int) -> None:
+    """Bit for bit on AMX (partial row tiles: M and R not multiples of 16 or 32; K = 32 nb, odd nb included);
+    where AMX is absent or refused, the product is the reference's and says so."""
+    raw = q8_0_rows(rows, nb, seed=m + rows)
+    x = activations(m, nb * 32, seed=nb)
+    out = np.full((m, rows), np.nan, np.float32)
+    path = jit_amx.q8_0_q8_product(raw, x, out)
+    assert path == ("amx" if jit_amx.amx_available() else "reference")
+    assert np.array_equal(out, reference(raw, x))
+
+
+def test_amx_integer_sums_exact() -> None:
+    """Scales of 1, ``q = x``: the exact int32 sums, extremes included (-128 weights against -127 activations)."""
+    rng = np.random.default_rng(2)
+    raw = q8_0_rows(35, 4, seed=2, scale=np.float16(1))
+    raw.reshape(35, 4, 34)[0, :, 2:] = np.uint8(128)
+    x = rng.integers(-127, 128, (19, 4 * 32)).astype(np.float32)
+    x[:, ::32] = 127
+    x[0] = -127
+    w, _ = q8_act.q8_0_weights(raw)
+    expected = x.astype(np.int64) @ w.astype(np.int64).T
+    assert expected[0, 0] == 4 * 32 * 128 * 127
+    out = np.empty((19, 35), np.float32)
+    jit_amx.q8_0_q8_product(raw, x, out)
+    assert np.array_equal(out, expected.astype(np.float32))
+
+
+def test_fallback_where_amx_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without amx-int8 in numba's target nothing is asked of the kernel and the reference multiplies."""
+    assert not jit_amx.cpu_has_amx(frozenset({"avx512f", "avx512vnni", "amx-tile"}))
+    monkeypatch.setattr(jit_amx, "FEATURES", frozenset({"avx512f"}))
+    monkeypatch.setattr(jit_amx, "tiles_granted", lambda: pytest.fail("permission asked without AMX"))
+    assert not jit_amx.amx_available()
+    raw, x = q8_0_rows(20, 2, seed=5), activations(17, 64, seed=5)
+    out = np.empty((17, 20), np.float32)
+    assert jit_amx.q8_0_q8_product(raw, x, out) == "reference"
+    assert np.array_equal(out, reference(raw, x))
+
+
+def test_fallback_where_the_kernel_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jit_amx, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(jit_amx, "tiles_granted", lambda: False)
+    assert not jit_amx.amx_available()
+    raw, x = q8_0_rows(20, 2, seed=6), activations(17, 64, seed=6)
+    out = np.empty((17, 20), np.float32)
+    assert jit_amx.q8_0_q8_product(raw, x, out) == "reference"
+    assert np.array_equal(out, reference(raw, x))
+
+
+def test_tile_config() -> None:
+    """Palette 1; activation tiles 16 x 32 bytes, weight tiles 8 x 64 (VNNI: K = 32), results 16 x 64 bytes."""
+    cfg = jit_amx.tile_config()
+    assert cfg[0] == 1 and not cfg[1:16].any()
+    assert cfg[16:32].view(np.uint16).tolist() == [32, 32, 64, 64, 64, 64, 64, 64]
+    assert cfg[48:56].tolist() == [16, 16, 8, 8, 16, 16, 16, 16] and not cfg[56:].any()
+
+
+def test_amx_product_refused_without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Called directly where AMX is not available: a KernelsError, not a tile instruction (illegal instruction)."""
+    monkeypatch.setattr(jit_amx, "amx_available", lambda: False)
+    q, d = jit_amx.quantized_padded(activations(3, 64, seed=0))
+    with pytest.raises(KernelsError, match="AMX"):
+        jit_amx.q8_0_amx_product(q8_0_rows(4, 2, seed=0), q, d, np.empty((3, 4), np.float32))
