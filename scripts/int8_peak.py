@@ -1,0 +1,199 @@
+"""This machine's int8 multiply-add peak and the AMX prefill kernel's rate against the float path (issue #46).
+
+    python scripts/int8_peak.py [--repeat 3] [--rows 512]
+
+1. Peak, one thread, operands in registers: AMX ``tdpbssd`` (16 x 64 by 64 x 16 int8 tiles, four independent
+   accumulators) and AVX-512 VNNI ``vpdpbusd`` (eight independent zmm accumulators), where the CPU has them.
+2. ``x @ W.T`` for Q8_0 weights of the Qwen2.5-0.5B MLP shape (4864 x 896) and the Qwen2.5-3B one (11008 x 2048),
+   ``--rows`` activation rows: the AMX kernel (:mod:`qwen_runtime.quants.jit_amx`, 8-bit activations quantized
+   once, timed with the quantization) against today's prefill path for the same product (each tile of about 2^20
+   weights decoded to float32 by the compiled decoder, then SGEMM), on one thread and on two (columns split in
+   two halves for AMX; the float path's tiles shared by two threads, BLAS on one thread each).
+
+Prints T int8 multiply-adds per second (for the float path: T float multiply-adds), the fraction of the measured
+AMX peak, and the AMX / float ratio; the fastest of ``--repeat`` runs.  For stable numbers run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import numba
+import numpy as np
+import threadpoolctl
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from qwen_runtime.pool import Scratch
+from qwen_runtime.quants import jit_amx
+from qwen_runtime.quants.jit_amx import dpbssd, ldtilecfg, tileload, tilerelease, tilestore, tilezero
+from qwen_runtime.quants.jit_base import FEATURES
+from qwen_runtime.quants.jit_q8_0 import Q8_0JitKernel
+
+SHAPES = {"Qwen2.5-0.5B MLP 4864 x 896": (4864, 896), "Qwen2.5-3B MLP 11008 x 2048": (11008, 2048)}
+V16_I32 = ir.VectorType(ir.IntType(32), 16)
+VNNI_ACCUMULATORS = 8
+
+
+@numba.njit(nogil=True)
+def amx_spin(cfg, a, b, c, n):
+    """``4 n`` tdpbssd of 16 x 64 by 64 x 16 int8 tiles already loaded, into four accumulators."""
+    ldtilecfg(cfg.ctypes.data)
+    tilezero(4)
+    tilezero(5)
+    tilezero(6)
+    tilezero(7)
+    tileload(0, a.ctypes.data, 64)
+    tileload(2, b.ctypes.data, 64)
+    for _ in range(n):
+        dpbssd(4, 0, 2)
+        dpbssd(5, 0, 2)
+        dpbssd(6, 0, 2)
+        dpbssd(7, 0, 2)
+    tilestore(4, c.ctypes.data, 64)
+    tilerelease()
+
+
+def amx_peak_config() -> np.ndarray:
+    cfg = np.zeros(64, np.uint8)
+    cfg[0] = 1
+    cfg[16:48].view(np.uint16)[:8] = 64
+    cfg[48:56] = 16
+    return cfg
+
+
+@intrinsic
+def vnni_rounds(typingctx, acc, a, b, rounds):  # noqa: ARG001
+    """``rounds`` (a literal) times eight independent ``vpdpbusd`` zmm on the accumulators at ``acc`` (int32
+    [8 * 16]), operands ``a`` and ``b`` (int32 [16] each), loaded once and stored back once."""
+    if not isinstance(rounds, types.IntegerLiteral):
+        return None
+
+    def codegen(context, builder, signature, args):
+        def pointer(i, at):
+            data = context.make_array(signature.args[i])(context, builder, args[i]).data
+            return builder.bitcast(builder.gep(data, [ir.Constant(ir.IntType(64), at)]), V16_I32.as_pointer())
+
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_I32, [V16_I32] * 3),
+                                            "llvm.x86.avx512.vpdpbusd.512")
+        x, y = builder.load(pointer(1, 0), align=4), builder.load(pointer(2, 0), align=4)
+        accs = [builder.load(pointer(0, 16 * k), align=4) for k in range(VNNI_ACCUMULATORS)]
+        for _ in range(signature.args[3].literal_value):
+            accs = [builder.call(fn, [v, x, y]) for v in accs]
+        for k, v in enumerate(accs):
+            builder.store(v, pointer(0, 16 * k), align=4)
+        return context.get_dummy_value()
+
+    return types.void(acc, a, b, rounds), codegen
+
+
+@numba.njit(nogil=True)
+def vnni_spin(acc, a, b, n):
+    for _ in range(n):
+        vnni_rounds(acc, a, b, 64)
+
+
+def best(repeat: int, run: Callable[[], object]) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def q8_0_rows(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    nb = cols // 32
+    blocks = rng.integers(0, 256, (rows, nb, 34), dtype=np.uint8)
+    scales = rng.uniform(2e-4, 2e-3, (rows, nb)).astype(np.float16)
+    blocks[:, :, :2] = scales[..., None].view(np.uint8).reshape(rows, nb, 2)
+    return blocks.reshape(rows, nb * 34)
+
+
+def amx_product(raw: np.ndarray, x: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None) -> None:
+    """Quantize once, then the AMX kernel on one thread or on two column halves (multiples of 32 rows)."""
+    q, d = jit_amx.quantized_padded(x)
+    if pool is None:
+        jit_amx.q8_0_amx_product(raw, q, d, out)
+        return
+    half = -(-len(raw) // 64) * 32
+    parts = [(0, half), (half, len(raw))]
+    list(pool.map(lambda p: jit_amx.q8_0_amx_product(raw[p[0]:p[1]], q, d, out[:, p[0]:p[1]]), parts))
+
+
+def float_product(kernel: Q8_0JitKernel, x: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None,
+                  scratches: list[Scratch]) -> None:
+    """Today's prefill path: tiles of about 2^20 weights decoded to float32, each multiplied by SGEMM."""
+    rows = len(kernel.raw)
+    step = max(1, (1 << 20) // kernel.in_features)
+    xk = kernel.prepare(x)
+    tiles = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+    if pool is None:
+        for r0, r1 in tiles:
+            kernel.product(r0, r1, xk, out[:, r0:r1], scratches[0])
+        return
+    halves = [tiles[: len(tiles) // 2], tiles[len(tiles) // 2:]]
+
+    def run(i: int) -> None:
+        for r0, r1 in halves[i]:
+            kernel.product(r0, r1, xk, out[:, r0:r1], scratches[i])
+
+    list(pool.map(run, range(2)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=512, help="activation rows (prompt tokens)")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    threadpoolctl.threadpool_limits(1)  # BLAS on the calling thread: the runtime's pool threads each run it so
+    amx = jit_amx.amx_available()
+    peak = None
+    if amx:
+        cfg, c = amx_peak_config(), np.zeros((16, 16), np.int32)
+        a, b = (rng.integers(-128, 128, (16, 64), dtype=np.int8) for _ in range(2))
+        amx_spin(cfg, a, b, c, 10)
+        n = 500_000
+        peak = 4 * n * 16 * 16 * 64 / best(args.repeat, lambda: amx_spin(cfg, a, b, c, n)) / 1e12
+        print(f"AMX tdpbssd, tiles in registers, one thread: {peak:.2f} T int8 multiply-adds/s")
+    else:
+        print("AMX: not available here (CPU, compiler target or kernel permission)")
+    if "avx512vnni" in FEATURES:
+        acc = np.zeros(16 * VNNI_ACCUMULATORS, np.int32)
+        a, b = (rng.integers(0, 1 << 30, 16).astype(np.int32) for _ in range(2))
+        vnni_spin(acc, a, b, 10)
+        n = 20_000
+        rate = n * 64 * VNNI_ACCUMULATORS * 64 / best(args.repeat, lambda: vnni_spin(acc, a, b, n)) / 1e12
+        print(f"AVX-512 VNNI vpdpbusd, registers, one thread: {rate:.2f} T int8 multiply-adds/s")
+    if not amx:
+        return
+    print(f"\nQ8_0 weights x {args.rows} activation rows (8-bit activations on AMX; float: decoded tiles + SGEMM)")
+    print(f"{'shape':30} {'threads':>7} {'AMX ms':>8} {'T MAC/s':>8} {'of peak':>8} {'float ms':>9} {'T MAC/s':>8}"
+          f" {'AMX/float':>9}")
+    scratches = [Scratch(), Scratch()]
+    with ThreadPoolExecutor(2) as two:
+        for name, (rows, cols) in SHAPES.items():
+            raw = q8_0_rows(rows, cols, rng)
+            x = rng.normal(0, 1, (args.rows, cols)).astype(np.float32)
+            out = np.empty((args.rows, rows), np.float32)
+            kernel = Q8_0JitKernel(raw)
+            amx_product(raw[:64], x, out[:, :64], None)
+            float_product(Q8_0JitKernel(raw[:64]), x, out[:, :64], None, scratches)
+            macs = args.rows * rows * cols
+            for pool in (None, two):
+                t_amx = best(args.repeat, partial(amx_product, raw, x, out, pool))
+                t_float = best(args.repeat, partial(float_product, kernel, x, out, pool, scratches))
+                print(f"{name:30} {1 if pool is None else 2:>7} {t_amx * 1e3:8.1f} {macs / t_amx / 1e12:8.3f} "
+                      f"{macs / t_amx / 1e12 / peak:8.1%} {t_float * 1e3:9.1f} {macs / t_float / 1e12:8.3f} "
+                      f"{t_float / t_amx:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
