@@ -43,6 +43,11 @@ NOT_MODELS = ("mmproj", "imatrix")  # GGUF files of a repo that are not a langua
 ID_SYNTAX = "ORG/NAME[:QUANT][@REVISION]"
 _ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<tag>[\w.-]+))?(?:@(?P<revision>[\w./-]+))?")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+_ID_REVISION = re.compile(r"[\w./-]+")
+# git's ref-name rules (git check-ref-format) as far as _ID's characters allow them to be broken: no empty
+# component (leading, trailing or double "/"), none starting with "." (so no ".."), none ending in ".lock",
+# no trailing "."; _ID itself leaves out "\\", spaces, control characters and "~^:?*[@{".
+_BAD_REF = re.compile(r"^/|/$|//|(^|/)\.|\.lock(/|$)|\.$")
 
 
 @dataclass(frozen=True)
@@ -77,11 +82,22 @@ class _HubFailure(Exception):
 
 
 def parse_hub_id(text: str) -> HubId | None:
-    """The Hub id spelled by ``text`` (``ORG/NAME[:QUANT][@REVISION]``), or None when it spells none."""
+    """The Hub id spelled by ``text`` (``ORG/NAME[:QUANT][@REVISION]``), or None when it spells none (a
+    revision must be a branch or tag name by git's rules, or a commit: never a path, which would be read)."""
     match = _ID.fullmatch(text)
     if match is None or ".." in text or "--" in match["repo"]:
         return None
-    return HubId(match["repo"], match["tag"], match["revision"])
+    revision = match["revision"]
+    if revision is not None and not valid_revision(revision):
+        return None
+    return HubId(match["repo"], match["tag"], revision)
+
+
+def valid_revision(revision: str) -> bool:
+    """Whether ``revision`` is a 40-hex commit or a well-formed ref name (``main``, ``v1.0``, ``refs/pr/1``):
+    it names a file under the cache's ``refs/``, so an absolute path or ``..`` would read any file."""
+    return bool(_COMMIT.fullmatch(revision)) or (_ID_REVISION.fullmatch(revision) is not None
+                                                  and _BAD_REF.search(revision) is None)
 
 
 def resolve_model(model: str | Path) -> Path:
@@ -93,7 +109,10 @@ def resolve_model(model: str | Path) -> Path:
     text = str(model)
     hub_id = parse_hub_id(text)
     if hub_id is None:
-        raise ModelNotFoundError(f"{text}: no such file or directory (nor a Hugging Face Hub id {ID_SYNTAX})")
+        match = _ID.fullmatch(text)
+        revision = match["revision"] if match else None
+        why = f"; {revision!r} is not a branch, tag or commit" if revision and not valid_revision(revision) else ""
+        raise ModelNotFoundError(f"{text}: no such file or directory (nor a Hugging Face Hub id {ID_SYNTAX}{why})")
     tried = f"{text}: no such file or directory, and as a Hugging Face Hub id"
     hub = _import_hub(tried)
     reason = ""
@@ -109,6 +128,7 @@ def resolve_model(model: str | Path) -> Path:
         reason = reason or f"it is not in the Hub cache {hub.constants.HF_HUB_CACHE}"
         raise ModelNotFoundError(f"{tried} {hub_id}: {reason}, and HF_HUB_OFFLINE is set") from None
     try:
+        _reach(hub, hub_id)
         files = _hub_call(hub.HfApi().list_repo_files, hub_id.repo, revision=hub_id.revision)
         return _select(hub_id, files, _download_fetcher(hub, hub_id))
     except (FormatError, _HubFailure) as exc:
@@ -144,6 +164,21 @@ def _hub_call(function: Callable[..., T], *args: object, **kwargs: object) -> T:
     except Exception as exc:
         lines = str(exc).strip().splitlines()
         raise _HubFailure(f"{type(exc).__name__}: {lines[0] if lines else ''}") from None
+
+
+def _reach(hub: ModuleType, hub_id: HubId) -> None:
+    """One request for the repo's metadata, without the library's retries and with its metadata timeout
+    (``HF_HUB_ETAG_TIMEOUT``): without network, the listing's retries would take half a minute and print a
+    line each before failing; this fails at once, in one line saying how to use the cache alone."""
+    try:
+        hub.HfApi().model_info(hub_id.repo, revision=hub_id.revision, timeout=hub.constants.HF_HUB_ETAG_TIMEOUT)
+    except Exception as exc:
+        lines = str(exc).strip().splitlines()
+        first = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+        if getattr(exc, "response", None) is not None or isinstance(exc, ValueError):  # the Hub answered
+            raise _HubFailure(first) from None
+        raise _HubFailure(f"cannot reach the Hub ({first}); set HF_HUB_OFFLINE=1 to use only the Hub cache "
+                          f"{hub.constants.HF_HUB_CACHE}") from None
 
 
 def _cached_snapshot(hub: ModuleType, hub_id: HubId) -> Path | None:
@@ -200,8 +235,26 @@ def _download_fetcher(hub: ModuleType, hub_id: HubId) -> Fetcher:
     return fetch
 
 
+def _confined(fetch: Fetcher) -> Fetcher:
+    """``fetch``, refusing (:class:`FormatError`) a file whose symlink leaves the snapshot, other than into the
+    cache's own ``blobs/`` of the repo (:func:`~qwen_runtime.formats.base.contained_path`, as the readers confine
+    safetensors shards): every file the resolver returns or the readers open, GGUF files included."""
+    def fetch_confined(names: Sequence[str], commit: str | None) -> Path:
+        snapshot = fetch(names, commit)
+        for name in names:
+            try:
+                contained_path(snapshot, name, "file")
+            except FormatError:
+                raise FormatError(f"{name} leads outside the snapshot and the repo's blobs (to "
+                                  f"{(snapshot / name).resolve()})") from None
+        return snapshot
+
+    return fetch_confined
+
+
 def _select(hub_id: HubId, files: Sequence[str], fetch: Fetcher) -> Path:
     """The local path of what ``hub_id`` names among ``files`` (a repo's or a cached snapshot's)."""
+    fetch = _confined(fetch)
     models = gguf_models(files)
     if hub_id.tag is not None:
         if not models:

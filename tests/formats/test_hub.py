@@ -108,6 +108,31 @@ def test_parse_hub_id() -> None:
         assert parse_hub_id(not_an_id) is None, not_an_id
 
 
+@pytest.mark.parametrize("revision", ["main", "v1.0", "refs/pr/1", "release-2024_01", COMMIT_A])
+def test_branch_tag_and_commit_names_are_revisions(revision: str) -> None:
+    assert parse_hub_id(f"org/name@{revision}") == HubId("org/name", None, revision)
+
+
+@pytest.mark.parametrize("revision", ["/etc/passwd", "/abs/refs/main", "a//b", "a/", ".hidden", "refs/.x", "x.lock",
+                                      "refs/x.lock/y", "v1.", "a/../b"])
+def test_revisions_that_are_no_ref_names_are_refused(hub, revision: str) -> None:
+    assert parse_hub_id(f"org/name@{revision}") is None
+    with pytest.raises(ModelNotFoundError, match=r"nor a Hugging Face Hub id"):
+        resolve_model(f"org/name@{revision}")
+
+
+def test_an_absolute_revision_never_reads_a_file_outside_refs(hub, tmp_path: Path) -> None:
+    """``org/name@/ABS/file`` read ``/ABS/file`` as the ref (``refs / "/ABS/file"`` is the absolute path) and
+    served the snapshot of the commit written in it."""
+    add_snapshot(hub.cache, "org/qwen2-tiny", fixture_files(QWEN2), COMMIT_A, refs=())
+    planted = tmp_path / "planted-ref"
+    planted.write_text(COMMIT_A)
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model(f"org/qwen2-tiny@{planted}")
+    assert str(info.value) == (f"org/qwen2-tiny@{planted}: no such file or directory (nor a Hugging Face Hub id "
+                               f"ORG/NAME[:QUANT][@REVISION]; {str(planted)!r} is not a branch, tag or commit)")
+
+
 def test_not_a_path_nor_an_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelNotFoundError, match=r"a/b/c: no such file or directory \(nor a Hugging Face Hub id"):
@@ -259,6 +284,29 @@ def test_gguf_repo_without_quant(hub, ggufs) -> None:
         resolve_model("org/many-GGUF")
 
 
+@pytest.mark.parametrize("kind", ["gguf", "safetensors"])
+def test_a_snapshot_link_leading_outside_is_refused(hub, ggufs, tmp_path: Path, kind: str) -> None:
+    """A snapshot file whose symlink points outside the snapshot and the repo's blobs is refused, GGUF files as
+    safetensors shards (a GGUF symlink was followed wherever it pointed)."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    if kind == "gguf":
+        snapshot = add_snapshot(hub.cache, "org/linked-GGUF", {"tiny-F16.gguf": ggufs["fp16"]})
+        (outside / "secret.gguf").write_bytes(ggufs["q8_0"])
+        (snapshot / "tiny-Q8_0.gguf").symlink_to(outside / "secret.gguf")
+        spec, name = "org/linked-GGUF:Q8_0", "tiny-Q8_0.gguf"
+        assert resolve_model("org/linked-GGUF:F16") == snapshot / "tiny-F16.gguf"  # blob links stay allowed
+    else:
+        files = fixture_files(QWEN3)
+        (outside / "tokenizer.json").write_bytes(files.pop("tokenizer.json"))
+        snapshot = add_snapshot(hub.cache, "org/linked", files)
+        (snapshot / "tokenizer.json").symlink_to(outside / "tokenizer.json")
+        spec, name = "org/linked", "tokenizer.json"
+    with pytest.raises(ModelNotFoundError, match=rf"{name} leads outside the snapshot and the repo's blobs \(to "
+                       rf"{outside}/.*\), and HF_HUB_OFFLINE is set"):
+        resolve_model(spec)
+
+
 def test_quant_of_a_safetensors_repo(hub) -> None:
     add_snapshot(hub.cache, "org/qwen3-tiny", fixture_files(QWEN3))
     with pytest.raises(ModelNotFoundError, match=r"org/qwen3-tiny has no GGUF files, so no type Q8_0 \(it has: "
@@ -314,11 +362,15 @@ class FakeHub:
         self.calls: list[tuple[str | None, list[str]]] = []
         monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)
         monkeypatch.setattr(hub.HfApi, "list_repo_files", self.list_repo_files)
+        monkeypatch.setattr(hub.HfApi, "model_info", self.model_info)
         monkeypatch.setattr(hub, "snapshot_download", self.snapshot_download)
 
     def list_repo_files(self, repo_id: str, revision: str | None = None) -> list[str]:
         assert repo_id == self.repo
         return sorted(self.files)
+
+    def model_info(self, repo_id: str, revision: str | None = None, timeout: float | None = None) -> None:
+        assert repo_id == self.repo and timeout is not None
 
     def snapshot_download(self, repo_id: str, revision: str | None = None,
                           allow_patterns: list[str] | None = None) -> str:
@@ -363,15 +415,38 @@ def test_download_names_what_the_repo_lacks(hub, monkeypatch: pytest.MonkeyPatch
 
 
 def test_hub_errors_become_one_line(hub, monkeypatch: pytest.MonkeyPatch) -> None:
-    def unreachable(self, repo_id: str, revision: str | None = None) -> list[str]:
-        raise ConnectionError("Failed to resolve 'huggingface.co'\nRequest id: 123")
+    def missing(self, repo_id: str, revision: str | None = None) -> list[str]:
+        raise ValueError("Repository Not Found for url: https://huggingface.co/api/models/org/x\nRequest id: 1")
 
-    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(hub.HfApi, "list_repo_files", unreachable)
+    FakeHub(hub, "org/x", {}, monkeypatch)
+    monkeypatch.setattr(hub.HfApi, "list_repo_files", missing)
     with pytest.raises(ModelNotFoundError) as info:
         resolve_model("org/x")
     assert str(info.value) == ("org/x: no such file or directory, and as a Hugging Face Hub id org/x: "
-                               "ConnectionError: Failed to resolve 'huggingface.co'")
+                               "ValueError: Repository Not Found for url: https://huggingface.co/api/models/org/x")
+
+
+def test_without_network_one_quick_attempt_then_one_line(hub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No network and no HF_HUB_OFFLINE: one request with the library's metadata timeout, then a line saying
+    how to use the cache alone; the listing, whose retries took 24 s and printed six lines, is not tried."""
+    asked: list[float | None] = []
+
+    def unreachable(self, repo_id: str, revision: str | None = None, timeout: float | None = None) -> None:
+        asked.append(timeout)
+        raise ConnectionError("Failed to resolve 'huggingface.co'\nRequest id: 123")
+
+    def never(self, repo_id: str, revision: str | None = None) -> list[str]:
+        raise AssertionError("listed the repo without network")
+
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub.HfApi, "model_info", unreachable)
+    monkeypatch.setattr(hub.HfApi, "list_repo_files", never)
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model("org/x")
+    assert str(info.value) == ("org/x: no such file or directory, and as a Hugging Face Hub id org/x: cannot reach "
+                               "the Hub (ConnectionError: Failed to resolve 'huggingface.co'); set HF_HUB_OFFLINE=1 "
+                               f"to use only the Hub cache {hub.cache}")
+    assert asked == [hub.constants.HF_HUB_ETAG_TIMEOUT]
 
 
 def test_resolver_is_callable_from_any_tool() -> None:
