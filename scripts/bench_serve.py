@@ -23,6 +23,13 @@ with ``qwen-convert`` (built once into ``--cache-dir``), or GGUF files given by 
   question) is sent; reported: turn 1's and turn 2's time to first token, the median over conversations
   (turn 2 is where a prefix cache shows: the server restores turn 1 instead of prefilling it).
 
+* **Hostile schemas** (``--hostile-rounds N``, qwen-serve only, a model with a chat template): while one chat
+  completion streams ``--hostile-stream-tokens`` tokens, N rounds each send the audit's hostile
+  ``response_format`` schemas of issue #42 (fan-out ``$ref``s, ``maxLength`` 10^5 and 10^9, 600 levels deep, a
+  5,000-value enum) and one benign schema never seen before (compiled anew); reported: the stream's worst and
+  median inter-token gap against the same stream alone, each hostile request's status and time, the benign
+  requests' time to first token, and the server's resident memory (VmRSS) growth and peak (VmHWM).
+
 Requests go to ``/v1/completions`` with the text as the prompt, so both servers see the same tokens whatever
 their chat templates (the random-weight Qwen3.5 checkpoint has none).  Every request's numbers are written to
 ``--json`` (default ``docs/bench/<date>-serve-<commit>.json``, with the full ``git rev-parse HEAD`` and whether
@@ -180,6 +187,110 @@ def multi_turn(port: int, conversations: int, words: int, max_tokens: int) -> li
     return out
 
 
+def hostile_schema_set() -> list[dict[str, Any]]:
+    """The audit's schemas (issue #42): each must be a 400 naming the limit it breaks, at once."""
+    defs: dict[str, Any] = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}] * 2} for i in range(20)}
+    deep: dict[str, Any] = {"type": "string"}
+    for _ in range(600):
+        deep = {"type": "array", "items": deep}
+    return [{"$defs": {**defs, "d20": {"type": "string"}}, "$ref": "#/$defs/d0"},
+            {"type": "string", "maxLength": 100_000}, {"type": "string", "maxLength": 1_000_000_000}, deep,
+            {"enum": list(range(5000))}]
+
+
+def benign_schema(round_: int) -> dict[str, Any]:
+    """A small object schema, different each round (so compiled each round)."""
+    return {"type": "object", "required": ["name", "age"], "properties": {
+        "name": {"type": "string", "maxLength": 12, "description": f"round {round_}"},
+        "age": {"type": "integer"}, "role": {"enum": ["admin", "user"]}}}
+
+
+def has_content(line: bytes) -> bool:
+    """Whether a server-sent line is a chat chunk with new content."""
+    if not line.startswith(b"data: ") or line[6:].strip() == b"[DONE]":
+        return False
+    return any(c.get("delta", {}).get("content") for c in json.loads(line[6:]).get("choices", []))
+
+
+def post_chat(port: int, schema: dict[str, Any], max_tokens: int, stream: bool) -> tuple[int, float, float]:
+    """One chat request constrained by ``schema``: HTTP status, seconds to the first content (stream) or to
+    the answer, and to the end."""
+    body = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "Describe a person."}],
+                       "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+                       "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    first = None
+    for line in response:
+        if first is None and (not stream or has_content(line)):
+            first = time.perf_counter() - t0
+    conn.close()
+    end = time.perf_counter() - t0
+    return response.status, first if first is not None else end, end
+
+
+def chunk_times(port: int, max_tokens: int, started: threading.Event | None = None) -> list[float]:
+    """The arrival time of every content chunk of one streamed greedy chat completion."""
+    body = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "Tell a long story."}],
+                       "max_tokens": max_tokens, "temperature": 0, "stream": True})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    times = []
+    for line in conn.getresponse():
+        if has_content(line):
+            times.append(time.perf_counter())
+            if started is not None:
+                started.set()
+    conn.close()
+    return times
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM of process ``pid`` in KiB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return {key: int(fields[key].split()[0]) for key in ("VmRSS", "VmHWM")}
+
+
+def gaps_ms(times: list[float]) -> dict[str, float]:
+    gaps = np.diff(times) * 1000 if len(times) > 1 else np.zeros(1)
+    return {"chunks": len(times), "worst_gap_ms": float(gaps.max()), "median_gap_ms": float(np.median(gaps))}
+
+
+def hostile_schemas(port: int, pid: int, rounds: int, stream_tokens: int) -> dict[str, Any]:
+    """One stream alone, then the same stream beside ``rounds`` rounds of hostile and new benign schemas."""
+    post_chat(port, benign_schema(-1), 8, stream=False)  # the vocabulary is read once, not measured
+    alone = gaps_ms(chunk_times(port, stream_tokens))
+    before = memory_kib(pid)
+    times: list[float] = []
+    started = threading.Event()
+    streamer = threading.Thread(target=lambda: times.extend(chunk_times(port, stream_tokens, started)))
+    streamer.start()
+    started.wait(600)
+    hostile, benign = [], []
+    for r in range(rounds):
+        for i, schema in enumerate(hostile_schema_set()):
+            status, _, seconds = post_chat(port, schema, 16, stream=False)
+            hostile.append({"round": r, "schema": i, "status": status, "seconds": seconds})
+        status, ttft, _ = post_chat(port, benign_schema(r), 24, stream=True)
+        benign.append({"round": r, "status": status, "ttft": ttft})
+    streamer.join()
+    return {"alone": alone, "beside": gaps_ms(times), "memory_before_kib": before, "memory_after_kib": memory_kib(pid),
+            "hostile": hostile, "benign": benign}
+
+
+def hostile_line(run: dict[str, Any]) -> str:
+    alone, beside = run["alone"], run["beside"]
+    growth = (run["memory_after_kib"]["VmRSS"] - run["memory_before_kib"]["VmRSS"]) / 1024
+    statuses = sorted({h["status"] for h in run["hostile"]})
+    return (f"hostile schemas: stream worst gap {beside['worst_gap_ms']:.0f} ms beside them "
+            f"({alone['worst_gap_ms']:.0f} alone), median {beside['median_gap_ms']:.1f} ms; "
+            f"hostile statuses {statuses}, slowest "
+            f"{max(h['seconds'] for h in run['hostile']):.3f} s; benign TTFT max "
+            f"{max(b['ttft'] for b in run['benign']):.2f} s; RSS growth {growth:.1f} MiB")
+
+
 # --- the servers --------------------------------------------------------------------------------------------
 
 
@@ -255,6 +366,7 @@ def bench_server(server: str, model: Path, args: argparse.Namespace) -> dict[str
     command = COMMANDS[server](model, port, args)
     proc = start_server(command, port, log)
     samples: list[Sample] = []
+    hostile = None
     try:
         stream_completion(port, "warm up", 4)
         for n in args.clients:
@@ -269,14 +381,20 @@ def bench_server(server: str, model: Path, args: argparse.Namespace) -> dict[str
             r = summarize_turns(got)
             print(f"  {server:>16} multi-turn: turn 1 TTFT {r['turn1_ttft_p50']:.2f} s, turn 2 "
                   f"{r['turn2_ttft_p50']:.2f} s ({r['prompt_tokens']} prompt tokens in turn 1)", flush=True)
+        if args.hostile_rounds and server == OURS:
+            hostile = hostile_schemas(port, proc.pid, args.hostile_rounds, args.hostile_stream_tokens)
+            print(f"  {server:>16} {hostile_line(hostile)}", flush=True)
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return {"server": server, "model": str(model), "command": command, "version": version(server, command),
-            "load_before": load_before, "load_after": os.getloadavg(), "samples": [asdict(s) for s in samples]}
+    run = {"server": server, "model": str(model), "command": command, "version": version(server, command),
+           "load_before": load_before, "load_after": os.getloadavg(), "samples": [asdict(s) for s in samples]}
+    if hostile is not None:
+        run["hostile"] = hostile
+    return run
 
 
 # --- summaries and the README rows ---------------------------------------------------------------------------
@@ -341,6 +459,8 @@ def table(result: dict[str, Any]) -> str:
             for name, t in turns.items():
                 lines.append(f"| {name} | {t['prompt_tokens']} | {t['turn1_ttft_p50']:.2f} | {t['turn2_ttft_p50']:.2f} "
                              f"| {t['turn1_ttft_p50'] / t['turn2_ttft_p50']:.1f}x |")
+        lines += [f"{r['server']} {hostile_line(r['hostile'])}" for r in result["runs"]
+                  if r["model"] == model and "hostile" in r]
         lines.append("")
     return "\n".join(lines)
 
@@ -401,6 +521,10 @@ def main() -> int:
     p.add_argument("--conversations", type=int, default=3, help="multi-turn conversations (default 3; 0: none)")
     p.add_argument("--turn1-words", type=int, default=1500, help="random words of turn 1 (default 1500)")
     p.add_argument("--turn-tokens", type=int, default=16, help="completion tokens of each turn (default 16)")
+    p.add_argument("--hostile-rounds", type=int, default=0, metavar="N",
+                   help="rounds of issue #42's hostile schemas beside a stream (qwen-serve only; default 0: none)")
+    p.add_argument("--hostile-stream-tokens", type=int, default=256, metavar="N",
+                   help="tokens of the stream measured beside the hostile schemas (default 256)")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "qwen-numpy-bench",
                    help="where models are built and server logs go (default ~/.cache/qwen-numpy-bench)")
     p.add_argument("--tokenizers", type=Path, default=ROOT.parent / "shared" / "data" / "tokenizers")
