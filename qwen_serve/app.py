@@ -67,6 +67,7 @@ from .outputs import (
 )
 from .protocol import (
     MAX_BODY_BYTES,
+    READ_TIMEOUT,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -118,6 +119,7 @@ class ServerState:
     max_prompt_chars: int  # longer prompts are refused before tokenizing (max_prompt_chars())
     metrics: Metrics
     grammars: GrammarCache  # response_format's compiled schemas and their token masks
+    read_timeout: float = READ_TIMEOUT  # seconds a request body may take to arrive (then 408)
 
     @property
     def context(self) -> int:
@@ -129,10 +131,12 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
                prefill_chunk: int = 128, max_context: int | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, cache_memory: int | None = None, threads: int | None = None,
                kernels: str | None = None, draft_tokens: int = 0, cache_dir: str | Path | None = None,
-               activations: str = "float", cache_turns: bool = False) -> Starlette:
+               activations: str = "float", cache_turns: bool = False,
+               read_timeout: float = READ_TIMEOUT) -> Starlette:
     """An ASGI app serving ``model`` (a path or a loaded :class:`Model`); its engine starts with the app.
 
-    ``model_name`` is the name clients pass as ``model`` (default: the file or directory name); ``threads``,
+    ``model_name`` is the name clients pass as ``model`` (default: the file or directory name); a request body
+    that takes more than ``read_timeout`` seconds to arrive is refused with 408; ``threads``,
     ``kernels`` and ``activations`` are :func:`qwen_runtime.load`'s (for a path); the other options are
     :class:`~qwen_serve.engine.Engine`'s.
     """
@@ -150,7 +154,7 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
     name = model_name or hub.model_name(model.path)
     state = ServerState(engine, fmt, name, generation_defaults(model), api_key, max_body_bytes, int(time.time()),
                         max_prompt_chars(engine.context, fmt.tokenizer), metrics,
-                        GrammarCache(fmt.tokenizer, model.config.vocab_size))
+                        GrammarCache(fmt.tokenizer, model.config.vocab_size), read_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -165,7 +169,7 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
         Route("/v1/completions", _handler(state, completions), methods=["POST"]),
         Route("/v1/models", _handler(state, list_models, has_body=False), methods=["GET"]),
         Route("/health", _handler(state, health, has_body=False, auth=False), methods=["GET"]),
-        Route("/metrics", _handler(state, metrics_text, has_body=False, auth=False), methods=["GET"]),
+        Route("/metrics", _handler(state, metrics_text, has_body=False), methods=["GET"]),
         Route("/tokenize", _handler(state, tokenize), methods=["POST"]),
         Route("/detokenize", _handler(state, detokenize), methods=["POST"]),
     ]
@@ -213,7 +217,8 @@ def startup_banner(app: Starlette, url: str) -> str:
         *([f"  speculative decoding: up to {engine.draft_tokens} prompt-lookup drafts per step for greedy requests"
            if engine.draft_tokens else "  speculative decoding: off (--draft needs the compiled kernels)"]
           if engine.draft_asked else []),
-        f"  listening on {url}" + ("; API key required on /v1 and /tokenize" if state.api_key else ""),
+        f"  listening on {url}" + ("; API key required on /v1, /tokenize, /metrics and for /health's details"
+                                   if state.api_key else ""),
     ])
 
 
@@ -264,19 +269,39 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
                                    "server_error"))
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 past ``limit`` bytes (checked while reading, not only the header)."""
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The request body, refused with 413 past ``limit`` bytes (checked while reading, not only the header)
+    and with 408, closing the connection, when it takes more than ``timeout`` seconds to arrive: a client
+    trickling its body would otherwise hold a connection and a task for as long as it likes."""
     declared = request.headers.get("content-length")
     too_large = APIError(413, f"the request body is larger than {limit} bytes", None, "request_too_large")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} seconds (--read-timeout)", None,
+                       "request_timeout", headers={"Connection": "close"}) from None
     return b"".join(chunks)
+
+
+def has_api_key(state: ServerState, request: Request) -> bool:
+    """Whether the request may see what the key guards (always, without a key)."""
+    try:
+        check_api_key(state, request)
+    except APIError:
+        return False
+    return True
 
 
 def check_api_key(state: ServerState, request: Request) -> None:
@@ -297,10 +322,13 @@ def _handler(state: ServerState, handler: Handler, has_body: bool = True, auth: 
         try:
             if auth:
                 check_api_key(state, request)
-            body = parse_json(await read_body(request, state.max_body_bytes)) if has_body else {}
+            body = parse_json(await read_body(request, state.max_body_bytes, state.read_timeout)) \
+                if has_body else {}
             response = await handler(state, request, body)
         except APIError as err:
             response = error_response(err)
+        except Exception as exc:  # answered and logged here, once (Starlette's handler would log it again)
+            response = await _internal_error(request, exc)
         state.metrics.requests.inc(1, request.url.path, str(response.status_code))
         return response
 
@@ -314,18 +342,20 @@ def check_model(state: ServerState, name: str | None) -> None:
 
 
 def context_exceeded(state: ServerState, prompt: str, max_tokens: int | None, param: str) -> APIError:
-    asked = f" + {max_tokens} max_tokens" if max_tokens is not None else ""
-    return APIError(400, f"the maximum context length is {state.context} tokens; the request has more than "
-                    f"{state.context - (max_tokens or 1)} prompt tokens{asked} ({len(prompt)} characters)", param,
-                    "context_length_exceeded")
+    """The prompt alone has more tokens than the context (how many more is not counted: that would cost as
+    much as tokenizing a prompt of any size)."""
+    asked = f", before the {max_tokens} max_tokens" if max_tokens is not None else ""
+    return APIError(400, f"the maximum context length is {state.context} tokens; the prompt alone has more than "
+                    f"{state.context} tokens ({len(prompt)} characters){asked}", param, "context_length_exceeded")
 
 
 def encode_within_context(state: ServerState, text: str, max_tokens: int | None, param: str) -> list[int]:
     """The prompt's ids, refused with ``context_length_exceeded`` without tokenizing more than the context
     can hold: a text longer than :attr:`ServerState.max_prompt_chars` is refused at once, others are encoded
-    in pieces that stop once past the room (run it off the event loop: each piece releases the GIL)."""
-    limit = state.context - (max_tokens or 1)
-    ids = state.fmt.encode_prompt_within(text, limit) if limit > 0 and len(text) <= state.max_prompt_chars else None
+    in pieces that stop once past the context (run it off the event loop: each piece releases the GIL).  A
+    prompt that fits the context is counted in full, so that :func:`check_context` names its real length."""
+    fits = len(text) <= state.max_prompt_chars
+    ids = state.fmt.encode_prompt_within(text, state.context) if fits else None
     if ids is None:
         raise context_exceeded(state, text, max_tokens, param)
     return ids
@@ -336,10 +366,14 @@ def check_context(state: ServerState, prompt_tokens: int, max_tokens: int | None
     room = state.context - prompt_tokens
     if max_tokens is None and room >= 1:
         return min(room, DEFAULT_MAX_TOKENS)
-    if max_tokens is None or prompt_tokens + max_tokens > state.context:
-        asked = f" + {max_tokens} max_tokens" if max_tokens is not None else ""
+    if max_tokens is None:
         raise APIError(400, f"the maximum context length is {state.context} tokens; the request has "
-                       f"{prompt_tokens} prompt tokens{asked}", param, "context_length_exceeded")
+                       f"{prompt_tokens} prompt tokens, which leave no room for a completion", param,
+                       "context_length_exceeded")
+    if prompt_tokens + max_tokens > state.context:
+        raise APIError(400, f"the maximum context length is {state.context} tokens; the request has "
+                       f"{prompt_tokens} prompt tokens + {max_tokens} max_tokens = {prompt_tokens + max_tokens}",
+                       param, "context_length_exceeded")
     return max_tokens
 
 
@@ -738,8 +772,14 @@ async def list_models(state: ServerState, request: Request, body: dict[str, Any]
 
 
 async def health(state: ServerState, request: Request, body: dict[str, Any]) -> Response:
+    """``{"status": "ok"}`` (200) or ``{"status": "error"}`` (503) for probes; the details (the engine's
+    state and last error, the model, the cache) only with the API key when one is set: they tell a stranger
+    what runs here and what went wrong."""
     engine = state.engine
-    if engine.error is not None:  # the loop died too often in a row; submit() refuses with 503 as well
+    status = 200 if engine.error is None else 503  # the loop died too often in a row; submit() refuses as well
+    if not has_api_key(state, request):
+        return JSONResponse({"status": "ok" if status == 200 else "error"}, status_code=status)
+    if engine.error is not None:
         return JSONResponse({"status": "error", "error": engine.error, **engine.status()}, status_code=503)
     ws = engine.model.workspace
     return JSONResponse({"status": "ok", "model": state.model_name, "kernels": ws.kernels, "threads": ws.threads,

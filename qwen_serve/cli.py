@@ -12,11 +12,14 @@ variable (which, unlike argv, ``ps`` does not show).  Errors print one line and 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import ipaddress
 import logging
 import os
 import socket
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from qwen_runtime.cli_support import (
     ArgumentParser,
@@ -33,9 +36,29 @@ from qwen_runtime.cli_support import (
 )
 from qwen_runtime.errors import QwenError
 
-from .protocol import MAX_BODY_BYTES
+from .protocol import MAX_BODY_BYTES, READ_TIMEOUT
 
 API_KEY_ENV = "QWEN_API_KEY"
+MAX_PORT = 65535
+
+
+def port(text: str) -> int:
+    """``--port``: a TCP port, 1 to 65535 (a larger number would wrap around, 0 picks any free port)."""
+    value = integer(text, 1, "a TCP port from 1 to 65535")
+    if value > MAX_PORT:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """``--read-timeout``: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def cache_size(text: str) -> int:
@@ -56,7 +79,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL", help="HF model directory, npy model directory, GGUF file or Hub id "
                    "ORG/NAME[:QUANT][@REVISION]")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--port", type=port, default=8000, help="TCP port, 1 to 65535 (default 8000)")
     p.add_argument("--max-batch", type=positive_int, default=8, help="rows decoded together (default 8)")
     p.add_argument("--max-queue", type=count, default=64,
                    help="requests waiting beyond the batch before the server answers 503 (default 64)")
@@ -84,6 +107,9 @@ def configure_parser() -> argparse.ArgumentParser:
     add_draft_option(p)
     p.add_argument("--max-body", type=positive_int, default=MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body accepted, in bytes (default %(default)s)")
+    p.add_argument("--read-timeout", type=seconds, default=READ_TIMEOUT, metavar="SECONDS",
+                   help="time a client has to send a request's headers, and then its body, before the "
+                   "connection is closed (the body: with 408) (default %(default)g)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's and the server's log level")
     add_machine_options(p)
@@ -99,7 +125,77 @@ def configure_parser() -> argparse.ArgumentParser:
     return p
 
 
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The start-up warning for a server reachable from other machines (``host`` is not only loopback
+    addresses) that answers anyone (no API key), else None."""
+    if api_key is not None:
+        return None
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except OSError:  # listen() says why
+        return None
+    if all(_is_loopback(address) for address in addresses):
+        return None
+    return (f"qwen-serve: warning: listening on {host}, beyond this machine, without an API key: anyone who "
+            f"reaches it can use the model (set --api-key or {API_KEY_ENV})")
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def server_config(app: Any, log_level: str, read_timeout: float) -> Any:
+    """uvicorn's Config for ``app``, with ``read_timeout`` (the app's for request bodies) on the request headers
+    too: uvicorn's own timeout covers only idle keep-alive connections, so a client sending its headers a byte
+    at a time would hold a connection as long as it likes."""
+    import uvicorn
+
+    return uvicorn.Config(app, log_level=log_level, lifespan="on", http=header_timeout_protocol(read_timeout))
+
+
+def header_timeout_protocol(timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol, closing a connection whose next request's headers are not complete within
+    ``timeout`` seconds of its opening or of the previous response."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeaderTimeoutProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            self.arm_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self.arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+            super().connection_lost(exc)
+
+        def arm_header_timer(self) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+            self.header_timer = self.loop.call_later(timeout, self.headers_late, self.cycle)
+
+        def headers_late(self, cycle: Any) -> None:
+            """No request began since the timer was armed (a running one has a new cycle, or its own
+            response still to complete)."""
+            waiting = self.cycle is cycle and (cycle is None or cycle.response_complete)
+            if waiting and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
+
+
 def run(args: argparse.Namespace) -> None:
+    warning = exposure_warning(args.host, args.api_key)
+    if warning:
+        print(warning, file=sys.stderr)
     if args.ray:
         require_extra("ray", "ray", "qwen-serve --ray")
         require_extra("starlette", "serve", "qwen-serve --ray")
@@ -119,12 +215,12 @@ def run(args: argparse.Namespace) -> None:
                      max_memory=args.max_memory, api_key=args.api_key, prefill_chunk=args.prefill_chunk,
                      max_context=args.max_context, max_body_bytes=args.max_body, cache_memory=args.cache_memory,
                      threads=args.threads, kernels=args.kernels, draft_tokens=args.draft, cache_dir=args.cache_dir,
-                     activations=args.activations, cache_turns=args.cache_turns)
+                     activations=args.activations, cache_turns=args.cache_turns, read_timeout=args.read_timeout)
     clamp_context("qwen-serve", args.max_context, app.state.server.engine.model.config.max_position_embeddings,
                   sys.stderr)
     host, port = sock.getsockname()[:2]
     logging.getLogger("qwen_serve").info(startup_banner(app, f"http://{host}:{port}"))
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+    uvicorn.Server(server_config(app, args.log_level, args.read_timeout)).run(sockets=[sock])
 
 
 def listen(host: str, port: int) -> socket.socket:

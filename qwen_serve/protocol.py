@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,12 @@ INVALID = "invalid_request_error"
 MAX_STOP_STRINGS = 16
 MAX_N = 128
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused with 413 (qwen-serve --max-body)
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into valid JSON
+READ_TIMEOUT = 30.0  # seconds for a request's headers, and then for its body (qwen-serve --read-timeout)
+# Request bodies nested deeper are refused: deep enough that a response_format schema reaches its own, more
+# precise check (qwen_runtime.structured.MAX_SCHEMA_DEPTH names what it allows), shallow enough that nothing
+# recursing over a body (the parser, the template's tojson) meets the interpreter's recursion limit of 1000.
+MAX_JSON_DEPTH = 640
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 RESERVED_TEMPLATE_KEYS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
@@ -42,7 +49,9 @@ def bad(param: str, message: str, code: str | None = "invalid_value") -> APIErro
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object (strict: UTF-8, no NaN/Infinity)."""
+    """The request body as a JSON object (strict: UTF-8, no NaN/Infinity, no lone surrogates, at most
+    :data:`MAX_JSON_DEPTH` levels deep): every way a body can be malformed is a 400, never an error later on
+    (a lone surrogate breaks encoding a prompt; deep nesting breaks the recursive code that reads it)."""
 
     def no_constants(name: str) -> None:
         raise ValueError(f"{name} is not valid JSON")
@@ -51,9 +60,41 @@ def parse_json(body: bytes) -> dict[str, Any]:
         value = json.loads(body.decode("utf-8"), parse_constant=no_constants)
     except (UnicodeDecodeError, ValueError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+    except RecursionError:
+        raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep", None,
+                       "invalid_json") from None
     if not isinstance(value, dict):
         raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
+    check_json_value(value, body)
     return value
+
+
+def check_json_value(value: Any, raw: bytes) -> None:
+    """Refuse nesting deeper than :data:`MAX_JSON_DEPTH` and strings with lone surrogates (``"\\ud800"`` is
+    valid JSON but no UTF-8 text), walking the value without recursion; a body with few brackets and no
+    surrogate escape (``raw`` says) needs no walk, so a long list of token ids costs nothing here."""
+    surrogates = SURROGATE_ESCAPE.search(raw) is not None
+    if not surrogates and raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep", None,
+                           "invalid_json")
+        children = item.items() if isinstance(item, dict) else enumerate(item)
+        for key, child in children:
+            if surrogates:
+                for text in (key, child):
+                    if isinstance(text, str) and not text.isascii():
+                        try:
+                            text.encode("utf-8")
+                        except UnicodeEncodeError as exc:
+                            raise APIError(400, "the request body is not valid JSON: a string has a lone "
+                                           f"surrogate (\\u{ord(text[exc.start]):04x})", None,
+                                           "invalid_json") from None
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
 
 
 # --- typed getters ---------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ uvicorn = pytest.importorskip("uvicorn", reason="qwen-serve needs the serve extr
 openai = pytest.importorskip("openai", reason="the serve tests use the official openai client (test extra)")
 
 from qwen_serve import create_app  # noqa: E402
+from qwen_serve.cli import server_config  # noqa: E402
 
 
 class RunningServer:
@@ -35,7 +36,7 @@ class RunningServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on")
+        config = server_config(self.app, "warning", self.app.state.server.read_timeout)  # qwen-serve's
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
@@ -71,6 +72,13 @@ class RunningServer:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.sock.close()
+
+
+def free_port() -> int:
+    """A port free now (for a command that must be given one: --port is 1 to 65535)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def http(method: str, url: str, body: bytes | dict | None = None,

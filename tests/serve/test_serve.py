@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from runtime_helpers import fixture_dir
-from serve_helpers import RunningServer, http, openai, running_server, scripted_qwen3, send_oversized
+from serve_helpers import RunningServer, free_port, http, openai, running_server, scripted_qwen3, send_oversized
 
 from qwen_runtime.errors import ResourceLimitError
 from qwen_serve import create_app
@@ -313,7 +313,7 @@ def test_api_key_is_required_when_set() -> None:
             chat(srv.client(api_key="wrong"), "hi", max_tokens=2)
         status, _, reply = http("GET", f"{srv.url}/v1/models")
         assert status == 401 and error_of(status, reply)["code"] == "invalid_api_key"
-        assert http("GET", f"{srv.url}/health")[0] == 200  # health stays open for probes
+        assert http("GET", f"{srv.url}/health")[0] == 200  # health stays open for probes (status only)
         assert chat(srv.client(api_key="sesame"), "hi", max_tokens=2).choices
 
 
@@ -524,10 +524,11 @@ def test_max_context_and_memory_bound_a_row() -> None:
 
 
 def test_cli_errors_are_one_line_with_the_exit_code(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "qwen_serve", str(tmp_path / "missing"), "--port", "0"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "qwen_serve", str(tmp_path / "missing"), "--port",
+                           str(free_port())], capture_output=True, text=True, timeout=60, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("qwen-serve: error:")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"qwen-serve: error: {tmp_path / 'missing'}: no such file")
 
 
 @pytest.mark.slow
@@ -535,7 +536,8 @@ def test_cli_banner_api_key_from_the_environment_and_a_busy_port(tmp_path) -> No
     """The banner says what runs where; QWEN_API_KEY guards /v1; a busy port is exit code 1 in one line, before
     the model loads (uvicorn's own startup failure was 3, README's code for an unsupported architecture)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "QWEN_API_KEY": "sesame"}
-    proc = subprocess.Popen([sys.executable, "-m", "qwen_serve", str(fixture_dir("qwen3-tiny")), "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "qwen_serve", str(fixture_dir("qwen3-tiny")), "--port",
+                             str(free_port())],
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     try:
         banner = []
