@@ -83,7 +83,8 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=positive_int, default=8, help="rows decoded together (default 8)")
     p.add_argument("--max-queue", type=count, default=64,
                    help="requests waiting beyond the batch before the server answers 503 (default 64)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 request "
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 request, "
+                   "/tokenize, /detokenize and /metrics, and for /health's details "
                    f"(default: the {API_KEY_ENV} environment variable, which ps does not show; else no key)")
     p.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
                    help="memory for cache and activations, e.g. 4G (default: 80%% of MemAvailable)")
