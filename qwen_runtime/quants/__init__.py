@@ -58,7 +58,7 @@ JIT_KERNELS: dict[QType, tuple[str, str]] = {
 
 # Integer-dot kernels with 8-bit activations (``Workspace.activations == "q8"``; other types keep their float kernel).
 JIT_Q8_KERNELS: dict[QType, tuple[str, str]] = {
-    QType.Q8_0: ("jit_int8", "Q8_0Int8Kernel"),
+    QType.Q8_0: ("jit_amx", "Q8_0AmxKernel"),  # prompts on AMX tiles where the CPU has them
     QType.Q4_0: ("jit_int8", "Q4_0Int8Kernel"),
     QType.Q5_0: ("jit_int8", "Q5_0Int8Kernel"),
     QType.Q4_1: ("jit_int8", "Q4_1Int8Kernel"),

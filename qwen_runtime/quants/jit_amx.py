@@ -33,13 +33,18 @@ from numba.core.errors import RequireLiteralValue
 from numba.extending import intrinsic
 
 from ..errors import KernelsError
+from ..pool import Scratch
 from .jit_base import F16_TABLE, FEATURES
+from .jit_int8 import Q8_0Int8Kernel
 from .jit_q8_act import quantize_rows
 from .q8_0 import Q8_0_BYTES
 from .q8_act import Q8_ACT_BLOCK, product_blockwise, q8_0_weights
 
 TILE = 16  # rows of an int32 result tile (and columns)
 ROWS = 2 * TILE  # activation rows and weight rows of one step (2 x 2 result tiles)
+# Activation rows from which a Q8_0AmxKernel product goes through the tiles: with fewer, the padding to 32 rows costs
+# more than the exact kernel's row products (measured crossover between 9 and 16 rows: docs/performance.md).
+AMX_MIN_ROWS = 16
 PACKED_BLOCK = ROWS * Q8_ACT_BLOCK  # bytes of one block of 32 weight rows in the VNNI layout (two 512-byte tiles)
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
 I8, I64 = ir.IntType(8), ir.IntType(64)
@@ -169,8 +174,8 @@ def load_i32(typingctx, address):  # noqa: ARG001
 def repack(raw, c0, table, packed, dw):
     """Weight rows ``c0 .. c0 + 31`` of Q8_0 ``raw`` [R, nb * 34] into ``packed`` int32 [nb, 2, 8, 16] (per block
     two 8 x 64-byte VNNI tiles: int32 ``[b, h, kk, j]`` is the 4 quants ``4 kk .. 4 kk + 3`` of row ``c0 + 16 h + j``)
-    and their scales into ``dw`` [nb, 32]; rows past the matrix as zeros.  Whole 4-byte groups, not bytes: the
-    byte-by-byte copy took a quarter of a product's time."""
+    and their scales into ``dw`` [nb, 32]; rows past the matrix as zeros.  Whole 4-byte groups, not bytes: a
+    byte-by-byte copy was a large share of a product's time."""
     nb, row_bytes = dw.shape[0], raw.shape[1]
     live = min(ROWS, raw.shape[0] - c0)
     base = raw.ctypes.data + c0 * row_bytes
@@ -273,3 +278,33 @@ def q8_0_q8_product(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> str:
     w, scales = q8_0_weights(raw)
     out[...] = product_blockwise(w, scales, q[:len(x)], d[:len(x)])
     return "reference"
+
+
+class AmxActivations(tuple):
+    """:meth:`Q8_0AmxKernel.prepare` of a prompt: (q, d) of :func:`quantized_padded`, for every tile's product."""
+
+
+class Q8_0AmxKernel(Q8_0Int8Kernel):
+    """Q8_0 with 8-bit activations (``activations="q8"``) whose prompts go through AMX tiles where
+    :func:`amx_available`: a product of :data:`AMX_MIN_ROWS` rows or more (not ``rowwise``) quantizes its
+    activations once (:meth:`prepare`) and multiplies each tile of weight rows by :func:`q8_0_amx_product`, the
+    numbers of :func:`.q8_act.product_blockwise` (where :class:`Q8_0Int8Kernel` takes the exact float kernel).
+    Fewer rows, ``rowwise`` products (the server's batch invariance) and CPUs without AMX: as
+    :class:`Q8_0Int8Kernel`."""
+
+    def prepare(self, x: np.ndarray, rowwise: bool = False) -> tuple:
+        if rowwise or len(x) < AMX_MIN_ROWS or not amx_available():
+            return super().prepare(x, rowwise)
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"activations of shape {x.shape} for a matrix of {self.in_features} columns")
+        prepared = AmxActivations(quantized_padded(x))
+        prepared.rows = len(x)
+        return prepared
+
+    def product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
+        if not isinstance(xk, AmxActivations):
+            super().product(r0, r1, xk, out, scratch)
+            return
+        if out.shape != (xk.rows, r1 - r0) or out.dtype != np.float32:
+            raise ValueError(f"output of shape {out.shape} for {xk.rows} rows and {r1 - r0} columns")
+        q8_0_amx_product(self.raw[r0:r1], *xk, out)

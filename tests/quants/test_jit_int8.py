@@ -29,7 +29,8 @@ from qwen_runtime.tensors import StoredTensor
 from qwen_runtime.weights import make_weight
 
 pytest.importorskip("numba")
-from qwen_runtime.quants.jit_base import F16_TABLE, GEMV_ROWS  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.quants.jit_amx import amx_available  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.quants.jit_base import F16_TABLE, GEMV_ROWS  # noqa: E402
 from qwen_runtime.quants.jit_int8 import (  # noqa: E402
     Int8Kernel,
     IQ4_NLInt8Kernel,
@@ -183,6 +184,9 @@ def test_rows_equal_alone_and_in_any_batch(qtype: QType) -> None:
                         Workspace(threads=1, kernels="numba")).kernel  # more rows than direct_rows: exact
     many = np.empty((len(x), 29), np.float32)
     exact.product(0, 29, exact.prepare(x), many, ws.scratch[0])
+    if qtype == QType.Q8_0 and amx_available():  # prompts on AMX tiles: the blockwise reference's numbers
+        w, scales = q8_act.q8_0_weights(raw)
+        many = q8_act.product_blockwise(w, scales, *q8_act.quantize_activations(x))
     assert np.array_equal(weight.matmul(x), many)
 
 
