@@ -67,6 +67,12 @@ MAX_REF_EXPANSIONS = 1024  # $ref expansions in one schema ($ref fan-out doubles
 MAX_NFA_STATES = 100_000  # states of the whole automaton: what every keyword above multiplies together
 COMPILE_SECONDS = 2.0  # wall-clock budget of one compilation (its dry run included)
 MASK_CACHE_BYTES = 64 * 1024 * 1024  # token masks kept, all schemas of a GrammarCache together (LRU)
+# What a GrammarCache may hold besides its masks, so that a server can count it against --max-memory before it
+# starts: the grammars it keeps (their automata's states together) and the compilations running at once (each
+# up to MAX_NFA_STATES).  A state's edge lists cost at most NFA_STATE_BYTES (checked by a test with tracemalloc).
+NFA_STATE_BYTES = 320
+GRAMMAR_CACHE_STATES = 2 * MAX_NFA_STATES
+COMPILE_SLOTS = 2
 
 
 class SchemaError(QwenError, ValueError):
@@ -750,11 +756,12 @@ class JsonConstraint:
 
 
 class GrammarCache:
-    """Compiled grammars of one vocabulary, the most recently used ``size`` kept, their token masks together
-    within ``mask_bytes``.
+    """Compiled grammars of one vocabulary, the most recently used ``size`` kept (their automata within
+    :data:`GRAMMAR_CACHE_STATES` states together), their token masks together within ``mask_bytes``.
 
-    Only look-ups hold the lock: compilations run side by side (each within its own :class:`Budget`), so a
-    slow schema never holds back another one, and a schema that fails is never stored.
+    Only look-ups hold the lock: up to :data:`COMPILE_SLOTS` compilations run side by side (each within its own
+    :class:`Budget`), so a slow schema never holds back another one, and a schema that fails is never stored.
+    Its memory is bounded by :meth:`reserve`.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, size: int = 16,
@@ -765,6 +772,13 @@ class GrammarCache:
         self._grammars: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
         self._vocab_lock = threading.Lock()
+        self._compiling = threading.BoundedSemaphore(COMPILE_SLOTS)
+
+    def reserve(self) -> int:
+        """Bytes this cache may hold at most: its masks, the automata of the grammars it keeps and of the
+        compilations running (what a server counts against its memory budget; the vocabulary's own tables,
+        made once, come on top)."""
+        return self.masks.max_bytes + (GRAMMAR_CACHE_STATES + COMPILE_SLOTS * MAX_NFA_STATES) * NFA_STATE_BYTES
 
     def get(self, schema: dict[str, Any] | None, tools: Sequence[dict[str, Any]] | None = None,
             xml: bool = False) -> Grammar:
@@ -777,11 +791,14 @@ class GrammarCache:
             if grammar is not None:
                 self._grammars.move_to_end(key)
                 return grammar
-        grammar = Grammar(schema, self.vocabulary(), tools, xml, self.masks)
-        grammar.mask(grammar.start)
+        vocabulary = self.vocabulary()
+        with self._compiling:
+            grammar = Grammar(schema, vocabulary, tools, xml, self.masks)
+            grammar.mask(grammar.start)
         with self._lock:
             self._grammars[key] = grammar
-            while len(self._grammars) > self.size:
+            while len(self._grammars) > 1 and (len(self._grammars) > self.size or sum(
+                    g.nfa.size for g in self._grammars.values()) > GRAMMAR_CACHE_STATES):
                 self._grammars.popitem(last=False)
         return grammar
 

@@ -33,8 +33,8 @@ from starlette.routing import Route
 import qwen_runtime
 from qwen_runtime import hub
 from qwen_runtime.chat import ChatFormat, chat_format
-from qwen_runtime.errors import TemplateError
-from qwen_runtime.limits import format_bytes
+from qwen_runtime.errors import ResourceLimitError, TemplateError
+from qwen_runtime.limits import default_memory_limit, format_bytes
 from qwen_runtime.models import Model
 from qwen_runtime.stepper import Constraint, FinishReason
 from qwen_runtime.structured import GrammarCache, JsonConstraint, SchemaError, SchemaLimitError
@@ -146,15 +146,16 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
     text_ids = frozenset(i for t in (THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE)
                          if (i := fmt.tokenizer.token_id(t)) is not None)
     metrics = Metrics()
+    grammars = GrammarCache(fmt.tokenizer, model.config.vocab_size)
     engine = Engine(model, fmt.tokenizer, fmt.stop_ids, max_batch=max_batch, max_queue=max_queue,
-                    max_memory=max_memory, prefill_chunk=prefill_chunk, max_context=max_context, text_ids=text_ids,
-                    metrics=metrics, cache_memory=cache_memory, draft_tokens=draft_tokens, cache_dir=cache_dir,
-                    cache_turns=cache_turns)
+                    max_memory=engine_memory(max_memory, grammars), prefill_chunk=prefill_chunk,
+                    max_context=max_context, text_ids=text_ids, metrics=metrics, cache_memory=cache_memory,
+                    draft_tokens=draft_tokens, cache_dir=cache_dir, cache_turns=cache_turns)
     engine_gauges(metrics, engine)
     name = model_name or hub.model_name(model.path)
     state = ServerState(engine, fmt, name, generation_defaults(model), api_key, max_body_bytes, int(time.time()),
                         max_prompt_chars(engine.context, fmt.tokenizer), metrics,
-                        GrammarCache(fmt.tokenizer, model.config.vocab_size), read_timeout)
+                        grammars, read_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -177,6 +178,17 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.server = state
     return app
+
+
+def engine_memory(max_memory: int | None, grammars: GrammarCache) -> int:
+    """The engine's share of ``--max-memory`` (default :func:`~qwen_runtime.limits.default_memory_limit`):
+    what structured output may hold (:meth:`~qwen_runtime.structured.GrammarCache.reserve`) is set aside first,
+    so compiled schemas and their token masks can never push the server past the limit."""
+    limit = default_memory_limit() if max_memory is None else max_memory
+    if limit <= grammars.reserve():
+        raise ResourceLimitError(f"--max-memory {format_bytes(limit)} leaves nothing for the cache once structured "
+                                 f"output's {format_bytes(grammars.reserve())} is set aside")
+    return limit - grammars.reserve()
 
 
 def weight_types(model: Model) -> str:
@@ -211,7 +223,8 @@ def startup_banner(app: Starlette, url: str) -> str:
         f"  memory budget {format_bytes(engine.memory_limit)} for cache and activations "
         f"({format_bytes(engine.activations)} of activations; prefix cache up to "
         f"{format_bytes(engine.prefix.capacity) if engine.prefix else 'off'}"
-        f"{', with turns' if engine.prefix and engine.prefix.turns else ''})" + disk_note(engine),
+        f"{', with turns' if engine.prefix and engine.prefix.turns else ''}), and "
+        f"{format_bytes(state.grammars.reserve())} for structured output" + disk_note(engine),
         f"  kernels: {ws.kernels} ({products}), {ws.threads} threads"
         + (", 8-bit activations" if ws.activations == "q8" else ""),
         *([f"  speculative decoding: up to {engine.draft_tokens} prompt-lookup drafts per step for greedy requests"

@@ -245,3 +245,67 @@ def test_masks_are_made_lazily_and_kept_within_their_budget(vocab) -> None:
         tokens.append(token)
     assert 30 <= len(json.loads(tok.decode(tokens, skip_special=False))["text"]) <= 40
     assert 1 < len(cache.masks) < len(grammar._members)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"text": {"type": "string", "maxLength": 4096}}},
+    {"type": "array", "maxItems": 200, "items": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    {"enum": [f"value-{i}-abcdef" for i in range(1000)]},
+])
+def test_an_nfa_state_costs_at_most_its_reserved_bytes(schema) -> None:
+    """GrammarCache.reserve counts NFA_STATE_BYTES per state of every automaton it may hold: measured here."""
+    import tracemalloc
+
+    from qwen_runtime.structured import NFA_STATE_BYTES, Nfa, _Compiler
+
+    tracemalloc.start()
+    try:
+        nfa = Nfa()
+        _Compiler(nfa, schema).value(schema, nfa.whitespace(nfa.new()), "schema")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert nfa.size > 10_000 and peak <= NFA_STATE_BYTES * nfa.size
+
+
+def test_the_cache_keeps_its_grammars_within_their_states(vocab, monkeypatch) -> None:
+    import qwen_runtime.structured as structured
+
+    cache = GrammarCache(vocab[0], 151936)
+    one = cache.get({"type": "string", "maxLength": 100, "title": "probe"}).nfa.size
+    monkeypatch.setattr(structured, "GRAMMAR_CACHE_STATES", 3 * one)
+    schemas = [{"type": "string", "maxLength": 100, "title": f"s{i}"} for i in range(6)]
+    for schema in schemas:
+        cache.get(schema)
+        assert sum(g.nfa.size for g in cache._grammars.values()) <= 3 * one
+    assert schemas[-1] in cache and schemas[0] not in cache
+
+
+def test_no_more_than_the_compile_slots_compile_at_once(vocab, monkeypatch) -> None:
+    """The memory GrammarCache.reserve sets aside for compilations holds: a third compilation waits."""
+    import qwen_runtime.structured as structured
+
+    cache = GrammarCache(vocab[0], 151936)
+    cache.vocabulary()
+    running, peak, lock, release = [0], [0], threading.Lock(), threading.Event()
+    real = structured.Grammar
+
+    def counted(*args, **kwargs):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        release.wait(30)
+        with lock:
+            running[0] -= 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(structured, "Grammar", counted)
+    threads = [threading.Thread(target=cache.get, args=({"type": "integer", "title": f"t{i}"},)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    assert peak[0] == structured.COMPILE_SLOTS
+    release.set()
+    for t in threads:
+        t.join()
+    assert peak[0] == structured.COMPILE_SLOTS

@@ -191,7 +191,7 @@ def ray_server(ray_instance: object) -> RayServed:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(deployment(fixture("qwen3-tiny"), replicas=2, num_cpus=0.5, max_batch=16, max_queue=8,
-                         max_memory=256 << 20), name="qwen-serve", route_prefix="/")
+                         max_memory=512 << 20), name="qwen-serve", route_prefix="/")
     yield RayServed(port)
     serve.shutdown()
 

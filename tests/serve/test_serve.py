@@ -523,6 +523,21 @@ def test_max_context_and_memory_bound_a_row() -> None:
         create_app(fixture_dir("qwen3-tiny"), max_memory=1 << 20)
 
 
+def test_structured_outputs_memory_is_counted_against_max_memory() -> None:
+    """Issue 42: what compiled schemas and their masks may hold is set aside from --max-memory before the engine
+    sizes its rows, and the banner says so."""
+    from qwen_serve.app import startup_banner
+
+    app = create_app(fixture_dir("qwen3-tiny"), max_memory=1 << 30)
+    state = app.state.server
+    reserve = state.grammars.reserve()
+    assert 64 << 20 <= reserve < 1 << 30
+    assert state.engine.memory_limit == (1 << 30) - reserve
+    assert "for structured output" in startup_banner(app, "http://127.0.0.1:1")
+    with pytest.raises(ResourceLimitError, match="structured output"):
+        create_app(fixture_dir("qwen3-tiny"), max_memory=reserve)
+
+
 def test_cli_errors_are_one_line_with_the_exit_code(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "qwen_serve", str(tmp_path / "missing"), "--port",
                            str(free_port())], capture_output=True, text=True, timeout=60, cwd=ROOT,
