@@ -100,6 +100,17 @@ def reference(family_model) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.mark.slow
+def restarted_answer(model, cache_dir: Path, prompt, caplog: pytest.LogCaptureFixture) -> tuple[object, dict]:
+    """A new engine on ``cache_dir`` (its warnings captured): its answer to ``prompt`` and its prefix-cache
+    status."""
+    with caplog.at_level(logging.WARNING, logger="qwen_serve"):
+        engine = make_engine(model, cache_dir=cache_dir)
+    try:
+        return ask(engine, prompt), engine.status()["prefix_cache"]
+    finally:
+        engine.stop()
+
+
 def test_a_restarted_engine_starts_with_the_cached_prefixes(family_model, reference, tmp_path: Path) -> None:
     """Turn 1 in one engine, turn 2 in a new one on a freshly loaded model: turn 2 restores turn 1's 4 blocks from
     disk (for Qwen3.5 the Gated DeltaNet state checkpoint too) and its greedy tokens and logprobs are bit-identical
@@ -135,13 +146,8 @@ def test_a_damaged_file_is_skipped_with_a_warning(family_model, reference, tmp_p
     target.write_bytes({"corrupt": raw[:len(raw) // 2] + bytes(b ^ 0xFF for b in raw[len(raw) // 2:][:64])
                                    + raw[len(raw) // 2 + 64:],
                         "truncated": raw[:len(raw) - 100], "empty": b"", "garbage": b"PK\x03\x04" + raw[:50]}[damage])
-    with caplog.at_level(logging.WARNING, logger="qwen_serve"):
-        engine = make_engine(model, cache_dir=tmp_path)
-    try:
-        assert ask(engine, second) == reference
-        status = engine.status()["prefix_cache"]
-    finally:
-        engine.stop()
+    answer, status = restarted_answer(model, tmp_path, second, caplog)
+    assert answer == reference
     assert any(target.name in r.getMessage() and "skipping" in r.getMessage() for r in caplog.records)
     assert status["disk"]["loaded"] == restored and status["disk"]["skipped"] == 1
     assert status["hit_tokens"] == restored * BLOCK and status["hits"] == (restored > 0)
@@ -441,13 +447,8 @@ def test_an_altered_block_is_rejected_and_does_not_change_the_answer(family_mode
     with open(target, "wb") as handle:
         np.savez(handle, **arrays)
     altered = target.read_bytes()
-    with caplog.at_level(logging.WARNING, logger="qwen_serve"):
-        engine = make_engine(model, cache_dir=tmp_path)
-    try:
-        assert ask(engine, second) == reference
-        status = engine.status()["prefix_cache"]
-    finally:
-        engine.stop()
+    answer, status = restarted_answer(model, tmp_path, second, caplog)
+    assert answer == reference
     assert status["disk"]["loaded"] == 2 and status["disk"]["skipped"] == 1 and status["hit_tokens"] == 2 * BLOCK
     assert any(target.name in r.getMessage() and "checksum" in r.getMessage() for r in caplog.records)
     assert target.read_bytes() != altered  # deleted, then written again by turn 2's prefill
