@@ -7,7 +7,8 @@ block has its own weight scale ``d_w`` and activation scale ``d_x``, so the tile
 time: per block, four ``tdpbssd`` (32 activation rows x 32 weight rows), the four int32 tiles stored to a 4 KiB
 scratch and added into float32 accumulators as ``acc = acc + f32(sum) * (d_w * d_x)``, every operation rounded
 (no fused add): :func:`.q8_act.product_blockwise`'s operations in its order, so the result equals that reference
-bit for bit.
+bit for bit.  That float step is written as IR (:func:`scale_add`), so the block loop compiles to the 16 tile
+instructions then 64 straight-line ``vcvtdq2ps``/``vmulps``/``vaddps`` pairs on zmm (``inspect_asm``).
 
 Blocking: 32 weight rows are repacked once from their stored blocks into the VNNI layout (``nb`` x 1 KiB, with
 their scales widened to float32) and used by every 32-row tile of activations (the activations, quantized once
@@ -159,6 +160,36 @@ def dpbssd(typingctx, dst, a, b):  # noqa: ARG001
     return types.void(dst, a, b), codegen
 
 
+@intrinsic
+def scale_add(typingctx, acc, sums, dw, dx, dx_stride):  # noqa: ARG001
+    """``acc[i, j] = acc[i, j] + f32(sums[i, j]) * (dw[j] * dx[i])`` for a 32 x 32 step, every operation rounded
+    (no fast-math flags, so LLVM fuses nothing): ``acc`` float32 and ``sums`` int32 [32, 32] at those addresses,
+    ``dw`` float32 [32], ``dx[i]`` the float32 at ``dx + i * dx_stride`` (all int64).  Written as IR, unrolled: 64
+    zmm conversions, scalings and adds with no aliasing checks between the arrays (numba's loop kept one per row
+    and scalar fallbacks)."""
+    def codegen(context, builder, signature, args):
+        f32, i32 = ir.FloatType(), ir.IntType(32)
+        v16f, v16i = ir.VectorType(f32, TILE), ir.VectorType(i32, TILE)
+        acc_p = builder.inttoptr(args[0], v16f.as_pointer())
+        sums_p = builder.inttoptr(args[1], v16i.as_pointer())
+        dw_p = builder.inttoptr(args[2], v16f.as_pointer())
+        dw = [builder.load(builder.gep(dw_p, [I64(h)]), align=4) for h in range(2)]
+        zeros = ir.Constant(ir.VectorType(i32, TILE), [0] * TILE)
+        for i in range(ROWS):
+            at = builder.add(args[3], builder.mul(args[4], I64(i)))
+            dx = builder.load(builder.inttoptr(at, f32.as_pointer()), align=4)
+            dx16 = builder.shuffle_vector(builder.insert_element(ir.Constant(v16f, ir.Undefined), dx, i32(0)),
+                                          ir.Constant(v16f, ir.Undefined), zeros)
+            for h in range(2):
+                k = I64(2 * i + h)
+                total = builder.sitofp(builder.load(builder.gep(sums_p, [k]), align=4), v16f)
+                term = builder.fmul(total, builder.fmul(dw[h], dx16))
+                lanes = builder.gep(acc_p, [k])
+                builder.store(builder.fadd(builder.load(lanes, align=4), term), lanes, align=4)
+        return context.get_dummy_value()
+    return types.void(acc, sums, dw, dx, dx_stride), codegen
+
+
 amx_jit = numba.njit(nogil=True, cache=True)  # compiled on first use only (where amx_available())
 
 
@@ -202,9 +233,10 @@ def q8_0_amx(raw, q, d, table, cfg, out):
     nb = cols // Q8_ACT_BLOCK
     packed = np.empty((nb, 2, Q8_ACT_BLOCK // 4, TILE), np.int32)
     dw = np.empty((nb, ROWS), np.float32)
-    c = np.empty((ROWS, ROWS), np.int32)
-    acc = np.empty((ROWS, ROWS), np.float32)
+    work = np.empty((2, ROWS, ROWS), np.float32)  # one buffer: alive while acc is (c is only used by address)
+    acc, c = work[0], work[1].view(np.int32)
     qa, pa, ca = q.ctypes.data, packed.ctypes.data, c.ctypes.data
+    aa, dwa, da = acc.ctypes.data, dw.ctypes.data, d.ctypes.data
     ldtilecfg(cfg.ctypes.data)
     for c0 in range(0, rows, ROWS):
         repack(raw, c0, table, packed, dw)
@@ -228,10 +260,7 @@ def q8_0_amx(raw, q, d, table, cfg, out):
                 tilestore(5, ca + 4 * TILE, 4 * ROWS)
                 tilestore(6, ca + 4 * ROWS * TILE, 4 * ROWS)
                 tilestore(7, ca + 4 * ROWS * TILE + 4 * TILE, 4 * ROWS)
-                for i in range(ROWS):
-                    dx = d[i0 + i, b]
-                    for j in range(ROWS):
-                        acc[i, j] = acc[i, j] + np.float32(c[i, j]) * (dw[b, j] * dx)
+                scale_add(aa, ca, dwa + b * 4 * ROWS, da + (i0 * nb + b) * 4, 4 * nb)
             for i in range(min(ROWS, m - i0)):
                 for j in range(min(ROWS, rows - c0)):
                     out[i0 + i, c0 + j] = acc[i, j]
@@ -261,8 +290,8 @@ def q8_0_amx_product(raw: np.ndarray, q: np.ndarray, d: np.ndarray, out: np.ndar
     if not amx_available():
         raise KernelsError("AMX int8 tiles are not available here (CPU, compiler target or kernel permission)")
     nb = raw.shape[1] // Q8_0_BYTES
-    if (q.shape != (len(q), nb * Q8_ACT_BLOCK) or len(q) % ROWS or len(out) > len(q)
-            or out.shape[1] != len(raw)):
+    if (q.shape != (len(q), nb * Q8_ACT_BLOCK) or len(q) % ROWS or len(out) > len(q) or out.shape[1] != len(raw)
+            or d.shape != (len(q), nb) or d.dtype != np.float32 or not (q.flags.c_contiguous and d.flags.c_contiguous)):
         raise ValueError(f"Q8_0 AMX product of {raw.shape} stored rows, activations {q.shape}, output {out.shape}")
     q8_0_amx(raw.view(np.uint8), q, d, F16_TABLE, _config(), out)
 
