@@ -34,7 +34,7 @@ from qwen_runtime.chat import token_text
 from qwen_runtime.config import ModelConfig
 from qwen_runtime.errors import FormatError, UnsupportedTokenizerError
 from qwen_runtime.formats.base import read_json_file
-from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key
+from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key, rope_scaling_metadata
 from qwen_runtime.tokenizer import GPT2_PATTERN, IGNORE_MERGES, PRE_PATTERNS
 
 from .policy import file_type
@@ -62,6 +62,8 @@ def add_model_metadata(writer: GGUFWriter, config: ModelConfig, dtype: str, name
         if row.written_for(config.arch):
             value_type, sub_type = (GGUFValueType.ARRAY, row.type) if row.array else (row.type, None)
             writer.add_key_value(gguf_key(row.key, config.arch), row.value(config), value_type, sub_type=sub_type)
+    for key, value_type, value in rope_scaling_metadata(config):
+        writer.add_key_value(key, value, value_type)
 
 
 def tokenizer_pre(config: ModelConfig, tokenizer: dict[str, Any], tokenizer_config: dict[str, Any],

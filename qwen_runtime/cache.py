@@ -27,6 +27,7 @@ from typing import Protocol
 import numpy as np
 
 from .ops import rope_cos_sin
+from .rope import RopeScaling
 
 
 @dataclass(frozen=True)
@@ -107,12 +108,13 @@ class BatchState:
     def end(self) -> int:
         return self.start + self.length
 
-    def rotary(self, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    def rotary(self, rotary_dim: int, theta: float,
+               scaling: RopeScaling | None = None) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin of the new tokens' rotary angles (:func:`~qwen_runtime.ops.rope_cos_sin`), once per
         pass.  # 2 x [B, T, r/2] float32"""
-        key = ("rotary", rotary_dim, theta)
+        key = ("rotary", rotary_dim, theta, scaling)
         if key not in self._memo:
-            self._memo[key] = rope_cos_sin(self.positions, rotary_dim, theta)
+            self._memo[key] = rope_cos_sin(self.positions, rotary_dim, theta, scaling)
         return self._memo[key]
 
     def hidden(self, q0: int = 0, q1: int | None = None) -> np.ndarray | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from .archs import ARCHS, FULL_ATTENTION, LINEAR_ATTENTION, ArchSpec
 from .errors import ConfigError
+from .rope import RopeScaling
 
 # Sanity bounds on untrusted configs: far above any real Qwen model, low enough that nothing sized from a
 # config (layer lists, tensor tables, caches) can be absurd before a file or memory check sees it.
@@ -50,6 +51,7 @@ class ModelConfig:
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     mrope_sections: tuple[int, ...] = ()
+    rope_scaling: RopeScaling | None = None  # None: the frequencies as trained (:mod:`qwen_runtime.rope`)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -89,6 +91,13 @@ class ModelConfig:
                                   f"got {getattr(self, name)}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError("config: linear_num_value_heads must be a multiple of linear_num_key_heads")
+
+    @property
+    def context_window(self) -> int:
+        """The longest context the model runs: its ``max_position_embeddings``, or the scaled window of its
+        rope scaling when that is longer (Qwen2.5's configs keep 32768 there and ask for YaRN x4)."""
+        scaled = self.rope_scaling.context if self.rope_scaling is not None else 0
+        return min(max(self.max_position_embeddings, scaled), MAX_CONTEXT)
 
     @property
     def spec(self) -> ArchSpec:

@@ -21,8 +21,10 @@ from gguf import GGUFValueType, Keys
 
 from .archs import FULL_ATTENTION, LINEAR_ATTENTION, QWEN2, QWEN3, QWEN35, layer_types_from_interval
 from .errors import ConfigError
+from .rope import ROPE_SCALING_TYPES, YARN, YARN_BETA_FAST, YARN_BETA_SLOW, RopeScaling
 
 UINT32, FLOAT32, INT32, BOOL = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.INT32, GGUFValueType.BOOL
+STRING = GGUFValueType.STRING
 # gguf 0.19 (our dependency) predates this key; llama.cpp's gguf-py names it Keys.Attention.RECURRENT_LAYERS.
 RECURRENT_LAYERS = getattr(Keys.Attention, "RECURRENT_LAYERS", "{arch}.attention.recurrent_layers")
 ALL = (QWEN2, QWEN3, QWEN35)
@@ -127,3 +129,62 @@ MODEL_KEYS: tuple[ModelKey, ...] = (
     ModelKey(RECURRENT_LAYERS, BOOL, "layer_types", (QWEN35,), _layer_types_from_interval,
              encode=lambda c: [t == LINEAR_ATTENTION for t in c.layer_types], decode=_layer_types, array=True),
 )
+
+
+# RoPE scaling (:mod:`qwen_runtime.rope`) is one optional group of keys rather than rows of the table: llama.cpp's
+# converter writes them only for a config.json with rope_scaling, type and factor always, YaRN's original context
+# always, and YaRN's betas and attention factor only where config.json gives them (llama.cpp's defaults are
+# transformers' otherwise).  Its rope.scaling.yarn_ext_factor (1 for YaRN) and yarn_log_multiplier (DeepSeek's
+# mscale_all_dim) have no counterpart in Qwen's configs: a file setting them otherwise is refused.
+YARN_KEYS = (Keys.Rope.SCALING_YARN_BETA_FAST, Keys.Rope.SCALING_YARN_BETA_SLOW, Keys.Rope.SCALING_YARN_ATTN_FACTOR)
+
+
+def rope_scaling_metadata(config: Config) -> list[tuple[str, GGUFValueType, Any]]:
+    """(key, type, value) of the ``rope.scaling.*`` keys a file of ``config`` stores (none without scaling)."""
+    scaling: RopeScaling | None = config.rope_scaling
+    if scaling is None:
+        return []
+    arch = config.arch
+    out = [(gguf_key(Keys.Rope.SCALING_TYPE, arch), STRING, scaling.type),
+           (gguf_key(Keys.Rope.SCALING_FACTOR, arch), FLOAT32, scaling.factor)]
+    if scaling.type != YARN:
+        return out
+    if not scaling.truncate:
+        raise ConfigError("rope_scaling.truncate is false, which GGUF cannot say (llama.cpp always truncates)")
+    out.append((gguf_key(Keys.Rope.SCALING_ORIG_CTX_LEN, arch), UINT32, scaling.original_context))
+    given = dict(zip(YARN_KEYS, (scaling.beta_fast, scaling.beta_slow, scaling.attention_factor), strict=True))
+    defaults = dict(zip(YARN_KEYS, (YARN_BETA_FAST, YARN_BETA_SLOW, None), strict=True))
+    out += [(gguf_key(key, arch), FLOAT32, value) for key, value in given.items() if value != defaults[key]]
+    return out
+
+
+def rope_scaling_from_metadata(meta: Mapping[str, Any], arch: str, context_length: int) -> RopeScaling | None:
+    """The :class:`RopeScaling` of a file's ``rope.scaling.*`` keys, read as llama.cpp reads them (the original
+    context defaults to the context length); None for type ``none`` or no type.  ConfigError names the key."""
+    def value(template: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+        key = gguf_key(template, arch)
+        got = meta.get(key, default)
+        if got is not None and (not isinstance(got, kind) or isinstance(got, bool)):
+            raise ConfigError(f"metadata key {key!r} should be {getattr(kind, '__name__', 'a number')}, got {got!r}")
+        return got
+
+    number = (int, float)
+    kind = value(Keys.Rope.SCALING_TYPE, str)
+    if kind is None or kind == "none":
+        return None
+    if kind not in ROPE_SCALING_TYPES:
+        raise ConfigError(f"metadata key {gguf_key(Keys.Rope.SCALING_TYPE, arch)!r} is {kind!r}; supported: none, "
+                          f"{', '.join(ROPE_SCALING_TYPES)}")
+    for template, neutral in ((Keys.Rope.SCALING_YARN_EXT_FACTOR, 1.0), (Keys.Rope.SCALING_YARN_LOG_MUL, 0.0)):
+        if value(template, number, neutral) != neutral:
+            raise ConfigError(f"metadata key {gguf_key(template, arch)!r} = {value(template, number)} is not "
+                              f"supported (only {neutral})")
+    factor = value(Keys.Rope.SCALING_FACTOR, number)
+    if factor is None:
+        raise ConfigError(f"missing metadata key {gguf_key(Keys.Rope.SCALING_FACTOR, arch)!r}")
+    original = value(Keys.Rope.SCALING_ORIG_CTX_LEN, int, context_length) or context_length
+    attention = value(Keys.Rope.SCALING_YARN_ATTN_FACTOR, number)
+    return RopeScaling(kind, float(factor), original, float(value(Keys.Rope.SCALING_YARN_BETA_FAST, number,
+                                                                  YARN_BETA_FAST)),
+                       float(value(Keys.Rope.SCALING_YARN_BETA_SLOW, number, YARN_BETA_SLOW)),
+                       None if attention is None else float(attention))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .rope import RopeScaling
+
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis, into ``out`` if given (which may be ``x``).
@@ -56,15 +58,25 @@ def softmax(x: np.ndarray, axis: int = -1, out: np.ndarray | None = None) -> np.
     return out
 
 
-def rope_inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
-    """``theta ** (-2j / r)`` for ``j < r / 2``, float64 for accurate angles.  # [r/2]"""
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """``theta ** (-2j / r)`` for ``j < r / 2`` (scaled by ``scaling``: :mod:`.rope`), float64 for accurate
+    angles.  # [r/2]"""
+    if scaling is not None:
+        return scaling.inv_freq(rotary_dim, theta)
     return 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
 
 
-def rope_cos_sin(positions: np.ndarray, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of ``position * inv_freq``.  # [B, T] -> 2 x [B, T, r/2] float32"""
-    angles = positions[..., None].astype(np.float64) * rope_inv_freq(rotary_dim, theta)  # [B, T, r/2]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+def rope_cos_sin(positions: np.ndarray, rotary_dim: int, theta: float,
+                 scaling: RopeScaling | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of ``position * inv_freq``, times YaRN's attention scale when ``scaling`` has one (as
+    transformers scales them).  # [B, T] -> 2 x [B, T, r/2] float32"""
+    angles = positions[..., None].astype(np.float64) * rope_inv_freq(rotary_dim, theta, scaling)  # [B, T, r/2]
+    cos, sin = np.cos(angles), np.sin(angles)  # [B, T, r/2]
+    scale = 1.0 if scaling is None else scaling.attention_scale
+    if scale != 1.0:
+        cos *= scale
+        sin *= scale
+    return cos.astype(np.float32), sin.astype(np.float32)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

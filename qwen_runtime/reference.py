@@ -29,6 +29,7 @@ from gguf import MODEL_TENSOR
 from .config import ModelConfig
 from .formats import ModelFiles
 from .naming import tensor_name
+from .rope import RopeScaling
 
 Weights = Callable[..., np.ndarray]  # (kind, layer=None, suffix=".weight") -> float64 array
 L2_EPS = 1e-6  # inside the root of the q/k l2 norm of Gated DeltaNet (transformers' value)
@@ -69,11 +70,15 @@ def softmax(x: np.ndarray) -> np.ndarray:  # over the last axis
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def rope(x: np.ndarray, rotary_dim: int, theta: float) -> np.ndarray:  # [heads, T, hd] -> [heads, T, hd]
-    """Rotate the first ``rotary_dim`` dims of each head, pairing dim j with j + rotary_dim/2 (docs §3.2)."""
+def rope(x: np.ndarray, rotary_dim: int, theta: float,
+         scaling: RopeScaling | None = None) -> np.ndarray:  # [heads, T, hd] -> [heads, T, hd]
+    """Rotate the first ``rotary_dim`` dims of each head, pairing dim j with j + rotary_dim/2 (docs §3.2); with
+    ``scaling`` (:mod:`.rope`: linear or YaRN) its frequencies, and cos/sin times YaRN's attention scale."""
     half = rotary_dim // 2
-    angles = np.arange(x.shape[1])[:, None] * theta ** (-np.arange(half) * 2 / rotary_dim)  # [T, r/2]
-    cos, sin = np.cos(angles), np.sin(angles)  # [T, r/2]
+    inv_freq = theta ** (-np.arange(half) * 2 / rotary_dim) if scaling is None else scaling.inv_freq(rotary_dim, theta)
+    angles = np.arange(x.shape[1])[:, None] * inv_freq  # [T, r/2]
+    scale = 1.0 if scaling is None else scaling.attention_scale
+    cos, sin = scale * np.cos(angles), scale * np.sin(angles)  # [T, r/2]
     x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]  # [heads, T, r/2 | r/2 | hd-r]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)  # [heads, T, hd]
 
@@ -99,7 +104,7 @@ def attention(x: np.ndarray, w: Weights, c: ModelConfig, i: int) -> np.ndarray: 
     if c.spec.qk_norm:  # Qwen3, Qwen3.5: one RMSNorm weight shared by all heads, before RoPE
         q = rms_norm(q, w(MODEL_TENSOR.ATTN_Q_NORM, i), c.rms_norm_eps)  # [nh, T, hd]
         k = rms_norm(k, w(MODEL_TENSOR.ATTN_K_NORM, i), c.rms_norm_eps)  # [nkv, T, hd]
-    q, k = rope(q, c.rotary_dim, c.rope_theta), rope(k, c.rotary_dim, c.rope_theta)  # [nh | nkv, T, hd]
+    q, k = (rope(a, c.rotary_dim, c.rope_theta, c.rope_scaling) for a in (q, k))  # [nh | nkv, T, hd]
     group = nh // nkv  # query head h reads key-value head h // group
     k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)  # [nh, T, hd]
     scores = q @ k.transpose(0, 2, 1) / np.sqrt(hd)  # [nh, T, T]

@@ -22,7 +22,7 @@ from qwen_runtime.config import ModelConfig
 from qwen_runtime.errors import UnsupportedTokenizerError
 from qwen_runtime.formats.base import TOKENIZER_FILES, V_HEAD_GROUPED, V_HEAD_TILED, ModelFiles
 from qwen_runtime.formats.gguf_config import is_metadata_array, metadata_array, without_mtp_blocks
-from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key
+from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key, rope_scaling_metadata
 
 from ..gguf_metadata import special_vocab, token_table, tokenizer_pre
 from ..policy import DTYPES
@@ -90,6 +90,9 @@ def gguf_model_checks(meta: dict[str, Any], config: ModelConfig) -> list[Metadat
         if arch in row.archs:
             default = row.default(fields, meta) if row.default is not None else ...
             checks.append(_key_check(gguf_key(row.key, arch), row.value(config), meta, default))
+    checks += [_key_check(key, value, meta) for key, _, value in rope_scaling_metadata(config)]
+    if config.rope_scaling is None:
+        checks.append(_key_check(gguf_key(Keys.Rope.SCALING_TYPE, arch), "none", meta, "none"))
     return checks
 
 

@@ -13,7 +13,7 @@ from gguf import GGUFValueType, Keys
 from ..archs import SUPPORTED_ARCHS
 from ..config import MAX_LAYERS, ModelConfig, build_config, check_layer_count
 from ..errors import ConfigError, UnsupportedArchitectureError
-from ..gguf_keys import MODEL_KEYS, ModelKey, gguf_key
+from ..gguf_keys import MODEL_KEYS, ModelKey, gguf_key, rope_scaling_from_metadata
 from .base import is_int, is_number
 
 MAX_MODEL_ARRAY = 4 * MAX_LAYERS  # entries of a per-layer (or rope-section) array of the model table
@@ -138,6 +138,10 @@ def config_from_gguf(meta: Mapping[str, Any], source: str, *, tied: bool) -> Mod
     if nextn_key in m:
         _meta_value(m, nextn_key, source, GGUFValueType.UINT32)  # an integer, or a ConfigError naming the key
     fields = _model_keys(without_mtp_blocks(m, arch), arch, source)
+    try:
+        fields["rope_scaling"] = rope_scaling_from_metadata(m, arch, fields["max_position_embeddings"])
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     eos = _token_id(m, Keys.Tokenizer.EOS_ID, source)
     fields.update(
         arch=arch,

@@ -8,6 +8,7 @@ from typing import Any
 from ..archs import ARCHS, FULL_ATTENTION, LINEAR_ATTENTION, layer_types_from_interval
 from ..config import ModelConfig, build_config, check_layer_count
 from ..errors import ConfigError, UnsupportedArchitectureError
+from ..rope import ROPE_SCALING_TYPES, YARN, YARN_BETA_FAST, YARN_BETA_SLOW, RopeScaling, yarn_mscale
 from .base import is_int, is_number
 
 # HF `architectures` entry (or `model_type` when that is absent) -> GGUF architecture name.
@@ -60,9 +61,6 @@ def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, float, tuple[int,
     scaling = cfg.get("rope_scaling") or {}
     if not isinstance(scaling, dict):
         raise ConfigError(f"{source}: field 'rope_scaling' should be an object")
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-    if rope_type is not None and rope_type not in ("default", "mrope"):
-        raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported")
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     if not is_number(theta) or theta <= 0:
         raise ConfigError(f"{source}: field 'rope_theta' should be a positive number, got {theta!r}")
@@ -73,6 +71,53 @@ def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, float, tuple[int,
     if not isinstance(sections, list) or not all(is_int(s) and s >= 0 for s in sections):
         raise ConfigError(f"{source}: field 'mrope_section' should be a list of non-negative integers")
     return float(theta), float(partial), tuple(sections)
+
+
+def _rope_scaling(cfg: Mapping[str, Any], max_position: int, source: str) -> RopeScaling | None:
+    """The ``rope_scaling`` (or transformers 5's ``rope_parameters``) of a config, read as transformers'
+    ``modeling_rope_utils`` reads it: ``type`` is the older spelling of ``rope_type``; YaRN's original context
+    defaults to ``max_position_embeddings``, and a top-level ``original_max_position_embeddings`` wins; its
+    attention factor comes from ``attention_factor``, else from ``mscale``/``mscale_all_dim`` when both are
+    set, else is YaRN's default."""
+    found = [d for d in (cfg.get("rope_parameters"), cfg.get("rope_scaling")) if isinstance(d, dict)
+             and (d.get("rope_type") or d.get("type")) not in (None, "default", "mrope")]
+    if not found:
+        return None
+    params = found[0]
+    rope_type = params.get("rope_type") or params.get("type")
+    if rope_type not in ROPE_SCALING_TYPES:
+        why = (" (its frequencies follow the length of the sequence run, which a KV cache built at shorter "
+               "lengths cannot)" if rope_type == "dynamic" else "")
+        raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported{why}; supported: "
+                          f"{', '.join(ROPE_SCALING_TYPES)}")
+
+    def number(key: str, default: Any = None) -> Any:
+        value = params.get(key)
+        if value is None:
+            return default
+        if not is_number(value):
+            raise ConfigError(f"{source}: field 'rope_scaling.{key}' should be a number, got {value!r}")
+        return float(value)
+
+    original = cfg.get("original_max_position_embeddings", params.get("original_max_position_embeddings"))
+    original = max_position if original is None else original
+    if not is_int(original):
+        raise ConfigError(f"{source}: field 'original_max_position_embeddings' should be int, got {original!r}")
+    factor = number("factor", max_position / original if rope_type == YARN else None)
+    if factor is None:
+        raise ConfigError(f"{source}: rope scaling type {rope_type!r} needs field 'rope_scaling.factor'")
+    attention = number("attention_factor")
+    mscale, mscale_all_dim = number("mscale"), number("mscale_all_dim")
+    if attention is None and mscale and mscale_all_dim:
+        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(f"{source}: field 'rope_scaling.truncate' should be a boolean, got {truncate!r}")
+    try:
+        return RopeScaling(rope_type, factor, original, number("beta_fast") or YARN_BETA_FAST,
+                           number("beta_slow") or YARN_BETA_SLOW, attention, truncate)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def _eos_ids(cfg: Mapping[str, Any], source: str) -> tuple[int, ...]:
@@ -96,6 +141,7 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> Model
     theta, partial, sections = _rope(cfg, source)
     layers = _get(cfg, "num_hidden_layers", int, source)
     check_layer_count(layers, source)
+    max_position = _get(cfg, "max_position_embeddings", int, source, 32768)
     spec = ARCHS[arch]
     if cfg.get("attention_bias") is True and not spec.attention_bias:
         raise ConfigError(f"{source}: attention_bias is true, but {arch} models have no q/k/v biases "
@@ -112,7 +158,8 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> Model
         head_dim=head_dim,
         rms_norm_eps=_get(cfg, "rms_norm_eps", float, source, 1e-6),
         rope_theta=theta,
-        max_position_embeddings=_get(cfg, "max_position_embeddings", int, source, 32768),
+        max_position_embeddings=max_position,
+        rope_scaling=_rope_scaling(cfg, max_position, source),
         tie_word_embeddings=_get(raw, "tie_word_embeddings", bool, source,
                                  cfg.get("tie_word_embeddings", False)),
         rotary_dim=int(head_dim * partial),

@@ -170,7 +170,8 @@ class Attention:
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, self.config.rms_norm_eps)
             k = rms_norm(k, self.k_norm, self.config.rms_norm_eps)
-        cos, sin = state.rotary(self.config.rotary_dim, self.config.rope_theta)  # [B, T, r/2]
+        c = self.config
+        cos, sin = state.rotary(c.rotary_dim, c.rope_theta, c.rope_scaling)  # [B, T, r/2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.update(k, v, state)  # [B, nkv, S, hd]
         out = attend(q, keys, values, state, self.ws)  # [B, nh, T, hd]
@@ -184,7 +185,7 @@ class Attention:
         """
         c, hd = self.config, self.head_dim
         b, t = state.batch, state.length
-        cos, sin = state.rotary(c.rotary_dim, c.rope_theta)  # [B, T, r/2]
+        cos, sin = state.rotary(c.rotary_dim, c.rope_theta, c.rope_scaling)  # [B, T, r/2]
         return jit().attention_step(yq.reshape(b, t, self.n_heads, hd), yk.reshape(b, t, self.n_kv, hd),
                                     yv.reshape(b, t, self.n_kv, hd), self.bq, self.bk, self.bv, self.q_norm,
                                     self.k_norm, np.float32(c.rms_norm_eps), cos, sin, *state.slots(), cache.keys,

@@ -192,7 +192,8 @@ class DecodeStep:
         caches, capacity = self._caches(cache.layers, b)
         if not h.flags.c_contiguous:
             raise ValueError("the compiled decode step needs contiguous activations")
-        cos, sin = (np.ascontiguousarray(a) for a in state.rotary(c.rotary_dim, c.rope_theta))  # [B, 1, r/2]
+        rotary = state.rotary(c.rotary_dim, c.rope_theta, c.rope_scaling)
+        cos, sin = (np.ascontiguousarray(a) for a in rotary)  # [B, 1, r/2]
         slots, key_valid = (np.ascontiguousarray(a) for a in state.slots())  # [B, 1], [B, S]
         valid = np.ascontiguousarray(state.valid)  # [B, 1]
         dims = np.array([b, *self.dims[:5], capacity, self.flags, *self.dims[5:]], np.int64)

@@ -78,7 +78,8 @@ class GatedAttention:
         gate = q_gate[..., hd:].reshape(b * t, self.n_heads * hd)  # [B*T, nh*hd]
         k = rms_norm(split_heads(k, b, self.n_kv, hd), self.k_norm, eps)  # [B, nkv, T, hd]
         v = split_heads(v, b, self.n_kv, hd)  # [B, nkv, T, hd]
-        cos, sin = state.rotary(self.config.rotary_dim, self.config.rope_theta)  # [B, T, r/2]
+        c = self.config
+        cos, sin = state.rotary(c.rotary_dim, c.rope_theta, c.rope_scaling)  # [B, T, r/2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.update(k, v, state)  # [B, nkv, S, hd]
         out = merge_heads(attend(q, keys, values, state, self.ws)) * sigmoid(gate)  # [B*T, nh*hd]
@@ -92,7 +93,7 @@ class GatedAttention:
         """
         aj, c, hd = jit(), self.config, self.head_dim
         b, t = state.batch, state.length
-        cos, sin = state.rotary(c.rotary_dim, c.rope_theta)  # [B, T, r/2]
+        cos, sin = state.rotary(c.rotary_dim, c.rope_theta, c.rope_scaling)  # [B, T, r/2]
         out = aj.attention_step(q_gate, k.reshape(b, t, self.n_kv, hd), v.reshape(b, t, self.n_kv, hd), None, None,
                                 None, self.q_norm, self.k_norm, np.float32(c.rms_norm_eps), cos, sin, *state.slots(),
                                 cache.keys, cache.values)  # [B, nh, T, hd]
