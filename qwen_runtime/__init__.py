@@ -17,9 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .chat import ChatFormat, chat_format
+from .formats import open_model_files
 from .generate import Generation, GenerationConfig, GenerationResult, GenerationStats
 from .hub import resolve_model
 from .models import Model, build_model
+from .rope import RopeScaling
 from .sampling import SamplingParams
 from .weights import TILE_ELEMENTS
 
@@ -31,7 +33,7 @@ GREEDY = SamplingParams()
 
 
 def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int | None = None,
-         kernels: str | None = None, activations: str = "float") -> Model:
+         kernels: str | None = None, activations: str = "float", rope_scaling: RopeScaling | None = None) -> Model:
     """Open a model (HF directory, npy directory or GGUF file, or a Hugging Face Hub id
     ``ORG/NAME[:QUANT][@REVISION]``: :func:`qwen_runtime.hub.resolve_model`) for inference.
 
@@ -43,8 +45,13 @@ def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int |
     kernels only) quantizes the activations of decode-sized products to 8 bits for the types that have an
     integer-dot kernel (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K), as llama.cpp does: faster, not exact
     (:mod:`qwen_runtime.quants.q8_act`).
+    ``rope_scaling`` (:class:`qwen_runtime.rope.RopeScaling`) replaces the file's RoPE scaling for this run, the
+    file unchanged (llama.cpp's ``--rope-scaling``); the model then runs up to the scaled window.
     """
-    return build_model(resolve_model(path), tile_elements, threads, kernels, activations)
+    files = open_model_files(resolve_model(path))
+    if rope_scaling is not None:
+        files.config = files.config.replace(rope_scaling=rope_scaling)
+    return build_model(files, tile_elements, threads, kernels, activations)
 
 
 def encode_prompts(model: Model, prompts: Prompts, chat: bool = False, system: str | None = None,

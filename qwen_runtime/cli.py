@@ -24,9 +24,11 @@ from .cli_support import (
     add_activations_option,
     add_draft_option,
     add_machine_options,
+    add_rope_scaling_options,
     clamp_context,
     memory_size,
     positive_int,
+    rope_scaling_arg,
     run_guarded,
 )
 from .errors import ContextOverflowError, UsageError
@@ -77,6 +79,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true", help="print speed, memory, threads and kernels on stderr")
     add_draft_option(p, "; several prompts at once decode plainly")
     add_machine_options(p)
+    add_rope_scaling_options(p)
     add_activations_option(p)
     return p
 
@@ -112,7 +115,7 @@ def print_stats(gen: Generation, out: TextIO) -> None:
 
 def context_length(model: Model, args: argparse.Namespace, err: TextIO | None = None) -> int:
     """The context a prompt and its reply share: ``--ctx``, cut to the model's with a note (as qwen-serve does)."""
-    return clamp_context("qwen-run", args.ctx, model.config.max_position_embeddings, err or sys.stderr)
+    return clamp_context("qwen-run", args.ctx, model.config.context_window, err or sys.stderr)
 
 
 def draft_note(model: Model, args: argparse.Namespace, prompts: int) -> str | None:
@@ -264,7 +267,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def run(args: argparse.Namespace, sampling: SamplingParams) -> None:
-    model = load(args.model, threads=args.threads, kernels=args.kernels, activations=args.activations)
+    model = load(args.model, threads=args.threads, kernels=args.kernels, activations=args.activations,
+                 rope_scaling=rope_scaling_arg(args))
     args.prompt = [*args.prompt, *(read_prompt_file(f) for f in args.file)]
     if args.prompt:
         run_prompts(model, args, sampling)

@@ -13,9 +13,18 @@ from collections.abc import Callable
 from typing import Any, NoReturn, TextIO
 
 from .compile_events import on_compiling
-from .errors import EXIT_CODES, MissingExtraError, QwenError, ResourceLimitError, UsageError, exit_code
+from .errors import (
+    EXIT_CODES,
+    ConfigError,
+    MissingExtraError,
+    QwenError,
+    ResourceLimitError,
+    UsageError,
+    exit_code,
+)
 from .limits import parse_memory_size
 from .pool import ACTIVATION_CHOICES, KERNEL_CHOICES, KERNELS_VARIABLE, STEP_TOKENS
+from .rope import ROPE_SCALING_TYPES, RopeScaling
 
 PACKAGE = "qwen-numpy"
 USAGE_ERROR = EXIT_CODES[UsageError]  # an invalid option or value, whether argparse or the command finds it
@@ -209,3 +218,30 @@ def add_machine_options(p: argparse.ArgumentParser, kernels: bool = True) -> Non
         p.add_argument("--kernels", choices=KERNEL_CHOICES, default=None,
                        help="matrix-product kernels: auto (compiled with numba when it imports), numba, or numpy "
                        f"(the reference path); default: ${KERNELS_VARIABLE}, else auto")
+
+
+def add_rope_scaling_options(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's ``--rope-scaling {linear,yarn}``, ``--rope-scale F`` and ``--yarn-orig-ctx N``: RoPE scaling for
+    this run (the model file is not changed; :func:`rope_scaling_arg` reads them)."""
+    p.add_argument("--rope-scaling", choices=ROPE_SCALING_TYPES, default=None,
+                   help="run with this RoPE scaling instead of the model's (yarn: Qwen's long-context extension); "
+                   "needs --rope-scale")
+    p.add_argument("--rope-scale", type=float, default=None, metavar="F",
+                   help="context scaling factor of --rope-scaling (4 extends 32768 positions to 131072)")
+    p.add_argument("--yarn-orig-ctx", type=lambda text: integer(text, 0, "--yarn-orig-ctx"), default=0, metavar="N",
+                   help="the context the model was trained on, which --rope-scale multiplies; default 0: the model's "
+                   "context length")
+
+
+def rope_scaling_arg(args: argparse.Namespace) -> RopeScaling | None:
+    """The :func:`qwen_runtime.load` ``rope_scaling`` of :func:`add_rope_scaling_options`' flags (None: the file's)."""
+    if args.rope_scaling is None:
+        if args.rope_scale is not None:
+            raise UsageError("--rope-scale needs --rope-scaling linear or yarn")
+        return None
+    if args.rope_scale is None:
+        raise UsageError(f"--rope-scaling {args.rope_scaling} needs --rope-scale F")
+    try:
+        return RopeScaling(args.rope_scaling, args.rope_scale, args.yarn_orig_ctx)
+    except ConfigError as exc:
+        raise UsageError(f"--rope-scale: {exc}") from None

@@ -59,6 +59,9 @@ class ModelConfig:
         check_layer_count(self.num_hidden_layers, "config")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.num_hidden_layers)
+        if self.rope_scaling is not None and not self.rope_scaling.original_context:
+            object.__setattr__(self, "rope_scaling", dataclasses.replace(
+                self.rope_scaling, original_context=self.max_position_embeddings))
         self.validate()
 
     def validate(self) -> None:

@@ -195,9 +195,9 @@ def encode_text(model: Model, text: str, max_tokens: int | None = None) -> np.nd
 
 def check_window_fits(models: Sequence[Model], ctx: int) -> None:
     for m in models:
-        if ctx > m.config.max_position_embeddings:
+        if ctx > m.config.context_window:
             raise ValueError(f"ctx {ctx} exceeds the context length of {m.path} "
-                             f"({m.config.max_position_embeddings})")
+                             f"({m.config.context_window})")
 
 
 def check_models(models: Sequence[Model], reference: Model | None, ctx: int) -> None:

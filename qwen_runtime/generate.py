@@ -100,7 +100,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndar
 
 
 def check_prompt_fits(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
-    limit = model.config.max_position_embeddings
+    limit = model.config.context_window
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > limit:
         raise ContextOverflowError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the "

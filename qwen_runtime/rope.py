@@ -39,7 +39,8 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 @dataclass(frozen=True)
 class RopeScaling:
     """How the rotary frequencies are scaled; ``original_context`` is the context the model was trained on
-    (transformers' ``original_max_position_embeddings``, llama.cpp's ``rope.scaling.original_context_length``);
+    (transformers' ``original_max_position_embeddings``, llama.cpp's ``rope.scaling.original_context_length``;
+    0, as llama.cpp's ``--yarn-orig-ctx 0``: the model's ``max_position_embeddings``, which the config fills in);
     ``attention_factor`` None means YaRN's default :func:`yarn_mscale`; ``truncate`` rounds YaRN's ramp
     bounds outward to whole pairs (transformers' default, and what llama.cpp always does)."""
 
@@ -57,7 +58,7 @@ class RopeScaling:
                               f"{', '.join(ROPE_SCALING_TYPES)}")
         if not (math.isfinite(self.factor) and self.factor >= 1):
             raise ConfigError(f"rope scaling factor must be a finite number >= 1, got {self.factor}")
-        if self.original_context <= 0:
+        if self.original_context < 0:
             raise ConfigError(f"rope scaling original context must be positive, got {self.original_context}")
         for name in ("beta_fast", "beta_slow"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):

@@ -179,7 +179,7 @@ class Engine:
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.hidden_ids = frozenset(tokenizer.special_ids) - frozenset(text_ids)
         cfg = model.config
-        context = min(cfg.max_position_embeddings, max_context or cfg.max_position_embeddings)
+        context = min(cfg.context_window, max_context or cfg.context_window)
         size = model.cache_size  # what the slots' layers hold, as the mixers report it
         self.row_bytes, self.token_bytes = size.row, size.token  # recurrent state of a row; keys and values of a token
         self.memory_limit = default_memory_limit() if max_memory is None else max_memory

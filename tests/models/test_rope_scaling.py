@@ -7,6 +7,7 @@ must still give transformers' logits within the float32 error model (``float_err
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -19,9 +20,11 @@ from runtime_helpers import fixture_dir, use_kernels
 from qwen_convert.convert import convert
 from qwen_convert.verify.metadata import gguf_model_checks
 from qwen_runtime import load
-from qwen_runtime.errors import ConfigError
+from qwen_runtime.cli_support import add_rope_scaling_options, rope_scaling_arg
+from qwen_runtime.errors import ConfigError, ContextOverflowError, UsageError
 from qwen_runtime.formats import open_model_files
 from qwen_runtime.formats.hf_config import config_from_hf
+from qwen_runtime.generate import check_prompt_fits
 from qwen_runtime.gguf_keys import rope_scaling_from_metadata, rope_scaling_metadata
 from qwen_runtime.reference import forward
 from qwen_runtime.rope import RopeScaling
@@ -172,3 +175,32 @@ def test_llama_cpp_runs_our_yarn_gguf_like_us(yarn_model, tmp_path: Path) -> Non
     finally:
         llm.close()
     assert np.abs(theirs - ours).max() / np.abs(ours).max() < 1e-3
+
+
+def test_run_time_override_equals_the_config(tmp_path: Path) -> None:
+    """``load(rope_scaling=...)`` (qwen-run/-serve/-eval's --rope-scaling yarn --rope-scale 4 --yarn-orig-ctx N) on a
+    model without rope_scaling runs as the same model with it in config.json, the file untouched, and the context
+    window grows to factor x original; the flags make that RopeScaling and refuse half of one."""
+    plain = scaled_copy("qwen2-tiny", tmp_path / "plain", rope_scaling=None)
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg["max_position_embeddings"] = 32
+    (plain / "config.json").write_text(json.dumps(cfg))
+    scaled = load(scaled_copy("qwen2-tiny", tmp_path / "scaled"))
+    p = argparse.ArgumentParser()
+    add_rope_scaling_options(p)
+    override = rope_scaling_arg(p.parse_args(["--rope-scaling", "yarn", "--rope-scale", "4"]))
+    model = load(plain, rope_scaling=override)
+    assert model.config.rope_scaling == scaled.config.rope_scaling == RopeScaling("yarn", 4.0, 32)
+    assert model.config.context_window == 128 and load(plain).config.context_window == 32
+    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, (1, PROMPT))
+    np.testing.assert_array_equal(model.logits(ids), scaled.logits(ids))
+    check_prompt_fits(model, [list(range(100))], 28)
+    with pytest.raises(ContextOverflowError):
+        check_prompt_fits(load(plain), [list(range(100))], 28)
+    assert json.loads((plain / "config.json").read_text()) == cfg
+    assert rope_scaling_arg(p.parse_args([])) is None
+    for flags, message in ((["--rope-scale", "4"], "needs --rope-scaling"),
+                           (["--rope-scaling", "yarn"], "needs --rope-scale"),
+                           (["--rope-scaling", "linear", "--rope-scale", "0.5"], "factor must be")):
+        with pytest.raises(UsageError, match=message):
+            rope_scaling_arg(p.parse_args(flags))
