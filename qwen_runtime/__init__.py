@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from .cache import DEFAULT_CACHE_TYPE
 from .chat import ChatFormat, chat_format
 from .formats import open_model_files
 from .generate import Generation, GenerationConfig, GenerationResult, GenerationStats
@@ -33,7 +34,8 @@ GREEDY = SamplingParams()
 
 
 def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int | None = None,
-         kernels: str | None = None, activations: str = "float", rope_scaling: RopeScaling | None = None) -> Model:
+         kernels: str | None = None, activations: str = "float", cache_type_k: str = DEFAULT_CACHE_TYPE,
+         cache_type_v: str = DEFAULT_CACHE_TYPE, rope_scaling: RopeScaling | None = None) -> Model:
     """Open a model (HF directory, npy directory or GGUF file, or a Hugging Face Hub id
     ``ORG/NAME[:QUANT][@REVISION]``: :func:`qwen_runtime.hub.resolve_model`) for inference.
 
@@ -44,14 +46,16 @@ def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int |
     variable, else ``auto``.  ``model.workspace.kernels`` says which run.  ``activations="q8"`` (compiled
     kernels only) quantizes the activations of decode-sized products to 8 bits for the types that have an
     integer-dot kernel (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K), as llama.cpp does: faster, not exact
-    (:mod:`qwen_runtime.quants.q8_act`).
+    (:mod:`qwen_runtime.quants.q8_act`).  ``cache_type_k``/``cache_type_v``: what the KV cache stores keys and
+    values in (:data:`qwen_runtime.cache.CACHE_TYPES`: ``"f32"``, exact, or ``"f16"``, half the memory; llama.cpp's
+    ``-ctk/-ctv``); ``model.cache_types`` says which.
     ``rope_scaling`` (:class:`qwen_runtime.rope.RopeScaling`) replaces the file's RoPE scaling for this run, the
     file unchanged (llama.cpp's ``--rope-scaling``); the model then runs up to the scaled window.
     """
     files = open_model_files(resolve_model(path))
     if rope_scaling is not None:
         files.config = files.config.replace(rope_scaling=rope_scaling)
-    return build_model(files, tile_elements, threads, kernels, activations)
+    return build_model(files, tile_elements, threads, kernels, activations, cache_type_k, cache_type_v)
 
 
 def encode_prompts(model: Model, prompts: Prompts, chat: bool = False, system: str | None = None,

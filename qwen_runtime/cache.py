@@ -11,6 +11,11 @@ step ``s`` of the batch, padding included.  ``valid[b, s]`` says whether slot ``
 token; rotary positions count real tokens only, so each row starts at position 0 at its first real token
 and gives the same result as running it alone.
 
+Keys and values are stored in their *cache type* (:data:`CACHE_TYPES`, llama.cpp's ``--cache-type-k/-v`` names),
+each chosen separately: ``f32`` (the default, exact) or ``f16`` (half the bytes, each value rounded to nearest
+float16: a relative error of at most 2^-11 of the value, or 2^-25 absolute below float16's normal range).
+Attention widens what it reads to float32 and accumulates there.
+
 A *ragged* batch (``BatchState.lengths`` set, used by servers that let rows join and leave a running batch)
 has no padding at all: each row keeps its own slots from 0, writes its new tokens after its own
 ``lengths[b]`` tokens and attends over exactly those slots, computed as if the row were alone
@@ -26,8 +31,21 @@ from typing import Protocol
 
 import numpy as np
 
+from .errors import UsageError
 from .ops import rope_cos_sin
 from .rope import RopeScaling
+
+# The cache types keys and values may be stored in, and their numpy dtypes.
+CACHE_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
+CACHE_TYPES = tuple(CACHE_DTYPES)
+DEFAULT_CACHE_TYPE = "f32"
+
+
+def cache_dtype(name: str) -> np.dtype:
+    """The dtype of cache type ``name``; :class:`UsageError` for an unknown one."""
+    if name not in CACHE_DTYPES:
+        raise UsageError(f"cache type: expected one of {', '.join(CACHE_TYPES)}, got {name!r}")
+    return CACHE_DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -168,23 +186,27 @@ class BatchState:
 
 
 class KVCache:
-    """Preallocated keys and values of one full-attention layer.  # 2 x [B, kv_heads, max_len, head_dim]"""
+    """Preallocated keys and values of one full-attention layer, each in its cache type (:data:`CACHE_TYPES`).
+    # 2 x [B, kv_heads, max_len, head_dim]"""
 
-    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int) -> None:
-        self.keys = np.zeros((batch, kv_heads, max_len, head_dim), np.float32)
-        self.values = np.zeros((batch, kv_heads, max_len, head_dim), np.float32)
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, key_type: str = DEFAULT_CACHE_TYPE,
+                 value_type: str = DEFAULT_CACHE_TYPE) -> None:
+        self.keys = np.zeros((batch, kv_heads, max_len, head_dim), cache_dtype(key_type))
+        self.values = np.zeros((batch, kv_heads, max_len, head_dim), cache_dtype(value_type))
 
     @staticmethod
-    def size(kv_heads: int, head_dim: int) -> CacheSize:
-        """What such a cache holds: float32 keys and values of every token."""
-        return CacheSize(token=2 * kv_heads * head_dim * np.dtype(np.float32).itemsize)
+    def size(kv_heads: int, head_dim: int, key_type: str = DEFAULT_CACHE_TYPE,
+             value_type: str = DEFAULT_CACHE_TYPE) -> CacheSize:
+        """What such a cache holds: the keys and values of every token in their types."""
+        return CacheSize(token=kv_heads * head_dim * (cache_dtype(key_type).itemsize
+                                                      + cache_dtype(value_type).itemsize))
 
     @property
     def max_len(self) -> int:
         return self.keys.shape[2]
 
     def update(self, k: np.ndarray, v: np.ndarray, state: BatchState) -> tuple[np.ndarray, np.ndarray]:
-        """Write the new keys/values at their slots; return views of every slot so far.
+        """Write the new keys/values at their slots (rounded to the cache types); return views of every slot so far.
 
         ``k``, ``v``: [B, kv_heads, T, hd] -> 2 x [B, kv_heads, start + T, hd] (ragged batches: each row after
         its own tokens, and the whole buffers are returned: row ``b`` is valid up to ``state.rows[b].end``)

@@ -22,9 +22,12 @@ from .chat import fit_chat, reply_budget
 from .cli_support import (
     ArgumentParser,
     add_activations_option,
+    add_cache_type_options,
     add_draft_option,
     add_machine_options,
     add_rope_scaling_options,
+    cache_note,
+    cache_types,
     clamp_context,
     memory_size,
     positive_int,
@@ -81,6 +84,7 @@ def configure_parser() -> argparse.ArgumentParser:
     add_machine_options(p)
     add_rope_scaling_options(p)
     add_activations_option(p)
+    add_cache_type_options(p)
     return p
 
 
@@ -108,6 +112,7 @@ def print_stats(gen: Generation, out: TextIO) -> None:
               f"anonymous RSS {format_bytes(mem.get('RssAnon', 0) << 10)}\n")
     q8 = ", 8-bit activations" if ws.activations == "q8" else ""
     out.write(f"kernels: {ws.kernels}{q8}, {ws.threads} thread(s)\n")
+    out.write(f"{cache_note(gen.model)}\n")
     if s.draft_proposed:
         out.write(f"drafts: {s.draft_accepted} of {s.draft_proposed} accepted "
                   f"({s.draft_accepted / s.draft_proposed:.0%})\n")
@@ -268,7 +273,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def run(args: argparse.Namespace, sampling: SamplingParams) -> None:
     model = load(args.model, threads=args.threads, kernels=args.kernels, activations=args.activations,
-                 rope_scaling=rope_scaling_arg(args))
+                 rope_scaling=rope_scaling_arg(args), **cache_types(args))
     args.prompt = [*args.prompt, *(read_prompt_file(f) for f in args.file)]
     if args.prompt:
         run_prompts(model, args, sampling)

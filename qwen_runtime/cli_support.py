@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn, TextIO
 
+from .cache import CACHE_TYPES, DEFAULT_CACHE_TYPE
 from .compile_events import on_compiling
 from .errors import (
     EXIT_CODES,
@@ -22,7 +23,7 @@ from .errors import (
     UsageError,
     exit_code,
 )
-from .limits import parse_memory_size
+from .limits import format_bytes, parse_memory_size
 from .pool import ACTIVATION_CHOICES, KERNEL_CHOICES, KERNELS_VARIABLE, STEP_TOKENS
 from .rope import ROPE_SCALING_TYPES, RopeScaling
 
@@ -207,6 +208,28 @@ def add_activations_option(p: argparse.ArgumentParser, note: str = "") -> None:
                    help="q8: quantize the activations of decode products to 8 bits and multiply every quantized "
                    "type's weights in integers, as llama.cpp does (faster, not exact; compiled kernels only)"
                    f"{note}; default float: float32 activations, exact")
+
+
+def add_cache_type_options(p: argparse.ArgumentParser) -> None:
+    """``--cache-type-k/-ctk`` and ``--cache-type-v/-ctv`` (llama.cpp's names): what the KV cache stores keys and
+    values in (:func:`qwen_runtime.load`'s ``cache_type_k``/``cache_type_v``; :func:`cache_types` reads them)."""
+    for flag, short, what in (("--cache-type-k", "-ctk", "keys"), ("--cache-type-v", "-ctv", "values")):
+        p.add_argument(flag, short, choices=CACHE_TYPES, default=DEFAULT_CACHE_TYPE,
+                       help=f"type the KV cache stores {what} in: f32 (exact) or f16 (half the memory, each value "
+                       f"rounded to float16); default {DEFAULT_CACHE_TYPE}")
+
+
+def cache_types(args: argparse.Namespace) -> dict[str, str]:
+    """The :func:`qwen_runtime.load` keywords of :func:`add_cache_type_options`' flags."""
+    return {"cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v}
+
+
+def cache_note(model: Any) -> str:
+    """A loaded model's KV cache types and bytes per token (and per row of a recurrent state): what ``qwen-run
+    --stats`` and the server's banner print."""
+    size, (keys, values) = model.cache_size, model.cache_types
+    row = f", {format_bytes(size.row)} per row (recurrent state)" if size.row else ""
+    return f"kv cache: keys {keys}, values {values}, {size.token} bytes per token{row}"
 
 
 def add_machine_options(p: argparse.ArgumentParser, kernels: bool = True) -> None:

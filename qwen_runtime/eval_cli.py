@@ -20,7 +20,9 @@ from . import load
 from .cli_support import (
     ArgumentParser,
     add_activations_option,
+    add_cache_type_options,
     add_machine_options,
+    cache_types,
     clamp_context,
     positive_int,
     run_guarded,
@@ -57,8 +59,8 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("models", nargs="+", metavar="MODEL", help="HF directory, npy directory, GGUF file "
                    "or Hub id ORG/NAME[:QUANT][@REVISION]")
     p.add_argument("-f", "--file", required=True, help="UTF-8 text file to score (required, no default)")
-    p.add_argument("--reference", metavar="REF", help="reference model (same tokenizer) for KL divergence "
-                   "(default: none)")
+    p.add_argument("--reference", metavar="REF", help="reference model (same tokenizer) for KL divergence, run "
+                   "with an exact f32 KV cache whatever -ctk/-ctv say (default: none)")
     p.add_argument("-c", "--ctx", type=window, default=None, help=f"window length in tokens, at least 2; more than "
                    f"a model's context length is cut to it, with a note (default: {DEFAULT_CTX}, or the model's "
                    "context length when smaller)")
@@ -77,6 +79,7 @@ def configure_parser() -> argparse.ArgumentParser:
     add_machine_options(p)
     add_activations_option(p, "; a product of more than 8 token rows (eval's chunks mostly are) still multiplies "
                            "float32 activations")
+    add_cache_type_options(p)
     return p
 
 
@@ -99,12 +102,14 @@ def eval_memory(model: Model, reference: Model | None, ctx: int, chunk: int | No
 
 
 def evaluate_task(path: str, ids: object, ctx: int, stride: int, reference: str | None, chunk: int | None,
-                  threads: int, kernels: str, activations: str, report: Callable[[int], None]) -> EvalResult:
+                  threads: int, kernels: str, activations: str, cache: dict[str, str],
+                  report: Callable[[int], None]) -> EvalResult:
     """One model's evaluation as a Ray task: the local lockstep run with this model alone, on the driver's
-    thread count, kernels and activations (float32 sums are split by thread and kernel, so both are part of the
+    thread count, kernels, activations and cache types (``cache``: :func:`load`'s keywords, for the models: the
+    reference keeps an exact f32 cache; float32 sums are split by thread and kernel, so both are part of the
     result)."""
     progress = Throttle(report)
-    model = load(path, threads=threads, kernels=kernels, activations=activations)
+    model = load(path, threads=threads, kernels=kernels, activations=activations, **cache)
     ref = load(reference, threads=threads, kernels=kernels, activations=activations) if reference else None
     [result] = evaluate_ids([model], ids, ctx, stride, ref, chunk, progress.add)
     progress.flush()
@@ -117,7 +122,8 @@ def evaluate_on_ray(args: argparse.Namespace, models: list[Model], reference: Mo
     check_models(models, reference, ctx)
     connect(args.address)
     threads, kernels = models[0].workspace.threads, models[0].workspace.kernels
-    jobs = [RemoteJob((path, ids, ctx, stride, args.reference, args.chunk, threads, kernels, args.activations),
+    jobs = [RemoteJob((path, ids, ctx, stride, args.reference, args.chunk, threads, kernels, args.activations,
+                       cache_types(args)),
                       eval_memory(model, reference, ctx, args.chunk), num_cpus=threads, name=f"qwen-eval {path}")
             for path, model in zip(args.models, models, strict=True)]
     def lost(i: int, exc: BaseException) -> EvalResult:
@@ -127,10 +133,10 @@ def evaluate_on_ray(args: argparse.Namespace, models: list[Model], reference: Mo
 
 
 def run(args: argparse.Namespace) -> None:
-    models = [load(path, threads=args.threads, kernels=args.kernels, activations=args.activations)
-              for path in args.models]
+    models = [load(path, threads=args.threads, kernels=args.kernels, activations=args.activations,
+                   **cache_types(args)) for path in args.models]
     reference = (load(args.reference, threads=args.threads, kernels=args.kernels, activations=args.activations)
-                 if args.reference else None)
+                 if args.reference else None)  # an exact f32 cache: --reference MODEL -ctk f16 measures the cache
     limit = min(m.config.max_position_embeddings for m in (*models, *([reference] if reference else [])))
     ctx = clamp_context("qwen-eval", args.ctx, limit, sys.stderr) if args.ctx else min(DEFAULT_CTX, limit)
     if args.stride is not None and args.stride > ctx:

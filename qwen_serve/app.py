@@ -32,7 +32,9 @@ from starlette.routing import Route
 
 import qwen_runtime
 from qwen_runtime import hub
+from qwen_runtime.cache import DEFAULT_CACHE_TYPE
 from qwen_runtime.chat import ChatFormat, chat_format
+from qwen_runtime.cli_support import cache_note
 from qwen_runtime.errors import ResourceLimitError, TemplateError
 from qwen_runtime.limits import default_memory_limit, format_bytes
 from qwen_runtime.models import Model
@@ -132,16 +134,18 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
                max_body_bytes: int = MAX_BODY_BYTES, cache_memory: int | None = None, threads: int | None = None,
                kernels: str | None = None, draft_tokens: int = 0, cache_dir: str | Path | None = None,
                activations: str = "float", cache_turns: bool = False,
-               read_timeout: float = READ_TIMEOUT) -> Starlette:
+               read_timeout: float = READ_TIMEOUT, cache_type_k: str = DEFAULT_CACHE_TYPE,
+               cache_type_v: str = DEFAULT_CACHE_TYPE) -> Starlette:
     """An ASGI app serving ``model`` (a path or a loaded :class:`Model`); its engine starts with the app.
 
     ``model_name`` is the name clients pass as ``model`` (default: the file or directory name); a request body
     that takes more than ``read_timeout`` seconds to arrive is refused with 408; ``threads``,
-    ``kernels`` and ``activations`` are :func:`qwen_runtime.load`'s (for a path); the other options are
+    ``kernels``, ``activations`` and the cache types are :func:`qwen_runtime.load`'s (for a path); the other options are
     :class:`~qwen_serve.engine.Engine`'s.
     """
     if not isinstance(model, Model):
-        model = qwen_runtime.load(model, threads=threads, kernels=kernels, activations=activations)
+        model = qwen_runtime.load(model, threads=threads, kernels=kernels, activations=activations,
+                                  cache_type_k=cache_type_k, cache_type_v=cache_type_v)
     fmt = chat_format(model)
     text_ids = frozenset(i for t in (THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE)
                          if (i := fmt.tokenizer.token_id(t)) is not None)
@@ -227,6 +231,7 @@ def startup_banner(app: Starlette, url: str) -> str:
         f"{format_bytes(state.grammars.reserve())} for structured output" + disk_note(engine),
         f"  kernels: {ws.kernels} ({products}), {ws.threads} threads"
         + (", 8-bit activations" if ws.activations == "q8" else ""),
+        f"  {cache_note(model)}",
         *([f"  speculative decoding: up to {engine.draft_tokens} prompt-lookup drafts per step for greedy requests"
            if engine.draft_tokens else "  speculative decoding: off (--draft needs the compiled kernels)"]
           if engine.draft_asked else []),

@@ -24,8 +24,10 @@ from typing import Any
 from qwen_runtime.cli_support import (
     ArgumentParser,
     add_activations_option,
+    add_cache_type_options,
     add_draft_option,
     add_machine_options,
+    cache_types,
     clamp_context,
     count,
     integer,
@@ -115,6 +117,7 @@ def configure_parser() -> argparse.ArgumentParser:
                    help="uvicorn's and the server's log level")
     add_machine_options(p)
     add_activations_option(p, "; in the server every decode step and prefill chunks of up to 8 tokens")
+    add_cache_type_options(p)
     ray = p.add_argument_group("Ray Serve (the ray extra; qwen_serve/ray_app.py)")
     ray.add_argument("--ray", action="store_true", help="serve through Ray Serve: --replicas copies of the app, "
                      "each with its own engine, behind Ray's HTTP proxy on --host:--port")
@@ -216,7 +219,8 @@ def run(args: argparse.Namespace) -> None:
                      max_memory=args.max_memory, api_key=args.api_key, prefill_chunk=args.prefill_chunk,
                      max_context=args.max_context, max_body_bytes=args.max_body, cache_memory=args.cache_memory,
                      threads=args.threads, kernels=args.kernels, draft_tokens=args.draft, cache_dir=args.cache_dir,
-                     activations=args.activations, cache_turns=args.cache_turns, read_timeout=args.read_timeout)
+                     activations=args.activations, cache_turns=args.cache_turns, read_timeout=args.read_timeout,
+                     **cache_types(args))
     clamp_context("qwen-serve", args.max_context, app.state.server.engine.model.config.max_position_embeddings,
                   sys.stderr)
     host, port = sock.getsockname()[:2]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cache import DEFAULT_CACHE_TYPE
 from ..formats import ModelFiles, open_model_files
 from ..jit_setup import release_compiler_pages
 from ..weights import TILE_ELEMENTS, populate
@@ -17,11 +18,12 @@ __all__ = ["MIXERS", "BatchState", "Block", "Mixer", "Model", "WeightStore", "bu
 
 
 def build_model(source: str | Path | ModelFiles, tile_elements: int = TILE_ELEMENTS, threads: int | None = None,
-                kernels: str | None = None, activations: str = "float") -> Model:
-    """Open a model path (HF dir, npy dir or GGUF file) or wrap already-opened files; ``threads``, ``kernels``
-    and ``activations`` are :func:`qwen_runtime.load`'s."""
+                kernels: str | None = None, activations: str = "float", cache_type_k: str = DEFAULT_CACHE_TYPE,
+                cache_type_v: str = DEFAULT_CACHE_TYPE) -> Model:
+    """Open a model path (HF dir, npy dir or GGUF file) or wrap already-opened files; ``threads``, ``kernels``,
+    ``activations`` and the cache types are :func:`qwen_runtime.load`'s."""
     files = source if isinstance(source, ModelFiles) else open_model_files(source)
-    model = Model(files, WeightStore(files, tile_elements, threads, kernels, activations))
+    model = Model(files, WeightStore(files, tile_elements, threads, kernels, activations, cache_type_k, cache_type_v))
     if model.workspace.kernels == "numba":
         warm_up(model)
     return model

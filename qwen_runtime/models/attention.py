@@ -112,6 +112,7 @@ def _attend_heads(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: Ba
     """
     b, kv, group, t, hd = q.shape
     s = keys.shape[2]
+    keys, values = widen(keys), widen(values)  # a cache type narrower than float32: these heads' slots decoded
     tile = max(1, SCORE_ELEMENTS // (b * kv * group * s))
     kt = keys.transpose(0, 1, 3, 2)  # [B, kv, hd, S]
     for q0 in range(0, t, tile):
@@ -128,6 +129,17 @@ def _attend_heads(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: Ba
         out[:, :, :, q0:q1] = o.reshape(b, kv, group, q1 - q0, hd)
 
 
+def widen(x: np.ndarray) -> np.ndarray:
+    """Cached keys or values as float32 (the array itself when they are stored so)."""
+    return x if x.dtype == np.float32 else x.astype(np.float32)
+
+
+def kernel_view(x: np.ndarray) -> np.ndarray:
+    """A cache array as the compiled kernels take it: float16 as its bits (uint16; numba has no float16 arrays,
+    :func:`.attention_jit.widen` decodes them), float32 as it is."""
+    return x.view(np.uint16) if x.dtype == np.float16 else x
+
+
 @register_mixer(FULL_ATTENTION, QWEN2, QWEN3)
 class Attention:
     """Qwen2/Qwen3 self-attention with a preallocated KV cache."""
@@ -137,6 +149,7 @@ class Attention:
         self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.ws = store.workspace
+        self.cache_types = store.cache_types
         self.wq, self.wk = store.matrix(MODEL_TENSOR.ATTN_Q, layer), store.matrix(MODEL_TENSOR.ATTN_K, layer)
         self.wv, self.wo = store.matrix(MODEL_TENSOR.ATTN_V, layer), store.matrix(MODEL_TENSOR.ATTN_OUT, layer)
         bias = config.spec.attention_bias
@@ -148,10 +161,10 @@ class Attention:
 
     @property
     def cache_size(self) -> CacheSize:
-        return KVCache.size(self.n_kv, self.head_dim)
+        return KVCache.size(self.n_kv, self.head_dim, *self.cache_types)
 
     def make_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache(batch, self.n_kv, max_len, self.head_dim)
+        return KVCache(batch, self.n_kv, max_len, self.head_dim, *self.cache_types)
 
     def _heads(self, y: np.ndarray, bias: np.ndarray | None, heads: int, batch: int) -> np.ndarray:
         """A projection plus its bias, split into heads.  # [B * T, heads * hd] -> [B, heads, T, hd]"""
@@ -188,5 +201,5 @@ class Attention:
         cos, sin = state.rotary(c.rotary_dim, c.rope_theta, c.rope_scaling)  # [B, T, r/2]
         return jit().attention_step(yq.reshape(b, t, self.n_heads, hd), yk.reshape(b, t, self.n_kv, hd),
                                     yv.reshape(b, t, self.n_kv, hd), self.bq, self.bk, self.bv, self.q_norm,
-                                    self.k_norm, np.float32(c.rms_norm_eps), cos, sin, *state.slots(), cache.keys,
-                                    cache.values)
+                                    self.k_norm, np.float32(c.rms_norm_eps), cos, sin, *state.slots(),
+                                    kernel_view(cache.keys), kernel_view(cache.values))

@@ -11,16 +11,63 @@ terms summed in lanes (``ops_jit.dot``; BLAS sums in its own order): the two dif
 scaled as the reference scales it); the softmax takes exp32's 2 ulp where numpy's exp has its own 2.5; the
 weighted sum of S values is within 2·S·u·Σ p|v| of the reference's.  Masked slots get a weight of exactly 0, as
 in the reference.
+
+**Cache types.**  The KV cache arrays are float32, or float16 passed as their bits (uint16: numba has no float16
+arrays); :func:`widen` decodes a loaded value to float32 (one ``vcvtph2ps`` with F16C) and :func:`stored` rounds
+one to the array's type on a write (``vcvtps2ph``, round to nearest even as numpy's ``astype``), so every sum runs in
+float32 on exactly the values the numpy path reads back from its float16 cache.  On float32 arrays both are the
+identity: the f32 cache's numbers are unchanged.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
-from ..ops_jit import F32, JIT, ZERO, dot, exp32, norm_row, sigmoid32, total
+from ..ops_jit import F32, JIT, SUMS, ZERO, exp32, norm_row, sigmoid32, total
 
 MASKED = F32(-np.inf)
+F16_BITS = types.uint16  # how a float16 cache array reaches the kernels
+
+
+@intrinsic
+def widen(typingctx, x):  # noqa: ARG001 (numba's intrinsic protocol)
+    """A cached value as float32: float16 bits (uint16) decoded, float32 as it is."""
+    if x not in (F16_BITS, types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        if x == types.float32:
+            return args[0]
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(x), codegen
+
+
+@intrinsic
+def stored(typingctx, value, array):  # noqa: ARG001
+    """Float32 ``value`` in ``array``'s element type: float16 bits (uint16, rounded to nearest even) or float32."""
+    if not isinstance(array, types.Array) or array.dtype not in (F16_BITS, types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = context.cast(builder, args[0], signature.args[0], types.float32)
+        if array.dtype == types.float32:
+            return v
+        return builder.bitcast(builder.fptrunc(v, ir.HalfType()), ir.IntType(16))
+
+    return array.dtype(value, array), codegen
+
+
+@njit(fastmath=SUMS, **JIT)
+def dot_cached(q: np.ndarray, k: np.ndarray) -> float:
+    """Σ q·widen(k), summed as :func:`..ops_jit.dot` sums.  # [D] float32, [D] cache type -> float32"""
+    s = ZERO
+    for i in range(q.shape[0]):
+        s += q[i] * widen(k[i])
+    return s
 
 
 @njit(**JIT)
@@ -30,7 +77,7 @@ def prepare_heads(y: np.ndarray, bias: np.ndarray | None, norm: np.ndarray | Non
 
     y [B, T, heads, width ≥ hd] (a projection's rows; Qwen3.5's q heads carry their gate after hd values);
     bias [heads·hd] or None; norm [hd] or None; cos/sin [B, T, r/2] or None (no rotation); slots int [B, T]
-    (None: slot t); out [B, heads, S, hd] (q's own array, or the cache's keys or values).
+    (None: slot t); out [B, heads, S, hd] (q's own array, or the cache's keys or values, in their cache type).
     Bias, norm and rotation round as :func:`..ops.rms_norm` and :func:`..ops.apply_rope`.
     """
     batch, length, heads, _ = y.shape
@@ -46,16 +93,17 @@ def prepare_heads(y: np.ndarray, bias: np.ndarray | None, norm: np.ndarray | Non
                     norm_row(row, norm, eps, row)
                 dst = out[b, h, slot]
                 if cos is None or sin is None:
-                    dst[:] = row
+                    for i in range(hd):
+                        dst[i] = stored(row[i], dst)
                     continue
                 half = cos.shape[2]
                 for i in range(half):
                     c, s = cos[b, t, i], sin[b, t, i]
                     x1, x2 = row[i], row[half + i]
-                    dst[i] = x1 * c - x2 * s
-                    dst[half + i] = x2 * c + x1 * s
+                    dst[i] = stored(x1 * c - x2 * s, dst)
+                    dst[half + i] = stored(x2 * c + x1 * s, dst)
                 for i in range(2 * half, hd):
-                    dst[i] = row[i]
+                    dst[i] = stored(row[i], dst)
 
 
 @njit(**JIT)
@@ -98,7 +146,7 @@ def attend_pair(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_slots
             k = kb[s]
             visible = key_valid[b, s] or s == own
             for g in range(group):
-                scores[g, s] = dot(qs[g], k) if visible else MASKED
+                scores[g, s] = dot_cached(qs[g], k) if visible else MASKED
         for g in range(group):
             _softmax_masked(scores, g, seen)
             _weighted_sum(scores, g, seen, vb, out[b, kv * group + g, t])
@@ -107,18 +155,18 @@ def attend_pair(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_slots
 @njit(**JIT)
 def _weighted_sum(p: np.ndarray, row: int, n: int, values: np.ndarray, o: np.ndarray) -> None:
     """o ← Σ_s p[row, s]·values[s] over s < n, four slots per update of o (o stays in memory: a quarter of the
-    loads and stores), each group of four summed pairwise.  # [R, ≥n], [≥n, hd] -> [hd]"""
+    loads and stores), each group of four summed pairwise.  # [R, ≥n], [≥n, hd] (cache type) -> [hd]"""
     o[:] = ZERO
     body = n - n % 4
     for s in range(0, body, 4):
         p0, p1, p2, p3 = p[row, s], p[row, s + 1], p[row, s + 2], p[row, s + 3]
         v0, v1, v2, v3 = values[s], values[s + 1], values[s + 2], values[s + 3]
         for i in range(o.shape[0]):
-            o[i] += (p0 * v0[i] + p1 * v1[i]) + (p2 * v2[i] + p3 * v3[i])
+            o[i] += (p0 * widen(v0[i]) + p1 * widen(v1[i])) + (p2 * widen(v2[i]) + p3 * widen(v3[i]))
     for s in range(body, n):
         ps, vs = p[row, s], values[s]
         for i in range(o.shape[0]):
-            o[i] += ps * vs[i]
+            o[i] += ps * widen(vs[i])
 
 
 @njit(**JIT)
@@ -189,7 +237,8 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_slots: np.
     """
     out = np.empty(q.shape, np.float32)
     contiguous = np.ascontiguousarray  # the model's cache buffers are; a caller's slices are copied (ops_jit)
-    attend_slots(contiguous(q), contiguous(keys), contiguous(values), query_slots, key_valid, out)
+    k, v = (contiguous(a).view(np.uint16) if a.dtype == np.float16 else contiguous(a) for a in (keys, values))
+    attend_slots(contiguous(q), k, v, query_slots, key_valid, out)
     return out
 
 

@@ -29,7 +29,7 @@ from typing import Protocol
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from ..cache import BatchState, CacheSize, LayerCache
+from ..cache import DEFAULT_CACHE_TYPE, BatchState, CacheSize, LayerCache, cache_dtype
 from ..compile_events import listen
 from ..config import ModelConfig
 from ..errors import FormatError
@@ -44,8 +44,11 @@ class WeightStore:
     """Hands out a model's weights by canonical kind: matrices as :class:`Weight`, small tensors as float32."""
 
     def __init__(self, files: ModelFiles, tile_elements: int = TILE_ELEMENTS, threads: int | None = None,
-                 kernels: str | None = None, activations: str = "float") -> None:
+                 kernels: str | None = None, activations: str = "float", cache_type_k: str = DEFAULT_CACHE_TYPE,
+                 cache_type_v: str = DEFAULT_CACHE_TYPE) -> None:
         self.files = files
+        cache_dtype(cache_type_k), cache_dtype(cache_type_v)  # an unknown type fails before anything is built
+        self.cache_types = (cache_type_k, cache_type_v)  # what attention layers store keys and values in
         kernels = resolve_kernels(kernels)
         if kernels == "numba":
             listen()  # a command then says when numba compiles (compile_events)

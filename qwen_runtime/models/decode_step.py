@@ -37,6 +37,7 @@ WAIT_US = 50_000
 # descheduled in again.
 LOST_US = 1_000
 ALIGN_FLOATS = 16  # buffers start on 64-byte boundaries (the row kernels' aligned loads)
+KERNEL_TYPES = (np.float32, np.float16)  # the cache arrays' types the step reads
 PHASE_MATRICES = ((0, 1, 2, 3), (4,), (5,), (7,))  # each product phase's matrices (gate/up: chunks of gate's rows)
 
 
@@ -189,14 +190,14 @@ class DecodeStep:
     def __call__(self, h: np.ndarray, cache: Cache, state: BatchState) -> None:
         """Every layer for ``h`` [B, H] (the embedded new tokens, updated in place to the last block's output)."""
         c, b = self.config, h.shape[0]
-        caches, capacity = self._caches(cache.layers, b)
+        caches, capacity, cache_flags = self._caches(cache.layers, b)
         if not h.flags.c_contiguous:
             raise ValueError("the compiled decode step needs contiguous activations")
         rotary = state.rotary(c.rotary_dim, c.rope_theta, c.rope_scaling)
         cos, sin = (np.ascontiguousarray(a) for a in rotary)  # [B, 1, r/2]
         slots, key_valid = (np.ascontiguousarray(a) for a in state.slots())  # [B, 1], [B, S]
         valid = np.ascontiguousarray(state.valid)  # [B, 1]
-        dims = np.array([b, *self.dims[:5], capacity, self.flags, *self.dims[5:]], np.int64)
+        dims = np.array([b, *self.dims[:5], capacity, self.flags | cache_flags, *self.dims[5:]], np.int64)
         work, offsets, forms = self._buffers(b)
         step = jit()
         rate = step.cycles_per_us()
@@ -208,24 +209,31 @@ class DecodeStep:
         workers = self.ws.threads if self.ws.pooled else 1
         self.ws.run([partial(_worker, w, args) for w in range(workers)])
 
-    def _caches(self, layers: list, batch: int) -> tuple[np.ndarray, int]:
-        """The addresses of each layer's cache arrays [L, 2] and the KV caches' slots, every shape checked against
-        the config (the compiled code reads them without bounds checks)."""
-        c = self.config
-        capacity = next((layer.keys.shape[2] for layer in layers if isinstance(layer, KVCache)), 0)
+    def _caches(self, layers: list, batch: int) -> tuple[np.ndarray, int, int]:
+        """The addresses of each layer's cache arrays [L, 2], the KV caches' slots and the ``FLAGS`` bits of their
+        types (:data:`.step_jit.KEY_F16`, ``VALUE_F16``), every shape and type checked against the config and the
+        first KV cache (the compiled code reads them without bounds checks)."""
+        c, step = self.config, jit()
+        first = next((layer for layer in layers if isinstance(layer, KVCache)), None)
+        capacity = 0 if first is None else first.keys.shape[2]
         kv_shape = (batch, c.num_key_value_heads, capacity, c.head_dim)
+        kv_types = (np.float32, np.float32) if first is None else (first.keys.dtype, first.values.dtype)
         conv_shape, state_shape = ((batch, *shape) for shape in LinearAttentionCache.row_shapes(c)) \
             if c.linear_conv_dim else ((), ())
         arrays = []
         for kind, layer in zip(self.layers, layers, strict=True):
-            pair = (layer.keys, layer.values) if kind == jit().ATTENTION and isinstance(layer, KVCache) else \
+            pair = (layer.keys, layer.values) if kind == step.ATTENTION and isinstance(layer, KVCache) else \
                 (layer.conv, layer.state) if isinstance(layer, LinearAttentionCache) else None
-            shapes = (kv_shape, kv_shape) if kind == jit().ATTENTION else (conv_shape, state_shape)
-            if pair is None or any(a.shape != s or not a.flags.c_contiguous or a.dtype != np.float32
-                                   for a, s in zip(pair, shapes, strict=True)):
-                raise ValueError("the compiled decode step needs contiguous float32 caches of the model's shapes")
+            shapes = (kv_shape, kv_shape) if kind == step.ATTENTION else (conv_shape, state_shape)
+            types = kv_types if kind == step.ATTENTION else (np.float32, np.float32)
+            if pair is None or any(a.shape != s or not a.flags.c_contiguous or a.dtype != t or t not in KERNEL_TYPES
+                                   for a, s, t in zip(pair, shapes, types, strict=True)):
+                raise ValueError("the compiled decode step needs contiguous caches of the model's shapes, float32 "
+                                 "or float16 keys and values, of one type in every layer")
             arrays.append([a.ctypes.data for a in pair])
-        return np.array(arrays, np.int64), capacity
+        flags = (step.KEY_F16 if kv_types[0] == np.float16 else 0) | \
+            (step.VALUE_F16 if kv_types[1] == np.float16 else 0)
+        return np.array(arrays, np.int64), capacity, flags
 
     def _buffers(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The step's activation buffers for ``batch`` rows in one float32 array (kept between steps, grown when a

@@ -26,7 +26,7 @@ from ..ops import apply_rope, rms_norm, sigmoid
 from ..pool import Scratch
 from ..weights import matmul_many
 from . import gated_delta as gd
-from .attention import attend, compiled, jit, merge_heads, split_heads
+from .attention import attend, compiled, jit, kernel_view, merge_heads, split_heads
 from .base import WeightStore, register_mixer
 
 # Value heads per task of a prefill's delta rule (Qwen3.5-0.8B's 16: one task per pool thread).  The batched
@@ -55,6 +55,7 @@ class GatedAttention:
         self.config = config
         self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.ws = store.workspace
+        self.cache_types = store.cache_types  # the recurrent layers' state stays float32: it does not grow
         self.wq, self.wk = store.matrix(MODEL_TENSOR.ATTN_Q, layer), store.matrix(MODEL_TENSOR.ATTN_K, layer)
         self.wv, self.wo = store.matrix(MODEL_TENSOR.ATTN_V, layer), store.matrix(MODEL_TENSOR.ATTN_OUT, layer)
         self.q_norm = store.vector(MODEL_TENSOR.ATTN_Q_NORM, layer)
@@ -62,10 +63,10 @@ class GatedAttention:
 
     @property
     def cache_size(self) -> CacheSize:
-        return KVCache.size(self.n_kv, self.head_dim)
+        return KVCache.size(self.n_kv, self.head_dim, *self.cache_types)
 
     def make_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache(batch, self.n_kv, max_len, self.head_dim)
+        return KVCache(batch, self.n_kv, max_len, self.head_dim, *self.cache_types)
 
     def __call__(self, x: np.ndarray, cache: KVCache, state: BatchState) -> np.ndarray:
         b, t, h = x.shape
@@ -96,7 +97,7 @@ class GatedAttention:
         cos, sin = state.rotary(c.rotary_dim, c.rope_theta, c.rope_scaling)  # [B, T, r/2]
         out = aj.attention_step(q_gate, k.reshape(b, t, self.n_kv, hd), v.reshape(b, t, self.n_kv, hd), None, None,
                                 None, self.q_norm, self.k_norm, np.float32(c.rms_norm_eps), cos, sin, *state.slots(),
-                                cache.keys, cache.values)  # [B, nh, T, hd]
+                                kernel_view(cache.keys), kernel_view(cache.values))  # [B, nh, T, hd]
         return aj.gate(out, q_gate)
 
 

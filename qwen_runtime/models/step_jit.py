@@ -35,8 +35,9 @@ The plan (built once per model by :class:`.decode_step.DecodeStep`), all int64:
   or Gated DeltaNet's conv taps [K, C], dt bias, A, norm and key head of each value head (int64) (0: absent);
 * ``chunks`` [C, 3]: (matrix, first row, end row) of each product phase in turn (:data:`PROJ`, :data:`OUT`,
   :data:`GATE_UP`, :data:`DOWN_PROJ`), ``starts`` [2, 5] each layer kind's first chunk of each phase;
-* ``caches`` [L, 2]: each layer's cache arrays: keys and values [B, nkv, S, hd], or conv inputs [B, K-1, C] and
-  delta state [B, Hv, dk, dv];
+* ``caches`` [L, 2]: each layer's cache arrays: keys and values [B, nkv, S, hd] (float32, or float16 where the
+  ``FLAGS`` bits :data:`KEY_F16`/:data:`VALUE_F16` say so: the cache types), or conv inputs [B, K-1, C] and delta
+  state [B, Hv, dk, dv];
 * ``dims``: :data:`BATCH` .. :data:`CONV_DIM`;
 * ``offsets``: where each activation buffer starts in ``work`` (:data:`X` .. :data:`GATE`), float32, 64-byte aligned.
 
@@ -46,11 +47,11 @@ value heads of dk/dv, C conv channels, K conv taps.
 
 from __future__ import annotations
 
-from numba import carray, njit
+from numba import carray, njit, types
 
 from ..ops_jit import add_rms_norm_rows, rms_norm_rows, silu_mul_rows
 from ..pool_jit import CHANGED, cpu_relax, cycles_per_us, fetch_add, load_fresh, poll, store_fresh
-from ..quants.jit_base import F16_TABLE, GEMV_ROWS, block_sums, call_product, f32_at, i64_at
+from ..quants.jit_base import F16_TABLE, GEMV_ROWS, address_as, block_sums, call_product, f32_at, i64_at
 from ..quants.jit_q8_act import call_q8_product, prepare_forms
 from .attention_jit import attend_pair, prepare_attention, sigmoid_gate
 from .gated_delta_jit import conv_step, delta_head
@@ -71,12 +72,13 @@ ORDER = (PROJ, MIX, OUT, GATE_UP, DOWN_PROJ)
 FIRST, LAST = (IN0, OUT_W, GATE_W, DOWN), (IN3, OUT_W, UP, DOWN)  # each phase's matrices (absent ones: no chunks)
 (BATCH, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, SLOTS, FLAGS, Q_WIDTH, KEY_HEADS_LIN, KEY_DIM, VALUE_HEADS,
  VALUE_DIM, CONV_TAPS_K, CONV_DIM) = range(15)  # ``dims``
-HAS_BIAS, HAS_QK_NORM = 1, 2  # FLAGS bits
+HAS_BIAS, HAS_QK_NORM, KEY_F16, VALUE_F16 = 1, 2, 4, 8  # FLAGS bits (the last two: the KV cache types)
 X, Y0, Y1, Y2, Y3, ATT, ATT_OUT, X2, ACT, MLP_OUT, SUMS16, SUMS32, Q_HEADS, HEADS_OUT, GATE = range(15)  # ``offsets``
 # (GATE: two per worker)
 POSTED = 0  # sync[POSTED]: phases posted so far
 LINE = 8  # int64 per cache line: each phase's two counters on a line of their own
 CLAIMED, DONE = 0, 1
+u16_at = address_as(types.uint16)  # float16 cache arrays, as their bits (:mod:`.attention_jit`)
 
 
 def sync_size(layers: int) -> int:
@@ -208,10 +210,60 @@ def work_phase(worker, phase, step_phase, layer, kind, sync, mats, chunks, start
 
 
 @njit(**JIT)
-def kv_cache(layer, dims, caches):
-    """An attention layer's cached keys and values [B, nkv, S, hd]."""
-    shape = (dims[BATCH], dims[KV_HEADS], dims[SLOTS], dims[HEAD_DIM])
-    return carray(f32_at(caches[layer, 0]), shape), carray(f32_at(caches[layer, 1]), shape)
+def kv_shape(dims):
+    """An attention layer's cached keys' (or values') shape [B, nkv, S, hd]."""
+    return (dims[BATCH], dims[KV_HEADS], dims[SLOTS], dims[HEAD_DIM])
+
+
+@njit(**JIT)
+def f32_cache(layer, which, dims, caches):
+    """An attention layer's float32 keys (``which`` 0) or values (1) [B, nkv, S, hd]."""
+    return carray(f32_at(caches[layer, which]), kv_shape(dims))
+
+
+@njit(**JIT)
+def f16_cache(layer, which, dims, caches):
+    """An attention layer's float16 keys (``which`` 0) or values (1) [B, nkv, S, hd], as their bits (uint16)."""
+    return carray(u16_at(caches[layer, which]), kv_shape(dims))
+
+
+@njit(**JIT)
+def prepare_cached(q4, k4, v4, bq, bk, bv, q_norm, k_norm, eps, cos, sin, slots, layer, dims, caches, q):
+    """:func:`.attention_jit.prepare_attention` into ``layer``'s cache arrays of their types (``FLAGS``)."""
+    flags = dims[FLAGS]
+    if flags & KEY_F16:
+        if flags & VALUE_F16:
+            prepare_attention(q4, k4, v4, bq, bk, bv, q_norm, k_norm, eps, cos, sin, slots,
+                              f16_cache(layer, 0, dims, caches), f16_cache(layer, 1, dims, caches), q)
+        else:
+            prepare_attention(q4, k4, v4, bq, bk, bv, q_norm, k_norm, eps, cos, sin, slots,
+                              f16_cache(layer, 0, dims, caches), f32_cache(layer, 1, dims, caches), q)
+    elif flags & VALUE_F16:
+        prepare_attention(q4, k4, v4, bq, bk, bv, q_norm, k_norm, eps, cos, sin, slots,
+                          f32_cache(layer, 0, dims, caches), f16_cache(layer, 1, dims, caches), q)
+    else:
+        prepare_attention(q4, k4, v4, bq, bk, bv, q_norm, k_norm, eps, cos, sin, slots,
+                          f32_cache(layer, 0, dims, caches), f32_cache(layer, 1, dims, caches), q)
+
+
+@njit(**JIT)
+def attend_cached(q, layer, dims, caches, slots, key_valid, b, kv, heads):
+    """:func:`.attention_jit.attend_pair` of row ``b`` and kv head ``kv`` over ``layer``'s cache arrays of their
+    types (``FLAGS``)."""
+    flags = dims[FLAGS]
+    if flags & KEY_F16:
+        if flags & VALUE_F16:
+            attend_pair(q, f16_cache(layer, 0, dims, caches), f16_cache(layer, 1, dims, caches), slots, key_valid, b,
+                        kv, heads)
+        else:
+            attend_pair(q, f16_cache(layer, 0, dims, caches), f32_cache(layer, 1, dims, caches), slots, key_valid, b,
+                        kv, heads)
+    elif flags & VALUE_F16:
+        attend_pair(q, f32_cache(layer, 0, dims, caches), f16_cache(layer, 1, dims, caches), slots, key_valid, b, kv,
+                    heads)
+    else:
+        attend_pair(q, f32_cache(layer, 0, dims, caches), f32_cache(layer, 1, dims, caches), slots, key_valid, b, kv,
+                    heads)
 
 
 @njit(**JIT)
@@ -223,7 +275,7 @@ def delta_state(layer, dims, caches):
 @njit(**JIT)
 def prepare_mix(layer, kind, dims, vecs, caches, eps, outs, cos, sin, slots, valid, q):
     """Worker 0, before the mixer's heads: attention's biases or q/k norms, RoPE and cache writes
-    (:func:`.attention_jit.prepare_attention`, q into ``q`` [B, nh, 1, hd]), or Gated DeltaNet's conv step
+    (:func:`prepare_cached`, q into ``q`` [B, nh, 1, hd]), or Gated DeltaNet's conv step
     (:func:`.gated_delta_jit.conv_step`, over its projection ``outs[0]``) with the per-operation path's arguments."""
     b, nh, nkv, hd = dims[BATCH], dims[HEADS], dims[KV_HEADS], dims[HEAD_DIM]
     if kind == LINEAR:
@@ -232,17 +284,16 @@ def prepare_mix(layer, kind, dims, vecs, caches, eps, outs, cos, sin, slots, val
         conv_step(outs[0].reshape((b, 1, channels)), carray(f32_at(vecs[layer, CONV_TAPS]), (taps, channels)), conv,
                   valid)
         return
-    keys, values = kv_cache(layer, dims, caches)
     q4 = outs[0].reshape((b, 1, nh, dims[Q_WIDTH] // nh))
     k4, v4 = outs[1].reshape((b, 1, nkv, hd)), outs[2].reshape((b, 1, nkv, hd))
     if dims[FLAGS] & HAS_BIAS:
-        prepare_attention(q4, k4, v4, vector(vecs, layer, Q_BIAS, nh * hd), vector(vecs, layer, K_BIAS, nkv * hd),
-                          vector(vecs, layer, V_BIAS, nkv * hd), None, None, eps, cos, sin, slots, keys, values, q)
+        prepare_cached(q4, k4, v4, vector(vecs, layer, Q_BIAS, nh * hd), vector(vecs, layer, K_BIAS, nkv * hd),
+                       vector(vecs, layer, V_BIAS, nkv * hd), None, None, eps, cos, sin, slots, layer, dims, caches, q)
     elif dims[FLAGS] & HAS_QK_NORM:
-        prepare_attention(q4, k4, v4, None, None, None, vector(vecs, layer, Q_NORM, hd),
-                          vector(vecs, layer, K_NORM, hd), eps, cos, sin, slots, keys, values, q)
+        prepare_cached(q4, k4, v4, None, None, None, vector(vecs, layer, Q_NORM, hd), vector(vecs, layer, K_NORM, hd),
+                       eps, cos, sin, slots, layer, dims, caches, q)
     else:
-        prepare_attention(q4, k4, v4, None, None, None, None, None, eps, cos, sin, slots, keys, values, q)
+        prepare_cached(q4, k4, v4, None, None, None, None, None, eps, cos, sin, slots, layer, dims, caches, q)
 
 
 @njit(**JIT)
@@ -253,7 +304,7 @@ def mix_units(dims, kind):
 
 @njit(**JIT)
 def work_mix(step_phase, layer, kind, sync, dims, vecs, caches, eps, outs, q, slots, key_valid, valid, heads, att):
-    """Claim (row, head) pairs of the mixer's heads until none is left: :func:`.attention_jit.attend_pair` into
+    """Claim (row, head) pairs of the mixer's heads until none is left: :func:`attend_cached` into
     ``heads`` [B, nh, 1, hd], or :func:`.gated_delta_jit.delta_head` into ``att``."""
     count = mix_units(dims, kind)
     b = dims[BATCH]
@@ -262,8 +313,7 @@ def work_mix(step_phase, layer, kind, sync, dims, vecs, caches, eps, outs, q, sl
         if c < 0:
             return
         if kind == ATTENTION:
-            keys, values = kv_cache(layer, dims, caches)
-            attend_pair(q, keys, values, slots, key_valid, c // dims[KV_HEADS], c % dims[KV_HEADS], heads)
+            attend_cached(q, layer, dims, caches, slots, key_valid, c // dims[KV_HEADS], c % dims[KV_HEADS], heads)
         else:
             hv, dv = dims[VALUE_HEADS], dims[VALUE_DIM]
             delta_head(outs[0].reshape((b, 1, dims[CONV_DIM])), outs[1].reshape((b, 1, hv, dv)),

@@ -78,6 +78,7 @@ class Model:
         self.tied = config.tie_word_embeddings  # the reader decided it: no output.weight in the file
         self.lm_head = self.embed if self.tied else store.matrix(MODEL_TENSOR.OUTPUT)
         self.workspace = store.workspace
+        self.cache_types = store.cache_types  # (keys, values): :data:`~qwen_runtime.cache.CACHE_TYPES`
         self.matrices = store.matrices()
         self._row_kernels = all(not isinstance(w, TiledWeight) or w.compiled for w in self.matrices)
         # every layer of a decode step in one compiled call per thread, when the model qualifies

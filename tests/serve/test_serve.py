@@ -146,12 +146,16 @@ def streamed_tokens(client, prompt: str, max_tokens: int) -> tuple[str, list[tup
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3-tiny", "qwen35-tiny"])
-def test_sixteen_concurrent_streams_equal_their_solo_runs(family: str) -> None:
-    """Greedy tokens and their logprobs (bit for bit) alone and among 15 others: the batch is row-invariant."""
+@pytest.mark.parametrize(("family", "cache_type"), [("qwen3-tiny", "f32"), ("qwen35-tiny", "f32"),
+                                                    ("qwen3-tiny", "f16"), ("qwen35-tiny", "f16")])
+def test_sixteen_concurrent_streams_equal_their_solo_runs(family: str, cache_type: str) -> None:
+    """Greedy tokens and their logprobs (bit for bit) alone and among 15 others: the batch is row-invariant, with
+    either KV cache type (an f16 cache rounds each row's own keys and values, whatever the other rows hold)."""
     prompts = [f"Question {i}: " + "why " * (i % 5) + "is the sky blue?" for i in range(16)]
     lengths = [8 + (i * 5) % 17 for i in range(16)]  # rows leave the batch at different steps
-    with running_server(fixture_dir(family), max_batch=16, model_name="qwen3-tiny") as srv:
+    with running_server(fixture_dir(family), max_batch=16, model_name="qwen3-tiny", cache_type_k=cache_type,
+                        cache_type_v=cache_type) as srv:
+        assert srv.engine.model.cache_types == (cache_type, cache_type)
         client = srv.client()
         solo = [streamed_tokens(client, p, n) for p, n in zip(prompts, lengths, strict=True)]
         together = run_concurrently([lambda p=p, n=n: streamed_tokens(srv.client(), p, n)

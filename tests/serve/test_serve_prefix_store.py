@@ -187,6 +187,44 @@ def test_another_models_entries_are_never_used(tmp_path: Path) -> None:
         engine.stop()
 
 
+@pytest.mark.slow
+def test_blocks_of_one_cache_type_are_never_used_by_another(tmp_path: Path) -> None:
+    """Blocks cached by an engine with an f32 KV cache are invisible to one with an f16 cache (another identity
+    subdirectory: the layout's dtypes are part of it) and the reverse; an f16 engine restarted on its own blocks
+    restores them (stored as float16, half the bytes) and answers turn 2 bit for bit as without a cache."""
+    path = fixture_dir("qwen3-tiny")
+    f32, f16 = qwen_runtime.load(path), qwen_runtime.load(path, cache_type_k="f16", cache_type_v="f16")
+    first, second = conversation(f32, tmp_path)
+    [f32_dir] = [d for d in tmp_path.iterdir() if d.is_dir()]
+    engine = make_engine(f16, cache_memory=0)
+    try:
+        uncached = ask(engine, second)
+    finally:
+        engine.stop()
+    engine = make_engine(f16, cache_dir=tmp_path)
+    try:
+        status = engine.status()["prefix_cache"]
+        assert status["disk"]["loaded"] == 0 and Path(status["disk"]["directory"]) != f32_dir
+        assert ask(engine, first) != ([], []) and engine.status()["prefix_cache"]["hits"] == 0
+    finally:
+        engine.stop()
+    engine = make_engine(f16, cache_dir=tmp_path)
+    try:
+        assert ask(engine, second) == uncached
+        status = engine.status()["prefix_cache"]
+    finally:
+        engine.stop()
+    assert status["hits"] == 1 and status["disk"]["loaded"] == 4
+    f16_dir = Path(status["disk"]["directory"])
+    for block in f32_dir.iterdir():  # turn 1's blocks, under the same names
+        assert (f16_dir / block.name).stat().st_size < block.stat().st_size
+    engine = make_engine(qwen_runtime.load(path), cache_dir=tmp_path)
+    try:
+        assert Path(engine.status()["prefix_cache"]["disk"]["directory"]) == f32_dir  # f32 keeps its own blocks
+    finally:
+        engine.stop()
+
+
 def test_the_disk_holds_at_most_the_budget_least_recently_used_leaves_going_first(tmp_path: Path) -> None:
     """With room for 5 blocks, two prompts of 4 blocks sharing the first two: the second prompt's blocks replace
     the first's last ones on disk as in memory (a chain is never cut in the middle)."""
