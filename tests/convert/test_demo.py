@@ -144,7 +144,10 @@ def test_calibration_text_leaves_out_modules_in_the_evaluation_text() -> None:
 
 @pytest.mark.slow
 def test_kquant_outputs_without_and_with_an_imatrix_are_reused(tmp_path: Path) -> None:
+    from qwen_convert.convert import open_source, plan_model
     from qwen_convert.demo import KQUANT_MIXES, prepare_kquant_outputs
+    from qwen_convert.imatrix import load_importance
+    from qwen_convert.policy import QuantOptions
     from qwen_runtime.formats.gguf_parse import parse_gguf
 
     src, out = fixture_dir("qwen3-tiny"), tmp_path / "out"
@@ -154,8 +157,12 @@ def test_kquant_outputs_without_and_with_an_imatrix_are_reused(tmp_path: Path) -
     assert [(o.dtype, o.imatrix, o.status) for o in first] == [
         (m, w, CONVERTED) for w in (False, True) for m in KQUANT_MIXES]
     assert first[-1].label == "gguf iq4_xs +imatrix" and first[-1].path.name == "qwen3-tiny-iq4_xs-imatrix.gguf"
-    for o in first:
-        assert ("quantize.imatrix.file" in parse_gguf(o.path).metadata) == o.imatrix
+    importance, files = load_importance(out / "qwen3-tiny.imatrix.gguf"), open_source(src)
+    for o in first:  # the keys only where a tensor was quantized with the vectors (not all of q6_k's here)
+        used = o.imatrix and bool(importance.used_by(plan_model(files, o.dtype, QuantOptions(imatrix=True))))
+        assert ("quantize.imatrix.file" in parse_gguf(o.path).metadata) == used
+    assert sum(o.imatrix for o in first) == 7 and sum("quantize.imatrix.file" in parse_gguf(o.path).metadata
+                                                       for o in first) >= 5
     assert [o.status for o in prepare_kquant_outputs(src, out, calibration)] == [REUSED] * 14
     again = prepare_kquant_outputs(src, out, calibration + " ")  # another calibration text: weighted ones remade
     assert [o.status for o in again] == [REUSED] * 7 + [CONVERTED] * 7
