@@ -22,9 +22,11 @@ from .cli_support import (
     add_activations_option,
     add_cache_type_options,
     add_machine_options,
+    add_rope_scaling_options,
     cache_types,
     clamp_context,
     positive_int,
+    rope_scaling_arg,
     run_guarded,
     window,
 )
@@ -42,6 +44,7 @@ from .evaluate import (
 from .executor import EXECUTORS, LOCAL, RAY, ExecutorError, RemoteJob, Throttle, connect, run_on_ray
 from .limits import activation_bytes
 from .models import Model
+from .rope import RopeScaling
 from .weights import weight_overhead
 
 DEFAULT_CTX = 512
@@ -80,6 +83,7 @@ def configure_parser() -> argparse.ArgumentParser:
     add_activations_option(p, "; a product of more than 8 token rows (eval's chunks mostly are) still multiplies "
                            "float32 activations")
     add_cache_type_options(p)
+    add_rope_scaling_options(p)
     return p
 
 
@@ -103,14 +107,15 @@ def eval_memory(model: Model, reference: Model | None, ctx: int, chunk: int | No
 
 def evaluate_task(path: str, ids: object, ctx: int, stride: int, reference: str | None, chunk: int | None,
                   threads: int, kernels: str, activations: str, cache: dict[str, str],
-                  report: Callable[[int], None]) -> EvalResult:
+                  rope_scaling: RopeScaling | None, report: Callable[[int], None]) -> EvalResult:
     """One model's evaluation as a Ray task: the local lockstep run with this model alone, on the driver's
-    thread count, kernels, activations and cache types (``cache``: :func:`load`'s keywords, for the models: the
-    reference keeps an exact f32 cache; float32 sums are split by thread and kernel, so both are part of the
+    thread count, kernels, activations, RoPE scaling and cache types (``cache``: :func:`load`'s keywords, for the
+    models: the reference keeps an exact f32 cache; float32 sums are split by thread and kernel, so both are part of the
     result)."""
     progress = Throttle(report)
-    model = load(path, threads=threads, kernels=kernels, activations=activations, **cache)
-    ref = load(reference, threads=threads, kernels=kernels, activations=activations) if reference else None
+    model = load(path, threads=threads, kernels=kernels, activations=activations, rope_scaling=rope_scaling, **cache)
+    ref = load(reference, threads=threads, kernels=kernels, activations=activations,
+               rope_scaling=rope_scaling) if reference else None
     [result] = evaluate_ids([model], ids, ctx, stride, ref, chunk, progress.add)
     progress.flush()
     return result
@@ -123,7 +128,7 @@ def evaluate_on_ray(args: argparse.Namespace, models: list[Model], reference: Mo
     connect(args.address)
     threads, kernels = models[0].workspace.threads, models[0].workspace.kernels
     jobs = [RemoteJob((path, ids, ctx, stride, args.reference, args.chunk, threads, kernels, args.activations,
-                       cache_types(args)),
+                       cache_types(args), rope_scaling_arg(args)),
                       eval_memory(model, reference, ctx, args.chunk), num_cpus=threads, name=f"qwen-eval {path}")
             for path, model in zip(args.models, models, strict=True)]
     def lost(i: int, exc: BaseException) -> EvalResult:
@@ -133,11 +138,13 @@ def evaluate_on_ray(args: argparse.Namespace, models: list[Model], reference: Mo
 
 
 def run(args: argparse.Namespace) -> None:
-    models = [load(path, threads=args.threads, kernels=args.kernels, activations=args.activations,
+    rope = rope_scaling_arg(args)
+    models = [load(path, threads=args.threads, kernels=args.kernels, activations=args.activations, rope_scaling=rope,
                    **cache_types(args)) for path in args.models]
-    reference = (load(args.reference, threads=args.threads, kernels=args.kernels, activations=args.activations)
+    reference = (load(args.reference, threads=args.threads, kernels=args.kernels, activations=args.activations,
+                      rope_scaling=rope)
                  if args.reference else None)  # an exact f32 cache: --reference MODEL -ctk f16 measures the cache
-    limit = min(m.config.max_position_embeddings for m in (*models, *([reference] if reference else [])))
+    limit = min(m.config.context_window for m in (*models, *([reference] if reference else [])))
     ctx = clamp_context("qwen-eval", args.ctx, limit, sys.stderr) if args.ctx else min(DEFAULT_CTX, limit)
     if args.stride is not None and args.stride > ctx:
         raise UsageError(f"--stride {args.stride} is more than the window of {ctx} tokens (--ctx): tokens between "

@@ -38,6 +38,7 @@ from qwen_runtime.cli_support import cache_note
 from qwen_runtime.errors import ResourceLimitError, TemplateError
 from qwen_runtime.limits import default_memory_limit, format_bytes
 from qwen_runtime.models import Model
+from qwen_runtime.rope import RopeScaling
 from qwen_runtime.stepper import Constraint, FinishReason
 from qwen_runtime.structured import GrammarCache, JsonConstraint, SchemaError, SchemaLimitError
 from qwen_runtime.tokenizer import Tokenizer
@@ -135,17 +136,18 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
                kernels: str | None = None, draft_tokens: int = 0, cache_dir: str | Path | None = None,
                activations: str = "float", cache_turns: bool = False,
                read_timeout: float = READ_TIMEOUT, cache_type_k: str = DEFAULT_CACHE_TYPE,
-               cache_type_v: str = DEFAULT_CACHE_TYPE) -> Starlette:
+               cache_type_v: str = DEFAULT_CACHE_TYPE, rope_scaling: RopeScaling | None = None) -> Starlette:
     """An ASGI app serving ``model`` (a path or a loaded :class:`Model`); its engine starts with the app.
 
     ``model_name`` is the name clients pass as ``model`` (default: the file or directory name); a request body
     that takes more than ``read_timeout`` seconds to arrive is refused with 408; ``threads``,
-    ``kernels``, ``activations`` and the cache types are :func:`qwen_runtime.load`'s (for a path); the other options are
+    ``kernels``, ``activations``, the cache types and ``rope_scaling`` are :func:`qwen_runtime.load`'s (for a path);
+    the other options are
     :class:`~qwen_serve.engine.Engine`'s.
     """
     if not isinstance(model, Model):
         model = qwen_runtime.load(model, threads=threads, kernels=kernels, activations=activations,
-                                  cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+                                  cache_type_k=cache_type_k, cache_type_v=cache_type_v, rope_scaling=rope_scaling)
     fmt = chat_format(model)
     text_ids = frozenset(i for t in (THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE)
                          if (i := fmt.tokenizer.token_id(t)) is not None)

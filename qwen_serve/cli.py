@@ -27,6 +27,7 @@ from qwen_runtime.cli_support import (
     add_cache_type_options,
     add_draft_option,
     add_machine_options,
+    add_rope_scaling_options,
     cache_types,
     clamp_context,
     count,
@@ -34,6 +35,7 @@ from qwen_runtime.cli_support import (
     memory_size,
     positive_int,
     require_extra,
+    rope_scaling_arg,
     run_guarded,
 )
 from qwen_runtime.errors import QwenError
@@ -118,6 +120,7 @@ def configure_parser() -> argparse.ArgumentParser:
     add_machine_options(p)
     add_activations_option(p, "; in the server every decode step and prefill chunks of up to 8 tokens")
     add_cache_type_options(p)
+    add_rope_scaling_options(p)
     ray = p.add_argument_group("Ray Serve (the ray extra; qwen_serve/ray_app.py)")
     ray.add_argument("--ray", action="store_true", help="serve through Ray Serve: --replicas copies of the app, "
                      "each with its own engine, behind Ray's HTTP proxy on --host:--port")
@@ -220,9 +223,8 @@ def run(args: argparse.Namespace) -> None:
                      max_context=args.max_context, max_body_bytes=args.max_body, cache_memory=args.cache_memory,
                      threads=args.threads, kernels=args.kernels, draft_tokens=args.draft, cache_dir=args.cache_dir,
                      activations=args.activations, cache_turns=args.cache_turns, read_timeout=args.read_timeout,
-                     **cache_types(args))
-    clamp_context("qwen-serve", args.max_context, app.state.server.engine.model.config.max_position_embeddings,
-                  sys.stderr)
+                     rope_scaling=rope_scaling_arg(args), **cache_types(args))
+    clamp_context("qwen-serve", args.max_context, app.state.server.engine.model.config.context_window, sys.stderr)
     host, port = sock.getsockname()[:2]
     logging.getLogger("qwen_serve").info(startup_banner(app, f"http://{host}:{port}"))
     uvicorn.Server(server_config(app, args.log_level, args.read_timeout)).run(sockets=[sock])

@@ -204,3 +204,28 @@ def test_run_time_override_equals_the_config(tmp_path: Path) -> None:
                            (["--rope-scaling", "linear", "--rope-scale", "0.5"], "factor must be")):
         with pytest.raises(UsageError, match=message):
             rope_scaling_arg(p.parse_args(flags))
+
+
+def test_serve_and_eval_take_the_override_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """qwen-serve (create_app) and qwen-eval take the same flags as qwen-run: a model of 32 positions served
+    with yarn x4 admits the 128-token window, and qwen-eval scores 100-token windows, which without the flags it
+    cuts to 32 with a note (and then refuses the stride of 50 as a usage error)."""
+    from qwen_runtime.eval_cli import main as eval_main
+
+    plain = scaled_copy("qwen2-tiny", tmp_path / "plain", rope_scaling=None)
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg["max_position_embeddings"] = 32
+    (plain / "config.json").write_text(json.dumps(cfg))
+    pytest.importorskip("starlette")
+    from qwen_serve import create_app
+
+    app = create_app(plain, rope_scaling=RopeScaling("yarn", 4.0, 32), max_memory=1 << 30)
+    assert app.state.server.engine.context == 128
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 60)
+    argv = [str(plain), "-f", str(text), "--ctx", "100", "--stride", "50"]
+    assert eval_main([*argv, "--rope-scaling", "yarn", "--rope-scale", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "cut" not in captured.err and "100" in captured.out
+    assert eval_main(argv) == 2
+    assert "context length of 32; using 32" in capsys.readouterr().err
