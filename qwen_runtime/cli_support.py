@@ -248,9 +248,9 @@ def add_rope_scaling_options(p: argparse.ArgumentParser) -> None:
     this run (the model file is not changed; :func:`rope_scaling_arg` reads them)."""
     p.add_argument("--rope-scaling", choices=ROPE_SCALING_TYPES, default=None,
                    help="run with this RoPE scaling instead of the model's (yarn: Qwen's long-context extension); "
-                   "needs --rope-scale")
+                   "needs --rope-scale (default: the model's own scaling, if any)")
     p.add_argument("--rope-scale", type=float, default=None, metavar="F",
-                   help="context scaling factor of --rope-scaling (4 extends 32768 positions to 131072)")
+                   help="context scaling factor of --rope-scaling (4 extends 32768 positions to 131072; no default)")
     p.add_argument("--yarn-orig-ctx", type=lambda text: integer(text, 0, "--yarn-orig-ctx"), default=0, metavar="N",
                    help="the context the model was trained on, which --rope-scale multiplies; default 0: the model's "
                    "context length")

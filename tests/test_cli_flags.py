@@ -138,7 +138,8 @@ def test_serve_cuts_ctx_to_the_model_with_the_same_note(monkeypatch: pytest.Monk
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     app_module = pytest.importorskip("qwen_serve.app")
     uvicorn = pytest.importorskip("uvicorn")
-    engine = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=512)))
+    engine = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=512,
+                                                                          context_window=512)))
     passed = {}
 
     def fake_app(model: str, **kwargs: object) -> SimpleNamespace:

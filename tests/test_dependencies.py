@@ -20,8 +20,8 @@ PACKAGE_IMPORTS = {RUNTIME: {RUNTIME}, CONVERTER: {RUNTIME, CONVERTER}, SERVER: 
 # later one.  Keys are module paths relative to the package ("formats" covers the subpackage).
 RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("facts: errors, architectures, GGUF keys, config, tensor names, stored types, small kernels, the thread pool",
-     ("errors", "archs", "gguf_keys", "config", "naming", "tensors", "quants", "ops", "jit_setup", "ops_jit", "pool",
-      "pool_jit", "compile_events",
+     ("errors", "archs", "rope", "gguf_keys", "config", "naming", "tensors", "quants", "ops", "jit_setup", "ops_jit",
+      "pool", "pool_jit", "compile_events",
       "cache", "limits", "memory")),
     ("formats: finding and reading model files", ("formats", "hub")),
     ("weights: multiplying stored tensors", ("weights",)),
