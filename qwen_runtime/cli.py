@@ -112,7 +112,7 @@ def print_stats(gen: Generation, out: TextIO) -> None:
               f"anonymous RSS {format_bytes(mem.get('RssAnon', 0) << 10)}\n")
     q8 = ", 8-bit activations" if ws.activations == "q8" else ""
     out.write(f"kernels: {ws.kernels}{q8}, {ws.threads} thread(s)\n")
-    out.write(f"{cache_note(gen.model)}\n")
+    out.write(f"{cache_note(gen.model)}\n{gen.plan.summary()}\n")
     if s.draft_proposed:
         out.write(f"drafts: {s.draft_accepted} of {s.draft_proposed} accepted "
                   f"({s.draft_accepted / s.draft_proposed:.0%})\n")

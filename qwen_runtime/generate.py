@@ -22,7 +22,7 @@ import numpy as np
 
 from .cache import Cache
 from .errors import ContextOverflowError
-from .limits import activation_bytes, check_memory
+from .limits import activation_bytes
 from .models import Model
 from .pool import STEP_TOKENS
 from .sampling import SamplingParams
@@ -117,8 +117,10 @@ class Generation:
         check_prompt_fits(model, prompts, config.max_new_tokens)
         longest = max(len(p) for p in prompts) + config.max_new_tokens
         rows = len(prompts)
-        need = model.cache_bytes(rows, longest) + activation_bytes(model.config, rows, longest, config.prefill_chunk)
-        check_memory(need, config.max_memory, f"generating {rows} rows of up to {longest} tokens")
+        # planned and checked before the cache is made: ``plan`` is what ``--stats`` prints
+        self.plan = model.memory_plan(rows, longest, activation_bytes(model.config, rows, longest,
+                                                                      config.prefill_chunk))
+        self.plan.check(config.max_memory, f"generating {rows} rows of up to {longest} tokens")
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.results = [GenerationResult([int(t) for t in p]) for p in prompts]
         self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))

@@ -9,6 +9,7 @@ count.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from .config import ModelConfig
 from .errors import ResourceLimitError
@@ -65,6 +66,48 @@ def parse_memory_size(text: str) -> int:
     if value <= 0:
         raise ValueError(f"memory size must be positive, got {text!r}")
     return value
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a run will hold, known before any of it is allocated: the one account that ``qwen-run --stats``,
+    the server's banner and the ``--max-memory`` checks read, so the figures printed are the figures checked.
+
+    ``weights`` are the stored bytes of the model's tensors: memory-mapped, held by the page cache and not
+    counted against the limit; ``cache`` is the KV cache (and recurrent state) of ``rows`` rows at ``tokens``
+    tokens in ``cache_types`` (keys, values); ``activations`` the scratch of a pass (:func:`activation_bytes`).
+    """
+
+    weights: int
+    cache: int
+    activations: int
+    rows: int
+    tokens: int
+    cache_types: tuple[str, str]
+
+    @property
+    def required(self) -> int:
+        """The bytes the limit is checked against: cache and activations."""
+        return self.cache + self.activations
+
+    def summary(self) -> str:
+        keys, values = self.cache_types
+        return (f"memory plan: weights {format_bytes(self.weights)} (mapped), kv cache {format_bytes(self.cache)} "
+                f"at {self.tokens} tokens x {self.rows} rows ({keys} keys, {values} values), "
+                f"activations {format_bytes(self.activations)}")
+
+    def check(self, allowed: int | None, what: str) -> None:
+        """Raise :class:`ResourceLimitError` (one line: the cache, the activations, the limit and what to lower)
+        when the plan needs more than ``allowed`` bytes (default: :func:`default_memory_limit`)."""
+        limit = default_memory_limit() if allowed is None else allowed
+        if self.required <= limit:
+            return
+        smaller = ", or use -ctk/-ctv f16" if "f32" in self.cache_types else ""
+        raise ResourceLimitError(
+            f"{what} needs about {format_bytes(self.required)} (kv cache {format_bytes(self.cache)} at "
+            f"{self.tokens} tokens x {self.rows} rows + activations {format_bytes(self.activations)}), more than "
+            f"the {format_bytes(limit)} allowed (--max-memory); lower --ctx, --max-new-tokens or --max-batch"
+            f"{smaller}")
 
 
 def check_memory(required: int, allowed: int | None, what: str) -> None:

@@ -231,6 +231,7 @@ def startup_banner(app: Starlette, url: str) -> str:
         f"{format_bytes(engine.prefix.capacity) if engine.prefix else 'off'}"
         f"{', with turns' if engine.prefix and engine.prefix.turns else ''}), and "
         f"{format_bytes(state.grammars.reserve())} for structured output" + disk_note(engine),
+        f"  {engine.plan.summary()}",
         f"  kernels: {ws.kernels} ({products}), {ws.threads} threads"
         + (", 8-bit activations" if ws.activations == "q8" else ""),
         f"  {cache_note(model)}",

@@ -194,6 +194,7 @@ class Engine:
                                      f"cache of one request (activations alone need about "
                                      f"{format_bytes(self.activations)}); raise --max-memory or lower --max-batch")
         self.context = min(context, room)  # tokens one row can hold (prompt + completion)
+        self.plan = model.memory_plan(max_batch, self.context, self.activations, mask=False)  # what the banner prints
         self.slots = SlotCache(model, max_batch, self.context)
         capacity = self.memory_limit // 4 if cache_memory is None else cache_memory
         if cache_turns and capacity <= 0:

@@ -19,7 +19,7 @@ from ..cache import BatchState, Cache, CacheSize, LayerCache
 from ..config import ModelConfig
 from ..errors import KernelsError
 from ..formats import ModelFiles
-from ..limits import check_memory
+from ..limits import MemoryPlan, check_memory
 from ..ops import rms_norm
 from ..pool import STEP_TOKENS
 from ..weights import TiledWeight, gated_matmul
@@ -96,6 +96,14 @@ class Model:
     def cache_bytes(self, batch: int, max_len: int) -> int:
         """Bytes of ``make_cache(batch, max_len)``: the layers' caches and the validity mask."""
         return (self.cache_size + Cache.MASK).nbytes(batch, max_len)
+
+    def memory_plan(self, rows: int, tokens: int, activations: int, mask: bool = True) -> MemoryPlan:
+        """The memory of ``rows`` rows at ``tokens`` tokens with ``activations`` bytes of scratch: the mapped
+        weights, and the cache of :meth:`make_cache` (``mask``: with its validity mask, as a :class:`Cache` holds;
+        without, as the server's slots hold their layers)."""
+        cache = self.cache_bytes(rows, tokens) if mask else self.cache_size.nbytes(rows, tokens)
+        return MemoryPlan(weights=sum(t.nbytes for t in self.files.tensors.values()), cache=cache,
+                          activations=activations, rows=rows, tokens=tokens, cache_types=self.cache_types)
 
     def make_cache(self, batch: int, max_len: int, max_memory: int | None = None) -> Cache:
         """Empty per-layer caches for ``batch`` rows of up to ``max_len`` slots.

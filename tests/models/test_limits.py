@@ -10,8 +10,11 @@ import pytest
 from hostile_helpers import FIXTURES
 from runtime_helpers import Converted
 
-from qwen_runtime import generate, load
+from qwen_runtime import Model, generate, load, stream
+from qwen_runtime import cli as cli_module
+from qwen_runtime.cache import KVCache
 from qwen_runtime.errors import EXIT_CODES, ResourceLimitError
+from qwen_runtime.generate import GenerationConfig
 from qwen_runtime.limits import (
     activation_bytes,
     check_memory,
@@ -104,3 +107,53 @@ def test_cli_max_memory_exit_code() -> None:
     assert proc.returncode == EXIT_CODES[ResourceLimitError]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "more than the 1.0 KiB allowed" in lines[0]
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen35-tiny-gqa"])
+def test_the_memory_plan_is_what_a_generation_allocates(name: str) -> None:
+    """Issue 44: the plan a generation checks and ``--stats`` prints is the cache ``make_cache`` makes, the
+    activation estimate and the mapped bytes of the stored tensors."""
+    model = load(FIXTURES / name)
+    gen = stream(model, [[1, 2, 3], [4, 5]], max_new_tokens=4, prefill_chunk=8)
+    assert (gen.plan.rows, gen.plan.tokens) == (2, 7)
+    assert gen.plan.cache == model.make_cache(2, 7).nbytes
+    assert gen.plan.activations == activation_bytes(model.config, 2, 7, 8)
+    assert gen.plan.weights == sum(t.data.nbytes for t in model.files.tensors.values())
+    assert gen.plan.cache_types == model.cache_types
+
+
+def test_a_context_over_the_limit_is_refused_before_any_cache_is_made(monkeypatch, capsys) -> None:
+    """Issue 44: ``--ctx`` filled by ``--max-new-tokens`` beyond ``--max-memory`` exits 6 with one line naming
+    the cache at that context, the activations, the limit and what to lower; no cache is ever allocated."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cache was allocated")
+
+    model = load(FIXTURES / "qwen3-tiny")  # loading warms up on a one-token cache: refused from here on
+    monkeypatch.setattr(cli_module, "load", lambda *args, **kwargs: model)
+    monkeypatch.setattr(Model, "make_cache", refuse)
+    monkeypatch.setattr(KVCache, "__init__", refuse)
+    code = cli_module.main([str(FIXTURES / "qwen3-tiny"), "-p", "hi", "--ctx", "4096", "--max-new-tokens", "4095",
+                            "--max-memory", "1M"])  # "hi" is one token: a full context, and no note
+    assert code == EXIT_CODES[ResourceLimitError] == 6
+    lines = capsys.readouterr().err.strip().splitlines()
+    cache, activations = model.cache_bytes(1, 4096), activation_bytes(model.config, 1, 4096,
+                                                                       GenerationConfig.prefill_chunk)
+    assert lines == [f"qwen-run: error: generating 1 rows of up to 4096 tokens needs about "
+                     f"{format_bytes(cache + activations)} (kv cache {format_bytes(cache)} at 4096 tokens x 1 rows "
+                     f"+ activations {format_bytes(activations)}), more than the 1.0 MiB allowed (--max-memory); "
+                     f"lower --ctx, --max-new-tokens or --max-batch, or use -ctk/-ctv f16"]
+
+
+def test_stats_print_the_memory_plan(capsys) -> None:
+    """Issue 44: ``qwen-run --stats`` prints weights, the cache at the context and the activations."""
+    assert cli_module.main([str(FIXTURES / "qwen3-tiny"), "-p", "hi", "--max-new-tokens", "3", "--stats",
+                            "-ctk", "f16"]) == 0
+    model = load(FIXTURES / "qwen3-tiny", cache_type_k="f16")
+    plan_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memory plan:")]
+    assert len(plan_lines) == 1
+    tokens = int(plan_lines[0].split(" at ")[1].split()[0])
+    weights = sum(t.nbytes for t in model.files.tensors.values())
+    activations = activation_bytes(model.config, 1, tokens, GenerationConfig.prefill_chunk)
+    assert plan_lines[0] == (f"memory plan: weights {format_bytes(weights)} (mapped), kv cache "
+                             f"{format_bytes(model.cache_bytes(1, tokens))} at {tokens} tokens x 1 rows "
+                             f"(f16 keys, f32 values), activations {format_bytes(activations)}")

@@ -542,6 +542,22 @@ def test_structured_outputs_memory_is_counted_against_max_memory() -> None:
         create_app(fixture_dir("qwen3-tiny"), max_memory=reserve)
 
 
+def test_the_banner_prints_the_memory_plan_the_slots_hold() -> None:
+    """Issue 44: the banner prints the server's memory plan: the mapped weights, the slots' cache at the context
+    (what they allocate, in the chosen cache types) and the activations the rows were sized with."""
+    from qwen_serve.app import startup_banner
+
+    app = create_app(fixture_dir("qwen3-tiny"), max_memory=1 << 30, max_batch=3, max_context=100,
+                     cache_type_v="f16")
+    engine = app.state.server.engine
+    plan = engine.plan
+    assert (plan.rows, plan.tokens, plan.cache_types) == (3, engine.context, ("f32", "f16"))
+    assert plan.cache == sum(layer.nbytes for layer in engine.slots.layers)
+    assert plan.activations == engine.activations
+    assert plan.weights == sum(t.nbytes for t in engine.model.files.tensors.values())
+    assert f"  {plan.summary()}\n" in startup_banner(app, "http://127.0.0.1:1")
+
+
 def test_cli_errors_are_one_line_with_the_exit_code(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "qwen_serve", str(tmp_path / "missing"), "--port",
                            str(free_port())], capture_output=True, text=True, timeout=60, cwd=ROOT,
