@@ -38,3 +38,21 @@ def test_table_puts_both_servers_side_by_side() -> None:
     assert "| 1 | 16.00 | 32.00 | 0.50x |" in text and "| 8 | 64.00 | 32.00 | 2.00x |" in text
     assert "| qwen-serve | 1500 | 11.00 | 2.00 | 5.5x |" in text
     assert "| llama-server | 1500 | 9.00 | 7.00 | 1.3x |" in text
+
+
+def test_hostile_rounds_are_summarised_from_their_samples() -> None:
+    """--hostile-rounds: content chunks are told from role and [DONE] lines, and the summary line reads the
+    stream's gaps, the hostile statuses and times, the benign TTFT and the RSS growth from the run's record."""
+    assert bench_serve.has_content(b'data: {"choices": [{"delta": {"content": "x"}}]}')
+    assert not bench_serve.has_content(b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}')
+    assert not bench_serve.has_content(b"data: [DONE]") and not bench_serve.has_content(b"")
+    assert bench_serve.gaps_ms([0.0, 0.01, 0.05]) == pytest.approx(
+        {"chunks": 3, "worst_gap_ms": 40.0, "median_gap_ms": 25.0})
+    run = {"alone": {"worst_gap_ms": 45.0}, "beside": {"worst_gap_ms": 56.0, "median_gap_ms": 30.0},
+           "memory_before_kib": {"VmRSS": 1024}, "memory_after_kib": {"VmRSS": 3072},
+           "hostile": [{"status": 400, "seconds": 0.02}, {"status": 400, "seconds": 0.05}],
+           "benign": [{"ttft": 0.3}, {"ttft": 0.4}]}
+    line = bench_serve.hostile_line(run)
+    assert "worst gap 56 ms beside them (45 alone)" in line and "statuses [400], slowest 0.050 s" in line
+    assert "benign TTFT max 0.40 s" in line and "RSS growth 2.0 MiB" in line
+    assert len(bench_serve.hostile_schema_set()) == 5
