@@ -206,8 +206,8 @@ def _check_values(vector: np.ndarray, width: int, path: str | Path, name: str) -
     bad = np.flatnonzero(vector < 0)
     if bad.size:
         raise FormatError(f"{path}: tensor {name!r}: negative importance at column {int(bad[0])} "
-                          f"({float(vector[bad[0]]):.6g}); {bad.size} of {vector.size} values are negative (an importance "
-                          "is a mean of squares)")
+                          f"({float(vector[bad[0]]):.6g}); {bad.size} of {vector.size} values are negative (an "
+                          "importance is a mean of squares)")
     zero = np.flatnonzero(~vector.reshape(-1, width).any(axis=1))
     if zero.size:
         which = f"matrix {int(zero[0])}'s" if vector.size > width else "all"
@@ -309,7 +309,9 @@ def load_importance(path: str | Path) -> Importance:
 # ------------------------------------------------------------------------------------------------ writing
 
 def write_imatrix(path: str | Path, imatrix: Imatrix) -> None:
-    """Write ``imatrix`` in llama-imatrix's GGUF format (keys, then sums and counts per matrix, sorted by name)."""
+    """Write ``imatrix`` in llama-imatrix's GGUF format (keys, then sums and counts per matrix, sorted by name),
+    each tensor with the dimensions llama-imatrix gives it: sums ``[n, n_mat]`` and counts ``[1, n_mat]``, one
+    dimension fewer where ``n_mat`` is 1."""
     writer = GGUFWriter(path, "")
     writer.kv_data[0].pop("general.architecture", None)  # llama-imatrix's files have no architecture
     writer.add_string(TYPE_KEY, TYPE_VALUE)
@@ -318,8 +320,11 @@ def write_imatrix(path: str | Path, imatrix: Imatrix) -> None:
     writer.add_uint32(CHUNK_SIZE_KEY, imatrix.chunk_size)
     for name in sorted(imatrix.entries):
         entry = imatrix.entries[name]
-        writer.add_tensor(name + SUMS_SUFFIX, np.ascontiguousarray(entry.sums, dtype=np.float32))
-        writer.add_tensor(name + COUNTS_SUFFIX, entry.counts.astype(np.float32).reshape(-1, 1))
+        sums, counts = entry.sums.astype(np.float32), entry.counts.astype(np.float32).reshape(-1, 1)
+        if len(counts) == 1:  # ggml stores [n, 1] as one dimension (ggml_n_dims drops trailing ones)
+            sums, counts = sums.reshape(-1), counts.reshape(-1)
+        writer.add_tensor(name + SUMS_SUFFIX, np.ascontiguousarray(sums))
+        writer.add_tensor(name + COUNTS_SUFFIX, counts)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -47,14 +47,20 @@ def _imatrix(counts: tuple[int, ...] = (40,)) -> Imatrix:
 
 
 def test_gguf_roundtrip_has_llama_imatrix_layout(tmp_path: Path) -> None:
+    """One matrix per tensor: sums [n] and counts [1], one dimension each, as ggml stores [n, 1]; three (an
+    expert tensor): sums [n, 3] and counts [1, 3]."""
     path = tmp_path / "m.gguf"
     write_imatrix(path, _imatrix())
     layout = parse_gguf(path)
     assert layout.metadata == {"general.type": "imatrix", "imatrix.datasets": ["calib.txt"],
                                "imatrix.chunk_count": 2, "imatrix.chunk_size": 20}
     assert [(t.name, t.shape, t.qtype) for t in layout.tensors] == [
-        ("blk.0.attn_q.weight.in_sum2", (1, 8), QType.F32), ("blk.0.attn_q.weight.counts", (1, 1), QType.F32),
-        ("blk.0.ffn_down.weight.in_sum2", (1, 4), QType.F32), ("blk.0.ffn_down.weight.counts", (1, 1), QType.F32)]
+        ("blk.0.attn_q.weight.in_sum2", (8,), QType.F32), ("blk.0.attn_q.weight.counts", (1,), QType.F32),
+        ("blk.0.ffn_down.weight.in_sum2", (4,), QType.F32), ("blk.0.ffn_down.weight.counts", (1,), QType.F32)]
+    experts = tmp_path / "experts.gguf"
+    write_imatrix(experts, _imatrix((40, 41, 42)))
+    assert [t.shape for t in parse_gguf(experts).tensors][:2] == [(3, 8), (3, 1)]
+    assert np.array_equal(read_imatrix(experts).entries["blk.0.attn_q.weight"].counts, [40, 41, 42])
     back = read_imatrix(path)
     original = _imatrix()
     assert (back.datasets, back.chunk_count, back.chunk_size, back.legacy) == (["calib.txt"], 2, 20, False)
@@ -360,6 +366,9 @@ def test_ours_matches_llama_imatrix(oracle: ImatrixOracle, model: str) -> None:
     assert (ours.chunk_count, ours.chunk_size) == (theirs.chunk_count, theirs.chunk_size) == (ORACLE_CHUNKS,
                                                                                             ORACLE_CTX)
     assert parse_gguf(oracle.ours(model)).metadata.keys() == parse_gguf(oracle.theirs(model)).metadata.keys()
+    shapes = [{t.name: t.shape for t in parse_gguf(path).tensors} for path in (oracle.ours(model),
+                                                                              oracle.theirs(model))]
+    assert shapes[0] == shapes[1]  # the dimensions ggml writes: [n, 1] stored as [n]
     worst = {}
     for name, entry in theirs.entries.items():
         assert np.array_equal(ours.entries[name].counts, entry.counts), name
