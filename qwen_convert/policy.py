@@ -2,19 +2,20 @@
 
 Two kinds of ``--dtype``:
 
-* **Converter dtypes** (fp32, fp16, q8_0, q4_0, q4_1, q5_0, q5_1) follow llama.cpp's converter
-  (``prepare_tensors``): F32 for tensors of at most one dimension, for names ending in ``_norm.weight``, for
-  names not ending in ``.weight`` (``ssm_a``, biases) and for ``ssm_conv1d``; every other tensor (embedding and
-  output included) gets the output type.  A quantized tensor whose row length is not a multiple of its block
-  falls back to F16, with a logged note.  This is also what ``llama-quantize --pure`` writes for these types.
-* **llama.cpp's mixes** (q2_k ... iq4_xs, :data:`MIXES`) follow ``llama-quantize``'s ``llama_tensor_get_type``
+* **Converter dtypes** (fp32, fp16, q8_0) follow llama.cpp's converter (``prepare_tensors``): F32 for tensors
+  of at most one dimension, for names ending in ``_norm.weight``, for names not ending in ``.weight``
+  (``ssm_a``, biases) and for ``ssm_conv1d``; every other tensor (embedding and output included) gets the output
+  type.  A quantized tensor whose row length is not a multiple of its block falls back to F16, with a logged
+  note.  This is also what ``llama-quantize`` writes for these types (its Q8_0 bumps nothing).
+* **llama.cpp's mixes** (q4_0 ... iq4_xs, :data:`MIXES`) follow ``llama-quantize``'s ``llama_tensor_get_type``
   (src/llama-quant.cpp of llama.cpp as vendored in llama-cpp-python 0.3.36) for dense Qwen2, Qwen3 and Qwen3.5
-  models: the same tensors stay unquantized; the output (and a tied token embedding) is Q6_K, or Q8_0 when its
-  row length is not a multiple of the mix's block; ``attn_v`` (and Qwen3.5's ``attn_qkv``, which llama.cpp counts
-  with them) and ``ffn_down`` get the per-layer bumps of each mix's table; ``attn_output`` its fixed bump; a
-  type whose block does not divide the row length falls back to llama.cpp's 32-value twin (F16 when that does
-  not fit either).  :class:`QuantOptions` adds ``--pure``, ``--tensor-type``, ``--output-tensor-type`` and
-  ``--token-embedding-type`` with llama-quantize's precedence.
+  models: the same tensors stay unquantized; the output (and a tied token embedding) is Q6_K (the legacy
+  Q4_0..Q5_1 mixes included), or Q8_0 when its row length is not a multiple of the mix's block; ``attn_v``
+  (and Qwen3.5's ``attn_qkv``, which llama.cpp counts with them) and ``ffn_down`` get the per-layer bumps of
+  each mix's table; ``attn_output`` its fixed bump; a type whose block does not divide the row length falls
+  back to llama.cpp's 32-value twin (F16 when that does not fit either).  :class:`QuantOptions` adds
+  ``--pure``, ``--tensor-type``, ``--output-tensor-type`` and ``--token-embedding-type`` with llama-quantize's
+  precedence.
 
 llama.cpp counts attn_v and ffn_down tensors in its own order (token embedding and output first, then layer by
 layer) and only for tensors its mix logic sees: a tensor given its type by ``--tensor-type`` is not counted,
@@ -42,10 +43,6 @@ CONVERTER_DTYPES: dict[str, tuple[QType, LlamaFileType]] = {
     "fp32": (QType.F32, LlamaFileType.ALL_F32),
     "fp16": (QType.F16, LlamaFileType.MOSTLY_F16),
     "q8_0": (QType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
-    "q4_0": (QType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
-    "q4_1": (QType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
-    "q5_0": (QType.Q5_0, LlamaFileType.MOSTLY_Q5_0),
-    "q5_1": (QType.Q5_1, LlamaFileType.MOSTLY_Q5_1),
 }
 # Types --tensor-type, --output-tensor-type and --token-embedding-type may name: the ones the converter writes.
 OVERRIDE_TYPES = (QType.F32, QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q2_K,
@@ -165,6 +162,11 @@ def without_imatrix(rule: Rule) -> Rule:
     return lambda r: None if r.imatrix else rule(r)
 
 
+def with_imatrix(rule: Rule) -> Rule:
+    """``rule`` only when an importance matrix is used."""
+    return lambda r: rule(r) if r.imatrix else None
+
+
 @dataclass(frozen=True)
 class Mix:
     """One of llama-quantize's file types: its base type, ``general.file_type`` and per-category bumps."""
@@ -178,6 +180,11 @@ class Mix:
 
 _IQ4_V, _IQ4_DOWN = gqa_at_least(4, QType.Q5_K), without_imatrix(first_part(8, QType.Q5_K))
 MIXES: dict[str, Mix] = {
+    # "Guard against craziness in the first few ffn_down layers" (llama.cpp), with an importance matrix only.
+    "q4_0": Mix(QType.Q4_0, LlamaFileType.MOSTLY_Q4_0, ffn_down=with_imatrix(first_part(8, QType.Q4_1))),
+    "q4_1": Mix(QType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+    "q5_0": Mix(QType.Q5_0, LlamaFileType.MOSTLY_Q5_0, ffn_down=with_imatrix(first_part(8, QType.Q5_1))),
+    "q5_1": Mix(QType.Q5_1, LlamaFileType.MOSTLY_Q5_1),
     "q2_k": Mix(QType.Q2_K, LlamaFileType.MOSTLY_Q2_K, attn_v=gqa_at_least(4, QType.Q4_K, QType.Q3_K),
                 ffn_down=always(QType.Q3_K), attn_output=QType.Q3_K),
     "q3_k_s": Mix(QType.Q3_K, LlamaFileType.MOSTLY_Q3_K_S),

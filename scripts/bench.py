@@ -7,10 +7,10 @@
 2. Converts each to GGUF fp32 / fp16 / q8_0 with ``qwen-convert`` and with llama.cpp's ``convert_hf_to_gguf.py``
    (from the installed llama-cpp-python's sdist, fetched with ``pip download`` into the cache), measuring
    wall time and peak RSS of each converter process.  q4_0: ``qwen-convert --dtype q4_0`` against llama.cpp's
-   quantizer (``llama_model_quantize``, pure Q4_0, from the fp32 GGUF: the same bytes); q4_k_m: end to end from
-   the HF bf16 checkpoint, ``qwen-convert --dtype q4_k_m`` against llama.cpp's two steps (its converter to a
-   bf16 GGUF, then its quantizer to Q4_K_M), timed together (wall: the sum; peak RSS: the larger of the two
-   processes'); our file is the one both runtimes then run.
+   quantizer (``llama_model_quantize``, Q4_0 with its Q6_K output, from the fp32 GGUF: the same bytes);
+   q4_k_m: end to end from the HF bf16 checkpoint, ``qwen-convert --dtype q4_k_m`` against llama.cpp's two
+   steps (its converter to a bf16 GGUF, then its quantizer to Q4_K_M), timed together (wall: the sum; peak
+   RSS: the larger of the two processes'); our file is the one both runtimes then run.
 3. Runs every measurement in a fresh process (``bench_worker.py``), for our runtime, the plain numpy peer
    (``numpy_peer.py``: whole-matrix ``x @ W.T`` with BLAS's own threads; Qwen2/Qwen3 only) and llama.cpp on
    *our* GGUF with the same thread count, interleaved, ``--repeat`` times: a 128-token prompt + 128 greedy
@@ -60,7 +60,7 @@ DATA = REPO / "tests" / "data"
 BUNDLED = REPO / "qwen_runtime" / "assets" / "qwen3-stdlib"
 DTYPES = ("fp32", "fp16", "q8_0", "q4_0", "q4_k_m")
 # dtype -> llama.cpp's quantizer file type (and pure or not) for the rows quantized from the fp32 GGUF.
-LLAMA_QUANTIZED = {"q4_0": ("Q4_0", True)}
+LLAMA_QUANTIZED = {"q4_0": ("Q4_0", False)}
 # dtype -> (llama.cpp converter --outtype, quantizer file type): the rows made by its two steps from HF.
 LLAMA_TWO_STEP = {"q4_k_m": ("bf16", "Q4_K_M")}
 OURS = ("fp32", "fp16", "q8_0", "q4_0", "q4_k_m")  # the dtypes qwen-convert writes here

@@ -90,6 +90,31 @@ def test_overrides_precedence_on_tiny_model() -> None:
         plan_types(shapes, "fp16", facts, QuantOptions(pure=True))
 
 
+@pytest.mark.parametrize(("mix", "bumped"), [("q4_0", QType.Q4_1), ("q4_1", None), ("q5_0", QType.Q5_1),
+                                             ("q5_1", None)])
+def test_legacy_mixes_follow_llama_quantize(mix: str, bumped: QType | None) -> None:
+    """llama-quantize's Q4_0..Q5_1: output.weight Q6_K (Q8_0 where 256 does not divide its rows, F16 where 32
+    does not), the untied embedding the base type, Q4_0/Q5_0's first eighth of ffn_down one type up with an
+    importance matrix only; --pure stores every matrix in the base type."""
+    base = MIXES[mix].base
+    shapes = {"token_embd.weight": (1000, 512), "output.weight": (1000, 512), "blk.0.attn_norm.weight": (512,),
+              **{f"blk.{i}.{kind}.weight": (512, 512) for i in range(16) for kind in ("attn_v", "ffn_down")}}
+    facts = ModelFacts(16, 4)
+    types = plan_types(shapes, mix, facts)
+    assert types["output.weight"] == QType.Q6_K and types["token_embd.weight"] == base
+    assert types["blk.0.attn_norm.weight"] == QType.F32
+    assert {t for n, t in types.items() if n.startswith("blk.") and n.endswith("0.ffn_down.weight")} == {base}
+    weighted = plan_types(shapes, mix, facts, QuantOptions(imatrix=True))
+    assert [n for n in shapes if weighted[n] != types[n]] == (
+        [] if bumped is None else ["blk.0.ffn_down.weight", "blk.1.ffn_down.weight"])  # 16 // 8 layers
+    assert bumped is None or weighted["blk.1.ffn_down.weight"] == bumped
+    assert set(plan_types(shapes, mix, facts, QuantOptions(pure=True)).values()) == {base, QType.F32}
+    tiny, tiny_facts = _tiny()  # tied, rows of 64: Q6_K falls back to Q8_0 for the output (the embedding)
+    assert plan_types(tiny, mix, tiny_facts)["token_embd.weight"] == QType.Q8_0
+    odd = {"output.weight": (10, 48), "blk.0.ffn_up.weight": (48, 64)}
+    assert plan_types(odd, mix, ModelFacts(1, 1)) == {"output.weight": QType.F16, "blk.0.ffn_up.weight": base}
+
+
 def test_cli_options_reach_the_plan(tmp_path: Path) -> None:
     args = convert_parser().parse_args([str(fixture("qwen3-tiny")), "-o", "x.gguf", "--dtype", "q5_k_m",
                                         "--tensor-type", "attn_K=Q8_0", "--tensor-type", "ffn=q4_1",
@@ -249,7 +274,7 @@ def test_per_tensor_options_match_llama_quantize(mix_files: MixFiles, case: str)
 @pytest.mark.peer
 @pytest.mark.oracle
 @pytest.mark.slow
-@pytest.mark.parametrize("mix", ["q2_k", "q4_k_m", "iq4_xs"])
+@pytest.mark.parametrize("mix", ["q2_k", "q4_k_m", "iq4_xs", "q4_0", "q5_0"])
 def test_imatrix_weighted_tensors_match_llama_quantize(mix_files: MixFiles, mix: str) -> None:
     """Given the same importance vectors (from qwen-imatrix on the model), llama.cpp's types and, for the
     weighted types encode_rows writes, its bytes."""
