@@ -15,16 +15,27 @@ from typing import Protocol
 
 import numpy as np
 
-from qwen_runtime.errors import FormatError, OutputError, QwenError
+from qwen_runtime.errors import FormatError, OutputError, QwenError, UsageError
 from qwen_runtime.formats import detect_format, open_gguf, open_hf_dir, open_npy_dir
 from qwen_runtime.formats.base import V_HEAD_TILED, ModelFiles
+from qwen_runtime.formats.npy_dir import NPY_TYPES
 from qwen_runtime.hub import model_name
 
 from .gguf_writer import GGUFFileWriter
 from .imatrix import Importance
 from .npy_writer import NpyDirWriter
 from .outputs import atomic_output, check_output
-from .policy import MIXES, ModelFacts, QuantOptions, TensorSpec, block_size, check_dtype, ordered_specs, plan_outputs
+from .policy import (
+    MIXES,
+    ModelFacts,
+    QuantOptions,
+    TensorSpec,
+    block_size,
+    check_dtype,
+    needs_importance,
+    ordered_specs,
+    plan_outputs,
+)
 from .quantize import encode_rows, stream_rows
 
 FORMATS = ("npy", "gguf")
@@ -153,6 +164,27 @@ def check_writable(specs: Sequence[TensorSpec], importance: Importance | None = 
             raise FormatError(f"tensor {first!r}: this converter cannot write {how}type {qtype.name} yet") from None
 
 
+def check_importance(specs: Sequence[TensorSpec], dtype: str, importance: Importance | None) -> None:
+    """:class:`UsageError` naming the tensors llama-quantize would refuse to write without an importance vector
+    (:func:`~qwen_convert.policy.needs_importance`) that have none, before any output is created."""
+    missing = [s.name for s in specs if needs_importance(s.name, s.qtype, dtype)
+               and (importance is None or importance.for_tensor(s.name, s.shape[-1], s.qtype) is None)]
+    if not missing:
+        return
+    shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+    where = "--imatrix FILE" if importance is None else f"entries in {importance.path}"
+    raise UsageError(f"--dtype {dtype}: {len(missing)} tensors need an importance matrix ({where}), as "
+                     f"llama-quantize requires for their types: {shown}")
+
+
+def check_npy_types(specs: Sequence[TensorSpec]) -> None:
+    """:class:`UsageError` for an npy output of a type npy directories do not hold (no block dtype yet)."""
+    first = next((s for s in specs if s.qtype not in NPY_TYPES), None)
+    if first is not None:
+        raise UsageError(f"tensor {first.name!r}: an npy directory cannot hold type {first.qtype.name}; write a "
+                         "GGUF (-o NAME.gguf)")
+
+
 def plan_model(files: ModelFiles, dtype: str, options: QuantOptions | None = None) -> list[TensorSpec]:
     """The output tensors of ``files`` converted to ``dtype`` with ``options`` (llama-quantize's choices)."""
     shapes = {n: t.shape for n, t in files.tensors.items()}
@@ -194,6 +226,9 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str
         types, allocation = plan_target(files, target_bpw, dtype, importance, options)
         specs = ordered_specs({n: t.shape for n, t in files.tensors.items()}, types)
     check_writable(specs, importance)
+    check_importance(specs, dtype, importance)
+    if fmt == "npy":
+        check_npy_types(specs)
     if progress is not None:
         progress.start(target.name, specs)
     try:

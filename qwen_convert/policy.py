@@ -46,10 +46,15 @@ CONVERTER_DTYPES: dict[str, tuple[QType, LlamaFileType]] = {
 }
 # Types --tensor-type, --output-tensor-type and --token-embedding-type may name: the ones the converter writes.
 OVERRIDE_TYPES = (QType.F32, QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q2_K,
-                  QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS)
+                  QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.TQ1_0, QType.TQ2_0)
 # llama.cpp's tensor_type_fallback: a 256-value type whose block does not divide the row length -> its twin.
 FALLBACKS = {QType.Q2_K: QType.Q4_0, QType.Q3_K: QType.Q4_0, QType.Q4_K: QType.Q5_0, QType.Q5_K: QType.Q5_1,
-             QType.Q6_K: QType.Q8_0, QType.IQ4_XS: QType.IQ4_NL}
+             QType.Q6_K: QType.Q8_0, QType.TQ1_0: QType.Q4_0, QType.TQ2_0: QType.Q4_0,
+             **dict.fromkeys((QType.IQ1_S, QType.IQ1_M, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ3_XXS,
+                              QType.IQ3_S, QType.IQ4_XS), QType.IQ4_NL)}
+# llama.cpp's tensor_requires_imatrix: tensors (other than token_embd and output) stored in these types need an
+# importance matrix, and Q2_K ones of a q2_k_s file; llama-quantize refuses to write them without one.
+IMATRIX_TYPES = frozenset({QType.IQ1_S, QType.IQ1_M, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ3_XXS})
 # Tensor kinds llama.cpp always keeps in F32 whatever their shape (the ones Qwen models have).
 F32_KINDS = frozenset(TENSOR_NAMES[kind] for kind in (MODEL_TENSOR.SSM_CONV1D,))
 _LAYER = re.compile(r"^blk\.\d+\.")
@@ -176,6 +181,7 @@ class Mix:
     attn_v: Rule | None = None
     ffn_down: Rule | None = None
     attn_output: QType | None = None
+    token_embd: QType | None = None  # an untied token embedding's type (default: the base type)
 
 
 _IQ4_V, _IQ4_DOWN = gqa_at_least(4, QType.Q5_K), without_imatrix(first_part(8, QType.Q5_K))
@@ -185,6 +191,8 @@ MIXES: dict[str, Mix] = {
     "q4_1": Mix(QType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
     "q5_0": Mix(QType.Q5_0, LlamaFileType.MOSTLY_Q5_0, ffn_down=with_imatrix(first_part(8, QType.Q5_1))),
     "q5_1": Mix(QType.Q5_1, LlamaFileType.MOSTLY_Q5_1),
+    "q2_k_s": Mix(QType.Q2_K, LlamaFileType.MOSTLY_Q2_K_S, attn_v=gqa_at_least(4, QType.Q4_K),
+                  ffn_down=first_part(8, QType.Q4_K)),
     "q2_k": Mix(QType.Q2_K, LlamaFileType.MOSTLY_Q2_K, attn_v=gqa_at_least(4, QType.Q4_K, QType.Q3_K),
                 ffn_down=always(QType.Q3_K), attn_output=QType.Q3_K),
     "q3_k_s": Mix(QType.Q3_K, LlamaFileType.MOSTLY_Q3_K_S),
@@ -202,6 +210,8 @@ MIXES: dict[str, Mix] = {
     "q6_k": Mix(QType.Q6_K, LlamaFileType.MOSTLY_Q6_K),
     "iq4_nl": Mix(QType.IQ4_NL, LlamaFileType.MOSTLY_IQ4_NL, attn_v=_IQ4_V, ffn_down=_IQ4_DOWN),
     "iq4_xs": Mix(QType.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS, attn_v=_IQ4_V, ffn_down=_IQ4_DOWN),
+    "tq1_0": Mix(QType.TQ1_0, LlamaFileType.MOSTLY_TQ1_0, token_embd=QType.Q4_K),
+    "tq2_0": Mix(QType.TQ2_0, LlamaFileType.MOSTLY_TQ2_0, token_embd=QType.Q4_K),
 }
 # Every --dtype: -> (base GGML type, general.file_type).
 DTYPES: dict[str, tuple[QType, LlamaFileType]] = {
@@ -393,6 +403,8 @@ class _Chooser:
             if shape[-1] % block_size(mix.base):
                 return QType.Q8_0
             return QType.Q6_K if mix.base != QType.Q8_0 else mix.base
+        if category == Category.TOKEN_EMBD:
+            return mix.token_embd or mix.base
         if category == Category.ATTN_OUTPUT:
             return mix.attn_output or mix.base
         if category in self.counts:
@@ -401,6 +413,14 @@ class _Chooser:
             self.counts[category] += 1
             return (rule(place) if rule else None) or mix.base
         return mix.base
+
+
+def needs_importance(name: str, qtype: QType, dtype: str) -> bool:
+    """llama.cpp's tensor_requires_imatrix: whether llama-quantize refuses to store ``name`` as ``qtype`` in a
+    ``dtype`` file without an importance vector for it (the 1.5-3-bit i-quants, and q2_k_s's Q2_K)."""
+    if name in (TOKEN_EMBD_NAME, OUTPUT_NAME):
+        return False
+    return qtype in IMATRIX_TYPES or (qtype == QType.Q2_K and check_dtype(dtype) == "q2_k_s")
 
 
 def llama_order(name: str) -> tuple[int, str]:

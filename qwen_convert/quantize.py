@@ -4,7 +4,8 @@ Each chunk is widened to float32 (``[rows, n]``) and encoded to the output type'
 (``[rows, row bytes]``), so memory scales with the chunk, never with the tensor.  The Q8_0 kernel gives
 exactly the bytes of ``gguf.quants.quantize`` (llama.cpp's reference) with fewer temporaries; Q4_0, Q4_1, Q5_0
 and Q5_1 are ``gguf.quants.quantize`` itself, which gives the bytes of llama.cpp's quantizer
-(tests/convert/: test_convert_quantize.py and test_quant_writers.py check both).  The K-quants and IQ4 types are
+(tests/convert/: test_convert_quantize.py and test_quant_writers.py check both), and so are TQ1_0 and TQ2_0
+(test_ternary_writers.py).  The K-quants and IQ4 types are
 :mod:`qwen_convert.kquant_encode` and :mod:`qwen_convert.iq4_encode`, llama.cpp's searches re-done in float32
 (tests/convert/test_kquant_writers.py).
 """
@@ -27,6 +28,8 @@ from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_BYTES, QType, StoredTensor, st
 
 CHUNK_ELEMENTS = 1 << 20  # float32 elements widened at once (4 MiB)
 GGUF_QUANTIZED = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)  # encoded by gguf.quants
+# The ternary types: gguf.quants gives llama.cpp's bytes (quantize_row_tq*_0_ref), which takes no importance.
+TERNARY = (QType.TQ1_0, QType.TQ2_0)
 # The K-quants and IQ4: llama.cpp's searches, compiled with numba (imported on first use).
 SEARCHED = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS)
 
@@ -66,8 +69,9 @@ def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = Non
 
     ``importance`` is the tensor's per-column importance ``[n]`` (an importance matrix entry, llama.cpp's
     ``quant_weights``): the K-quants, IQ4 and Q4_0..Q5_1 are then encoded as ``llama-quantize --imatrix``
-    does; Q8_0 and the dense types ignore it, as llama.cpp does.  These searched encodings split the rows over
-    ``threads`` threads (default: :func:`~qwen_runtime.pool.default_threads`); the bytes do not depend on it.
+    does; Q8_0, TQ1_0, TQ2_0 and the dense types ignore it, as llama.cpp does.  These searched encodings split
+    the rows over ``threads`` threads (default: :func:`~qwen_runtime.pool.default_threads`); the bytes do not
+    depend on it.
     """
     if qtype in SEARCHED or (importance is not None and qtype in GGUF_QUANTIZED):
         return encode_searched(x, qtype, importance, threads)
@@ -77,6 +81,9 @@ def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = Non
         return x.astype(np.float16)
     if qtype == QType.Q8_0:
         return quantize_q8_0(x)
+    if qtype in TERNARY:
+        with np.errstate(all="ignore"):  # 1/amax overflows for blocks of subnormals, in llama.cpp too
+            return quants.quantize(x, qtype)
     if qtype in GGUF_QUANTIZED:
         return quants.quantize(x, qtype)
     raise FormatError(f"cannot write tensors of type {qtype.name}")

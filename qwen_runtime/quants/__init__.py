@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 from ..errors import FormatError
 from ..pool import Scratch
@@ -96,14 +97,30 @@ def jit_kernel(qtype: QType, raw: np.ndarray, activations: str = "float") -> Til
     return getattr(importlib.import_module(f".{module}", __name__), name)(raw)
 
 
+class _Geometry(Codec):
+    """The block layout of a type the converter writes and this runtime does not read (no decoders)."""
+
+    def __init__(self, qtype: QType) -> None:
+        self.qtype = qtype
+
+
+def _geometry(qtype: QType) -> Codec:
+    """The codec of ``qtype``, else (a type of ``gguf.GGML_QUANT_SIZES`` without one) its bare geometry."""
+    found = CODECS.get(qtype)
+    if found is None and qtype in GGML_QUANT_SIZES:
+        return _Geometry(QType(qtype))
+    return found or codec(qtype)
+
+
 def stored_shape(qtype: QType, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Shape of the array view that holds a tensor of logical ``shape`` stored as ``qtype``."""
-    return codec(qtype).stored_shape(shape)
+    """Shape of the array view that holds a tensor of logical ``shape`` stored as ``qtype`` (any type of
+    ``gguf.GGML_QUANT_SIZES``, read here or not: the writers need the layout of the types they write)."""
+    return _geometry(qtype).stored_shape(shape)
 
 
 def stored_nbytes(qtype: QType, shape: tuple[int, ...]) -> int:
-    """Bytes needed to store a tensor of logical ``shape`` as ``qtype``."""
-    return codec(qtype).stored_nbytes(shape)
+    """Bytes needed to store a tensor of logical ``shape`` as ``qtype`` (any type of ``gguf.GGML_QUANT_SIZES``)."""
+    return _geometry(qtype).stored_nbytes(shape)
 
 
 def to_float32(qtype: QType, raw: np.ndarray, out: np.ndarray | None = None,

@@ -22,11 +22,13 @@ from runtime_helpers import Converted
 
 from qwen_convert.cli import convert_main, convert_parser, quant_options
 from qwen_convert.convert import check_writable, convert
+from qwen_convert.imatrix import Importance
 from qwen_convert.policy import (
     MIXES,
     ModelFacts,
     QuantOptions,
     fallback,
+    needs_importance,
     parse_tensor_type,
     plan_types,
     use_more_bits,
@@ -115,6 +117,28 @@ def test_legacy_mixes_follow_llama_quantize(mix: str, bumped: QType | None) -> N
     assert plan_types(odd, mix, ModelFacts(1, 1)) == {"output.weight": QType.F16, "blk.0.ffn_up.weight": base}
 
 
+def test_ternary_and_q2_k_s_mixes_follow_llama_quantize() -> None:
+    """tq1_0/tq2_0: every matrix ternary but the untied embedding (Q4_K) and the output (Q6_K); q2_k_s: Q2_K
+    with Q4_K for attn_v at 4+ query groups and the first eighth of ffn_down, and llama-quantize's rule of which
+    tensors need an importance matrix (its Q2_K ones, not the embedding or output; the i-quants in any file)."""
+    shapes = {"token_embd.weight": (1000, 512), "output.weight": (1000, 512), "blk.0.ffn_up.weight": (512, 384),
+              **{f"blk.{i}.{kind}.weight": (512, 512) for i in range(8) for kind in ("attn_v", "ffn_down")}}
+    for mix, base in (("tq1_0", QType.TQ1_0), ("tq2_0", QType.TQ2_0)):
+        types = plan_types(shapes, mix, ModelFacts(8, 4))
+        assert types["token_embd.weight"] == QType.Q4_K and types["output.weight"] == QType.Q6_K
+        assert types["blk.0.ffn_up.weight"] == QType.Q4_0  # 384 columns: llama.cpp's fallback
+        assert {types[n] for n in shapes if n.startswith("blk.") and "ffn_up" not in n} == {base}
+    for groups, attn_v in ((4, QType.Q4_K), (2, QType.Q2_K)):
+        types = plan_types(shapes, "q2_k_s", ModelFacts(8, groups))
+        assert {types[f"blk.{i}.attn_v.weight"] for i in range(8)} == {attn_v}
+        assert [types[f"blk.{i}.ffn_down.weight"] for i in range(2)] == [QType.Q4_K, QType.Q2_K]
+    assert needs_importance("blk.1.ffn_down.weight", QType.Q2_K, "Q2_K_S")
+    assert not needs_importance("blk.1.ffn_down.weight", QType.Q2_K, "q2_k")
+    assert not needs_importance("output.weight", QType.IQ2_XXS, "q4_k_m")
+    assert needs_importance("blk.0.attn_q.weight", QType.IQ3_XXS, "q4_k_m")  # an override to an i-quant
+    assert not needs_importance("blk.0.attn_q.weight", QType.TQ1_0, "tq1_0")
+
+
 def test_cli_options_reach_the_plan(tmp_path: Path) -> None:
     args = convert_parser().parse_args([str(fixture("qwen3-tiny")), "-o", "x.gguf", "--dtype", "q5_k_m",
                                         "--tensor-type", "attn_K=Q8_0", "--tensor-type", "ffn=q4_1",
@@ -189,7 +213,7 @@ class MixFiles:
         self.dirs = {name: interop_models.build_mix_model(name, root) for name in self.models}
         self.f32 = {name: convert(d, root / f"{name}-f32.gguf", fmt="gguf", dtype="fp32").output
                     for name, d in self.dirs.items()}
-        self._importance: dict[str, dict[str, np.ndarray]] = {}
+        self._importance: dict[str, Importance] = {}
 
     def llama(self, model: str, mix: str, label: str, **kwargs) -> Path:
         import llama_interop as li
@@ -199,15 +223,25 @@ class MixFiles:
             li.llama_quantize(self.f32[model], path, mix.upper(), **kwargs)
         return path
 
-    def importance(self, model: str) -> dict[str, np.ndarray]:
-        """llama-quantize's vectors of a qwen-imatrix run on the model (computed once)."""
+    def importance_file(self, model: str) -> Importance:
+        """A qwen-imatrix run on the model, written to a file and read back as qwen-convert reads it (once)."""
+        from qwen_convert.imatrix import load_importance, write_imatrix
         from qwen_convert.imatrix_collect import compute_imatrix
 
         if model not in self._importance:
             calibration = " ".join(f"def f{i}(x):\n    return x * {i} + len('{model}')" for i in range(120))
-            imatrix = compute_imatrix(self.f32[model], calibration, "calib", n_ctx=64)
-            self._importance[model] = {n: e.sums[0] / np.float32(e.counts[0]) for n, e in imatrix.entries.items()}
+            path = self.root / f"{model}-imatrix.gguf"
+            write_imatrix(path, compute_imatrix(self.f32[model], calibration, "calib", n_ctx=64))
+            self._importance[model] = load_importance(path)
         return self._importance[model]
+
+    def importance(self, model: str) -> dict[str, np.ndarray]:
+        """llama-quantize's vectors of a qwen-imatrix run on the model (computed once)."""
+        return self.importance_file(model).vectors
+
+    def needs_importance(self, model: str, mix: str, options: QuantOptions) -> bool:
+        """Whether llama-quantize refuses ``mix`` on ``model`` without an importance matrix."""
+        return any(needs_importance(n, q, mix) for n, q in self.ours(model, mix, options).items())
 
     def ours(self, model: str, mix: str, options: QuantOptions) -> dict[str, QType]:
         files = open_hf_dir(self.dirs[model])
@@ -250,11 +284,16 @@ def test_types_and_file_type_match_llama_quantize(mix_files: MixFiles, mix: str,
     from qwen_runtime.formats.gguf_parse import parse_gguf
 
     for model in mix_files.models:
-        theirs = mix_files.llama(model, mix, "pure" if pure else "mix", pure=pure)
+        # the mixes llama.cpp refuses without an importance matrix get one (q2_k_s where Q2_K fits the rows)
+        weighted = mix_files.needs_importance(model, mix, QuantOptions(pure=pure))
+        importance = mix_files.importance_file(model) if weighted else None
+        theirs = mix_files.llama(model, mix, ("pure" if pure else "mix") + ("-imatrix" if weighted else ""),
+                                 pure=pure, imatrix=importance and importance.vectors)
         assert parse_gguf(theirs).metadata["general.file_type"] == int(MIXES[mix].file_type)
-        compare_with_llama(mix_files, model, theirs, mix_files.ours(model, mix, QuantOptions(pure=pure)))
+        compare_with_llama(mix_files, model, theirs, mix_files.ours(model, mix, QuantOptions(pure, imatrix=weighted)),
+                           importance and importance.vectors)
         ours = convert(mix_files.dirs[model], mix_files.root / f"ours-{model}-{mix}-{pure}.gguf", "gguf", mix,
-                       options=QuantOptions(pure=pure)).output
+                       options=QuantOptions(pure=pure), importance=importance).output
         ours_file, theirs_file = li.gguf_structure(ours), li.gguf_structure(theirs)
         assert ours_file.tensors == theirs_file.tensors
         assert li.data_diff(ours_file, theirs_file) == []
@@ -305,6 +344,36 @@ def test_imatrix_changes_iq4_ffn_down_as_llama_quantize(mix_files: MixFiles) -> 
     from qwen_runtime.formats.gguf_parse import parse_gguf
 
     assert {t.name: t.qtype for t in parse_gguf(theirs).tensors} == ours
+
+
+@pytest.mark.peer
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_mixes_llama_quantize_refuses_without_imatrix_are_refused(mix_files: MixFiles, tmp_path: Path,
+                                                                   capsys) -> None:
+    """q2_k_s on a model whose rows Q2_K fits: llama-quantize fails without an importance matrix; so does
+    qwen-convert, before any output, with exit code 2 and one line naming the tensors that need one (those
+    llama.cpp stores as Q2_K given a matrix, token_embd and output excepted)."""
+    import llama_interop as li
+
+    from qwen_runtime.formats.gguf_parse import parse_gguf
+
+    model = "qwen3-mix"
+    with pytest.raises(RuntimeError, match="could not quantize"):
+        li.llama_quantize(mix_files.f32[model], tmp_path / "theirs.gguf", "Q2_K_S")
+    weighted = parse_gguf(mix_files.llama(model, "q2_k_s", "mix-imatrix", imatrix=mix_files.importance(model)))
+    needing = [t.name for t in weighted.tensors
+               if t.qtype == QType.Q2_K and t.name not in ("token_embd.weight", "output.weight")]
+    assert len(needing) > 6
+    out = tmp_path / "ours.gguf"
+    assert convert_main([str(mix_files.dirs[model]), "-o", str(out), "--dtype", "Q2_K_S"]) == 2
+    message = capsys.readouterr().err.strip()
+    assert "\n" not in message and f"{len(needing)} tensors need an importance matrix (--imatrix FILE)" in message
+    assert all(name in message for name in needing[:6]) and f"and {len(needing) - 6} more" in message
+    assert list(tmp_path.iterdir()) == []
+    assert convert_main([str(mix_files.dirs[model]), "-o", str(out), "--dtype", "q2_k_s", "--pure",
+                         "--tensor-type", "attn_q=q4_k"]) == 2  # per-tensor options do not lift the rule
+    assert not out.exists()
 
 
 def test_quant_options_argparse_defaults() -> None:
