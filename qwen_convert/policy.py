@@ -46,7 +46,8 @@ CONVERTER_DTYPES: dict[str, tuple[QType, LlamaFileType]] = {
 }
 # Types --tensor-type, --output-tensor-type and --token-embedding-type may name: the ones the converter writes.
 OVERRIDE_TYPES = (QType.F32, QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q2_K,
-                  QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.TQ1_0, QType.TQ2_0)
+                  QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.TQ1_0, QType.TQ2_0,
+                  QType.IQ3_XXS)
 # llama.cpp's tensor_type_fallback: a 256-value type whose block does not divide the row length -> its twin.
 FALLBACKS = {QType.Q2_K: QType.Q4_0, QType.Q3_K: QType.Q4_0, QType.Q4_K: QType.Q5_0, QType.Q5_K: QType.Q5_1,
              QType.Q6_K: QType.Q8_0, QType.TQ1_0: QType.Q4_0, QType.TQ2_0: QType.Q4_0,

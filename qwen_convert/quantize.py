@@ -6,8 +6,8 @@ exactly the bytes of ``gguf.quants.quantize`` (llama.cpp's reference) with fewer
 and Q5_1 are ``gguf.quants.quantize`` itself, which gives the bytes of llama.cpp's quantizer
 (tests/convert/: test_convert_quantize.py and test_quant_writers.py check both), and so are TQ1_0 and TQ2_0
 (test_ternary_writers.py).  The K-quants and IQ4 types are
-:mod:`qwen_convert.kquant_encode` and :mod:`qwen_convert.iq4_encode`, llama.cpp's searches re-done in float32
-(tests/convert/test_kquant_writers.py).
+:mod:`qwen_convert.kquant_encode`, :mod:`qwen_convert.iq4_encode` and :mod:`qwen_convert.iq_encode` (IQ3_XXS),
+llama.cpp's searches re-done in float32 (tests/convert/test_kquant_writers.py, test_iq_writers.py).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ CHUNK_ELEMENTS = 1 << 20  # float32 elements widened at once (4 MiB)
 GGUF_QUANTIZED = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)  # encoded by gguf.quants
 # The ternary types: gguf.quants gives llama.cpp's bytes (quantize_row_tq*_0_ref), which takes no importance.
 TERNARY = (QType.TQ1_0, QType.TQ2_0)
-# The K-quants and IQ4: llama.cpp's searches, compiled with numba (imported on first use).
-SEARCHED = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS)
+# The K-quants, IQ4 and IQ3_XXS: llama.cpp's searches, compiled with numba (imported on first use).
+SEARCHED = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_XXS)
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
@@ -68,7 +68,7 @@ def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = Non
     """Float32 ``[rows, n]`` -> the stored layout of ``qtype`` for those rows.
 
     ``importance`` is the tensor's per-column importance ``[n]`` (an importance matrix entry, llama.cpp's
-    ``quant_weights``): the K-quants, IQ4 and Q4_0..Q5_1 are then encoded as ``llama-quantize --imatrix``
+    ``quant_weights``): the K-quants, IQ4, IQ3_XXS and Q4_0..Q5_1 are then encoded as ``llama-quantize --imatrix``
     does; Q8_0, TQ1_0, TQ2_0 and the dense types ignore it, as llama.cpp does.  These searched encodings split
     the rows over ``threads`` threads (default: :func:`~qwen_runtime.pool.default_threads`); the bytes do not
     depend on it.
@@ -90,11 +90,11 @@ def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = Non
 
 
 def encode_searched(x: np.ndarray, qtype: QType, importance: np.ndarray | None, threads: int | None) -> np.ndarray:
-    """A K-quant, IQ4 or importance-weighted Q4_0..Q5_1 encoding of float32 ``[rows, n]``, its rows split into
+    """A K-quant, IQ4, IQ3_XXS or importance-weighted Q4_0..Q5_1 encoding of float32 ``[rows, n]``, its rows split into
     up to ``threads`` parts encoded at once (the compiled searches release the GIL; blocks never span rows, so
     the parts are independent)."""
     listen()  # a command then says when numba compiles the searches (their first use on a machine)
-    from . import iq4_encode, kquant_encode, legacy_encode
+    from . import iq4_encode, iq_encode, kquant_encode, legacy_encode
 
     stored_shape(qtype, x.shape)  # refuses a row length that is not a multiple of the block
     if importance is not None and np.shape(importance) != x.shape[-1:]:
@@ -103,7 +103,7 @@ def encode_searched(x: np.ndarray, qtype: QType, importance: np.ndarray | None, 
         def encoder(rows: np.ndarray, weights: np.ndarray | None) -> np.ndarray:
             return legacy_encode.quantize_weighted(rows, qtype, weights)
     else:
-        encoder = {**kquant_encode.ENCODERS, **iq4_encode.ENCODERS}[qtype]
+        encoder = {**kquant_encode.ENCODERS, **iq4_encode.ENCODERS, **iq_encode.ENCODERS}[qtype]
     parts = max(1, min(len(x), default_threads() if threads is None else threads))
 
     def encode(rows: np.ndarray) -> np.ndarray:

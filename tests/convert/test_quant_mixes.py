@@ -13,6 +13,7 @@ importance vectors where llama.cpp weights) and compared byte for byte, and our 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -374,6 +375,32 @@ def test_mixes_llama_quantize_refuses_without_imatrix_are_refused(mix_files: Mix
     assert convert_main([str(mix_files.dirs[model]), "-o", str(out), "--dtype", "q2_k_s", "--pure",
                          "--tensor-type", "attn_q=q4_k"]) == 2  # per-tensor options do not lift the rule
     assert not out.exists()
+
+
+@pytest.mark.peer
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_iq3_xxs_tensors_match_llama_quantize(mix_files: MixFiles, tmp_path: Path) -> None:
+    """--tensor-type ...=iq3_xxs with an importance matrix: llama.cpp's types (IQ4_NL where 256 does not divide
+    the rows) and bytes, tensor by tensor and in our converted file; without the matrix both refuse."""
+    import llama_interop as li
+
+    pattern = r"ffn_(up|down)|attn_(q|output)\."
+    for model in ("qwen3-mix", "qwen2-odd"):
+        importance = mix_files.importance_file(model)
+        theirs = mix_files.llama(model, "q4_k_m", "iq3_xxs", tensor_types=[(pattern, "IQ3_XXS")],
+                                 imatrix=importance.vectors)
+        options = QuantOptions(tensor_types=((pattern, QType.IQ3_XXS),))
+        planned = mix_files.ours(model, "q4_k_m", replace(options, imatrix=True))
+        assert QType.IQ3_XXS in planned.values() or model == "qwen2-odd"
+        compare_with_llama(mix_files, model, theirs, planned, importance.vectors)
+        ours = convert(mix_files.dirs[model], tmp_path / f"{model}.gguf", "gguf", "q4_k_m", options=options,
+                       importance=importance).output
+        ours_file, theirs_file = li.gguf_structure(ours), li.gguf_structure(theirs)
+        assert ours_file.tensors == theirs_file.tensors and li.data_diff(ours_file, theirs_file) == []
+    with pytest.raises(QwenError, match=r"tensors need an importance matrix \(--imatrix FILE\).*blk\.0\.attn_q"):
+        convert(mix_files.dirs["qwen3-mix"], tmp_path / "refused.gguf", "gguf", "q4_k_m", options=options)
+    assert not (tmp_path / "refused.gguf").exists()
 
 
 def test_quant_options_argparse_defaults() -> None:
