@@ -225,8 +225,8 @@ def convert(src: str | Path, out: str | Path, fmt: str | None = None, dtype: str
             raise QwenError(f"--target-bpw needs one of llama.cpp's mixes as --dtype, not {dtype}")
         types, allocation = plan_target(files, target_bpw, dtype, importance, options)
         specs = ordered_specs({n: t.shape for n, t in files.tensors.items()}, types)
-    check_writable(specs, importance)
     check_importance(specs, dtype, importance)
+    check_writable(specs, importance)
     if fmt == "npy":
         check_npy_types(specs)
     if progress is not None:

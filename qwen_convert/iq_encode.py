@@ -1,12 +1,14 @@
-"""The 3-bit i-quant writer: float32 rows to the bytes of llama.cpp's ``quantize_iq3_xxs``.
+"""The i-quant writers below 4 bits: float32 rows to the bytes of llama.cpp's ``quantize_iq3_xxs`` and
+``quantize_iq2_xxs``.
 
-IQ3_XXS stores each group of 4 values as one of 256 points of a lattice of 3-bit levels (the grid, from
-``gguf``'s ``IQ3_XXS`` tables), each group's signs with 7 bits (the 8th makes their count even) and one 4-bit
-scale per 32 values.  The search (``quantize_row_iq3_xxs_impl``) tries 31 scales per 32 values; a group whose
-rounded levels are not a grid point takes the best of the points ``iq3xs_init_impl`` lists as its neighbours:
-the grid points at the two smallest squared distances from it.  :func:`iq3_tables` builds that map and those
-lists exactly as llama.cpp does (same order, so ties resolve alike); the search itself is compiled in
-:func:`qwen_convert.quant_search.iq3xxs_superblocks`.
+These types store each group of 4 (IQ3_XXS) or 8 (IQ2_XXS) values as one of 256 points of a lattice of 3- or
+2-bit levels (the grid, from ``gguf``'s tables), each group of 8 values' signs with 7 bits (the 8th makes their
+count even) and one 4-bit scale per 32 values.  The searches (``quantize_row_iq3_xxs_impl``,
+``quantize_row_iq2_xxs_impl``) try a range of scales per 32 values; a group whose rounded levels are not a grid
+point takes the best of the points ``iq3xs_init_impl`` / ``iq2xs_init_impl`` list as its neighbours: the grid
+points at the two smallest squared distances from it.  :func:`grid_tables` builds that map and those lists
+exactly as llama.cpp does (same order, so ties resolve alike); the searches are compiled in
+:mod:`qwen_convert.quant_search`.  IQ2_XXS needs an importance vector (llama.cpp asserts one).
 """
 
 from __future__ import annotations
@@ -16,38 +18,49 @@ import functools
 import numpy as np
 from gguf import quants
 
+from qwen_runtime.errors import FormatError
 from qwen_runtime.quants.base import QType
 
 from . import quant_search as qs
 from .kquant_encode import f16_bytes
 
 QK_K = 256
-MAP_SIZE = 1 << 12  # 4 values of 3 bits
+# Per type: bits per level and how many distinct distances a neighbour list spans (iq*_init_impl's nwant).
+GRIDS = {QType.IQ3_XXS: (3, 2), QType.IQ2_XXS: (2, 2)}
+CHUNK = 2048  # off-grid points whose distances to the grid are sorted at once (2048 x 1024 int64: 16 MiB)
 
 
 @functools.cache
-def iq3_tables(grid_size: int = 256) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``iq3xs_init_impl``'s tables for the 256-point grid: the grid as odd values ``2l + 1`` (int8 [256, 4]),
-    the map from packed levels ``sum l_i << 3i`` to a grid index (or ``-(offset + 1)`` of the point's neighbour
-    list, int32 [4096]) and the lists (uint16: count, then grid indices by distance, then index)."""
-    if grid_size != 256:
-        raise ValueError(f"IQ3 grids have 256 or 512 points; only the 256 of IQ3_XXS is built, not {grid_size}")
-    quants.IQ3_XXS.init_grid()
-    values = np.asarray(quants.IQ3_XXS.grid, np.float32).reshape(grid_size, 4)
-    levels = np.searchsorted(np.asarray(quants.IQ3_XXS.grid_map, np.float32), values)  # 0..7
+def grid_tables(qtype: QType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``iq2xs_init_impl`` / ``iq3xs_init_impl``'s tables for ``qtype``'s grid (gguf's, as level indices): the
+    grid as odd values ``2l + 1`` (int8 [G, m]), the map from packed levels ``sum l_i << (bits * i)`` to a grid
+    index or ``-(offset + 1)`` of the point's neighbour list (int32), and the lists (uint16: count, then the
+    grid points at the ``nwant`` smallest squared distances, by distance then index: llama.cpp's qsort order)."""
+    bits, nwant = GRIDS[qtype]
+    table = getattr(quants, qtype.name)
+    table.init_grid()
+    size, width = table.grid_shape
+    values = np.asarray(table.grid, np.float32).reshape(size, width)
+    levels = np.searchsorted(np.asarray(table.grid_map, np.float32), values)
     grid = (2 * levels + 1).astype(np.int8)
-    kmap = np.full(MAP_SIZE, -1, np.int32)
-    kmap[(levels << (3 * np.arange(4))).sum(axis=1)] = np.arange(grid_size)
+    shifts = bits * np.arange(width)
+    kmap = np.full(1 << (bits * width), -1, np.int32)
+    kmap[(levels << shifts).sum(axis=1)] = np.arange(size)
     missing = np.flatnonzero(kmap < 0)
-    points = 2 * ((missing[:, None] >> (3 * np.arange(4))) & 7) + 1  # [M, 4]
-    d2 = ((grid[None, :, :].astype(np.int32) - points[:, None, :]) ** 2).sum(axis=2)  # [M, 256]
-    lists = []
-    for u, row in zip(missing, d2, strict=True):
-        order = np.lexsort((np.arange(grid_size), row))  # by distance, then index (llama.cpp's qsort order)
-        cutoff = np.unique(row)[:2][-1]  # the two smallest distances (nwant = 2 for the 256-point grid)
-        chosen = order[row[order] <= cutoff]
-        kmap[u] = -(sum(len(x) for x in lists) + 1)
-        lists.append(np.concatenate([[len(chosen)], chosen]))
+    counts, lists = [], []
+    for first in range(0, len(missing), CHUNK):
+        u = missing[first:first + CHUNK]
+        points = 2 * ((u[:, None] >> shifts) & ((1 << bits) - 1)) + 1  # [C, m]
+        d2 = ((grid[None].astype(np.int64) - points[:, None]) ** 2).sum(axis=2)  # [C, G]
+        keys = np.sort(d2 * size + np.arange(size), axis=1)
+        d2, index = keys // size, keys % size
+        rank = np.concatenate([np.zeros((len(u), 1), np.int64), np.cumsum(np.diff(d2, axis=1) != 0, axis=1)], 1)
+        taken = rank < nwant
+        counts.append(taken.sum(axis=1))
+        lists.append(np.concatenate([counts[-1][:, None], index], axis=1)[np.concatenate(
+            [np.ones((len(u), 1), bool), taken], axis=1)])
+    lengths = np.concatenate(counts) + 1
+    kmap[missing] = -(np.cumsum(lengths) - lengths + 1)
     return grid, kmap, np.concatenate(lists).astype(np.uint16)
 
 
@@ -56,7 +69,7 @@ def quantize_iq3_xxs(x: np.ndarray, importance: np.ndarray | None = None) -> np.
     grid indices and 8 words of signs and scale per block), weighted by ``importance`` ``[n]`` when given."""
     rows, n = x.shape
     blocks = np.ascontiguousarray(x, np.float32).reshape(-1, QK_K)
-    grid, kmap, neighbours = iq3_tables()
+    grid, kmap, neighbours = grid_tables(QType.IQ3_XXS)
     if importance is None:
         d, q3 = qs.iq3xxs_superblocks(blocks, blocks, False, grid, kmap, neighbours)
     else:
@@ -65,4 +78,16 @@ def quantize_iq3_xxs(x: np.ndarray, importance: np.ndarray | None = None) -> np.
     return np.concatenate([f16_bytes(d), q3], axis=1).reshape(rows, -1)
 
 
-ENCODERS = {QType.IQ3_XXS: quantize_iq3_xxs}
+def quantize_iq2_xxs(x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    """IQ2_XXS-encode float32 ``[rows, n]`` (n divisible by 256) weighted by ``importance`` ``[n]`` -> uint8
+    ``[rows, n // 256 * 66]`` (d, then per 32 values 4 grid indices and a word of signs and scale)."""
+    if importance is None:
+        raise FormatError("IQ2_XXS needs an importance vector (llama.cpp's quantize_iq2_xxs asserts one)")
+    rows, n = x.shape
+    blocks = np.ascontiguousarray(x, np.float32).reshape(-1, QK_K)
+    qw = np.ascontiguousarray(importance, np.float32).reshape(n // QK_K, QK_K)
+    d, q2 = qs.iq2xxs_superblocks(blocks, qw, *grid_tables(QType.IQ2_XXS))
+    return np.concatenate([f16_bytes(d), q2], axis=1).reshape(rows, -1)
+
+
+ENCODERS = {QType.IQ3_XXS: quantize_iq3_xxs, QType.IQ2_XXS: quantize_iq2_xxs}

@@ -47,7 +47,7 @@ CONVERTER_DTYPES: dict[str, tuple[QType, LlamaFileType]] = {
 # Types --tensor-type, --output-tensor-type and --token-embedding-type may name: the ones the converter writes.
 OVERRIDE_TYPES = (QType.F32, QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q2_K,
                   QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.TQ1_0, QType.TQ2_0,
-                  QType.IQ3_XXS)
+                  QType.IQ3_XXS, QType.IQ2_XXS)
 # llama.cpp's tensor_type_fallback: a 256-value type whose block does not divide the row length -> its twin.
 FALLBACKS = {QType.Q2_K: QType.Q4_0, QType.Q3_K: QType.Q4_0, QType.Q4_K: QType.Q5_0, QType.Q5_K: QType.Q5_1,
              QType.Q6_K: QType.Q8_0, QType.TQ1_0: QType.Q4_0, QType.TQ2_0: QType.Q4_0,
@@ -56,6 +56,9 @@ FALLBACKS = {QType.Q2_K: QType.Q4_0, QType.Q3_K: QType.Q4_0, QType.Q4_K: QType.Q
 # llama.cpp's tensor_requires_imatrix: tensors (other than token_embd and output) stored in these types need an
 # importance matrix, and Q2_K ones of a q2_k_s file; llama-quantize refuses to write them without one.
 IMATRIX_TYPES = frozenset({QType.IQ1_S, QType.IQ1_M, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ3_XXS})
+# Types llama.cpp's quantizer cannot encode without importance weights at all (it asserts them), whatever the
+# tensor: token_embd and output stored so need a vector too.
+WEIGHTS_REQUIRED = frozenset({QType.IQ1_S, QType.IQ2_XXS, QType.IQ2_XS})
 # Tensor kinds llama.cpp always keeps in F32 whatever their shape (the ones Qwen models have).
 F32_KINDS = frozenset(TENSOR_NAMES[kind] for kind in (MODEL_TENSOR.SSM_CONV1D,))
 _LAYER = re.compile(r"^blk\.\d+\.")
@@ -183,6 +186,7 @@ class Mix:
     ffn_down: Rule | None = None
     attn_output: QType | None = None
     token_embd: QType | None = None  # an untied token embedding's type (default: the base type)
+    output: QType = QType.Q6_K  # output.weight's (and a tied embedding's) where the base type's block fits
 
 
 _IQ4_V, _IQ4_DOWN = gqa_at_least(4, QType.Q5_K), without_imatrix(first_part(8, QType.Q5_K))
@@ -211,6 +215,9 @@ MIXES: dict[str, Mix] = {
     "q6_k": Mix(QType.Q6_K, LlamaFileType.MOSTLY_Q6_K),
     "iq4_nl": Mix(QType.IQ4_NL, LlamaFileType.MOSTLY_IQ4_NL, attn_v=_IQ4_V, ffn_down=_IQ4_DOWN),
     "iq4_xs": Mix(QType.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS, attn_v=_IQ4_V, ffn_down=_IQ4_DOWN),
+    # the 2-bit i-quant mixes keep the sensitive tensors in K-quants ("first branch" of llama.cpp's rules)
+    "iq2_xxs": Mix(QType.IQ2_XXS, LlamaFileType.MOSTLY_IQ2_XXS, attn_v=gqa_at_least(4, QType.Q4_K, QType.Q2_K),
+                   ffn_down=first_part(8, QType.Q2_K), token_embd=QType.Q2_K, output=QType.Q5_K),
     "tq1_0": Mix(QType.TQ1_0, LlamaFileType.MOSTLY_TQ1_0, token_embd=QType.Q4_K),
     "tq2_0": Mix(QType.TQ2_0, LlamaFileType.MOSTLY_TQ2_0, token_embd=QType.Q4_K),
 }
@@ -403,7 +410,7 @@ class _Chooser:
                 return self.options.output_type
             if shape[-1] % block_size(mix.base):
                 return QType.Q8_0
-            return QType.Q6_K if mix.base != QType.Q8_0 else mix.base
+            return mix.output if mix.base != QType.Q8_0 else mix.base
         if category == Category.TOKEN_EMBD:
             return mix.token_embd or mix.base
         if category == Category.ATTN_OUTPUT:
@@ -418,7 +425,10 @@ class _Chooser:
 
 def needs_importance(name: str, qtype: QType, dtype: str) -> bool:
     """llama.cpp's tensor_requires_imatrix: whether llama-quantize refuses to store ``name`` as ``qtype`` in a
-    ``dtype`` file without an importance vector for it (the 1.5-3-bit i-quants, and q2_k_s's Q2_K)."""
+    ``dtype`` file without an importance vector for it (the 1.5-3-bit i-quants, and q2_k_s's Q2_K; token_embd
+    and output too for the types it cannot encode without one, :data:`WEIGHTS_REQUIRED`)."""
+    if qtype in WEIGHTS_REQUIRED:
+        return True
     if name in (TOKEN_EMBD_NAME, OUTPUT_NAME):
         return False
     return qtype in IMATRIX_TYPES or (qtype == QType.Q2_K and check_dtype(dtype) == "q2_k_s")

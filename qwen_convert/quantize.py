@@ -6,7 +6,7 @@ exactly the bytes of ``gguf.quants.quantize`` (llama.cpp's reference) with fewer
 and Q5_1 are ``gguf.quants.quantize`` itself, which gives the bytes of llama.cpp's quantizer
 (tests/convert/: test_convert_quantize.py and test_quant_writers.py check both), and so are TQ1_0 and TQ2_0
 (test_ternary_writers.py).  The K-quants and IQ4 types are
-:mod:`qwen_convert.kquant_encode`, :mod:`qwen_convert.iq4_encode` and :mod:`qwen_convert.iq_encode` (IQ3_XXS),
+:mod:`qwen_convert.kquant_encode`, :mod:`qwen_convert.iq4_encode` and :mod:`qwen_convert.iq_encode` (IQ3_XXS, IQ2_XXS),
 llama.cpp's searches re-done in float32 (tests/convert/test_kquant_writers.py, test_iq_writers.py).
 """
 
@@ -30,8 +30,9 @@ CHUNK_ELEMENTS = 1 << 20  # float32 elements widened at once (4 MiB)
 GGUF_QUANTIZED = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)  # encoded by gguf.quants
 # The ternary types: gguf.quants gives llama.cpp's bytes (quantize_row_tq*_0_ref), which takes no importance.
 TERNARY = (QType.TQ1_0, QType.TQ2_0)
-# The K-quants, IQ4 and IQ3_XXS: llama.cpp's searches, compiled with numba (imported on first use).
-SEARCHED = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_XXS)
+# The K-quants, IQ4, IQ3_XXS and IQ2_XXS: llama.cpp's searches, compiled with numba (imported on first use).
+SEARCHED = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_XXS,
+            QType.IQ2_XXS)
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
@@ -90,9 +91,9 @@ def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = Non
 
 
 def encode_searched(x: np.ndarray, qtype: QType, importance: np.ndarray | None, threads: int | None) -> np.ndarray:
-    """A K-quant, IQ4, IQ3_XXS or importance-weighted Q4_0..Q5_1 encoding of float32 ``[rows, n]``, its rows split into
-    up to ``threads`` parts encoded at once (the compiled searches release the GIL; blocks never span rows, so
-    the parts are independent)."""
+    """A K-quant, IQ4, IQ3_XXS, IQ2_XXS or importance-weighted Q4_0..Q5_1 encoding of float32 ``[rows, n]``,
+    its rows split into up to ``threads`` parts encoded at once (the compiled searches release the GIL; blocks
+    never span rows, so the parts are independent)."""
     listen()  # a command then says when numba compiles the searches (their first use on a machine)
     from . import iq4_encode, iq_encode, kquant_encode, legacy_encode
 

@@ -26,6 +26,7 @@ from qwen_convert.convert import check_writable, convert
 from qwen_convert.imatrix import Importance
 from qwen_convert.policy import (
     MIXES,
+    WEIGHTS_REQUIRED,
     ModelFacts,
     QuantOptions,
     fallback,
@@ -65,7 +66,8 @@ def test_fallback_refuses_type_without_twin() -> None:
 def test_tensor_type_parsing() -> None:
     assert parse_tensor_type("attn_v=Q8_0") == ("attn_v", QType.Q8_0)
     assert parse_tensor_type(r"blk\.[0-3]\.ffn_down=q6_k") == (r"blk\.[0-3]\.ffn_down", QType.Q6_K)
-    for bad in ("attn_v", "=q8_0", "attn_v=", "attn_v=q8_k", "attn_v=iq2_xxs"):
+    assert parse_tensor_type("attn_v=iq2_xxs") == ("attn_v", QType.IQ2_XXS)  # the i-quants we write
+    for bad in ("attn_v", "=q8_0", "attn_v=", "attn_v=q8_k", "attn_v=iq1_m"):
         with pytest.raises(QwenError, match="--tensor-type"):
             parse_tensor_type(bad)
     with pytest.raises(QwenError, match="not a regular expression"):
@@ -135,9 +137,30 @@ def test_ternary_and_q2_k_s_mixes_follow_llama_quantize() -> None:
         assert [types[f"blk.{i}.ffn_down.weight"] for i in range(2)] == [QType.Q4_K, QType.Q2_K]
     assert needs_importance("blk.1.ffn_down.weight", QType.Q2_K, "Q2_K_S")
     assert not needs_importance("blk.1.ffn_down.weight", QType.Q2_K, "q2_k")
-    assert not needs_importance("output.weight", QType.IQ2_XXS, "q4_k_m")
+    assert not needs_importance("output.weight", QType.IQ3_XXS, "q4_k_m")
     assert needs_importance("blk.0.attn_q.weight", QType.IQ3_XXS, "q4_k_m")  # an override to an i-quant
     assert not needs_importance("blk.0.attn_q.weight", QType.TQ1_0, "tq1_0")
+
+
+def test_iq2_xxs_mix_follows_llama_quantize() -> None:
+    """iq2_xxs: output (and a tied embedding) Q5_K, an untied embedding Q2_K, attn_v Q4_K at 4+ query groups
+    (else Q2_K), the first eighth of ffn_down Q2_K, the rest IQ2_XXS (IQ4_NL where 256 does not divide the
+    rows); every IQ2_XXS tensor, and only those, needs an importance matrix."""
+    shapes = {"token_embd.weight": (1000, 512), "output.weight": (1000, 512), "blk.0.ffn_up.weight": (512, 384),
+              **{f"blk.{i}.{kind}.weight": (512, 512) for i in range(16) for kind in ("attn_v", "ffn_down",
+                                                                                       "attn_output")}}
+    for groups, attn_v in ((4, QType.Q4_K), (1, QType.Q2_K)):
+        types = plan_types(shapes, "iq2_xxs", ModelFacts(16, groups))
+        assert (types["output.weight"], types["token_embd.weight"]) == (QType.Q5_K, QType.Q2_K)
+        assert {types[f"blk.{i}.attn_v.weight"] for i in range(16)} == {attn_v}
+        assert [types[f"blk.{i}.ffn_down.weight"] for i in range(3)] == [QType.Q2_K, QType.Q2_K, QType.IQ2_XXS]
+        assert {types[f"blk.{i}.attn_output.weight"] for i in range(16)} == {QType.IQ2_XXS}
+        assert types["blk.0.ffn_up.weight"] == QType.IQ4_NL
+        assert [n for n, q in types.items() if needs_importance(n, q, "iq2_xxs")] == [
+            n for n, q in types.items() if q == QType.IQ2_XXS]
+    tied = {n: s for n, s in shapes.items() if n != "output.weight"}
+    assert plan_types(tied, "iq2_xxs", ModelFacts(16, 4))["token_embd.weight"] == QType.Q5_K
+    assert needs_importance("output.weight", QType.IQ2_XXS, "q4_k_m")  # llama.cpp cannot encode it without
 
 
 def test_cli_options_reach_the_plan(tmp_path: Path) -> None:
@@ -288,6 +311,16 @@ def test_types_and_file_type_match_llama_quantize(mix_files: MixFiles, mix: str,
         # the mixes llama.cpp refuses without an importance matrix get one (q2_k_s where Q2_K fits the rows)
         weighted = mix_files.needs_importance(model, mix, QuantOptions(pure=pure))
         importance = mix_files.importance_file(model) if weighted else None
+        if weighted and "output.weight" in importance.vectors:
+            raise AssertionError("qwen-imatrix records no output.weight (llama-imatrix's default)")
+        planned = mix_files.ours(model, mix, QuantOptions(pure, imatrix=weighted))
+        if planned.get("output.weight", planned["token_embd.weight"]) in WEIGHTS_REQUIRED:
+            # --pure iq2_xxs: llama.cpp would abort the process encoding output.weight without a vector (an
+            # assert in quantize_iq2_xxs); we refuse before writing
+            with pytest.raises(QwenError, match="need an importance matrix"):
+                convert(mix_files.dirs[model], mix_files.root / "refused.gguf", "gguf", mix,
+                        options=QuantOptions(pure=pure), importance=importance)
+            continue
         theirs = mix_files.llama(model, mix, ("pure" if pure else "mix") + ("-imatrix" if weighted else ""),
                                  pure=pure, imatrix=importance and importance.vectors)
         assert parse_gguf(theirs).metadata["general.file_type"] == int(MIXES[mix].file_type)
