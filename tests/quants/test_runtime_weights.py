@@ -13,13 +13,14 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 from runtime_helpers import KERNELS
 
+from qwen_runtime.backend.pool import Workspace, blas_controller, single_threaded_blas
+from qwen_runtime.backend.weights import F32Weight, TiledWeight, gated_matmul, make_weight, matmul_many
+from qwen_runtime.formats.tensors import QType, StoredTensor
 from qwen_runtime.models.base import all_float32
-from qwen_runtime.pool import Scratch, Workspace, blas_controller, buffer, single_threaded_blas
 from qwen_runtime.quants import CODECS
 from qwen_runtime.quants.base import f16_bits_to_f32, f16_bits_to_prescaled, f16_scales
 from qwen_runtime.quants.q8_0 import q8_0_activations, q8_0_product, q8_0_row_scales
-from qwen_runtime.tensors import QType, StoredTensor
-from qwen_runtime.weights import F32Weight, TiledWeight, gated_matmul, make_weight, matmul_many
+from qwen_runtime.quants.scratch import Scratch, buffer
 
 
 def stored(qtype: QType, w: np.ndarray) -> StoredTensor:
@@ -171,7 +172,7 @@ def test_polling_helpers_fall_asleep_when_idle_and_still_take_work() -> None:
 def test_polls_see_another_threads_write_or_give_up() -> None:
     """The pool's compiled polling loop reads the counters afresh each time (no hoisted load) and is bounded."""
     pytest.importorskip("numba")
-    from qwen_runtime import pool_jit
+    from qwen_runtime.backend import pool_jit
 
     counters = np.zeros(2, np.int64)
     assert pool_jit.wait_total(counters, 0, 10) == pool_jit.wait_changed(counters, 1, 10) == pool_jit.CHANGED
