@@ -82,6 +82,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from ..errors import KernelsError
 from ..quants.scratch import Scratch
@@ -118,7 +119,8 @@ class Workspace:
     of their own would oversubscribe the cores (prefill ran at half speed while BLAS got its threads back
     between projections).  With ``blas_products`` the pool is never used and BLAS keeps ``threads`` threads
     (see the module docstring).  Each :meth:`run` re-asserts this model's BLAS thread count (~1 us), so two
-    models with different policies can live in one process.  Without threadpoolctl tasks run in turn.
+    models with different policies can live in one process.  Without a BLAS that threadpoolctl controls, tasks
+    run in turn.
     """
 
     def __init__(self, threads: int | None = None, blas_products: bool = False, kernels: str = "numpy",
@@ -381,7 +383,7 @@ def end_helpers() -> None:
 
 @contextlib.contextmanager
 def single_threaded_blas() -> Iterator[None]:
-    """BLAS on one thread inside the block, restored after (a no-op without threadpoolctl).
+    """BLAS on one thread inside the block, restored after (a no-op without a controllable BLAS).
 
     For thousands of small products (the delta rule): a multi-threaded BLAS synchronises its threads on each
     one, which made a 128-token chunked prefill 10-20x slower on 2 shared vCPUs (0.6-10 s instead of 0.04 s).
@@ -432,18 +434,15 @@ def numba_problem() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def default_threads() -> int:
-    """BLAS's own thread count when first asked (``OPENBLAS_NUM_THREADS`` or the CPUs; 1 without threadpoolctl),
+    """BLAS's own thread count when first asked (``OPENBLAS_NUM_THREADS`` or the CPUs; 1 without a controllable BLAS),
     remembered because pooled workspaces hold BLAS to one thread afterwards."""
     blas = blas_controller()
     return max(1, blas.lib_controllers[0].get_num_threads()) if blas is not None else 1
 
 
 @functools.lru_cache(maxsize=1)
-def blas_controller():  # -> threadpoolctl.ThreadpoolController | None
-    """The BLAS libraries loaded by numpy, or None without threadpoolctl (the pool then stays unused)."""
-    try:
-        from threadpoolctl import ThreadpoolController
-    except ImportError:
-        return None
+def blas_controller() -> ThreadpoolController | None:
+    """The BLAS libraries loaded by numpy, or None when numpy's BLAS is not one threadpoolctl can control (the
+    pool then stays unused)."""
     blas = ThreadpoolController().select(user_api="blas")
     return blas if blas.lib_controllers else None

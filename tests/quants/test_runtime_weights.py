@@ -137,7 +137,7 @@ def test_pool_runs_every_task_once_and_raises_the_first_error(kernels: str) -> N
         pytest.importorskip("numba")
     ws = Workspace(threads=3, kernels=kernels)
     if not ws.pooled:
-        pytest.skip("threadpoolctl not installed: the pool is never used")
+        pytest.skip("numpy's BLAS is not one threadpoolctl controls: the pool is never used")
     seen: list[int] = []
     ws.run([lambda s, i=i: seen.append(i) for i in range(50)])
     assert sorted(seen) == list(range(50))
@@ -156,7 +156,7 @@ def test_polling_helpers_fall_asleep_when_idle_and_still_take_work() -> None:
     pytest.importorskip("numba")
     ws = Workspace(threads=3, kernels="numba")
     if not ws.pooled:
-        pytest.skip("threadpoolctl not installed: the pool is never used")
+        pytest.skip("numpy's BLAS is not one threadpoolctl controls: the pool is never used")
     seen: list[int] = []
     ws.run([lambda s, i=i: seen.append(i) for i in range(20)])
     helpers = ws._helpers
@@ -214,7 +214,7 @@ def test_pool_threads_end_with_their_workspace(kernels: str) -> None:
         pytest.importorskip("numba")
     ws = Workspace(threads=2, kernels=kernels)
     if not ws.pooled:
-        pytest.skip("threadpoolctl not installed: the pool is never used")
+        pytest.skip("numpy's BLAS is not one threadpoolctl controls: the pool is never used")
     before = set(threading.enumerate())
     ws.run([lambda s: None] * 4)
     helpers = [t for t in set(threading.enumerate()) - before if t.name.startswith("qwen-tiles")]
@@ -293,7 +293,7 @@ def test_blas_products_multiply_each_float32_matrix_in_one_call_like_the_pool() 
 def test_each_workspace_holds_its_own_blas_thread_count() -> None:
     blas = blas_controller()
     if blas is None:
-        pytest.skip("threadpoolctl not installed")
+        pytest.skip("numpy's BLAS is not one threadpoolctl controls")
     lib = blas.lib_controllers[0]
     whole, pooled = Workspace(threads=2, blas_products=True), Workspace(threads=2)
     pooled.run([lambda s: None, lambda s: None])
