@@ -38,7 +38,8 @@ MISSING_FILE = 2  # the same code as FormatError: an input file is missing
 # A chat template that exhausts memory is refused by the sandbox as a TemplateError (7) instead.
 OUT_OF_MEMORY = EXIT_CODES[ResourceLimitError]
 # What a command says when numba starts compiling a group of kernels during its run (their first use on a machine:
-# the first model of a type waits 30-60 s on 2 cores; `scripts/warm_kernels.py` compiles them all ahead), with
+# the first model of a type waits for them with nothing else on the screen; `scripts/warm_kernels.py` compiles them
+# all ahead), with
 # what: compile_events.describe's name of the group.
 COMPILING = ("numba is compiling {what} (once per machine and version, up to a few minutes; later runs load them "
              "from its cache)")

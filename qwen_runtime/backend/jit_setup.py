@@ -2,8 +2,8 @@
 
 The first kernel a process compiles or loads from numba's cache makes numba set up its CPU target, which
 imports ``numba.np.arraymath``; at import that module probes for BLAS with ``import scipy.linalg.cython_blas``,
-which imports all of ``scipy.linalg`` (with SciPy installed, measured: 0.12 s of CPU time, over a quarter of
-numba's warm-cache start-up).  The probe only chooses, for ``np.correlate``/``np.convolve`` in compiled code,
+which imports all of ``scipy.linalg`` (with SciPy installed: a large share of numba's warm-cache start-up,
+docs/performance.md).  The probe only chooses, for ``np.correlate``/``np.convolve`` in compiled code,
 between ``np.dot`` and a plain loop; none of our kernels calls them, nor any BLAS from compiled code.
 
 :func:`prepare_numba` runs that set-up (numba's own, in its own order, only earlier) with
@@ -12,10 +12,8 @@ been (SciPy present), so other compiled code in the process behaves as with numb
 functions import SciPy themselves when first compiled).
 
 It also lets LLVM use 512-bit vectors on CPUs with AVX-512 (:func:`cpu_features`): LLVM's tuning for Intel's
-AVX-512 cores ("prefer-256-bit") splits the kernels' loops into 256-bit halves.  One row, one thread, out of
-cache, ms of CPU per million weights with/without (the prefetching kernels, two alternating pairs): Q8_0
-0.107-0.112 / 0.120-0.124, Q4_K 0.122-0.127 / 0.145-0.146, Q6_K 0.145-0.146 / 0.152-0.155, Q4_0 0.093 /
-0.095-0.100, Q5_0 0.127-0.131 / 0.126-0.130.  numba keys its on-disk cache by the features, so cached code never
+AVX-512 cores ("prefer-256-bit") splits the kernels' loops into 256-bit halves, which made the row kernels
+slower (docs/performance.md).  numba keys its on-disk cache by the features, so cached code never
 mixes the two; a user's ``NUMBA_CPU_NAME`` or ``NUMBA_CPU_FEATURES`` is left alone.
 
 Finally it makes numba's on-disk cache notice edits of the modules a kernel's module imports
@@ -29,7 +27,7 @@ every module of the package its module imports, transitively (:func:`import_clos
 With ``NUMBA_CACHE_DIR`` set, the locator also files a module's code under that hash rather than under the
 checkout's path (numba's own choice): a fresh clone, a CI checkout or a second worktree of the same sources loads
 what any other compiled, and two versions of a module never overwrite each other's index.  (CI clones the project
-afresh each run; the first compile of every kernel module took 2-3 minutes of its time.)
+afresh each run, and the first compile of every kernel module is a large part of its time.)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ there; every kernel takes and writes float32.
   evaluation ends with three roundings, so the result is within 2 ulp (relative 2^-22) of exp(x).  Inputs are
   clamped to [-87.3, 127.5·ln2]: the result is never subnormal nor infinite (exp of -inf is e^-87.3 = 1.04·FLT_MIN,
   not 0; callers that need an exact 0 say so).  Written without calls, so loops over it vectorise; numba's own
-  ``math.exp`` calls libm's scalar ``expf`` (5x slower here).
+  ``math.exp`` calls libm's scalar ``expf``, which keeps the loops scalar.
 * Sums of D terms (:func:`dot`, :func:`sum_squares`, :func:`total`) are the only code compiled with a fast-math
   flag, ``reassoc``, so that LLVM sums them in vertical float32 lanes; numpy sums in pairwise blocks.  Each is
   within (D-1)·u·Σ|terms| of the exact sum, so the two differ by at most 2(D-1)·u·Σ|terms|.  No FMA contraction:
@@ -37,7 +37,7 @@ from .jit_setup import prepare_numba
 prepare_numba()  # before the first compile or cache load of the compiled ops
 
 # error_model="numpy": IEEE division as numpy's (x/0 = inf), not Python's ZeroDivisionError check, which kept a
-# SiLU loop scalar and 30x slower
+# SiLU loop scalar
 JIT = {"nogil": True, "cache": True, "error_model": "numpy"}
 SUMS = {"reassoc"}  # fast-math flags of the functions that only sum: their terms may be regrouped, nothing else
 

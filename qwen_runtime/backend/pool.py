@@ -17,9 +17,9 @@ outputs).  Kernels name their scratch buffers after what they hold, so a new sto
 buffers without touching this module.
 
 **Threading policy**, chosen once per model (``Workspace(blas_products=...)``) and never switched per call:
-OpenBLAS's worker threads keep spinning after every multi-threaded call (measured: 46-50 ms of CPU during a
-200 ms sleep after a 2-thread GEMM, 41 ms even after setting one thread), so handing the cores back and
-forth between BLAS and the pool leaves a spinning thread on the core the pool needs.
+OpenBLAS's worker threads keep spinning for a while after every multi-threaded call, even once their count is
+set to one, so handing the cores back and forth between BLAS and the pool leaves a spinning thread on the core
+the pool needs (docs/performance.md has the measurement).
 
 * ``blas_products=True`` (every matrix is float32, nothing to widen, and the numpy kernels): every product is
   one BLAS call on the whole matrix with BLAS's own threads, :meth:`Workspace.run` runs its tasks in turn on the
@@ -34,27 +34,20 @@ single-threaded ``nogil`` functions that the pool's threads call, so numba's own
 no third set of threads competes for the cores.
 
 **Hand-off with the compiled kernels.**  A decode step is about a hundred pool runs (q/k/v, o, gate/up and
-down per layer, then the lm_head; Qwen2.5-0.5B), most of 50-500 us of work per thread, so the hand-off
-decides whether a second thread helps: a helper asleep on a condition variable takes ~50 us to wake, and on
-Qwen2.5-0.5B Q4_0 (q8 activations, 2 threads) the helper took part in only 35-60 % of the runs, the calling
-thread doing the rest alone.  With ``kernels="numba"`` a helper therefore polls for the next batch without
-the GIL for :data:`SPIN_US` after its last task (:mod:`.pool_jit`: a compiled loop reading a counter), then
-sleeps as before; the caller likewise polls for its helpers' last tasks before it sleeps.  Idle threads stop
-polling after that time, so between tokens and requests nothing spins (the OpenBLAS lesson above).  Two tasks
-of one run, each summing an out-of-cache float32 array on its own thread (medians of 2,000 runs, 2 vCPUs shared
-with other jobs): 2 x 100k floats took 115 us on one thread, 126 us through the sleeping pool and 106 us
-through the polling one; 2 x 400k floats 396, 434 and 287 us.
+down per layer, then the lm_head), most of them a few hundred microseconds of work or less per thread, so the
+hand-off decides whether a second thread helps: a helper asleep on a condition variable wakes too late to take
+part in many of them, and the calling thread does the rest alone.  With ``kernels="numba"`` a helper therefore
+polls for the next batch without the GIL for :data:`SPIN_US` after its last task (:mod:`.pool_jit`: a compiled
+loop reading a counter), then sleeps as before; the caller likewise polls for its helpers' last tasks before it
+sleeps.  Idle threads stop polling after that time, so between tokens and requests nothing spins (the OpenBLAS
+lesson above).
 
-Polling only pays while every thread has a core.  On a machine busy with other processes (load 4-6 on the 2
-vCPUs) a polling helper used up its time slices polling and was descheduled when work came: it took part in
-5-12 of 97 runs of a decode step (sched_yield() in the loop made it worse), where a sleeping one, which the
-scheduler runs as soon as it is woken, took part in 76-86.  So a poller that finds itself descheduled (two
-polls more than ``pool_jit.LOST_US`` apart) stops all polling for :data:`BACKOFF_RUNS` runs: under load the
-pool behaves as the sleeping one (83-86 of 97 runs helped, measured), on idle cores it polls.  Whole-process
-decode A/B against the sleeping pool with tile tasks, on that busy machine (5 pairs, 96 tokens, medians of the
-pair ratios; tok/s 6-10 there against 20-30 on a quiet one): Q4_0 2 threads 0.97 (q8 activations 1.05),
-1 thread 1.00; Q8_0 1.05 / 1.02; Q4_K_M 0.98 / 0.95, pair ranges 0.6-1.5: no loss under load; the gain on
-idle cores is not measured here.
+Polling only pays while every thread has a core.  On a machine busy with other processes a polling helper uses
+up its time slices polling and is descheduled when work comes (``sched_yield()`` in the loop makes it worse),
+where a sleeping one is run by the scheduler as soon as it is woken.  So a poller that finds itself descheduled
+(two polls more than ``pool_jit.LOST_US`` apart) stops all polling for :data:`BACKOFF_RUNS` runs: under load the
+pool behaves as the sleeping one, on idle cores it polls.  What was measured to choose this (helpers' share of
+the runs, the two pools' times, decode A/B under load) is in docs/performance.md.
 
 Decode products of the compiled row kernels (which read any row range straight from the blocks, with no
 scratch tile) are cut into exactly one task per thread, the matrices of a fused product (q/k/v) end to end
@@ -118,8 +111,8 @@ class Workspace:
     numpy releases the GIL in casts, ufuncs and BLAS, so the workers really run in parallel, and BLAS threads
     of their own would oversubscribe the cores (prefill ran at half speed while BLAS got its threads back
     between projections).  With ``blas_products`` the pool is never used and BLAS keeps ``threads`` threads
-    (see the module docstring).  Each :meth:`run` re-asserts this model's BLAS thread count (~1 us), so two
-    models with different policies can live in one process.  Without a BLAS that threadpoolctl controls, tasks
+    (see the module docstring).  Each :meth:`run` re-asserts this model's BLAS thread count (a cheap call), so
+    two models with different policies can live in one process.  Without a BLAS that threadpoolctl controls, tasks
     run in turn.
     """
 
@@ -204,8 +197,8 @@ class Workspace:
     def keep_scratch(self) -> Iterator[None]:
         """Inside the block, passes of several tokens keep their scratch buffers; the outermost block drops them
         as it ends.  For callers that run such passes again and again (the chunks of a long prompt, a server's
-        prefill steps between its decode steps): regrowing the buffers costs page faults (4-6 ms of wall time
-        on a Qwen2.5-0.5B q8_0 decode step of 120-280 ms)."""
+        prefill steps between its decode steps): regrowing the buffers costs page faults, a few per cent of a
+        decode step."""
         self._keeping += 1
         try:
             yield
@@ -252,10 +245,10 @@ class Workspace:
 class _Batch:
     """The tasks of one :meth:`Workspace.run`, claimed one at a time by the calling thread and the helpers.
 
-    The caller never waits for a helper that has not claimed a task: a sleeping thread takes ~50 us to wake on
-    this machine (a lock ping-pong between two threads: ~100 us), longer than a small projection's tiles, so a
-    run ends as soon as every task is claimed and every claimed one is finished.  A helper that wakes after
-    that finds nothing left to claim.  Claims are ``next()`` of one counter (atomic under the GIL, no lock).
+    The caller never waits for a helper that has not claimed a task: a sleeping thread takes longer to wake
+    than a small projection's tiles take to multiply, so a run ends as soon as every task is claimed and every
+    claimed one is finished.  A helper that wakes after that finds nothing left to claim.  Claims are ``next()``
+    of one counter (atomic under the GIL, no lock).
     """
 
     def __init__(self, tasks: Sequence[Callable[[Scratch], None]], helpers: int) -> None:
@@ -386,8 +379,8 @@ def single_threaded_blas() -> Iterator[None]:
     """BLAS on one thread inside the block, restored after (a no-op without a controllable BLAS).
 
     For thousands of small products (the delta rule): a multi-threaded BLAS synchronises its threads on each
-    one, which made a 128-token chunked prefill 10-20x slower on 2 shared vCPUs (0.6-10 s instead of 0.04 s).
-    Reads and sets the thread count directly (~1 us) instead of through threadpoolctl's ``limit`` (~40 us).
+    one, which costs far more than the products themselves.  Reads and sets the thread count directly instead of
+    through threadpoolctl's ``limit``, which costs more than many of the products it would wrap.
     """
     blas = blas_controller()
     libs = [] if blas is None else [lib for lib in blas.lib_controllers if lib.get_num_threads() != 1]

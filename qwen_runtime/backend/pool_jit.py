@@ -97,7 +97,7 @@ def cycles(typingctx):  # noqa: ARG001
 
 
 COUNTERS = types.int64[::1]
-LOST_US = 50  # a gap this long between two polls means the poller was descheduled (a poll takes ~0.02 us)
+LOST_US = 50  # a gap this long between two polls means the poller was descheduled (a poll is far shorter)
 # What a poll returns: the awaited change came, the time ran out, or the poller lost its CPU meanwhile.
 CHANGED, TIMED_OUT, PREEMPTED = 1, 0, -1
 
@@ -137,7 +137,7 @@ def poll(counters, target, at_least, ticks, lost):  # pragma: no cover (compiled
 
 @functools.lru_cache(maxsize=1)
 def cycles_per_us() -> float:
-    """The cycle counter's rate, measured once per process against the wall clock (~1 ms)."""
+    """The cycle counter's rate, measured once per process against the wall clock over a millisecond."""
     t0, c0 = time.perf_counter(), read_cycles()
     while time.perf_counter() - t0 < 1e-3:
         pass

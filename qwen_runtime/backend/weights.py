@@ -24,8 +24,7 @@ weight decodes each tile once and multiplies it by one activation row at a time,
 per row (:class:`~qwen_runtime.quants.base.RowTileKernel` for F32/F16/BF16, whose lone rows keep the plain
 kernel's numbers, and Q8_0, whose block scales are applied to the tile first; other types decode the tile
 exactly): a server gives a request the same tokens alone or among others.  A GEMV per row costs more than
-one GEMM for the batch, less than per-row block sums (measured on Qwen2.5-0.5B q8_0: a step of 8 rows takes
-about 2x and of 16 rows 3x a single row's, against about 4x and 8x with Q8_0's per-block sums).
+one GEMM for the batch, less than per-row block sums (docs/performance.md).
 ``Workspace.rowwise(rows)`` multiplies only the activation rows named (the others come out 0): the padding of a
 verify pass whose rows bring fewer draft tokens than the longest costs no product.
 
@@ -53,7 +52,7 @@ from .memory import MADV_POPULATE_READ, advise
 from .pool import Workspace
 
 # Elements per widened tile (4 MiB of float32, in L3): big enough that the few numpy calls per tile, each a GIL
-# hand-off between pool threads, are cheap next to the work (1 MiB tiles decoded Q8_0 a third slower).
+# hand-off between pool threads, are cheap next to the work (smaller tiles decoded Q8_0 slower).
 TILE_ELEMENTS = 1 << 20
 
 
@@ -354,8 +353,8 @@ def swiglu(ws: Workspace) -> Callable[..., np.ndarray]:
     """SwiGLU's activation ``silu(gate) * up`` of the workspace's kernels (numba's twin is imported on first use).
 
     Callers let it write a fresh array: the compiled loop written over ``gate`` itself (``out=gate``) runs scalar,
-    because LLVM's vectorized loop is guarded by a check that the output overlaps no input (a [128, 1216] block:
-    0.87 against 0.23 ms, the same bits)."""
+    because LLVM's vectorized loop is guarded by a check that the output overlaps no input (the same bits, several
+    times slower)."""
     if ws.kernels == "numba":
         from .ops_jit import silu_mul
 

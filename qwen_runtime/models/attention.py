@@ -27,7 +27,7 @@ from .base import WeightStore, register_mixer
 # Upper bound on attention score elements held at once; longer query blocks are processed in tiles.
 SCORE_ELEMENTS = 1 << 22
 # Query rows per kv head up to which scores and outputs are one matrix-vector product per query (decode):
-# BLAS reads the cached keys/values at full bandwidth there, while a [S, hd] x [hd, 2] GEMM ran 3x slower.
+# BLAS reads the cached keys/values at full bandwidth there, while a [S, hd] x [hd, 2] GEMM ran much slower.
 GEMV_ROWS = 4
 # Attention of several new tokens with at least this many multiply-adds (scores x head_dim) splits its kv heads
 # over the pool (prefill).  A decode step stays on the calling thread: its matrix-vector products are bound by

@@ -302,8 +302,8 @@ def _checked_join(join: Callable[..., str]) -> Callable[..., str]:
 
 def _checked_sum(sum_filter: Callable[..., Any]) -> Callable[..., Any]:
     """The ``sum`` filter; over sequences (``start`` a list, tuple or string) each step copies the running
-    total, so n items of total length L copy up to n·L items: refused past :data:`MAX_SUM_COPIES` (20,000
-    one-item lists took 1.7 s, a million would take an hour) or a result past MAX_LENGTH."""
+    total, so n items of total length L copy up to n·L items: refused past :data:`MAX_SUM_COPIES` (the copies, so the
+    time, grow with the square of the items) or a result past MAX_LENGTH."""
     @pass_environment
     def checked(environment: Any, iterable: Iterable[Any], attribute: str | int | None = None, start: Any = 0
                 ) -> Any:

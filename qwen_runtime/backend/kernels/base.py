@@ -20,27 +20,18 @@ side.  The multi-row kernels run the rows in groups of :data:`GROUP_ROWS`,
 ``2 * GROUP_ROWS`` zmm accumulators stay in registers and the decoded block is shared by the group's rows;
 the one-row kernel is the group of one, so a row's result is the same bits whatever the other rows
 (:data:`GEMV_ROWS` per call).  Activations are copied to a 64-byte aligned buffer when they are not
-(:meth:`JitKernel.prepare`): zmm loads across two cache lines made 8 rows 1.3-1.4x slower.  Only ``contract``
+(:meth:`JitKernel.prepare`): a zmm load across two cache lines costs two.  Only ``contract``
 of fastmath is allowed (the products are explicit ``llvm.fma``); sums keep their order.  Every row loop calls
-:func:`prefetch` for the block it starts: the hardware prefetchers alone left the loops waiting for memory
-(1.2-2.3x the CPU time per weight, out of cache).
+:func:`prefetch` for the block it starts: the hardware prefetchers alone left the loops waiting for memory.
+This formulation replaced loops that kept each row's lanes in a stack array (``acc += f32(q) * (x * d)``,
+loaded and stored every block), slower for every row count; the A/B figures of each type are in
+docs/performance.md.
 
-Measured against the previous loops (``acc += f32(q) * (x * d)``, each row's lanes in a stack array indexed
-by the row, loaded and stored every block), Q8_0 4864 x 896 matrices out of cache, one thread, ms of CPU per
-million weights, A/B in one process: 1 row 0.103-0.112 -> 0.093-0.105, 2 rows 0.18-0.20 -> 0.11, 3 rows 0.31
--> 0.16, 4 rows 0.32-0.56 -> 0.15, 5 rows 0.47 -> 0.19, 7 rows 0.57 -> 0.25, 8 rows 0.58-0.72 -> 0.175-0.20,
-16 rows 1.16-1.45 -> 0.37 (0.43-0.49 before the tiles of :func:`gemv_groups`: 16 rows' activations do not
-fit the L1 cache; with 4864 columns even 8 rows' do not: 896 x 4864, 8 rows 0.25, 16 rows 0.50).  The other
-types' figures are in their modules.
-
-**Start-up** (measured on 2 shared, loaded vCPUs; CPU time, as waiting for a core is not start-up): the
-first-ever compile of every module takes about 51 s of CPU, 1.5-2 minutes of wall time on a loaded machine
-(jit_kquants 26 s, jit_legacy 13 s, jit_iq4 6 s, jit_dense 4 s, jit_q8_0 1 s; 17 s in all before the row
-groups);
-with a warm cache a process reaches its first token about 0.3 s later than with ``kernels="numpy"``:
-``import numba`` (0.13 s), numba's target set-up on the first kernel it compiles or loads (0.13 s, without the
-SciPy import it would add: :mod:`..jit_setup`), then 2-10 ms per cached function (3 per type; a module loads
-all its types).
+**Start-up.**  The first-ever compile of every module takes minutes of CPU, once per machine (numba's on-disk
+cache keeps the machine code; ``scripts/warm_kernels.py`` compiles all of them ahead on every core).  With a warm
+cache a process pays ``import numba``, numba's target set-up on the first kernel it compiles or loads (without
+the SciPy import it would add: :mod:`..jit_setup`) and the load of each cached function (3 per type; a module
+loads all its types); docs/performance.md has the figures.
 
 For more than ``direct_rows`` activation rows (prefill, large batches) a tile is decoded into float32 scratch
 by compiled code and multiplied by BLAS; inside ``Workspace.rowwise()`` (serving) every row goes through the
@@ -80,11 +71,9 @@ TILE_ROWS = 16  # stored rows the groups of a multi-row product take in turn (:f
 # Columns of a K-quant row product's chunk: each activation row's lanes are summed per chunk (:func:`lanes_sum`)
 # and the chunks' sums added in order (:func:`deposit`), so that a chunk of activations (8 KiB a row) stays in the
 # L1 cache while the tile's rows stream through it.  Over whole rows of 4096 or more columns the K-quant loops
-# slowed down: a 1-row Q6_K product of 3584 x 18944 (the 7B-shaped model's down projection) took 0.19 ms of CPU
-# per million weights against 0.054 with the same loop reading only 2048 columns of activations over and over;
-# chunked, 0.06-0.074 (Q4_K 0.097 -> 0.044, Q5_K 0.12 -> 0.065; Qwen2.5-0.5B's 896 x 4864: Q4_K 0.072 -> 0.046).
-# The 32-value types and the dense ones did not slow down over whole rows, and chunked they lost 10-20 % (Q4_0
-# 3584 x 18944 0.050 -> 0.061, Q8_0 0.065 -> 0.074): they pass 0, whole rows.
+# slowed down (the 7B-shaped model's down projection most), as the row's activations no longer stayed in L1.  The
+# 32-value types and the dense ones did not slow down over whole rows and lost when chunked: they pass 0, whole
+# rows.  Figures: docs/performance.md.
 CHUNK_COLS = 2048
 LINE = 64  # bytes of a cache line
 TILE_FLOATS = GROUP_FLOATS + LANES  # a partial block: its weights and a group's activations (:func:`buffer_fma`)
@@ -105,9 +94,8 @@ def _target_features() -> frozenset[str]:
 
 FEATURES = _target_features()
 # vpermps: the float row kernels of 4- and 5-bit types look their scaled values up (:func:`look_up`), for groups
-# of up to TABLE_ROWS activation rows; larger groups share each decoded block among more rows and convert it (in
-# one process, ms per million weights, Q5_0 4864 x 896: 1 row 0.042 -> 0.038, 3 rows 0.093 -> 0.090, 8 rows
-# 0.118 -> 0.132 with tables; Q4_0 1 row 0.035 -> 0.030; Q4_K 896 x 4864 1 row 0.058 -> 0.055).
+# of up to TABLE_ROWS activation rows; larger groups share each decoded block among more rows and convert it
+# (tables won for one to three rows and lost at eight: docs/performance.md).
 PERMUTE = "avx512f" in FEATURES
 TABLE_ROWS = 2
 
@@ -147,7 +135,7 @@ def look_up(builder: ir.IRBuilder, index: ir.Value, tables: list, high: ir.Value
     low = builder.call(permute, [tables[0], index])
     return low if high is None else builder.select(high, builder.call(permute, [tables[1], index]), low)
 
-# float16 bits -> float32, exact (NaN payloads included): 256 KiB, built once per process (~1 ms).
+# float16 bits -> float32, exact (NaN payloads included): 256 KiB, built once per process (cheap).
 F16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 # Stored rows: read-only (memory-mapped files are), writable arrays convert to these.
@@ -198,15 +186,11 @@ def bits_to_f32(typingctx, bits):  # noqa: ARG001
 
 
 # How far ahead of the block being multiplied the row kernels prefetch the stored rows.  Out of cache the loops
-# waited for memory: one row, one thread, ms of CPU per million weights of the 8-bit-activation Q8_0 kernel
-# (loaded machine): none 0.157, 512 bytes 0.131, 1024 0.124, 2048 0.098-0.107, 4096 0.098-0.099, 8192 0.107.  The
-# VNNI K-quant kernels, faster per byte, want it further: the 7B-shaped Q4_K_M file's matrices with 8-bit activations,
-# one thread, 1024 / 2048 / 4096 / 8192 bytes: Q4_K 0.063 / 0.060 / 0.054 / 0.055, Q6_K 0.084 / 0.085 / 0.075 /
-# 0.079; the float kernels the same within noise at 2048 and 4096 (Q4_K 0.081, Q8_0 0.050-0.054, Q4_0 0.054).
+# waited for memory without it; 2048 bytes and more were best for the 8-bit-activation Q8_0 kernel, and the VNNI
+# K-quant kernels, faster per byte, want it further (4096); the float kernels are the same at 2048 and 4096.
 PREFETCH_BYTES = 4096
-# F32 rows (4 bytes a weight, four times Q8_0's) lost at 4096: the fp32 Qwen2.5-0.5B file's decode step, 2 threads,
-# three alternating pairs, 66.4 / 65.8 / 66.8 ms at 2048 against 77.4 / 77.6 / 76.8 at 4096 (the 16-bit and
-# quantized files' steps 1.5-2.5 % faster at 4096: fp16 39.2 against 39.4-40.1 ms, q8_0 26.2-26.3 against 26.7-26.8).
+# F32 rows (4 bytes a weight, four times Q8_0's) lost at 4096: the fp32 decode step was slower at 4096 than at
+# 2048, while the 16-bit and quantized files' steps gained a little.  Figures: docs/performance.md.
 F32_PREFETCH_BYTES = 2048
 
 
@@ -347,8 +331,8 @@ def fetch_block(fetch, blocks, o, size, how):
     (``fetch``: the type's :func:`prefetcher`), as ``how`` says (a constant): FETCH_ROW the row's own stream;
     FETCH_PAIR, for the second row of a pair (:func:`pair_rows`), the stream of both rows' bytes, which a pair
     reads twice as fast as one row (the first row, FETCH_NONE, asks for nothing).  With each row of a pair asking
-    for its own bytes ahead, one row of Q8_0 896 x 4864 took 0.081-0.086 ms of CPU per million weights out of cache
-    against 0.048-0.050 one row at a time; with the pair's stream 0.039-0.042."""
+    for its own bytes ahead, a pair was slower than one row at a time out of cache; with the pair's one stream it
+    is faster (docs/performance.md)."""
     if how == FETCH_ROW:
         fetch(blocks, o)
     elif how == FETCH_PAIR:
@@ -390,8 +374,7 @@ def fetch_row(raw, r, c0, c1, cols):
 def tile_groups(count, group, raw, t0, t1, x, i0, c0, c1, args, out, acc, fetch):
     """``group(count, 1, raw, r, x, i0, c0, c1, args, out, acc)`` for the stored rows ``t0 <= r < t1``, each first
     asking, if ``fetch``, for the same columns of the row a tile further (:func:`fetch_row`).  The requests go
-    between the groups: the whole next tile's asked at once, the 1-row Q6_K 3584 x 18944 product took 0.16 ms per
-    million weights instead of 0.057."""
+    between the groups: asked for the whole next tile at once, they stall the loop."""
     for r in range(t0, t1):
         if fetch:
             fetch_row(raw, r + TILE_ROWS, c0, c1, x.shape[1])
@@ -408,12 +391,10 @@ def gemv1_rows(group, stored, raw, x, args, out, chunk):
 
     The types of blocks of 32 take whole rows by pairs (:func:`pair_rows`), the blocks of the two interleaved, each
     row into its own lanes: one row's lanes take one fused add per block, whose latency (4 cycles) bounded the loop,
-    and a pair runs two such chains side by side, its rows' operations (so their bits) unchanged.  One row, one
-    thread, ms of CPU per million weights, in cache (1024 x 896) / out of cache (896 x 4864), one row at a time ->
-    pairs: Q4_0 0.030 -> 0.026 / 0.036-0.038 -> 0.027-0.029, Q8_0 0.032 -> 0.027 / 0.050-0.054 -> 0.040-0.042,
-    IQ4_NL 0.030 -> 0.025 in cache.  The dense types and the K-quants take one row at a time: F16 reads at memory
-    speed either way, and the K-quants' loops are bounded by their operations per block (Q4_K 1024 x 1024 in cache
-    0.039 against 0.038 with pairs, Q6_K 0.050 against 0.050)."""
+    and a pair runs two such chains side by side, its rows' operations (so their bits) unchanged; pairs were
+    faster in cache and out of it.  The dense types and the K-quants take one row at a time: F16 reads at memory
+    speed either way, and the K-quants' loops are bounded by their operations per block, so pairs gained nothing
+    there (docs/performance.md)."""
     cols = x.shape[1]
     acc = stack_f32(PAIR_FLOATS)
     if chunk == 0 or cols <= chunk:
@@ -432,14 +413,13 @@ def gemv_groups(group, raw, x, args, out, chunk):
     groups of 4, 2 and 1 (its binary digits), each by ``group(count, 1, raw, r, x, first row, c0, c1, args, out,
     acc)`` with a literal count (its own specialisation, accumulators in registers); a row's operations do not
     depend on its group (nor on whether it was multiplied alone or in a pair of stored rows).  Every count 1-7 as
-    its own group ran 7 rows in 0.19 against 0.25 ms per million weights (Q8_0) but made the first-ever compile of
-    all kernels 1.5x longer (77 against 51 s of CPU).
+    its own group ran 7 rows faster but made the first-ever compile of all kernels half as long again.
 
     The stored rows go by tiles of :data:`TILE_ROWS` and their columns by chunks of ``chunk`` (0: whole rows), each
     group over the tile's chunk, so that a group's activations stay in the L1 cache while the tile's rows (read
     from memory by the first group) come from L2 for the others.  With more than one chunk, each chunk asks for
     the same chunk of the next tile's rows (:func:`fetch_row`), so that the strided reads find their bytes in
-    cache: without it the chunked 1-row Q6_K product above took 0.18 ms per million weights."""
+    cache, which they do not without it."""
     n, cols = x.shape[0], x.shape[1]
     step = cols if chunk == 0 else chunk
     acc = stack_f32(GROUP_FLOATS)
@@ -655,9 +635,8 @@ class JitKernel:
     # step is not offered) and the width of the activation block sums it takes (0: none; :func:`block_sums`).
     row_product: object = None
     sums_width = 0
-    # Products of up to this many rows read the blocks directly, more decode a tile for BLAS.  One thread, ms of CPU
-    # per million weights, row kernels / tile + BLAS: Q8_0 4864 x 896 16 rows 0.46 / 0.67, 32 rows 0.84 / 1.43, 64
-    # rows 1.66 / 2.00; 896 x 4864 32 rows 1.04 / 1.44; Q4_K 4864 x 1024 32 rows 1.22 / 1.48, 64 rows 2.31 / 1.94.
+    # Products of up to this many rows read the blocks directly, more decode a tile for BLAS: the row kernels win up
+    # to 32 rows, and BLAS wins at 64 for the K-quants (docs/performance.md).
     direct_rows = 32
 
     def __init__(self, raw: np.ndarray) -> None:

@@ -139,9 +139,8 @@ def dense_group(widen, widen_fma, fetch, rows, raw, r, x, i0, c0, c1, out, acc):
         fetch(w, c)
         widen_fma(w, c, x, i0, rows, acc)
     # The tail without a branch of its own (zeros, so +0, where there is none): inside `if full < c1`, it made
-    # numba count references to raw, x and out around every row (three call pairs).  F16, one row, one thread, in
-    # cache, ms of CPU per million weights: 4096 x 256 0.145-0.158 -> 0.045-0.063, 1024 x 1024 0.056-0.089 ->
-    # 0.055-0.075 (alternating processes).
+    # numba count references to raw, x and out around every row (three call pairs), which cost most on short rows
+    # (docs/performance.md).
     tail = carray(stack_f32(TILE_FLOATS), (GROUP_ROWS + 1, LANES))
     for i in range(rows + 1):
         for k in range(LANES):

@@ -28,12 +28,9 @@ each row of the group does one ``vpmaddwd`` (``vpdpbusd``) with its activations 
 product, so read straight from memory), the conversion and the fused add into its own lanes, which stay in
 zmm registers for the whole stored row (``group`` a literal of the intrinsics, so every lane access has a
 constant offset).  A row's operations are the same whatever its group, so its numbers are the same whatever
-the other rows (the server's batch invariance).  Measured (ms of CPU per million weights, one thread, out of
-cache, medians of 3 A/B pairs; the kernels before these groups, one activation row at a time / now): 8 rows
-Q8_0 0.38 / 0.21, Q4_0 0.38 / 0.28, Q5_0 0.40 / 0.36, Q4_K 0.54 / 0.38, Q6_K 0.45 / 0.37; 16 rows 0.73 / 0.41,
-0.74 / 0.54, 0.72 / 0.66, 0.89 / 0.70, 0.79 / 0.70.  Then the quads for Q4_0/Q5_0, the mask for bit 4 and the
-pairwise lane sums (4864 x 896, medians of 7, before / after): Q4_0 1 row 0.067 / 0.048, 8 rows 0.20 / 0.15;
-Q5_0 1 row 0.104 / 0.056, 8 rows 0.33 / 0.16; on 3584 x 4864 Q4_0 1 row 0.042 (the exact kernel 0.054).
+the other rows (the server's batch invariance).  The groups, then the quads for Q4_0/Q5_0, the mask for bit 4
+and the pairwise lane sums each made the products faster than the loops before them (one activation row at a
+time); the A/B figures are in docs/performance.md.
 
 Each type also has a :data:`.q8_act.Q8_ROW_PRODUCT` (``<type>_q8_rows``), the compiled decode step's call by
 address with the forms it prepared once per product input (:func:`quads_product`, :func:`pairs_product`).
@@ -672,8 +669,8 @@ def quads_group(kind, form, geo, group, r0, r1, i0, raw, xu, xd, start, table, o
                 q8_0_quads_fma(blocks, q0, q0, h0, h0, bias, kind, ALONE, xu, x_at, cols, xd, d_at, nd, d0, d0, start,
                                s_at, acc, group)
         # The row's last use after the branch of an odd last block: released in that branch or after it, the row
-        # cost a call pair of numba's reference counting (and the lanes' spill around it) per row.  One row, one
-        # thread, 1024 x 896 in cache, ms per million weights: Q4_0 0.035-0.036 -> 0.031, Q8_0 0.038-0.039 -> 0.034.
+        # cost a call pair of numba's reference counting (and the lanes' spill around it) per row, measurable in
+        # cache (docs/performance.md).
         prefetch(blocks, 0)
         lanes_sums(acc, group, sums)
         for g in range(group):
@@ -964,8 +961,8 @@ class Int8Kernel(JitKernel):
         """The 8-bit activations, for the integer products (:meth:`product` of up to :attr:`direct_rows` rows, and
         ``rowwise`` :meth:`product_rows` of any); for :meth:`product` of more rows only the float kernel's own
         preparation of ``x`` (:class:`Prepared`), once per product rather than once per tile (its sums are
-        per-row Python and numpy work, holding the GIL: on the 7B Q4_K_M file a 16-token prefill with ``q8`` took
-        3.2 s against 1.7 exact, 6,567 preparations instead of 127)."""
+        per-row Python and numpy work, holding the GIL: prepared per tile, a prefill with ``q8`` ran slower than the
+        exact one, thousands of preparations instead of one per product)."""
         if len(x) <= self.direct_rows or rowwise:
             return super().prepare(x)
         prepared = Prepared((x,))

@@ -13,13 +13,11 @@ multiply the two halves of the 16 pair lanes (:func:`.int8.group_q6_pairs_fma`).
 With AVX-512 VNNI, Q4_K goes 64 weights at a time instead (:func:`q4_k_vnni_group`): a chunk's 32 bytes give
 sub-blocks ``2c`` (low nibbles) and ``2c + 1`` (high) as one ``<64 x i8>`` against the row's 64 activations in
 one ``vpdpbusd``, lanes 0-7 the first sub-block, 8-15 the second, each lane's scale ``ds_j * d_x[j]`` from an
-``<8 x float>`` computed once per block and row (:func:`scale_products`; the minimums in 8 lanes, as the float kernel).
-Q4_K 18944 x 3584, one thread, ms of CPU per million weights, pairs / VNNI: 1 row 0.075 / 0.032, 3 rows 0.188 /
-0.088, 8 rows 0.297 / 0.138; the Qwen2.5-7B-shaped Q4_K_M file's decode with 8-bit activations 2.60 -> 3.18
-tok/s (llama.cpp 3.74).  Q6_K likewise (:func:`q6_k_vnni_group`): its 6-bit ``q`` (0..63) taken unsigned, the
-``- 32`` as a start value of ``vpdpbusd`` (``-32`` times the activations' sums of 4, once per product:
-:meth:`Q6_KInt8Kernel.forms`); on the 7B file's Q6_K matrices 0.114 -> 0.085 ms per million weights.  One and several
-activation rows run the same loops (groups of 1, or :func:`.int8.row_groups`), rows longer than
+``<8 x float>`` computed once per block and row (:func:`scale_products`; the minimums in 8 lanes, as the float kernel):
+about twice as fast as the pairs it replaced.  Q6_K likewise (:func:`q6_k_vnni_group`): its 6-bit ``q`` (0..63)
+taken unsigned, the ``- 32`` as a start value of ``vpdpbusd`` (``-32`` times the activations' sums of 4, once per
+product: :meth:`Q6_KInt8Kernel.forms`).  Figures, with the 7B-shaped file's decode: docs/performance.md.  One and
+several activation rows run the same loops (groups of 1, or :func:`.int8.row_groups`), rows longer than
 :data:`WHOLE_COLS` columns by chunks of columns (:func:`chunked`).  A module of its own so that models without
 K-quants do not load these kernels.
 """
@@ -374,11 +372,9 @@ def q6_k_vnni_group(update, geo, group, r0, r1, i0, raw, xq, xd, xbias, table, o
 
 
 # Rows of up to this many columns go whole through the 8-bit-activation K-quant kernels, longer ones by chunks of
-# CHUNK_COLS (:func:`chunked`).  One row, one thread, ms of CPU per million weights: 3584 x 18944, whole rows Q4_K
-# 0.074-0.094 and Q6_K 0.117-0.120 against 0.027-0.035 and 0.036 chunked (0.023-0.029 for Q4_K with the activations
-# of only 2048 columns read over and over: what a long row's activations cost); 18944 x 3584, whole rows
-# 0.021-0.023 and 0.027-0.029 against 0.024 and 0.030-0.038 chunked; 896 x 4864, 0.026-0.028 and 0.038 against
-# 0.029-0.041 and 0.052-0.054 chunked.
+# CHUNK_COLS (:func:`chunked`): very long rows (the 7B shape's down projection) ran several times faster chunked,
+# as their activations no longer fit the L1 cache, and rows up to a few thousand columns a little faster whole
+# (docs/performance.md).
 WHOLE_COLS = 8192
 
 
@@ -390,9 +386,7 @@ def chunked(group_fn, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):
     :data:`.base.TILE_ROWS` stored rows and chunks of :data:`.base.CHUNK_COLS` columns, each row's chunk
     asking first for the same chunk of the row a tile further (the float kernels' order,
     :func:`.base.gemv_groups`: the chunks' sums added in order, whatever the group).  One call site serves both:
-    with a second one for whole rows, importing this module with an empty cache (the K-quant float kernels with it)
-    took 130-140 s
-    of CPU instead of 108, the same speed either way."""
+    a second one for whole rows made the first compile of this module longer, for the same speed."""
     nb = xd.shape[1] // 8
     whole = nb * QK_K <= WHOLE_COLS
     step = max(nb, 1) if whole else CHUNK_COLS // QK_K

@@ -21,11 +21,9 @@ rows of a group, each doing ``acc = fma(w, x, acc)`` into zmm registers (see :mo
 * Q2_K and Q3_K: the same steps over 2-bit fields (Q3_K's value ``(low | hmask bit << 2) - 4``), 16 sub-block
   scales per block; Q2_K's ``dmin * m_j`` terms from per-16 activation sums, as Q4_K's.
 
-In-process A/B against the previous loops (``acc += f32(q) * (x * (d * sc))``, each row's lanes in a stack
-array indexed by the row), 4864 x 1024 out of cache, one thread, ms of CPU per million weights, 1 row / 8 rows:
-Q4_K 0.154 -> 0.112 / 0.53 -> 0.25 (16 rows 1.06 -> 0.50), Q5_K 0.27 -> 0.13 / 0.70 -> 0.29, Q6_K 0.167 ->
-0.149 / 0.77 -> 0.26 (16 rows 1.68 -> 0.53), Q2_K 0.168 -> 0.130 / 0.85 -> 0.34, Q3_K 0.30 -> 0.11 / 0.74 ->
-0.25.  The scale decoders are inlined: a call in the block loop made LLVM keep the accumulators on the stack.
+These loops replaced ones that kept each row's lanes in a stack array indexed by the row
+(``acc += f32(q) * (x * (d * sc))``), faster for every type and row count (docs/performance.md).  The scale
+decoders are inlined: a call in the block loop made LLVM keep the accumulators on the stack.
 """
 
 from __future__ import annotations
@@ -251,9 +249,8 @@ def minimums_sum(mins, i):
 def q4_k_scales(blk, table, ds, dm):
     """:func:`k45_scales_at` of one Q4_K/Q5_K block (float16 d and dmin in bytes 0..3 through ``table``) into the
     stack buffers ``ds`` and ``dm`` (:func:`.base.stack_f32` pointers of 8 floats).  Inlined: a call in the
-    block loop made LLVM keep the row kernels' zmm accumulators on the stack around it (caller-saved).  Measured
-    against the scalar unpacking it replaces (Q4_K 18944 x 3584, one thread, ms of CPU per million weights): 1 row
-    0.090 -> 0.071, 3 rows 0.222 -> 0.162, 8 rows 0.260 -> 0.250; the same bits."""
+    block loop made LLVM keep the row kernels' zmm accumulators on the stack around it (caller-saved).  Faster
+    than the scalar unpacking it replaces, with the same bits (docs/performance.md)."""
     k45_scales_at(blk, table[np.int64(blk[0]) | (np.int64(blk[1]) << 8)],
                   table[np.int64(blk[2]) | (np.int64(blk[3]) << 8)], ds, dm)
 
@@ -273,8 +270,8 @@ def k45_group(size, rows, raw, r, x, i0, c0, c1, args, out, acc):
     """``out[i0 + i, r] (+)= x[i0 + i, c0:c1] @ W[r, c0:c1]`` (:func:`.base.deposit`) for ``i < rows`` (a literal)
     of Q4_K (``size`` 144) or Q5_K (176) rows ``raw`` [R, nb * size], each 64-value chunk by :func:`k45_chunk`; ``args``
     = (``xsum`` [N, nb * 8], sums of x per 32; the float16 table).  Each row's minimums go into 8 lanes, one fused
-    ``<8 x float>`` per block (:func:`minimums_fma`), summed pairwise at the end: against one scalar sum per row, 1 row
-    0.071 -> 0.058 ms per million weights, 3 rows 0.162 -> 0.140 (Q4_K 18944 x 3584, one thread)."""
+    ``<8 x float>`` per block (:func:`minimums_fma`), summed pairwise at the end: faster than one scalar sum per row
+    (docs/performance.md)."""
     xsum, table = args
     qs_at = size - 128
     minp = stack_f32(MIN_LANES)
@@ -365,9 +362,8 @@ def q5_k_decode(raw, table, tile):
 @intrinsic
 def q6_k_scales_at(typingctx, blk, d, ds):  # noqa: ARG001
     """``ds[j] = d * sc_j`` (j < 16, a float32 pointer) of a Q6_K block's int8 scales (bytes 192..207), as one
-    ``<16 x float>`` product: the reference's operations.  Measured against two scalar products per 32 values
-    (Q6_K 18944 x 3584, one thread, ms of CPU per million weights): 1 row 0.108 -> 0.090, 3 rows 0.216 -> 0.177;
-    the same bits."""
+    ``<16 x float>`` product: the reference's operations.  Faster than two scalar products per 32 values, with the
+    same bits (docs/performance.md)."""
     if not isinstance(ds, types.CPointer):
         return None
 

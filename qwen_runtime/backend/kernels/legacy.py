@@ -27,10 +27,9 @@ memory operands into zmm accumulators held in registers (the ``_1`` types' per-r
 The decoders are packed likewise (``vcvtdq2ps``, ``vmulps``, ``vaddps``).  With AVX-512F, groups of up to
 ``TABLE_ROWS`` rows look the weights up instead (:func:`_looked_up`): per block two ``vmulps`` make the tables of
 ``d * (j - bias)``, then ``vpmovzxbd`` from memory, one ``vpsrld`` and ``vpermps`` per 16 weights (Q5's bit 4 a
-masked second ``vpermps`` from ``kmovw``): the same products, the same bits.  In-process A/B against the previous
-loops (``acc += w * (x * d)``, each row's lanes in a stack array indexed by the row), 4864 x 896 out of cache,
-one thread, ms of CPU per million weights: Q4_0 1 row 0.103 -> 0.082, 8 rows 0.72 -> 0.19, 16 rows 1.46 -> 0.47;
-Q4_1 0.103 -> 0.084, 0.73 -> 0.23, 1.64 -> 0.54; Q5_0 0.138 -> 0.120, 0.65 -> 0.24, 1.34 -> 0.53.
+masked second ``vpermps`` from ``kmovw``): the same products, the same bits.  These loops replaced ones that kept
+each row's lanes in a stack array indexed by the row (``acc += w * (x * d)``), faster for every type and row
+count (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -85,8 +84,8 @@ def bit4_bytes(builder: ir.IRBuilder, qh: ir.Value, first: int, count: int) -> i
     """Bit 4 of values ``first .. first + count - 1`` of a 5-bit block (``<count x i8>``, 16 or 0) from those bits
     of ``qh`` (an integer): the bits taken as an ``<i1>`` mask, so that AVX-512 selects the bytes by a mask register
     (``kmovw``/``kmovd`` straight from the block, a masked byte operation) instead of shifting 32 int32 lanes and
-    narrowing them (``vpsrlvd``/``vpmovdb``).  One thread, ms of CPU per million weights: Q5_0 1 row 0.107 ->
-    0.083, 3 rows 0.249 -> 0.170; with 8-bit activations 1 row 0.104 -> 0.065."""
+    narrowing them (``vpsrlvd``/``vpmovdb``), which made the Q5 kernels faster, float and 8-bit alike
+    (docs/performance.md)."""
     width = first + count
     bits = builder.trunc(qh, ir.IntType(width)) if qh.type.width > width else \
         builder.zext(qh, ir.IntType(width)) if qh.type.width < width else qh
