@@ -5,8 +5,8 @@ Each checkpoint is a directory with ``config.json``, the real ``tokenizer.json``
 from numpy (header + streamed tensors, so memory stays at one row chunk).  Matrices are normal(0, 0.02),
 norms ones (zeros for Qwen3.5's zero-centred norms), biases zeros; Qwen3.5's ``A_log`` / ``dt_bias`` are F32
 as in the real checkpoint.  Qwen2.5 / Qwen3 configs are the real ones from ``model-configs``; the Qwen3.5-0.8B
-text config is written here from the shape its model card publishes (the steering repository's
-shared/docs/baselines.md lists it beside the others).
+text config is written here (:func:`qwen35_config`) from the shape its model card publishes; docs/performance.md
+("Running the benchmarks") lists the three shapes.
 """
 
 from __future__ import annotations
