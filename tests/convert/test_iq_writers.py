@@ -22,7 +22,7 @@ from qwen_convert.iq_encode import GRIDS, grid_tables
 from qwen_convert.policy import WEIGHTS_REQUIRED
 from qwen_convert.quantize import encode_rows
 from qwen_runtime.errors import FormatError
-from qwen_runtime.tensors import QType
+from qwen_runtime.formats.tensors import QType
 
 IQ_TYPES = (QType.IQ3_XXS, QType.IQ2_XXS)
 

@@ -15,7 +15,7 @@ from gguf import quants
 from test_kquant_writers import KINDS, _ggml, block_mismatches, ggml_quantize, varied_importance, varied_rows
 
 from qwen_convert.quantize import encode_rows
-from qwen_runtime.tensors import QType
+from qwen_runtime.formats.tensors import QType
 
 TERNARY = (QType.TQ1_0, QType.TQ2_0)
 
