@@ -11,14 +11,19 @@ which the GGUF reader refuses naming the tensor (tests/formats/test_hostile_gguf
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, quants
+from hostile_helpers import RawGGUF, wide_qwen3_f32
 from test_quants import assert_bits_equal, decoders, set_iq1_m_scale
 
+import qwen_runtime
+from qwen_convert.cli import inspect_main
 from qwen_runtime.quants import grids
 from qwen_runtime.tensors import QType
 
@@ -150,3 +155,67 @@ def test_iq1_delta_signs(qtype: QType) -> None:
     assert_as_gguf(qtype, blocks)
     plus, minus = decoders(qtype, blocks)["fast"]  # the same points and scales, delta +1/8 and -1/8
     assert np.all(plus > minus)  # d > 0: every value moved down by a quarter of its sub-block scale
+
+
+# -- a model stored in each type ----------------------------------------------------------------------------------
+
+PROMPT = [1, 5, 17, 40, 99, 200, 300, 478, 2, 3]
+
+
+def model_blocks(qtype: QType, rows: int, cols: int, rng: np.random.Generator, rms: float = 0.05) -> np.ndarray:
+    """Random valid blocks [rows, stored row] whose values have about ``rms`` (one scale for the whole matrix:
+    a power of two for MXFP4's E8M0)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = with_scale(qtype, rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8), 1.0)
+    unit = float(np.sqrt(np.mean(quants.dequantize(blocks, qtype) ** 2)))
+    scale = 2.0 ** np.round(np.log2(rms / unit))
+    blocks = with_scale(qtype, blocks, scale) if qtype != QType.MXFP4 else with_e8m0(blocks, scale)
+    return blocks.reshape(rows, -1)
+
+
+def with_e8m0(blocks: np.ndarray, d: float) -> np.ndarray:
+    """MXFP4 ``blocks`` with every scale ``d`` times the unit scale of :func:`with_scale` (0.5: E8M0 127)."""
+    blocks = blocks.copy()
+    blocks[:, 0] = 127 + int(np.log2(d))
+    return blocks
+
+
+def retyped(raw: RawGGUF, qtype: QType, rng: np.random.Generator) -> tuple[RawGGUF, RawGGUF]:
+    """(``raw`` with every matrix stored as ``qtype`` in random valid blocks, its float32 twin holding gguf-py's
+    dequantization of the same blocks)."""
+    stored, twin = copy.deepcopy(raw), copy.deepcopy(raw)
+    stored.infos, twin.infos, stored.data, twin.data = [], [], b"", b""
+    for name, dims, dtype, offset in raw.infos:
+        blob = raw.data[offset:offset + 4 * int(np.prod(dims))]
+        quantized = float_blob = blob
+        if len(dims) == 2:
+            blocks = model_blocks(qtype, dims[1], dims[0], rng)
+            quantized, float_blob = blocks.tobytes(), quants.dequantize(blocks, qtype).tobytes()
+        for target, data, kind in ((stored, quantized, qtype if len(dims) == 2 else dtype), (twin, float_blob, dtype)):
+            target.data += b"\0" * (-len(target.data) % raw.alignment)
+            target.infos.append((name, dims, int(kind), len(target.data)))
+            target.data += data
+    return stored, twin
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> RawGGUF:
+    return RawGGUF.from_file(wide_qwen3_f32(tmp_path_factory.mktemp("low-bit")))
+
+
+@pytest.mark.parametrize("qtype", LOW_BIT, ids=lambda q: q.name)
+def test_a_model_stored_in_the_type_runs_as_its_float_twin(wide_model: RawGGUF, tmp_path: Path, qtype: QType,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``load()`` runs a Qwen3 whose every matrix (embedding included) is stored as ``qtype``, with the numpy
+    kernels: its logits are those of the float32 model holding gguf-py's decoding of the same blocks, and
+    qwen-inspect names the type of every matrix."""
+    stored, twin = retyped(wide_model, qtype, np.random.default_rng(900 + qtype.value))
+    path, twin_path = stored.write(tmp_path / "model.gguf"), twin.write(tmp_path / "twin.gguf")
+    got = qwen_runtime.load(path, kernels="numpy").logits([PROMPT])[0]
+    expected = qwen_runtime.load(twin_path, kernels="numpy").logits([PROMPT])[0]
+    assert np.abs(expected).max() > 1e-3  # the weights do reach the logits
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+    assert inspect_main([str(path), "--json"]) == 0
+    tensors = json.loads(capsys.readouterr().out)["tensors"]
+    matrices = [t for t in tensors if len(t["shape"]) == 2]
+    assert len(matrices) == 15 and {t["type"] for t in matrices} == {qtype.name}
