@@ -59,6 +59,14 @@ JIT_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q5_1: ("jit_legacy", "Q5_1JitKernel"),
     QType.IQ4_NL: ("jit_iq4", "IQ4_NLJitKernel"),
     QType.IQ4_XS: ("jit_iq4", "IQ4_XSJitKernel"),
+    QType.IQ2_XXS: ("jit_lattice", "IQ2_XXSJitKernel"),
+    QType.IQ2_XS: ("jit_lattice", "IQ2_XSJitKernel"),
+    QType.IQ2_S: ("jit_lattice", "IQ2_SJitKernel"),
+    QType.IQ3_XXS: ("jit_lattice", "IQ3_XXSJitKernel"),
+    QType.IQ3_S: ("jit_lattice", "IQ3_SJitKernel"),
+    QType.IQ1_S: ("jit_lattice", "IQ1_SJitKernel"),
+    QType.IQ1_M: ("jit_lattice", "IQ1_MJitKernel"),
+    QType.TQ2_0: ("jit_lattice", "TQ2_0JitKernel"),
 }
 
 # Integer-dot kernels with 8-bit activations (``Workspace.activations == "q8"``; other types keep their float kernel).
