@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TextIO
 
 from . import Generation, Model, SamplingParams, chat_format, encode_prompts, load, stream
-from .chat import fit_chat, reply_budget
+from .backend.limits import format_bytes
 from .cli_support import (
     ArgumentParser,
     add_activations_option,
@@ -35,7 +35,7 @@ from .cli_support import (
     run_guarded,
 )
 from .errors import ContextOverflowError, UsageError
-from .limits import format_bytes
+from .text.chat import fit_chat, reply_budget
 
 EPILOG = """\
 Where the prompt comes from: each -p and each -f FILE is one prompt (several make a batch, printed row by
@@ -183,7 +183,7 @@ def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingP
     ``/help`` lists the commands, ``/reset`` starts a new conversation (the system message stays), ``/exit``
     or end of input quits, and Ctrl-C stops the reply being written (what was written stays in the history),
     not the program.  When the history and the reply would not fit the context, the oldest turns are dropped
-    (:func:`qwen_runtime.chat.fit_chat`) and stderr says so; a message that cannot fit is refused, not sent.
+    (:func:`qwen_runtime.text.chat.fit_chat`) and stderr says so; a message that cannot fit is refused, not sent.
     """
     err = err or sys.stderr
     fmt, context = chat_format(model), context_length(model, args, err)

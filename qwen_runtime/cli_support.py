@@ -12,8 +12,10 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn, TextIO
 
-from .cache import CACHE_TYPES, DEFAULT_CACHE_TYPE
-from .compile_events import on_compiling
+from .backend.cache import CACHE_TYPES, DEFAULT_CACHE_TYPE
+from .backend.compile_events import on_compiling
+from .backend.limits import format_bytes, parse_memory_size
+from .backend.pool import ACTIVATION_CHOICES, KERNEL_CHOICES, KERNELS_VARIABLE, STEP_TOKENS
 from .errors import (
     EXIT_CODES,
     ConfigError,
@@ -23,9 +25,7 @@ from .errors import (
     UsageError,
     exit_code,
 )
-from .limits import format_bytes, parse_memory_size
-from .pool import ACTIVATION_CHOICES, KERNEL_CHOICES, KERNELS_VARIABLE, STEP_TOKENS
-from .rope import ROPE_SCALING_TYPES, RopeScaling
+from .formats.rope import ROPE_SCALING_TYPES, RopeScaling
 
 PACKAGE = "qwen-numpy"
 USAGE_ERROR = EXIT_CODES[UsageError]  # an invalid option or value, whether argparse or the command finds it
@@ -185,7 +185,8 @@ def window(text: str) -> int:
 
 
 def memory_size(text: str) -> int:
-    """An argparse type: a memory size such as ``512M`` or ``4G`` (:func:`~qwen_runtime.limits.parse_memory_size`),
+    """An argparse type: a memory size such as ``512M`` or ``4G``
+    (:func:`~qwen_runtime.backend.limits.parse_memory_size`),
     its error worded for the command line."""
     try:
         return parse_memory_size(text)

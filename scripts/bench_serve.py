@@ -60,7 +60,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_models import MODELS, build_checkpoint  # noqa: E402
 
-from qwen_runtime.pool import ACTIVATION_CHOICES  # noqa: E402
+from qwen_runtime.backend.pool import ACTIVATION_CHOICES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["rivers", "prime numbers", "the moon", "sorting", "bread", "volcanoes", "chess", "tea", "bridges",

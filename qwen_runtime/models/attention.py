@@ -16,12 +16,12 @@ from types import ModuleType
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from ..archs import FULL_ATTENTION, QWEN2, QWEN3
-from ..cache import BatchState, CacheSize, KVCache
-from ..config import ModelConfig
-from ..ops import apply_rope, rms_norm, softmax
-from ..pool import Workspace
-from ..weights import matmul_many
+from ..backend.cache import BatchState, CacheSize, KVCache
+from ..backend.ops import apply_rope, rms_norm, softmax
+from ..backend.pool import Workspace
+from ..backend.weights import matmul_many
+from ..formats.archs import FULL_ATTENTION, QWEN2, QWEN3
+from ..formats.config import ModelConfig
 from .base import WeightStore, register_mixer
 
 # Upper bound on attention score elements held at once; longer query blocks are processed in tiles.
@@ -48,7 +48,7 @@ def jit() -> ModuleType:
 
 def compiled(ws: Workspace | None, tokens: int) -> bool:
     """Whether a step of ``tokens`` new tokens per row runs :mod:`.attention_jit`'s kernels (up to :data:`JIT_TOKENS`,
-    more inside ``Workspace.rowwise``: :meth:`~qwen_runtime.pool.Workspace.compiled_step`)."""
+    more inside ``Workspace.rowwise``: :meth:`~qwen_runtime.backend.pool.Workspace.compiled_step`)."""
     return ws is not None and ws.compiled_step(tokens, JIT_TOKENS)
 
 

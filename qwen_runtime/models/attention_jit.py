@@ -26,7 +26,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from ..ops_jit import F32, JIT, SUMS, ZERO, exp32, norm_row, sigmoid32, total
+from ..backend.ops_jit import F32, JIT, SUMS, ZERO, exp32, norm_row, sigmoid32, total
 
 MASKED = F32(-np.inf)
 F16_BITS = types.uint16  # how a float16 cache array reaches the kernels

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops import rms_norm, sigmoid, silu
-from ..pool import Scratch, single_threaded_blas
+from ..backend.ops import rms_norm, sigmoid, silu
+from ..backend.pool import single_threaded_blas
+from ..quants.scratch import Scratch
 
 L2_EPS = 1e-6  # HF/FLA l2norm epsilon, inside the square root
 CHUNK = 64  # chunk length of the chunked form (HF's and FLA's)

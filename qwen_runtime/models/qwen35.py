@@ -19,12 +19,12 @@ from types import ModuleType
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from ..archs import FULL_ATTENTION, LINEAR_ATTENTION, QWEN35
-from ..cache import BatchState, CacheSize, KVCache
-from ..config import ModelConfig
-from ..ops import apply_rope, rms_norm, sigmoid
-from ..pool import Scratch
-from ..weights import matmul_many
+from ..backend.cache import BatchState, CacheSize, KVCache
+from ..backend.ops import apply_rope, rms_norm, sigmoid
+from ..backend.weights import matmul_many
+from ..formats.archs import FULL_ATTENTION, LINEAR_ATTENTION, QWEN35
+from ..formats.config import ModelConfig
+from ..quants.scratch import Scratch
 from . import gated_delta as gd
 from .attention import attend, compiled, jit, kernel_view, merge_heads, split_heads
 from .base import WeightStore, register_mixer
@@ -183,7 +183,7 @@ class GatedDeltaNet:
 
     A prefill takes three pool runs: the projections; the causal conv by blocks of channels; then one task per
     batch row and group of value heads: their q/k preparation, gates, delta rule and gated norm
-    (:meth:`~qwen_runtime.pool.Workspace.run_grid`).  A decode step runs the projections through the pool and
+    (:meth:`~qwen_runtime.backend.pool.Workspace.run_grid`).  A decode step runs the projections through the pool and
     the rest on the calling thread, where a few tokens' work is too small to hand around.
     """
 

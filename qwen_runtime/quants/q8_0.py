@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..pool import Scratch
 from .base import Codec, QType, f16_field, f16_scales
+from .scratch import Scratch
 
 Q8_0_BLOCK = 32
 Q8_0_BYTES = 34
