@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..pool import Scratch
 from .base import QType, f16_bits_to_f32, f16_field
 from .blocks import SHIFTS_1BIT, SHIFTS_2BIT, BlockCodec, along, nibbles
 from .grids import GRID_IQ1, GRID_IQ2_S, GRID_IQ2_XS, GRID_IQ2_XXS, GRID_IQ3_S, GRID_IQ3_XXS, SIGNS_EVEN, words
+from .scratch import Scratch
 
 SIGN_SHIFTS = np.array([0, 7, 14, 21], np.uint32)  # the four 7-bit sign indices of an aux word
 IQ1_SHIFTS = np.array([0, 3, 6, 9], np.uint16)  # IQ1_S's 3-bit grid high bits in qh, IQ1_M's scales

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..pool import Scratch
 from .base import QType, f16_field
 from .blocks import SHIFTS_2BIT, BlockCodec, along
 from .grids import POWERS_OF_3
+from .scratch import Scratch
 
 # (first byte, bytes, digits per byte, first value) of TQ1_0's three packed regions.
 TQ1_REGIONS = ((0, 32, 5, 0), (32, 16, 5, 160), (48, 4, 4, 240))

@@ -24,8 +24,8 @@ from test_quants import assert_bits_equal, decoders, set_iq1_m_scale
 
 import qwen_runtime
 from qwen_convert.cli import inspect_main
+from qwen_runtime.formats.tensors import QType
 from qwen_runtime.quants import grids
-from qwen_runtime.tensors import QType
 
 LOW_BIT = (QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ3_XXS, QType.IQ3_S, QType.IQ1_S, QType.IQ1_M,
            QType.TQ1_0, QType.TQ2_0, QType.MXFP4)

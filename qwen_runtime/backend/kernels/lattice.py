@@ -1,7 +1,7 @@
-"""Compiled kernels of the 1- to 3-bit i-quants and TQ2_0 (numba): the blocks of :mod:`.lattice` and
-:mod:`.ternary` read in place.
+"""Compiled kernels of the 1- to 3-bit i-quants and TQ2_0 (numba): the blocks of :mod:`qwen_runtime.quants.lattice`
+and :mod:`qwen_runtime.quants.ternary` read in place.
 
-The loops are those of the 32-value types (:func:`.jit_base.group_loop`, :func:`.jit_legacy.decode_loop`): a
+The loops are those of the 32-value types (:func:`.base.group_loop`, :func:`.legacy.decode_loop`): a
 super-block of 256 values is taken as 8 sub-blocks of 32, ``locate`` giving sub-block ``b``'s byte ``o =
 256-block start + j`` (``j = b % 8``: ``o % type_size`` recovers it, the prefetch hint is off by at most 7
 bytes) and the super-block's float32 ``d``.  Each type's step turns its 32 values into four 64-bit words of int8
@@ -10,9 +10,9 @@ the reference's float32 operations; one intrinsic (:func:`words_rows`) widens th
 ``vcvtdq2ps``), multiplies by the scales (exact: an 11-bit float16 significand times at most 5 bits of scale and
 6 of grid value) and adds ``fma(w, x, acc)`` into the group's lanes; :func:`words_decode` stores the weights.
 
-* grid points come from tables of words (:mod:`.grids`, compile-time constants); signs are applied to a word
-  at once: ``(g ^ m) + (m & 0x01..01)`` with ``m`` the byte mask of the sign byte (``SIGN_MASKS``), which
-  negates the bytes of ``m`` without carries (grid values are 1..62);
+* grid points come from tables of words (:mod:`qwen_runtime.quants.grids`, compile-time constants); signs
+  are applied to a word at once: ``(g ^ m) + (m & 0x01..01)`` with ``m`` the byte mask of the sign byte
+  (``SIGN_MASKS``), which negates the bytes of ``m`` without carries (grid values are 1..62);
 * IQ1's values ``8g ± 1`` come from two tables (``g * 8 + 1`` and ``g * 8 - 1``), the scale times 1/8;
 * TQ2_0's 2-bit ``q`` are masked from 64-bit loads, and ``q - 1`` taken per byte as ``((q | 0x80) - 1) ^ 0x80``.
 """
@@ -24,9 +24,11 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .base import QType
-from .grids import GRID_IQ1, GRID_IQ2_S, GRID_IQ2_XS, GRID_IQ2_XXS, GRID_IQ3_S, GRID_IQ3_XXS, SIGNS_EVEN, words
-from .jit_base import (
+from ...quants.base import QType
+from ...quants.grids import GRID_IQ1, GRID_IQ2_S, GRID_IQ2_XS, GRID_IQ2_XXS, GRID_IQ3_S, GRID_IQ3_XXS, SIGNS_EVEN, words
+from ...quants.lattice import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
+from ...quants.ternary import TQ2_0
+from .base import (
     HALF,
     LANES,
     PAIR,
@@ -44,9 +46,7 @@ from .jit_base import (
     splat,
     sums_product,
 )
-from .jit_legacy import decode_loop
-from .lattice import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
-from .ternary import TQ2_0
+from .legacy import decode_loop
 
 I8, I32, I64, F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 V16_F32, V32_I8, V4_I64 = ir.VectorType(F32, HALF), ir.VectorType(I8, LANES), ir.VectorType(I64, 4)
@@ -295,8 +295,8 @@ def _decode(sub, blocks, o, geo, d, out):
     words_decode(w0, w1, w2, w3, s0, s1, out)
 
 
-# The loops of each type, as jit_iq4's: a group step, the one-row and multi-row products, the tile decoder, the
-# row product called by address, the kernel class.
+# The loops of each type, as those of kernels/iq4.py: a group step, the one-row and multi-row products, the tile
+# decoder, the row product called by address, the kernel class.
 
 IQ2_XXS_GEO = (IQ2_XXS().type_size, 0, 0, False)
 
