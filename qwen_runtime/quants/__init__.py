@@ -7,12 +7,14 @@ module                       types
 :mod:`.q8_0`                 Q8_0 (its own kernel: the scale bytes ride along in the contiguous cast)
 :mod:`.legacy`               Q4_0, Q4_1, Q5_0, Q5_1
 :mod:`.kquants`              Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
-:mod:`.iq4`                  IQ4_NL, IQ4_XS
+:mod:`.iq4`                  IQ4_NL, IQ4_XS, MXFP4
+:mod:`.lattice`              IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (grids in :mod:`.grids`)
+:mod:`.ternary`              TQ1_0, TQ2_0
 ===========================  =========================================================================
 
-The compiled twins of these kernels live in :mod:`qwen_runtime.backend.kernels`.  The 4- to 6-bit types share the
-field-major tile machinery of :mod:`.blocks`.  Other GGML types (IQ1_*, IQ2_*,
-IQ3_*, TQ1_0, TQ2_0, MXFP4, ...) are refused by :func:`codec` with a :class:`~qwen_runtime.errors.FormatError`.
+The compiled twins of these kernels live in :mod:`qwen_runtime.backend.kernels`.  The quantized types share
+the field-major tile machinery of :mod:`.blocks`.  Other GGML types (Q8_1, Q8_K, NVFP4, ...) are refused by
+:func:`codec` with a :class:`~qwen_runtime.errors.FormatError`.
 Block sizes and bytes per block come from ``gguf.GGML_QUANT_SIZES``.
 """
 
@@ -24,15 +26,18 @@ from gguf import GGML_QUANT_SIZES
 from ..errors import FormatError
 from .base import BLOCK_SUM_ROWS, Codec, QType, TileKernel
 from .dense import BF16, F16, F32
-from .iq4 import IQ4_NL, IQ4_XS
+from .iq4 import IQ4_NL, IQ4_XS, MXFP4
 from .kquants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+from .lattice import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
 from .legacy import Q4_0, Q4_1, Q5_0, Q5_1
 from .q8_0 import Q8_0
 from .scratch import Scratch
+from .ternary import TQ1_0, TQ2_0
 
 CODECS: dict[QType, Codec] = {c.qtype: c for c in (
     F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_1(), Q5_0(), Q5_1(),
-    Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_NL(), IQ4_XS())}
+    Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_NL(), IQ4_XS(),
+    IQ2_XXS(), IQ2_XS(), IQ2_S(), IQ3_XXS(), IQ3_S(), IQ1_S(), IQ1_M(), TQ1_0(), TQ2_0(), MXFP4())}
 READ_TYPES = tuple(CODECS)
 DENSE_TYPES = (QType.F32, QType.F16, QType.BF16)
 

@@ -1,11 +1,16 @@
-"""The non-linear 4-bit types: each 4-bit index selects one of 16 fixed int8 levels (``IQ4_LEVELS``).
+"""The non-linear 4-bit types: each 4-bit index selects one of 16 fixed int8 levels (``IQ4_LEVELS``,
+MXFP4's ``MXFP4_LEVELS``).
 
 ======  =====  =========================================================  ======================
 type    bytes  layout                                                     value
 ======  =====  =========================================================  ======================
 IQ4_NL  18     d, qs[16] (as Q4_0: low nibbles first)                     d * level[q]
 IQ4_XS  136    d, scales_h (uint16), scales_l[4], qs[128]                 (d * (ls_j - 32)) * level[q]
+MXFP4   17     e (E8M0), qs[16] (as Q4_0)                                 2**(e - 128) * level[q]
 ======  =====  =========================================================  ======================
+
+MXFP4's levels are the FP4 (E2M1) values doubled, so its scale is the E8M0 ``2**(e - 127)`` halved (llama.cpp's
+``ggml_e8m0_to_fp32_half``: subnormal float32 for e < 2); every byte is a valid scale, every nibble a level.
 
 IQ4_XS has 8 sub-blocks of 32: ``ls_j`` is nibble ``j % 2`` of ``scales_l[j // 2]`` plus bits ``2j, 2j+1`` of
 ``scales_h`` as bits 4-5; value ``32j + 16n + l`` is nibble ``n`` of ``qs[16j + l]``.
@@ -17,6 +22,7 @@ import numpy as np
 
 from .base import QType, f16_field
 from .blocks import SHIFTS_2BIT, BlockCodec, along, nibbles, signed_6bit_scales
+from .grids import MXFP4_LEVELS
 from .scratch import Scratch
 
 # The 16 levels of llama.cpp's kvalues_iq4nl (a fixed part of the format).
@@ -80,3 +86,36 @@ class IQ4_XS(BlockCodec):
         high = scratch.array("scale high bits", (2, 4, *rest), np.uint8)  # [byte of scales_h, pair in it]
         np.right_shift(fields[2:4][:, None], along(SHIFTS_2BIT, 1, 2 + len(rest)), out=high)
         return signed_6bit_scales(ls, high, self.f16_row(fields, 0, "d", scratch), scratch), None
+
+
+def e8m0_half_bits(e: np.ndarray) -> np.ndarray:
+    """The float32 bits of ``2**(e - 128)`` for E8M0 bytes ``e`` (uint32, any shape)."""
+    e = e.astype(np.uint32)
+    return np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23)).astype(np.uint32)
+
+
+class MXFP4(BlockCodec):
+    qtype = QType.MXFP4
+    sub, int_range, max_gap = 32, (int(MXFP4_LEVELS.min()), int(MXFP4_LEVELS.max())), 4
+
+    def reference(self, raw: np.ndarray) -> np.ndarray:
+        blocks = raw.reshape(-1, self.type_size)
+        d = e8m0_half_bits(blocks[:, 0:1]).view(np.float32)
+        qs = blocks[:, 1:17]
+        q = MXFP4_LEVELS[np.concatenate([qs & 15, qs >> 4], axis=1)].astype(np.float32)  # [n, 32]
+        return (d * q).reshape(*raw.shape[:-1], -1)
+
+    def ints(self, fields: np.ndarray, out: np.ndarray, scratch: Scratch) -> None:
+        index = scratch.array("indices", out.shape, np.uint8)
+        nibbles(fields[1:17], index[:16], index[16:])
+        np.take(MXFP4_LEVELS, index, out=out)
+
+    def scales(self, fields: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray | None]:
+        e = fields[0]
+        bits = scratch.array("e8m0 bits", (1, *e.shape), np.uint32)
+        np.copyto(bits[0], e)
+        low = bits < 2
+        np.subtract(bits, 1, out=bits, where=~low)
+        np.left_shift(bits, 23, out=bits, where=~low)
+        np.left_shift(np.uint32(0x00200000), bits, out=bits, where=low)
+        return bits.view(np.float32), None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from hostile_helpers import RawGGUF, pack_string
 from runtime_helpers import Converted
 
@@ -301,7 +301,7 @@ def test_overlapping_tensors(raw: RawGGUF, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("qtype", "fragment"), [(999, "unknown GGML type 999"),
-                                                 (GGMLQuantizationType.MXFP4, "type MXFP4; supported")])
+                                                 (GGMLQuantizationType.NVFP4, "type NVFP4; supported")])
 def test_unknown_or_unsupported_tensor_type(raw: RawGGUF, tmp_path: Path, qtype: int, fragment: str) -> None:
     name, dims, _, offset = raw.infos[0]
     raw.infos[0] = (name, dims, qtype, offset)
@@ -323,6 +323,9 @@ def test_bad_dims(raw: RawGGUF, tmp_path: Path, dims: tuple[int, ...], fragment:
     (GGMLQuantizationType.Q6_K, (320, 2), "not a multiple"),
     (GGMLQuantizationType.IQ4_XS, (64, 4), "not a multiple"),
     (GGMLQuantizationType.Q5_0, (48, 2), "not a multiple"),
+    (GGMLQuantizationType.IQ2_XXS, (128, 2), "not a multiple"),
+    (GGMLQuantizationType.TQ1_0, (320, 2), "not a multiple"),
+    (GGMLQuantizationType.MXFP4, (48, 2), "not a multiple"),
     (GGMLQuantizationType.Q4_K, (1 << 16, 1 << 12), "needs bytes"),  # blocks past the end of the file
     (GGMLQuantizationType.Q5_1, (1 << 12, 1 << 12), "needs bytes"),
 ])
@@ -331,6 +334,23 @@ def test_block_arithmetic_of_quantized_types(raw: RawGGUF, tmp_path: Path, qtype
     name, _, _, offset = raw.infos[0]
     raw.infos[0] = (name, dims, qtype, offset)
     fails(raw, tmp_path, repr(name), fragment)
+
+
+LOW_BIT_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4")
+
+
+@pytest.mark.parametrize("type_name", LOW_BIT_TYPES)
+def test_truncated_super_block_of_a_low_bit_type(raw: RawGGUF, tmp_path: Path, type_name: str) -> None:
+    """The last tensor's file ends one byte into its last block: refused by name, before any decoding (no bit
+    pattern of these types is otherwise invalid: tests/quants/test_lowbit_quants.py)."""
+    qtype = GGMLQuantizationType[type_name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    last = max(range(len(raw.infos)), key=lambda i: raw.infos[i][3])
+    name, _, _, offset = raw.infos[last]
+    raw.infos[last] = (name, (block, 2), qtype, offset)  # two blocks; the file keeps one and one byte
+    raw.data = raw.data[:offset] + bytes(size + 1)
+    fails(raw, tmp_path, repr(name), f"{type_name}[{block}, 2] needs bytes {offset}..{offset + 2 * size}",
+          "truncated or corrupt")
 
 
 def test_duplicate_tensor_name(raw: RawGGUF, tmp_path: Path) -> None:

@@ -31,7 +31,8 @@ def copy_fixture(name: str, dest: Path) -> Path:
     return target
 
 
-# Types given to the matrices of quantized_mix(), in turn: every quantized type the runtime reads.
+# Types given to the matrices of quantized_mix(), in turn: the 4- to 8-bit types the runtime reads (a model stored
+# in each low-bit type is in tests/quants/test_lowbit_quants.py).
 MIX_TYPES = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q5_K,
              gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q3_K, gguf.GGMLQuantizationType.IQ4_XS,
              gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q5_1, gguf.GGMLQuantizationType.IQ4_NL,
@@ -41,12 +42,35 @@ MIX_TYPES = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K, ggu
 def quantized_mix(root: Path) -> Path:
     """A valid two-layer Qwen3 GGUF (hidden 256, so 256-value K-quant blocks fit) whose matrices hold, in turn,
     every quantized type the runtime reads, filled with seeded random blocks (for the fuzz tests)."""
-    from safetensors.numpy import save_file
-
     out = root / "quantized-mix.gguf"
     if out.exists():
         return out
+    rng = np.random.default_rng(0)
+    raw = RawGGUF.from_file(wide_qwen3_f32(root, rng))
+    infos, data = [], b""
+    types = iter(MIX_TYPES * 2)
+    for name, dims, qtype, offset in raw.infos:
+        if len(dims) == 2:
+            qtype = next(types)
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+            blob = rng.integers(0, 256, dims[0] // block * size * dims[1], dtype=np.uint8).tobytes()
+        else:
+            blob = raw.data[offset:offset + 4 * int(np.prod(dims))]
+        data += b"\0" * (-len(data) % raw.alignment)
+        infos.append((name, dims, int(qtype), len(data)))
+        data += blob
+    raw.infos, raw.data = infos, data
+    return raw.write(out)
+
+
+def wide_qwen3_f32(root: Path, rng: np.random.Generator | None = None) -> Path:
+    """A two-layer Qwen3 F32 GGUF with hidden size 256 (so 256-value blocks fit every row), seeded random
+    weights N(0, 0.05), converted by qwen_convert; made once under ``root``."""
+    from safetensors.numpy import save_file
+
     source = root / "quantized-mix-hf"
+    if (root / f"{source.name}-fp32.gguf").exists():
+        return root / f"{source.name}-fp32.gguf"
     source.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copyfile(FIXTURES / "qwen3-tiny" / name, source / name)
@@ -63,23 +87,10 @@ def quantized_mix(root: Path) -> Path:
                    layer + "self_attn.q_norm.weight": (64,), layer + "self_attn.k_norm.weight": (64,),
                    layer + "mlp.gate_proj.weight": (512, 256), layer + "mlp.up_proj.weight": (512, 256),
                    layer + "mlp.down_proj.weight": (256, 512)}
+    rng = np.random.default_rng(0) if rng is None else rng
     save_file({n: rng.normal(0, 0.05, s).astype(np.float32) for n, s in shapes.items()},
               str(source / "model.safetensors"))
-    raw = RawGGUF.from_file(converted_dir(source, root, "fp32"))
-    infos, data = [], b""
-    types = iter(MIX_TYPES * 2)
-    for name, dims, qtype, offset in raw.infos:
-        if len(dims) == 2:
-            qtype = next(types)
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
-            blob = rng.integers(0, 256, dims[0] // block * size * dims[1], dtype=np.uint8).tobytes()
-        else:
-            blob = raw.data[offset:offset + 4 * int(np.prod(dims))]
-        data += b"\0" * (-len(data) % raw.alignment)
-        infos.append((name, dims, int(qtype), len(data)))
-        data += blob
-    raw.infos, raw.data = infos, data
-    return raw.write(out)
+    return converted_dir(source, root, "fp32")
 
 
 def converted_dir(source: Path, root: Path, dtype: str) -> Path:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import quants
+from test_quants import set_iq1_m_scale
 
 from qwen_runtime.backend.jit_setup import cpu_features, import_closure, imported_files, release_compiler_pages
 from qwen_runtime.backend.kernels import JIT_KERNELS, JIT_Q8_KERNELS, jit_kernel
@@ -46,7 +47,9 @@ EPS32 = float(np.finfo(np.float32).eps)
 # Byte offsets of the float16 fields of each block (scales and minimums): set to edge values below.
 F16_FIELDS = {QType.Q8_0: (0,), QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q5_0: (0,), QType.Q5_1: (0, 2),
               QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2),
-              QType.Q6_K: (208,), QType.IQ4_NL: (0,), QType.IQ4_XS: (0,)}
+              QType.Q6_K: (208,), QType.IQ4_NL: (0,), QType.IQ4_XS: (0,), QType.IQ2_XXS: (0,), QType.IQ2_XS: (0,),
+              QType.IQ2_S: (0,), QType.IQ3_XXS: (0,), QType.IQ3_S: (0,), QType.IQ1_S: (0,), QType.TQ2_0: (64,),
+              QType.IQ1_M: ()}  # IQ1_M's d: the top nibbles of its scale words (set below)
 EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF, 0x1C00, 0x9C00], np.uint16)
 EDGE_F32 = np.array([0.0, -0.0, 1e-40, -1e-45, 2.0**23, -(2.0**23)], np.float32)  # ±0, subnormals, BF16's largest
 COMPILED = sorted(JIT_KERNELS, key=lambda q: q.name)
@@ -82,6 +85,8 @@ def random_blocks(qtype: QType, rows: int, cols: int, seed: int, edges: float = 
         edge = rng.random(bits.shape) < edges
         bits[edge] = rng.choice(EDGE_F16, int(edge.sum()))
         blocks[:, :, at:at + 2] = bits[..., None].view(np.uint8).reshape(*bits.shape, 2)
+    if qtype == QType.IQ1_M:
+        set_iq1_m_scale(blocks, np.float16(rng.uniform(2e-4, 2e-3, blocks.shape[:2])))
     return raw
 
 

@@ -24,7 +24,9 @@ QUANTIZED = [q for q, c in CODECS.items() if c.quantized]
 F16_FIELDS = {
     QType.Q8_0: (0,), QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q5_0: (0,), QType.Q5_1: (0, 2),
     QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,),
-    QType.IQ4_NL: (0,), QType.IQ4_XS: (0,),
+    QType.IQ4_NL: (0,), QType.IQ4_XS: (0,), QType.IQ2_XXS: (0,), QType.IQ2_XS: (0,), QType.IQ2_S: (0,),
+    QType.IQ3_XXS: (0,), QType.IQ3_S: (0,), QType.IQ1_S: (0,), QType.TQ1_0: (52,), QType.TQ2_0: (64,),
+    QType.IQ1_M: (), QType.MXFP4: (),  # IQ1_M's d is spread over its scales' top nibbles; MXFP4's scale is E8M0
 }
 EXTREME_F16 = np.array([0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-14, 65504.0, -65504.0, 1.0, np.inf, -np.inf, np.nan],
                        np.float16)
@@ -36,7 +38,20 @@ def random_blocks(qtype: QType, rows: int, cols: int, rng: np.random.Generator, 
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     for at in F16_FIELDS[qtype]:
         raw[:, :, at:at + 2] = rng.normal(0, scale, (rows, cols // block, 1)).astype(np.float16).view(np.uint8)
+    if qtype == QType.IQ1_M:
+        set_iq1_m_scale(raw, rng.normal(0, scale, raw.shape[:2]).astype(np.float16))
+    if qtype == QType.MXFP4:  # scales 2**-11 .. 2**-4
+        raw[:, :, 0] = rng.integers(117, 125, raw.shape[:2])
     return raw.reshape(rows, -1)
+
+
+def set_iq1_m_scale(blocks: np.ndarray, d: np.ndarray) -> None:
+    """Write the float16 ``d`` [..] into the top nibbles of IQ1_M blocks' four scale words (bytes 48..55), low
+    nibble first, keeping their 3-bit sub-block scales."""
+    words = blocks[..., 48:56].copy().view("<u2")  # [..., 4]
+    bits = d.view(np.uint16)[..., None] >> np.array([0, 4, 8, 12], np.uint16)
+    words[...] = (words & 0x0FFF) | ((bits & 15) << 12)
+    blocks[..., 48:56] = words.view(np.uint8)
 
 
 def assert_bits_equal(got: np.ndarray, expected: np.ndarray) -> None:
@@ -80,6 +95,12 @@ def test_decoders_equal_gguf_bit_for_bit_with_extreme_scales(qtype: QType) -> No
     grids = np.meshgrid(*[EXTREME_F16] * len(fields), indexing="ij")  # every combination of extreme fields
     for at, values in zip(fields, grids, strict=True):
         raw[:, at:at + 2] = values.reshape(-1, 1).view(np.uint8)
+    if qtype == QType.IQ1_M:
+        raw = np.repeat(raw, len(EXTREME_F16), axis=0)
+        set_iq1_m_scale(raw, EXTREME_F16)
+    if qtype == QType.MXFP4:  # every E8M0 scale, the subnormal 0 and 1 and the largest, 255, included
+        raw = np.repeat(raw, 256, axis=0)
+        raw[:, 0] = np.arange(256)
     with np.errstate(invalid="ignore", over="ignore"):
         expected = quants.dequantize(raw, qtype)
         for got in decoders(qtype, raw).values():
@@ -139,8 +160,7 @@ def test_tiled_weight_keeps_no_float32_copy(qtype: QType) -> None:
 
 
 def test_unsupported_types_are_refused_by_name() -> None:
-    for qtype in (GGMLQuantizationType.IQ2_XXS, GGMLQuantizationType.IQ3_S, GGMLQuantizationType.TQ1_0,
-                  GGMLQuantizationType.MXFP4):
+    for qtype in (GGMLQuantizationType.Q8_1, GGMLQuantizationType.Q8_K, GGMLQuantizationType.NVFP4):
         with pytest.raises(FormatError, match=qtype.name):
             codec(qtype)
 

@@ -32,6 +32,14 @@ JIT_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q5_1: ("legacy", "Q5_1JitKernel"),
     QType.IQ4_NL: ("iq4", "IQ4_NLJitKernel"),
     QType.IQ4_XS: ("iq4", "IQ4_XSJitKernel"),
+    QType.IQ2_XXS: ("lattice", "IQ2_XXSJitKernel"),
+    QType.IQ2_XS: ("lattice", "IQ2_XSJitKernel"),
+    QType.IQ2_S: ("lattice", "IQ2_SJitKernel"),
+    QType.IQ3_XXS: ("lattice", "IQ3_XXSJitKernel"),
+    QType.IQ3_S: ("lattice", "IQ3_SJitKernel"),
+    QType.IQ1_S: ("lattice", "IQ1_SJitKernel"),
+    QType.IQ1_M: ("lattice", "IQ1_MJitKernel"),
+    QType.TQ2_0: ("lattice", "TQ2_0JitKernel"),
 }
 
 # Integer-dot kernels with 8-bit activations (``Workspace.activations == "q8"``; other types keep their float kernel).
