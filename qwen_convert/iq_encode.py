@@ -47,11 +47,15 @@ def grid_tables(qtype: QType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     kmap = np.full(1 << (bits * width), -1, np.int32)
     kmap[(levels << shifts).sum(axis=1)] = np.arange(size)
     missing = np.flatnonzero(kmap < 0)
+    grid_f = grid.astype(np.float32)
+    norms = (grid.astype(np.int64) ** 2).sum(axis=1)
     counts, lists = [], []
     for first in range(0, len(missing), CHUNK):
         u = missing[first:first + CHUNK]
         points = 2 * ((u[:, None] >> shifts) & ((1 << bits) - 1)) + 1  # [C, m]
-        d2 = ((grid[None].astype(np.int64) - points[:, None]) ** 2).sum(axis=2)  # [C, G]
+        # |g - p|^2 = |g|^2 + |p|^2 - 2 p.g: small integers, exact in float32's BLAS product
+        d2 = norms[None, :] + (points * points).sum(axis=1)[:, None] - 2 * (
+            points.astype(np.float32) @ grid_f.T).astype(np.int64)  # [C, G]
         keys = np.sort(d2 * size + np.arange(size), axis=1)
         d2, index = keys // size, keys % size
         rank = np.concatenate([np.zeros((len(u), 1), np.int64), np.cumsum(np.diff(d2, axis=1) != 0, axis=1)], 1)
