@@ -215,8 +215,9 @@ def add_cache_type_options(p: argparse.ArgumentParser) -> None:
     values in (:func:`qwen_runtime.load`'s ``cache_type_k``/``cache_type_v``; :func:`cache_types` reads them)."""
     for flag, short, what in (("--cache-type-k", "-ctk", "keys"), ("--cache-type-v", "-ctv", "values")):
         p.add_argument(flag, short, choices=CACHE_TYPES, default=DEFAULT_CACHE_TYPE,
-                       help=f"type the KV cache stores {what} in: f32 (exact) or f16 (half the memory, each value "
-                       f"rounded to float16); default {DEFAULT_CACHE_TYPE}")
+                       help=f"type the KV cache stores {what} in (llama.cpp's): f32 (exact), f16 or bf16 (half the "
+                       f"memory, each value rounded), q8_0 (0.27x, blocks of 32 with a scale) or q4_0 (0.14x); "
+                       f"default {DEFAULT_CACHE_TYPE}")
 
 
 def cache_types(args: argparse.Namespace) -> dict[str, str]:

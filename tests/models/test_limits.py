@@ -141,7 +141,7 @@ def test_a_context_over_the_limit_is_refused_before_any_cache_is_made(monkeypatc
     assert lines == [f"qwen-run: error: generating 1 rows of up to 4096 tokens needs about "
                      f"{format_bytes(cache + activations)} (kv cache {format_bytes(cache)} at 4096 tokens x 1 rows "
                      f"+ activations {format_bytes(activations)}), more than the 1.0 MiB allowed (--max-memory); "
-                     f"lower --ctx, --max-new-tokens or --max-batch, or use -ctk/-ctv f16"]
+                     f"lower --ctx, --max-new-tokens or --max-batch, or a smaller -ctk/-ctv (f16, q8_0, q4_0)"]
 
 
 def test_stats_print_the_memory_plan(capsys) -> None:
