@@ -329,9 +329,12 @@ def block_scores(q: np.ndarray, keys: np.ndarray, query_slots: np.ndarray, key_v
             visible = s <= own and (key_valid[b, s] or s == own)
             for g in range(group):
                 scores[t * group + g, s - s0] = dot(qs[t * group + g], k) if visible else MASKED
-    for r in range(rows):
-        top[r] = _exponentiate(scores, r, s1 - s0)
-        weight[r] = total(scores[r])
+    for t in range(length):
+        seen = max(0, min(s1, query_slots[b, t] + 1) - s0)  # a token's slots of the block: its sums are the same
+        for g in range(group):  # whatever other tokens share the pass (a verify pass equals one-token steps)
+            r = t * group + g
+            top[r] = _exponentiate(scores, r, s1 - s0)
+            weight[r] = total(scores[r, :seen])
     return scores
 
 
