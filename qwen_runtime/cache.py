@@ -86,7 +86,10 @@ _TYPES = (
 )
 CACHE_TYPE = {t.name: t for t in _TYPES}
 CACHE_TYPES = tuple(CACHE_TYPE)
-DEFAULT_CACHE_TYPE = "f32"
+DEFAULT_CACHE_TYPE = "f32"  # load()/stream(): exact, the numbers of float32 arithmetic
+# qwen-run, qwen-serve and qwen-eval: llama.cpp's default, half the memory (its effect on the bundled model's
+# predictions: docs/performance.md); ``-ctk f32 -ctv f32`` gives the library's exact numbers
+COMMAND_CACHE_TYPE = "f16"
 
 
 def cache_type(name: str) -> CacheType:
