@@ -322,13 +322,16 @@ def block_scores(q: np.ndarray, keys: np.ndarray, query_slots: np.ndarray, key_v
     scores = np.empty((rows, s1 - s0), np.float32)
     tmp = np.empty(hd, np.float32)
     kb = keys[b, kv]  # [S, hd / block]
-    for s in range(s0, s1):
+    for s in range(s0, s1):  # every score first, the hidden ones masked after: no branch in this loop
         k = widen_row(kb[s], tmp)
-        for t in range(length):
-            own = query_slots[b, t]
-            visible = s <= own and (key_valid[b, s] or s == own)
-            for g in range(group):
-                scores[t * group + g, s - s0] = dot(qs[t * group + g], k) if visible else MASKED
+        for r in range(rows):
+            scores[r, s - s0] = dot(qs[r], k)
+    for t in range(length):
+        own = query_slots[b, t]
+        for s in range(s0, s1):
+            if not (s <= own and (key_valid[b, s] or s == own)):
+                for g in range(group):
+                    scores[t * group + g, s - s0] = MASKED
     for t in range(length):
         seen = max(0, min(s1, query_slots[b, t] + 1) - s0)  # a token's slots of the block: its sums are the same
         for g in range(group):  # whatever other tokens share the pass (a verify pass equals one-token steps)
@@ -340,20 +343,30 @@ def block_scores(q: np.ndarray, keys: np.ndarray, query_slots: np.ndarray, key_v
 
 @njit(**JIT)
 def block_values(scores: np.ndarray, values: np.ndarray, b: int, kv: int, j: int, acc: np.ndarray) -> None:
-    """acc[r] ← Σ_s scores[r, s]·v_s over block ``j``'s slots: each value row decoded once (:func:`widen_row`) and
-    added, in lanes over hd, to every query row's sum.  # [rows, n], [B, nkv, S, hd / block] -> [rows, hd]"""
+    """acc[r] ← Σ_s scores[r, s]·v_s over block ``j``'s slots, in lanes over hd: four value rows decoded at a time
+    (:func:`widen_row`) and added to every query row's sum at once, ((p0·v0 + p1·v1) + (p2·v2 + p3·v3)) (a quarter
+    of the loads and stores of the sums).  Slots past the block's last are weight 0, so the groups of four are the
+    same whatever tokens share the pass (a verify pass equals one-token steps bit for bit).
+    # [rows, n], [B, nkv, S, hd / block] -> [rows, hd]"""
     rows, n = scores.shape
     hd = acc.shape[1]
-    tmp = np.empty(hd, np.float32)
+    tmp = np.zeros((4, hd), np.float32)
     vb = values[b, kv]
     acc[:] = ZERO
     s0 = j * BLOCK
-    for s in range(s0, s0 + n):
-        v = widen_row(vb[s], tmp)
+    for s in range(0, n, 4):
+        v0 = widen_row(vb[s0 + s], tmp[0])
+        v1 = widen_row(vb[s0 + s + 1], tmp[1]) if s + 1 < n else tmp[1]
+        v2 = widen_row(vb[s0 + s + 2], tmp[2]) if s + 2 < n else tmp[2]
+        v3 = widen_row(vb[s0 + s + 3], tmp[3]) if s + 3 < n else tmp[3]
         for r in range(rows):
-            p = scores[r, s - s0]
+            p0 = scores[r, s]
+            p1 = scores[r, s + 1] if s + 1 < n else ZERO
+            p2 = scores[r, s + 2] if s + 2 < n else ZERO
+            p3 = scores[r, s + 3] if s + 3 < n else ZERO
+            o = acc[r]
             for i in range(hd):
-                acc[r, i] += p * v[i]
+                o[i] += (p0 * v0[i] + p1 * v1[i]) + (p2 * v2[i] + p3 * v3[i])
 
 
 @njit(**JIT)
