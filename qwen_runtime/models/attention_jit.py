@@ -30,9 +30,9 @@ from numba import njit, types
 from numba.extending import intrinsic, overload
 from numba.np.numpy_support import from_dtype
 
-from ..cache import CACHE_TYPE, stored_type
-from ..ops_jit import F32, JIT, ONE, ZERO, dot, exp32, norm_row, sigmoid32, total
-from ..quants.jit_dense import bf16_to_f32
+from ..backend.cache import CACHE_TYPE, stored_type
+from ..backend.kernels.dense import bf16_to_f32
+from ..backend.ops_jit import F32, JIT, ONE, ZERO, dot, exp32, norm_row, sigmoid32, total
 
 MASKED = F32(-np.inf)
 F16_BITS = types.uint16  # how a float16 cache array reaches the kernels

@@ -12,9 +12,9 @@ import pytest
 from runtime_helpers import fixture_dir
 
 from qwen_runtime import load, stream
-from qwen_runtime.archs import FULL_ATTENTION
-from qwen_runtime.cache import CACHE_TYPE, CACHE_TYPES, Cache, KVCache, cache_type
+from qwen_runtime.backend.cache import CACHE_TYPE, CACHE_TYPES, Cache, KVCache, cache_type
 from qwen_runtime.errors import UsageError
+from qwen_runtime.formats.archs import FULL_ATTENTION
 from qwen_runtime.models.attention import attend, kernel_view
 
 U = 2.0 ** -24  # float32 unit roundoff
