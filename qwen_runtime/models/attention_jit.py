@@ -305,7 +305,7 @@ def block_scores(q: np.ndarray, keys: np.ndarray, query_slots: np.ndarray, key_v
     # -> [rows, slots of the block]
 
     Each cached key is decoded once (:func:`widen_row`) for all query heads of its kv head; a score is a dot
-    product in lanes over hd.  (Scores from a transposed tile of keys, a lane per slot, ran 4x slower: numba keeps
+    product in lanes over hd.  (Scores from a transposed tile of keys, a lane per slot, ran slower: numba keeps
     such accumulators in memory.)
     """
     heads, length, hd = q.shape[1], q.shape[2], q.shape[3]
