@@ -47,9 +47,9 @@ def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int |
     kernels only) quantizes the activations of decode-sized products to 8 bits for the types that have an
     integer-dot kernel (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K), as llama.cpp does: faster, not exact
     (:mod:`qwen_runtime.quants.q8_act`).  ``cache_type_k``/``cache_type_v``: what the KV cache stores keys and
-    values in (:data:`qwen_runtime.backend.cache.CACHE_TYPES`: ``"f32"``, exact, or ``"f16"``, half the memory;
-    llama.cpp's
-    ``-ctk/-ctv``); ``model.cache_types`` says which.
+    values in (:data:`qwen_runtime.backend.cache.CACHE_TYPES`: ``"f32"``, exact; ``"f16"`` or ``"bf16"``, half the
+    memory; ``"q8_0"`` or ``"q4_0"``, llama.cpp's blocks of 32 values along a head; llama.cpp's ``-ctk/-ctv``);
+    ``model.cache_types`` says which.
     ``rope_scaling`` (:class:`qwen_runtime.formats.rope.RopeScaling`) replaces the file's RoPE scaling for this run, the
     file unchanged (llama.cpp's ``--rope-scaling``); the model then runs up to the scaled window.
     """

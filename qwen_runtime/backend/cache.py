@@ -12,9 +12,13 @@ token; rotary positions count real tokens only, so each row starts at position 0
 and gives the same result as running it alone.
 
 Keys and values are stored in their *cache type* (:data:`CACHE_TYPES`, llama.cpp's ``--cache-type-k/-v`` names),
-each chosen separately: ``f32`` (the default, exact) or ``f16`` (half the bytes, each value rounded to nearest
-float16: a relative error of at most 2^-11 of the value, or 2^-25 absolute below float16's normal range).
-Attention widens what it reads to float32 and accumulates there.
+each chosen separately (:class:`CacheType`): ``f32`` (exact), ``f16`` (each value rounded to nearest float16: a
+relative error of at most 2^-11, or 2^-25 absolute below float16's normal range), ``bf16`` (rounded to nearest
+bfloat16: relative 2^-8), and llama.cpp's block types along ``head_dim``: ``q8_0`` (blocks of 32 values, a float16
+scale d = max|x|/127 and 32 int8) and ``q4_0`` (a float16 scale d = x_max/-8, x_max the value of largest magnitude,
+and 32 4-bit q with value d·(q-8)), quantized exactly as ggml's ``quantize_row_q8_0_ref``/``quantize_row_q4_0_ref``
+(gguf's numpy quantizer, which gives their bytes).  A block value is within d/2 of the original (plus the scale's
+own float16 rounding).  Attention widens what it reads to float32 and accumulates there.
 
 A *ragged* batch (``BatchState.lengths`` set, used by servers that let rows join and leave a running batch)
 has no padding at all: each row keeps its own slots from 0, writes its new tokens after its own
@@ -30,22 +34,74 @@ from functools import cached_property
 from typing import Protocol
 
 import numpy as np
+from gguf import GGMLQuantizationType, quants
 
 from ..errors import UsageError
 from ..formats.rope import RopeScaling
 from .ops import rope_cos_sin
 
-# The cache types keys and values may be stored in, and their numpy dtypes.
-CACHE_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
-CACHE_TYPES = tuple(CACHE_DTYPES)
-DEFAULT_CACHE_TYPE = "f32"
+
+@dataclass(frozen=True)
+class CacheType:
+    """How keys or values are stored: an array of ``dtype`` with ``head_dim // block`` elements per head and slot.
+
+    Block types are numpy records (float16 scale ``d`` as its bits, then ``qs``), so an array says its type by
+    its dtype alone: the compiled kernels specialise on it and the prefix store checks it on disk.
+    """
+
+    name: str
+    dtype: np.dtype
+    qtype: GGMLQuantizationType  # gguf's encoder and decoder of the type (one place for the formats' bytes)
+    block: int = 1  # values per stored element along head_dim
+
+    def width(self, head_dim: int) -> int:
+        """Stored elements per ``head_dim`` values; :class:`UsageError` when blocks do not divide the head."""
+        if head_dim % self.block:
+            raise UsageError(f"cache type {self.name}: head_dim {head_dim} is not a multiple of its "
+                             f"{self.block}-value blocks (use f32, f16 or bf16)")
+        return head_dim // self.block
+
+    def encode(self, x: np.ndarray) -> np.ndarray:
+        """Float32 ``[..., hd]`` in this type ``[..., hd // block]`` (rounded as ggml rounds)."""
+        if self.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            return x.astype(self.dtype)
+        return quants.quantize(np.ascontiguousarray(x, np.float32), self.qtype).view(self.dtype)
+
+    def decode(self, stored: np.ndarray) -> np.ndarray:
+        """What ``stored`` ``[..., hd // block]`` holds, as float32 ``[..., hd]``."""
+        if stored.dtype == np.float32:
+            return stored
+        if stored.dtype == np.float16:
+            return stored.astype(np.float32)
+        return quants.dequantize(np.ascontiguousarray(stored).view(np.uint8), self.qtype)
 
 
-def cache_dtype(name: str) -> np.dtype:
-    """The dtype of cache type ``name``; :class:`UsageError` for an unknown one."""
-    if name not in CACHE_DTYPES:
+F16_BITS = np.dtype("<u2")  # a float16 scale stored as its bits (numba reads records of integers only)
+_TYPES = (
+    CacheType("f32", np.dtype(np.float32), GGMLQuantizationType.F32),
+    CacheType("f16", np.dtype(np.float16), GGMLQuantizationType.F16),
+    CacheType("bf16", np.dtype([("bits", F16_BITS)]), GGMLQuantizationType.BF16),
+    CacheType("q8_0", np.dtype([("d", F16_BITS), ("qs", np.int8, (32,))]), GGMLQuantizationType.Q8_0, 32),
+    CacheType("q4_0", np.dtype([("d", F16_BITS), ("qs", np.uint8, (16,))]), GGMLQuantizationType.Q4_0, 32),
+)
+CACHE_TYPE = {t.name: t for t in _TYPES}
+CACHE_TYPES = tuple(CACHE_TYPE)
+DEFAULT_CACHE_TYPE = "f32"  # load()/stream(): exact, the numbers of float32 arithmetic
+# qwen-run, qwen-serve and qwen-eval: llama.cpp's default, half the memory (its effect on the bundled model's
+# predictions: docs/performance.md); ``-ctk f32 -ctv f32`` gives the library's exact numbers
+COMMAND_CACHE_TYPE = "f16"
+
+
+def cache_type(name: str) -> CacheType:
+    """Cache type ``name``; :class:`UsageError` for an unknown one."""
+    if name not in CACHE_TYPE:
         raise UsageError(f"cache type: expected one of {', '.join(CACHE_TYPES)}, got {name!r}")
-    return CACHE_DTYPES[name]
+    return CACHE_TYPE[name]
+
+
+def stored_type(array: np.ndarray) -> CacheType:
+    """The cache type of a stored keys or values array (its dtype says it)."""
+    return next(t for t in _TYPES if t.dtype == array.dtype)
 
 
 @dataclass(frozen=True)
@@ -187,38 +243,46 @@ class BatchState:
 
 class KVCache:
     """Preallocated keys and values of one full-attention layer, each in its cache type (:data:`CACHE_TYPES`).
-    # 2 x [B, kv_heads, max_len, head_dim]"""
+    # 2 x [B, kv_heads, max_len, head_dim / block]"""
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, key_type: str = DEFAULT_CACHE_TYPE,
                  value_type: str = DEFAULT_CACHE_TYPE) -> None:
-        self.keys = np.zeros((batch, kv_heads, max_len, head_dim), cache_dtype(key_type))
-        self.values = np.zeros((batch, kv_heads, max_len, head_dim), cache_dtype(value_type))
+        kt, vt = cache_type(key_type), cache_type(value_type)
+        self.keys = np.zeros((batch, kv_heads, max_len, kt.width(head_dim)), kt.dtype)
+        self.values = np.zeros((batch, kv_heads, max_len, vt.width(head_dim)), vt.dtype)
 
     @staticmethod
     def size(kv_heads: int, head_dim: int, key_type: str = DEFAULT_CACHE_TYPE,
              value_type: str = DEFAULT_CACHE_TYPE) -> CacheSize:
         """What such a cache holds: the keys and values of every token in their types."""
-        return CacheSize(token=kv_heads * head_dim * (cache_dtype(key_type).itemsize
-                                                      + cache_dtype(value_type).itemsize))
+        kt, vt = cache_type(key_type), cache_type(value_type)
+        return CacheSize(token=kv_heads * (kt.width(head_dim) * kt.dtype.itemsize
+                                           + vt.width(head_dim) * vt.dtype.itemsize))
+
+    @property
+    def types(self) -> tuple[CacheType, CacheType]:
+        """The cache types of the keys and of the values."""
+        return stored_type(self.keys), stored_type(self.values)
 
     @property
     def max_len(self) -> int:
         return self.keys.shape[2]
 
     def update(self, k: np.ndarray, v: np.ndarray, state: BatchState) -> tuple[np.ndarray, np.ndarray]:
-        """Write the new keys/values at their slots (rounded to the cache types); return views of every slot so far.
+        """Write the new keys/values at their slots (encoded in the cache types); return views of every slot so far.
 
-        ``k``, ``v``: [B, kv_heads, T, hd] -> 2 x [B, kv_heads, start + T, hd] (ragged batches: each row after
+        ``k``, ``v``: [B, kv_heads, T, hd] -> 2 x [B, kv_heads, start + T, hd / block] (ragged batches: each row after
         its own tokens, and the whole buffers are returned: row ``b`` is valid up to ``state.rows[b].end``)
         """
+        kt, vt = self.types
         if state.lengths is not None:
             rows = np.arange(state.batch)[:, None]  # [B, 1]
             slots = state.lengths[:, None] + np.arange(state.length)  # [B, T]
-            self.keys[rows, :, slots] = k.transpose(0, 2, 1, 3)  # [B, T, kv_heads, hd]
-            self.values[rows, :, slots] = v.transpose(0, 2, 1, 3)
+            self.keys[rows, :, slots] = kt.encode(k.transpose(0, 2, 1, 3))  # [B, T, kv_heads, hd / block]
+            self.values[rows, :, slots] = vt.encode(v.transpose(0, 2, 1, 3))
             return self.keys, self.values
-        self.keys[:, :, state.start:state.end] = k
-        self.values[:, :, state.start:state.end] = v
+        self.keys[:, :, state.start:state.end] = kt.encode(k)
+        self.values[:, :, state.start:state.end] = vt.encode(v)
         return self.keys[:, :, : state.end], self.values[:, :, : state.end]
 
     def select(self, rows: np.ndarray) -> None:

@@ -102,7 +102,7 @@ class MemoryPlan:
         limit = default_memory_limit() if allowed is None else allowed
         if self.required <= limit:
             return
-        smaller = ", or use -ctk/-ctv f16" if "f32" in self.cache_types else ""
+        smaller = "" if set(self.cache_types) <= {"q4_0"} else ", or a smaller -ctk/-ctv (f16, q8_0, q4_0)"
         raise ResourceLimitError(
             f"{what} needs about {format_bytes(self.required)} (kv cache {format_bytes(self.cache)} at "
             f"{self.tokens} tokens x {self.rows} rows + activations {format_bytes(self.activations)}), more than "

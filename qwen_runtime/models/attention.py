@@ -16,7 +16,7 @@ from types import ModuleType
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from ..backend.cache import BatchState, CacheSize, KVCache
+from ..backend.cache import BatchState, CacheSize, KVCache, stored_type
 from ..backend.ops import apply_rope, rms_norm, softmax
 from ..backend.pool import Workspace
 from ..backend.weights import matmul_many
@@ -130,13 +130,14 @@ def _attend_heads(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: Ba
 
 
 def widen(x: np.ndarray) -> np.ndarray:
-    """Cached keys or values as float32 (the array itself when they are stored so)."""
-    return x if x.dtype == np.float32 else x.astype(np.float32)
+    """Cached keys or values decoded to float32 (the array itself when they are stored so).
+    # [..., hd / block] -> [..., hd]"""
+    return stored_type(x).decode(x)
 
 
 def kernel_view(x: np.ndarray) -> np.ndarray:
     """A cache array as the compiled kernels take it: float16 as its bits (uint16; numba has no float16 arrays,
-    :func:`.attention_jit.widen` decodes them), float32 as it is."""
+    :func:`.attention_jit.widen` decodes them), the other types as they are (float32, or records of integers)."""
     return x.view(np.uint16) if x.dtype == np.float16 else x
 
 

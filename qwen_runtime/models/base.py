@@ -29,7 +29,7 @@ from typing import Protocol
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from ..backend.cache import DEFAULT_CACHE_TYPE, BatchState, CacheSize, LayerCache, cache_dtype
+from ..backend.cache import DEFAULT_CACHE_TYPE, BatchState, CacheSize, LayerCache, cache_type
 from ..backend.compile_events import listen
 from ..backend.pool import Workspace, resolve_kernels
 from ..backend.weights import TILE_ELEMENTS, Weight, load_vector, make_weight
@@ -47,7 +47,8 @@ class WeightStore:
                  kernels: str | None = None, activations: str = "float", cache_type_k: str = DEFAULT_CACHE_TYPE,
                  cache_type_v: str = DEFAULT_CACHE_TYPE) -> None:
         self.files = files
-        cache_dtype(cache_type_k), cache_dtype(cache_type_v)  # an unknown type fails before anything is built
+        for name in (cache_type_k, cache_type_v):  # an unknown type, or blocks that do not divide the heads, fail
+            cache_type(name).width(files.config.head_dim)  # before anything is built
         self.cache_types = (cache_type_k, cache_type_v)  # what attention layers store keys and values in
         kernels = resolve_kernels(kernels)
         if kernels == "numba":

@@ -16,7 +16,7 @@ from types import ModuleType
 
 import numpy as np
 
-from ..backend.cache import BatchState, Cache, KVCache
+from ..backend.cache import CACHE_TYPES, BatchState, Cache, KVCache, stored_type
 from ..backend.pool import Workspace
 from ..backend.weights import DIRECT_ROW_ALIGN, TiledWeight
 from ..formats.config import ModelConfig
@@ -38,7 +38,6 @@ WAIT_US = 50_000
 # descheduled in again.
 LOST_US = 1_000
 ALIGN_FLOATS = 16  # buffers start on 64-byte boundaries (the row kernels' aligned loads)
-KERNEL_TYPES = (np.float32, np.float16)  # the cache arrays' types the step reads
 PHASE_MATRICES = ((0, 1, 2, 3), (4,), (5,), (7,))  # each product phase's matrices (gate/up: chunks of gate's rows)
 
 
@@ -152,6 +151,7 @@ class DecodeStep:
         self.eps = np.float32(c.rms_norm_eps)
         self.direct_rows = min(w.kernel.direct_rows for layer in weights for w in layer if w is not None)
         self._work = np.empty(0, np.float32)
+        self._partials = np.empty(0, np.float32)
 
     @classmethod
     def offer(cls, config: ModelConfig, blocks: list, ws: Workspace) -> DecodeStep | None:
@@ -192,50 +192,60 @@ class DecodeStep:
     def __call__(self, h: np.ndarray, cache: Cache, state: BatchState) -> None:
         """Every layer for ``h`` [B, H] (the embedded new tokens, updated in place to the last block's output)."""
         c, b = self.config, h.shape[0]
-        caches, capacity, cache_flags = self._caches(cache.layers, b)
+        caches, capacity, kv_types = self._caches(cache.layers, b)
         if not h.flags.c_contiguous:
             raise ValueError("the compiled decode step needs contiguous activations")
         rotary = state.rotary(c.rotary_dim, c.rope_theta, c.rope_scaling)
         cos, sin = (np.ascontiguousarray(a) for a in rotary)  # [B, 1, r/2]
         slots, key_valid = (np.ascontiguousarray(a) for a in state.slots())  # [B, 1], [B, S]
         valid = np.ascontiguousarray(state.valid)  # [B, 1]
-        dims = np.array([b, *self.dims[:5], capacity, self.flags | cache_flags, *self.dims[5:]], np.int64)
-        work, offsets, forms = self._buffers(b)
         step = jit()
+        blocks = int(slots.max(initial=0)) // step.BLOCK + 1  # of slots (:func:`.attention_jit.attend_block`)
+        dims = np.array([b, *self.dims[:5], capacity, self.flags, *self.dims[5:], *kv_types, blocks], np.int64)
+        work, offsets, forms = self._buffers(b)
+        partials = self._partial_sums(b, blocks)
         rate = step.cycles_per_us()
         sync = np.zeros(step.sync_size(len(self.layers)), np.int64)
         starts = np.zeros_like(self.starts) if self.ws.dry else self.starts  # Workspace.dry_run: no product
         args = (h, self.layers, self.mats, self.vecs, self.chunks, starts, caches, dims, self.eps, cos, sin, slots,
-                key_valid, valid, work, offsets, forms, step.F16_TABLE, sync, int(WAIT_US * rate),
+                key_valid, valid, work, offsets, forms, partials, step.F16_TABLE, sync, int(WAIT_US * rate),
                 int(LOST_US * rate))
         workers = self.ws.threads if self.ws.pooled else 1
         self.ws.run([partial(_worker, w, args) for w in range(workers)])
 
-    def _caches(self, layers: list, batch: int) -> tuple[np.ndarray, int, int]:
-        """The addresses of each layer's cache arrays [L, 2], the KV caches' slots and the ``FLAGS`` bits of their
-        types (:data:`.step_jit.KEY_F16`, ``VALUE_F16``), every shape and type checked against the config and the
-        first KV cache (the compiled code reads them without bounds checks)."""
+    def _caches(self, layers: list, batch: int) -> tuple[np.ndarray, int, tuple[int, int]]:
+        """The addresses of each layer's cache arrays [L, 2], the KV caches' slots and their types (indices of
+        :data:`~..cache.CACHE_TYPES`: keys, values), every shape and type checked against the config and the first KV
+        cache (the compiled code reads them without bounds checks)."""
         c, step = self.config, jit()
         first = next((layer for layer in layers if isinstance(layer, KVCache)), None)
         capacity = 0 if first is None else first.keys.shape[2]
-        kv_shape = (batch, c.num_key_value_heads, capacity, c.head_dim)
-        kv_types = (np.float32, np.float32) if first is None else (first.keys.dtype, first.values.dtype)
+        kv_types = (stored_type(np.empty(0, np.float32)),) * 2 if first is None else first.types
+        kv_shapes = [(batch, c.num_key_value_heads, capacity, t.width(c.head_dim)) for t in kv_types]
         conv_shape, state_shape = ((batch, *shape) for shape in LinearAttentionCache.row_shapes(c)) \
             if c.linear_conv_dim else ((), ())
         arrays = []
         for kind, layer in zip(self.layers, layers, strict=True):
             pair = (layer.keys, layer.values) if kind == step.ATTENTION and isinstance(layer, KVCache) else \
                 (layer.conv, layer.state) if isinstance(layer, LinearAttentionCache) else None
-            shapes = (kv_shape, kv_shape) if kind == step.ATTENTION else (conv_shape, state_shape)
-            types = kv_types if kind == step.ATTENTION else (np.float32, np.float32)
-            if pair is None or any(a.shape != s or not a.flags.c_contiguous or a.dtype != t or t not in KERNEL_TYPES
+            shapes = kv_shapes if kind == step.ATTENTION else (conv_shape, state_shape)
+            types = [t.dtype for t in kv_types] if kind == step.ATTENTION else (np.float32, np.float32)
+            if pair is None or any(a.shape != s or not a.flags.c_contiguous or a.dtype != t
                                    for a, s, t in zip(pair, shapes, types, strict=True)):
-                raise ValueError("the compiled decode step needs contiguous caches of the model's shapes, float32 "
-                                 "or float16 keys and values, of one type in every layer")
+                raise ValueError("the compiled decode step needs contiguous caches of the model's shapes, keys and "
+                                 "values of one type each in every layer")
             arrays.append([a.ctypes.data for a in pair])
-        flags = (step.KEY_F16 if kv_types[0] == np.float16 else 0) | \
-            (step.VALUE_F16 if kv_types[1] == np.float16 else 0)
-        return np.array(arrays, np.int64), capacity, flags
+        return np.array(arrays, np.int64), capacity, tuple(CACHE_TYPES.index(t.name) for t in kv_types)
+
+    def _partial_sums(self, batch: int, blocks: int) -> np.ndarray:
+        """Room for attention's per-block partial sums (:func:`.step_jit.partial_views`), kept between steps and
+        grown when a longer context or larger batch comes."""
+        c = self.config
+        size = batch * c.num_key_value_heads * blocks * c.num_attention_heads // c.num_key_value_heads \
+            * (c.head_dim + 2)
+        if self._partials.size < size:
+            self._partials = np.empty(size, np.float32)
+        return self._partials
 
     def _buffers(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The step's activation buffers for ``batch`` rows in one float32 array (kept between steps, grown when a

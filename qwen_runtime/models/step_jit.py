@@ -36,10 +36,12 @@ The plan (built once per model by :class:`.decode_step.DecodeStep`), all int64:
   or Gated DeltaNet's conv taps [K, C], dt bias, A, norm and key head of each value head (int64) (0: absent);
 * ``chunks`` [C, 3]: (matrix, first row, end row) of each product phase in turn (:data:`PROJ`, :data:`OUT`,
   :data:`GATE_UP`, :data:`DOWN_PROJ`), ``starts`` [2, 5] each layer kind's first chunk of each phase;
-* ``caches`` [L, 2]: each layer's cache arrays: keys and values [B, nkv, S, hd] (float32, or float16 where the
-  ``FLAGS`` bits :data:`KEY_F16`/:data:`VALUE_F16` say so: the cache types), or conv inputs [B, K-1, C] and delta
-  state [B, Hv, dk, dv];
-* ``dims``: :data:`BATCH` .. :data:`CONV_DIM`;
+* ``caches`` [L, 2]: each layer's cache arrays: keys and values [B, nkv, S, hd / block] in the cache types
+  ``dims[KEY_TYPE]`` and ``dims[VALUE_TYPE]`` (indices of :data:`~..cache.CACHE_TYPES`; float16 read as its bits,
+  the other types as :mod:`.attention_jit` takes them), or conv inputs [B, K-1, C] and delta state [B, Hv, dk, dv];
+* ``dims``: :data:`BATCH` .. :data:`BLOCKS`;
+* ``partials``: attention's per-block partial sums (:func:`partial_views`): the mixer phase's units are (row, kv
+  head, block of :data:`~.attention_jit.BLOCK` slots), merged by worker 0 after the phase;
 * ``offsets``: where each activation buffer starts in ``work`` (:data:`X` .. :data:`GATE`), float32, 64-byte aligned.
 
 Shapes: B rows, H hidden, nh/nkv heads, hd head dim, I intermediate, S cache slots; Gated DeltaNet's Hk/Hv key and
@@ -49,16 +51,18 @@ value heads of dk/dv, C conv channels, K conv taps.
 from __future__ import annotations
 
 from numba import carray, njit, types
+from numba.np.numpy_support import from_dtype
 
+from ..backend.cache import CACHE_TYPE, CACHE_TYPES
 from ..backend.kernels.base import F16_TABLE, GEMV_ROWS, address_as, block_sums, call_product, f32_at, i64_at
 from ..backend.kernels.q8_act import call_q8_product, prepare_forms
 from ..backend.ops_jit import add_rms_norm_rows, rms_norm_rows, silu_mul_rows
 from ..backend.pool_jit import CHANGED, cpu_relax, cycles_per_us, fetch_add, load_fresh, poll, store_fresh
-from .attention_jit import attend_pair, prepare_attention, sigmoid_gate
+from .attention_jit import BLOCK, block_count, block_scores, block_values, merge_blocks, prepare_heads, sigmoid_gate
 from .gated_delta_jit import conv_step, delta_head
 
 JIT = {"nogil": True, "cache": True, "error_model": "numpy"}
-__all__ = ["F16_TABLE", "cycles_per_us", "decode_layers", "sync_size"]  # what .decode_step takes from here
+__all__ = ["BLOCK", "F16_TABLE", "cycles_per_us", "decode_layers", "sync_size"]  # what .decode_step takes from here
 
 ATTENTION, LINEAR = 0, 1  # layer kinds
 IN0, IN1, IN2, IN3, OUT_W, GATE_W, UP, DOWN = range(8)  # the matrices of a layer (``mats``' second axis)
@@ -72,14 +76,16 @@ STAGES = 5  # phases of a layer, in the order they run: PROJ, MIX, OUT, GATE_UP,
 ORDER = (PROJ, MIX, OUT, GATE_UP, DOWN_PROJ)
 FIRST, LAST = (IN0, OUT_W, GATE_W, DOWN), (IN3, OUT_W, UP, DOWN)  # each phase's matrices (absent ones: no chunks)
 (BATCH, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, SLOTS, FLAGS, Q_WIDTH, KEY_HEADS_LIN, KEY_DIM, VALUE_HEADS,
- VALUE_DIM, CONV_TAPS_K, CONV_DIM) = range(15)  # ``dims``
-HAS_BIAS, HAS_QK_NORM, KEY_F16, VALUE_F16 = 1, 2, 4, 8  # FLAGS bits (the last two: the KV cache types)
+ VALUE_DIM, CONV_TAPS_K, CONV_DIM, KEY_TYPE, VALUE_TYPE, BLOCKS) = range(18)  # ``dims``
+HAS_BIAS, HAS_QK_NORM = 1, 2  # FLAGS bits
+F32_CACHE, F16_CACHE, BF16_CACHE, Q8_0_CACHE, Q4_0_CACHE = (CACHE_TYPES.index(name) for name in CACHE_TYPES)
 X, Y0, Y1, Y2, Y3, ATT, ATT_OUT, X2, ACT, MLP_OUT, SUMS16, SUMS32, Q_HEADS, HEADS_OUT, GATE = range(15)  # ``offsets``
 # (GATE: two per worker)
 POSTED = 0  # sync[POSTED]: phases posted so far
 LINE = 8  # int64 per cache line: each phase's two counters on a line of their own
 CLAIMED, DONE = 0, 1
 u16_at = address_as(types.uint16)  # float16 cache arrays, as their bits (:mod:`.attention_jit`)
+bf16_at, q8_0_at, q4_0_at = (address_as(from_dtype(CACHE_TYPE[name].dtype)) for name in ("bf16", "q8_0", "q4_0"))
 
 
 def sync_size(layers: int) -> int:
@@ -211,60 +217,76 @@ def work_phase(worker, phase, step_phase, layer, kind, sync, mats, chunks, start
 
 
 @njit(**JIT)
-def kv_shape(dims):
-    """An attention layer's cached keys' (or values') shape [B, nkv, S, hd]."""
-    return (dims[BATCH], dims[KV_HEADS], dims[SLOTS], dims[HEAD_DIM])
+def kv_shape(dims, block):
+    """An attention layer's cached keys' (or values') shape [B, nkv, S, hd / block] in a type of ``block``."""
+    return (dims[BATCH], dims[KV_HEADS], dims[SLOTS], dims[HEAD_DIM] // block)
 
 
 @njit(**JIT)
-def f32_cache(layer, which, dims, caches):
-    """An attention layer's float32 keys (``which`` 0) or values (1) [B, nkv, S, hd]."""
-    return carray(f32_at(caches[layer, which]), kv_shape(dims))
-
-
-@njit(**JIT)
-def f16_cache(layer, which, dims, caches):
-    """An attention layer's float16 keys (``which`` 0) or values (1) [B, nkv, S, hd], as their bits (uint16)."""
-    return carray(u16_at(caches[layer, which]), kv_shape(dims))
+def write_cached(y, bias, norm, eps, cos, sin, slots, layer, which, dims, caches):
+    """:func:`.attention_jit.prepare_heads` of k (``which`` 0) or v (1) into ``layer``'s cache array of its type."""
+    at, kind = caches[layer, which], dims[KEY_TYPE + which]
+    if kind == F32_CACHE:
+        prepare_heads(y, bias, norm, eps, cos, sin, slots, carray(f32_at(at), kv_shape(dims, 1)))
+    elif kind == F16_CACHE:
+        prepare_heads(y, bias, norm, eps, cos, sin, slots, carray(u16_at(at), kv_shape(dims, 1)))
+    elif kind == BF16_CACHE:
+        prepare_heads(y, bias, norm, eps, cos, sin, slots, carray(bf16_at(at), kv_shape(dims, 1)))
+    elif kind == Q8_0_CACHE:
+        prepare_heads(y, bias, norm, eps, cos, sin, slots, carray(q8_0_at(at), kv_shape(dims, 32)))
+    else:
+        prepare_heads(y, bias, norm, eps, cos, sin, slots, carray(q4_0_at(at), kv_shape(dims, 32)))
 
 
 @njit(**JIT)
 def prepare_cached(q4, k4, v4, bq, bk, bv, q_norm, k_norm, eps, cos, sin, slots, layer, dims, caches, q):
-    """:func:`.attention_jit.prepare_attention` into ``layer``'s cache arrays of their types (``FLAGS``)."""
-    flags = dims[FLAGS]
-    if flags & KEY_F16:
-        if flags & VALUE_F16:
-            prepare_attention(q4, k4, v4, bq, bk, bv, q_norm, k_norm, eps, cos, sin, slots,
-                              f16_cache(layer, 0, dims, caches), f16_cache(layer, 1, dims, caches), q)
-        else:
-            prepare_attention(q4, k4, v4, bq, bk, bv, q_norm, k_norm, eps, cos, sin, slots,
-                              f16_cache(layer, 0, dims, caches), f32_cache(layer, 1, dims, caches), q)
-    elif flags & VALUE_F16:
-        prepare_attention(q4, k4, v4, bq, bk, bv, q_norm, k_norm, eps, cos, sin, slots,
-                          f32_cache(layer, 0, dims, caches), f16_cache(layer, 1, dims, caches), q)
-    else:
-        prepare_attention(q4, k4, v4, bq, bk, bv, q_norm, k_norm, eps, cos, sin, slots,
-                          f32_cache(layer, 0, dims, caches), f32_cache(layer, 1, dims, caches), q)
+    """:func:`.attention_jit.prepare_attention`: q into ``q``, k and v into ``layer``'s cache arrays of their
+    types."""
+    prepare_heads(q4, bq, q_norm, eps, cos, sin, None, q)
+    write_cached(k4, bk, k_norm, eps, cos, sin, slots, layer, 0, dims, caches)
+    write_cached(v4, bv, None, eps, None, None, slots, layer, 1, dims, caches)
 
 
 @njit(**JIT)
-def attend_cached(q, layer, dims, caches, slots, key_valid, b, kv, heads):
-    """:func:`.attention_jit.attend_pair` of row ``b`` and kv head ``kv`` over ``layer``'s cache arrays of their
-    types (``FLAGS``)."""
-    flags = dims[FLAGS]
-    if flags & KEY_F16:
-        if flags & VALUE_F16:
-            attend_pair(q, f16_cache(layer, 0, dims, caches), f16_cache(layer, 1, dims, caches), slots, key_valid, b,
-                        kv, heads)
-        else:
-            attend_pair(q, f16_cache(layer, 0, dims, caches), f32_cache(layer, 1, dims, caches), slots, key_valid, b,
-                        kv, heads)
-    elif flags & VALUE_F16:
-        attend_pair(q, f32_cache(layer, 0, dims, caches), f16_cache(layer, 1, dims, caches), slots, key_valid, b, kv,
-                    heads)
+def scores_cached(q, layer, dims, caches, slots, key_valid, b, kv, j, top, weight):
+    """:func:`.attention_jit.block_scores` over ``layer``'s keys of their type."""
+    at, kind = caches[layer, 0], dims[KEY_TYPE]
+    if kind == F32_CACHE:
+        return block_scores(q, carray(f32_at(at), kv_shape(dims, 1)), slots, key_valid, b, kv, j, top, weight)
+    if kind == F16_CACHE:
+        return block_scores(q, carray(u16_at(at), kv_shape(dims, 1)), slots, key_valid, b, kv, j, top, weight)
+    if kind == BF16_CACHE:
+        return block_scores(q, carray(bf16_at(at), kv_shape(dims, 1)), slots, key_valid, b, kv, j, top, weight)
+    if kind == Q8_0_CACHE:
+        return block_scores(q, carray(q8_0_at(at), kv_shape(dims, 32)), slots, key_valid, b, kv, j, top, weight)
+    return block_scores(q, carray(q4_0_at(at), kv_shape(dims, 32)), slots, key_valid, b, kv, j, top, weight)
+
+
+@njit(**JIT)
+def values_cached(scores, layer, dims, caches, b, kv, j, acc):
+    """:func:`.attention_jit.block_values` over ``layer``'s values of their type."""
+    at, kind = caches[layer, 1], dims[VALUE_TYPE]
+    if kind == F32_CACHE:
+        block_values(scores, carray(f32_at(at), kv_shape(dims, 1)), b, kv, j, acc)
+    elif kind == F16_CACHE:
+        block_values(scores, carray(u16_at(at), kv_shape(dims, 1)), b, kv, j, acc)
+    elif kind == BF16_CACHE:
+        block_values(scores, carray(bf16_at(at), kv_shape(dims, 1)), b, kv, j, acc)
+    elif kind == Q8_0_CACHE:
+        block_values(scores, carray(q8_0_at(at), kv_shape(dims, 32)), b, kv, j, acc)
     else:
-        attend_pair(q, f32_cache(layer, 0, dims, caches), f32_cache(layer, 1, dims, caches), slots, key_valid, b, kv,
-                    heads)
+        block_values(scores, carray(q4_0_at(at), kv_shape(dims, 32)), b, kv, j, acc)
+
+
+@njit(**JIT)
+def partial_views(dims, partials):
+    """Attention's per-block partials in ``partials``: top and weight [B, nkv, blocks, group], acc [B, nkv, blocks,
+    group, hd] (:func:`.attention_jit.attend_block`)."""
+    b, nkv, blocks, hd = dims[BATCH], dims[KV_HEADS], dims[BLOCKS], dims[HEAD_DIM]
+    group = dims[HEADS] // nkv
+    n = b * nkv * blocks * group
+    return (partials[:n].reshape((b, nkv, blocks, group)), partials[n:2 * n].reshape((b, nkv, blocks, group)),
+            partials[2 * n:2 * n + n * hd].reshape((b, nkv, blocks, group, hd)))
 
 
 @njit(**JIT)
@@ -299,22 +321,29 @@ def prepare_mix(layer, kind, dims, vecs, caches, eps, outs, cos, sin, slots, val
 
 @njit(**JIT)
 def mix_units(dims, kind):
-    """How many (row, head) pairs the mixer's heads phase has: kv heads of attention, value heads of DeltaNet."""
-    return dims[BATCH] * (dims[KV_HEADS] if kind == ATTENTION else dims[VALUE_HEADS])
+    """How many units the mixer's heads phase has: (row, kv head, block of slots) of attention, (row, value head)
+    of DeltaNet."""
+    return dims[BATCH] * (dims[KV_HEADS] * dims[BLOCKS] if kind == ATTENTION else dims[VALUE_HEADS])
 
 
 @njit(**JIT)
-def work_mix(step_phase, layer, kind, sync, dims, vecs, caches, eps, outs, q, slots, key_valid, valid, heads, att):
-    """Claim (row, head) pairs of the mixer's heads until none is left: :func:`attend_cached` into
-    ``heads`` [B, nh, 1, hd], or :func:`.gated_delta_jit.delta_head` into ``att``."""
+def work_mix(step_phase, layer, kind, sync, dims, vecs, caches, eps, outs, q, slots, key_valid, valid, partials, att):
+    """Claim units of the mixer's heads until none is left: a block of attention (:func:`scores_cached` and
+    :func:`values_cached` into ``partials``), or :func:`.gated_delta_jit.delta_head` into ``att``."""
     count = mix_units(dims, kind)
     b = dims[BATCH]
+    top, weight, acc = partial_views(dims, partials)
     while True:
         c = claim(sync, step_phase, count)
         if c < 0:
             return
         if kind == ATTENTION:
-            attend_cached(q, layer, dims, caches, slots, key_valid, c // dims[KV_HEADS], c % dims[KV_HEADS], heads)
+            blocks = dims[BLOCKS]
+            row, kv, j = c // (dims[KV_HEADS] * blocks), c // blocks % dims[KV_HEADS], c % blocks
+            if j < block_count(slots, row):
+                scores = scores_cached(q, layer, dims, caches, slots, key_valid, row, kv, j, top[row, kv, j],
+                                       weight[row, kv, j])
+                values_cached(scores, layer, dims, caches, row, kv, j, acc[row, kv, j])
         else:
             hv, dv = dims[VALUE_HEADS], dims[VALUE_DIM]
             delta_head(outs[0].reshape((b, 1, dims[CONV_DIM])), outs[1].reshape((b, 1, hv, dv)),
@@ -326,12 +355,17 @@ def work_mix(step_phase, layer, kind, sync, dims, vecs, caches, eps, outs, q, sl
 
 
 @njit(**JIT)
-def finish_mix(kind, dims, outs, heads, att):
-    """Worker 0, after the mixer's heads: attention's heads merged into ``att`` [B, nh·hd], through Qwen3.5's
-    sigmoid gate when q carries one (DeltaNet's heads wrote ``att`` themselves)."""
+def finish_mix(kind, dims, outs, slots, partials, heads, att):
+    """Worker 0, after the mixer's heads: attention's blocks merged (:func:`.attention_jit.merge_blocks`) into
+    ``heads`` [B, nh, 1, hd], then into ``att`` [B, nh·hd], through Qwen3.5's sigmoid gate when q carries one
+    (DeltaNet's heads wrote ``att`` themselves)."""
     if kind == LINEAR:
         return
     b, nh, hd = dims[BATCH], dims[HEADS], dims[HEAD_DIM]
+    top, weight, acc = partial_views(dims, partials)
+    for row in range(b):
+        for kv in range(dims[KV_HEADS]):
+            merge_blocks(top[row, kv], weight[row, kv], acc[row, kv], block_count(slots, row), row, kv, heads)
     width = dims[Q_WIDTH] // nh  # hd, or 2·hd when each head's gate follows its query
     if width == hd:
         att[:] = heads.reshape((b, nh * hd))
@@ -351,7 +385,7 @@ def widths(dims, kind):
 
 @njit(**JIT)
 def decode_layers(worker, h, layers, mats, vecs, chunks, starts, caches, dims, eps, cos, sin, slots, key_valid,
-                  valid, work, offsets, forms, table, sync, ticks, lost):
+                  valid, work, offsets, forms, partials, table, sync, ticks, lost):
     """Every layer of a decode step, as worker ``worker`` (0: the caller, who also runs what lies between products
     and updates ``h`` [B, H] in place; see the module docstring).  Returns the chunks this worker multiplied.
 
@@ -385,7 +419,7 @@ def decode_layers(worker, h, layers, mats, vecs, chunks, starts, caches, dims, e
                 elif phase == MIX:
                     prepare_mix(layer, kind, dims, vecs, caches, eps, outs, cos, sin, slots, valid, q)
                 elif phase == OUT:
-                    finish_mix(kind, dims, outs, heads, att)
+                    finish_mix(kind, dims, outs, slots, partials, heads, att)
                 elif phase == GATE_UP:
                     add_rms_norm_rows(h, attn_out, vector(vecs, layer, MLP_NORM, hidden), eps, h, x2)
                 if phase != MIX:
@@ -400,7 +434,7 @@ def decode_layers(worker, h, layers, mats, vecs, chunks, starts, caches, dims, e
                 sums32 = rows_of(work, offsets[SUMS32], n, cols // 32)
             if phase == MIX:
                 work_mix(step_phase, layer, kind, sync, dims, vecs, caches, eps, outs, q, slots, key_valid, valid,
-                         heads, att)
+                         partials, att)
                 count = mix_units(dims, kind)
             else:
                 did += work_phase(worker, phase, step_phase, layer, kind, sync, mats, chunks, starts, inputs[phase],

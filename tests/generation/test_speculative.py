@@ -81,6 +81,16 @@ def test_a_verify_pass_is_exact_for_stored_types(converted: Converted, family: s
     check_verify(qwen_runtime.load(converted(family, "gguf", dtype), kernels="numba"))
 
 
+@pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("family", ["qwen3-tiny", "qwen35-tiny"])
+def test_a_verify_pass_is_exact_for_each_cache_type(family: str, cache_type: str) -> None:
+    """Under each KV cache type a verify pass gives each token its one-token step's logits under the same type, bit
+    for bit (each token's keys and values are rounded or quantized alone, and each token's attention sums only its
+    own slots), so greedy output with drafts stays plain decoding's."""
+    model = qwen_runtime.load(fixture_dir(family), kernels="numba", cache_type_k=cache_type, cache_type_v=cache_type)
+    check_verify(use_kernels(model, "numba"))
+
+
 @pytest.mark.parametrize("family", ["qwen2-tiny", "qwen35-tiny"])
 def test_a_padded_verify_pass_of_ragged_rows_is_exact(family: str) -> None:
     """Rows of a server's ragged cache bring 5 and 2 tokens (3 of padding): each row's own tokens get their

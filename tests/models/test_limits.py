@@ -141,14 +141,14 @@ def test_a_context_over_the_limit_is_refused_before_any_cache_is_made(monkeypatc
     assert lines == [f"qwen-run: error: generating 1 rows of up to 4096 tokens needs about "
                      f"{format_bytes(cache + activations)} (kv cache {format_bytes(cache)} at 4096 tokens x 1 rows "
                      f"+ activations {format_bytes(activations)}), more than the 1.0 MiB allowed (--max-memory); "
-                     f"lower --ctx, --max-new-tokens or --max-batch, or use -ctk/-ctv f16"]
+                     f"lower --ctx, --max-new-tokens or --max-batch, or a smaller -ctk/-ctv (f16, q8_0, q4_0)"]
 
 
 def test_stats_print_the_memory_plan(capsys) -> None:
     """Issue 44: ``qwen-run --stats`` prints weights, the cache at the context and the activations."""
     assert cli_module.main([str(FIXTURES / "qwen3-tiny"), "-p", "hi", "--max-new-tokens", "3", "--stats",
-                            "-ctk", "f16"]) == 0
-    model = load(FIXTURES / "qwen3-tiny", cache_type_k="f16")
+                            "-ctk", "q8_0"]) == 0  # -ctv: the commands' default, f16
+    model = load(FIXTURES / "qwen3-tiny", cache_type_k="q8_0", cache_type_v="f16")
     plan_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memory plan:")]
     assert len(plan_lines) == 1
     tokens = int(plan_lines[0].split(" at ")[1].split()[0])
@@ -156,4 +156,4 @@ def test_stats_print_the_memory_plan(capsys) -> None:
     activations = activation_bytes(model.config, 1, tokens, GenerationConfig.prefill_chunk)
     assert plan_lines[0] == (f"memory plan: weights {format_bytes(weights)} (mapped), kv cache "
                              f"{format_bytes(model.cache_bytes(1, tokens))} at {tokens} tokens x 1 rows "
-                             f"(f16 keys, f32 values), activations {format_bytes(activations)}")
+                             f"(q8_0 keys, f16 values), activations {format_bytes(activations)}")

@@ -147,10 +147,13 @@ def streamed_tokens(client, prompt: str, max_tokens: int) -> tuple[str, list[tup
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "cache_type"), [("qwen3-tiny", "f32"), ("qwen35-tiny", "f32"),
-                                                    ("qwen3-tiny", "f16"), ("qwen35-tiny", "f16")])
+                                                    ("qwen3-tiny", "f16"), ("qwen35-tiny", "f16"),
+                                                    ("qwen3-tiny", "bf16"), ("qwen3-tiny", "q8_0"),
+                                                    ("qwen35-tiny", "q4_0")])
 def test_sixteen_concurrent_streams_equal_their_solo_runs(family: str, cache_type: str) -> None:
     """Greedy tokens and their logprobs (bit for bit) alone and among 15 others: the batch is row-invariant, with
-    either KV cache type (an f16 cache rounds each row's own keys and values, whatever the other rows hold)."""
+    each KV cache type (a cache type rounds or quantizes each row's own keys and values, block by block along a
+    head, whatever the other rows hold)."""
     prompts = [f"Question {i}: " + "why " * (i % 5) + "is the sky blue?" for i in range(16)]
     lengths = [8 + (i * 5) % 17 for i in range(16)]  # rows leave the batch at different steps
     with running_server(fixture_dir(family), max_batch=16, model_name="qwen3-tiny", cache_type_k=cache_type,

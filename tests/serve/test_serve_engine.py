@@ -52,7 +52,7 @@ def test_a_row_decodes_the_same_alone_and_among_others(converted: Converted, fam
         alone = decode_logits(model, [prompts[i]], 6)
         assert np.array_equal(together[:, i], alone[:, 0]), f"row {i} differs"
     # a row's result matches the plain (slot-aligned) generation loop up to float32 rounding
-    [result] = qwen_runtime.generate(model, [prompts[0]], max_new_tokens=7)
+    [result] = qwen_runtime.generation.generate(model, [prompts[0]], max_new_tokens=7)
     assert np.argmax(together[:, 0], axis=1).tolist() == result.token_ids[1:]
 
 
@@ -215,12 +215,15 @@ def turns(engine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3-tiny", "qwen35-tiny"])
-def test_prefix_cache_gives_the_same_tokens_and_logprobs(family: str) -> None:
+@pytest.mark.parametrize(("family", "cache_type"), [("qwen3-tiny", "f32"), ("qwen35-tiny", "f32"),
+                                                    ("qwen3-tiny", "bf16"), ("qwen3-tiny", "q8_0"),
+                                                    ("qwen35-tiny", "q4_0")])
+def test_prefix_cache_gives_the_same_tokens_and_logprobs(family: str, cache_type: str) -> None:
     """Turns of a conversation (each prompt the whole history) with the cache off and on: identical greedy
     tokens and logprobs, bit for bit, while the later turns restore most of their prompt (for Qwen3.5 the
-    Gated DeltaNet state checkpointed at block ends)."""
-    model = qwen_runtime.load(fixture_dir(family))
+    Gated DeltaNet state checkpointed at block ends); with each KV cache type (blocks are kept in the type: a
+    restored block is the bytes the row had written)."""
+    model = qwen_runtime.load(fixture_dir(family), cache_type_k=cache_type, cache_type_v=cache_type)
     tok = chat_format(model).tokenizer
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 400, n).tolist() for n in (37, 11, 20)]

@@ -225,6 +225,29 @@ def test_blocks_of_one_cache_type_are_never_used_by_another(tmp_path: Path) -> N
         engine.stop()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["bf16", "q8_0", "q4_0"])
+def test_each_cache_type_restores_its_own_blocks_bit_for_bit(tmp_path: Path, kind: str) -> None:
+    """An engine whose KV cache stores keys and values as ``kind``: turn 1's blocks go to disk in the type (records
+    of the type's bytes, smaller than f32's), and a restarted engine answers turn 2 from them bit for bit as
+    without a cache."""
+    path = fixture_dir("qwen3-tiny")
+    model = qwen_runtime.load(path, cache_type_k=kind, cache_type_v=kind)
+    _, second = conversation(model, tmp_path)
+    engine = make_engine(model, cache_memory=0)
+    try:
+        uncached = ask(engine, second)
+    finally:
+        engine.stop()
+    engine = make_engine(qwen_runtime.load(path, cache_type_k=kind, cache_type_v=kind), cache_dir=tmp_path)
+    try:
+        assert ask(engine, second) == uncached
+        status = engine.status()["prefix_cache"]
+    finally:
+        engine.stop()
+    assert status["hits"] == 1 and status["disk"]["loaded"] == 4
+
+
 def test_the_disk_holds_at_most_the_budget_least_recently_used_leaves_going_first(tmp_path: Path) -> None:
     """With room for 5 blocks, two prompts of 4 blocks sharing the first two: the second prompt's blocks replace
     the first's last ones on disk as in memory (a chain is never cut in the middle)."""
