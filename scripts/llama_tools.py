@@ -1,25 +1,30 @@
-"""llama.cpp's command-line tools (``llama-imatrix``, ``llama-quantize``, ``llama-server``) built once from the
-vendored source.
+"""llama.cpp's command-line tools (``llama-imatrix``, ``llama-quantize``, ``llama-server``) and its shared
+libraries (the peer's ``libllama.so``), built once from the vendored source into one tree.
 
-The llama.cpp source comes from the installed llama-cpp-python's sdist (``vendor/llama.cpp``, downloaded with
-``pip download`` as in :mod:`llama_interop`), is unpacked into ``<cache>/llama.cpp-<version>/`` and built there with
-cmake (``<cache>/llama.cpp-<version>/build/bin/``).  The cache defaults to ``~/.cache/qwen-numpy`` (override with
-``QWEN_LLAMA_TOOLS_CACHE``); nothing of it is committed.  Several processes may ask at once: unpacking and
-building run under an exclusive ``flock`` on ``<cache>/llama.cpp-<version>/.lock``, and a target already built is
-not rebuilt.
+The llama.cpp source comes from llama-cpp-python's sdist (``vendor/llama.cpp``, downloaded with ``pip download``
+as in :mod:`llama_interop`) of the installed version, or before it is installed of the version pyproject's
+``peer`` extra pins; it is unpacked into ``<cache>/llama.cpp-<version>/`` and built with cmake into
+``<cache>/llama.cpp-<version>/build-shared/bin/``. The cache defaults to ``~/.cache/qwen-numpy`` (override with
+``QWEN_LLAMA_TOOLS_CACHE``); nothing of it is committed. Several processes may ask at once: unpacking and building
+run under an exclusive ``flock`` on ``<cache>/llama.cpp-<version>/.lock``, and a target already built is not
+rebuilt.
 
-``llama-server`` (the peer of ``scripts/bench_serve.py``) is built in a tree of its own, ``build-server/``, without
-HTTPS and without downloading the web UI, and on CPUs that advertise AMX without llama.cpp's AMX path (it
-segfaults in the first decode of quantized models on these VMs; the flags are ``.ci/run``'s).
+One tree serves the tools and the peer, so CI compiles llama.cpp once: the libraries are shared (the tools link
+them), and ``.ci/run`` installs llama-cpp-python without its own build of llama.cpp (``-DLLAMA_BUILD=OFF``) and
+points it here with ``LLAMA_CPP_LIB_PATH`` (:func:`peer_library_dir`; ``tests/conftest.py`` does the same for a
+lib-less install). The tree has the server on, without HTTPS and without downloading the web UI, and on CPUs that
+advertise AMX it is built for the host without llama.cpp's AMX path, which segfaults in the first decode of
+quantized models on these VMs.
 
-Usage: ``python scripts/llama_tools.py [llama-imatrix llama-quantize llama-server]`` builds and prints the
-binaries' paths.
+Usage: ``python scripts/llama_tools.py [llama-imatrix llama-quantize llama-server llama]`` builds and prints the
+paths (``llama`` is the peer's shared library).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -30,16 +35,18 @@ from pathlib import Path
 import llama_interop as li
 
 TARGETS = ("llama-imatrix", "llama-quantize")
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF")
 SERVER = "llama-server"
-SERVER_FLAGS = (*CMAKE_FLAGS[:-2], "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
-                "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF")
+LIBRARY = "llama"  # the shared library llama-cpp-python loads (libllama.so, beside the ggml libraries it links)
+BUILD_DIR = "build-shared"
+CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_SERVER=ON",
+               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF")
 # The host's instruction sets without AMX (every flag is implied by AMX hardware; the same as .ci/run's CMAKE_ARGS).
 NO_AMX_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_AVX_VNNI=ON", "-DGGML_FMA=ON",
                 "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON",
                 "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
                 "-DGGML_AMX_BF16=OFF")
+PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
 
 def cpu_has_amx() -> bool:
@@ -49,11 +56,20 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def build_config(target: str) -> tuple[str, tuple[str, ...]]:
-    """The build directory (under the tool root) and cmake flags of ``target``."""
-    if target == SERVER:
-        return "build-server", SERVER_FLAGS + (NO_AMX_FLAGS if cpu_has_amx() else ())
-    return "build", CMAKE_FLAGS
+def cmake_flags() -> tuple[str, ...]:
+    return CMAKE_FLAGS + (NO_AMX_FLAGS if cpu_has_amx() else ())
+
+
+def pinned_version() -> str:
+    """The llama-cpp-python version pyproject's ``peer`` extra pins (the source to build before it is installed)."""
+    pin = re.search(rf'^peer = \[.*"{re.escape(li.DIST_NAME)}==([^"]+)"', PYPROJECT.read_text(encoding="utf-8"), re.M)
+    if pin is None:
+        raise li.ConverterUnavailable(f"{PYPROJECT}: the peer extra does not pin {li.DIST_NAME}==<version>")
+    return pin.group(1)
+
+
+def output_name(target: str) -> str:
+    return f"lib{target}.so" if target == LIBRARY else target
 
 
 def cache_root() -> Path:
@@ -61,10 +77,12 @@ def cache_root() -> Path:
 
 
 def tool_root(version: str | None = None) -> Path:
-    version = version or li.installed_version()
-    if version is None:
-        raise li.ConverterUnavailable(f"{li.DIST_NAME} is not installed")
-    return cache_root() / f"llama.cpp-{version}"
+    return cache_root() / f"llama.cpp-{version or li.installed_version() or pinned_version()}"
+
+
+def peer_library_dir(version: str | None = None) -> Path:
+    """Where the built ``libllama.so`` and its ggml libraries are (``LLAMA_CPP_LIB_PATH`` for llama-cpp-python)."""
+    return tool_root(version) / BUILD_DIR / "bin"
 
 
 @contextmanager
@@ -97,27 +115,25 @@ def _unpack_source(root: Path, version: str) -> Path:
     return source
 
 
-def build_tools(targets: Sequence[str] = TARGETS, jobs: int = 2) -> dict[str, Path]:
-    """Paths of the built ``targets`` (built on first use; later calls only check the binaries exist)."""
-    version = li.installed_version()
+def build_tools(targets: Sequence[str] = TARGETS, jobs: int = 2, version: str | None = None) -> dict[str, Path]:
+    """Paths of the built ``targets`` (built on first use; later calls only check the files exist)."""
+    version = version or li.installed_version() or pinned_version()
     root = tool_root(version)
-    binaries = {t: root / build_config(t)[0] / "bin" / t for t in targets}
-    if all(p.is_file() for p in binaries.values()):
-        return binaries
+    build = root / BUILD_DIR
+    outputs = {t: build / "bin" / output_name(t) for t in targets}
+    if all(p.is_file() for p in outputs.values()):
+        return outputs
     with _locked(root):
-        missing = [t for t, p in binaries.items() if not p.is_file()]
+        missing = [t for t, p in outputs.items() if not p.is_file()]
         if missing:
             source = _unpack_source(root, version)
-        for directory, flags in sorted({build_config(t) for t in missing}):
-            build = root / directory
             if not (build / "CMakeCache.txt").is_file():
-                _run(["cmake", "-S", str(source), "-B", str(build), *flags])
-            _run(["cmake", "--build", str(build), "--target", *[t for t in missing if build_config(t)[0] == directory],
-                  "-j", str(jobs)])
-    for target, path in binaries.items():
+                _run(["cmake", "-S", str(source), "-B", str(build), *cmake_flags()])
+            _run(["cmake", "--build", str(build), "--target", *missing, "-j", str(jobs)])
+    for target, path in outputs.items():
         if not path.is_file():
             raise li.ConverterUnavailable(f"building {target} did not produce {path}")
-    return binaries
+    return outputs
 
 
 def _run(cmd: list[str]) -> None:
@@ -127,5 +143,6 @@ def _run(cmd: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    for name, path in build_tools(sys.argv[1:] or TARGETS).items():
+    jobs = int(os.environ.get("QWEN_LLAMA_BUILD_JOBS", os.cpu_count() or 2))
+    for name, path in build_tools(sys.argv[1:] or TARGETS, jobs=jobs).items():
         print(name, path)

@@ -6,12 +6,18 @@ and the repository carries every file the tests read, so a skip there means a te
 test is also written to the JSON file named by ``QWEN_SKIP_REPORT`` (node id, markers, reason), which ``.ci/run``
 reads to fail if any ``oracle`` or ``peer`` test did not run.
 
+llama-cpp-python installed by ``.ci/run`` carries no llama.cpp of its own (it is built once, with the tools, by
+``scripts/llama_tools.py``); ``.ci/run`` points it at that build with ``LLAMA_CPP_LIB_PATH``, and so does this file
+when the variable is unset, the installed package has no ``lib/libllama.so`` and the build has one, so that the
+README's test command runs the peer tests after CI on the same machine too.
+
 One fixture is shared by the whole suite: ``converted``, the committed fixtures converted in-process once per
 session and (name, format, dtype) (``runtime_helpers.Converted``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Iterator
@@ -25,6 +31,22 @@ if TYPE_CHECKING:
 
 STRICT = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 _skipped: list[dict[str, Any]] = []
+
+
+def _point_peer_at_built_library() -> None:
+    spec = importlib.util.find_spec("llama_cpp")
+    if "LLAMA_CPP_LIB_PATH" in os.environ or spec is None or not spec.submodule_search_locations:
+        return
+    if (Path(next(iter(spec.submodule_search_locations))) / "lib" / "libllama.so").is_file():
+        return
+    import llama_tools  # scripts/ is on pytest's pythonpath (pyproject)
+
+    built = llama_tools.peer_library_dir()
+    if (built / "libllama.so").is_file():
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(built)
+
+
+_point_peer_at_built_library()
 
 
 def _reason(report: pytest.TestReport | pytest.CollectReport) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -153,7 +154,10 @@ def _grids(codec, encoded: np.ndarray) -> np.ndarray:
 
 def _ggml():
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `peer` extra) is not installed")
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    # Where llama-cpp-python itself loads its libraries from: LLAMA_CPP_LIB_PATH (.ci/run's one llama.cpp build,
+    # scripts/llama_tools.py) or the package's own lib/.
+    libs = os.environ.get("LLAMA_CPP_LIB_PATH") or Path(llama_cpp.__file__).parent / "lib"
+    lib = ctypes.CDLL(str(Path(libs) / "libggml-base.so"))
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
     lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
