@@ -41,7 +41,7 @@ def test_bundled_model_loads_from_the_package() -> None:
     assert (path / "heldout.txt").is_file() and heldout_text_path(path) == path / "heldout.txt"
     model = qwen_runtime.load(path)
     assert model.config.arch == "qwen3"
-    [result] = qwen_runtime.generation.generate(model, "def ", max_new_tokens=4)
+    [result] = qwen_runtime.generate(model, "def ", max_new_tokens=4)
     assert len(result.token_ids) >= 1
 
 

@@ -52,7 +52,7 @@ def test_a_row_decodes_the_same_alone_and_among_others(converted: Converted, fam
         alone = decode_logits(model, [prompts[i]], 6)
         assert np.array_equal(together[:, i], alone[:, 0]), f"row {i} differs"
     # a row's result matches the plain (slot-aligned) generation loop up to float32 rounding
-    [result] = qwen_runtime.generation.generate(model, [prompts[0]], max_new_tokens=7)
+    [result] = qwen_runtime.generate(model, [prompts[0]], max_new_tokens=7)
     assert np.argmax(together[:, 0], axis=1).tolist() == result.token_ids[1:]
 
 
