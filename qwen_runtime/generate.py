@@ -26,7 +26,7 @@ from .limits import activation_bytes
 from .models import Model
 from .pool import STEP_TOKENS
 from .sampling import SamplingParams
-from .stepper import RowStepper
+from .stepper import RowStepper, verify_pass
 from .tokenizer import Tokenizer
 
 
@@ -199,10 +199,7 @@ class Generation:
                     return
                 drafts = row.drafts()
                 if drafts:
-                    cache.checkpoint()
-                    logits = model.verify(np.asarray([[row.last, *drafts]], np.int64), cache)[0]  # [T, V]
-                    steps = row.accept(logits, drafts)
-                    cache.rollback(np.asarray([len(steps)]))
+                    steps = verify_pass(model, cache, [row], [drafts])[1][0]
                     self.stats.draft_proposed += len(drafts)
                     self.stats.draft_accepted += len(steps) - 1
                 else:

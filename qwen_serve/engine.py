@@ -46,7 +46,7 @@ from qwen_runtime.limits import activation_bytes, default_memory_limit, format_b
 from qwen_runtime.models import Model
 from qwen_runtime.pool import STEP_TOKENS
 from qwen_runtime.sampling import SamplingParams
-from qwen_runtime.stepper import Constraint, FinishReason, RowStepper, Step
+from qwen_runtime.stepper import Constraint, FinishReason, RowStepper, Step, verify_pass
 from qwen_runtime.tokenizer import Tokenizer
 
 from .metrics import Metrics
@@ -447,19 +447,28 @@ class Engine:
         self._advance(rows, logits)
 
     def _verify_step(self, rows: list[Row], drafts: list[list[int]], lengths: np.ndarray) -> bool:
-        """One verify pass of every running row's last token and drafts (padded to the longest; see the module
-        docstring), then each row's steps, and its cache cut back to them.  If the pass raises, a model without
-        recurrent state gets its rows' lengths back and False (the caller steps them plainly, row by row if need
-        be); with recurrent state the step's requests fail together."""
-        width = max(len(d) for d in drafts)
-        tokens = np.asarray([[row.last, *d, *[row.last] * (width - len(d))]
-                             for row, d in zip(rows, drafts, strict=True)], np.int64)  # [B, 1 + width]
-        own = np.asarray([1 + len(d) for d in drafts])  # [B] each row's own tokens; the rest is padding
-        cache = self.slots.rows(0, len(rows))
+        """One verify pass of every running row's last token and drafts (:func:`~qwen_runtime.stepper.verify_pass`),
+        each row's steps emitted as it takes them.  If the pass raises, a model without recurrent state gets its
+        rows' lengths back and False (the caller steps them plainly, row by row if need be); with recurrent state
+        the step's requests fail together."""
+        def take(i: int, logits: np.ndarray) -> list[Step]:
+            row = rows[i]
+            if row.finish is not None:
+                return []
+            try:
+                steps = row.stepper.accept(logits, drafts[i])  # a sampled row: no drafts, one step
+            except Exception as exc:
+                self._fail_row(row, exc)
+                return []
+            self.metrics.draft_proposed.inc(len(drafts[i]))
+            self.metrics.draft_accepted.inc(len(steps) - 1)
+            for j, step in enumerate(steps):
+                self._emit(row, step, logits[j])
+            return steps
+
         start = time.perf_counter()
-        cache.checkpoint(own > 1)  # a row without drafts keeps its one token: nothing to restore
         try:
-            logits = self.model.verify(tokens, cache, np.arange(1 + width)[None, :] < own[:, None])  # [B, 1+width, V]
+            verify_pass(self.model, self.slots.rows(0, len(rows)), [row.stepper for row in rows], drafts, take)
         except Exception:
             if self.row_bytes:
                 raise
@@ -470,20 +479,6 @@ class Engine:
         self.metrics.batch_rows.observe(len(rows))
         self.steps += 1
         self.peak_rows = max(self.peak_rows, len(rows))
-        keep = np.ones(len(rows), np.int64)  # [B] tokens of the pass each row's cache keeps
-        for i, (row, row_drafts) in enumerate(zip(rows, drafts, strict=True)):
-            if row.finish is not None:
-                continue
-            try:
-                steps = row.stepper.accept(logits[i], row_drafts)  # a sampled row: no drafts, one step
-                keep[i] = len(steps)
-                self.metrics.draft_proposed.inc(len(row_drafts))
-                self.metrics.draft_accepted.inc(len(steps) - 1)
-                for j, step in enumerate(steps):
-                    self._emit(row, step, logits[i, j])
-            except Exception as exc:
-                self._fail_row(row, exc)
-        cache.rollback(keep)
         self._retire()
         return True
 
