@@ -67,7 +67,7 @@ def max_prompt_chars(context: int, tokenizer: Tokenizer) -> int:
 
 def create_app(model: str | Path | Model, *, model_name: str | None = None, max_batch: int = 8,
                max_queue: int = 64, max_memory: int | None = None, api_key: str | None = None,
-               prefill_chunk: int = 128, max_context: int | None = None,
+               prefill_chunk: int = 128, prefill_budget: int | None = None, max_context: int | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, cache_memory: int | None = None, threads: int | None = None,
                kernels: str | None = None, draft_tokens: int = 0, cache_dir: str | Path | None = None,
                activations: str = "float", cache_turns: bool = False,
@@ -91,6 +91,7 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
     grammars = GrammarCache(fmt.tokenizer, model.config.vocab_size)
     engine = Engine(model, fmt.tokenizer, fmt.stop_ids, max_batch=max_batch, max_queue=max_queue,
                     max_memory=engine_memory(max_memory, grammars), prefill_chunk=prefill_chunk,
+                    prefill_budget=prefill_budget,
                     max_context=max_context, text_ids=text_ids, metrics=metrics, cache_memory=cache_memory,
                     draft_tokens=draft_tokens, cache_dir=cache_dir, cache_turns=cache_turns)
     engine_gauges(metrics, engine)
@@ -161,7 +162,7 @@ def startup_banner(app: Starlette, url: str) -> str:
         f"qwen-serve: {state.model_name}: {model.config.arch} ({model.files.format}, {weight_types(model)}) "
         f"from {model.path}",
         f"  context {engine.context} tokens per request, {engine.max_batch} rows, {engine.max_queue} queued at most, "
-        f"prefill chunks of {engine.prefill_chunk} tokens",
+        f"prefill chunks of {engine.prefill_chunk} tokens, {engine.prefill_budget} between two decode steps",
         f"  memory budget {format_bytes(engine.memory_limit)} for cache and activations "
         f"({format_bytes(engine.activations)} of activations; prefix cache up to "
         f"{format_bytes(engine.prefix.capacity) if engine.prefix else 'off'}"
