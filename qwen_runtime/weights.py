@@ -29,12 +29,6 @@ about 2x and of 16 rows 3x a single row's, against about 4x and 8x with Q8_0's p
 ``Workspace.rowwise(rows)`` multiplies only the activation rows named (the others come out 0): the padding of a
 verify pass whose rows bring fewer draft tokens than the longest costs no product.
 
-**Segmented products.**  Inside ``Workspace.segmented(lengths)`` (several prompts' chunks prefilled in one pass)
-each segment's rows get what a product of the segment alone gives (:func:`by_segments`): segments short enough
-for the row kernels go through them (row-invariant), longer ones through the tile path together, where BLAS
-sums each row along the inner dimension in the same order for any number of rows of at least GEMM size
-(checked on the BLAS at hand: :func:`blas_rows_independent`).
-
 ``rows(ids)`` is the embedding lookup: it decodes only the rows asked for.  A tied ``lm_head`` is the very
 same object as the token embedding.  Every kind keeps ``to_float32()`` as the plain reference that the
 tests compare the fast paths against.
@@ -42,7 +36,6 @@ tests compare the fast paths against.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -207,8 +200,6 @@ def matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
     Fusing projections that share their input (q/k/v, gate/up) balances the pool over every row of them
     and pays its dispatch once.  All weights must share one workspace.  # [N, in] -> [[N, out_i], ...]
     """
-    if weights and weights[0].ws.segments is not None:
-        return by_segments(weights, x, lambda xs: matmul_many(weights, xs))
     rows = active_rows(weights[0].ws, x) if weights else None
     if rows is not None:  # padded rows: only the active ones are multiplied
         return [scatter_rows(y, rows) for y in _matmul_many(weights, x[rows])]
@@ -304,56 +295,10 @@ def gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
     Each weight multiplies its block in its own kind; weights split into different blocks (different tile
     sizes) fall back to :func:`matmul_many`.  # [N, in] -> [N, out]
     """
-    if gate.ws.segments is not None:
-        return by_segments([gate, up], x, lambda xs: [gated_matmul(gate, up, xs)], [gate.out_features])[0]
     rows = active_rows(gate.ws, x)
     if rows is not None:  # padded rows: only the active ones are multiplied
         return scatter_rows(_gated_matmul(gate, up, x[rows]), rows)
     return _gated_matmul(gate, up, x)
-
-
-def by_segments(weights: Sequence[Weight], x: np.ndarray, product: Callable[[np.ndarray], list[np.ndarray]],
-                widths: Sequence[int] | None = None) -> list[np.ndarray]:
-    """``product(x)`` inside ``Workspace.segmented(lengths)``: each segment's rows as a product of that segment
-    alone computes them.  Alone, a segment of up to ``direct_rows`` rows goes through the row kernels, whose
-    numbers do not depend on the other rows (so all such segments run together, row by row: ``rowwise``); a
-    longer one through a decoded tile and BLAS, which sums each row in the same order for any number of rows
-    (:func:`blas_rows_independent`), so all such segments run together as one product.  Needs compiled kernels
-    sharing one ``direct_rows`` and float activations (``Model.prefill_many`` checks).  ``widths``: the
-    columns of each array ``product`` returns (default: each weight's output).  # [N, in] -> [[N, out_i], ...]
-    """
-    ws = weights[0].ws
-    lengths, limit = ws.segments, {w.kernel.direct_rows for w in weights if isinstance(w, TiledWeight)}
-    if sum(lengths) != len(x) or len(limit) != 1 or not all(isinstance(w, TiledWeight) and w.compiled
-                                                            for w in weights):
-        raise ValueError(f"segments of {sum(lengths)} rows need compiled kernels of one direct_rows for {len(x)}")
-    direct_rows, bounds = limit.pop(), np.cumsum((0, *lengths))
-    short = np.zeros(len(x), bool)  # the rows of segments the row kernels take
-    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
-        short[start:stop] = stop - start <= direct_rows
-    widths = [w.out_features for w in weights] if widths is None else widths
-    outputs = [np.empty((len(x), n), np.float32) for n in widths]
-    ws.segments = None  # the parts below are plain products
-    try:
-        for rows, rowwise in ((short, True), (~short, False)):
-            if rows.any():
-                with ws.rowwise() if rowwise else contextlib.nullcontext():
-                    for out, y in zip(outputs, product(x[rows]), strict=True):
-                        out[rows] = y
-    finally:
-        ws.segments = lengths
-    return outputs
-
-
-@functools.cache
-def blas_rows_independent() -> bool:
-    """Whether this BLAS gives a row of a product of more than ``direct_rows`` rows the same numbers whatever the
-    other rows (segments at odd offsets of a larger product against products of the segment alone): what
-    :func:`by_segments` relies on for the segments longer than the row kernels take."""
-    rng = np.random.default_rng(0)
-    x, w = rng.standard_normal((160, 320), np.float32), rng.standard_normal((96, 320), np.float32)
-    whole = x @ w.T
-    return all(np.array_equal(x[a:b] @ w.T, whole[a:b]) for a, b in ((0, 33), (7, 47), (50, 160), (33, 101)))
 
 
 def _gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
