@@ -87,8 +87,8 @@ class Prefills:
         """One pass of ``plan``'s chunks; the prompts it finished, each with its last logits [1, V] (still
         :attr:`active` until the engine turns them into running rows and :meth:`drop` s them)."""
         start = time.perf_counter()
-        logits = [self.model.forward(np.asarray([p.job.prompt_ids[p.done:end]], np.int64),
-                                     self.slots.rows(p.slot, p.slot + 1), last_only=True)[0] for p, end in plan]
+        logits = self.model.prefill_many([p.job.prompt_ids[p.done:end] for p, end in plan],
+                                         [self.slots.rows(p.slot, p.slot + 1) for p, _ in plan])  # [K, V]
         self.metrics.prefill_step.observe(time.perf_counter() - start)
         finished = []
         for (p, end), row in zip(plan, logits, strict=True):
