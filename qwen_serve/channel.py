@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from qwen_runtime.stepper import Constraint
+from qwen_runtime.generation.stepper import Constraint
 
 from .engine import Delta, Done, EngineStoppedError, Event, Failed, Finished, Job, QueueFullError, RequestTooLargeError
 from .handling import ServerState

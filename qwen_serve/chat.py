@@ -13,8 +13,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from qwen_runtime.errors import TemplateError
-from qwen_runtime.stepper import Constraint, FinishReason
-from qwen_runtime.structured import JsonConstraint, SchemaError, SchemaLimitError
+from qwen_runtime.generation.stepper import Constraint, FinishReason
+from qwen_runtime.generation.structured import JsonConstraint, SchemaError, SchemaLimitError
 
 from .channel import JobChannel, collect, sse, submit, usage
 from .engine import Delta, Done, Finished

@@ -9,14 +9,15 @@ Rows leave the batch when they stop (a stop token, a stop string, ``max_tokens``
 the last row moves into their place, so the batch stays rows ``0 .. B-1`` of the :class:`SlotCache`.
 
 **Batch invariance.**  A row's numbers never depend on the rows beside it: the cache is ragged (each row
-attends over exactly its own tokens, :mod:`qwen_runtime.cache`), decode products are row-invariant
-(:meth:`qwen_runtime.weights.Workspace.rowwise`), prompts are prefilled in a row of their own with the same
+attends over exactly its own tokens, :mod:`qwen_runtime.backend.cache`), decode products are row-invariant
+(:meth:`qwen_runtime.backend.weights.Workspace.rowwise`), prompts are prefilled in a row of their own with the same
 chunking, and every choice samples from its own random generator (seeded from the request's ``seed``).
 So a request's tokens are identical whether it runs alone or among others.
 
-A row's sampling, text, stop strings and finish reason are its :class:`~qwen_runtime.stepper.RowStepper`'s; the
+A row's sampling, text, stop strings and finish reason are its :class:`~qwen_runtime.generation.stepper.RowStepper`'s;
+the
 engine only schedules.  With ``draft_tokens`` > 0 (and the compiled kernels) greedy rows decode speculatively
-by prompt lookup (:mod:`qwen_runtime.stepper`): a decode step is then one verify pass
+by prompt lookup (:mod:`qwen_runtime.generation.stepper`): a decode step is then one verify pass
 (:meth:`~qwen_runtime.models.Model.verify`) of every row's last token and drafts, padded to the longest row's
 drafts (padding costs no product; a sampled row takes its first logits only), and each row's cache is cut back
 to the tokens it took.  The tokens, text and events are those of plain decoding, several per step.
@@ -41,12 +42,12 @@ from pathlib import Path
 
 import numpy as np
 
+from qwen_runtime.backend.limits import activation_bytes, default_memory_limit, format_bytes
+from qwen_runtime.backend.pool import STEP_TOKENS
 from qwen_runtime.errors import ResourceLimitError
-from qwen_runtime.limits import activation_bytes, default_memory_limit, format_bytes
+from qwen_runtime.generation.stepper import FinishReason, RowStepper, Step, verify_pass
 from qwen_runtime.models import Model
-from qwen_runtime.pool import STEP_TOKENS
-from qwen_runtime.stepper import FinishReason, RowStepper, Step, verify_pass
-from qwen_runtime.tokenizer import Tokenizer
+from qwen_runtime.text.tokenizer import Tokenizer
 
 from .jobs import Delta, Done, Event, Failed, Finished, Job, Row, TokenLogprob, token_logprobs
 from .metrics import Metrics
@@ -78,7 +79,7 @@ class Engine:
     """Owns a model and serves :class:`Job` s with continuous batching on a thread of its own.
 
     ``max_batch`` rows run at once, ``max_queue`` jobs wait beyond them; ``max_memory`` bounds the cache
-    and activations (default: :func:`qwen_runtime.limits.default_memory_limit`); a row holds at most
+    and activations (default: :func:`qwen_runtime.backend.limits.default_memory_limit`); a row holds at most
     ``max_context`` tokens (default: the model's context, less if the memory limit cannot hold that many for
     one row); prompts are prefilled ``prefill_chunk`` tokens at a time, up to ``prefill_budget`` tokens
     (default: the larger of :data:`PREFILL_BUDGET` and ``prefill_chunk``) of several prompts between two decode
@@ -365,10 +366,10 @@ class Engine:
         self._advance(rows, logits)
 
     def _verify_step(self, rows: list[Row], drafts: list[list[int]], lengths: np.ndarray) -> bool:
-        """One verify pass of every running row's last token and drafts (:func:`~qwen_runtime.stepper.verify_pass`),
-        each row's steps emitted as it takes them.  If the pass raises, a model without recurrent state gets its
-        rows' lengths back and False (the caller steps them plainly, row by row if need be); with recurrent state
-        the step's requests fail together."""
+        """One verify pass of every running row's last token and drafts
+        (:func:`~qwen_runtime.generation.stepper.verify_pass`), each row's steps emitted as it takes them.  If the pass
+        raises, a model without recurrent state gets its rows' lengths back and False (the caller steps them plainly,
+        row by row if need be); with recurrent state the step's requests fail together."""
         def take(i: int, logits: np.ndarray) -> list[Step]:
             row = rows[i]
             if row.finish is not None:

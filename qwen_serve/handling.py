@@ -17,8 +17,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from qwen_runtime.chat import ChatFormat
-from qwen_runtime.structured import GrammarCache
+from qwen_runtime.generation.structured import GrammarCache
+from qwen_runtime.text.chat import ChatFormat
 
 from .engine import Engine
 from .metrics import Metrics

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qwen_runtime.sampling import SamplingParams
-from qwen_runtime.stepper import Constraint, FinishReason, RowStepper
+from qwen_runtime.generation.sampling import SamplingParams
+from qwen_runtime.generation.stepper import Constraint, FinishReason, RowStepper
 
 
 @dataclass(frozen=True)

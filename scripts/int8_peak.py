@@ -5,7 +5,7 @@
 1. Peak, one thread, operands in registers: AMX ``tdpbssd`` (16 x 64 by 64 x 16 int8 tiles, four independent
    accumulators) and AVX-512 VNNI ``vpdpbusd`` (eight independent zmm accumulators), where the CPU has them.
 2. ``x @ W.T`` for Q8_0 weights of the Qwen2.5-0.5B MLP shape (4864 x 896) and the Qwen2.5-3B one (11008 x 2048),
-   ``--rows`` activation rows: the AMX kernel (:mod:`qwen_runtime.quants.jit_amx`, 8-bit activations quantized
+   ``--rows`` activation rows: the AMX kernel (:mod:`qwen_runtime.backend.kernels.amx`, 8-bit activations quantized
    once, timed with the quantization) against today's prefill path for the same product (each tile of about 2^20
    weights decoded to float32 by the compiled decoder, then SGEMM), on one thread and on two (columns split in
    two halves for AMX; the float path's tiles shared by two threads, BLAS on one thread each).
@@ -30,11 +30,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from qwen_runtime.pool import Scratch
-from qwen_runtime.quants import jit_amx
-from qwen_runtime.quants.jit_amx import dpbssd, ldtilecfg, tileload, tilerelease, tilestore, tilezero
-from qwen_runtime.quants.jit_base import FEATURES
-from qwen_runtime.quants.jit_q8_0 import Q8_0JitKernel
+from qwen_runtime.backend.kernels import amx as jit_amx
+from qwen_runtime.backend.kernels.amx import dpbssd, ldtilecfg, tileload, tilerelease, tilestore, tilezero
+from qwen_runtime.backend.kernels.base import FEATURES
+from qwen_runtime.backend.kernels.q8_0 import Q8_0JitKernel
+from qwen_runtime.quants.scratch import Scratch
 
 SHAPES = {"Qwen2.5-0.5B MLP 4864 x 896": (4864, 896), "Qwen2.5-3B MLP 11008 x 2048": (11008, 2048)}
 V16_I32 = ir.VectorType(ir.IntType(32), 16)
