@@ -108,7 +108,10 @@ def configure_parser() -> argparse.ArgumentParser:
                    help="tokens one request may hold, prompt + completion; more than the model's context is cut to "
                    "it, with a note, as in qwen-run (default: the model's context)")
     p.add_argument("--prefill-chunk", type=positive_int, default=128,
-                   help="prompt tokens prefilled between two decode steps (default 128)")
+                   help="a prompt is prefilled in chunks of this many tokens (default 128)")
+    p.add_argument("--prefill-budget", type=positive_int, default=None, metavar="TOKENS",
+                   help="prompt tokens prefilled between two decode steps, the next chunks of several prompts: "
+                   "bounds a running stream's pause while prompts join (default: 256, or --prefill-chunk if larger)")
     add_draft_option(p)
     p.add_argument("--max-body", type=positive_int, default=MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body accepted, in bytes (default %(default)s)")
@@ -220,6 +223,7 @@ def run(args: argparse.Namespace) -> None:
     sock = listen(args.host, args.port)
     app = create_app(args.model, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                      max_memory=args.max_memory, api_key=args.api_key, prefill_chunk=args.prefill_chunk,
+                     prefill_budget=args.prefill_budget,
                      max_context=args.max_context, max_body_bytes=args.max_body, cache_memory=args.cache_memory,
                      threads=args.threads, kernels=args.kernels, draft_tokens=args.draft, cache_dir=args.cache_dir,
                      activations=args.activations, cache_turns=args.cache_turns, read_timeout=args.read_timeout,

@@ -1,8 +1,9 @@
 """Continuous batching: one thread owns the model and runs every request's rows in one decode batch.
 
-The loop alternates prefill chunks of admitted requests (up to ``prefill_chunk`` tokens, oldest first) with
-one decode step of every running row, so a new prompt joins the batch after its chunks without stalling the
-others for more than one chunk's worth of tokens at a time.
+The loop alternates the admitted prompts' next chunks (up to ``prefill_budget`` tokens in all, oldest first,
+several prompts between two steps: :mod:`.prefill`) with one decode step of every running row, so
+prompts arriving together start together and a new prompt joins the batch without stalling the others for more
+than one budget's pass at a time.
 A request's ``n`` choices share its prefill (the row is copied) and then run as ``n`` rows.
 Rows leave the batch when they stop (a stop token, a stop string, ``max_tokens``, a cancelled request) and
 the last row moves into their place, so the batch stays rows ``0 .. B-1`` of the :class:`SlotCache`.
@@ -37,7 +38,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,12 +45,13 @@ import numpy as np
 from qwen_runtime.backend.limits import activation_bytes, default_memory_limit, format_bytes
 from qwen_runtime.backend.pool import STEP_TOKENS
 from qwen_runtime.errors import ResourceLimitError
-from qwen_runtime.generation.sampling import SamplingParams
-from qwen_runtime.generation.stepper import Constraint, FinishReason, RowStepper, Step
+from qwen_runtime.generation.stepper import FinishReason, RowStepper, Step, verify_pass
 from qwen_runtime.models import Model
 from qwen_runtime.text.tokenizer import Tokenizer
 
+from .jobs import Delta, Done, Event, Failed, Finished, Job, Row, TokenLogprob, token_logprobs
 from .metrics import Metrics
+from .prefill import Prefill, Prefills
 from .prefix_cache import PrefixCache
 from .prefix_store import PrefixStore
 from .slots import SlotCache
@@ -58,6 +59,7 @@ from .slots import SlotCache
 log = logging.getLogger("qwen_serve")
 
 MAX_TOP_LOGPROBS = 20
+PREFILL_BUDGET = 256  # prompt tokens of one prefill pass between two decode steps, by default
 MAX_RESTARTS = 3  # loop deaths in a row (no step completing between them) before the engine gives up
 
 
@@ -73,92 +75,15 @@ class RequestTooLargeError(ValueError):
     """A request could never run: more choices than rows, or more memory than the limit allows."""
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A sampled token's log-probability under the model (raw logits) and the most likely alternatives."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
-
-
-@dataclass(frozen=True)
-class Delta:
-    """New output of one choice: its tokens this step and the text they completed (stop strings removed)."""
-
-    choice: int
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Finished:
-    """A choice ended (``reason``: ``stop`` or ``length``)."""
-
-    choice: int
-    reason: FinishReason
-
-
-@dataclass(frozen=True)
-class Done:
-    """Every choice of the job ended: the usage numbers."""
-
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The job failed inside the engine (a bug, never a client error): the message says why."""
-
-    message: str
-
-
-Event = Delta | Finished | Done | Failed
-
-
-@dataclass
-class Job:
-    """One request: a prompt, ``n`` choices, and where its events go (called on the engine thread)."""
-
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    emit: Callable[[Event], None]
-    n: int = 1
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the k most likely
-    constraint: Callable[[], Constraint] | None = None  # makes each choice's constraint (structured output)
-    cancelled: bool = False
-    completion_tokens: int = 0  # sampled so far over all choices
-    submitted: float = field(default_factory=time.monotonic)
-
-    def cancel(self) -> None:
-        """Stop the job: its rows leave the batch at the next step (safe from any thread)."""
-        self.cancelled = True
-
-
-class Row:
-    """One choice of a job while it runs: its job, its number and its :class:`RowStepper`."""
-
-    def __init__(self, job: Job, choice: int, stepper: RowStepper) -> None:
-        self.job, self.choice, self.stepper = job, choice, stepper
-        self.finish: FinishReason | None = None  # the stepper's, or CANCELLED
-
-    @property
-    def last(self) -> int:
-        return self.stepper.last
-
-
 class Engine:
     """Owns a model and serves :class:`Job` s with continuous batching on a thread of its own.
 
     ``max_batch`` rows run at once, ``max_queue`` jobs wait beyond them; ``max_memory`` bounds the cache
     and activations (default: :func:`qwen_runtime.backend.limits.default_memory_limit`); a row holds at most
     ``max_context`` tokens (default: the model's context, less if the memory limit cannot hold that many for
-    one row); prompts are prefilled ``prefill_chunk`` tokens at a time; ``stop_ids`` end a choice; special
+    one row); prompts are prefilled ``prefill_chunk`` tokens at a time, up to ``prefill_budget`` tokens
+    (default: the larger of :data:`PREFILL_BUDGET` and ``prefill_chunk``) of several prompts between two decode
+    steps; ``stop_ids`` end a choice; special
     tokens other than ``text_ids`` produce no text; tokens, steps and failures are counted in ``metrics``.
     ``cache_memory`` bounds the prefix cache (:mod:`.prefix_cache`; None: a quarter of the memory limit,
     0: off); its blocks live in the memory limit too and are evicted when a request needs the room.  With
@@ -171,13 +96,15 @@ class Engine:
                  max_queue: int = 64, max_memory: int | None = None, prefill_chunk: int = 128,
                  max_context: int | None = None, text_ids: frozenset[int] = frozenset(),
                  metrics: Metrics | None = None, cache_memory: int | None = None, draft_tokens: int = 0,
-                 cache_dir: str | Path | None = None, cache_turns: bool = False) -> None:
+                 cache_dir: str | Path | None = None, cache_turns: bool = False,
+                 prefill_budget: int | None = None) -> None:
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or (max_context is not None and max_context < 2):
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0 and max_context >= 2")
         if not 0 <= draft_tokens < STEP_TOKENS:
             raise ValueError(f"draft_tokens must be from 0 to {STEP_TOKENS - 1}, got {draft_tokens}")
         self.model, self.tokenizer, self.stop_ids = model, tokenizer, frozenset(stop_ids)
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.prefill_budget = max(PREFILL_BUDGET, prefill_chunk) if prefill_budget is None else prefill_budget
         self.hidden_ids = frozenset(tokenizer.special_ids) - frozenset(text_ids)
         cfg = model.config
         context = min(cfg.context_window, max_context or cfg.context_window)
@@ -187,7 +114,9 @@ class Engine:
         self.draft_asked = draft_tokens
         self.draft_tokens = draft_tokens if model.exact_steps else 0  # numpy kernels: no exact verify pass
         step_rows = max_batch * (1 + self.draft_tokens)  # a verify pass's tokens, and its recurrent checkpoint
+        batched = self.prefill_budget > prefill_chunk  # a pass's tokens beyond one chunk's (their own scores)
         self.activations = (activation_bytes(cfg, step_rows, 1, 1) + activation_bytes(cfg, 1, context, prefill_chunk)
+                            + (activation_bytes(cfg, 1, self.prefill_budget, self.prefill_budget) if batched else 0)
                             + (max_batch * self.row_bytes if self.draft_tokens else 0))
         room = (self.memory_limit - self.activations - self.row_bytes) // self.token_bytes
         if room < 2:
@@ -210,8 +139,8 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._rows: list[Row] = []
-        self._prefill: tuple[Job, int] | None = None  # the job being prefilled and how many tokens are done
-        self._prefill_exact = True  # whether it started from whole blocks (or nothing), not from a tail
+        self.prefills = Prefills(model, self.slots, self.prefix, prefill_chunk, self.prefill_budget, self.metrics,
+                                 self.row_bytes > 0)
         self._reserved: dict[int, int] = {}  # id(job) -> bytes reserved for its rows
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -244,8 +173,7 @@ class Engine:
         with self._cond:
             if self.error is not None:
                 raise EngineStoppedError(f"the engine stopped after repeated internal errors: {self.error}")
-            prefill = self._prefill  # written by the engine thread: read once
-            busy = len(self._rows) + (prefill[0].n if prefill else 0)
+            busy = len(self._rows) + self.prefills.rows
             free = max(0, self.max_batch - busy - sum(j.n for j in self._waiting))
             if job.n > free and len(self._waiting) >= self.max_queue:
                 raise QueueFullError(f"{busy} of {self.max_batch} rows busy and {len(self._waiting)} requests waiting")
@@ -256,7 +184,7 @@ class Engine:
     def status(self) -> dict[str, object]:
         with self._cond:
             return {"running_rows": len(self._rows), "waiting": len(self._waiting),
-                    "prefilling": self._prefill is not None, "max_batch": self.max_batch,
+                    "prefilling": bool(self.prefills.active), "max_batch": self.max_batch,
                     "decode_steps": self.steps, "peak_rows": self.peak_rows,
                     "reserved_bytes": sum(self._reserved.values()), "memory_limit_bytes": self.memory_limit,
                     "restarts": self.restarts, "last_error": self.last_error, "draft_tokens": self.draft_tokens,
@@ -317,7 +245,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._waiting or self._rows or self._prefill):
+                while not (self._stopping or self._waiting or self._rows or self.prefills.active):
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -339,76 +267,66 @@ class Engine:
                 self._fail(job, f"internal error: {type(exc).__name__}: {exc}")
 
     def _admit(self) -> None:
-        """Start prefilling the oldest waiting job if rows and memory allow (called under the lock)."""
+        """Start prefilling the oldest waiting jobs while rows and memory allow (called under the lock)."""
         if any(job.cancelled for job in self._waiting):
             self._waiting = collections.deque(job for job in self._waiting if not job.cancelled)
-        if self._prefill is not None or not self._waiting:
-            return
-        job = self._waiting[0]
-        need = self.job_bytes(len(job.prompt_ids), job.max_tokens, job.n)
-        if len(self._rows) + job.n > self.max_batch:
-            return
-        over = sum(self._reserved.values()) + need + self.activations - self.memory_limit
-        if over > 0:
-            return
-        if self.prefix is not None and over + self.prefix.nbytes > 0:  # cached blocks give way to requests
-            self.prefix.evict(over + self.prefix.nbytes)
-        self._waiting.popleft()
-        self._reserved[id(job)] = need
-        row = len(self._rows)
-        self.slots.reset(row)
-        hit = self.prefix.lookup(job.prompt_ids) if self.prefix else None
-        self._prefill = (job, self.prefix.restore(row, hit) if hit and hit.length else 0)
-        self._prefill_exact = hit is None or hit.tail is None  # a row resumed from a tail stores no blocks
+        while self._waiting:
+            job = self._waiting[0]
+            need = self.job_bytes(len(job.prompt_ids), job.max_tokens, job.n)
+            slack = 1 if self.prefills.active else 0  # a free row while prompts make room for each other (_start_rows)
+            if len(self._rows) + self.prefills.rows + job.n + slack > self.max_batch:
+                return
+            over = sum(self._reserved.values()) + need + self.activations - self.memory_limit
+            if over > 0:
+                return
+            if self.prefix is not None and over + self.prefix.nbytes > 0:  # cached blocks give way to requests
+                self.prefix.evict(over + self.prefix.nbytes)
+            self._waiting.popleft()
+            self._reserved[id(job)] = need
+            self.prefills.start(job, self._free_slot(len(self._rows)))
+
+    def _free_slot(self, low: int, exclude: int = -1) -> int:
+        """The highest slot row from ``low`` up that no prompt being prefilled (nor ``exclude``) holds."""
+        held = {p.slot for p in self.prefills.active} | {exclude}
+        return next(i for i in range(self.max_batch - 1, low - 1, -1) if i not in held)
 
     def _prefill_chunks(self) -> None:
-        """Prefill chunks of admitted prompts, oldest first, up to ``prefill_chunk`` tokens in all (at least one
-        chunk): short prompts arriving together start together.  A prompt's chunks always start at multiples
-        of ``prefill_chunk``, so its numbers do not depend on what else is prefilled."""
-        budget = self.prefill_chunk
+        """Prefill passes of the admitted prompts' next chunks, up to ``prefill_budget`` tokens in all (at least one
+        chunk: :meth:`.Prefills.plan`); prompts arriving together start together."""
+        budget, first = self.prefill_budget, True
         while True:
             with self._cond:
                 self._admit()
-            if self._prefill is None:
+            plan = self.prefills.plan(budget, first)
+            if not plan:
                 return
-            job, done = self._prefill
-            size = min(self.prefill_chunk, len(job.prompt_ids) - done)
-            if size > budget:
-                return
-            budget -= size
-            self._guarded(self._prefill_step, [job])
+            budget -= sum(end - p.done for p, end in plan)
+            first = False
+            self._guarded(lambda plan=plan: self._prefill_pass(plan), [p.job for p, _ in plan])
 
-    def _prefill_step(self) -> None:
-        job, done = self._prefill
-        slot, size = len(self._rows), len(job.prompt_ids)
-        end = min(done + self.prefill_chunk, size)
-        turns = self.prefix is not None and self.prefix.turns
-        recurrent = self.row_bytes > 0
-        if turns and recurrent and self._prefill_exact and end == size and 1 < end - done < self.prefill_chunk:
-            end -= 1  # a new prompt's last token (not a block's) in a pass of its own, for a tail before it (below);
-            # a prompt resumed from a tail goes on in one pass (its time to first token) and keeps its answer's tail
-        chunk = job.prompt_ids[done:end]
-        start = time.perf_counter()
-        logits = self.model.forward(np.asarray([chunk], np.int64), self.slots.rows(slot, slot + 1),
-                                    last_only=True)  # [1, V]; decode steps follow
-        self.metrics.prefill_step.observe(time.perf_counter() - start)
-        done = end
-        if self.prefix is not None and self._prefill_exact and done % self.prefill_chunk == 0:  # a block ends here
-            self.prefix.store(slot, job.prompt_ids, done)
-        if done < size:
-            if turns and recurrent and done == size - 1:
-                # a recurrent state restores only whole: a tail before the prompt's last token still serves a
-                # next prompt whose text tokenizes differently where this prompt met its answer
-                self.prefix.store_tail(slot, job.prompt_ids[:done])
-            self._prefill = (job, done)
-            return
-        self._prefill = None
-        rows = [Row(job, i, self._stepper(job, i)) for i in range(job.n)]
+    def _prefill_pass(self, plan: list[tuple[Prefill, int]]) -> None:
+        """One pass of ``plan``'s chunks; each prompt it finishes starts its rows with its first token."""
+        for p, logits in self.prefills.run(plan):
+            self._start_rows(p, logits)
+
+    def _start_rows(self, p: Prefill, logits: np.ndarray) -> None:
+        """Turn a prefilled prompt into its job's running rows (its slot row and ``n - 1`` copies, right after the
+        running rows; a prompt still being prefilled there moves up to a free row, which admission's slack row
+        guarantees) and take their first token from ``logits`` [1, V]."""
+        job, first = p.job, len(self._rows)
+        for other in self.prefills.active:
+            if other is not p and first <= other.slot < first + job.n:
+                slot = self._free_slot(first + job.n, exclude=p.slot)
+                self.slots.move(other.slot, slot)
+                other.slot = slot
+        self.slots.move(p.slot, first)
+        self.prefills.drop(job)
         for i in range(1, job.n):
-            self.slots.copy(slot, slot + i)
+            self.slots.copy(first, first + i)
+        rows = [Row(job, i, self._stepper(job, i)) for i in range(job.n)]
         self._rows.extend(rows)
         self._advance(rows, np.repeat(logits, job.n, axis=0))
-        if turns and not recurrent and rows[0].finish is None:
+        if self.prefix is not None and self.prefix.turns and not self.row_bytes and rows[0].finish is None:
             # where the prompt ends (the row holds just the prompt), once its first token is out
             self.prefix.store_tail(self._rows.index(rows[0]), job.prompt_ids)
 
@@ -448,19 +366,28 @@ class Engine:
         self._advance(rows, logits)
 
     def _verify_step(self, rows: list[Row], drafts: list[list[int]], lengths: np.ndarray) -> bool:
-        """One verify pass of every running row's last token and drafts (padded to the longest; see the module
-        docstring), then each row's steps, and its cache cut back to them.  If the pass raises, a model without
-        recurrent state gets its rows' lengths back and False (the caller steps them plainly, row by row if need
-        be); with recurrent state the step's requests fail together."""
-        width = max(len(d) for d in drafts)
-        tokens = np.asarray([[row.last, *d, *[row.last] * (width - len(d))]
-                             for row, d in zip(rows, drafts, strict=True)], np.int64)  # [B, 1 + width]
-        own = np.asarray([1 + len(d) for d in drafts])  # [B] each row's own tokens; the rest is padding
-        cache = self.slots.rows(0, len(rows))
+        """One verify pass of every running row's last token and drafts
+        (:func:`~qwen_runtime.generation.stepper.verify_pass`), each row's steps emitted as it takes them.  If the pass
+        raises, a model without recurrent state gets its rows' lengths back and False (the caller steps them plainly,
+        row by row if need be); with recurrent state the step's requests fail together."""
+        def take(i: int, logits: np.ndarray) -> list[Step]:
+            row = rows[i]
+            if row.finish is not None:
+                return []
+            try:
+                steps = row.stepper.accept(logits, drafts[i])  # a sampled row: no drafts, one step
+            except Exception as exc:
+                self._fail_row(row, exc)
+                return []
+            self.metrics.draft_proposed.inc(len(drafts[i]))
+            self.metrics.draft_accepted.inc(len(steps) - 1)
+            for j, step in enumerate(steps):
+                self._emit(row, step, logits[j])
+            return steps
+
         start = time.perf_counter()
-        cache.checkpoint(own > 1)  # a row without drafts keeps its one token: nothing to restore
         try:
-            logits = self.model.verify(tokens, cache, np.arange(1 + width)[None, :] < own[:, None])  # [B, 1+width, V]
+            verify_pass(self.model, self.slots.rows(0, len(rows)), [row.stepper for row in rows], drafts, take)
         except Exception:
             if self.row_bytes:
                 raise
@@ -471,20 +398,6 @@ class Engine:
         self.metrics.batch_rows.observe(len(rows))
         self.steps += 1
         self.peak_rows = max(self.peak_rows, len(rows))
-        keep = np.ones(len(rows), np.int64)  # [B] tokens of the pass each row's cache keeps
-        for i, (row, row_drafts) in enumerate(zip(rows, drafts, strict=True)):
-            if row.finish is not None:
-                continue
-            try:
-                steps = row.stepper.accept(logits[i], row_drafts)  # a sampled row: no drafts, one step
-                keep[i] = len(steps)
-                self.metrics.draft_proposed.inc(len(row_drafts))
-                self.metrics.draft_accepted.inc(len(steps) - 1)
-                for j, step in enumerate(steps):
-                    self._emit(row, step, logits[i, j])
-            except Exception as exc:
-                self._fail_row(row, exc)
-        cache.rollback(keep)
         self._retire()
         return True
 
@@ -529,7 +442,7 @@ class Engine:
 
     def _retire(self) -> None:
         """Drop finished rows (the last row moves into each hole) and finish jobs with no rows left."""
-        before, i = len(self._rows), 0
+        i = 0
         while i < len(self._rows):
             row = self._rows[i]
             if row.finish is None:
@@ -544,8 +457,6 @@ class Engine:
             self._rows.pop()
             if not any(r.job is row.job for r in self._rows):
                 self._complete(row.job)
-        if self._prefill is not None:  # the prompt being prefilled keeps the row right after the running ones
-            self.slots.move(before, len(self._rows))
 
     def _release(self, job: Job) -> None:
         with self._cond:  # status() and submit() sum the reservations under the lock
@@ -559,10 +470,10 @@ class Engine:
             job.emit(Done(len(job.prompt_ids), job.completion_tokens))
 
     def _drop_cancelled(self) -> None:
-        prefill = self._prefill
-        if prefill is not None and prefill[0].cancelled:
-            self._release(prefill[0])
-            self._prefill = None
+        for p in list(self.prefills.active):
+            if p.job.cancelled:
+                self.prefills.drop(p.job)
+                self._release(p.job)
         for row in self._rows:
             if row.job.cancelled:
                 row.finish = FinishReason.CANCELLED
@@ -570,8 +481,7 @@ class Engine:
 
     def _fail(self, job: Job, message: str, retire: bool = True) -> None:
         """End ``job`` with :class:`Failed` (its rows leave at the next :meth:`_retire`, at once if ``retire``)."""
-        if self._prefill is not None and self._prefill[0] is job:
-            self._prefill = None
+        self.prefills.drop(job)
         for row in self._rows:
             if row.job is job:
                 row.finish = FinishReason.CANCELLED
@@ -586,8 +496,8 @@ class Engine:
 
     def _abandon_in_flight(self, message: str) -> None:
         """Fail the running and prefilling jobs (after the loop died); waiting jobs stay queued."""
-        jobs = [r.job for r in self._rows] + ([self._prefill[0]] if self._prefill else [])
-        self._rows, self._prefill = [], None
+        jobs = [r.job for r in self._rows] + [p.job for p in self.prefills.active]
+        self._rows, self.prefills.active = [], []
         for job in {id(j): j for j in jobs}.values():
             self._release(job)
             if not job.cancelled:
@@ -604,20 +514,6 @@ class Engine:
             if not job.cancelled:
                 job.cancel()
                 job.emit(Failed(message))
-
-
-def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
-    """Log-probabilities of the raw logits [V] (float64): the sampled token's and the ``top`` best."""
-    x = logits.astype(np.float64)
-    m = x.max()
-    logz = m + np.log(np.exp(x - m).sum())
-    best: tuple[tuple[int, float], ...] = ()
-    if top > 0:
-        k = min(top, x.size)
-        ids = np.argpartition(-x, k - 1)[:k]
-        ids = ids[np.argsort(-x[ids], kind="stable")]
-        best = tuple((int(i), float(x[i] - logz)) for i in ids)
-    return TokenLogprob(int(token), float(x[token] - logz), best)
 
 
 __all__ = ["Delta", "Done", "Engine", "EngineStoppedError", "Event", "Failed", "Finished", "Job", "QueueFullError",

@@ -90,6 +90,7 @@ class Sample:
     decode_tps: float  # (tokens - 1) / (last chunk - first chunk)
     round: int = 0  # the sweep round it belongs to
     wall: float = 0.0  # the round's wall time (sweep)
+    worst_gap: float = 0.0  # the longest wait between two content chunks, in seconds
 
 
 def free_port() -> int:
@@ -109,7 +110,7 @@ def stream_completion(port: int, prompt: str, max_tokens: int) -> tuple[Sample, 
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
     first = last = None
-    chunks, usage, text = 0, None, []
+    chunks, usage, text, worst_gap = 0, None, [], 0.0
     for line in response:
         if not line.startswith(b"data: "):
             continue
@@ -120,7 +121,9 @@ def stream_completion(port: int, prompt: str, max_tokens: int) -> tuple[Sample, 
         usage = chunk.get("usage") or usage
         for choice in chunk.get("choices", []):
             if choice.get("text"):
-                last = time.perf_counter()
+                now = time.perf_counter()
+                worst_gap = max(worst_gap, now - last) if last is not None else worst_gap
+                last = now
                 first = first or last
                 chunks += 1
                 text.append(choice["text"])
@@ -130,7 +133,7 @@ def stream_completion(port: int, prompt: str, max_tokens: int) -> tuple[Sample, 
     tokens = usage["completion_tokens"] if usage else chunks
     prompt_tokens = usage["prompt_tokens"] if usage else -1
     tps = (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0
-    return Sample("", 0, 0, first - t0, end - t0, tokens, prompt_tokens, tps), "".join(text)
+    return Sample("", 0, 0, first - t0, end - t0, tokens, prompt_tokens, tps, worst_gap=worst_gap), "".join(text)
 
 
 def concurrently(port: int, prompts: list[str], max_tokens: int) -> tuple[float, list[tuple[Sample, str]]]:
@@ -374,7 +377,7 @@ def bench_server(server: str, model: Path, args: argparse.Namespace) -> dict[str
             samples += got
             r = summarize_sweep(got)
             print(f"  {server:>16} {n:>3} clients: {r['aggregate_tps']:7.2f} tok/s, TTFT p50 {r['ttft_p50']:.2f} s "
-                  f"p95 {r['ttft_p95']:.2f} s", flush=True)
+                  f"p95 {r['ttft_p95']:.2f} s, worst inter-token gap {r['worst_gap_s']:.2f} s", flush=True)
         if args.conversations:
             got = multi_turn(port, args.conversations, args.turn1_words, args.turn_tokens)
             samples += got
@@ -405,7 +408,8 @@ def summarize_sweep(samples: list[Sample]) -> dict[str, float]:
     ttft = np.array([s.ttft for s in samples])
     return {"aggregate_tps": sum(s.tokens for s in samples) / sum(walls.values()),
             "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p95": float(np.percentile(ttft, 95)),
-            "request_tps_median": float(np.median([s.decode_tps for s in samples]))}
+            "request_tps_median": float(np.median([s.decode_tps for s in samples])),
+            "worst_gap_s": max(s.worst_gap for s in samples)}
 
 
 def summarize_turns(samples: list[Sample]) -> dict[str, float]:

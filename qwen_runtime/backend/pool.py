@@ -145,6 +145,8 @@ class Workspace:
         self.dry = False  # inside dry_run(): see there
         self._keeping = 0  # open keep_scratch() blocks
         self.active_rows: np.ndarray | None = None  # inside rowwise(rows): the activation rows multiplied
+        self.segments: tuple[int, ...] | None = None  # inside segmented(): see there
+        self.tile_segments: tuple[int, ...] | None = None  # the segments of a tile product (weights.by_segments)
 
     @contextlib.contextmanager
     def rowwise(self, rows: np.ndarray | None = None) -> Iterator[None]:
@@ -159,6 +161,18 @@ class Workspace:
             yield
         finally:
             self.row_invariant, self.active_rows = previous
+
+    @contextlib.contextmanager
+    def segmented(self, lengths: Sequence[int]) -> Iterator[None]:
+        """Inside the block, the activation rows of a product are consecutive segments of ``lengths`` rows (the
+        chunks of several prompts prefilled together), and each segment's rows get the numbers a product of that
+        segment alone gives (:func:`qwen_runtime.backend.weights.by_segments`), while the weights are read once
+        for all."""
+        previous, self.segments = self.segments, tuple(int(n) for n in lengths)
+        try:
+            yield
+        finally:
+            self.segments = previous
 
     @contextlib.contextmanager
     def dry_run(self) -> Iterator[None]:

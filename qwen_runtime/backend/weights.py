@@ -28,6 +28,12 @@ one GEMM for the batch, less than per-row block sums (docs/performance.md).
 ``Workspace.rowwise(rows)`` multiplies only the activation rows named (the others come out 0): the padding of a
 verify pass whose rows bring fewer draft tokens than the longest costs no product.
 
+**Segmented products.**  Inside ``Workspace.segmented(lengths)`` (several prompts' chunks prefilled in one pass)
+each segment's rows get what a product of the segment alone gives (:func:`by_segments`): segments short enough
+for the row kernels go through them (row-invariant), longer ones through the tile path, each tile decoded once
+and multiplied by each segment in a BLAS call of its own (a BLAS may sum a row differently in a product of more
+rows: OpenBLAS did for segments of 33-37 rows).
+
 ``rows(ids)`` is the embedding lookup: it decodes only the rows asked for.  A tied ``lm_head`` is the very
 same object as the token embedding.  Every kind keeps ``to_float32()`` as the plain reference that the
 tests compare the fast paths against.
@@ -171,7 +177,9 @@ class TiledWeight(Weight):
         return x
 
     def block_product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
-        if not self.ws.row_invariant:
+        if not self.ws.row_invariant and self.ws.tile_segments is not None:  # by_segments' long segments
+            self.kernel.product_segments(r0, r1, xk, out, scratch, self.ws.tile_segments)
+        elif not self.ws.row_invariant:
             self.kernel.product(r0, r1, xk, out, scratch)
         elif isinstance(self.kernel, RowTileKernel):  # the compiled kernels too
             self.kernel.product_rows(r0, r1, xk, out, scratch)
@@ -201,6 +209,8 @@ def matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
     Fusing projections that share their input (q/k/v, gate/up) balances the pool over every row of them
     and pays its dispatch once.  All weights must share one workspace.  # [N, in] -> [[N, out_i], ...]
     """
+    if weights and weights[0].ws.segments is not None:
+        return by_segments(weights, x, lambda xs: matmul_many(weights, xs))
     rows = active_rows(weights[0].ws, x) if weights else None
     if rows is not None:  # padded rows: only the active ones are multiplied
         return [scatter_rows(y, rows) for y in _matmul_many(weights, x[rows])]
@@ -296,10 +306,48 @@ def gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
     Each weight multiplies its block in its own kind; weights split into different blocks (different tile
     sizes) fall back to :func:`matmul_many`.  # [N, in] -> [N, out]
     """
+    if gate.ws.segments is not None:
+        return by_segments([gate, up], x, lambda xs: [gated_matmul(gate, up, xs)], [gate.out_features])[0]
     rows = active_rows(gate.ws, x)
     if rows is not None:  # padded rows: only the active ones are multiplied
         return scatter_rows(_gated_matmul(gate, up, x[rows]), rows)
     return _gated_matmul(gate, up, x)
+
+
+def by_segments(weights: Sequence[Weight], x: np.ndarray, product: Callable[[np.ndarray], list[np.ndarray]],
+                widths: Sequence[int] | None = None) -> list[np.ndarray]:
+    """``product(x)`` inside ``Workspace.segmented(lengths)``: each segment's rows as a product of that segment
+    alone computes them.  Alone, a segment of up to ``direct_rows`` rows goes through the row kernels, whose
+    numbers do not depend on the other rows (so all such segments run together, row by row: ``rowwise``); a
+    longer one through a decoded tile and BLAS, so all such segments share each decoded tile, each a BLAS call
+    of its own (``JitKernel.product_segments``).  Needs compiled kernels
+    sharing one ``direct_rows`` and float activations (``Model.prefill_many`` checks).  ``widths``: the
+    columns of each array ``product`` returns (default: each weight's output).  # [N, in] -> [[N, out_i], ...]
+    """
+    ws = weights[0].ws
+    lengths, limit = ws.segments, {w.kernel.direct_rows for w in weights if isinstance(w, TiledWeight)}
+    if sum(lengths) != len(x) or len(limit) != 1 or not all(isinstance(w, TiledWeight) and w.compiled
+                                                            for w in weights):
+        raise ValueError(f"segments of {sum(lengths)} rows need compiled kernels of one direct_rows for {len(x)}")
+    direct_rows, bounds = limit.pop(), np.cumsum((0, *lengths))
+    short = np.zeros(len(x), bool)  # the rows of segments the row kernels take
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+        short[start:stop] = stop - start <= direct_rows
+    widths = [w.out_features for w in weights] if widths is None else widths
+    outputs = [np.empty((len(x), n), np.float32) for n in widths]
+    ws.segments = None  # the parts below are plain products
+    try:
+        if short.any():
+            with ws.rowwise():
+                for out, y in zip(outputs, product(x[short]), strict=True):
+                    out[short] = y
+        if not short.all():
+            ws.tile_segments = tuple(n for n in lengths if n > direct_rows)
+            for out, y in zip(outputs, product(x[~short]), strict=True):
+                out[~short] = y
+    finally:
+        ws.segments, ws.tile_segments = lengths, None
+    return outputs
 
 
 def _gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:

@@ -28,7 +28,7 @@ from ..errors import ContextOverflowError
 from ..models import Model
 from ..text.tokenizer import Tokenizer
 from .sampling import SamplingParams
-from .stepper import RowStepper
+from .stepper import RowStepper, verify_pass
 
 
 @dataclass(frozen=True)
@@ -200,10 +200,7 @@ class Generation:
                     return
                 drafts = row.drafts()
                 if drafts:
-                    cache.checkpoint()
-                    logits = model.verify(np.asarray([[row.last, *drafts]], np.int64), cache)[0]  # [T, V]
-                    steps = row.accept(logits, drafts)
-                    cache.rollback(np.asarray([len(steps)]))
+                    steps = verify_pass(model, cache, [row], [drafts])[1][0]
                     self.stats.draft_proposed += len(drafts)
                     self.stats.draft_accepted += len(steps) - 1
                 else:

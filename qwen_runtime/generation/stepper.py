@@ -16,13 +16,14 @@ each pick while it is the next draft: the drafts the row's own greedy picks agre
 How many it proposes adapts as in transformers' assisted generation: two more after a pass that took every
 draft, one fewer (at least one) after a pass that refused some, so a row whose drafts keep failing verifies
 short passes.  Stops, stop strings, the token budget and constraints act on each token as in plain decoding,
-so the tokens and text are plain decoding's; the loop cuts the cache back to the tokens taken.  Sampled rows
-never draft.
+so the tokens and text are plain decoding's; the cache is cut back to the tokens taken.  Sampled rows
+never draft.  :func:`verify_pass` is that sequence (checkpoint, verify, accept, rollback) for every loop that
+drafts: :class:`~qwen_runtime.generation.generate.Generation` and the server's engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -52,6 +53,23 @@ class Constraint(Protocol):
 
     def advance(self, token: int) -> None:
         """The row took ``token``."""
+
+
+class Verifier(Protocol):
+    """What :func:`verify_pass` needs of a model (:meth:`~qwen_runtime.models.Model.verify`)."""
+
+    def verify(self, ids: np.ndarray, cache: object, valid: np.ndarray | None = None) -> np.ndarray:
+        """Logits [B, T, V] of ``ids`` [B, T], each token's those of a one-token step."""
+
+
+class Undoable(Protocol):
+    """What :func:`verify_pass` needs of a cache (:class:`~qwen_runtime.backend.cache.LayeredCache`)."""
+
+    def checkpoint(self, rows: np.ndarray | None = None) -> None:
+        """Make the next pass undoable in ``rows`` (bool [B])."""
+
+    def rollback(self, keep: np.ndarray) -> None:
+        """Undo the pass but for its first ``keep[b]`` tokens of each row."""
 
 
 class StopStrings:
@@ -226,4 +244,33 @@ class RowStepper:
         return steps
 
 
-__all__ = ["Constraint", "FinishReason", "PromptLookup", "RowStepper", "Step", "StopStrings"]
+def verify_pass(model: Verifier, cache: Undoable, rows: Sequence[RowStepper], drafts: Sequence[Sequence[int]],
+                take: Callable[[int, np.ndarray], list[Step]] | None = None) -> tuple[np.ndarray, list[list[Step]]]:
+    """One speculative step of ``rows`` (row ``b`` of ``cache`` is ``rows[b]``'s): checkpoint the cache, verify each
+    row's last token and its ``drafts`` in one pass, accept, and cut the cache back to the tokens taken.
+
+    Rows bring different numbers of drafts: the pass is padded to the longest with the row's last token, and the
+    padding is masked out (its products skipped, its logits never read).  ``take(b, logits)`` steps row ``b``
+    through its logits [1 + width, V] (default: :meth:`RowStepper.accept` of its drafts); a caller passes its own
+    to skip finished rows, emit each step or isolate a row's failure; a row that takes no step (``[]``) keeps the
+    one token fed for it.  If the pass raises, the cache's recurrent state is left as the pass left it (the
+    caller decides: a model with keys and values only gets its lengths back and steps plainly).
+    Returns the logits [B, 1 + width, V] and each row's steps.
+    """
+    width = max(len(d) for d in drafts)
+    tokens = np.asarray([[row.last, *d, *[row.last] * (width - len(d))]
+                         for row, d in zip(rows, drafts, strict=True)], np.int64)  # [B, 1 + width]
+    own = np.asarray([1 + len(d) for d in drafts])  # [B] each row's own tokens; the rest is padding
+    valid = None if (own == 1 + width).all() else np.arange(1 + width)[None, :] < own[:, None]  # [B, 1 + width]
+    cache.checkpoint(own > 1)  # a row without drafts keeps its one token: nothing to restore
+    logits = model.verify(tokens, cache, valid)  # [B, 1 + width, V]
+    if take is None:
+        steps = [row.accept(logits[b], d) for b, (row, d) in enumerate(zip(rows, drafts, strict=True))]
+    else:
+        steps = [take(b, logits[b]) for b in range(len(rows))]
+    cache.rollback(np.asarray([max(1, len(s)) for s in steps], np.int64))
+    return logits, steps
+
+
+__all__ = ["Constraint", "FinishReason", "PromptLookup", "RowStepper", "Step", "StopStrings", "Undoable", "Verifier",
+           "verify_pass"]

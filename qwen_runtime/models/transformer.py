@@ -9,13 +9,14 @@ H hidden size, I intermediate size, V vocabulary.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from ..backend.cache import BatchState, Cache, CacheSize, LayerCache
+from ..backend.cache import BatchState, Cache, CacheSize, LayerCache, LayeredCache
 from ..backend.limits import MemoryPlan, check_memory
 from ..backend.ops import rms_norm
 from ..backend.pool import STEP_TOKENS
@@ -58,12 +59,16 @@ class Block:
 
     def __call__(self, h: np.ndarray, cache: LayerCache, state: BatchState) -> np.ndarray:
         b, t, d = h.shape
+        h, x = self.mix(h, cache, state)
+        return h + self.mlp(x.reshape(b * t, d)).reshape(b, t, d)
+
+    def mix(self, h: np.ndarray, cache: LayerCache, state: BatchState) -> tuple[np.ndarray, np.ndarray]:
+        """The residual stream after the mixer and its second norm, the MLP's input.  # [B, T, H] -> both [B, T, H]"""
         if self.ws.kernels == "numba":  # the residual add and the second norm in one pass
-            h, x = ops_jit().add_rms_norm(h, self.mixer(ops_jit().rms_norm(h, self.mixer_norm, self.eps), cache, state),
+            return ops_jit().add_rms_norm(h, self.mixer(ops_jit().rms_norm(h, self.mixer_norm, self.eps), cache, state),
                                           self.mlp_norm, self.eps)
-            return h + self.mlp(x.reshape(b * t, d)).reshape(b, t, d)
         h = h + self.mixer(rms_norm(h, self.mixer_norm, self.eps), cache, state)  # [B, T, H]
-        return h + self.mlp(rms_norm(h, self.mlp_norm, self.eps).reshape(b * t, d)).reshape(b, t, d)
+        return h, rms_norm(h, self.mlp_norm, self.eps)
 
 
 class Model:
@@ -134,6 +139,64 @@ class Model:
         logits = self.lm_head.matmul(h.reshape(-1, h.shape[-1])).reshape(b, h.shape[1], -1)  # [B, T|1, V]
         self.workspace.pass_done(t)
         return logits[:, 0] if last_only else logits
+
+    def prefill_many(self, chunks: Sequence[Sequence[int]], caches: Sequence[LayeredCache]) -> np.ndarray:
+        """The next-token logits of K sequences, each fed its chunk of new tokens on a one-row cache of its own:
+        row k is bit for bit ``forward([chunks[k]], caches[k], last_only=True)[0]``, while the MLPs read their
+        weights once for all chunks (a server prefilling several prompts between two decode steps).
+
+        Each chunk's mixers run alone, as in :meth:`forward`; the MLPs multiply every chunk's rows together inside
+        ``Workspace.segmented`` (each segment's numbers are its own: :func:`~qwen_runtime.backend.weights.by_segments`)
+        and the LM head takes the last rows row by row.  A chunk that :meth:`forward` runs through the compiled
+        one-token step runs alone, and so does every chunk when the products cannot be segmented exactly
+        (:attr:`segments_exact`).  -> float32 [K, V]
+        """
+        if len(chunks) != len(caches) or not chunks or not all(len(c) for c in chunks):
+            raise ValueError(f"{len(chunks)} chunks (each of at least one token) for {len(caches)} caches")
+        ids = [np.asarray(c, np.int64) for c in chunks]
+        together = [k for k, c in enumerate(ids) if self.segments_exact
+                    and not (self.step is not None and self.step.runs(1, len(c), caches[k]))]
+        together = together if len(together) > 1 else []
+        logits: list[np.ndarray] = [np.empty(0, np.float32)] * len(ids)
+        for k in sorted(set(range(len(ids))) - set(together)):
+            logits[k] = self.forward(ids[k][None], caches[k], last_only=True)[0]
+        if together:
+            for k, row in zip(together, self._prefill_together([ids[k] for k in together],
+                                                               [caches[k] for k in together]), strict=True):
+                logits[k] = row
+        return np.stack(logits)
+
+    def _prefill_together(self, ids: list[np.ndarray], caches: list[LayeredCache]) -> np.ndarray:
+        """:meth:`prefill_many` of chunks that all run the per-operation path.  -> [K, V]"""
+        if any(c.min() < 0 or c.max() >= self.config.vocab_size for c in ids):
+            raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
+        lengths = [len(c) for c in ids]
+        states = [cache.begin(np.ones((1, n), bool)) for cache, n in zip(caches, lengths, strict=True)]
+        hs = [self.embed.rows(c).reshape(1, len(c), -1) for c in ids]  # K x [1, T_k, H]
+        d = hs[0].shape[-1]
+        for layer, blk in enumerate(self.blocks):
+            mixed = [blk.mix(h, cache.layers[layer], state) for h, cache, state in zip(hs, caches, states, strict=True)]
+            with self.workspace.segmented(lengths):
+                y = blk.mlp(np.concatenate([x.reshape(-1, d) for _, x in mixed]))  # [sum T_k, H]
+            ends = np.cumsum(lengths)
+            hs = [h + y[end - n:end].reshape(1, n, d) for (h, _), end, n in zip(mixed, ends, lengths, strict=True)]
+        for cache, state in zip(caches, states, strict=True):
+            cache.commit(state)
+        norm = ops_jit().rms_norm if self.workspace.kernels == "numba" else rms_norm
+        last = norm(np.concatenate([h[:, -1:] for h in hs]), self.norm, self.config.rms_norm_eps)  # [K, 1, H]
+        with self.workspace.rowwise():  # each row as a one-row product gives it
+            logits = self.lm_head.matmul(last.reshape(len(ids), d))  # [K, V]
+        self.workspace.pass_done(max(lengths))
+        return logits
+
+    @property
+    def segments_exact(self) -> bool:
+        """Whether :meth:`prefill_many` can run several chunks in one pass: compiled kernels for every matrix (the
+        MLPs' of one ``direct_rows`` and float activations, whose tile-and-BLAS product ``product_segments`` splits)."""
+        mlps = [w for blk in self.blocks for w in (blk.mlp.gate, blk.mlp.up, blk.mlp.down)]
+        return (self.exact_steps and self.workspace.activations == "float"
+                and all(isinstance(w, TiledWeight) and hasattr(w.kernel, "product_segments") for w in mlps)
+                and len({w.kernel.direct_rows for w in mlps if isinstance(w, TiledWeight)}) == 1)
 
     @property
     def exact_steps(self) -> bool:

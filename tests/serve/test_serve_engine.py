@@ -371,3 +371,79 @@ def test_tails_are_evicted_first_by_age_and_keep_their_parent_block() -> None:
     assert len(cache.blocks) == 1 and [t.tokens.tolist() for t in cache.tails.values()] == [[1, 2, 4]]
     assert next(iter(cache.blocks.values())).children == 1
     assert cache.lookup(block + [1, 2, 4, 0]).length == 11 and cache.lookup(block + [1, 2, 3, 0]).length == 8
+
+
+# --- prompts under concurrency: passes of several prompts, within a budget, oldest first ----------------------
+
+
+def scheduled(eng, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[list[int]]]]:
+    """What the engine runs, in order: ("prefill", each chunk's tokens) per pass and ("decode", []) per step."""
+    log: list[tuple[str, list[list[int]]]] = []
+    prefill_many, decode = eng.model.prefill_many, eng._decode_step
+
+    def recording_prefill(chunks, caches):
+        log.append(("prefill", [list(c) for c in chunks]))
+        return prefill_many(chunks, caches)
+
+    def recording_decode():
+        log.append(("decode", []))
+        decode()
+
+    monkeypatch.setattr(eng.model, "prefill_many", recording_prefill)
+    monkeypatch.setattr(eng, "_decode_step", recording_decode)
+    return log
+
+
+def submit_together(eng, prompts: list[list[int]], max_tokens: int) -> list[Outcome]:
+    """Submit while holding the engine's lock, so its loop admits them all at once."""
+    outcomes = [Outcome() for _ in prompts]
+    with eng._cond:
+        for prompt, outcome in zip(prompts, outcomes, strict=True):
+            eng.submit(Engine.Job(prompt, max_tokens, SamplingParams(), outcome.emit))
+    for outcome in outcomes:
+        assert outcome.ended.wait(60), "a job never ended"
+    return outcomes
+
+
+def test_prompts_arriving_together_prefill_in_one_pass_with_their_solo_tokens(engine, monkeypatch) -> None:
+    solo = [run_jobs(engine, [p], 6)[0].tokens for p in PROMPTS]
+    log = scheduled(engine, monkeypatch)
+    together = submit_together(engine, PROMPTS, 6)
+    assert log[0] == ("prefill", PROMPTS)  # one pass of every prompt, oldest first, before any decode step
+    assert [o.tokens for o in together] == solo
+
+
+def test_a_budget_bounds_each_pause_and_the_oldest_prompt_always_advances(monkeypatch) -> None:
+    """Prompts of 30, 5, 21 and 12 tokens in chunks of 8 with a budget of 16 tokens between two decode steps:
+    no pause prefills more than the budget, each pause starts with the oldest unfinished prompt's next chunk,
+    the running rows step between pauses, and every request gets its solo tokens."""
+    model = qwen_runtime.load(fixture_dir("qwen3-tiny"))
+    eng = Engine.Engine(model, chat_format(model).tokenizer, frozenset(), max_batch=8, prefill_chunk=8,
+                        prefill_budget=16, cache_memory=0)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (30, 5, 21, 12)]
+    try:
+        solo = [run_jobs(eng, [p], 5)[0].tokens for p in prompts]
+        log = scheduled(eng, monkeypatch)
+        together = submit_together(eng, prompts, 5)
+    finally:
+        eng.stop()
+    assert [o.tokens for o in together] == solo
+    done = [0] * len(prompts)  # tokens prefilled per prompt
+    pauses: list[list[list[int]]] = [[]]  # the passes between two decode steps
+    for kind, chunks in log:
+        if kind == "decode":
+            pauses.append([])
+        else:
+            pauses[-1].append(chunks)
+    assert len([p for p in pauses if p]) > 2  # the prompts did not all fit in one pause: decode steps between
+    for pause in (p for p in pauses if p):
+        oldest = next(i for i, n in enumerate(done) if n < len(prompts[i]))
+        assert pause[0][0] == prompts[oldest][done[oldest]:done[oldest] + len(pause[0][0])]
+        assert sum(len(c) for chunks in pause for c in chunks) <= 16
+        for chunks in pause:
+            for chunk in chunks:
+                i = next(i for i, p in enumerate(prompts) if p[done[i]:done[i] + len(chunk)] == chunk)
+                assert done[i] % 8 == 0  # chunks start at multiples of the chunk size, as alone
+                done[i] += len(chunk)
+    assert done == [len(p) for p in prompts]

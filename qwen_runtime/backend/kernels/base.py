@@ -681,6 +681,20 @@ class JitKernel:
             return
         np.matmul(x, self.tile(r0, r1, scratch).T, out=out)
 
+    def product_segments(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch,
+                         lengths: tuple[int, ...]) -> None:
+        """:meth:`product` of consecutive segments of ``lengths`` rows, each longer than :attr:`direct_rows`: the tile
+        is decoded once, and each segment is its own BLAS call, so its numbers are those of :meth:`product` of the
+        segment alone (BLAS may sum a row in another order in a product of more rows)."""
+        x = xk[0]
+        if out.shape != (len(x), r1 - r0) or sum(lengths) != len(x) or min(lengths) <= self.direct_rows:
+            raise ValueError(f"segments {lengths} of more than {self.direct_rows} rows for {len(x)} rows")
+        tile = self.tile(r0, r1, scratch)
+        start = 0
+        for n in lengths:
+            np.matmul(x[start:start + n], tile.T, out=out[start:start + n])
+            start += n
+
     def tile(self, r0: int, r1: int, scratch: Scratch) -> np.ndarray:
         """Stored rows ``r0:r1`` as float32 [r1 - r0, in] for BLAS: decoded into the thread's scratch tile."""
         tile = scratch.array("tile", (r1 - r0, self.in_features))
