@@ -174,6 +174,17 @@ def dpbssd(typingctx, dst, a, b):  # noqa: ARG001
 
 
 @intrinsic
+def dpbsud(typingctx, dst, a, b):  # noqa: ARG001
+    """``tile[dst] += tile[a] @ tile[b]`` in int32, ``a`` int8 signed, ``b`` uint8 (in the VNNI layout)."""
+    consts = _tiles(dst, a, b)
+
+    def codegen(context, builder, signature, args):
+        _call(builder, "llvm.x86.tdpbsud", [I8] * 3, consts)
+        return context.get_dummy_value()
+    return types.void(dst, a, b), codegen
+
+
+@intrinsic
 def scale_group(typingctx, acc, sums, dw, dx, dx_stride, row0):  # noqa: ARG001 (numba's intrinsic protocol)
     """For rows ``row0 .. row0 + GROUP_ROWS - 1`` of a 32 x 32 step, both 16-column halves, and the :data:`GROUP`
     blocks ``g`` in order: ``acc[i, j] = acc[i, j] + f32(sums[g, i, j]) * (dw[g, j] * dx[i, g])``, every operation
