@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qwen_runtime.quants import QType, codec, q8k_act
+from qwen_runtime.pool import Scratch
+from qwen_runtime.quants import QType, codec, jit_kernel, q8k_act
 
 pytest.importorskip("numba")
 from qwen_runtime.quants import jit_amx, jit_amx_k  # noqa: E402 (numba is needed from here on)
@@ -131,3 +132,25 @@ def test_compiled_quantization_equals_the_reference() -> None:
     assert pq.shape == (64, 768) and not pq[37:].any() and not pd[37:].any() and not pbs[37:].any()
     assert np.array_equal(pq[:37], q) and np.array_equal(pd[:37], d)
     assert np.array_equal(pbs[:37], bsums.reshape(37, -1, 2).sum(axis=2).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K])
+def test_kernel_choice_for_prompts(qtype: QType) -> None:
+    """``activations="q8"`` picks the AMX kernel class; a prompt of 16 rows or more (not ``rowwise``) is
+    quantized once to q8_K and each tile of weight rows equals the reference's columns bit for bit; fewer rows and
+    ``rowwise`` products keep the integer decode kernels' preparation (no q8_K activations)."""
+    raw = k_rows(qtype, 48, 2, seed=5)
+    kernel = jit_kernel(qtype, raw, activations="q8")
+    assert isinstance(kernel, jit_amx_k.Q4_KAmxKernel if qtype == QType.Q4_K else jit_amx_k.Q6_KAmxKernel)
+    x = activations(20, 512, seed=5)
+    assert not isinstance(kernel.prepare(x[:15]), jit_amx_k.KActivations)
+    assert not isinstance(kernel.prepare(x, rowwise=True), jit_amx_k.KActivations)
+    if not jit_amx.amx_available():
+        assert not isinstance(kernel.prepare(x), jit_amx_k.KActivations)
+        return
+    xk = kernel.prepare(x)
+    assert isinstance(xk, jit_amx_k.KActivations)
+    out = np.full((20, 48), np.nan, np.float32)
+    for r0, r1 in [(0, 16), (16, 41), (41, 48)]:
+        kernel.product(r0, r1, xk, out[:, r0:r1], Scratch())
+    assert np.array_equal(out, reference(qtype, raw, x))
