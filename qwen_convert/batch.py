@@ -14,10 +14,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from qwen_runtime.backend.limits import format_bytes
 from qwen_runtime.errors import OutputError, QwenError
 from qwen_runtime.formats import open_gguf, open_npy_dir
-from qwen_runtime.hub import model_name
-from qwen_runtime.limits import format_bytes
+from qwen_runtime.formats.hub import model_name
 
 from .convert import Progress, Verifier, convert, infer_format, path_size
 from .outputs import check_not_input, check_replaceable

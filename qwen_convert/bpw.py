@@ -32,8 +32,8 @@ import numpy as np
 
 from qwen_runtime.errors import QwenError
 from qwen_runtime.formats.base import ModelFiles
+from qwen_runtime.formats.tensors import QType, StoredTensor, stored_nbytes
 from qwen_runtime.quants import codec, to_float32
-from qwen_runtime.tensors import QType, StoredTensor, stored_nbytes
 
 from .imatrix import Importance
 from .policy import (

@@ -19,7 +19,7 @@ from qwen_runtime.cli_support import ArgumentParser, positive_int, run_guarded
 from qwen_runtime.errors import UsageError
 from qwen_runtime.executor import EXECUTORS, LOCAL, RAY, connect
 from qwen_runtime.formats import MANIFEST_NAME, open_model_files, verify_model_files
-from qwen_runtime.hub import resolve_model
+from qwen_runtime.formats.hub import resolve_model
 
 from .batch import FAILED, ConversionJob, JobResult, plan_jobs, run_batch, summary_table
 from .bpw import DEFAULT_MIX, model_sensitivities, sensitivity_table

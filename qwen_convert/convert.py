@@ -18,7 +18,7 @@ import numpy as np
 from qwen_runtime.errors import FormatError, OutputError, QwenError
 from qwen_runtime.formats import detect_format, open_gguf, open_hf_dir, open_npy_dir
 from qwen_runtime.formats.base import V_HEAD_TILED, ModelFiles
-from qwen_runtime.hub import model_name
+from qwen_runtime.formats.hub import model_name
 
 from .gguf_writer import GGUFFileWriter
 from .imatrix import Importance

@@ -8,7 +8,7 @@ Steps (each a library function; ``qwen-demo`` prints their results):
    fingerprint of it) are reused.  Each output is compared with the source by
    :func:`qwen_convert.inspect.compare`.
 2. :func:`measure_quality` scores the held-out text with the six outputs and the source in lockstep
-   (:func:`qwen_runtime.evaluate.evaluate_ids`): perplexity, KL(source || output), top-1 agreement, Δppl.
+   (:func:`qwen_runtime.generation.evaluate.evaluate_ids`): perplexity, KL(source || output), top-1 agreement, Δppl.
    With ``kquants`` (``qwen-demo --kquants``), :func:`prepare_kquant_outputs` adds a GGUF per llama.cpp
    mix of each new type (:data:`KQUANT_MIXES`), without and with an importance matrix that
    :func:`qwen_convert.imatrix_collect.compute_imatrix` computes on a calibration text other than the
@@ -37,8 +37,8 @@ from pathlib import Path
 
 from qwen_runtime import chat_format, load, stream
 from qwen_runtime.errors import QwenError
-from qwen_runtime.evaluate import EvalResult, encode_text, evaluate_ids
-from qwen_runtime.hub import model_name
+from qwen_runtime.formats.hub import model_name
+from qwen_runtime.generation.evaluate import EvalResult, encode_text, evaluate_ids
 
 from .batch import ConversionJob, output_is_complete, plan_jobs
 from .convert import Progress, convert, path_size, verify_written_checksums

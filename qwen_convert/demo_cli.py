@@ -16,9 +16,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from qwen_runtime.backend.limits import format_bytes
 from qwen_runtime.cli_support import ArgumentParser, add_machine_options, positive_int, run_guarded, window
-from qwen_runtime.evaluate import METHOD, EvalResult, count_targets, read_text
-from qwen_runtime.limits import format_bytes
+from qwen_runtime.generation.evaluate import METHOD, EvalResult, count_targets, read_text
 
 from .cli import TqdmProgress
 from .demo import (

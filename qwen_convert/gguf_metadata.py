@@ -1,6 +1,6 @@
 """Every GGUF key/value we write: the model table (§4.2) and the tokenizer (§4.5) of docs/qwen-architectures.md.
 
-Keys come from ``gguf.Keys``; the model keys live in one table, :data:`qwen_runtime.gguf_keys.MODEL_KEYS`, which
+Keys come from ``gguf.Keys``; the model keys live in one table, :data:`qwen_runtime.formats.gguf_keys.MODEL_KEYS`, which
 the reader and verify use too.  The tokenizer follows
 llama.cpp's converter: the token list comes from ``tokenizer.json`` (padded to ``vocab_size`` with
 ``[PAD{id}]`` UNUSED tokens), merges, special ids, add_bos/add_eos and the chat template come from
@@ -11,7 +11,7 @@ reads a stand-in directory whose tokenizer.json leaves out the vocabulary and me
 :func:`tokenizer_pre` checks that the keys can reproduce tokenizer.json at all (BPE without byte fallback, NFC or
 no normalizer, ByteLevel decoder, added tokens matched by exact text, ``ignore_merges`` as the pre-type implies)
 and refuses with :class:`~qwen_runtime.errors.UnsupportedTokenizerError` naming the difference, before anything
-is written. The name is then the pre-type whose split regex (``qwen_runtime.tokenizer.PRE_PATTERNS``) the
+is written. The name is then the pre-type whose split regex (``qwen_runtime.text.tokenizer.PRE_PATTERNS``) the
 pre-tokenizer uses: ``qwen2`` / ``deepseek-r1-qwen`` (one regex; ``deepseek-r1-qwen`` when the architecture's
 spec picks it by tokenizer_config.json's DeepSeek ``bos_token``), ``qwen35``, or ``gpt-2`` for a plain
 ByteLevel pre-tokenizer with its own regex.
@@ -30,12 +30,12 @@ from typing import Any
 
 from gguf import GGML_QUANT_VERSION, GGUFValueType, GGUFWriter, SpecialVocab, TokenType
 
-from qwen_runtime.chat import token_text
-from qwen_runtime.config import ModelConfig
 from qwen_runtime.errors import FormatError, UnsupportedTokenizerError
 from qwen_runtime.formats.base import read_json_file
-from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key, rope_scaling_metadata
-from qwen_runtime.tokenizer import GPT2_PATTERN, IGNORE_MERGES, PRE_PATTERNS
+from qwen_runtime.formats.config import ModelConfig
+from qwen_runtime.formats.gguf_keys import MODEL_KEYS, gguf_key, rope_scaling_metadata
+from qwen_runtime.text.chat import token_text
+from qwen_runtime.text.tokenizer import GPT2_PATTERN, IGNORE_MERGES, PRE_PATTERNS
 
 from .policy import file_type
 

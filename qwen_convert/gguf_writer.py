@@ -19,7 +19,7 @@ from gguf import GGUFValueType, GGUFWriter
 from gguf.gguf_writer import WriterState
 
 from qwen_runtime.formats.base import ModelFiles
-from qwen_runtime.tensors import DENSE_DTYPES, stored_shape
+from qwen_runtime.formats.tensors import DENSE_DTYPES, stored_shape
 
 from .gguf_metadata import add_model_metadata, add_tokenizer_metadata
 from .policy import TensorSpec

@@ -49,7 +49,7 @@ from gguf import GGUFWriter
 
 from qwen_runtime.errors import FormatError
 from qwen_runtime.formats.gguf_parse import parse_gguf, tensor_view
-from qwen_runtime.tensors import QType
+from qwen_runtime.formats.tensors import QType
 
 if TYPE_CHECKING:
     from .policy import TensorSpec
@@ -206,8 +206,8 @@ def _check_values(vector: np.ndarray, width: int, path: str | Path, name: str) -
     bad = np.flatnonzero(vector < 0)
     if bad.size:
         raise FormatError(f"{path}: tensor {name!r}: negative importance at column {int(bad[0])} "
-                          f"({float(vector[bad[0]]):.6g}); {bad.size} of {vector.size} values are negative (an importance "
-                          "is a mean of squares)")
+                          f"({float(vector[bad[0]]):.6g}); {bad.size} of {vector.size} values are negative "
+                          "(an importance is a mean of squares)")
     zero = np.flatnonzero(~vector.reshape(-1, width).any(axis=1))
     if zero.size:
         which = f"matrix {int(zero[0])}'s" if vector.size > width else "all"

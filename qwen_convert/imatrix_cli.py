@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qwen_runtime.cli_support import ArgumentParser, add_machine_options, run_guarded
-from qwen_runtime.evaluate import read_text
-from qwen_runtime.hub import resolve_model
+from qwen_runtime.formats.hub import resolve_model
+from qwen_runtime.generation.evaluate import read_text
 
 from .imatrix import write_imatrix
 from .imatrix_collect import compute_imatrix

@@ -10,7 +10,8 @@ its input rows to the matrix's sums and the row count to its count.  llama-imatr
 16 rows, so chunks shorter than 16 tokens are refused here.
 
 Inputs are observed where every matrix product of the runtime starts, :meth:`Weight.prepared` (shared by
-:func:`~qwen_runtime.weights.matmul_many` and :func:`~qwen_runtime.weights.gated_matmul`), on the weights of a
+:func:`~qwen_runtime.backend.weights.matmul_many` and :func:`~qwen_runtime.backend.weights.gated_matmul`), on the
+weights of a
 model built for this run: the loaded model's objects are wrapped, nothing global changes.  A Hugging Face
 directory is read with Qwen3.5's value heads in llama.cpp's tiled order, the order the converter writes, so
 ``ssm_out``'s columns (and their sums) are those of every converted file whatever the source.
@@ -24,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from qwen_runtime.chat import load_chat_format
+from qwen_runtime.backend.weights import Weight
 from qwen_runtime.errors import QwenError
 from qwen_runtime.formats import ModelFiles, open_model_files
 from qwen_runtime.formats.base import V_HEAD_TILED
 from qwen_runtime.models import Model, WeightStore
-from qwen_runtime.weights import Weight
+from qwen_runtime.text.chat import load_chat_format
 
 from .imatrix import Imatrix, ImatrixEntry
 

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 from gguf import Keys
 
-from qwen_runtime.chat import load_chat_format
 from qwen_runtime.errors import FormatError, TemplateError
 from qwen_runtime.formats import ModelFiles, detect_format, open_model_files
 from qwen_runtime.formats.gguf_config import is_metadata_array
-from qwen_runtime.gguf_keys import gguf_key
-from qwen_runtime.tensors import StoredTensor, to_float32
+from qwen_runtime.formats.gguf_keys import gguf_key
+from qwen_runtime.formats.tensors import StoredTensor, to_float32
+from qwen_runtime.text.chat import load_chat_format
 
 from .error_sums import ErrorSums
 from .quantize import rows_per_chunk

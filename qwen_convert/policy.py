@@ -31,9 +31,9 @@ from enum import Enum
 
 from gguf import GGML_QUANT_SIZES, MODEL_TENSOR, TENSOR_NAMES, LlamaFileType
 
-from qwen_runtime.config import ModelConfig
 from qwen_runtime.errors import QwenError, UsageError
-from qwen_runtime.tensors import QType, stored_nbytes
+from qwen_runtime.formats.config import ModelConfig
+from qwen_runtime.formats.tensors import QType, stored_nbytes
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from qwen_runtime.jit_setup import prepare_numba
+from qwen_runtime.backend.jit_setup import prepare_numba
 
 prepare_numba()  # numba's CPU target as the runtime's kernels set it up, whichever package compiles first
 

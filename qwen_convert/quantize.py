@@ -20,10 +20,10 @@ from typing import BinaryIO
 import numpy as np
 from gguf import quants
 
-from qwen_runtime.compile_events import listen
+from qwen_runtime.backend.compile_events import listen
+from qwen_runtime.backend.pool import default_threads
 from qwen_runtime.errors import FormatError
-from qwen_runtime.pool import default_threads
-from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_BYTES, QType, StoredTensor, stored_shape, to_float32
+from qwen_runtime.formats.tensors import Q8_0_BLOCK, Q8_0_BYTES, QType, StoredTensor, stored_shape, to_float32
 
 CHUNK_ELEMENTS = 1 << 20  # float32 elements widened at once (4 MiB)
 GGUF_QUANTIZED = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)  # encoded by gguf.quants
@@ -67,7 +67,7 @@ def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = Non
     ``importance`` is the tensor's per-column importance ``[n]`` (an importance matrix entry, llama.cpp's
     ``quant_weights``): the K-quants, IQ4 and Q4_0..Q5_1 are then encoded as ``llama-quantize --imatrix``
     does; Q8_0 and the dense types ignore it, as llama.cpp does.  These searched encodings split the rows over
-    ``threads`` threads (default: :func:`~qwen_runtime.pool.default_threads`); the bytes do not depend on it.
+    ``threads`` threads (default: :func:`~qwen_runtime.backend.pool.default_threads`); the bytes do not depend on it.
     """
     if qtype in SEARCHED or (importance is not None and qtype in GGUF_QUANTIZED):
         return encode_searched(x, qtype, importance, threads)

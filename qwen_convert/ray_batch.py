@@ -17,11 +17,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from qwen_runtime.chat import load_chat_format
+from qwen_runtime.backend.weights import kept_bytes
 from qwen_runtime.errors import QwenError
 from qwen_runtime.executor import RemoteJob, Throttle, run_on_ray
-from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_BYTES, QType
-from qwen_runtime.weights import kept_bytes
+from qwen_runtime.formats.tensors import Q8_0_BLOCK, Q8_0_BYTES, QType
+from qwen_runtime.text.chat import load_chat_format
 
 from .batch import FAILED, ConversionJob, JobResult, VerifierFactory, check_jobs, run_job
 from .convert import open_source
@@ -33,7 +33,7 @@ MiB = 1 << 20
 
 # Heap (anonymous memory) one job needs at its peak: what Ray's ``memory`` resource reserves.  Memory-mapped
 # model files are page cache, which the kernel reclaims and Ray does not count as used (as in
-# qwen_runtime.limits), so they are not declared.  Measured on 2026-12-01 (VmHWM and the peak of RssAnon
+# qwen_runtime.backend.limits), so they are not declared.  Measured on 2026-12-01 (VmHWM and the peak of RssAnon
 # sampled every 2 ms, each job in a fresh process, bf16 Qwen2 sources, every format x type; MiB):
 #
 #   source (params, vocab, probe tokens)     no verify: anon (VmHWM)          --verify: anon (VmHWM)

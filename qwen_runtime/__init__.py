@@ -16,15 +16,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .cache import DEFAULT_CACHE_TYPE
-from .chat import ChatFormat, chat_format
+from .backend.cache import DEFAULT_CACHE_TYPE
+from .backend.weights import TILE_ELEMENTS
 from .formats import open_model_files
-from .generate import Generation, GenerationConfig, GenerationResult, GenerationStats
-from .hub import resolve_model
+from .formats.hub import resolve_model
+from .formats.rope import RopeScaling
+from .generation.generate import Generation, GenerationConfig, GenerationResult, GenerationStats
+from .generation.sampling import SamplingParams
 from .models import Model, build_model
-from .rope import RopeScaling
-from .sampling import SamplingParams
-from .weights import TILE_ELEMENTS
+from .text.chat import ChatFormat, chat_format
 
 __all__ = ["ChatFormat", "Generation", "GenerationConfig", "GenerationResult", "GenerationStats", "Model",
            "SamplingParams", "chat_format", "encode_prompts", "generate", "load", "stream"]
@@ -37,7 +37,7 @@ def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int |
          kernels: str | None = None, activations: str = "float", cache_type_k: str = DEFAULT_CACHE_TYPE,
          cache_type_v: str = DEFAULT_CACHE_TYPE, rope_scaling: RopeScaling | None = None) -> Model:
     """Open a model (HF directory, npy directory or GGUF file, or a Hugging Face Hub id
-    ``ORG/NAME[:QUANT][@REVISION]``: :func:`qwen_runtime.hub.resolve_model`) for inference.
+    ``ORG/NAME[:QUANT][@REVISION]``: :func:`qwen_runtime.formats.hub.resolve_model`) for inference.
 
     Weights are memory-mapped and used in their stored type; ``tile_elements`` sets how many weights of a
     non-F32 matrix (any type of :mod:`qwen_runtime.quants`) a pool task multiplies.  ``threads``: the pool's
@@ -47,9 +47,10 @@ def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int |
     kernels only) quantizes the activations of decode-sized products to 8 bits for the types that have an
     integer-dot kernel (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K), as llama.cpp does: faster, not exact
     (:mod:`qwen_runtime.quants.q8_act`).  ``cache_type_k``/``cache_type_v``: what the KV cache stores keys and
-    values in (:data:`qwen_runtime.cache.CACHE_TYPES`: ``"f32"``, exact, or ``"f16"``, half the memory; llama.cpp's
+    values in (:data:`qwen_runtime.backend.cache.CACHE_TYPES`: ``"f32"``, exact, or ``"f16"``, half the memory;
+    llama.cpp's
     ``-ctk/-ctv``); ``model.cache_types`` says which.
-    ``rope_scaling`` (:class:`qwen_runtime.rope.RopeScaling`) replaces the file's RoPE scaling for this run, the
+    ``rope_scaling`` (:class:`qwen_runtime.formats.rope.RopeScaling`) replaces the file's RoPE scaling for this run, the
     file unchanged (llama.cpp's ``--rope-scaling``); the model then runs up to the scaled window.
     """
     files = open_model_files(resolve_model(path))

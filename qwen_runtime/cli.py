@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TextIO
 
 from . import Generation, Model, SamplingParams, chat_format, encode_prompts, load, stream
-from .chat import fit_chat, reply_budget
+from .backend.limits import format_bytes
 from .cli_support import (
     ArgumentParser,
     add_activations_option,
@@ -35,7 +35,7 @@ from .cli_support import (
     run_guarded,
 )
 from .errors import ContextOverflowError, UsageError
-from .limits import format_bytes
+from .text.chat import fit_chat, reply_budget
 
 EPILOG = """\
 Where the prompt comes from: each -p and each -f FILE is one prompt (several make a batch, printed row by
@@ -183,15 +183,13 @@ def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingP
     ``/help`` lists the commands, ``/reset`` starts a new conversation (the system message stays), ``/exit``
     or end of input quits, and Ctrl-C stops the reply being written (what was written stays in the history),
     not the program.  When the history and the reply would not fit the context, the oldest turns are dropped
-    (:func:`qwen_runtime.chat.fit_chat`) and stderr says so; a message that cannot fit is refused, not sent.
+    (:func:`qwen_runtime.text.chat.fit_chat`) and stderr says so; a message that cannot fit is refused, not sent.
     """
     err = err or sys.stderr
-    fmt, context = chat_format(model), context_length(model, args, err)
+    chat = _Chat(model, args, sampling, out, err)
     note = draft_note(model, args, 1)
     if note:
         err.write(note)
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    messages = list(system)
     out.write(CHAT_HELP + "\n")
     while True:
         out.write("> ")
@@ -207,43 +205,60 @@ def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingP
         line = line.strip()
         if line in ("/exit", "/quit"):
             return
-        if line == "/reset":
-            messages = list(system)
-            out.write("(conversation cleared)\n")
-            continue
-        if line == "/help":
-            out.write(CHAT_HELP + "\n")
-            continue
         if line.startswith("/") and " " not in line:
-            out.write(f"(unknown command {line}; /help lists them)\n")
-            continue
-        if not line:
-            continue
+            chat.command(line)
+        elif line:
+            chat.turn(line)
+
+
+class _Chat:
+    """The conversation of :func:`interactive_chat`: its messages, the commands that change them, and one turn."""
+
+    def __init__(self, model: Model, args: argparse.Namespace, sampling: SamplingParams, out: TextIO,
+                 err: TextIO) -> None:
+        self.model, self.args, self.sampling, self.out, self.err = model, args, sampling, out, err
+        self.fmt, self.context = chat_format(model), context_length(model, args, err)
+        self.system = [{"role": "system", "content": args.system}] if args.system else []
+        self.messages = list(self.system)
+
+    def command(self, line: str) -> None:
+        """``/reset`` or ``/help``; any other single word starting with ``/`` is named as unknown."""
+        if line == "/reset":
+            self.messages = list(self.system)
+            self.out.write("(conversation cleared)\n")
+        elif line == "/help":
+            self.out.write(CHAT_HELP + "\n")
+        else:
+            self.out.write(f"(unknown command {line}; /help lists them)\n")
+
+    def turn(self, line: str) -> None:
+        """Fit the history and the user's ``line`` into the context, then stream the reply into the history."""
+        args, err = self.args, self.err
         try:
-            fitted = fit_chat(fmt, [*messages, {"role": "user", "content": line}], context, args.max_new_tokens,
-                              _thinking(args))
+            fitted = fit_chat(self.fmt, [*self.messages, {"role": "user", "content": line}], self.context,
+                              args.max_new_tokens, _thinking(args))
         except ContextOverflowError as exc:
             err.write(f"qwen-run: {exc}; the message was not sent\n")
-            continue
+            return
         if fitted.dropped_turns:
             err.write(f"qwen-run: note: dropped the oldest {fitted.dropped_turns} turn(s) to fit the context of "
-                      f"{context} tokens\n")
+                      f"{self.context} tokens\n")
         if fitted.max_new_tokens < args.max_new_tokens:
-            err.write(budget_note(args.max_new_tokens, fitted.max_new_tokens, len(fitted.ids), context))
-        messages = fitted.messages
-        gen = stream(model, [fitted.ids], max_new_tokens=fitted.max_new_tokens, sampling=sampling, seed=args.seed,
-                     use_tokenizer=True, max_memory=args.max_memory, draft_tokens=args.draft)
+            err.write(budget_note(args.max_new_tokens, fitted.max_new_tokens, len(fitted.ids), self.context))
+        self.messages = fitted.messages
+        gen = stream(self.model, [fitted.ids], max_new_tokens=fitted.max_new_tokens, sampling=self.sampling,
+                     seed=args.seed, use_tokenizer=True, max_memory=args.max_memory, draft_tokens=args.draft)
         reply = []
         try:
             for texts in gen:
                 reply.append(texts[0])
-                out.write(texts[0])
-                out.flush()
+                self.out.write(texts[0])
+                self.out.flush()
         except KeyboardInterrupt:
             gen.close()
-            out.write(" [stopped]")
-        out.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply)})
+            self.out.write(" [stopped]")
+        self.out.write("\n")
+        self.messages.append({"role": "assistant", "content": "".join(reply)})
         if args.stats:
             print_stats(gen, err)
 

@@ -12,8 +12,10 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn, TextIO
 
-from .cache import CACHE_TYPES, DEFAULT_CACHE_TYPE
-from .compile_events import on_compiling
+from .backend.cache import CACHE_TYPES, DEFAULT_CACHE_TYPE
+from .backend.compile_events import on_compiling
+from .backend.limits import format_bytes, parse_memory_size
+from .backend.pool import ACTIVATION_CHOICES, KERNEL_CHOICES, KERNELS_VARIABLE, STEP_TOKENS
 from .errors import (
     EXIT_CODES,
     ConfigError,
@@ -23,9 +25,7 @@ from .errors import (
     UsageError,
     exit_code,
 )
-from .limits import format_bytes, parse_memory_size
-from .pool import ACTIVATION_CHOICES, KERNEL_CHOICES, KERNELS_VARIABLE, STEP_TOKENS
-from .rope import ROPE_SCALING_TYPES, RopeScaling
+from .formats.rope import ROPE_SCALING_TYPES, RopeScaling
 
 PACKAGE = "qwen-numpy"
 USAGE_ERROR = EXIT_CODES[UsageError]  # an invalid option or value, whether argparse or the command finds it
@@ -38,7 +38,8 @@ MISSING_FILE = 2  # the same code as FormatError: an input file is missing
 # A chat template that exhausts memory is refused by the sandbox as a TemplateError (7) instead.
 OUT_OF_MEMORY = EXIT_CODES[ResourceLimitError]
 # What a command says when numba starts compiling a group of kernels during its run (their first use on a machine:
-# the first model of a type waits 30-60 s on 2 cores; `scripts/warm_kernels.py` compiles them all ahead), with
+# the first model of a type waits for them with nothing else on the screen; `scripts/warm_kernels.py` compiles them
+# all ahead), with
 # what: compile_events.describe's name of the group.
 COMPILING = ("numba is compiling {what} (once per machine and version, up to a few minutes; later runs load them "
              "from its cache)")
@@ -185,7 +186,8 @@ def window(text: str) -> int:
 
 
 def memory_size(text: str) -> int:
-    """An argparse type: a memory size such as ``512M`` or ``4G`` (:func:`~qwen_runtime.limits.parse_memory_size`),
+    """An argparse type: a memory size such as ``512M`` or ``4G``
+    (:func:`~qwen_runtime.backend.limits.parse_memory_size`),
     its error worded for the command line."""
     try:
         return parse_memory_size(text)

@@ -68,7 +68,7 @@ class KernelsError(QwenError, ValueError):
 
 class SchemaLimitError(QwenError, ValueError):
     """A JSON schema over one of the limits that bound what compiling and enforcing it costs (the message names
-    the limit and its value: ``qwen_runtime.structured.MAX_*``)."""
+    the limit and its value: ``qwen_runtime.generation.structured.MAX_*``)."""
 
 
 class VerificationError(QwenError):

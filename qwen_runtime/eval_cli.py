@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from tqdm import tqdm
 
 from . import load
+from .backend.limits import activation_bytes
+from .backend.weights import weight_overhead
 from .cli_support import (
     ArgumentParser,
     add_activations_option,
@@ -31,7 +33,9 @@ from .cli_support import (
     window,
 )
 from .errors import UsageError
-from .evaluate import (
+from .executor import EXECUTORS, LOCAL, RAY, ExecutorError, RemoteJob, Throttle, connect, run_on_ray
+from .formats.rope import RopeScaling
+from .generation.evaluate import (
     EvalResult,
     check_models,
     count_targets,
@@ -41,11 +45,7 @@ from .evaluate import (
     read_text,
     results_table,
 )
-from .executor import EXECUTORS, LOCAL, RAY, ExecutorError, RemoteJob, Throttle, connect, run_on_ray
-from .limits import activation_bytes
 from .models import Model
-from .rope import RopeScaling
-from .weights import weight_overhead
 
 DEFAULT_CTX = 512
 METHOD_HELP = ("Method: the text is tokenized once (BOS only if the model adds one to raw prompts) and cut into "
@@ -88,7 +88,7 @@ def configure_parser() -> argparse.ArgumentParser:
 
 
 # Memory of one model's evaluation (a Ray task's declared need), on top of the memory-mapped weights, which
-# live in the page cache and are not counted (as in :mod:`qwen_runtime.limits`):
+# live in the page cache and are not counted (as in :mod:`qwen_runtime.backend.limits`):
 EVAL_BASE_BYTES = 300 << 20  # interpreter, numpy, tokenizers and both models' tokenizers, with margin
 LOGIT_COPIES = 8  # float64 [chunk, V] arrays alive at once: logits, log-softmax and its exp temporary for the
 # model and the reference, the reference's probabilities and the KL difference

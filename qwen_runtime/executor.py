@@ -160,57 +160,72 @@ def run_on_ray(fn: Callable[..., Any], jobs: Sequence[RemoteJob], *,
     ``on_lost(index, error)`` as its result; without ``on_lost`` the error propagates.  A job needing more
     memory or CPUs than the largest node offers is lost at once (Ray would wait forever for such a node).
     """
-    ray = import_ray()
-    task = ray.remote(_call)
-    relay = ray.remote(_Relay).options(num_cpus=0).remote()
-    results: list[Any] = [None] * len(jobs)
-    index: dict[Any, int] = {}
-    pending: list[Any] = []
-    largest = largest_node(ray)
-
-    def finish(i: int, value: Any) -> None:
-        results[i] = value
-        if on_done is not None:
-            on_done(i, value)
-
-    def lose(i: int, exc: BaseException) -> None:
-        if on_lost is None:
-            raise exc
-        finish(i, on_lost(i, exc))
-
-    def drain() -> None:
-        for i, event in ray.get(relay.drain.remote()):
-            if on_event is not None:
-                on_event(i, event)
-
+    run = _RayRun(import_ray(), on_done, on_event, on_lost, len(jobs))
     try:
+        run.submit(fn, jobs, max_retries)
+        run.collect()
+    except BaseException:
+        _cancel(run.ray, run.pending)
+        raise
+    finally:
+        run.ray.kill(run.relay)
+    return run.results
+
+
+class _RayRun:
+    """The bookkeeping of one :func:`run_on_ray`: tasks in flight, results in job order, the callbacks."""
+
+    def __init__(self, ray: Any, on_done: Callable[[int, Any], None] | None,
+                 on_event: Callable[[int, Any], None] | None, on_lost: Callable[[int, BaseException], Any] | None,
+                 count: int) -> None:
+        self.ray, self.on_done, self.on_event, self.on_lost = ray, on_done, on_event, on_lost
+        self.relay = ray.remote(_Relay).options(num_cpus=0).remote()
+        self.results: list[Any] = [None] * count
+        self.index: dict[Any, int] = {}
+        self.pending: list[Any] = []
+
+    def submit(self, fn: Callable[..., Any], jobs: Sequence[RemoteJob], max_retries: int) -> None:
+        """One Ray task per job that some node can hold; a job none can is lost at once."""
+        task, largest = self.ray.remote(_call), largest_node(self.ray)
         for i, job in enumerate(jobs):
             problem = unplaceable(job, largest)
             if problem is not None:
-                lose(i, problem)
+                self.lose(i, problem)
                 continue
             ref = task.options(memory=max(int(job.memory), 1), num_cpus=job.num_cpus, max_retries=max_retries,
                                retry_exceptions=False, name=job.name or fn.__name__).remote(fn, job.args,
-                                                                                            Reporter(relay, i))
-            index[ref] = i
-            pending.append(ref)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_SECONDS)
-            drain()
+                                                                                            Reporter(self.relay, i))
+            self.index[ref] = i
+            self.pending.append(ref)
+
+    def collect(self) -> None:
+        """Wait for the tasks one by one, relaying their progress events as they come."""
+        while self.pending:
+            ready, self.pending = self.ray.wait(self.pending, num_returns=1, timeout=POLL_SECONDS)
+            self.drain()
             for ref in ready:
                 try:
-                    value = ray.get(ref)
-                except ray.exceptions.RayError as exc:
-                    lose(index[ref], exc)
+                    value = self.ray.get(ref)
+                except self.ray.exceptions.RayError as exc:
+                    self.lose(self.index[ref], exc)
                     continue
-                finish(index[ref], value)
-        drain()
-    except BaseException:
-        _cancel(ray, pending)
-        raise
-    finally:
-        ray.kill(relay)
-    return results
+                self.finish(self.index[ref], value)
+        self.drain()
+
+    def finish(self, i: int, value: Any) -> None:
+        self.results[i] = value
+        if self.on_done is not None:
+            self.on_done(i, value)
+
+    def lose(self, i: int, exc: BaseException) -> None:
+        if self.on_lost is None:
+            raise exc
+        self.finish(i, self.on_lost(i, exc))
+
+    def drain(self) -> None:
+        for i, event in self.ray.get(self.relay.drain.remote()):
+            if self.on_event is not None:
+                self.on_event(i, event)
 
 
 def _cancel(ray: Any, refs: list[Any]) -> None:

@@ -31,17 +31,17 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import qwen_runtime
-from qwen_runtime import hub
-from qwen_runtime.cache import DEFAULT_CACHE_TYPE
-from qwen_runtime.chat import ChatFormat, chat_format
+from qwen_runtime.backend.cache import DEFAULT_CACHE_TYPE
+from qwen_runtime.backend.limits import default_memory_limit, format_bytes
 from qwen_runtime.cli_support import cache_note
 from qwen_runtime.errors import ResourceLimitError, TemplateError
-from qwen_runtime.limits import default_memory_limit, format_bytes
+from qwen_runtime.formats import hub
+from qwen_runtime.formats.rope import RopeScaling
+from qwen_runtime.generation.stepper import Constraint, FinishReason
+from qwen_runtime.generation.structured import GrammarCache, JsonConstraint, SchemaError, SchemaLimitError
 from qwen_runtime.models import Model
-from qwen_runtime.rope import RopeScaling
-from qwen_runtime.stepper import Constraint, FinishReason
-from qwen_runtime.structured import GrammarCache, JsonConstraint, SchemaError, SchemaLimitError
-from qwen_runtime.tokenizer import Tokenizer
+from qwen_runtime.text.chat import ChatFormat, chat_format
+from qwen_runtime.text.tokenizer import Tokenizer
 
 from .engine import (
     Delta,
@@ -187,8 +187,9 @@ def create_app(model: str | Path | Model, *, model_name: str | None = None, max_
 
 
 def engine_memory(max_memory: int | None, grammars: GrammarCache) -> int:
-    """The engine's share of ``--max-memory`` (default :func:`~qwen_runtime.limits.default_memory_limit`):
-    what structured output may hold (:meth:`~qwen_runtime.structured.GrammarCache.reserve`) is set aside first,
+    """The engine's share of ``--max-memory`` (default :func:`~qwen_runtime.backend.limits.default_memory_limit`):
+    what structured output may hold (:meth:`~qwen_runtime.generation.structured.GrammarCache.reserve`) is set aside
+    first,
     so compiled schemas and their token masks can never push the server past the limit."""
     limit = default_memory_limit() if max_memory is None else max_memory
     if limit <= grammars.reserve():

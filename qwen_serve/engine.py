@@ -8,14 +8,15 @@ Rows leave the batch when they stop (a stop token, a stop string, ``max_tokens``
 the last row moves into their place, so the batch stays rows ``0 .. B-1`` of the :class:`SlotCache`.
 
 **Batch invariance.**  A row's numbers never depend on the rows beside it: the cache is ragged (each row
-attends over exactly its own tokens, :mod:`qwen_runtime.cache`), decode products are row-invariant
-(:meth:`qwen_runtime.weights.Workspace.rowwise`), prompts are prefilled in a row of their own with the same
+attends over exactly its own tokens, :mod:`qwen_runtime.backend.cache`), decode products are row-invariant
+(:meth:`qwen_runtime.backend.weights.Workspace.rowwise`), prompts are prefilled in a row of their own with the same
 chunking, and every choice samples from its own random generator (seeded from the request's ``seed``).
 So a request's tokens are identical whether it runs alone or among others.
 
-A row's sampling, text, stop strings and finish reason are its :class:`~qwen_runtime.stepper.RowStepper`'s; the
+A row's sampling, text, stop strings and finish reason are its :class:`~qwen_runtime.generation.stepper.RowStepper`'s;
+the
 engine only schedules.  With ``draft_tokens`` > 0 (and the compiled kernels) greedy rows decode speculatively
-by prompt lookup (:mod:`qwen_runtime.stepper`): a decode step is then one verify pass
+by prompt lookup (:mod:`qwen_runtime.generation.stepper`): a decode step is then one verify pass
 (:meth:`~qwen_runtime.models.Model.verify`) of every row's last token and drafts, padded to the longest row's
 drafts (padding costs no product; a sampled row takes its first logits only), and each row's cache is cut back
 to the tokens it took.  The tokens, text and events are those of plain decoding, several per step.
@@ -41,13 +42,13 @@ from pathlib import Path
 
 import numpy as np
 
+from qwen_runtime.backend.limits import activation_bytes, default_memory_limit, format_bytes
+from qwen_runtime.backend.pool import STEP_TOKENS
 from qwen_runtime.errors import ResourceLimitError
-from qwen_runtime.limits import activation_bytes, default_memory_limit, format_bytes
+from qwen_runtime.generation.sampling import SamplingParams
+from qwen_runtime.generation.stepper import Constraint, FinishReason, RowStepper, Step
 from qwen_runtime.models import Model
-from qwen_runtime.pool import STEP_TOKENS
-from qwen_runtime.sampling import SamplingParams
-from qwen_runtime.stepper import Constraint, FinishReason, RowStepper, Step
-from qwen_runtime.tokenizer import Tokenizer
+from qwen_runtime.text.tokenizer import Tokenizer
 
 from .metrics import Metrics
 from .prefix_cache import PrefixCache
@@ -155,7 +156,7 @@ class Engine:
     """Owns a model and serves :class:`Job` s with continuous batching on a thread of its own.
 
     ``max_batch`` rows run at once, ``max_queue`` jobs wait beyond them; ``max_memory`` bounds the cache
-    and activations (default: :func:`qwen_runtime.limits.default_memory_limit`); a row holds at most
+    and activations (default: :func:`qwen_runtime.backend.limits.default_memory_limit`); a row holds at most
     ``max_context`` tokens (default: the model's context, less if the memory limit cannot hold that many for
     one row); prompts are prefilled ``prefill_chunk`` tokens at a time; ``stop_ids`` end a choice; special
     tokens other than ``text_ids`` produce no text; tokens, steps and failures are counted in ``metrics``.

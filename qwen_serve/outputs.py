@@ -16,7 +16,7 @@ deltas; they add up to the final call's arguments (``json.dumps`` of the parsed 
 
 **Forced calls.**  ``tool_choice: "required"`` or a named tool writes ``<tool_call>`` after the prompt
 (:data:`FORCED_CALL_START`), closing an open ``<think>`` first, and the server constrains what follows to a
-call of an offered tool in the template's own form (:mod:`qwen_runtime.structured`), so the answer is a call.
+call of an offered tool in the template's own form (:mod:`qwen_runtime.generation.structured`), so the answer is a call.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from typing import Protocol
 
 import numpy as np
 
-from qwen_runtime.cache import KVCache
+from qwen_runtime.backend.cache import KVCache
 
 from .slots import SlotCache
 

@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from qwen_runtime.cache import KVCache
+from qwen_runtime.backend.cache import KVCache
 from qwen_runtime.errors import OutputError
 from qwen_runtime.models import Model
 

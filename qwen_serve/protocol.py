@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from qwen_runtime.sampling import SamplingParams
+from qwen_runtime.generation.sampling import SamplingParams
 
 INVALID = "invalid_request_error"
 MAX_STOP_STRINGS = 16
@@ -24,7 +24,7 @@ MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused with 413 
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into valid JSON
 READ_TIMEOUT = 30.0  # seconds for a request's headers, and then for its body (qwen-serve --read-timeout)
 # Request bodies nested deeper are refused: deep enough that a response_format schema reaches its own, more
-# precise check (qwen_runtime.structured.MAX_SCHEMA_DEPTH names what it allows), shallow enough that nothing
+# precise check (qwen_runtime.generation.structured.MAX_SCHEMA_DEPTH names what it allows), shallow enough that nothing
 # recursing over a body (the parser, the template's tojson) meets the interpreter's recursion limit of 1000.
 MAX_JSON_DEPTH = 640
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -19,10 +19,10 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from qwen_runtime.backend.limits import parse_memory_size
+from qwen_runtime.backend.weights import weight_overhead
 from qwen_runtime.formats import open_model_files
-from qwen_runtime.hub import resolve_model
-from qwen_runtime.limits import parse_memory_size
-from qwen_runtime.weights import weight_overhead
+from qwen_runtime.formats.hub import resolve_model
 
 from .protocol import MAX_BODY_BYTES
 
@@ -40,7 +40,7 @@ Send = Callable[[Scope], Awaitable[None]]
 
 def replica_memory(model: str | Path, max_memory: int) -> int:
     """Bytes of heap one replica needs: the base, the engine's ``max_memory`` and what the weights keep beside
-    their memory map (:func:`~qwen_runtime.weights.weight_overhead`, the numpy kernels' upper bound)."""
+    their memory map (:func:`~qwen_runtime.backend.weights.weight_overhead`, the numpy kernels' upper bound)."""
     return REPLICA_BASE_BYTES + max_memory + weight_overhead(open_model_files(model).tensors.values())
 
 

@@ -4,7 +4,7 @@ Every layer's cache is made once for ``slots`` rows of ``capacity`` tokens (full
 values are allocated with ``np.zeros``, so pages are only backed by memory once a row has written them).
 A forward pass runs on a contiguous range of rows (:meth:`SlotCache.rows`): the running batch is always
 rows ``0 .. n-1`` and a prompt is prefilled in a row of its own.  The batch is *ragged*: each row writes its
-new tokens after its own tokens and attends over exactly those (see :mod:`qwen_runtime.cache`), so a row
+new tokens after its own tokens and attends over exactly those (see :mod:`qwen_runtime.backend.cache`), so a row
 computes the same numbers whichever rows run beside it.  Rows leave by having the last row moved into their
 place (:meth:`SlotCache.move`), which keeps the running rows contiguous.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qwen_runtime.cache import BatchState, LayerCache, LayeredCache
+from qwen_runtime.backend.cache import BatchState, LayerCache, LayeredCache
 from qwen_runtime.models import Model
 
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import llama_interop  # fetching llama.cpp's converter, its --outtype names (shared with the interop tests)
 import real_tokenizers
-from bench_models import MODELS, build_checkpoint
+from bench_models import LARGE_MODELS, MODELS, build_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,6 +77,7 @@ class Plan:
     batch_new: int = 32
     context: int = 2048
     context_new: int = 32
+    prefills: tuple[int, ...] = ()  # prompt lengths measured for prefill alone, ours and llama.cpp back to back
 
 
 QUICK = Plan(prompt=64, new=32, batch=8, batch_new=8, context=512, context_new=8)
@@ -196,6 +197,9 @@ def runtime_round(gguf: Path, plan: Plan, llama: bool, peer: bool, env: dict[str
             "ours_batch": ("ours", plan.prompt, plan.batch_new, plan.batch),
             "ours_context": ("ours", plan.context, plan.context_new, 1),
             "llama_context": ("llama", plan.context, plan.context_new, 1)}
+    for length in plan.prefills:
+        jobs.update({prefill_key("ours", length): ("ours", length, 1, 1),
+                     prefill_key("llama", length): ("llama", length, 1, 1)})
     results = {}
     for name, (engine, prompt, new, batch) in jobs.items():
         if (name == "ours_batch" and not with_batch) or (name.endswith("_context") and not with_context):
@@ -374,6 +378,43 @@ def jit_lines(jit: dict[str, Any]) -> list[str]:
 PAIRED_KEYS = ("prefill_tps", "decode_tps")
 
 
+def prefill_key(engine: str, length: int) -> str:
+    """The measurement name of a prefill-only run of a ``length``-token prompt."""
+    return f"{engine}_prefill{length}"
+
+
+def prefill_ratios(raw: dict[str, dict[str, list[dict]]], lengths: Sequence[int]
+                   ) -> dict[str, dict[int, dict[str, float]]]:
+    """Per dtype and prompt length, ours / llama.cpp prefill tok/s paired round by round (:func:`paired_ratios`)."""
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for length in lengths:
+        a, b = prefill_key("ours", length), prefill_key("llama", length)
+        for dtype, row in paired_ratios(raw, a, b).items():
+            if "prefill_tps" in row:
+                out.setdefault(dtype, {})[length] = {k.removeprefix("prefill_tps").lstrip("_") or "median": v
+                                                     for k, v in row.items() if k.startswith("prefill_tps")}
+                out[dtype][length]["rounds"] = row["rounds"]
+    return out
+
+
+def prefill_lines(summary: dict, prefills: dict[str, dict[str, dict[int, dict[str, float]]]],
+                  lengths: Sequence[int]) -> list[str]:
+    """One table: prefill tok/s by prompt length, ours / llama.cpp (medians) and the paired ratio (min-max)."""
+    if not lengths or not any(prefills.values()):
+        return []
+    head = ["model", "type", *(f"prefill({n}) tok/s ours / llama (paired ×, min-max)" for n in lengths)]
+    rows = []
+    for model, dtypes in prefills.items():
+        for dtype, by_length in dtypes.items():
+            m = summary.get(model, {}).get(dtype, {})
+            medians = {n: pair(m.get(prefill_key("ours", n), {}), m.get(prefill_key("llama", n), {}),
+                               "prefill_tps", with_ratio=False) for n in lengths}
+            cells = [f"{medians[n]} ({fmt(r['median'], 2)}, {fmt(r['min'], 2)}-{fmt(r['max'], 2)})"
+                     if (r := by_length.get(n)) else "-" for n in lengths]
+            rows.append("| " + " | ".join([model, dtype, *cells]) + " |")
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows, ""]
+
+
 def paired_ratios(raw: dict[str, dict[str, list[dict]]], a: str = "ours", b: str = "llama"
                   ) -> dict[str, dict[str, float]]:
     """Per dtype of one model (``raw[dtype][measurement]`` = samples, one per round), each round's ``a`` / ``b`` of
@@ -426,6 +467,13 @@ class Target:
     def line(self) -> str:
         bound = f">= {self.goal:g}" if self.goal > 0 else f"<= {-self.goal:g}"
         return f"{'met   ' if self.met else 'MISSED'} {self.name}: {fmt(self.value, 2)} (goal {bound})"
+
+
+def prefill_targets(paired: dict[str, dict[int, dict[str, float]]]) -> list[Target]:
+    """Issue #46's prefill targets on a VNNI CPU, as paired ratios: >= 1.5x llama.cpp from 512 tokens on, >= 1.0x
+    for short prompts, for q8_0 and Q4_K_M."""
+    return [Target(f"{dtype} prefill({length}) / llama (paired)", row["median"], 1.5 if length >= 512 else 1.0)
+            for dtype in ("q8_0", "q4_k_m") for length, row in sorted(paired.get(dtype, {}).items())]
 
 
 def _metric(runs: dict, dtype: str, name: str, key: str) -> float:
@@ -506,10 +554,14 @@ def configure_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="qwen-numpy vs llama.cpp: conversion and runtime, one run.")
     p.add_argument("--quick", action="store_true", help="fewer tokens, 1 repeat; Qwen2.5-0.5B shape and q8_0 "
                    "unless --models / --dtypes are given")
-    p.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all; --quick: the first)")
+    p.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all; --quick: the first), or of the "
+                   f"larger {', '.join(LARGE_MODELS)} (free disk permitting)")
     p.add_argument("--dtypes", help=f"comma list of {', '.join(DTYPES)} (default: all; --quick: q8_0)")
     p.add_argument("--repeat", type=int, default=3, help="repetitions of every measurement (medians reported)")
     p.add_argument("--new", type=int, help=f"greedy tokens after the prompt (default {Plan.new})")
+    p.add_argument("--context", type=int, help=f"tokens of the long prompt (default {Plan.context}; e.g. 16384)")
+    p.add_argument("--prefills", help="comma list of prompt lengths measured for prefill alone, paired with "
+                   "llama.cpp, e.g. 64,512,2000 (default: none)")
     p.add_argument("--context-new", type=int, help=f"tokens decoded after the long prompt (default {Plan.context_new})")
     p.add_argument("--other-dtypes", help="dtypes of the second and later models (default: --dtypes), e.g. every "
                    "type for the first shape and q8_0 for the others, in one run")
@@ -589,27 +641,38 @@ def report(results: dict[str, Any], plan: Plan) -> list[str]:
     conv, runs = summarize(results["conversion"]), summarize(results["runtime"])
     results["medians"] = {"conversion": conv, "runtime": runs}
     results["paired"] = {model: paired_ratios(dtypes) for model, dtypes in results["runtime"].items()}
+    results["paired_prefill"] = {model: prefill_ratios(dtypes, plan.prefills)
+                                 for model, dtypes in results["runtime"].items()}
     lines = [f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores, "
              f"numpy {results['machine']['numpy']}, llama-cpp-python {results['machine']['llama_cpp_python']}, "
              f"{results['machine']['date']}; medians of {results['repeat']} runs "
              f"({results.get('conversion_repeat', results['repeat'])} of each conversion)", "",
              *(runtime_table(runs, plan, results.get("kernels", ["numba"]),
                              results.get("read", {}).get("read_gbps", NAN)) + [""] if any(runs.values()) else []),
-             *paired_lines(results["paired"]), *jit_lines(results.get("jit", {})), *conversion_table(conv), ""]
+             *paired_lines(results["paired"]), *prefill_lines(runs, results["paired_prefill"], plan.prefills),
+             *jit_lines(results.get("jit", {})), *conversion_table(conv), ""]
     read_gbps = results.get("read", {}).get("read_gbps", NAN)
     for model in dict.fromkeys([*runs, *conv]):  # a NaN target was not measured (--quick, --dtypes, --no-llama)
         found = [t for t in targets(runs.get(model, {}), conv.get(model, {}), results["configs"][model], plan,
-                                    read_gbps) if t.value == t.value]
+                                    read_gbps) + prefill_targets(results["paired_prefill"].get(model, {}))
+                 if t.value == t.value]
         results.setdefault("targets", {})[model] = [{"name": t.name, "value": t.value, "goal": t.goal, "met": t.met}
                                                      for t in found]
         lines += [f"Targets, {model}:", *(f"  {t.line()}" for t in found), ""]
     return lines
 
 
+def plan_of(results: dict[str, Any]) -> Plan:
+    """The plan of a results file (JSON keeps ``prefills`` as a list; older files have none)."""
+    saved = results["plan"]
+    return Plan(**{**saved, "prefills": tuple(saved.get("prefills", ()))})
+
+
 def run(args: argparse.Namespace) -> None:
     plan = QUICK if args.quick else Plan()
-    plan = Plan(**{**plan.__dict__, **{k: v for k, v in (("new", args.new), ("context_new", args.context_new))
-                                       if v is not None}})
+    given = (("new", args.new), ("context_new", args.context_new), ("context", args.context),
+             ("prefills", tuple(int(n) for n in args.prefills.split(",")) if args.prefills else None))
+    plan = Plan(**{**plan.__dict__, **{k: v for k, v in given if v is not None}})
     names = args.models.split(",") if args.models else list(MODELS)[:1] if args.quick else list(MODELS)
     dtypes = args.dtypes.split(",") if args.dtypes else ["q8_0"] if args.quick else list(DTYPES)
     args.repeat = 1 if args.quick and args.repeat == 3 else args.repeat
@@ -636,7 +699,7 @@ def run(args: argparse.Namespace) -> None:
     for i, name in enumerate(names):
         log(f"{name}: checkpoint")
         tokenizers = args.tokenizers or real_tokenizers.tokenizers_dir()
-        src = build_checkpoint(MODELS[name], args.cache_dir / "hf", tokenizers, args.configs)
+        src = build_checkpoint({**MODELS, **LARGE_MODELS}[name], args.cache_dir / "hf", tokenizers, args.configs)
         results["configs"][name] = json.loads((src / "config.json").read_text())
         bench_model(src, dtypes if i == 0 else others, args, plan, script, env,
                     results["conversion"].setdefault(name, {}), results["runtime"].setdefault(name, {}),
@@ -654,7 +717,7 @@ def main() -> None:
     args = configure_parser().parse_args()
     if args.report:
         results = json.loads(args.report.read_text())
-        sys.stdout.write("\n".join(report(results, Plan(**results["plan"]))) + "\n")
+        sys.stdout.write("\n".join(report(results, plan_of(results))) + "\n")
         return
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     run(args)

@@ -5,8 +5,8 @@ Each checkpoint is a directory with ``config.json``, the real ``tokenizer.json``
 from numpy (header + streamed tensors, so memory stays at one row chunk).  Matrices are normal(0, 0.02),
 norms ones (zeros for Qwen3.5's zero-centred norms), biases zeros; Qwen3.5's ``A_log`` / ``dt_bias`` are F32
 as in the real checkpoint.  Qwen2.5 / Qwen3 configs are the real ones from ``model-configs``; the Qwen3.5-0.8B
-text config is written here from the shape its model card publishes (the steering repository's
-shared/docs/baselines.md lists it beside the others).
+text config is written here (:func:`qwen35_config`) from the shape its model card publishes; docs/performance.md
+("Running the benchmarks") lists the three shapes.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ MODELS = {
 }
 # Shapes too large for every run of bench.py: scripts/bench_large.py builds and measures them on request.
 LARGE_MODELS = {
+    "qwen2.5-3b": BenchModel("qwen2.5-3b", "qwen2_qwen3", None),
     "qwen2.5-7b": BenchModel("qwen2.5-7b", "qwen2_qwen3", None),
 }
 
@@ -74,8 +75,15 @@ def qwen25_7b_config() -> dict[str, Any]:
     }
 
 
+def qwen25_3b_config() -> dict[str, Any]:
+    """Qwen2.5-3B-Instruct as published: h2048, 36 layers, 16/2 heads of 128, ffn 11008, tied embeddings."""
+    return {**qwen25_7b_config(), "hidden_size": 2048, "intermediate_size": 11008, "max_window_layers": 70,
+            "num_attention_heads": 16, "num_hidden_layers": 36, "num_key_value_heads": 2, "sliding_window": 32768,
+            "tie_word_embeddings": True, "vocab_size": 151936}
+
+
 # Checkpoints whose config.json is written here (no published file in model-configs), by model name.
-WRITTEN_CONFIGS = {"qwen3.5-0.8b": qwen35_config, "qwen2.5-7b": qwen25_7b_config}
+WRITTEN_CONFIGS = {"qwen3.5-0.8b": qwen35_config, "qwen2.5-3b": qwen25_3b_config, "qwen2.5-7b": qwen25_7b_config}
 
 
 def qwen35_tokenizer_config(tokenizer: dict[str, Any]) -> dict[str, Any]:

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 import qwen_runtime
-from qwen_runtime.chat import chat_format
-from qwen_runtime.sampling import SamplingParams
+from qwen_runtime.generation.sampling import SamplingParams
+from qwen_runtime.text.chat import chat_format
 from qwen_serve.engine import Delta, Done, Engine, Failed, Job
 
 

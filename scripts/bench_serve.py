@@ -1,7 +1,7 @@
 """qwen-serve against llama.cpp's own server: the same streaming clients, the same GGUF, the same thread count.
 
-    python scripts/bench_serve.py                     # the full run (both servers, both models; see README)
-    python scripts/bench_serve.py --table docs/bench/2026-12-01-serve-abc1234.json   # README rows of a run
+    python scripts/bench_serve.py                     # the full run (both servers, both models; docs/performance.md)
+    python scripts/bench_serve.py --table docs/bench/2026-12-01-serve-abc1234.json   # the table rows of a run
 
 Each model is served by ``qwen-serve`` (``python -m qwen_serve`` from this checkout) and then by the peer, one
 server at a time, on a free port of 127.0.0.1.  The peer is ``llama-server`` built from the vendored llama.cpp
@@ -33,7 +33,7 @@ with ``qwen-convert`` (built once into ``--cache-dir``), or GGUF files given by 
 Requests go to ``/v1/completions`` with the text as the prompt, so both servers see the same tokens whatever
 their chat templates (the random-weight Qwen3.5 checkpoint has none).  Every request's numbers are written to
 ``--json`` (default ``docs/bench/<date>-serve-<commit>.json``, with the full ``git rev-parse HEAD`` and whether
-the tree had changes, the machine and the load average), and the README rows are printed from it (``--table``
+the tree had changes, the machine and the load average), and the table rows are printed from it (``--table``
 prints them again from a file).
 """
 
@@ -60,7 +60,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_models import MODELS, build_checkpoint  # noqa: E402
 
-from qwen_runtime.pool import ACTIVATION_CHOICES  # noqa: E402
+from qwen_runtime.backend.pool import ACTIVATION_CHOICES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["rivers", "prime numbers", "the moon", "sorting", "bread", "volcanoes", "chess", "tea", "bridges",
@@ -397,7 +397,7 @@ def bench_server(server: str, model: Path, args: argparse.Namespace) -> dict[str
     return run
 
 
-# --- summaries and the README rows ---------------------------------------------------------------------------
+# --- summaries and the table rows ----------------------------------------------------------------------------
 
 
 def summarize_sweep(samples: list[Sample]) -> dict[str, float]:
@@ -421,7 +421,8 @@ def load_samples(run: dict[str, Any]) -> list[Sample]:
 
 
 def table(result: dict[str, Any]) -> str:
-    """The README rows of a run: per model, the sweep of both servers side by side, then the multi-turn rows."""
+    """The table rows of a run (docs/performance.md): per model, the sweep of both servers side by side, then the
+    multi-turn rows."""
     dirty = " (with uncommitted changes)" if result["dirty"] else ""
     flags = " ".join(a for a in (f"--activations {result.get('activations', 'float')}", result.get("serve_args"))
                     if a and a != "--activations float")
@@ -501,7 +502,7 @@ def default_json(commit: str) -> Path:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--table", type=Path, metavar="JSON", help="only print the README rows of a run's JSON")
+    p.add_argument("--table", type=Path, metavar="JSON", help="only print the table rows of a run's JSON")
     p.add_argument("--models", default=DEFAULT_MODELS,
                    help=f"comma list of bench_models shapes (built as q8_0 GGUF) or GGUF paths "
                    f"(default {DEFAULT_MODELS})")

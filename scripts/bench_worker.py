@@ -81,10 +81,10 @@ def run_jit() -> dict[str, float]:
     import numba  # noqa: F401
 
     out = {"import_numba_s": time.perf_counter() - t0}
-    for module in ("jit_base", "jit_q8_0", "jit_kquants", "jit_legacy", "jit_iq4", "jit_dense", "jit_int8",
-                   "jit_int8_k"):
+    for module in ("base", "q8_0", "kquants", "legacy", "iq4", "dense", "int8",
+                   "int8_k"):
         t = time.perf_counter()
-        importlib.import_module(f"qwen_runtime.quants.{module}")
+        importlib.import_module(f"qwen_runtime.backend.kernels.{module}")
         out[f"{module}_s"] = time.perf_counter() - t
     out["total_s"] = time.perf_counter() - t0
     return out

@@ -6,8 +6,8 @@
    accumulators) and AVX-512 VNNI ``vpdpbusd`` (eight independent zmm accumulators), where the CPU has them.
 2. ``x @ W.T`` for Q8_0, Q4_K and Q6_K weights (``--types``) of the Qwen2.5-0.5B MLP shape (4864 x 896) and
    the Qwen2.5-3B one (11008 x 2048), for the K-quants their down projections (896 x 4864, 2048 x 11008),
-   ``--rows`` activation rows: the AMX kernels (:mod:`qwen_runtime.quants.jit_amx`, q8_0 activations;
-   :mod:`qwen_runtime.quants.jit_amx_k`, q8_K activations; quantized once, timed with the quantization) against
+   ``--rows`` activation rows: the AMX kernels (:mod:`qwen_runtime.backend.kernels.amx`, q8_0 activations;
+   :mod:`qwen_runtime.backend.kernels.amx_k`, q8_K activations; quantized once, timed with the quantization) against
    the float prefill path for the same product (each tile of about 2^20 weights decoded to float32 by the
    compiled decoder, then SGEMM), on one thread and on two (columns split in two halves for AMX; the float
    path's tiles shared by two threads, BLAS on one thread each).  Paired: AMX and float timed in turn.
@@ -32,12 +32,13 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from qwen_runtime.pool import Scratch
-from qwen_runtime.quants import jit_amx, jit_amx_k
-from qwen_runtime.quants.jit_amx import dpbssd, ldtilecfg, tileload, tilerelease, tilestore, tilezero
-from qwen_runtime.quants.jit_base import FEATURES
-from qwen_runtime.quants.jit_kquants import Q4_KJitKernel, Q6_KJitKernel
-from qwen_runtime.quants.jit_q8_0 import Q8_0JitKernel
+from qwen_runtime.backend.kernels import amx as jit_amx
+from qwen_runtime.backend.kernels import amx_k as jit_amx_k
+from qwen_runtime.backend.kernels.amx import dpbssd, ldtilecfg, tileload, tilerelease, tilestore, tilezero
+from qwen_runtime.backend.kernels.base import FEATURES
+from qwen_runtime.backend.kernels.kquants import Q4_KJitKernel, Q6_KJitKernel
+from qwen_runtime.backend.kernels.q8_0 import Q8_0JitKernel
+from qwen_runtime.quants.scratch import Scratch
 
 SHAPES = {"Qwen2.5-0.5B MLP 4864 x 896": (4864, 896), "Qwen2.5-3B MLP 11008 x 2048": (11008, 2048)}
 # K-quant rows are whole super-blocks of 256: 896 is not, so their shapes are the MLPs' down projections.

@@ -27,9 +27,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, quants
 from threadpoolctl import threadpool_limits
 
-from qwen_runtime.pool import Workspace
-from qwen_runtime.tensors import QType, StoredTensor
-from qwen_runtime.weights import make_weight
+from qwen_runtime.backend.pool import Workspace
+from qwen_runtime.backend.weights import make_weight
+from qwen_runtime.formats.tensors import QType, StoredTensor
 
 QWEN25_WEIGHTS = 494e6
 COPIES = 16  # matrices cycled through per timing: 16 x 17 MB of float32 is far beyond the L3 cache

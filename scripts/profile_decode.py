@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 import qwen_runtime
-from qwen_runtime import cache as cache_module
-from qwen_runtime import ops_jit, weights
+from qwen_runtime.backend import cache as cache_module
+from qwen_runtime.backend import ops_jit, weights
 from qwen_runtime.models import attention, attention_jit, gated_delta_jit, qwen35, transformer
 from qwen_runtime.models import gated_delta as gd
 

@@ -4,7 +4,7 @@ same file with float activations, on a text, as qwen-eval's divergence statistic
     python scripts/q8_prefill_cost.py FILE.gguf [FILE.gguf ...] [-f TEXT] [--base MODEL] [-c 256]
 
 Every window is one forward pass of ``--ctx`` tokens (a prompt: where the CPU has AMX its products of 16 rows or
-more go through the tile kernels, :mod:`qwen_runtime.quants.jit_amx` / :mod:`~qwen_runtime.quants.jit_amx_k`;
+more go through the tile kernels, :mod:`qwen_runtime.backend.kernels.amx` / :mod:`~qwen_runtime.backend.kernels.amx_k`;
 the count is printed).  Prints, per file, KL(float || q8) per scored token (mean, p99, max), the fraction of
 tokens whose greedy (argmax) next token agrees, and the perplexity change; for scale, the same statistics of the
 file's float prefill against ``--base`` (default: the bundled model's bf16 weights, the file's own quantization
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import qwen_runtime
 from qwen_convert.demo import bundled_model_path
-from qwen_runtime.evaluate import ReferenceStats, evaluate
-from qwen_runtime.quants import jit_amx, jit_amx_k
+from qwen_runtime.backend.kernels import amx as jit_amx
+from qwen_runtime.backend.kernels import amx_k as jit_amx_k
+from qwen_runtime.generation.evaluate import ReferenceStats, evaluate
 
 
 def counted(module: object, name: str, counts: Counter) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
-KERNELS = "qwen_runtime.quants.jit_"
+KERNELS = "qwen_runtime.backend.kernels."
 MODELS = ("qwen2-tiny", "qwen35-tiny")  # one of each decode-step kind
 
 
@@ -45,7 +45,8 @@ class Task:
 
 def plan(other_forms: bool) -> list[Task]:
     """The tasks, the longest first: two groups of kernel modules that import no kernel module of the other
-    (jit_base, shared, compiles in seconds), then jit_int8_k (it imports both); with ``other_forms`` every kernel
+    (kernels.base, shared, compiles in seconds), then kernels.int8_k (it imports both); with ``other_forms`` every
+    kernel
     module again for each other instruction form."""
     groups = [Task("legacy, iq4, int8", tuple(KERNELS + m for m in ("legacy", "iq4", "int8"))),
               Task("kquants, dense, q8_0, step", (*(KERNELS + m for m in ("kquants", "dense", "q8_0")),
@@ -54,7 +55,7 @@ def plan(other_forms: bool) -> list[Task]:
     if other_forms:
         from llvmlite import binding as llvm
 
-        from qwen_runtime.jit_setup import other_instruction_forms
+        from qwen_runtime.backend.jit_setup import other_instruction_forms
 
         for name, features in other_instruction_forms(llvm.get_host_cpu_features().flatten()).items():
             modules = tuple(KERNELS + m for m in ("q8_0", "dense", "kquants", "iq4", "int8_k"))  # and what they import

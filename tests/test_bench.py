@@ -37,3 +37,28 @@ def test_paired_lines_name_each_model_and_dtype() -> None:
     lines = bench.paired_lines(paired)
     assert lines[1] == "  qwen2.5-0.5b fp32: prefill 0.95 (0.90-1.00), decode 0.95 (0.90-1.00), 2 rounds"
     assert bench.paired_lines({"qwen2.5-0.5b": {}}) == []
+
+
+def test_prefill_lengths_are_paired_per_length_and_held_to_issue_46s_targets() -> None:
+    def runs(ours: list[float], llama: list[float]) -> list[list[dict[str, float]]]:
+        return [[{"prefill_tps": v} for v in ours], [{"prefill_tps": v} for v in llama]]
+
+    short, long = runs([30, 20], [20, 20]), runs([150, 90], [100, 100])
+    raw = {"q8_0": {bench.prefill_key("ours", 64): short[0], bench.prefill_key("llama", 64): short[1],
+                    bench.prefill_key("ours", 512): long[0], bench.prefill_key("llama", 512): long[1]}}
+    paired = bench.prefill_ratios(raw, (64, 512))
+    assert paired["q8_0"][64] == {"median": 1.25, "min": 1.0, "max": 1.5, "rounds": 2}
+    assert paired["q8_0"][512] == pytest.approx({"median": 1.2, "min": 0.9, "max": 1.5, "rounds": 2})
+    found = {t.name: (t.goal, t.met) for t in bench.prefill_targets(paired)}
+    assert found == {"q8_0 prefill(64) / llama (paired)": (1.0, True),
+                     "q8_0 prefill(512) / llama (paired)": (1.5, False)}
+    summary = {"m": {"q8_0": {k: v[0] for k, v in raw["q8_0"].items()}}}
+    table = bench.prefill_lines(summary, {"m": paired}, (64, 512))
+    assert table[2] == "| m | q8_0 | 30.0 / 20.0 (1.25, 1.00-1.50) | 150.0 / 100.0 (1.20, 0.90-1.50) |"
+    assert bench.prefill_lines(summary, {"m": {}}, (64,)) == []
+
+
+def test_results_files_without_prefill_lengths_still_report() -> None:
+    assert bench.plan_of({"plan": {**bench.QUICK.__dict__, "prefills": [64, 512]}}).prefills == (64, 512)
+    old = {k: v for k, v in bench.QUICK.__dict__.items() if k != "prefills"}
+    assert bench.plan_of({"plan": old}).prefills == ()

@@ -21,9 +21,9 @@ from qwen_convert import demo_cli, imatrix_cli
 from qwen_convert.cli import convert_main, inspect_main
 from qwen_runtime import cli as run_cli
 from qwen_runtime import eval_cli
+from qwen_runtime.backend.compile_events import describe, listen
 from qwen_runtime.cli import main as run_main
 from qwen_runtime.cli_support import COMPILING, HelpFormatter, run_guarded
-from qwen_runtime.compile_events import describe, listen
 from qwen_runtime.errors import (
     EXIT_CODES,
     ConfigError,
@@ -276,7 +276,7 @@ def test_the_compile_note_names_each_group_of_kernels_once(capsys: pytest.Captur
         return numba.njit(add)
 
     def main() -> int:
-        legacy, int8 = "qwen_runtime.quants.jit_legacy_probe", "qwen_runtime.quants.jit_int8_probe"
+        legacy, int8 = "qwen_runtime.backend.kernels.legacy_probe", "qwen_runtime.backend.kernels.int8_probe"
         total = compiled(legacy, 1)(0) + compiled(legacy, 2)(0) + compiled(int8, 3)(0)
         total += compiled("numba.np.probe", 4)(0)
         return total - 10
@@ -286,7 +286,7 @@ def test_the_compile_note_names_each_group_of_kernels_once(capsys: pytest.Captur
         "qwen-run: numba is compiling the Q4_0/Q4_1/Q5_0/Q5_1 kernels (once per machine and version, up to a few "
         "minutes; later runs load them from its cache)",
         f"qwen-run: {COMPILING.format(what='the 8-bit-activation kernels')}"]
-    assert [describe(m) for m in ("qwen_runtime.quants.jit_kquants", "qwen_runtime.models.step_jit",
+    assert [describe(m) for m in ("qwen_runtime.backend.kernels.kquants", "qwen_runtime.models.step_jit",
                                   "qwen_convert.quant_search", "elsewhere")] == [
         "the K-quant (Q2_K..Q6_K) kernels", "the compiled decode step", "the quantizers' rounding searches", "kernels"]
 
@@ -294,7 +294,7 @@ def test_the_compile_note_names_each_group_of_kernels_once(capsys: pytest.Captur
 COMPILING_SCRIPT = """
 import sys
 from qwen_runtime.cli_support import run_guarded
-from qwen_runtime.compile_events import listen
+from qwen_runtime.backend.compile_events import listen
 listen()
 import cached
 sys.exit(run_guarded("qwen-x", lambda: cached.add(1) - 2))

@@ -16,22 +16,20 @@ RUNTIME, CONVERTER, SERVER = "qwen_runtime", "qwen_convert", "qwen_serve"
 # First-party packages and those each may import: the runtime is the base of the others.
 PACKAGE_IMPORTS = {RUNTIME: {RUNTIME}, CONVERTER: {RUNTIME, CONVERTER}, SERVER: {RUNTIME, SERVER}}
 
-# Layers of qwen_runtime, lowest first: a module may import its own layer and the layers before it, never a
-# later one.  Keys are module paths relative to the package ("formats" covers the subpackage).
+# Layers of qwen_runtime, lowest first: its folders, then the modules of the package root.  A module may import its
+# own layer and the layers before it, never a later one; a new folder must be placed here.
 RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("facts: errors, architectures, GGUF keys, config, tensor names, stored types, small kernels, the thread pool",
-     ("errors", "archs", "rope", "gguf_keys", "config", "naming", "tensors", "quants", "ops", "jit_setup", "ops_jit",
-      "pool", "pool_jit", "compile_events",
-      "cache", "limits", "memory")),
-    ("formats: finding and reading model files", ("formats", "hub")),
-    ("weights: multiplying stored tensors", ("weights",)),
-    ("models: the forward pass", ("models", "reference")),
-    ("text: tokenizer and chat template", ("tokenizer", "sandbox", "chat")),
-    ("generation: sampling, one row's step, the generation loop, evaluation",
-     ("sampling", "stepper", "structured", "generate", "evaluate")),
+    ("errors: the exceptions every layer raises", ("errors",)),
+    ("quants: what the stored bytes mean, numpy only", ("quants",)),
+    ("formats: architectures, config, GGUF keys, tensor names, finding and reading model files", ("formats",)),
+    ("backend: numba, threads and kernel choice; weights, ops and their compiled twins, the KV cache", ("backend",)),
+    ("models: the forward pass", ("models",)),
+    ("text: tokenizer and chat template", ("text",)),
+    ("generation: sampling, one row's step, the generation loop, evaluation", ("generation",)),
     ("tools: the package's face, its command lines and where their jobs run",
      ("__init__", "cli_support", "cli", "eval_cli", "executor")),
 )
+ROOT_LAYERS = {"errors", "tools"}  # the layers that are modules of the package root, not folders
 
 
 def first_party_packages() -> set[str]:
@@ -85,6 +83,17 @@ def test_every_runtime_module_has_a_layer() -> None:
     assert not unplaced, f"place these modules in RUNTIME_LAYERS of {Path(__file__).name}: {unplaced}"
 
 
+def test_the_folders_are_the_layers() -> None:
+    """Every folder of the runtime is a layer of its own, and the package root holds only the bottom and top layers'
+    modules: a module is placed by where it lives."""
+    folders = {p.parent.name for p in (ROOT / RUNTIME).glob("*/__init__.py")}
+    layers = {layer.split(":")[0]: members for layer, members in RUNTIME_LAYERS}
+    assert folders == {name for name in layers if name not in ROOT_LAYERS}
+    assert all(layers[name] == (name,) for name in folders)
+    root_modules = {p.stem for p in (ROOT / RUNTIME).glob("*.py")}
+    assert root_modules == {m for name in ROOT_LAYERS for m in layers[name]}
+
+
 def test_runtime_imports_no_later_layer() -> None:
     wrong = []
     for path in source_files(RUNTIME):
@@ -135,13 +144,13 @@ def test_scripts_do_not_import_tests() -> None:
 
 def test_the_reader_resolves_relative_imports() -> None:
     """A backwards import written relatively, lazily or for type checking alone is still seen."""
-    source = ("from ..weights import gated_matmul\nfrom .base import Mixer\nfrom . import attention\n"
-              "def f():\n    from ..chat import load_chat_format\n")
+    source = ("from ..backend.weights import gated_matmul\nfrom .base import Mixer\nfrom . import attention\n"
+              "def f():\n    from ..text.chat import load_chat_format\n")
     names = imports_of(source, "qwen_runtime.models.transformer", is_package=False)
-    assert {"qwen_runtime.weights", "qwen_runtime.models.base", "qwen_runtime.models.attention",
-            "qwen_runtime.chat"} <= names
-    assert imports_of("from .chat import ChatFormat\n", RUNTIME, is_package=True) >= {"qwen_runtime.chat"}
-    assert runtime_layer("qwen_runtime.chat") > runtime_layer("qwen_runtime.models.transformer")
+    assert {"qwen_runtime.backend.weights", "qwen_runtime.models.base", "qwen_runtime.models.attention",
+            "qwen_runtime.text.chat"} <= names
+    assert imports_of("from .text.chat import ChatFormat\n", RUNTIME, is_package=True) >= {"qwen_runtime.text.chat"}
+    assert runtime_layer("qwen_runtime.text.chat") > runtime_layer("qwen_runtime.models.transformer")
 
 
 def test_no_import_cycles() -> None:

@@ -57,12 +57,12 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 
-from qwen_runtime.chat import ChatFormat, chat_format
 from qwen_runtime.errors import QwenError
-from qwen_runtime.evaluate import kl_divergence, log_softmax
 from qwen_runtime.formats import ModelFiles, open_model_files
+from qwen_runtime.formats.tensors import QType, StoredTensor
+from qwen_runtime.generation.evaluate import kl_divergence, log_softmax
 from qwen_runtime.models import Model, WeightStore, build_model
-from qwen_runtime.tensors import QType, StoredTensor
+from qwen_runtime.text.chat import ChatFormat, chat_format
 
 PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. In 1969, Apollo 11 landed on the Moon; "
               "def add(a, b):\n    return a + b\n")

@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from qwen_runtime.archs import NEG_EXP
 from qwen_runtime.errors import FormatError
-from qwen_runtime.naming import TensorPlan
+from qwen_runtime.formats.archs import NEG_EXP
+from qwen_runtime.formats.naming import TensorPlan
+from qwen_runtime.formats.tensors import Q8_0_BLOCK, QType
 from qwen_runtime.quants import CODECS
 from qwen_runtime.quants.blocks import BlockCodec
-from qwen_runtime.tensors import Q8_0_BLOCK, QType
 
 # Spacing of 1.0 in each source dtype: the precision a converter may compute a transform in.
 SOURCE_EPS = {QType.F32: 2.0**-23, QType.F16: 2.0**-10, QType.BF16: 2.0**-7}

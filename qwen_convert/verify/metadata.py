@@ -1,6 +1,6 @@
 """verify's metadata checks: what a converted model declares against what its Hugging Face source says.
 
-GGUF: every key of the model table (:data:`qwen_runtime.gguf_keys.MODEL_KEYS`) that llama.cpp reads for the
+GGUF: every key of the model table (:data:`qwen_runtime.formats.gguf_keys.MODEL_KEYS`) that llama.cpp reads for the
 architecture against ``config.json`` (an absent key passes only where llama.cpp's default is the right value),
 plus the tokenizer keys against the tokenizer files, in full: every token's text and type (added tokens
 included), every merge in order, every special-token id and add-token flag the source's files give (and none
@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 from gguf import Keys, TokenType
 
-from qwen_runtime.config import ModelConfig
 from qwen_runtime.errors import UnsupportedTokenizerError
 from qwen_runtime.formats.base import TOKENIZER_FILES, V_HEAD_GROUPED, V_HEAD_TILED, ModelFiles
+from qwen_runtime.formats.config import ModelConfig
 from qwen_runtime.formats.gguf_config import is_metadata_array, metadata_array, without_mtp_blocks
-from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key, rope_scaling_metadata
+from qwen_runtime.formats.gguf_keys import MODEL_KEYS, gguf_key, rope_scaling_metadata
 
 from ..gguf_metadata import special_vocab, token_table, tokenizer_pre
 from ..policy import DTYPES

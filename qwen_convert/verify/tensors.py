@@ -4,7 +4,7 @@ Each output tensor's recorded transform is undone (``ssm_a`` -> ``log(-ssm_a)``,
 the conv squeeze), its value heads are matched to the source's through the recorded permutation (an index map,
 so it is exact), and the result is compared with the source tensor row chunk by row chunk (memory bounded by
 the chunk) against each element's bound (:mod:`qwen_convert.verify.bounds`).  Every source tensor must be
-converted or skipped for a stated reason (:func:`qwen_runtime.naming.skip_reason`), and every output tensor
+converted or skipped for a stated reason (:func:`qwen_runtime.formats.naming.skip_reason`), and every output tensor
 must come from one.  A failure is explained by its most likely cause: value heads in the other order, a
 transform not applied, a constant offset or scale, non-finite values.
 """
@@ -19,13 +19,20 @@ from pathlib import Path
 
 import numpy as np
 
-from qwen_runtime.archs import NO_TRANSFORM, PLUS_ONE, VALUE_TRANSFORMS
-from qwen_runtime.config import ModelConfig
+from qwen_runtime.formats.archs import NO_TRANSFORM, PLUS_ONE, VALUE_TRANSFORMS
 from qwen_runtime.formats.base import V_HEAD_GROUPED, V_HEAD_TILED, ModelFiles
+from qwen_runtime.formats.config import ModelConfig
 from qwen_runtime.formats.hf_dir import plan_entries
+from qwen_runtime.formats.naming import (
+    INVERSE_TRANSFORMS,
+    TRANSFORM_NOTES,
+    TensorPlan,
+    output_shape,
+    plan_tensor,
+    tile_v_heads,
+)
 from qwen_runtime.formats.safetensors import SafetensorsEntry
-from qwen_runtime.naming import INVERSE_TRANSFORMS, TRANSFORM_NOTES, TensorPlan, output_shape, plan_tensor, tile_v_heads
-from qwen_runtime.tensors import StoredTensor, to_float32
+from qwen_runtime.formats.tensors import StoredTensor, to_float32
 
 from ..error_sums import ErrorSums
 from ..imatrix import QUANTIZE_FILE_KEY

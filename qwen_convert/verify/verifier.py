@@ -9,9 +9,9 @@ from typing import Any
 
 from gguf import Keys
 
-from qwen_runtime.config import ModelConfig
 from qwen_runtime.formats import open_hf_dir, open_model_files
 from qwen_runtime.formats.base import ModelFiles
+from qwen_runtime.formats.config import ModelConfig
 
 from ..convert import verify_written_checksums
 from ..outputs import check_replaceable, remove_path

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import ModelConfig
 from ..errors import FormatError
 from .base import ModelFiles
+from .config import ModelConfig
 from .gguf_file import open_gguf
 from .hf_dir import open_hf_dir
 from .npy_dir import MANIFEST_NAME, open_npy_dir

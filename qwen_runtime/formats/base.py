@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ModelConfig
 from ..errors import FormatError
-from ..tensors import StoredTensor
+from .config import ModelConfig
+from .tensors import StoredTensor
 
 # Value-head order of Qwen3.5's linear attention when value heads outnumber key heads: HF groups the value
 # heads of one key head together; llama.cpp's converter tiles them so value head j uses key head j % Hk.

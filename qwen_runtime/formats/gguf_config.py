@@ -1,5 +1,6 @@
 """GGUF metadata (ours or llama.cpp's) as a :class:`ModelConfig`, through the key table of
-:mod:`qwen_runtime.gguf_keys`; and the multi-token-prediction blocks newer converters append, decided here once."""
+:mod:`qwen_runtime.formats.gguf_keys`; and the multi-token-prediction blocks newer converters append, decided here
+once."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType, Keys
 
-from ..archs import SUPPORTED_ARCHS
-from ..config import MAX_LAYERS, ModelConfig, build_config, check_layer_count
 from ..errors import ConfigError, UnsupportedArchitectureError
-from ..gguf_keys import MODEL_KEYS, ModelKey, gguf_key, rope_scaling_from_metadata
+from .archs import SUPPORTED_ARCHS
 from .base import is_int, is_number
+from .config import MAX_LAYERS, ModelConfig, build_config, check_layer_count
+from .gguf_keys import MODEL_KEYS, ModelKey, gguf_key, rope_scaling_from_metadata
 
 MAX_MODEL_ARRAY = 4 * MAX_LAYERS  # entries of a per-layer (or rope-section) array of the model table
 
@@ -43,7 +44,7 @@ def _meta_value(meta: Mapping[str, Any], key: str, source: str, value_type: GGUF
 
 
 def _model_keys(meta: Mapping[str, Any], arch: str, source: str) -> dict[str, Any]:
-    """The ModelConfig fields that the table of :mod:`qwen_runtime.gguf_keys` gives for ``arch``."""
+    """The ModelConfig fields that the table of :mod:`qwen_runtime.formats.gguf_keys` gives for ``arch``."""
     fields: dict[str, Any] = {}
     for row in MODEL_KEYS:
         key = gguf_key(row.key, arch)

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 from gguf import MODEL_TENSOR, Keys
 
-from ..config import ModelConfig
 from ..errors import FormatError
-from ..naming import check_tensor_set, expected_tensors, tensor_name
-from ..tensors import SUPPORTED_QTYPES, StoredTensor, stored_view
 from .base import V_HEAD_GROUPED, V_HEAD_TILED, ModelFiles
+from .config import ModelConfig
 from .gguf_config import config_from_gguf, is_mtp_tensor, mtp_block_count
 from .gguf_parse import GGUFLayout, GGUFTensorInfo, parse_gguf, tensor_view
+from .naming import check_tensor_set, expected_tensors, tensor_name
+from .tensors import SUPPORTED_QTYPES, StoredTensor, stored_view
 
 SPLIT_NAME = re.compile(r"(?P<prefix>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf", re.IGNORECASE)
 

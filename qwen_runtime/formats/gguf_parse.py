@@ -57,7 +57,7 @@ MAX_DECODED_TEXT = 4 << 20  # UTF-8 bytes of keys, string values and tensor name
 # String arrays are walked element by element: the vocabulary's (tokens, merges) up to a vocabulary's size,
 # any other key's (tags, languages, ...) far fewer.  Numeric arrays are views of the map and cost nothing.
 VOCABULARY_ARRAYS = frozenset({Keys.Tokenizer.LIST, Keys.Tokenizer.MERGES})
-MAX_VOCABULARY_STRINGS = 1 << 22  # qwen_runtime.config.MAX_VOCAB
+MAX_VOCABULARY_STRINGS = 1 << 22  # qwen_runtime.formats.config.MAX_VOCAB
 MAX_OTHER_STRINGS = 1 << 16
 
 

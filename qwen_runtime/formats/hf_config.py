@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..archs import ARCHS, FULL_ATTENTION, LINEAR_ATTENTION, layer_types_from_interval
-from ..config import ModelConfig, build_config, check_layer_count
 from ..errors import ConfigError, UnsupportedArchitectureError
-from ..rope import ROPE_SCALING_TYPES, YARN, YARN_BETA_FAST, YARN_BETA_SLOW, RopeScaling, yarn_mscale
+from .archs import ARCHS, FULL_ATTENTION, LINEAR_ATTENTION, layer_types_from_interval
 from .base import is_int, is_number
+from .config import ModelConfig, build_config, check_layer_count
+from .rope import ROPE_SCALING_TYPES, YARN, YARN_BETA_FAST, YARN_BETA_SLOW, RopeScaling, yarn_mscale
 
 # HF `architectures` entry (or `model_type` when that is absent) -> GGUF architecture name.
 HF_ARCHITECTURES: dict[str, str] = {hf: spec.name for spec in ARCHS.values() for hf in spec.hf_architectures}

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..archs import VALUE_TRANSFORMS
-from ..config import ModelConfig
 from ..errors import FormatError
-from ..naming import (
+from .archs import VALUE_TRANSFORMS
+from .base import V_HEAD_GROUPED, V_HEAD_ORDERS, V_HEAD_TILED, ModelFiles, contained_path, read_json_file
+from .config import ModelConfig
+from .hf_config import config_from_hf
+from .naming import (
     TRANSFORM_NOTES,
     TRANSFORMS,
     TensorPlan,
@@ -21,10 +23,8 @@ from ..naming import (
     skip_reason,
     tile_v_heads,
 )
-from ..tensors import QType, StoredTensor, to_float32
-from .base import V_HEAD_GROUPED, V_HEAD_ORDERS, V_HEAD_TILED, ModelFiles, contained_path, read_json_file
-from .hf_config import config_from_hf
 from .safetensors import SafetensorsEntry, read_header, read_index
+from .tensors import QType, StoredTensor, to_float32
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -22,13 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ModelConfig
 from ..errors import FormatError
-from ..naming import check_tensor_set
 from ..quants import CODECS
-from ..tensors import QType, StoredTensor, stored_nbytes, stored_shape
 from .base import V_HEAD_GROUPED, V_HEAD_ORDERS, ModelFiles, contained_path, read_json_file
+from .config import ModelConfig
 from .hf_dir import load_hf_config
+from .naming import check_tensor_set
+from .tensors import QType, StoredTensor, stored_nbytes, stored_shape
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "qwen-numpy-npy"

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FormatError
-from ..tensors import DENSE_DTYPES, QType
 from .base import parse_json, read_json_file
+from .tensors import DENSE_DTYPES, QType
 
 # safetensors dtype string -> GGML type of the stored bytes.
 SAFETENSORS_QTYPES: dict[str, QType] = {"F32": QType.F32, "F16": QType.F16, "BF16": QType.BF16}

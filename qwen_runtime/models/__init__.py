@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cache import DEFAULT_CACHE_TYPE
+from ..backend.cache import DEFAULT_CACHE_TYPE
+from ..backend.jit_setup import release_compiler_pages
+from ..backend.weights import TILE_ELEMENTS, populate
 from ..formats import ModelFiles, open_model_files
-from ..jit_setup import release_compiler_pages
-from ..weights import TILE_ELEMENTS, populate
 from . import attention, qwen35  # noqa: F401  (register the mixers of each layer type)
 from .base import MIXERS, BatchState, Mixer, WeightStore, register_mixer
 from .transformer import Block, Model

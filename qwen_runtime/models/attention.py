@@ -16,18 +16,18 @@ from types import ModuleType
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from ..archs import FULL_ATTENTION, QWEN2, QWEN3
-from ..cache import BatchState, CacheSize, KVCache
-from ..config import ModelConfig
-from ..ops import apply_rope, rms_norm, softmax
-from ..pool import Workspace
-from ..weights import matmul_many
+from ..backend.cache import BatchState, CacheSize, KVCache
+from ..backend.ops import apply_rope, rms_norm, softmax
+from ..backend.pool import Workspace
+from ..backend.weights import matmul_many
+from ..formats.archs import FULL_ATTENTION, QWEN2, QWEN3
+from ..formats.config import ModelConfig
 from .base import WeightStore, register_mixer
 
 # Upper bound on attention score elements held at once; longer query blocks are processed in tiles.
 SCORE_ELEMENTS = 1 << 22
 # Query rows per kv head up to which scores and outputs are one matrix-vector product per query (decode):
-# BLAS reads the cached keys/values at full bandwidth there, while a [S, hd] x [hd, 2] GEMM ran 3x slower.
+# BLAS reads the cached keys/values at full bandwidth there, while a [S, hd] x [hd, 2] GEMM ran much slower.
 GEMV_ROWS = 4
 # Attention of several new tokens with at least this many multiply-adds (scores x head_dim) splits its kv heads
 # over the pool (prefill).  A decode step stays on the calling thread: its matrix-vector products are bound by
@@ -48,7 +48,7 @@ def jit() -> ModuleType:
 
 def compiled(ws: Workspace | None, tokens: int) -> bool:
     """Whether a step of ``tokens`` new tokens per row runs :mod:`.attention_jit`'s kernels (up to :data:`JIT_TOKENS`,
-    more inside ``Workspace.rowwise``: :meth:`~qwen_runtime.pool.Workspace.compiled_step`)."""
+    more inside ``Workspace.rowwise``: :meth:`~qwen_runtime.backend.pool.Workspace.compiled_step`)."""
     return ws is not None and ws.compiled_step(tokens, JIT_TOKENS)
 
 

@@ -26,7 +26,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from ..ops_jit import F32, JIT, SUMS, ZERO, exp32, norm_row, sigmoid32, total
+from ..backend.ops_jit import F32, JIT, SUMS, ZERO, exp32, norm_row, sigmoid32, total
 
 MASKED = F32(-np.inf)
 F16_BITS = types.uint16  # how a float16 cache array reaches the kernels
@@ -128,7 +128,7 @@ def attend_pair(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_slots
 
     Each cached key is read once for all query heads of its kv head (dot products in lanes over hd); the weighted
     sum of values runs in lanes over hd (:func:`_weighted_sum`).  (Scores from a transposed tile of keys, a lane
-    per slot, ran 4x slower: numba keeps such accumulators in memory.)
+    per slot, ran slower: numba keeps such accumulators in memory.)
     """
     heads, length, hd = q.shape[1], q.shape[2], q.shape[3]
     group = heads // keys.shape[1]

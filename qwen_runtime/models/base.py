@@ -14,7 +14,7 @@ attention, Gated DeltaNet).  It is built once per layer by a factory registered 
 ``x`` is the already-normalised hidden state (``attn_norm`` is applied by the block), ``cache`` is the
 object this mixer's ``make_cache`` returned (it must implement ``select(rows)`` and ``nbytes``, and hold
 ``cache_size.nbytes(batch, max_len)`` bytes: every memory estimate adds these reports), and
-``state`` (:class:`~qwen_runtime.cache.BatchState`) carries per-row rotary positions ``[B, T]``, the
+``state`` (:class:`~qwen_runtime.backend.cache.BatchState`) carries per-row rotary positions ``[B, T]``, the
 validity mask ``[B, T]`` (False on left padding: a recurrent mixer must leave its state untouched there),
 the first slot of the new tokens and the validity of every slot so far; what every layer derives from
 these (rotary cos/sin, the slots hidden from each new token) it computes once per forward pass.
@@ -29,15 +29,15 @@ from typing import Protocol
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from ..cache import DEFAULT_CACHE_TYPE, BatchState, CacheSize, LayerCache, cache_dtype
-from ..compile_events import listen
-from ..config import ModelConfig
+from ..backend.cache import DEFAULT_CACHE_TYPE, BatchState, CacheSize, LayerCache, cache_dtype
+from ..backend.compile_events import listen
+from ..backend.pool import Workspace, resolve_kernels
+from ..backend.weights import TILE_ELEMENTS, Weight, load_vector, make_weight
 from ..errors import FormatError
 from ..formats import ModelFiles
-from ..naming import tensor_name
-from ..pool import Workspace, resolve_kernels
-from ..tensors import QType
-from ..weights import TILE_ELEMENTS, Weight, load_vector, make_weight
+from ..formats.config import ModelConfig
+from ..formats.naming import tensor_name
+from ..formats.tensors import QType
 
 
 class WeightStore:

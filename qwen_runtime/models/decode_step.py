@@ -16,10 +16,11 @@ from types import ModuleType
 
 import numpy as np
 
-from ..cache import BatchState, Cache, KVCache
-from ..config import ModelConfig
-from ..pool import Scratch, Workspace
-from ..weights import DIRECT_ROW_ALIGN, TiledWeight
+from ..backend.cache import BatchState, Cache, KVCache
+from ..backend.pool import Workspace
+from ..backend.weights import DIRECT_ROW_ALIGN, TiledWeight
+from ..formats.config import ModelConfig
+from ..quants.scratch import Scratch
 from .attention import Attention
 from .qwen35 import GatedAttention, GatedDeltaNet, LinearAttentionCache
 
@@ -70,7 +71,8 @@ def split_rows(matrix: int, rows: int, row_bytes: int, threads: int) -> list[tup
 
 def row_product(kernel: object) -> tuple[object, int]:
     """A compiled kernel's row product for the step and the slots of the forms table it reads: its
-    :data:`~..quants.jit_q8_act.Q8_ROW_PRODUCT` with 8-bit activations, else its float ROW_PRODUCT and 0 (None for a
+    :data:`~..backend.kernels.q8_act.Q8_ROW_PRODUCT` with 8-bit activations, else its float ROW_PRODUCT and 0 (None
+    for a
     kernel without one)."""
     q8 = getattr(kernel, "q8_row_product", None)
     return (q8, kernel.q8_slots) if q8 is not None else (kernel.row_product, 0)
@@ -238,8 +240,8 @@ class DecodeStep:
     def _buffers(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The step's activation buffers for ``batch`` rows in one float32 array (kept between steps, grown when a
         larger batch comes), where each starts (:data:`.step_jit.X` ...) and, in the same array, the forms table of
-        the products with 8-bit activations (:mod:`..quants.jit_q8_act`; zeros without)."""
-        from ..quants import jit_q8_act
+        the products with 8-bit activations (:mod:`..backend.kernels.q8_act`; zeros without)."""
+        from ..backend.kernels import q8_act as jit_q8_act
         hidden, nh, nkv, hd, inter, q_rows, _, _, hv, dv, _, channels = self.dims
         projections = [max(q_rows, channels), max(nkv * hd, hv * dv), max(nkv * hd, hv), hv]
         mixed = max(nh * hd, hv * dv)

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops import rms_norm, sigmoid, silu
-from ..pool import Scratch, single_threaded_blas
+from ..backend.ops import rms_norm, sigmoid, silu
+from ..backend.pool import single_threaded_blas
+from ..quants.scratch import Scratch
 
 L2_EPS = 1e-6  # HF/FLA l2norm epsilon, inside the square root
 CHUNK = 64  # chunk length of the chunked form (HF's and FLA's)
 RECURRENT_MAX_TOKENS = 4  # up to this many tokens the per-token recurrence is cheaper than one chunk
 # Chunks per pass of the chunked form: its intra-chunk work runs for this many chunks at once, in scratch buffers
 # whose size this bounds (a 128-token pass of 8 heads of 128 x 128: 5.2 MB), whatever the prompt length; one chunk
-# per pass took 7-12% more CPU.
+# per pass took more CPU.
 PASS_CHUNKS = 2
 # The scratch buffer the conv and the chunked rule carve their arrays from (they never run in the same task).
 WORK_BUFFER = "gated delta"
@@ -37,7 +38,7 @@ WORK_BUFFER = "gated delta"
 # row, then merged pairwise into blocks twice as large (one batched product per level).
 INVERSE_BLOCK = 16
 # Decays below e^-60 (1e-26) are flushed to exactly 0: they are negligible next to the O(1) terms they are added
-# to, and left alone they become float32 subnormals, on which every later product runs ~100x slower.  Strong
+# to, and left alone they become float32 subnormals, on which every later product runs far slower.  Strong
 # decays (g of -10 per token summed over a chunk) produce them all the time.
 LOG_DECAY_FLOOR = np.float32(-60.0)
 
@@ -120,8 +121,7 @@ def causal_conv1d_inplace(x: np.ndarray, weight: np.ndarray, state: np.ndarray, 
     ext[rows, pads[:, None] + np.arange(kernel - 1)[None, :]] = state
     state[...] = ext[:, length:]
     taps = np.ascontiguousarray(weight.T, dtype=np.float32)  # [K, C]
-    # sums and products in contiguous buffers (numpy's loops over a column block of a wider array ran 1.5-2.5x
-    # slower)
+    # sums and products in contiguous buffers (numpy's loops over a column block of a wider array ran slower)
     np.multiply(ext[:, 0:length], taps[0], out=acc)
     for tap in range(1, kernel):
         acc += np.multiply(ext[:, tap:tap + length], taps[tap], out=tmp)

@@ -21,7 +21,7 @@ import math
 import numpy as np
 from numba import njit
 
-from ..ops_jit import F32, JIT, ONE, ZERO, dot, norm_row, silu32, sum_squares
+from ..backend.ops_jit import F32, JIT, ONE, ZERO, dot, norm_row, silu32, sum_squares
 from .gated_delta import L2_EPS, LOG_DECAY_FLOOR
 
 L2_EPS32 = F32(L2_EPS)

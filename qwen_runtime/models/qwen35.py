@@ -19,18 +19,18 @@ from types import ModuleType
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from ..archs import FULL_ATTENTION, LINEAR_ATTENTION, QWEN35
-from ..cache import BatchState, CacheSize, KVCache
-from ..config import ModelConfig
-from ..ops import apply_rope, rms_norm, sigmoid
-from ..pool import Scratch
-from ..weights import matmul_many
+from ..backend.cache import BatchState, CacheSize, KVCache
+from ..backend.ops import apply_rope, rms_norm, sigmoid
+from ..backend.weights import matmul_many
+from ..formats.archs import FULL_ATTENTION, LINEAR_ATTENTION, QWEN35
+from ..formats.config import ModelConfig
+from ..quants.scratch import Scratch
 from . import gated_delta as gd
 from .attention import attend, compiled, jit, kernel_view, merge_heads, split_heads
 from .base import WeightStore, register_mixer
 
 # Value heads per task of a prefill's delta rule (Qwen3.5-0.8B's 16: one task per pool thread).  The batched
-# products of 8 heads cost what 16 heads' cost per head; groups of 4 and 2 took 15% and 35% more CPU.
+# products of 8 heads cost what 16 heads' cost per head; smaller groups took more CPU.
 HEAD_GROUP = 8
 # Channels per task of a prefill's causal conv (its scratch buffers hold 3 x T x this many floats).
 CONV_CHANNELS = 1024
@@ -183,7 +183,7 @@ class GatedDeltaNet:
 
     A prefill takes three pool runs: the projections; the causal conv by blocks of channels; then one task per
     batch row and group of value heads: their q/k preparation, gates, delta rule and gated norm
-    (:meth:`~qwen_runtime.pool.Workspace.run_grid`).  A decode step runs the projections through the pool and
+    (:meth:`~qwen_runtime.backend.pool.Workspace.run_grid`).  A decode step runs the projections through the pool and
     the rest on the calling thread, where a few tokens' work is too small to hand around.
     """
 
@@ -232,10 +232,9 @@ class GatedDeltaNet:
     def _compiled_step(self) -> bool:
         """Whether a pass runs :mod:`.gated_delta_jit`'s kernels: the recurrence token by token, its heads shared
         among the threads (the conv kernel needs K ≥ 2, Qwen3.5's is 4), with ``kernels="numba"`` whatever the
-        length.  The numpy path's chunked form costs a fixed ~4.7 ms of numpy
-        calls per layer and pass, and more per token: Qwen3.5-0.8B q8_0, whole forward passes, chunked / compiled,
-        2 threads: 5 tokens 206 / 134 ms, 11 261 / 196, 32 470 / 372, 128 1394 / 1121, 256 2307 / 1937, 4 rows of
-        64 2393 / 1761; 1 thread: 128 2710 / 2447, 256 3894 / 3104."""
+        length.  The numpy path's chunked form costs a fixed overhead of numpy
+        calls per layer and pass, and more per token: the compiled recurrence was faster at every length measured,
+        short passes most (docs/performance.md)."""
         return self.ws.kernels == "numba" and self.conv_taps.shape[0] >= 2
 
     def _compiled(self, x: np.ndarray, cache: LinearAttentionCache, state: BatchState) -> np.ndarray:

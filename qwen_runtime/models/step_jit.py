@@ -16,9 +16,10 @@ own, claimed the same way one (row, kv head) pair of attention or (row, value he
 (:func:`work_mix`): with worker 0 alone attending, decode at 2,048 cached tokens ran at 0.64x its speed at 128 (run
 12). The other workers wait for the next post polling a counter, without the GIL; one that waits longer than its
 ``ticks`` returns, and worker 0 claims the rest itself. A chunk's rows are multiplied by the type's row kernel,
-called by address (:data:`~..quants.jit_base.ROW_PRODUCT`; with 8-bit activations the integer-dot
-:data:`~..quants.jit_q8_act.Q8_ROW_PRODUCT` on the forms of the input worker 0 quantized once before posting the
-product), in groups of :data:`~..quants.jit_base.GEMV_ROWS` activation rows as ``Workspace.rowwise`` does; every other
+called by address (:data:`~..backend.kernels.base.ROW_PRODUCT`; with 8-bit activations the integer-dot
+:data:`~..backend.kernels.q8_act.Q8_ROW_PRODUCT` on the forms of the input worker 0 quantized once before posting the
+product), in groups of :data:`~..backend.kernels.base.GEMV_ROWS` activation rows as ``Workspace.rowwise`` does; every
+other
 operation is the Python path's own compiled function
 (:mod:`..ops_jit`, :mod:`.attention_jit`) on arrays of the same types. A row's result does not depend on the chunk
 or group it is computed in, so the step's numbers are the Python path's, bit for bit (tested).
@@ -29,8 +30,8 @@ The plan (built once per model by :class:`.decode_step.DecodeStep`), all int64:
 * ``mats`` [L, 8, 6]: per layer and matrix (:data:`IN0` .. :data:`DOWN`; the input projections are q, k, v of
   attention and qkv, z, β, α of Gated DeltaNet), the row product's address, the stored rows' address, rows, bytes
   per row, the width of the activation block sums it takes (0: none), and the slots of the forms table it reads
-  with 8-bit activations (0: float activations, a :data:`~..quants.jit_base.ROW_PRODUCT`; else a
-  :data:`~..quants.jit_q8_act.Q8_ROW_PRODUCT`, the input quantized once per product by worker 0);
+  with 8-bit activations (0: float activations, a :data:`~..backend.kernels.base.ROW_PRODUCT`; else a
+  :data:`~..backend.kernels.q8_act.Q8_ROW_PRODUCT`, the input quantized once per product by worker 0);
 * ``vecs`` [L, 7]: the addresses of a layer's vectors: the two norms, then attention's q/k/v biases and q/k norms
   or Gated DeltaNet's conv taps [K, C], dt bias, A, norm and key head of each value head (int64) (0: absent);
 * ``chunks`` [C, 3]: (matrix, first row, end row) of each product phase in turn (:data:`PROJ`, :data:`OUT`,
@@ -49,10 +50,10 @@ from __future__ import annotations
 
 from numba import carray, njit, types
 
-from ..ops_jit import add_rms_norm_rows, rms_norm_rows, silu_mul_rows
-from ..pool_jit import CHANGED, cpu_relax, cycles_per_us, fetch_add, load_fresh, poll, store_fresh
-from ..quants.jit_base import F16_TABLE, GEMV_ROWS, address_as, block_sums, call_product, f32_at, i64_at
-from ..quants.jit_q8_act import call_q8_product, prepare_forms
+from ..backend.kernels.base import F16_TABLE, GEMV_ROWS, address_as, block_sums, call_product, f32_at, i64_at
+from ..backend.kernels.q8_act import call_q8_product, prepare_forms
+from ..backend.ops_jit import add_rms_norm_rows, rms_norm_rows, silu_mul_rows
+from ..backend.pool_jit import CHANGED, cpu_relax, cycles_per_us, fetch_add, load_fresh, poll, store_fresh
 from .attention_jit import attend_pair, prepare_attention, sigmoid_gate
 from .gated_delta_jit import conv_step, delta_head
 
@@ -137,7 +138,7 @@ def product(mat, r0, r1, x, sums16, sums32, forms, table, out, col):
     """``out[:, col:col + r1 - r0] = x @ W[r0:r1].T`` by the matrix's row product, GEMV_ROWS activation rows per call.
 
     mat int64 [6] (a ``mats`` entry); x [N, in]; sums16/sums32 the block sums of ``x`` (C-contiguous, used per the
-    matrix's width); forms: the forms table of ``x`` (:mod:`..quants.jit_q8_act`), for a matrix with 8-bit
+    matrix's width); forms: the forms table of ``x`` (:mod:`..backend.kernels.q8_act`), for a matrix with 8-bit
     activations (its FORMS entry not 0); out [N, ≥ col + r1 - r0]
     """
     n, cols = x.shape
@@ -356,7 +357,7 @@ def decode_layers(worker, h, layers, mats, vecs, chunks, starts, caches, dims, e
 
     cos/sin float32 [B, 1, r/2]; slots int64 [B, 1], key_valid bool [B, S] and valid bool [B, 1] (C-contiguous);
     work float32 (the buffers at ``offsets``); forms int64 [SLOTS]: the forms table of every product input with
-    8-bit activations (:mod:`..quants.jit_q8_act`, its slots sized for the widest); table: the float16 table; sync:
+    8-bit activations (:mod:`..backend.kernels.q8_act`, its slots sized for the widest); table: the float16 table; sync:
     int64 [:func:`sync_size`], zero; ticks: cycles a worker other than 0 waits for a post before it leaves the rest
     to worker 0; lost: a gap this many cycles long between two of a worker's polls means it lost its CPU (the machine
     is busy), and it leaves too.

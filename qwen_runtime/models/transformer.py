@@ -15,14 +15,14 @@ from types import ModuleType
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from ..cache import BatchState, Cache, CacheSize, LayerCache
-from ..config import ModelConfig
+from ..backend.cache import BatchState, Cache, CacheSize, LayerCache
+from ..backend.limits import MemoryPlan, check_memory
+from ..backend.ops import rms_norm
+from ..backend.pool import STEP_TOKENS
+from ..backend.weights import TiledWeight, gated_matmul
 from ..errors import KernelsError
 from ..formats import ModelFiles
-from ..limits import MemoryPlan, check_memory
-from ..ops import rms_norm
-from ..pool import STEP_TOKENS
-from ..weights import TiledWeight, gated_matmul
+from ..formats.config import ModelConfig
 from .base import Mixer, WeightStore, make_mixer
 from .decode_step import DecodeStep
 
@@ -30,7 +30,7 @@ from .decode_step import DecodeStep
 @functools.cache
 def ops_jit() -> ModuleType:
     """:mod:`..ops_jit`, imported (numba with it) on first use."""
-    from .. import ops_jit as module
+    from ..backend import ops_jit as module
     return module
 
 
@@ -78,7 +78,7 @@ class Model:
         self.tied = config.tie_word_embeddings  # the reader decided it: no output.weight in the file
         self.lm_head = self.embed if self.tied else store.matrix(MODEL_TENSOR.OUTPUT)
         self.workspace = store.workspace
-        self.cache_types = store.cache_types  # (keys, values): :data:`~qwen_runtime.cache.CACHE_TYPES`
+        self.cache_types = store.cache_types  # (keys, values): :data:`~qwen_runtime.backend.cache.CACHE_TYPES`
         self.matrices = store.matrices()
         self._row_kernels = all(not isinstance(w, TiledWeight) or w.compiled for w in self.matrices)
         # every layer of a decode step in one compiled call per thread, when the model qualifies
@@ -109,7 +109,7 @@ class Model:
         """Empty per-layer caches for ``batch`` rows of up to ``max_len`` slots.
 
         Raises :class:`ResourceLimitError` first when they would exceed ``max_memory`` bytes (default: see
-        :func:`qwen_runtime.limits.default_memory_limit`).
+        :func:`qwen_runtime.backend.limits.default_memory_limit`).
         """
         check_memory(self.cache_bytes(batch, max_len), max_memory, f"a cache of {batch} rows x {max_len} tokens")
         return Cache([blk.mixer.make_cache(batch, max_len) for blk in self.blocks], batch, max_len)
@@ -122,7 +122,8 @@ class Model:
         Returns float32 logits [B, T, V], or [B, V] for the last slot when ``last_only``.
 
         The workspace's scratch buffers are kept or dropped after the pass by the workspace's policy
-        (:meth:`~qwen_runtime.pool.Workspace.pass_done`, :meth:`~qwen_runtime.pool.Workspace.keep_scratch`).
+        (:meth:`~qwen_runtime.backend.pool.Workspace.pass_done`,
+        :meth:`~qwen_runtime.backend.pool.Workspace.keep_scratch`).
         """
         h = self._residual(ids, cache, valid)  # [B, T, H]
         b, t = h.shape[:2]
@@ -142,7 +143,8 @@ class Model:
         return self.workspace.kernels == "numba" and self._row_kernels
 
     def verify(self, ids: np.ndarray, cache: Cache, valid: np.ndarray | None = None) -> np.ndarray:
-        """Logits of ``T`` new tokens per row (T at most :data:`~qwen_runtime.pool.STEP_TOKENS`), each bit for bit
+        """Logits of ``T`` new tokens per row (T at most :data:`~qwen_runtime.backend.pool.STEP_TOKENS`), each bit for
+        bit
         what feeding the tokens one step at a time gives: speculative decoding's verify pass.  ``valid`` (bool
         [B, T], a ragged cache only): each row's tokens are a prefix of its T, the rest padding whose products are
         skipped and whose logits are meaningless (they pass after the row's own tokens, which never see them).

@@ -14,7 +14,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import FormatError
-from ..pool import Scratch
+from .scratch import Scratch
 
 QType = GGMLQuantizationType
 
@@ -54,7 +54,7 @@ class RowTileKernel(TileKernel, Protocol):
 class Codec:
     """One stored GGML type.  Subclasses set :attr:`qtype` and implement the three decoders.
 
-    ``raw`` arguments are the stored views of :class:`~qwen_runtime.tensors.StoredTensor` rows: for quantized
+    ``raw`` arguments are the stored views of :class:`~qwen_runtime.formats.tensors.StoredTensor` rows: for quantized
     types ``uint8 [R, nb * type_size]``, for F32/F16 the float array, for BF16 ``uint16`` (logical shape).
     """
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..pool import Scratch
 from .base import BLOCK_SUM_ROWS, Codec, f16_bits_to_f32
+from .scratch import Scratch
 
 UINTS = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
 SHIFTS_2BIT = np.array([0, 2, 4, 6], np.uint8)

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..pool import Scratch
 from .base import F16_EXP_MASK, F16_TO_F32_SCALE, Codec, QType, f16_bits_to_f32, f16_bits_to_prescaled
+from .scratch import Scratch
 
 _F16_PRESCALE_LIMIT = np.float32(2.0**15)  # |x| * 2**112 stays finite below this
 

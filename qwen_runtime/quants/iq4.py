@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..pool import Scratch
 from .base import QType, f16_field
 from .blocks import SHIFTS_2BIT, BlockCodec, along, nibbles, signed_6bit_scales
+from .scratch import Scratch
 
 # The 16 levels of llama.cpp's kvalues_iq4nl (a fixed part of the format).
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)

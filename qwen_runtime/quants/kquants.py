@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..pool import Scratch
 from .base import QType, f16_field
 from .blocks import SHIFTS_1BIT, SHIFTS_2BIT, BlockCodec, along, nibbles, signed_6bit_scales
+from .scratch import Scratch
 
 
 def _two_bit_values(field: np.ndarray) -> np.ndarray:

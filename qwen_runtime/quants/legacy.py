@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..pool import Scratch
 from .base import QType, f16_field
 from .blocks import BlockCodec, bit_planes, nibbles
+from .scratch import Scratch
 
 
 class _Legacy(BlockCodec):

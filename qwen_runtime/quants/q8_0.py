@@ -11,14 +11,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..pool import Scratch
 from .base import Codec, QType, f16_field, f16_scales
+from .scratch import Scratch
 
 Q8_0_BLOCK = 32
 Q8_0_BYTES = 34
 # Activation rows up to which Q8_0 tiles are multiplied per block column (decode, small batches); above it the
-# tile is scaled in place and multiplied once.  Per million weights on one thread: 0.83 / 0.82 / 1.07 ms with
-# block sums for 2 / 4 / 8 rows, 1.19 / 1.02 / 0.92 ms scaled (the batched K=34 GEMMs fall behind at 8).
+# tile is scaled in place and multiplied once: block sums win up to 4 rows, and the batched K=34 GEMMs fall behind
+# at 8 (docs/performance.md).
 Q8_0_BLOCK_SUM_ROWS = 4
 
 

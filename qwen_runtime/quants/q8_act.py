@@ -53,7 +53,8 @@ def q8_0_weights(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def product_blockwise(w: np.ndarray, w_scales: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
     """``x @ W.T`` with 8-bit activations ``q``, ``d`` (:func:`quantize_activations`) in float32, the blocks in
     order: ``acc = acc + f32(sum(w q)) * (d_w * d_x)``, every operation rounded to float32 (no fused add).  The
-    compiled prefill kernels (:mod:`.jit_amx`) use exactly these operations in this order, so they are held to it
+    compiled prefill kernels (:mod:`qwen_runtime.backend.kernels.amx`) use exactly these operations in this order, so
+    they are held to it
     bit for bit; the decode kernels sum in another order (lanes over pairs of blocks), so they agree with it within
     float32 summation error.  # w int [R, nb * 32], w_scales [R, nb], q int8 [N, nb * 32], d [N, nb] -> [N, R]"""
     sums = block_sums(w, q)  # [N, R, nb] exact

@@ -1,5 +1,5 @@
 """8-bit activations per 256 values (llama.cpp's q8_K) against Q4_K and Q6_K weights: the plain numpy reference
-of the integer-dot products that the AMX prefill kernels (:mod:`.jit_amx_k`) are held to bit for bit.
+of the integer-dot products that the AMX prefill kernels (``backend/kernels/amx_k.py``) are held to bit for bit.
 
 An activation row is quantized per super-block of 256 values as llama.cpp's ``quantize_row_q8_K_ref``: ``max``
 the value of largest magnitude (the first such), ``iscale = -127 / max`` (float32), ``q = min(127,

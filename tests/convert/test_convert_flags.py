@@ -12,7 +12,7 @@ from qwen_convert.cli import convert_main, convert_parser
 from qwen_convert.policy import ModelFacts, check_dtype, parse_type, plan_types
 from qwen_runtime.cli_support import USAGE_ERROR
 from qwen_runtime.errors import UsageError
-from qwen_runtime.tensors import QType
+from qwen_runtime.formats.tensors import QType
 
 MODEL = str(fixture_dir("qwen3-tiny"))
 

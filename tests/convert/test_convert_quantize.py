@@ -12,7 +12,7 @@ from hypothesis.extra import numpy as hnp
 from qwen_convert import quantize
 from qwen_convert.policy import plan_outputs, tensor_qtype
 from qwen_convert.quantize import quantize_q8_0, round_half_away, stream_rows
-from qwen_runtime.tensors import QType, StoredTensor
+from qwen_runtime.formats.tensors import QType, StoredTensor
 
 
 def test_q8_0_bytes_equal_gguf_reference() -> None:

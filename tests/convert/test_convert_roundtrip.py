@@ -20,7 +20,7 @@ from qwen_convert.policy import tensor_qtype
 from qwen_runtime.formats import open_hf_dir, open_model_files
 from qwen_runtime.formats.base import TOKENIZER_FILES, V_HEAD_TILED
 from qwen_runtime.formats.hf_config import config_from_hf
-from qwen_runtime.tensors import Q8_0_BLOCK, Q8_0_DTYPE, QType
+from qwen_runtime.formats.tensors import Q8_0_BLOCK, Q8_0_DTYPE, QType
 
 FORMATS = ("npy", "gguf")
 DTYPES = ("fp32", "fp16", "q8_0")

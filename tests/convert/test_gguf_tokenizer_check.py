@@ -20,7 +20,7 @@ from convert_helpers import fixture
 from qwen_convert.cli import convert_main
 from qwen_runtime import chat_format, load
 from qwen_runtime.formats.gguf_parse import parse_gguf
-from qwen_runtime.tokenizer import QWEN35_PATTERN, Tokenizer
+from qwen_runtime.text.tokenizer import QWEN35_PATTERN, Tokenizer
 
 TEXTS = ("Hello, world! It's 2026 -- naïve café, ½ ℌ\n\tdef f(x):\n        return x  # 你好 🚀",
          "नमस्ते दुनिया, ผู้ใหญ่, e\u0301 a\u0308 combining marks\r\n\r\n  spaces   and 12345 6789")

@@ -32,7 +32,7 @@ from qwen_convert.imatrix_collect import chunk_tokens, compute_imatrix
 from qwen_runtime.errors import FormatError, QwenError
 from qwen_runtime.formats import open_hf_dir, open_model_files
 from qwen_runtime.formats.gguf_parse import parse_gguf
-from qwen_runtime.tensors import QType
+from qwen_runtime.formats.tensors import QType
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 + "def read(path):\n    return open(path).read()\n") * 12
 

@@ -16,7 +16,7 @@ from qwen_convert import inspect as inspect_module
 from qwen_convert.cli import inspect_main
 from qwen_convert.inspect import compare, open_pair, tensor_stats
 from qwen_runtime.formats import open_model_files
-from qwen_runtime.tensors import QType, StoredTensor
+from qwen_runtime.formats.tensors import QType, StoredTensor
 
 
 def test_streamed_statistics_equal_numpy(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,7 +24,7 @@ from qwen_convert.policy import QuantOptions
 from qwen_convert.verify import verify_against
 from qwen_runtime.formats import open_model_files
 from qwen_runtime.formats.gguf_parse import parse_gguf
-from qwen_runtime.tensors import QType
+from qwen_runtime.formats.tensors import QType
 
 pytestmark = pytest.mark.slow  # K-quant conversions of a 256-wide model in nearly every test
 

@@ -33,8 +33,8 @@ from gguf import GGML_QUANT_SIZES
 from qwen_convert import quant_search
 from qwen_convert.kquant_encode import nearest_int
 from qwen_convert.quantize import SEARCHED, encode_rows, stream_rows
+from qwen_runtime.formats.tensors import QType
 from qwen_runtime.quants import CODECS
-from qwen_runtime.tensors import QType
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3-tiny"
 K_TYPES = (QType.Q4_K, QType.Q6_K, QType.Q5_K, QType.Q3_K, QType.Q2_K, QType.IQ4_NL, QType.IQ4_XS)
@@ -134,7 +134,7 @@ def test_values_round_to_their_sub_block_grid(qtype: QType) -> None:
 
 def _grids(codec, encoded: np.ndarray) -> np.ndarray:
     """Every value a sub-block can decode to: its scale and offset applied to each stored integer level."""
-    from qwen_runtime.pool import Scratch
+    from qwen_runtime.quants.scratch import Scratch
 
     scratch = Scratch()
     fields = np.ascontiguousarray(encoded.reshape(-1, codec.type_size).T)  # [type_size, blocks]

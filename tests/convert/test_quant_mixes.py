@@ -34,7 +34,7 @@ from qwen_convert.policy import (
 from qwen_convert.quantize import encode_rows
 from qwen_runtime.errors import FormatError, QwenError
 from qwen_runtime.formats import open_hf_dir, open_model_files
-from qwen_runtime.tensors import QType
+from qwen_runtime.formats.tensors import QType
 
 # ------------------------------------------------------------------------------------------------ unit
 

@@ -20,8 +20,8 @@ import qwen_runtime
 from qwen_convert.quantize import encode_rows
 from qwen_convert.verify import verify_against
 from qwen_runtime.formats import open_model_files
+from qwen_runtime.formats.tensors import QType
 from qwen_runtime.quants import CODECS
-from qwen_runtime.tensors import QType
 
 WRITTEN = {"q4_0": QType.Q4_0, "q4_1": QType.Q4_1, "q5_0": QType.Q5_0, "q5_1": QType.Q5_1}
 

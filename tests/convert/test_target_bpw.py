@@ -25,8 +25,8 @@ from qwen_convert.policy import ModelFacts, QuantOptions, allows_quantization, p
 from qwen_convert.quantize import encode_rows
 from qwen_runtime.errors import QwenError
 from qwen_runtime.formats import open_gguf
+from qwen_runtime.formats.tensors import QType
 from qwen_runtime.quants import codec
-from qwen_runtime.tensors import QType
 
 BUNDLED = Path(__file__).resolve().parents[2] / "qwen_runtime" / "assets" / "qwen3-stdlib"
 

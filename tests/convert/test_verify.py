@@ -21,14 +21,14 @@ from qwen_convert.convert import convert
 from qwen_convert.demo import bundled_model_path
 from qwen_convert.verify import FAILED_SUFFIX, report_json, round_to_bf16, verify_against
 from qwen_convert.verify.behaviour import BehaviourCheck, behaviour_check
-from qwen_runtime.archs import PLUS_ONE
 from qwen_runtime.errors import EXIT_CODES, FormatError, VerificationError
 from qwen_runtime.formats import open_hf_dir
+from qwen_runtime.formats.archs import PLUS_ONE
 from qwen_runtime.formats.base import V_HEAD_GROUPED
 from qwen_runtime.formats.gguf_parse import parse_gguf
 from qwen_runtime.formats.hf_dir import shard_entries
-from qwen_runtime.naming import TRANSFORM_NOTES
-from qwen_runtime.tensors import Q8_0_DTYPE, to_float32
+from qwen_runtime.formats.naming import TRANSFORM_NOTES
+from qwen_runtime.formats.tensors import Q8_0_DTYPE, to_float32
 
 convert_module = importlib.import_module("qwen_convert.convert")
 DTYPES = ("fp32", "fp16", "q8_0")
@@ -407,7 +407,7 @@ def test_norm_fault_in_qwen35_q8_0_fails_on_behaviour_alone(converted: Converted
 @pytest.fixture()
 def broken_norms(monkeypatch) -> None:
     """Make the converter bake +2 instead of +1 into the (1 + w) norms (the verifier undoes +1)."""
-    from qwen_runtime import naming
+    from qwen_runtime.formats import naming
 
     monkeypatch.setitem(naming.TRANSFORMS, "plus_one", lambda x: x.astype(np.float32) + np.float32(2.0))
 

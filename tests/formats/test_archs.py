@@ -8,13 +8,13 @@ import gguf
 import pytest
 from runtime_helpers import fixture_dir
 
-from qwen_runtime.archs import ARCHS, FULL_ATTENTION, LINEAR_ATTENTION, layer_types_from_interval
-from qwen_runtime.config import ModelConfig
 from qwen_runtime.errors import ConfigError
 from qwen_runtime.formats import open_model_files
+from qwen_runtime.formats.archs import ARCHS, FULL_ATTENTION, LINEAR_ATTENTION, layer_types_from_interval
+from qwen_runtime.formats.config import ModelConfig
 from qwen_runtime.formats.gguf_config import config_from_gguf
+from qwen_runtime.formats.gguf_keys import MODEL_KEYS, gguf_key
 from qwen_runtime.formats.hf_config import HF_ARCHITECTURES, hf_arch
-from qwen_runtime.gguf_keys import MODEL_KEYS, gguf_key
 
 FIXTURES = ("qwen2-tiny", "deepseek-tiny", "qwen3-tiny", "qwen35-tiny", "qwen35-tiny-gqa")
 

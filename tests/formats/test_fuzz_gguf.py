@@ -13,9 +13,9 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from runtime_helpers import Converted
 
-from qwen_runtime.chat import load_chat_format
 from qwen_runtime.errors import FormatError, TemplateError
 from qwen_runtime.formats import open_gguf
+from qwen_runtime.text.chat import load_chat_format
 
 pytestmark = pytest.mark.slow  # hypothesis: QWEN_FUZZ_EXAMPLES mutated files per test
 

@@ -15,7 +15,6 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from hostile_helpers import RawGGUF, pack_string
 from runtime_helpers import Converted
 
-from qwen_runtime.chat import load_chat_format
 from qwen_runtime.errors import ConfigError, FormatError, TemplateError, UnsupportedArchitectureError
 from qwen_runtime.formats import open_gguf
 from qwen_runtime.formats.gguf_parse import (
@@ -29,6 +28,7 @@ from qwen_runtime.formats.gguf_parse import (
     GGUFStrings,
     parse_gguf,
 )
+from qwen_runtime.text.chat import load_chat_format
 
 ARCH = "qwen3"
 

@@ -16,7 +16,7 @@ from runtime_helpers import Converted
 from qwen_runtime.errors import FormatError
 from qwen_runtime.formats import open_npy_dir
 from qwen_runtime.formats.npy_dir import MANIFEST_NAME
-from qwen_runtime.tensors import Q8_0_DTYPE
+from qwen_runtime.formats.tensors import Q8_0_DTYPE
 
 
 @pytest.fixture(scope="module")

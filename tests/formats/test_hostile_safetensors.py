@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from hostile_helpers import copy_fixture
 
-from qwen_runtime.chat import load_chat_format
 from qwen_runtime.errors import ConfigError, FormatError, UnsupportedArchitectureError
 from qwen_runtime.formats import open_hf_dir
 from qwen_runtime.formats.safetensors import read_header
+from qwen_runtime.text.chat import load_chat_format
 
 
 def split(path: Path) -> tuple[dict, bytes]:

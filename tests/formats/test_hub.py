@@ -27,7 +27,7 @@ from qwen_convert.gguf_metadata import add_model_metadata, add_tokenizer_metadat
 from qwen_convert.gguf_writer import StreamingGGUFWriter
 from qwen_runtime import cli, eval_cli, load
 from qwen_runtime.errors import FormatError, ModelNotFoundError
-from qwen_runtime.hub import HubId, model_name, parse_hub_id, resolve_model
+from qwen_runtime.formats.hub import HubId, model_name, parse_hub_id, resolve_model
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 QWEN2 = FIXTURES / "qwen2-tiny"  # two shards and an index

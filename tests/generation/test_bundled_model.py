@@ -16,7 +16,7 @@ import pytest
 import qwen_runtime
 from qwen_convert.demo import bundled_model_path
 from qwen_runtime import chat_format
-from qwen_runtime.evaluate import evaluate
+from qwen_runtime.generation.evaluate import evaluate
 from qwen_runtime.models import Model
 
 SAMPLE = re.compile(r"Prompt '(.*?)', (plain|space-healed) greedy:\n\n```python\n(.*?)\n```", re.S)

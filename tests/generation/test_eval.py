@@ -14,7 +14,7 @@ from runtime_helpers import Converted, fixture_dir
 
 import qwen_runtime
 from qwen_runtime.eval_cli import main as eval_main
-from qwen_runtime.evaluate import (
+from qwen_runtime.generation.evaluate import (
     NAME_COLUMN,
     EvalResult,
     ReferenceStats,

@@ -15,9 +15,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from shared_data import MODEL_CONFIGS
 
 from qwen_runtime import cli
-from qwen_runtime.chat import ChatTemplate, _raise_exception, _strftime_now, _tojson
 from qwen_runtime.cli_support import run_guarded
 from qwen_runtime.errors import EXIT_CODES, ResourceLimitError, TemplateError
+from qwen_runtime.text.chat import ChatTemplate, _raise_exception, _strftime_now, _tojson
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ü"},
             {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello"}, {"role": "user", "content": "2+2?"}]

@@ -11,7 +11,7 @@ from runtime_helpers import fixture_dir
 from qwen_runtime import GenerationConfig, SamplingParams, chat_format, generate, load, stream
 from qwen_runtime.cli import main
 from qwen_runtime.errors import ContextOverflowError
-from qwen_runtime.generate import Generation
+from qwen_runtime.generation.generate import Generation
 
 PROMPTS = ["Hello world, this is a longer prompt", "你好", "def f(x):\n    return"]
 

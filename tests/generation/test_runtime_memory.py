@@ -27,7 +27,7 @@ ALLOWED_GROWTH_MB = 24  # tile buffer, activations, logits, KV cache of this sma
 PROBE = r"""
 import sys, json, numpy as np
 from qwen_runtime import GenerationConfig, load
-from qwen_runtime.generate import Generation
+from qwen_runtime.generation.generate import Generation
 
 def anon_kb():
     for line in open("/proc/self/status"):
@@ -110,7 +110,7 @@ def test_generation_compiles_nothing_after_load(converted: Converted, family: st
     fp32 probe above once grew 50 MiB that way, from a read-only slot array of a one-row batch)."""
     pytest.importorskip("numba")
     from qwen_runtime import GenerationConfig, load
-    from qwen_runtime.generate import Generation
+    from qwen_runtime.generation.generate import Generation
 
     name, _, dtype = family.partition(":")
     model = load(converted(name, "gguf" if dtype else "hf", dtype or "fp32"), kernels="numba")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qwen_runtime.sampling import (
+from qwen_runtime.generation.sampling import (
     GREEDY_BELOW,
     SamplingParams,
     apply_presence_frequency,
@@ -155,7 +155,7 @@ def test_filters_match_transformers_warpers() -> None:
 def test_stepper_picks_what_sample_picks_with_the_whole_history(params: SamplingParams) -> None:
     """A row's stepper hands the penalties its prompt and output (and skips building them when no penalty reads
     them): every pick is sample()'s with the full histories, on logits whose best tokens are the history's."""
-    from qwen_runtime.stepper import RowStepper
+    from qwen_runtime.generation.stepper import RowStepper
 
     prompt = [3, 7, 7, 11]
     stepper = RowStepper(prompt, params, np.random.default_rng(9), 12, frozenset())

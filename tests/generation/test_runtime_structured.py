@@ -12,8 +12,8 @@ import pytest
 from shared_data import tokenizer_json
 
 from qwen_runtime.errors import SchemaLimitError, exit_code
-from qwen_runtime.structured import Budget, Grammar, GrammarCache, JsonConstraint, SchemaError, Vocabulary
-from qwen_runtime.tokenizer import Tokenizer
+from qwen_runtime.generation.structured import Budget, Grammar, GrammarCache, JsonConstraint, SchemaError, Vocabulary
+from qwen_runtime.text.tokenizer import Tokenizer
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -199,7 +199,7 @@ def test_time_budget_names_itself(vocab) -> None:
 def test_a_slow_compilation_does_not_hold_back_another(grammars, monkeypatch) -> None:
     """Compilation runs outside the cache's lock: a benign schema is served while another one is still being
     compiled (held here mid-compilation)."""
-    import qwen_runtime.structured as structured
+    import qwen_runtime.generation.structured as structured
 
     entered, release = threading.Event(), threading.Event()
     real = structured.Grammar
@@ -256,7 +256,7 @@ def test_an_nfa_state_costs_at_most_its_reserved_bytes(schema) -> None:
     """GrammarCache.reserve counts NFA_STATE_BYTES per state of every automaton it may hold: measured here."""
     import tracemalloc
 
-    from qwen_runtime.structured import NFA_STATE_BYTES, Nfa, _Compiler
+    from qwen_runtime.generation.structured import NFA_STATE_BYTES, Nfa, _Compiler
 
     tracemalloc.start()
     try:
@@ -269,7 +269,7 @@ def test_an_nfa_state_costs_at_most_its_reserved_bytes(schema) -> None:
 
 
 def test_the_cache_keeps_its_grammars_within_their_states(vocab, monkeypatch) -> None:
-    import qwen_runtime.structured as structured
+    import qwen_runtime.generation.structured as structured
 
     cache = GrammarCache(vocab[0], 151936)
     one = cache.get({"type": "string", "maxLength": 100, "title": "probe"}).nfa.size
@@ -283,7 +283,7 @@ def test_the_cache_keeps_its_grammars_within_their_states(vocab, monkeypatch) ->
 
 def test_no_more_than_the_compile_slots_compile_at_once(vocab, monkeypatch) -> None:
     """The memory GrammarCache.reserve sets aside for compilations holds: a third compilation waits."""
-    import qwen_runtime.structured as structured
+    import qwen_runtime.generation.structured as structured
 
     cache = GrammarCache(vocab[0], 151936)
     cache.vocabulary()

@@ -10,10 +10,10 @@ import pytest
 from runtime_helpers import fixture_dir
 from shared_data import MODEL_CONFIGS, tokenizer_json
 
-from qwen_runtime.chat import ChatFormat, ChatTemplate, load_chat_format, token_text
 from qwen_runtime.errors import TemplateError
 from qwen_runtime.formats import open_model_files
-from qwen_runtime.tokenizer import PIECE_CHARS, StreamDecoder, Tokenizer, cut_text
+from qwen_runtime.text.chat import ChatFormat, ChatTemplate, load_chat_format, token_text
+from qwen_runtime.text.tokenizer import PIECE_CHARS, StreamDecoder, Tokenizer, cut_text
 
 TEXTS = ("Hello world! The quick brown fox's 12345 jumps\r\n  over\tthe lazy dog.",
          "日本語のテキスト、中文句子，한국어 문장 🎉🙂👍🏽 naïve café",

@@ -12,12 +12,12 @@ import pytest
 from runtime_helpers import Converted, fixture_dir, use_kernels
 
 import qwen_runtime
-from qwen_runtime.chat import chat_format
 from qwen_runtime.errors import KernelsError
-from qwen_runtime.generate import Generation, GenerationConfig
+from qwen_runtime.generation.generate import Generation, GenerationConfig
+from qwen_runtime.generation.sampling import SamplingParams
+from qwen_runtime.generation.stepper import PromptLookup, RowStepper
 from qwen_runtime.models import Model
-from qwen_runtime.sampling import SamplingParams
-from qwen_runtime.stepper import PromptLookup, RowStepper
+from qwen_runtime.text.chat import chat_format
 
 pytest.importorskip("numba")
 
@@ -333,7 +333,7 @@ def test_concurrent_requests_are_the_same_with_drafts(family: str) -> None:
 
 
 def test_stop_strings_and_structured_output_cut_drafts_as_plain_decoding() -> None:
-    structured = pytest.importorskip("qwen_runtime.structured")
+    structured = pytest.importorskip("qwen_runtime.generation.structured")
     model = compiled("qwen3-tiny")
     fmt = chat_format(model)
     prompt = repetitive(model)

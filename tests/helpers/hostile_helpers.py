@@ -168,7 +168,7 @@ def npy_header_length(path: Path) -> int:
 
 
 # --- fuzzing -------------------------------------------------------------------------------------------------
-# CI runs a few hundred examples per test; QWEN_FUZZ_EXAMPLES=10000 is the documented long run (README).
+# CI runs a few hundred examples per test; QWEN_FUZZ_EXAMPLES=10000 is the documented long run (docs/reliability.md).
 FUZZ_EXAMPLES = int(os.environ.get("QWEN_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

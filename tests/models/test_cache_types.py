@@ -8,9 +8,9 @@ import pytest
 from runtime_helpers import fixture_dir
 
 from qwen_runtime import load
-from qwen_runtime.archs import FULL_ATTENTION
-from qwen_runtime.cache import Cache, KVCache
+from qwen_runtime.backend.cache import Cache, KVCache
 from qwen_runtime.errors import UsageError
+from qwen_runtime.formats.archs import FULL_ATTENTION
 from qwen_runtime.models.attention import attend
 
 F16_ROUNDING = 2.0 ** -11  # float16 round to nearest: |rounded - x| <= 2^-11 |x| in its normal range

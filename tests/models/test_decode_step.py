@@ -13,7 +13,7 @@ from runtime_helpers import DENSE_FAMILIES, Converted
 
 from qwen_convert.convert import convert
 from qwen_runtime import load
-from qwen_runtime.generate import left_pad
+from qwen_runtime.generation.generate import left_pad
 from qwen_runtime.models import decode_step
 
 pytest.importorskip("numba")

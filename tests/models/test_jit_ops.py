@@ -11,15 +11,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qwen_runtime import ops
-from qwen_runtime.cache import BatchState
+from qwen_runtime.backend import ops
+from qwen_runtime.backend.cache import BatchState
+from qwen_runtime.backend.pool import Workspace
 from qwen_runtime.formats.base import V_HEAD_GROUPED, V_HEAD_TILED, v_head_permutation
 from qwen_runtime.models import attention
 from qwen_runtime.models import gated_delta as gd
-from qwen_runtime.pool import Workspace
 
 numba = pytest.importorskip("numba")
-ops_jit = pytest.importorskip("qwen_runtime.ops_jit")
+ops_jit = pytest.importorskip("qwen_runtime.backend.ops_jit")
 aj = pytest.importorskip("qwen_runtime.models.attention_jit")
 gdj = pytest.importorskip("qwen_runtime.models.gated_delta_jit")
 

@@ -12,19 +12,19 @@ from runtime_helpers import Converted
 
 from qwen_runtime import Model, generate, load, stream
 from qwen_runtime import cli as cli_module
-from qwen_runtime.cache import KVCache
-from qwen_runtime.errors import EXIT_CODES, ResourceLimitError
-from qwen_runtime.generate import GenerationConfig
-from qwen_runtime.limits import (
+from qwen_runtime.backend.cache import KVCache
+from qwen_runtime.backend.limits import (
     activation_bytes,
     check_memory,
     default_memory_limit,
     format_bytes,
     parse_memory_size,
 )
+from qwen_runtime.backend.weights import TiledWeight, weight_overhead
+from qwen_runtime.errors import EXIT_CODES, ResourceLimitError
+from qwen_runtime.formats.tensors import QType
+from qwen_runtime.generation.generate import GenerationConfig
 from qwen_runtime.quants.q8_0 import Q8_0Kernel
-from qwen_runtime.tensors import QType
-from qwen_runtime.weights import TiledWeight, weight_overhead
 
 
 @pytest.mark.parametrize("name", ["qwen2-tiny", "qwen3-tiny", "qwen35-tiny-gqa"])

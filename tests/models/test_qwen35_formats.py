@@ -34,8 +34,8 @@ from qwen_runtime import load
 from qwen_runtime.formats import ModelFiles, open_model_files
 from qwen_runtime.formats.base import V_HEAD_TILED
 from qwen_runtime.formats.gguf_parse import parse_gguf
+from qwen_runtime.formats.tensors import QType, StoredTensor
 from qwen_runtime.models import Model, WeightStore
-from qwen_runtime.tensors import QType, StoredTensor
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 NAMES = ("qwen35-tiny", "qwen35-tiny-gqa", "qwen35-vl-tiny")

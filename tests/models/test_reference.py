@@ -1,4 +1,4 @@
-"""qwen_runtime.reference, the plain float64 forward pass: equal to transformers and to the fast path."""
+"""qwen_runtime.models.reference, the plain float64 forward pass: equal to transformers and to the fast path."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 from float_error import check_rows, reference64
 from runtime_helpers import Converted, fixture_dir, reference
 
-import qwen_runtime.reference
+import qwen_runtime.models.reference
 from qwen_runtime import load
 from qwen_runtime.formats import open_model_files
-from qwen_runtime.reference import forward
+from qwen_runtime.models.reference import forward
 
 FAMILIES = ("qwen2-tiny", "deepseek-tiny", "qwen3-tiny", "qwen35-tiny", "qwen35-tiny-gqa", "qwen35-vl-tiny")
 # Against transformers: its float64 logits (stored, or live), within max(1e-4, the fixture's float32 error bound)
@@ -53,6 +53,6 @@ def test_equals_live_transformers(name: str) -> None:
 
 def test_reads_no_cache_tiles_or_threads() -> None:
     """The plain path stays plain: it uses the readers and the config, none of the fast path's machinery."""
-    tree = ast.parse(Path(qwen_runtime.reference.__file__).read_text(encoding="utf-8"))
+    tree = ast.parse(Path(qwen_runtime.models.reference.__file__).read_text(encoding="utf-8"))
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported.isdisjoint({"cache", "weights", "pool", "models", "quants", "ops"})

@@ -23,11 +23,11 @@ from qwen_runtime import load
 from qwen_runtime.cli_support import add_rope_scaling_options, rope_scaling_arg
 from qwen_runtime.errors import ConfigError, ContextOverflowError, UsageError
 from qwen_runtime.formats import open_model_files
+from qwen_runtime.formats.gguf_keys import rope_scaling_from_metadata, rope_scaling_metadata
 from qwen_runtime.formats.hf_config import config_from_hf
-from qwen_runtime.generate import check_prompt_fits
-from qwen_runtime.gguf_keys import rope_scaling_from_metadata, rope_scaling_metadata
-from qwen_runtime.reference import forward
-from qwen_runtime.rope import RopeScaling
+from qwen_runtime.formats.rope import RopeScaling
+from qwen_runtime.generation.generate import check_prompt_fits
+from qwen_runtime.models.reference import forward
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 FAMILIES = ("qwen2-tiny", "qwen3-tiny")

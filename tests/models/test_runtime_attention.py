@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from runtime_helpers import KERNELS
 
-from qwen_runtime.cache import BatchState
+from qwen_runtime.backend.cache import BatchState
+from qwen_runtime.backend.ops import rope_cos_sin
+from qwen_runtime.backend.pool import Workspace
 from qwen_runtime.models import attention
-from qwen_runtime.ops import rope_cos_sin
-from qwen_runtime.pool import Workspace
 
 
 def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_valid: np.ndarray, start: int) -> np.ndarray:

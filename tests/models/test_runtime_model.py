@@ -15,8 +15,9 @@ import pytest
 from float_error import check_greedy, check_rows, reference64
 from runtime_helpers import DENSE_FAMILIES, Converted, fixture_dir, reference, use_kernels
 
-from qwen_runtime import load, pool
-from qwen_runtime.generate import left_pad
+from qwen_runtime import load
+from qwen_runtime.backend import pool
+from qwen_runtime.generation.generate import left_pad
 
 FORMATS = ("hf", "npy", "gguf")
 

@@ -1,5 +1,5 @@
 """Prefill products of Q8_0 weights with 8-bit activations: the blockwise float32 reference
-(``q8_act.product_blockwise``) and the AMX tile kernel (``quants/jit_amx.py``) held to it.
+(``q8_act.product_blockwise``) and the AMX tile kernel (``backend/kernels/amx.py``) held to it.
 
 Error model: the int32 block sums are exact (at most 32 * 128 * 127 < 2^24, so also exact in float32).  The
 reference adds the blocks in order, ``acc = acc + f32(s_b) * fl(d_w * d_x)``, three roundings per block; against
@@ -18,14 +18,15 @@ import pytest
 from runtime_helpers import Converted
 
 from qwen_runtime import load
+from qwen_runtime.backend.pool import Workspace
 from qwen_runtime.errors import KernelsError
-from qwen_runtime.pool import Scratch, Workspace
 from qwen_runtime.quants import QType, codec, q8_act
+from qwen_runtime.quants.scratch import Scratch
 
 pytest.importorskip("numba")
-from qwen_runtime.quants import jit_amx  # noqa: E402 (numba is needed from here on)
-from qwen_runtime.quants.jit_base import GEMV_ROWS  # noqa: E402
-from qwen_runtime.quants.jit_int8 import Q8_0Int8Kernel  # noqa: E402
+from qwen_runtime.backend.kernels import amx as jit_amx  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.backend.kernels.base import GEMV_ROWS  # noqa: E402
+from qwen_runtime.backend.kernels.int8 import Q8_0Int8Kernel  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 

@@ -1,5 +1,5 @@
 """Prompts of Q4_K and Q6_K weights with q8_K activations: the numpy reference of llama.cpp's arithmetic
-(``q8k_act``) and the AMX tile kernels (``quants/jit_amx_k.py``) held to it bit for bit.
+(``q8k_act``) and the AMX tile kernels (``backend/kernels/amx_k.py``) held to it bit for bit.
 
 Error model of the reference: the per-super-block integer sums are exact (int64 in numpy, int32 on the tiles:
 at most 256 * 4096 * 128 < 2^31), so against the float64 product of the dequantized activations (``q * d``) and
@@ -13,11 +13,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qwen_runtime.pool import Scratch
-from qwen_runtime.quants import QType, codec, jit_kernel, q8k_act
+from qwen_runtime.quants import QType, codec, q8k_act
+from qwen_runtime.quants.scratch import Scratch
 
 pytest.importorskip("numba")
-from qwen_runtime.quants import jit_amx, jit_amx_k  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.backend.kernels import amx as jit_amx  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.backend.kernels import amx_k as jit_amx_k  # noqa: E402
+from qwen_runtime.backend.kernels import jit_kernel  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 SIZES = {QType.Q4_K: 144, QType.Q6_K: 210}

@@ -20,18 +20,19 @@ from gguf import quants as gquants
 from runtime_helpers import Converted
 
 from qwen_runtime import load
+from qwen_runtime.backend.jit_setup import other_instruction_forms
+from qwen_runtime.backend.kernels import jit_kernel
+from qwen_runtime.backend.pool import Workspace
+from qwen_runtime.backend.weights import make_weight
 from qwen_runtime.errors import KernelsError
-from qwen_runtime.jit_setup import other_instruction_forms
-from qwen_runtime.pool import Workspace
-from qwen_runtime.quants import QType, codec, jit_kernel, q8_act
+from qwen_runtime.formats.tensors import StoredTensor
+from qwen_runtime.quants import QType, codec, q8_act
 from qwen_runtime.quants.iq4 import IQ4_LEVELS
-from qwen_runtime.tensors import StoredTensor
-from qwen_runtime.weights import make_weight
 
 pytest.importorskip("numba")
-from qwen_runtime.quants.jit_amx import amx_available  # noqa: E402 (numba is needed from here on)
-from qwen_runtime.quants.jit_base import F16_TABLE, GEMV_ROWS  # noqa: E402
-from qwen_runtime.quants.jit_int8 import (  # noqa: E402
+from qwen_runtime.backend.kernels.amx import amx_available  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.backend.kernels.base import F16_TABLE, GEMV_ROWS  # noqa: E402
+from qwen_runtime.backend.kernels.int8 import (  # noqa: E402
     Int8Kernel,
     IQ4_NLInt8Kernel,
     IQ4_XSInt8Kernel,
@@ -41,7 +42,7 @@ from qwen_runtime.quants.jit_int8 import (  # noqa: E402
     Q8_0Int8Kernel,
     quantize_rows,
 )
-from qwen_runtime.quants.jit_int8_k import (  # noqa: E402
+from qwen_runtime.backend.kernels.int8_k import (  # noqa: E402
     Q2_KInt8Kernel,
     Q4_KInt8Kernel,
     Q5_KInt8Kernel,

@@ -1,6 +1,6 @@
 """The compiled (numba) tile kernels against each codec's plain reference decoder.
 
-Error model of a product row (``qwen_runtime/quants/jit_base.py``): each term ``fma(d * q, x, acc)`` multiplies
+Error model of a product row (``qwen_runtime/backend/kernels/base.py``): each term ``fma(d * q, x, acc)`` multiplies
 the exact weight (as the reference decoder stores it) and rounds once, each of the 32 lanes adds its
 ``L = n / 32`` terms in order and the lanes are summed by a 5-level pairwise tree: ``L + 5`` roundings at most;
 K-quant rows longer than CHUNK_COLS do that per chunk and add the ``c`` chunks' sums in order: ``L + 5 + c``.
@@ -27,18 +27,20 @@ import numpy as np
 import pytest
 from gguf import quants
 
-from qwen_runtime.jit_setup import cpu_features, import_closure, imported_files, release_compiler_pages
-from qwen_runtime.pool import Scratch, Workspace, resolve_kernels
-from qwen_runtime.quants import DENSE_TYPES, JIT_KERNELS, JIT_Q8_KERNELS, QType, codec, jit_kernel
-from qwen_runtime.tensors import StoredTensor
-from qwen_runtime.weights import gated_matmul, make_weight, matmul_many
+from qwen_runtime.backend.jit_setup import cpu_features, import_closure, imported_files, release_compiler_pages
+from qwen_runtime.backend.kernels import JIT_KERNELS, JIT_Q8_KERNELS, jit_kernel
+from qwen_runtime.backend.pool import Workspace, resolve_kernels
+from qwen_runtime.backend.weights import gated_matmul, make_weight, matmul_many
+from qwen_runtime.formats.tensors import StoredTensor
+from qwen_runtime.quants import DENSE_TYPES, QType, codec
+from qwen_runtime.quants.scratch import Scratch
 
 pytest.importorskip("numba")
-from qwen_runtime.ops_jit import silu_mul  # noqa: E402
-from qwen_runtime.quants.jit_base import CHUNK_COLS, F16_TABLE, GEMV_ROWS, TILE_ROWS, sums_of  # noqa: E402 (numba is needed from here on)
-from qwen_runtime.quants.jit_int8_k import WHOLE_COLS  # noqa: E402
-from qwen_runtime.quants.jit_q8_0 import Q8_0JitKernel  # noqa: E402
-from qwen_runtime.quants.jit_q8_act import forms_bytes, prepare_forms  # noqa: E402
+from qwen_runtime.backend.kernels.base import CHUNK_COLS, F16_TABLE, GEMV_ROWS, TILE_ROWS, sums_of  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.backend.kernels.int8_k import WHOLE_COLS  # noqa: E402
+from qwen_runtime.backend.kernels.q8_0 import Q8_0JitKernel  # noqa: E402
+from qwen_runtime.backend.kernels.q8_act import forms_bytes, prepare_forms  # noqa: E402
+from qwen_runtime.backend.ops_jit import silu_mul  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 # Byte offsets of the float16 fields of each block (scales and minimums): set to edge values below.
@@ -350,9 +352,9 @@ def test_numba_thread_pool_never_starts() -> None:
 
 @pytest.mark.slow
 def test_numba_set_up_without_scipy_linalg() -> None:
-    """A process that loads a compiled kernel never imports SciPy's linear algebra (qwen_runtime.jit_setup), and
+    """A process that loads a compiled kernel never imports SciPy's linear algebra (qwen_runtime.backend.jit_setup), and
     numba's BLAS probe reads as it would have, so numba's np.dot still compiles and agrees with numpy."""
-    code = ("import sys; import numpy as np, numba; import qwen_runtime.quants.jit_q8_0\n"
+    code = ("import sys; import numpy as np, numba; import qwen_runtime.backend.kernels.q8_0\n"
             "from numba.np import arraymath\n"
             "print('scipy.linalg' in sys.modules, arraymath._HAVE_BLAS, 'scipy' in sys.modules)\n"
             "x = np.arange(1, 9, dtype=np.float64)\n"
@@ -363,12 +365,13 @@ def test_numba_set_up_without_scipy_linalg() -> None:
 
 
 def test_cpu_features_without_the_256_bit_preference_only_with_avx512() -> None:
-    """512-bit vectors where the CPU has AVX-512 (qwen_runtime.jit_setup); numba's own choice elsewhere (AVX2-only
+    """512-bit vectors where the CPU has AVX-512 (qwen_runtime.backend.jit_setup); numba's own choice elsewhere
+    (AVX2-only
     CPUs), and a user's NUMBA_CPU_FEATURES is kept (numba keys its cache by the features it compiled for)."""
     assert cpu_features("+avx,+avx2,+avx512f,-avx512vnni") == "+avx,+avx2,+avx512f,-avx512vnni,-prefer-256-bit"
     assert cpu_features("+avx,+avx2,-avx512f,+fma") is None
     assert cpu_features("+neon") is None
-    code = ("from qwen_runtime.jit_setup import prepare_numba\nprepare_numba()\n"
+    code = ("from qwen_runtime.backend.jit_setup import prepare_numba\nprepare_numba()\n"
             "from numba.core.registry import cpu_target\nprint(cpu_target.target_context.codegen().magic_tuple()[2])\n")
     env = {**os.environ, "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,+f16c"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout

@@ -22,14 +22,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from qwen_runtime.backend.kernels import JIT_KERNELS, jit_kernel
+from qwen_runtime.backend.pool import Workspace
+from qwen_runtime.backend.weights import make_weight
 from qwen_runtime.errors import FormatError
-from qwen_runtime.pool import Scratch, Workspace
-from qwen_runtime.quants import JIT_KERNELS, QType, codec, jit_kernel
-from qwen_runtime.tensors import StoredTensor
-from qwen_runtime.weights import make_weight
+from qwen_runtime.formats.tensors import StoredTensor
+from qwen_runtime.quants import QType, codec
+from qwen_runtime.quants.scratch import Scratch
 
 pytest.importorskip("numba")
-from qwen_runtime.quants.jit_base import GEMV_ROWS  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.backend.kernels.base import GEMV_ROWS  # noqa: E402 (numba is needed from here on)
 
 EPS32 = float(np.finfo(np.float32).eps)
 TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.IQ4_NL, QType.IQ4_XS)
@@ -185,8 +187,8 @@ def test_iq4_levels_without_pshufb_equal_the_reference(monkeypatch: pytest.Monke
     """The portable level lookup (a select chain, for CPUs other than x86) decodes as the reference."""
     import numba
 
-    from qwen_runtime.quants import jit_legacy
-    from qwen_runtime.quants.jit_base import F16_TABLE
+    from qwen_runtime.backend.kernels import legacy as jit_legacy
+    from qwen_runtime.backend.kernels.base import F16_TABLE
 
     monkeypatch.setattr(jit_legacy, "X86", False)  # read when a function using the intrinsic is compiled
 

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+from qwen_runtime.backend.pool import Workspace
+from qwen_runtime.backend.weights import TiledWeight, make_weight
 from qwen_runtime.errors import FormatError
-from qwen_runtime.pool import Scratch, Workspace
+from qwen_runtime.formats.tensors import QType, StoredTensor
 from qwen_runtime.quants import CODECS, codec, stored_shape, to_float32
-from qwen_runtime.tensors import QType, StoredTensor
-from qwen_runtime.weights import TiledWeight, make_weight
+from qwen_runtime.quants.scratch import Scratch
 
 QUANTIZED = [q for q, c in CODECS.items() if c.quantized]
 # Byte offsets of the float16 fields (scales, minimums) in one block of each type.

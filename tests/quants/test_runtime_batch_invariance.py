@@ -12,10 +12,10 @@ from gguf import quants
 from runtime_helpers import KERNELS
 from test_runtime_weights import stored
 
-from qwen_runtime.cache import BatchState
+from qwen_runtime.backend.cache import BatchState
+from qwen_runtime.backend.weights import Workspace, gated_matmul, make_weight, matmul_many
+from qwen_runtime.formats.tensors import QType, StoredTensor
 from qwen_runtime.models.attention import attend
-from qwen_runtime.tensors import QType, StoredTensor
-from qwen_runtime.weights import Workspace, gated_matmul, make_weight, matmul_many
 
 
 def stored_any(qtype: QType, w: np.ndarray) -> StoredTensor:

@@ -13,13 +13,14 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 from runtime_helpers import KERNELS
 
+from qwen_runtime.backend.pool import Workspace, blas_controller, single_threaded_blas
+from qwen_runtime.backend.weights import F32Weight, TiledWeight, gated_matmul, make_weight, matmul_many
+from qwen_runtime.formats.tensors import QType, StoredTensor
 from qwen_runtime.models.base import all_float32
-from qwen_runtime.pool import Scratch, Workspace, blas_controller, buffer, single_threaded_blas
 from qwen_runtime.quants import CODECS
 from qwen_runtime.quants.base import f16_bits_to_f32, f16_bits_to_prescaled, f16_scales
 from qwen_runtime.quants.q8_0 import q8_0_activations, q8_0_product, q8_0_row_scales
-from qwen_runtime.tensors import QType, StoredTensor
-from qwen_runtime.weights import F32Weight, TiledWeight, gated_matmul, make_weight, matmul_many
+from qwen_runtime.quants.scratch import Scratch, buffer
 
 
 def stored(qtype: QType, w: np.ndarray) -> StoredTensor:
@@ -136,7 +137,7 @@ def test_pool_runs_every_task_once_and_raises_the_first_error(kernels: str) -> N
         pytest.importorskip("numba")
     ws = Workspace(threads=3, kernels=kernels)
     if not ws.pooled:
-        pytest.skip("threadpoolctl not installed: the pool is never used")
+        pytest.skip("numpy's BLAS is not one threadpoolctl controls: the pool is never used")
     seen: list[int] = []
     ws.run([lambda s, i=i: seen.append(i) for i in range(50)])
     assert sorted(seen) == list(range(50))
@@ -155,7 +156,7 @@ def test_polling_helpers_fall_asleep_when_idle_and_still_take_work() -> None:
     pytest.importorskip("numba")
     ws = Workspace(threads=3, kernels="numba")
     if not ws.pooled:
-        pytest.skip("threadpoolctl not installed: the pool is never used")
+        pytest.skip("numpy's BLAS is not one threadpoolctl controls: the pool is never used")
     seen: list[int] = []
     ws.run([lambda s, i=i: seen.append(i) for i in range(20)])
     helpers = ws._helpers
@@ -171,7 +172,7 @@ def test_polling_helpers_fall_asleep_when_idle_and_still_take_work() -> None:
 def test_polls_see_another_threads_write_or_give_up() -> None:
     """The pool's compiled polling loop reads the counters afresh each time (no hoisted load) and is bounded."""
     pytest.importorskip("numba")
-    from qwen_runtime import pool_jit
+    from qwen_runtime.backend import pool_jit
 
     counters = np.zeros(2, np.int64)
     assert pool_jit.wait_total(counters, 0, 10) == pool_jit.wait_changed(counters, 1, 10) == pool_jit.CHANGED
@@ -213,7 +214,7 @@ def test_pool_threads_end_with_their_workspace(kernels: str) -> None:
         pytest.importorskip("numba")
     ws = Workspace(threads=2, kernels=kernels)
     if not ws.pooled:
-        pytest.skip("threadpoolctl not installed: the pool is never used")
+        pytest.skip("numpy's BLAS is not one threadpoolctl controls: the pool is never used")
     before = set(threading.enumerate())
     ws.run([lambda s: None] * 4)
     helpers = [t for t in set(threading.enumerate()) - before if t.name.startswith("qwen-tiles")]
@@ -292,7 +293,7 @@ def test_blas_products_multiply_each_float32_matrix_in_one_call_like_the_pool() 
 def test_each_workspace_holds_its_own_blas_thread_count() -> None:
     blas = blas_controller()
     if blas is None:
-        pytest.skip("threadpoolctl not installed")
+        pytest.skip("numpy's BLAS is not one threadpoolctl controls")
     lib = blas.lib_controllers[0]
     whole, pooled = Workspace(threads=2, blas_products=True), Workspace(threads=2)
     pooled.run([lambda s: None, lambda s: None])

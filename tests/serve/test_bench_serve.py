@@ -1,4 +1,4 @@
-"""scripts/bench_serve.py's summaries and README rows from a run's samples (no server is started here)."""
+"""scripts/bench_serve.py's summaries and table rows from a run's samples (no server is started here)."""
 
 from __future__ import annotations
 

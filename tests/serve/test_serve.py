@@ -460,7 +460,7 @@ def test_tool_choice_required_or_named_forces_a_call(tmp_path) -> None:
 
 def test_streamed_text_never_splits_a_character(tmp_path) -> None:
     """A character whose UTF-8 bytes are three tokens streams as one whole character, never a U+FFFD."""
-    from qwen_runtime.tokenizer import byte_decoder
+    from qwen_runtime.text.tokenizer import byte_decoder
 
     to_char = {b: c for c, b in byte_decoder().items()}
     pieces = [to_char[b] for b in "世".encode()] + ["!", "<|im_end|>"]

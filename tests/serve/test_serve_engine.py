@@ -10,9 +10,9 @@ import pytest
 from runtime_helpers import Converted, fixture_dir, use_kernels
 
 import qwen_runtime
-from qwen_runtime.chat import chat_format
+from qwen_runtime.generation.sampling import SamplingParams
 from qwen_runtime.models import Model
-from qwen_runtime.sampling import SamplingParams
+from qwen_runtime.text.chat import chat_format
 
 SlotCache = pytest.importorskip("qwen_serve.slots", reason="qwen_serve needs the serve extra").SlotCache
 PrefixCache = pytest.importorskip("qwen_serve.prefix_cache").PrefixCache

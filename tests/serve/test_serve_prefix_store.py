@@ -15,9 +15,9 @@ import pytest
 from runtime_helpers import fixture_dir
 
 import qwen_runtime
-from qwen_runtime.chat import chat_format
 from qwen_runtime.errors import OutputError
-from qwen_runtime.sampling import SamplingParams
+from qwen_runtime.generation.sampling import SamplingParams
+from qwen_runtime.text.chat import chat_format
 
 Engine = pytest.importorskip("qwen_serve.engine", reason="qwen_serve needs the serve extra")
 from qwen_serve.prefix_cache import ROOT, block_key  # noqa: E402

@@ -1,0 +1,62 @@
+"""The compiled kernels: numba machine code for the products of each stored type, each tested against its numpy
+reference in :mod:`qwen_runtime.quants`.
+
+The table below names the kernel of each (stored type, activation form).  A family's module is imported on first
+use: its kernels have explicit signatures and compile (or load numba's cache) at import, so a model compiles only
+the families it stores and the numpy path never loads numba.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+
+from ...quants.base import QType, TileKernel
+
+# The compiled kernel of each type that has one: (module of this package, class), imported on first use so
+# that numba loads only for ``kernels="numba"`` and each family compiles only when a model uses it.
+JIT_KERNELS: dict[QType, tuple[str, str]] = {
+    QType.Q8_0: ("q8_0", "Q8_0JitKernel"),
+    QType.Q2_K: ("kquants", "Q2_KJitKernel"),
+    QType.Q3_K: ("kquants", "Q3_KJitKernel"),
+    QType.Q4_K: ("kquants", "Q4_KJitKernel"),
+    QType.Q5_K: ("kquants", "Q5_KJitKernel"),
+    QType.Q6_K: ("kquants", "Q6_KJitKernel"),
+    QType.F32: ("dense", "F32JitKernel"),
+    QType.F16: ("dense", "F16JitKernel"),
+    QType.BF16: ("dense", "BF16JitKernel"),
+    QType.Q4_0: ("legacy", "Q4_0JitKernel"),
+    QType.Q4_1: ("legacy", "Q4_1JitKernel"),
+    QType.Q5_0: ("legacy", "Q5_0JitKernel"),
+    QType.Q5_1: ("legacy", "Q5_1JitKernel"),
+    QType.IQ4_NL: ("iq4", "IQ4_NLJitKernel"),
+    QType.IQ4_XS: ("iq4", "IQ4_XSJitKernel"),
+}
+
+# Integer-dot kernels with 8-bit activations (``Workspace.activations == "q8"``; other types keep their float kernel).
+JIT_Q8_KERNELS: dict[QType, tuple[str, str]] = {
+    QType.Q8_0: ("amx", "Q8_0AmxKernel"),  # prompts on AMX tiles where the CPU has them
+    QType.Q4_0: ("int8", "Q4_0Int8Kernel"),
+    QType.Q5_0: ("int8", "Q5_0Int8Kernel"),
+    QType.Q4_1: ("int8", "Q4_1Int8Kernel"),
+    QType.Q5_1: ("int8", "Q5_1Int8Kernel"),
+    QType.Q2_K: ("int8_k", "Q2_KInt8Kernel"),
+    QType.Q3_K: ("int8_k", "Q3_KInt8Kernel"),
+    QType.Q4_K: ("amx_k", "Q4_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
+    QType.Q5_K: ("int8_k", "Q5_KInt8Kernel"),
+    QType.Q6_K: ("amx_k", "Q6_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
+    QType.IQ4_NL: ("int8", "IQ4_NLInt8Kernel"),
+    QType.IQ4_XS: ("int8", "IQ4_XSInt8Kernel"),
+}
+
+
+def jit_kernel(qtype: QType, raw: np.ndarray, activations: str = "float") -> TileKernel | None:
+    """The compiled tile kernel of a matrix stored as ``raw`` (None for a type without one, and for rows that are
+    not one contiguous array, e.g. a Fortran-ordered npy file: the numpy kernels handle any strides); with
+    ``activations="q8"`` the integer-dot kernel where the type has one."""
+    entry = (JIT_Q8_KERNELS.get(qtype) if activations == "q8" else None) or JIT_KERNELS.get(qtype)
+    if entry is None or not np.asarray(raw).flags.c_contiguous:
+        return None
+    module, name = entry
+    return getattr(importlib.import_module(f".{module}", __name__), name)(raw)
