@@ -148,7 +148,7 @@ def k_scale(typingctx, acc, sums, fw, dx, dx_stride, bs, bs_stride):  # noqa: AR
     16]`` each at ``sums`` and ``sums + 2048``), ``acc = acc + f32(sumi) * (d_w * dx_i)``, then ``summ = sum_s
     m_s * bs[i, s]`` (exact integers in float32) and ``acc = acc - summ * (dmin_w * dx_i)``, every operation
     rounded (no fast-math flags); ``acc`` float32 [32, 16], ``fw`` float32 [10, 16] (d, dmin, minimums),
-    ``dx[i]`` at ``dx + i * dx_stride``, ``bs[i, s]`` at ``bs + i * bs_stride + 4 s`` (addresses, int64)."""
+    ``dx[i]`` at ``dx + i * dx_stride``, ``bs[i, s]`` at ``bs + i * bs_stride + 4 * s`` (addresses, int64)."""
     def codegen(context, builder, signature, args):
         f32, i32 = ir.FloatType(), ir.IntType(32)
         v16f, v16i = ir.VectorType(f32, TILE), ir.VectorType(i32, TILE)
