@@ -4,11 +4,13 @@
 
 1. Peak, one thread, operands in registers: AMX ``tdpbssd`` (16 x 64 by 64 x 16 int8 tiles, four independent
    accumulators) and AVX-512 VNNI ``vpdpbusd`` (eight independent zmm accumulators), where the CPU has them.
-2. ``x @ W.T`` for Q8_0 weights of the Qwen2.5-0.5B MLP shape (4864 x 896) and the Qwen2.5-3B one (11008 x 2048),
-   ``--rows`` activation rows: the AMX kernel (:mod:`qwen_runtime.backend.kernels.amx`, 8-bit activations quantized
-   once, timed with the quantization) against today's prefill path for the same product (each tile of about 2^20
-   weights decoded to float32 by the compiled decoder, then SGEMM), on one thread and on two (columns split in
-   two halves for AMX; the float path's tiles shared by two threads, BLAS on one thread each).
+2. ``x @ W.T`` for Q8_0, Q4_K and Q6_K weights (``--types``) of the Qwen2.5-0.5B MLP shape (4864 x 896) and
+   the Qwen2.5-3B one (11008 x 2048), for the K-quants their down projections (896 x 4864, 2048 x 11008),
+   ``--rows`` activation rows: the AMX kernels (:mod:`qwen_runtime.backend.kernels.amx`, q8_0 activations;
+   :mod:`qwen_runtime.backend.kernels.amx_k`, q8_K activations; quantized once, timed with the quantization) against
+   the float prefill path for the same product (each tile of about 2^20 weights decoded to float32 by the
+   compiled decoder, then SGEMM), on one thread and on two (columns split in two halves for AMX; the float
+   path's tiles shared by two threads, BLAS on one thread each).  Paired: AMX and float timed in turn.
 
 Prints T int8 multiply-adds per second (for the float path: T float multiply-adds), the fraction of the measured
 AMX peak, and the AMX / float ratio; the fastest of ``--repeat`` runs.  For stable numbers run it alone.
@@ -31,12 +33,16 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from qwen_runtime.backend.kernels import amx as jit_amx
+from qwen_runtime.backend.kernels import amx_k as jit_amx_k
 from qwen_runtime.backend.kernels.amx import dpbssd, ldtilecfg, tileload, tilerelease, tilestore, tilezero
 from qwen_runtime.backend.kernels.base import FEATURES
+from qwen_runtime.backend.kernels.kquants import Q4_KJitKernel, Q6_KJitKernel
 from qwen_runtime.backend.kernels.q8_0 import Q8_0JitKernel
 from qwen_runtime.quants.scratch import Scratch
 
 SHAPES = {"Qwen2.5-0.5B MLP 4864 x 896": (4864, 896), "Qwen2.5-3B MLP 11008 x 2048": (11008, 2048)}
+# K-quant rows are whole super-blocks of 256: 896 is not, so their shapes are the MLPs' down projections.
+K_SHAPES = {"Qwen2.5-0.5B down 896 x 4864": (896, 4864), "Qwen2.5-3B down 2048 x 11008": (2048, 11008)}
 V16_I32 = ir.VectorType(ir.IntType(32), 16)
 VNNI_ACCUMULATORS = 8
 
@@ -108,6 +114,17 @@ def best(repeat: int, run: Callable[[], object]) -> float:
     return min(times)
 
 
+def paired(repeat: int, a: Callable[[], object], b: Callable[[], object]) -> tuple[float, float]:
+    """The fastest of ``repeat`` runs of ``a`` and of ``b``, timed in turn (a loaded machine slows both alike)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeat):
+        for run, into in ((a, times[0]), (b, times[1])):
+            t0 = time.perf_counter()
+            run()
+            into.append(time.perf_counter() - t0)
+    return min(times[0]), min(times[1])
+
+
 def q8_0_rows(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     nb = cols // 32
     blocks = rng.integers(0, 256, (rows, nb, 34), dtype=np.uint8)
@@ -116,19 +133,43 @@ def q8_0_rows(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(rows, nb * 34)
 
 
-def amx_product(raw: np.ndarray, x: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None) -> None:
+def k_rows(size: int, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K (``size`` 144) or Q6_K (210) rows with float16 d (and dmin) of about 1e-3."""
+    nb = cols // 256
+    blocks = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
+    scales = rng.uniform(2e-4, 2e-3, (rows, nb, 2)).astype(np.float16).view(np.uint8).reshape(rows, nb, 4)
+    if size == 144:
+        blocks[:, :, 0:4] = scales
+    else:
+        blocks[:, :, 208:210] = scales[:, :, 0:2]
+    return blocks.reshape(rows, nb * size)
+
+
+TYPES = {"q8_0": (q8_0_rows, Q8_0JitKernel), "q4_k": (partial(k_rows, 144), Q4_KJitKernel),
+         "q6_k": (partial(k_rows, 210), Q6_KJitKernel)}
+
+
+def amx_product(kind: str, raw: np.ndarray, x: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None) -> None:
     """Quantize once, then the AMX kernel on one thread or on two column halves (multiples of 32 rows)."""
-    q, d = jit_amx.quantized_padded(x)
+    if kind == "q8_0":
+        q, d = jit_amx.quantized_padded(x)
+
+        def run(part: tuple[int, int]) -> None:
+            jit_amx.q8_0_amx_product(raw[part[0]:part[1]], q, d, out[:, part[0]:part[1]])
+    else:
+        xk = jit_amx_k.q8_k_padded(x)
+
+        def run(part: tuple[int, int]) -> None:
+            jit_amx_k.kquant_amx_product(raw[part[0]:part[1]], xk, out[:, part[0]:part[1]])
     if pool is None:
-        jit_amx.q8_0_amx_product(raw, q, d, out)
+        run((0, len(raw)))
         return
     half = -(-len(raw) // 64) * 32
-    parts = [(0, half), (half, len(raw))]
-    list(pool.map(lambda p: jit_amx.q8_0_amx_product(raw[p[0]:p[1]], q, d, out[:, p[0]:p[1]]), parts))
+    list(pool.map(run, [(0, half), (half, len(raw))]))
 
 
-def float_product(kernel: Q8_0JitKernel, x: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None,
-                  scratches: list[Scratch]) -> None:
+def float_product(kernel: Q8_0JitKernel | Q4_KJitKernel | Q6_KJitKernel, x: np.ndarray, out: np.ndarray,
+                  pool: ThreadPoolExecutor | None, scratches: list[Scratch]) -> None:
     """Today's prefill path: tiles of about 2^20 weights decoded to float32, each multiplied by SGEMM."""
     rows = len(kernel.raw)
     step = max(1, (1 << 20) // kernel.in_features)
@@ -151,6 +192,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--rows", type=int, default=512, help="activation rows (prompt tokens)")
+    parser.add_argument("--types", default="q8_0,q4_k,q6_k", help="weight types, comma-separated")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     threadpoolctl.threadpool_limits(1)  # BLAS on the calling thread: the runtime's pool threads each run it so
@@ -174,25 +216,27 @@ def main() -> None:
         print(f"AVX-512 VNNI vpdpbusd, registers, one thread: {rate:.2f} T int8 multiply-adds/s")
     if not amx:
         return
-    print(f"\nQ8_0 weights x {args.rows} activation rows (8-bit activations on AMX; float: decoded tiles + SGEMM)")
-    print(f"{'shape':30} {'threads':>7} {'AMX ms':>8} {'T MAC/s':>8} {'of peak':>8} {'float ms':>9} {'T MAC/s':>8}"
-          f" {'AMX/float':>9}")
+    print(f"\nweights x {args.rows} activation rows (8-bit activations on AMX; float: decoded tiles + SGEMM)")
+    print(f"{'type':5} {'shape':30} {'threads':>7} {'AMX ms':>8} {'T MAC/s':>8} {'of peak':>8} {'float ms':>9}"
+          f" {'T MAC/s':>8} {'AMX/float':>9}")
     scratches = [Scratch(), Scratch()]
     with ThreadPoolExecutor(2) as two:
-        for name, (rows, cols) in SHAPES.items():
-            raw = q8_0_rows(rows, cols, rng)
-            x = rng.normal(0, 1, (args.rows, cols)).astype(np.float32)
-            out = np.empty((args.rows, rows), np.float32)
-            kernel = Q8_0JitKernel(raw)
-            amx_product(raw[:64], x, out[:, :64], None)
-            float_product(Q8_0JitKernel(raw[:64]), x, out[:, :64], None, scratches)
-            macs = args.rows * rows * cols
-            for pool in (None, two):
-                t_amx = best(args.repeat, partial(amx_product, raw, x, out, pool))
-                t_float = best(args.repeat, partial(float_product, kernel, x, out, pool, scratches))
-                print(f"{name:30} {1 if pool is None else 2:>7} {t_amx * 1e3:8.1f} {macs / t_amx / 1e12:8.3f} "
-                      f"{macs / t_amx / 1e12 / peak:8.1%} {t_float * 1e3:9.1f} {macs / t_float / 1e12:8.3f} "
-                      f"{t_float / t_amx:9.2f}")
+        for kind in args.types.split(","):
+            make, float_kernel = TYPES[kind]
+            for name, (rows, cols) in (SHAPES if kind == "q8_0" else K_SHAPES).items():
+                raw = make(rows, cols, rng)
+                x = rng.normal(0, 1, (args.rows, cols)).astype(np.float32)
+                out = np.empty((args.rows, rows), np.float32)
+                kernel = float_kernel(raw)
+                amx_product(kind, raw[:64], x, out[:, :64], None)
+                float_product(float_kernel(raw[:64]), x, out[:, :64], None, scratches)
+                macs = args.rows * rows * cols
+                for pool in (None, two):
+                    t_amx, t_float = paired(args.repeat, partial(amx_product, kind, raw, x, out, pool),
+                                            partial(float_product, kernel, x, out, pool, scratches))
+                    print(f"{kind:5} {name:30} {1 if pool is None else 2:>7} {t_amx * 1e3:8.1f} "
+                          f"{macs / t_amx / 1e12:8.3f} {macs / t_amx / 1e12 / peak:8.1%} {t_float * 1e3:9.1f} "
+                          f"{macs / t_float / 1e12:8.3f} {t_float / t_amx:9.2f}")
 
 
 if __name__ == "__main__":

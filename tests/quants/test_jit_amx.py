@@ -120,10 +120,12 @@ def test_reference_integer_sums_exact() -> None:
     assert np.array_equal(decode_kernel(raw, x), expected)
 
 
-@pytest.mark.parametrize(("m", "rows", "nb"), [(1, 16, 1), (37, 53, 14), (32, 64, 3), (50, 33, 7), (96, 40, 28)])
+@pytest.mark.parametrize(("m", "rows", "nb"), [(1, 16, 1), (37, 53, 14), (32, 64, 3), (50, 33, 7), (96, 40, 28),
+                                             (33, 150, 301)])
 def test_amx_product_equals_the_reference(m: int, rows: int, nb: int) -> None:
-    """Bit for bit on AMX (partial row tiles: M and R not multiples of 16 or 32; K = 32 nb, odd nb included);
-    where AMX is absent or refused, the product is the reference's and says so."""
+    """Bit for bit on AMX (partial row tiles: M and R not multiples of 16 or 32; K = 32 nb, nb not a multiple of
+    the float step's group of blocks; 301 blocks: the 32-row weight panels in more than one L2 chunk, the last one
+    partial); where AMX is absent or refused, the product is the reference's and says so."""
     raw = q8_0_rows(rows, nb, seed=m + rows)
     x = activations(m, nb * 32, seed=nb)
     out = np.full((m, rows), np.nan, np.float32)

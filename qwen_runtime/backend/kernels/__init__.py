@@ -51,9 +51,9 @@ JIT_Q8_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q5_1: ("int8", "Q5_1Int8Kernel"),
     QType.Q2_K: ("int8_k", "Q2_KInt8Kernel"),
     QType.Q3_K: ("int8_k", "Q3_KInt8Kernel"),
-    QType.Q4_K: ("int8_k", "Q4_KInt8Kernel"),
+    QType.Q4_K: ("amx_k", "Q4_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
     QType.Q5_K: ("int8_k", "Q5_KInt8Kernel"),
-    QType.Q6_K: ("int8_k", "Q6_KInt8Kernel"),
+    QType.Q6_K: ("amx_k", "Q6_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
     QType.IQ4_NL: ("int8", "IQ4_NLInt8Kernel"),
     QType.IQ4_XS: ("int8", "IQ4_XSInt8Kernel"),
 }

@@ -4,15 +4,20 @@
 (llama.cpp's q8_0 activations) and the integer dot product of each weight block with each activation block is
 taken by ``tdpbssd`` (a 16 x 16 int32 tile += a 16 x K int8 tile times a K x 16 int8 tile in the VNNI layout).  A
 block has its own weight scale ``d_w`` and activation scale ``d_x``, so the tiles multiply one block (K = 32) at a
-time: per block, four ``tdpbssd`` (32 activation rows x 32 weight rows), the four int32 tiles stored to a 4 KiB
-scratch and added into float32 accumulators as ``acc = acc + f32(sum) * (d_w * d_x)``, every operation rounded
-(no fused add): :func:`.q8_act.product_blockwise`'s operations in its order, so the result equals that reference
-bit for bit.  That float step is written as IR (:func:`scale_add`), so the block loop compiles to the 16 tile
-instructions then 64 straight-line ``vcvtdq2ps``/``vmulps``/``vaddps`` pairs on zmm (``inspect_asm``).
+time: per block, four ``tdpbssd`` (32 activation rows x 32 weight rows) whose int32 tiles are stored to a ring,
+and float32 accumulators updated as ``acc = acc + f32(sum) * (d_w * d_x)``, every operation rounded (no fused
+add): :func:`.q8_act.product_blockwise`'s operations in its order, so the result equals that reference bit for
+bit.  That float step is written as IR (:func:`scale_group`): per group of :data:`GROUP` blocks each zmm
+accumulator is loaded once, takes four ``vcvtdq2ps``/``vmulps``/``vmulps``/``vaddps``, and is stored once, while
+the tile unit multiplies the next group (software pipelining, :func:`q8_0_amx`).
 
-Blocking: 32 weight rows are repacked once from their stored blocks into the VNNI layout (``nb`` x 1 KiB, with
-their scales widened to float32) and used by every 32-row tile of activations (the activations, quantized once
-per product, are padded with zero rows to a multiple of 32); nothing of the weights is kept between calls.
+Blocking: 32-row panels of weights are repacked from their stored blocks into the VNNI layout (``nb`` x 1 KiB
+each, scales widened to float32), :data:`CHUNK_BYTES` of them at a time (L2-resident), and every 32-row tile of
+the activations (quantized once per product, padded with zeros to whole tiles and groups) passes over each
+chunk, its outputs written row by row with zmm copies; nothing of the weights is kept between calls.  The
+per-block scales bound what the integer unit can do: each 16 x 16 x 32 tile product (8,192 multiply-adds) leaves
+1 KiB of int32 to store and 16 zmm of float work, so this kernel runs at a fraction of ``tdpbssd``'s peak
+(measured: docs/performance.md); the K-quant kernels (:mod:`.amx_k`) keep int32 sums over 256 values.
 
 The tile permission is asked of the kernel once per process (``arch_prctl(ARCH_REQ_XCOMP_PERM,
 XFEATURE_XTILEDATA)``: without it the first tile instruction is an illegal instruction); :func:`amx_available` is
@@ -46,6 +51,14 @@ ROWS = 2 * TILE  # activation rows and weight rows of one step (2 x 2 result til
 # Activation rows from which a Q8_0AmxKernel product goes through the tiles: with fewer, the padding to 32 rows costs
 # more than the exact kernel's row products (measured crossover between 9 and 16 rows: docs/performance.md).
 AMX_MIN_ROWS = 16
+# Blocks whose int32 results the float step takes together (each accumulator loaded and stored once per group),
+# the activation rows it takes after each block's tile products (all 32 over a group), and one block's results.
+GROUP = 4
+GROUP_ROWS = ROWS // GROUP
+SLOT_BYTES = 4 * ROWS * ROWS
+# Repacked weights per pass over the activation rows: 32-row panels kept in the core's L2 (2 MiB here) beside the
+# activations, each panel reused by every 32-row tile of activations.
+CHUNK_BYTES = 1 << 20
 PACKED_BLOCK = ROWS * Q8_ACT_BLOCK  # bytes of one block of 32 weight rows in the VNNI layout (two 512-byte tiles)
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
 I8, I64 = ir.IntType(8), ir.IntType(64)
@@ -161,33 +174,67 @@ def dpbssd(typingctx, dst, a, b):  # noqa: ARG001
 
 
 @intrinsic
-def scale_add(typingctx, acc, sums, dw, dx, dx_stride):  # noqa: ARG001
-    """``acc[i, j] = acc[i, j] + f32(sums[i, j]) * (dw[j] * dx[i])`` for a 32 x 32 step, every operation rounded
-    (no fast-math flags, so LLVM fuses nothing): ``acc`` float32 and ``sums`` int32 [32, 32] at those addresses,
-    ``dw`` float32 [32], ``dx[i]`` the float32 at ``dx + i * dx_stride`` (all int64).  Written as IR, unrolled: 64
-    zmm conversions, scalings and adds with no aliasing checks between the arrays (numba's loop kept one per row
-    and scalar fallbacks)."""
+def dpbsud(typingctx, dst, a, b):  # noqa: ARG001
+    """``tile[dst] += tile[a] @ tile[b]`` in int32, ``a`` int8 signed, ``b`` uint8 (in the VNNI layout)."""
+    consts = _tiles(dst, a, b)
+
+    def codegen(context, builder, signature, args):
+        _call(builder, "llvm.x86.tdpbsud", [I8] * 3, consts)
+        return context.get_dummy_value()
+    return types.void(dst, a, b), codegen
+
+
+@intrinsic
+def scale_group(typingctx, acc, sums, dw, dx, dx_stride, row0):  # noqa: ARG001 (numba's intrinsic protocol)
+    """For rows ``row0 .. row0 + GROUP_ROWS - 1`` of a 32 x 32 step, both 16-column halves, and the :data:`GROUP`
+    blocks ``g`` in order: ``acc[i, j] = acc[i, j] + f32(sums[g, i, j]) * (dw[g, j] * dx[i, g])``, every operation
+    rounded (no fast-math flags, so LLVM fuses nothing).  ``acc`` float32 [32, 32] and ``sums`` int32 [GROUP, 32,
+    32] at those addresses, ``dw`` float32 [GROUP, 32] (consecutive blocks' rows), ``dx[i, g]`` the float32 at ``dx
+    + i * dx_stride + 4 g`` (all int64).  Written as IR, unrolled: each accumulator is loaded and stored once per
+    group, not once per block (the stores shared the cache port with the tile stores), between them GROUP
+    ``vcvtdq2ps``/``vmulps``/``vmulps``/``vaddps`` on zmm."""
     def codegen(context, builder, signature, args):
         f32, i32 = ir.FloatType(), ir.IntType(32)
         v16f, v16i = ir.VectorType(f32, TILE), ir.VectorType(i32, TILE)
         acc_p = builder.inttoptr(args[0], v16f.as_pointer())
         sums_p = builder.inttoptr(args[1], v16i.as_pointer())
         dw_p = builder.inttoptr(args[2], v16f.as_pointer())
-        dw = [builder.load(builder.gep(dw_p, [I64(h)]), align=4) for h in range(2)]
-        zeros = ir.Constant(ir.VectorType(i32, TILE), [0] * TILE)
-        for i in range(ROWS):
-            at = builder.add(args[3], builder.mul(args[4], I64(i)))
-            dx = builder.load(builder.inttoptr(at, f32.as_pointer()), align=4)
-            dx16 = builder.shuffle_vector(builder.insert_element(ir.Constant(v16f, ir.Undefined), dx, i32(0)),
-                                          ir.Constant(v16f, ir.Undefined), zeros)
+        dw = [[builder.load(builder.gep(dw_p, [I64(2 * g + h)]), align=4) for h in range(2)] for g in range(GROUP)]
+        zeros = ir.Constant(v16i, [0] * TILE)
+        for r in range(GROUP_ROWS):
+            i = builder.add(args[5], I64(r))
+            row_at = builder.add(args[3], builder.mul(args[4], i))
+            dx16 = []
+            for g in range(GROUP):
+                dx = builder.load(builder.inttoptr(builder.add(row_at, I64(4 * g)), f32.as_pointer()), align=4)
+                dx16.append(builder.shuffle_vector(builder.insert_element(ir.Constant(v16f, ir.Undefined), dx,
+                                                                          i32(0)), ir.Constant(v16f, ir.Undefined),
+                                                   zeros))
             for h in range(2):
-                k = I64(2 * i + h)
-                total = builder.sitofp(builder.load(builder.gep(sums_p, [k]), align=4), v16f)
-                term = builder.fmul(total, builder.fmul(dw[h], dx16))
+                k = builder.add(builder.mul(i, I64(2)), I64(h))
                 lanes = builder.gep(acc_p, [k])
-                builder.store(builder.fadd(builder.load(lanes, align=4), term), lanes, align=4)
+                total = builder.load(lanes, align=4)
+                for g in range(GROUP):
+                    at = builder.gep(sums_p, [builder.add(k, I64(SLOT_BYTES // 64 * g))])
+                    block = builder.sitofp(builder.load(at, align=4), v16f)
+                    total = builder.fadd(total, builder.fmul(block, builder.fmul(dw[g][h], dx16[g])))
+                builder.store(total, lanes, align=4)
         return context.get_dummy_value()
-    return types.void(acc, sums, dw, dx, dx_stride), codegen
+    return types.void(acc, sums, dw, dx, dx_stride, row0), codegen
+
+
+@intrinsic
+def copy_row(typingctx, dst, src):  # noqa: ARG001
+    """Copy the 32 float32 at byte address ``src`` to ``dst`` (int64 each) as two zmm loads and stores: numba's
+    loop over a strided ``out`` stored them one by one (the copy out of the accumulators was a third of a
+    product)."""
+    def codegen(context, builder, signature, args):
+        v16f = ir.VectorType(ir.FloatType(), TILE).as_pointer()
+        src, dst = builder.inttoptr(args[1], v16f), builder.inttoptr(args[0], v16f)
+        for h in range(2):
+            builder.store(builder.load(builder.gep(src, [I64(h)]), align=4), builder.gep(dst, [I64(h)]), align=4)
+        return context.get_dummy_value()
+    return types.void(dst, src), codegen
 
 
 amx_jit = numba.njit(nogil=True, cache=True)  # compiled on first use only (where amx_available())
@@ -205,12 +252,16 @@ def load_i32(typingctx, address):  # noqa: ARG001
 def repack(raw, c0, table, packed, dw):
     """Weight rows ``c0 .. c0 + 31`` of Q8_0 ``raw`` [R, nb * 34] into ``packed`` int32 [nb, 2, 8, 16] (per block
     two 8 x 64-byte VNNI tiles: int32 ``[b, h, kk, j]`` is the 4 quants ``4 kk .. 4 kk + 3`` of row ``c0 + 16 h + j``)
-    and their scales into ``dw`` [nb, 32]; rows past the matrix as zeros.  Whole 4-byte groups, not bytes: a
-    byte-by-byte copy was a large share of a product's time."""
-    nb, row_bytes = dw.shape[0], raw.shape[1]
+    and their scales into ``dw`` [nb, 32]; rows past the matrix and blocks past its ``raw.shape[1] / 34`` (the
+    padding to whole groups) as zeros.  Whole 4-byte groups, not bytes: a byte-by-byte copy was a large share of a
+    product's time."""
+    row_bytes = raw.shape[1]
     live = min(ROWS, raw.shape[0] - c0)
     base = raw.ctypes.data + c0 * row_bytes
-    for b in range(nb):
+    stored = row_bytes // Q8_0_BYTES
+    packed[stored:] = 0
+    dw[stored:] = 0
+    for b in range(stored):
         o = b * Q8_0_BYTES
         for j in range(live):
             dw[b, j] = table[np.int64(raw[c0 + j, o]) | (np.int64(raw[c0 + j, o + 1]) << 8)]
@@ -226,55 +277,93 @@ def repack(raw, c0, table, packed, dw):
 @amx_jit
 def q8_0_amx(raw, q, d, table, cfg, out):
     """``out[i, r] = sum_b f32(q[i, b] . w[r, b]) * (d_w[r, b] * d[i, b])`` over the blocks in order, for Q8_0
-    rows ``raw`` [R, nb * 34] and quantized activations ``q`` [Mp, nb * 32] int8 (Mp a multiple of 32, zero rows
-    past ``out``'s), ``d`` [Mp, nb]; ``out`` [M, R] (any leading stride)."""
+    rows ``raw`` [R, nb * 34] and quantized activations ``q`` [Mp, nbp * 32] int8, ``d`` [Mp, nbp]
+    (:func:`quantized_padded`: Mp a multiple of 32, nbp of :data:`GROUP`, zeros past ``x``); ``out`` [M, R] (any
+    leading stride).  The padding blocks add ``f32(0) * 0`` to an accumulator that is never -0, so nothing.
+
+    Software-pipelined by groups of :data:`GROUP` blocks: while the tile unit multiplies group ``g`` (its int32
+    results stored to one half of a ring), the float step (:func:`scale_group`) takes group ``g - 1`` from the
+    other half, :data:`GROUP_ROWS` rows after each block's tile products, so the two units work side by side and
+    the vector loads never wait on a tile store that has not yet reached the cache."""
     rows, m = raw.shape[0], out.shape[0]
     cols = q.shape[1]
     nb = cols // Q8_ACT_BLOCK
-    packed = np.empty((nb, 2, Q8_ACT_BLOCK // 4, TILE), np.int32)
-    dw = np.empty((nb, ROWS), np.float32)
-    work = np.empty((2, ROWS, ROWS), np.float32)  # one buffer: alive while acc is (c is only used by address)
-    acc, c = work[0], work[1].view(np.int32)
-    qa, pa, ca = q.ctypes.data, packed.ctypes.data, c.ctypes.data
-    aa, dwa, da = acc.ctypes.data, dw.ctypes.data, d.ctypes.data
+    groups = nb // GROUP
+    panels = -(-rows // ROWS)
+    chunk = max(1, min(panels, CHUNK_BYTES // (nb * PACKED_BLOCK)))
+    packed = np.empty((chunk, nb, 2, Q8_ACT_BLOCK // 4, TILE), np.int32)
+    dw = np.empty((chunk, nb, ROWS), np.float32)
+    acc = np.empty((ROWS, ROWS), np.float32)
+    ring = np.empty(2 * GROUP * SLOT_BYTES // 4, np.int32)
+    qa, ra, aa, da = q.ctypes.data, ring.ctypes.data, acc.ctypes.data, d.ctypes.data
+    oa, ostride = out.ctypes.data, out.strides[0]
     ldtilecfg(cfg.ctypes.data)
-    for c0 in range(0, rows, ROWS):
-        repack(raw, c0, table, packed, dw)
+    for p0 in range(0, panels, chunk):
+        for p in range(min(chunk, panels - p0)):
+            repack(raw, (p0 + p) * ROWS, table, packed[p], dw[p])
         for i0 in range(0, q.shape[0], ROWS):
-            acc[:] = 0
-            for b in range(nb):
-                a0 = qa + i0 * cols + b * Q8_ACT_BLOCK
-                tileload(0, a0, cols)
-                tileload(1, a0 + TILE * cols, cols)
-                tileload(2, pa + b * PACKED_BLOCK, 64)
-                tileload(3, pa + b * PACKED_BLOCK + PACKED_BLOCK // 2, 64)
-                tilezero(4)
-                tilezero(5)
-                tilezero(6)
-                tilezero(7)
-                dpbssd(4, 0, 2)
-                dpbssd(5, 0, 3)
-                dpbssd(6, 1, 2)
-                dpbssd(7, 1, 3)
-                tilestore(4, ca, 4 * ROWS)
-                tilestore(5, ca + 4 * TILE, 4 * ROWS)
-                tilestore(6, ca + 4 * ROWS * TILE, 4 * ROWS)
-                tilestore(7, ca + 4 * ROWS * TILE + 4 * TILE, 4 * ROWS)
-                scale_add(aa, ca, dwa + b * 4 * ROWS, da + (i0 * nb + b) * 4, 4 * nb)
-            for i in range(min(ROWS, m - i0)):
-                for j in range(min(ROWS, rows - c0)):
-                    out[i0 + i, c0 + j] = acc[i, j]
+            for p in range(min(chunk, panels - p0)):
+                c0 = (p0 + p) * ROWS
+                pa, dwa = packed[p].ctypes.data, dw[p].ctypes.data
+                acc[:] = 0
+                for g in range(groups + 1):
+                    for t in range(GROUP):
+                        if g < groups:
+                            b = g * GROUP + t
+                            a0 = qa + i0 * cols + b * Q8_ACT_BLOCK
+                            ca = ra + ((g % 2) * GROUP + t) * SLOT_BYTES
+                            tileload(0, a0, cols)
+                            tileload(1, a0 + TILE * cols, cols)
+                            tileload(2, pa + b * PACKED_BLOCK, 64)
+                            tileload(3, pa + b * PACKED_BLOCK + PACKED_BLOCK // 2, 64)
+                            tilezero(4)
+                            tilezero(5)
+                            tilezero(6)
+                            tilezero(7)
+                            dpbssd(4, 0, 2)
+                            dpbssd(5, 0, 3)
+                            dpbssd(6, 1, 2)
+                            dpbssd(7, 1, 3)
+                            tilestore(4, ca, 4 * ROWS)
+                            tilestore(5, ca + 4 * TILE, 4 * ROWS)
+                            tilestore(6, ca + 4 * ROWS * TILE, 4 * ROWS)
+                            tilestore(7, ca + 4 * ROWS * TILE + 4 * TILE, 4 * ROWS)
+                        if g > 0:
+                            e = (g - 1) * GROUP
+                            scale_group(aa, ra + ((g - 1) % 2) * GROUP * SLOT_BYTES, dwa + e * 4 * ROWS,
+                                        da + (i0 * nb + e) * 4, 4 * nb, t * GROUP_ROWS)
+                if rows - c0 >= ROWS:
+                    for i in range(min(ROWS, m - i0)):
+                        copy_row(oa + (i0 + i) * ostride + c0 * 4, aa + i * ROWS * 4)
+                else:
+                    for i in range(min(ROWS, m - i0)):
+                        for j in range(rows - c0):
+                            out[i0 + i, c0 + j] = acc[i, j]
     tilerelease()
 
 
 def quantized_padded(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`.q8_act.quantize_rows` of ``x`` [M, K] into int8 [Mp, K] and float32 [Mp, K / 32], ``Mp`` the
-    next multiple of 32, the rows past ``M`` zero (they multiply to zeros that are not written)."""
+    """:func:`.q8_act.quantize_rows` of ``x`` [M, K] into int8 [Mp, Kp] and float32 [Mp, Kp / 32], ``Mp`` the
+    next multiple of 32 and ``Kp`` of ``32 GROUP``, zeros past ``x`` (rows that multiply to zeros that are not
+    written, blocks that add nothing)."""
     m, cols = x.shape
     padded = -(-m // ROWS) * ROWS
-    q = np.zeros((padded, cols), np.int8)
-    d = np.zeros((padded, cols // Q8_ACT_BLOCK), np.float32)
-    quantize_rows(np.ascontiguousarray(x, dtype=np.float32), q[:m], d[:m])
+    blocks = -(-cols // (GROUP * Q8_ACT_BLOCK)) * GROUP
+    q = np.zeros((padded, blocks * Q8_ACT_BLOCK), np.int8)
+    d = np.zeros((padded, blocks), np.float32)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if blocks * Q8_ACT_BLOCK == cols:
+        quantize_rows(x, q[:m], d[:m])
+    else:
+        q[:m, :cols], d[:m, :cols // Q8_ACT_BLOCK] = quantize_activations_rows(x)
+    return q, d
+
+
+def quantize_activations_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`.q8_act.quantize_rows` of ``x`` [M, K] into new arrays."""
+    q = np.empty(x.shape, np.int8)
+    d = np.empty((len(x), x.shape[1] // Q8_ACT_BLOCK), np.float32)
+    quantize_rows(x, q, d)
     return q, d
 
 
@@ -289,8 +378,9 @@ def q8_0_amx_product(raw: np.ndarray, q: np.ndarray, d: np.ndarray, out: np.ndar
     (the tile instructions would stop the process: illegal instruction)."""
     if not amx_available():
         raise KernelsError("AMX int8 tiles are not available here (CPU, compiler target or kernel permission)")
-    nb = raw.shape[1] // Q8_0_BYTES
+    nb = -(-raw.shape[1] // (GROUP * Q8_0_BYTES)) * GROUP
     if (q.shape != (len(q), nb * Q8_ACT_BLOCK) or len(q) % ROWS or len(out) > len(q) or out.shape[1] != len(raw)
+            or out.dtype != np.float32 or out.strides[1] != 4
             or d.shape != (len(q), nb) or d.dtype != np.float32 or not (q.flags.c_contiguous and d.flags.c_contiguous)):
         raise ValueError(f"Q8_0 AMX product of {raw.shape} stored rows, activations {q.shape}, output {out.shape}")
     q8_0_amx(raw.view(np.uint8), q, d, F16_TABLE, _config(), out)
@@ -305,7 +395,7 @@ def q8_0_q8_product(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> str:
         q8_0_amx_product(raw, q, d, out)
         return "amx"
     w, scales = q8_0_weights(raw)
-    out[...] = product_blockwise(w, scales, q[:len(x)], d[:len(x)])
+    out[...] = product_blockwise(w, scales, q[:len(x), :w.shape[1]], d[:len(x), :scales.shape[1]])
     return "reference"
 
 
