@@ -43,10 +43,12 @@ def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int |
     non-F32 matrix (any type of :mod:`qwen_runtime.quants`) a pool task multiplies.  ``threads``: the pool's
     threads (and BLAS's for float32 models; default: the cores).  ``kernels``: ``"auto"`` (compiled kernels when
     numba imports), ``"numba"`` or ``"numpy"`` (the reference path); default: the ``QWEN_KERNELS`` environment
-    variable, else ``auto``.  ``model.workspace.kernels`` says which run.  ``activations="q8"`` (compiled
-    kernels only) quantizes the activations of decode-sized products to 8 bits for the types that have an
-    integer-dot kernel (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K), as llama.cpp does: faster, not exact
-    (:mod:`qwen_runtime.quants.q8_act`).  ``cache_type_k``/``cache_type_v``: what the KV cache stores keys and
+    variable, else ``auto``.  ``model.workspace.kernels`` says which run.  ``activations``: ``"float"`` (exact
+    float32 products), ``"q8-prompts"`` (prompts of Q8_0, Q4_K and Q6_K weights with 8-bit activations on AMX tiles
+    where the CPU has them: several times faster, not exact; decode steps stay exact), ``"q8"`` (every product of a
+    type with an integer-dot kernel, as llama.cpp does) or ``"auto"`` (``q8-prompts`` with the compiled kernels,
+    the command lines' default); ``model.workspace.activations`` says which (:mod:`qwen_runtime.backend.pool`).
+    ``cache_type_k``/``cache_type_v``: what the KV cache stores keys and
     values in (:data:`qwen_runtime.backend.cache.CACHE_TYPES`: ``"f32"``, exact; ``"f16"`` or ``"bf16"``, half the
     memory; ``"q8_0"`` or ``"q4_0"``, llama.cpp's blocks of 32 values along a head; llama.cpp's ``-ctk/-ctv``);
     ``model.cache_types`` says which.

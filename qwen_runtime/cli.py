@@ -110,7 +110,7 @@ def print_stats(gen: Generation, out: TextIO) -> None:
               f"({s.decode_tokens_per_second:.1f} tok/s)\n")
     out.write(f"memory: peak RSS {format_bytes(mem.get('VmHWM', 0) << 10)}, "
               f"anonymous RSS {format_bytes(mem.get('RssAnon', 0) << 10)}\n")
-    q8 = ", 8-bit activations" if ws.activations == "q8" else ""
+    q8 = "" if ws.activations == "float" else f", activations {ws.activations}"
     out.write(f"kernels: {ws.kernels}{q8}, {ws.threads} thread(s)\n")
     out.write(f"{cache_note(gen.model)}\n{gen.plan.summary()}\n")
     if s.draft_proposed:

@@ -203,13 +203,15 @@ def draft_tokens(text: str) -> int:
     return value
 
 
-def add_activations_option(p: argparse.ArgumentParser, note: str = "") -> None:
-    """``--activations {float,q8}``: what the products multiply (:func:`qwen_runtime.load`'s ``activations``);
-    ``note`` is added to the help."""
-    p.add_argument("--activations", choices=ACTIVATION_CHOICES, default="float",
-                   help="q8: quantize the activations of decode products to 8 bits and multiply every quantized "
-                   "type's weights in integers, as llama.cpp does (faster, not exact; compiled kernels only)"
-                   f"{note}; default float: float32 activations, exact")
+def add_activations_option(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    """``--activations``: what the products multiply (:func:`qwen_runtime.load`'s ``activations``,
+    :data:`~qwen_runtime.backend.pool.ACTIVATION_CHOICES`)."""
+    p.add_argument("--activations", choices=ACTIVATION_CHOICES, default=default,
+                   help="float: float32 activations, exact; q8-prompts: prompts of Q8_0, Q4_K and Q6_K weights "
+                   "quantize their activations to 8 bits and multiply on the CPU's AMX int8 tiles where it has "
+                   "them (several times faster, not exact; decode stays exact); q8: every product of a quantized "
+                   "type in integers, as llama.cpp does; auto: q8-prompts with the compiled kernels, else float "
+                   "(default: %(default)s)")
 
 
 def add_cache_type_options(p: argparse.ArgumentParser) -> None:

@@ -80,8 +80,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", metavar="ADDR", help="with --executor ray: the Ray cluster to use (auto, "
                    "HOST:6379 or ray://HOST:10001; default: the RAY_ADDRESS variable, else a local instance)")
     add_machine_options(p)
-    add_activations_option(p, "; a product of more than 8 token rows (eval's chunks mostly are) still multiplies "
-                           "float32 activations")
+    add_activations_option(p, default="float")  # a measurement: the exact numbers unless asked otherwise
     add_cache_type_options(p)
     add_rope_scaling_options(p)
     return p

@@ -171,7 +171,7 @@ def startup_banner(app: Starlette, url: str) -> str:
         f"{format_bytes(state.grammars.reserve())} for structured output" + disk_note(engine),
         f"  {engine.plan.summary()}",
         f"  kernels: {ws.kernels} ({products}), {ws.threads} threads"
-        + (", 8-bit activations" if ws.activations == "q8" else ""),
+        + ("" if ws.activations == "float" else f", activations {ws.activations}"),
         f"  {cache_note(model)}",
         *([f"  speculative decoding: up to {engine.draft_tokens} prompt-lookup drafts per step for greedy requests"
            if engine.draft_tokens else "  speculative decoding: off (--draft needs the compiled kernels)"]

@@ -121,7 +121,7 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's and the server's log level")
     add_machine_options(p)
-    add_activations_option(p, "; in the server every decode step and prefill chunks of up to 8 tokens")
+    add_activations_option(p)
     add_cache_type_options(p)
     add_rope_scaling_options(p)
     ray = p.add_argument_group("Ray Serve (the ray extra; qwen_serve/ray_app.py)")

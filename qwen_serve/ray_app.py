@@ -130,7 +130,7 @@ def serve_on_ray(args: Any) -> None:
                      max_body_bytes=getattr(args, "max_body", MAX_BODY_BYTES),
                      cache_memory=getattr(args, "cache_memory", None), threads=getattr(args, "threads", None),
                      kernels=getattr(args, "kernels", None), draft_tokens=getattr(args, "draft", 0),
-                     cache_dir=getattr(args, "cache_dir", None), activations=getattr(args, "activations", "float"),
+                     cache_dir=getattr(args, "cache_dir", None), activations=getattr(args, "activations", "auto"),
                      cache_turns=getattr(args, "cache_turns", False))
     serve.run(app, name="qwen-serve", route_prefix="/")
     print(f"qwen-serve: {args.replicas} replica(s) of {args.model} on Ray Serve at http://{args.host}:{args.port}",

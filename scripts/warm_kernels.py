@@ -45,13 +45,13 @@ class Task:
 
 def plan(other_forms: bool) -> list[Task]:
     """The tasks, the longest first: two groups of kernel modules that import no kernel module of the other
-    (kernels.base, shared, compiles in seconds), then kernels.int8_k (it imports both); with ``other_forms`` every
-    kernel
-    module again for each other instruction form."""
-    groups = [Task("legacy, iq4, int8", tuple(KERNELS + m for m in ("legacy", "iq4", "int8"))),
+    (kernels.base, shared, compiles in seconds), then the AMX and integer-dot modules (they import both); with
+    ``other_forms`` every kernel module again for each other instruction form."""
+    groups = [Task("legacy, iq4, lattice", tuple(KERNELS + m for m in ("legacy", "iq4", "lattice"))),
               Task("kquants, dense, q8_0, step", (*(KERNELS + m for m in ("kquants", "dense", "q8_0")),
                                                   "qwen_runtime.models.step_jit"), MODELS)]
-    tasks = [*groups, Task("int8_k", (KERNELS + "int8_k",), after=tuple(g.name for g in groups))]
+    tasks = [*groups, Task("int8, amx", tuple(KERNELS + m for m in ("amx", "amx_k", "int8", "int8_k")),
+                           after=tuple(g.name for g in groups))]
     if other_forms:
         from llvmlite import binding as llvm
 

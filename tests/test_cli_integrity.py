@@ -231,7 +231,7 @@ def test_serve_takes_activations_and_turns(converted: Converted, capsys: pytest.
                                 activations=args.activations, cache_turns=args.cache_turns)
     banner = app_module.startup_banner(app, "http://x")
     assert app.state.server.engine.model.workspace.activations == "q8"
-    assert "8-bit activations" in banner and "with turns" in banner
+    assert "activations q8" in banner and "with turns" in banner
     with pytest.raises(SystemExit) as exc:
         serve_cli.main(["M", "--cache-turns", "--cache-memory", "0"])
     assert exc.value.code == 2 and "--cache-turns needs the prefix cache" in capsys.readouterr().err

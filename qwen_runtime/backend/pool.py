@@ -57,9 +57,14 @@ thirty, so the per-task Python (claim, call chain, numba's dispatch) is paid twi
 **Kernels.**  ``Workspace.kernels`` is ``"numba"`` (compiled kernels, numba imported only then) or ``"numpy"``
 (the reference path); :func:`resolve_kernels` turns the user's choice (``auto``, ``numba``, ``numpy``; default:
 the ``QWEN_KERNELS`` environment variable, else ``auto``) into one of them.  ``Workspace.activations`` is
-``"float"`` (exact float32 products) or ``"q8"``: with the compiled kernels, products of few rows of the stored
-types that have an integer-dot kernel (:data:`qwen_runtime.quants.JIT_Q8_KERNELS`) quantize their activation
-rows to 8 bits first, as llama.cpp does (:mod:`qwen_runtime.quants.q8_act`).
+``"float"`` (exact float32 products), ``"q8-prompts"`` or ``"q8"``, all but the first with the compiled kernels
+only.  ``"q8"`` quantizes the activation rows of every product of a type with an integer-dot kernel
+(:data:`qwen_runtime.backend.kernels.JIT_Q8_KERNELS`) to 8 bits first, as llama.cpp does
+(:mod:`qwen_runtime.quants.q8_act`).  ``"q8-prompts"`` does so only in the prompt products that run on AMX tiles
+(:data:`qwen_runtime.backend.kernels.JIT_PROMPT_KERNELS`); decode steps, speculative verify passes and every
+``rowwise`` product keep the exact float kernels, so a row's decoded numbers, batch invariance and exact
+verification are those of ``"float"``.  :func:`resolve_activations` turns ``"auto"`` into ``"q8-prompts"`` with the
+compiled kernels (a prompt's cost is then what a user waits for) and ``"float"`` with numpy.
 """
 
 from __future__ import annotations
@@ -81,7 +86,10 @@ from ..errors import KernelsError
 from ..quants.scratch import Scratch
 
 KERNEL_CHOICES = ("auto", "numba", "numpy")
-ACTIVATION_CHOICES = ("float", "q8")  # what the products multiply: float32 activations, or 8-bit ones (numba only)
+# What the products multiply: float32 activations, 8-bit ones in prompt products only, or in every product (the
+# last two with the compiled kernels only); "auto" is resolved at load (resolve_activations).
+ACTIVATION_FORMS = ("float", "q8-prompts", "q8")
+ACTIVATION_CHOICES = ("auto", *ACTIVATION_FORMS)
 KERNELS_VARIABLE = "QWEN_KERNELS"  # the default choice (the one environment setting of the runtime)
 # New tokens per row up to which a pass inside Workspace.rowwise() runs the decode step's compiled kernels
 # (speculative decoding's verify pass: each token then gets exactly the numbers of a one-token step).
@@ -120,12 +128,12 @@ class Workspace:
                  activations: str = "float") -> None:
         if kernels not in ("numba", "numpy"):
             raise KernelsError(f"kernels must be 'numba' or 'numpy' (resolve_kernels), got {kernels!r}")
-        if activations not in ACTIVATION_CHOICES:
-            raise KernelsError(f"activations: expected one of {', '.join(ACTIVATION_CHOICES)}, got {activations!r}")
-        if activations == "q8" and kernels != "numba":
-            raise KernelsError("activations='q8' needs the compiled kernels (kernels='numba')")
+        if activations not in ACTIVATION_FORMS:
+            raise KernelsError(f"activations: expected one of {', '.join(ACTIVATION_FORMS)}, got {activations!r}")
+        if activations != "float" and kernels != "numba":
+            raise KernelsError(f"activations={activations!r} needs the compiled kernels (kernels='numba')")
         self.kernels = kernels  # which kernels this model's products and decode-step ops use
-        self.activations = activations  # "q8": small products quantize their activations (quants.q8_act)
+        self.activations = activations  # which products quantize their activations (the module docstring)
         blas = blas_controller()
         self._libs = [] if blas is None else list(blas.lib_controllers)
         self.threads = max(1, threads or default_threads())
@@ -427,6 +435,16 @@ def resolve_kernels(choice: str | None = None) -> str:
     if choice == "numba":
         raise KernelsError(f"{where}=numba: numba does not import ({problem}); use --kernels numpy")
     return "numpy"
+
+
+def resolve_activations(choice: str, kernels: str) -> str:
+    """The activation form (:data:`ACTIVATION_FORMS`) of a user's ``choice`` for a model on ``kernels``:
+    ``auto`` is ``q8-prompts`` with the compiled kernels, ``float`` with numpy (which has no integer kernels)."""
+    if choice not in ACTIVATION_CHOICES:
+        raise KernelsError(f"activations: expected one of {', '.join(ACTIVATION_CHOICES)}, got {choice!r}")
+    if choice == "auto":
+        return "q8-prompts" if kernels == "numba" else "float"
+    return choice
 
 
 @functools.lru_cache(maxsize=1)

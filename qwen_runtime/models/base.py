@@ -31,7 +31,7 @@ from gguf import MODEL_TENSOR
 
 from ..backend.cache import DEFAULT_CACHE_TYPE, BatchState, CacheSize, LayerCache, cache_type
 from ..backend.compile_events import listen
-from ..backend.pool import Workspace, resolve_kernels
+from ..backend.pool import Workspace, resolve_activations, resolve_kernels
 from ..backend.weights import TILE_ELEMENTS, Weight, load_vector, make_weight
 from ..errors import FormatError
 from ..formats import ModelFiles
@@ -54,7 +54,7 @@ class WeightStore:
         if kernels == "numba":
             listen()  # a command then says when numba compiles (compile_events)
         self.workspace = Workspace(threads, blas_products=kernels == "numpy" and all_float32(files), kernels=kernels,
-                                   activations=activations)
+                                   activations=resolve_activations(activations, kernels))
         self.tile_elements = tile_elements
         self._matrices: dict[str, Weight] = {}
 

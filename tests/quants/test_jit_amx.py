@@ -18,7 +18,7 @@ import pytest
 from runtime_helpers import Converted
 
 from qwen_runtime import load
-from qwen_runtime.backend.pool import Workspace
+from qwen_runtime.backend.pool import Workspace, resolve_activations
 from qwen_runtime.errors import KernelsError
 from qwen_runtime.quants import QType, codec, q8_act
 from qwen_runtime.quants.scratch import Scratch
@@ -210,3 +210,40 @@ def test_prompt_logits_on_amx_match_the_decode_kernels(converted: Converted, mon
     assert np.all(np.isfinite(prompt))
     tolerance = 1e-4 if jit_amx.amx_available() else 0.05  # without AMX: the exact float prefill's (q8 error)
     assert np.abs(prompt - rows).max() <= tolerance * np.abs(rows).max()
+
+
+def test_auto_resolves_by_the_kernels() -> None:
+    assert resolve_activations("auto", "numba") == "q8-prompts"
+    assert resolve_activations("auto", "numpy") == "float"
+    assert resolve_activations("q8", "numba") == "q8"
+    with pytest.raises(KernelsError, match="activations"):
+        resolve_activations("int4", "numba")
+    with pytest.raises(KernelsError, match="compiled kernels"):
+        Workspace(kernels="numpy", activations="q8-prompts")
+
+
+def test_decode_and_verify_exact_prompts_quantized(converted: Converted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q8_0 model with ``q8-prompts`` against the same file with ``float``: a prompt under 16 tokens, every decode
+    step after it and a speculative verify pass give the same logits bit for bit (the float kernels); a 24-token
+    prompt goes through the AMX tiles where available and its logits stay within the 8-bit activations' error (as
+    ``activations="q8"``: 2^-8 of each product's magnitude through a few layers) of the float prompt's."""
+    path = converted("qwen2-tiny", "gguf", "q8_0")
+    exact, q8 = load(path, kernels="numba"), load(path, kernels="numba", activations="q8-prompts")
+    assert q8.workspace.activations == "q8-prompts" and q8.exact_steps
+    calls = []
+    real = jit_amx.q8_0_amx_product
+    monkeypatch.setattr(jit_amx, "q8_0_amx_product", lambda *a: calls.append(1) or real(*a))
+    caches = exact.make_cache(1, 64), q8.make_cache(1, 64)
+    prompt = np.array([[3, 17, 42, 7, 99, 5]])
+    assert np.array_equal(exact.forward(prompt, caches[0]), q8.forward(prompt, caches[1]))
+    for token in (11, 12, 13):
+        step = np.array([[token]])
+        assert np.array_equal(exact.forward(step, caches[0]), q8.forward(step, caches[1]))
+    drafts = np.array([[21, 22, 23, 24]])
+    assert np.array_equal(exact.verify(drafts, caches[0]), q8.verify(drafts, caches[1]))
+    assert not calls
+    long = (np.arange(24) * 7 % 97 + 3)[None]
+    want, got = exact.forward(long, exact.make_cache(1, 32)), q8.forward(long, q8.make_cache(1, 32))
+    assert bool(calls) == jit_amx.amx_available()
+    assert np.array_equal(got, want) != jit_amx.amx_available()
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()

@@ -17,9 +17,10 @@ from qwen_runtime.quants import QType, codec, q8k_act
 from qwen_runtime.quants.scratch import Scratch
 
 pytest.importorskip("numba")
+from qwen_runtime.backend.kernels import JIT_KERNELS, JIT_PROMPT_KERNELS, jit_kernel  # noqa: E402
 from qwen_runtime.backend.kernels import amx as jit_amx  # noqa: E402 (numba is needed from here on)
 from qwen_runtime.backend.kernels import amx_k as jit_amx_k  # noqa: E402
-from qwen_runtime.backend.kernels import jit_kernel  # noqa: E402
+from qwen_runtime.backend.kernels import int8_k as jit_int8_k  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 SIZES = {QType.Q4_K: 144, QType.Q6_K: 210}
@@ -143,7 +144,7 @@ def test_kernel_choice_for_prompts(qtype: QType) -> None:
     ``rowwise`` products keep the integer decode kernels' preparation (no q8_K activations)."""
     raw = k_rows(qtype, 48, 2, seed=5)
     kernel = jit_kernel(qtype, raw, activations="q8")
-    assert isinstance(kernel, jit_amx_k.Q4_KAmxKernel if qtype == QType.Q4_K else jit_amx_k.Q6_KAmxKernel)
+    assert isinstance(kernel, jit_int8_k.Q4_KAmxKernel if qtype == QType.Q4_K else jit_int8_k.Q6_KAmxKernel)
     x = activations(20, 512, seed=5)
     assert not isinstance(kernel.prepare(x[:15]), jit_amx_k.KActivations)
     assert not isinstance(kernel.prepare(x, rowwise=True), jit_amx_k.KActivations)
@@ -156,3 +157,27 @@ def test_kernel_choice_for_prompts(qtype: QType) -> None:
     for r0, r1 in [(0, 16), (16, 41), (41, 48)]:
         kernel.product(r0, r1, xk, out[:, r0:r1], Scratch())
     assert np.array_equal(out, reference(qtype, raw, x))
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K])
+def test_prompt_kernels_are_the_float_kernels_outside_prompts(qtype: QType) -> None:
+    """``q8-prompts`` picks a kernel that is the exact float kernel (no integer row product for the decode step)
+    with AMX prompts: fewer than 16 rows and ``rowwise`` products give the float kernel's numbers bit for bit; a
+    prompt of 16 rows or more is quantized once to q8_K where AMX is available."""
+    raw = k_rows(qtype, 48, 2, seed=3)
+    kernel, exact = jit_kernel(qtype, raw, "q8-prompts"), jit_kernel(qtype, raw, "float")
+    assert isinstance(kernel, type(exact)) and not hasattr(kernel, "q8_row_product")
+    x = activations(20, 512, seed=3)
+    for rows, rowwise in ((15, False), (20, True)):
+        got, want = (np.full((rows, 48), np.nan, np.float32) for _ in range(2))
+        xk, xe = kernel.prepare(x[:rows], rowwise), exact.prepare(x[:rows], rowwise)
+        kernel.product(0, 48, xk, got, Scratch())
+        exact.product(0, 48, xe, want, Scratch())
+        assert np.array_equal(got, want)
+    assert isinstance(kernel.prepare(x), jit_amx_k.KActivations) == jit_amx.amx_available()
+
+
+def test_other_types_keep_their_float_kernel() -> None:
+    assert set(JIT_PROMPT_KERNELS) == {QType.Q8_0, QType.Q4_K, QType.Q6_K}
+    raw = np.zeros((4, 36), np.uint8)  # Q4_0 rows: two blocks of 18 bytes
+    assert type(jit_kernel(QType.Q4_0, raw, "q8-prompts")).__name__ == JIT_KERNELS[QType.Q4_0][1]

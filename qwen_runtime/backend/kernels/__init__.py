@@ -44,26 +44,36 @@ JIT_KERNELS: dict[QType, tuple[str, str]] = {
 
 # Integer-dot kernels with 8-bit activations (``Workspace.activations == "q8"``; other types keep their float kernel).
 JIT_Q8_KERNELS: dict[QType, tuple[str, str]] = {
-    QType.Q8_0: ("amx", "Q8_0AmxKernel"),  # prompts on AMX tiles where the CPU has them
+    QType.Q8_0: ("int8", "Q8_0AmxKernel"),  # prompts on AMX tiles where the CPU has them
     QType.Q4_0: ("int8", "Q4_0Int8Kernel"),
     QType.Q5_0: ("int8", "Q5_0Int8Kernel"),
     QType.Q4_1: ("int8", "Q4_1Int8Kernel"),
     QType.Q5_1: ("int8", "Q5_1Int8Kernel"),
     QType.Q2_K: ("int8_k", "Q2_KInt8Kernel"),
     QType.Q3_K: ("int8_k", "Q3_KInt8Kernel"),
-    QType.Q4_K: ("amx_k", "Q4_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
+    QType.Q4_K: ("int8_k", "Q4_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
     QType.Q5_K: ("int8_k", "Q5_KInt8Kernel"),
-    QType.Q6_K: ("amx_k", "Q6_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
+    QType.Q6_K: ("int8_k", "Q6_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
     QType.IQ4_NL: ("int8", "IQ4_NLInt8Kernel"),
     QType.IQ4_XS: ("int8", "IQ4_XSInt8Kernel"),
 }
 
 
+# Kernels of ``activations="q8-prompts"``: 8-bit activations only in prompts on AMX tiles, the exact float kernel
+# in every other product (other types keep their float kernel).
+JIT_PROMPT_KERNELS: dict[QType, tuple[str, str]] = {
+    QType.Q8_0: ("amx", "Q8_0AmxPromptKernel"),
+    QType.Q4_K: ("amx_k", "Q4_KAmxPromptKernel"),
+    QType.Q6_K: ("amx_k", "Q6_KAmxPromptKernel"),
+}
+ACTIVATION_KERNELS = {"q8": JIT_Q8_KERNELS, "q8-prompts": JIT_PROMPT_KERNELS}
+
+
 def jit_kernel(qtype: QType, raw: np.ndarray, activations: str = "float") -> TileKernel | None:
     """The compiled tile kernel of a matrix stored as ``raw`` (None for a type without one, and for rows that are
     not one contiguous array, e.g. a Fortran-ordered npy file: the numpy kernels handle any strides); with
-    ``activations="q8"`` the integer-dot kernel where the type has one."""
-    entry = (JIT_Q8_KERNELS.get(qtype) if activations == "q8" else None) or JIT_KERNELS.get(qtype)
+    ``activations="q8"`` the integer-dot kernel where the type has one, with ``"q8-prompts"`` its AMX prompt kernel."""
+    entry = ACTIVATION_KERNELS.get(activations, {}).get(qtype) or JIT_KERNELS.get(qtype)
     if entry is None or not np.asarray(raw).flags.c_contiguous:
         return None
     module, name = entry

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import platform
+from collections.abc import Callable
 
 import numba
 import numpy as np
@@ -43,7 +44,7 @@ from ...quants.q8_0 import Q8_0_BYTES
 from ...quants.q8_act import Q8_ACT_BLOCK, product_blockwise, q8_0_weights
 from ...quants.scratch import Scratch
 from .base import F16_TABLE, FEATURES
-from .int8 import Q8_0Int8Kernel
+from .q8_0 import Q8_0JitKernel
 from .q8_act import quantize_rows
 
 TILE = 16  # rows of an int32 result tile (and columns)
@@ -400,30 +401,50 @@ def q8_0_q8_product(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> str:
 
 
 class AmxActivations(tuple):
-    """:meth:`Q8_0AmxKernel.prepare` of a prompt: (q, d) of :func:`quantized_padded`, for every tile's product."""
+    """:func:`quantized_padded` activations of a prompt (q, d) and its row count, for every tile's product."""
 
 
-class Q8_0AmxKernel(Q8_0Int8Kernel):
-    """Q8_0 with 8-bit activations (``activations="q8"``) whose prompts go through AMX tiles where
-    :func:`amx_available`: a product of :data:`AMX_MIN_ROWS` rows or more (not ``rowwise``) quantizes its
-    activations once (:meth:`prepare`) and multiplies each tile of weight rows by :func:`q8_0_amx_product`, the
-    numbers of :func:`.q8_act.product_blockwise` (where :class:`Q8_0Int8Kernel` takes the exact float kernel).
-    Fewer rows, ``rowwise`` products (the server's batch invariance) and CPUs without AMX: as
-    :class:`Q8_0Int8Kernel`."""
+def q8_0_padded(x: np.ndarray) -> AmxActivations:
+    """:func:`quantized_padded` of ``x`` [M, K] as the prepared activations of :class:`Q8_0AmxPrompts`."""
+    prepared = AmxActivations(quantized_padded(x))
+    prepared.rows = len(x)
+    return prepared
+
+
+class AmxPrompts:
+    """Prompts on AMX tiles: a product of :data:`AMX_MIN_ROWS` rows or more (not ``rowwise``) quantizes its
+    activations once (:meth:`prepare`, by ``quantize``) and multiplies each tile of weight rows by ``amx_product``
+    where :func:`amx_available`.  Fewer rows, ``rowwise`` products (the decode step, speculative verification, the
+    server's batch invariance) and CPUs without AMX take the kernel this mixin precedes: the exact float kernel
+    (``activations="q8-prompts"``) or the integer-dot one (``activations="q8"``)."""
+
+    prepared_type: type = tuple  # what ``quantize`` returns (a tuple subclass with ``rows``)
+    quantize: Callable[[np.ndarray], tuple]
+    amx_product: Callable[[np.ndarray, tuple, np.ndarray], None]
 
     def prepare(self, x: np.ndarray, rowwise: bool = False) -> tuple:
         if rowwise or len(x) < AMX_MIN_ROWS or not amx_available():
             return super().prepare(x, rowwise)
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"activations of shape {x.shape} for a matrix of {self.in_features} columns")
-        prepared = AmxActivations(quantized_padded(x))
-        prepared.rows = len(x)
-        return prepared
+        return self.quantize(np.ascontiguousarray(x, dtype=np.float32))
 
     def product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
-        if not isinstance(xk, AmxActivations):
+        if not isinstance(xk, self.prepared_type):
             super().product(r0, r1, xk, out, scratch)
             return
         if out.shape != (xk.rows, r1 - r0) or out.dtype != np.float32:
             raise ValueError(f"output of shape {out.shape} for {xk.rows} rows and {r1 - r0} columns")
-        q8_0_amx_product(self.raw[r0:r1], *xk, out)
+        self.amx_product(self.raw[r0:r1], xk, out)
+
+
+class Q8_0AmxPrompts(AmxPrompts):
+    """Q8_0 prompts through :func:`q8_0_amx_product` (the numbers of :func:`.q8_act.product_blockwise`)."""
+
+    prepared_type = AmxActivations
+    quantize = staticmethod(q8_0_padded)
+    amx_product = staticmethod(lambda raw, xk, out: q8_0_amx_product(raw, xk[0], xk[1], out))
+
+
+class Q8_0AmxPromptKernel(Q8_0AmxPrompts, Q8_0JitKernel):
+    """Q8_0 with 8-bit activations in prompts on AMX tiles only (``activations="q8-prompts"``), else exact."""

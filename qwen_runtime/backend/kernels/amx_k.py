@@ -29,12 +29,11 @@ from numba.extending import intrinsic
 
 from ...errors import KernelsError
 from ...quants.q8k_act import Q4_K_BYTES, Q6_K_BYTES, QK_K
-from ...quants.scratch import Scratch
 from .amx import (
-    AMX_MIN_ROWS,
     I64,
     ROWS,
     TILE,
+    AmxPrompts,
     amx_available,
     amx_jit,
     dpbssd,
@@ -46,7 +45,7 @@ from .amx import (
     tilezero,
 )
 from .base import F16_TABLE
-from .int8_k import Q4_KInt8Kernel, Q6_KInt8Kernel
+from .kquants import Q4_KJitKernel, Q6_KJitKernel
 
 KSTEPS = QK_K // 64  # 64-deep tile products per super-block
 SUBS = 8  # minimums per super-block (Q4_K's sub-blocks of 32)
@@ -313,30 +312,17 @@ def kquant_amx_product(raw: np.ndarray, xk: KActivations, out: np.ndarray) -> No
     kquant_amx(REPACK[size], raw.view(np.uint8), q, d, bs, F16_TABLE, CONFIG, out)
 
 
-class _AmxPrompts:
-    """Prompts of :data:`.amx.AMX_MIN_ROWS` rows or more (not ``rowwise``) through :func:`kquant_amx_product`
-    where AMX is available: q8_K activations quantized once per product (:meth:`prepare`); otherwise as the base
-    class (:mod:`.int8_k`)."""
+class KQuantAmxPrompts(AmxPrompts):
+    """Q4_K and Q6_K prompts through :func:`kquant_amx_product` with q8_K activations (:func:`q8_k_padded`)."""
 
-    def prepare(self, x: np.ndarray, rowwise: bool = False) -> tuple:
-        if rowwise or len(x) < AMX_MIN_ROWS or not amx_available():
-            return super().prepare(x, rowwise)
-        if x.ndim != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"activations of shape {x.shape} for a matrix of {self.in_features} columns")
-        return q8_k_padded(np.ascontiguousarray(x, dtype=np.float32))
-
-    def product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
-        if not isinstance(xk, KActivations):
-            super().product(r0, r1, xk, out, scratch)
-            return
-        if out.shape != (xk.rows, r1 - r0) or out.dtype != np.float32:
-            raise ValueError(f"output of shape {out.shape} for {xk.rows} rows and {r1 - r0} columns")
-        kquant_amx_product(self.raw[r0:r1], xk, out)
+    prepared_type = KActivations
+    quantize = staticmethod(q8_k_padded)
+    amx_product = staticmethod(kquant_amx_product)
 
 
-class Q4_KAmxKernel(_AmxPrompts, Q4_KInt8Kernel):
-    """Q4_K with 8-bit activations; prompts on AMX tiles (:class:`_AmxPrompts`)."""
+class Q4_KAmxPromptKernel(KQuantAmxPrompts, Q4_KJitKernel):
+    """Q4_K with 8-bit activations in prompts on AMX tiles only (``activations="q8-prompts"``), else exact."""
 
 
-class Q6_KAmxKernel(_AmxPrompts, Q6_KInt8Kernel):
-    """Q6_K with 8-bit activations; prompts on AMX tiles (:class:`_AmxPrompts`)."""
+class Q6_KAmxPromptKernel(KQuantAmxPrompts, Q6_KJitKernel):
+    """Q6_K with 8-bit activations in prompts on AMX tiles only (``activations="q8-prompts"``), else exact."""

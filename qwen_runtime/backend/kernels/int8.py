@@ -63,6 +63,7 @@ from ...quants.legacy import Q4_0, Q4_1, Q5_0, Q5_1
 from ...quants.q8_0 import Q8_0_BYTES
 from ...quants.q8_act import Q8_ACT_BLOCK
 from ...quants.scratch import Scratch
+from .amx import Q8_0AmxPrompts
 from .base import (
     ACC_FLOATS,
     F16_TABLE,
@@ -1086,3 +1087,7 @@ class Q5_1Int8Kernel(Q4_1Int8Kernel):
     type_size, exact = Q5_1_GEO[0], ("legacy", "Q5_1JitKernel")
     gemv1_q8, gemv_q8 = staticmethod(q5_1_gemv1_q8), staticmethod(q5_1_gemv_q8)
     q8_row_product = q5_1_q8_rows
+
+
+class Q8_0AmxKernel(Q8_0AmxPrompts, Q8_0Int8Kernel):
+    """Q8_0 with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles (:mod:`.amx`)."""

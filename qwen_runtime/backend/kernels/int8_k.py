@@ -31,6 +31,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ...quants.kquants import Q2_K, Q3_K
+from .amx_k import KQuantAmxPrompts
 from .base import (
     ACC_FLOATS,
     CHUNK_COLS,
@@ -596,3 +597,11 @@ class Q3_KInt8Kernel(Q2_KInt8Kernel):
 
     def activations(self, x: np.ndarray) -> tuple:
         return (*Int8Kernel.activations(self, x), np.zeros((len(x), 1), np.float32))  # no minimums
+
+
+class Q4_KAmxKernel(KQuantAmxPrompts, Q4_KInt8Kernel):
+    """Q4_K with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles (:mod:`.amx_k`)."""
+
+
+class Q6_KAmxKernel(KQuantAmxPrompts, Q6_KInt8Kernel):
+    """Q6_K with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles (:mod:`.amx_k`)."""
