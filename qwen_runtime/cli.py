@@ -112,6 +112,9 @@ def print_stats(gen: Generation, out: TextIO) -> None:
               f"anonymous RSS {format_bytes(mem.get('RssAnon', 0) << 10)}\n")
     q8 = "" if ws.activations == "float" else f", activations {ws.activations}"
     out.write(f"kernels: {ws.kernels}{q8}, {ws.threads} thread(s)\n")
+    if ws.kernels == "numba":
+        refusal = gen.model.step_refusal
+        out.write(f"decode step: {'compiled' if refusal is None else 'op by op, ' + refusal}\n")
     out.write(f"{cache_note(gen.model)}\n{gen.plan.summary()}\n")
     if s.draft_proposed:
         out.write(f"drafts: {s.draft_accepted} of {s.draft_proposed} accepted "

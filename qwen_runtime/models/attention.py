@@ -22,7 +22,7 @@ from ..backend.pool import Workspace
 from ..backend.weights import matmul_many
 from ..formats.archs import FULL_ATTENTION, QWEN2, QWEN3
 from ..formats.config import ModelConfig
-from .base import WeightStore, register_mixer
+from .base import StepParts, WeightStore, register_mixer
 
 # Upper bound on attention score elements held at once; longer query blocks are processed in tiles.
 SCORE_ELEMENTS = 1 << 22
@@ -166,6 +166,15 @@ class Attention:
 
     def make_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(batch, self.n_kv, max_len, self.head_dim, *self.cache_types)
+
+    def step_parts(self, config: ModelConfig) -> StepParts | str:
+        """This layer for the compiled decode step (:class:`.base.StepParts`): q/k/v/out, biases and q/k norms."""
+        if self.bq is not None and self.q_norm is not None:
+            return "attention with both q/k/v biases and q/k norms (no such Qwen) has no compiled step"
+        q, kv, h = self.n_heads * self.head_dim, self.n_kv * self.head_dim, config.hidden_size
+        return StepParts("attention", [self.wq, self.wk, self.wv, None, self.wo],
+                         [(q, h), (kv, h), (kv, h), None, (h, q)],
+                         [self.bq, self.bk, self.bv, self.q_norm, self.k_norm])
 
     def _heads(self, y: np.ndarray, bias: np.ndarray | None, heads: int, batch: int) -> np.ndarray:
         """A projection plus its bias, split into heads.  # [B * T, heads * hd] -> [B, heads, T, hd]"""

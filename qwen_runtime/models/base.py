@@ -11,6 +11,10 @@ attention, Gated DeltaNet).  It is built once per layer by a factory registered 
         def make_cache(self, batch: int, max_len: int) -> LayerCache: ...
         def __call__(self, x, cache, state: BatchState) -> np.ndarray: ...  # [B, T, H] -> [B, T, H]
 
+A mixer the compiled decode step can run (:mod:`.decode_step`) also describes its parts for it:
+``step_parts(config) -> StepParts | str`` (a :class:`StepParts`, or why this layer cannot take the step); a mixer
+without the method keeps its model on the per-operation path, which the model says once (``Model.step_refusal``).
+
 ``x`` is the already-normalised hidden state (``attn_norm`` is applied by the block), ``cache`` is the
 object this mixer's ``make_cache`` returned (it must implement ``select(rows)`` and ``nbytes``, and hold
 ``cache_size.nbytes(batch, max_len)`` bytes: every memory estimate adds these reports), and
@@ -24,7 +28,7 @@ The factory is looked up by ``(config.arch, config.layer_types[i])`` and falls b
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 from gguf import MODEL_TENSOR
@@ -93,6 +97,17 @@ class Mixer(Protocol):
     def make_cache(self, batch: int, max_len: int) -> LayerCache: ...
 
     def __call__(self, x: np.ndarray, cache: LayerCache, state: BatchState) -> np.ndarray: ...
+
+
+class StepParts(NamedTuple):
+    """What a layer's mixer gives the compiled decode step (:mod:`.decode_step`): its ``kind`` (``"attention"`` or
+    ``"linear"``), its 5 matrices (q, k, v, gate, out for attention; qkv, z, beta, alpha, out for Gated DeltaNet; None
+    where absent) with the shape each must have, and its 5 vectors (biases and norms, or the recurrence's)."""
+
+    kind: str
+    matrices: list[Weight | None]
+    shapes: list[tuple[int, int] | None]
+    vectors: list[np.ndarray | None]
 
 
 MixerFactory = Callable[[ModelConfig, int, WeightStore], Mixer]

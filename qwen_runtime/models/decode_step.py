@@ -21,8 +21,7 @@ from ..backend.pool import Workspace
 from ..backend.weights import DIRECT_ROW_ALIGN, TiledWeight
 from ..formats.config import ModelConfig
 from ..quants.scratch import Scratch
-from .attention import Attention
-from .qwen35 import GatedAttention, GatedDeltaNet, LinearAttentionCache
+from .qwen35 import LinearAttentionCache
 
 # Bytes of stored rows per chunk a worker claims at least (rounded to DIRECT_ROW_ALIGN rows); larger shares of the
 # rows left first (:func:`split_rows`), so that the threads finish a product within a small chunk of each other.
@@ -88,28 +87,31 @@ def matrix_entry(w: TiledWeight | None) -> tuple[int, int, int, int, int, int]:
     return function.address, k.raw.ctypes.data, w.out_features, k.raw.shape[1] * k.raw.itemsize, k.sums_width, slots
 
 
-def layer_parts(config: ModelConfig, blk: object) -> tuple[int, list, list, list[tuple[int, int]]] | None:
+def layer_parts(config: ModelConfig, blk: object) -> tuple[int, list, list, list[tuple[int, int] | None]] | str:
     """A block's layer kind (:data:`.step_jit.ATTENTION` or ``LINEAR``), its 8 matrices (None where absent), its 7
-    vectors (the two norms, then the mixer's) and the shape each matrix must have; None for a mixer the compiled
-    step does not run."""
-    c, mixer, mlp = config, blk.mixer, blk.mlp
-    hidden, inter = c.hidden_size, c.intermediate_size
-    ffn = [mlp.gate, mlp.up, mlp.down]
-    ffn_shapes = [(inter, hidden), (inter, hidden), (hidden, inter)]
-    norms = [blk.mixer_norm, blk.mlp_norm]
-    if type(mixer) in (Attention, GatedAttention):
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        gated = type(mixer) is GatedAttention
-        biases = [None] * 3 if gated else [mixer.bq, mixer.bk, mixer.bv]
-        return (jit().ATTENTION, [mixer.wq, mixer.wk, mixer.wv, None, mixer.wo, *ffn],
-                [*norms, *biases, mixer.q_norm, mixer.k_norm],
-                [((2 if gated else 1) * q, hidden), (kv, hidden), (kv, hidden), None, (hidden, q), *ffn_shapes])
-    if type(mixer) is GatedDeltaNet and mixer.conv_taps.shape[0] >= 2:
-        hv, values = c.linear_num_value_heads, c.linear_num_value_heads * c.linear_value_head_dim
-        return (jit().LINEAR, [mixer.w_qkv, mixer.w_z, mixer.w_beta, mixer.w_alpha, mixer.w_out, *ffn],
-                [*norms, mixer.conv_taps, mixer.dt_bias, mixer.ssm_a, mixer.norm, mixer.key_heads],
-                [(c.linear_conv_dim, hidden), (values, hidden), (hv, hidden), (hv, hidden), (hidden, values),
-                 *ffn_shapes])
+    vectors (the two norms, then the mixer's) and the shape each matrix must have, from its mixer's
+    ``step_parts`` (:class:`.base.StepParts`); or why the compiled step cannot run the layer."""
+    describe = getattr(blk.mixer, "step_parts", None)
+    if describe is None:
+        return f"its {type(blk.mixer).__name__} mixer does not describe itself to the compiled step (step_parts)"
+    parts = describe(config)
+    if isinstance(parts, str):
+        return parts
+    mlp, hidden, inter = blk.mlp, config.hidden_size, config.intermediate_size
+    kind = {"attention": jit().ATTENTION, "linear": jit().LINEAR}[parts.kind]
+    return (kind, [*parts.matrices, mlp.gate, mlp.up, mlp.down], [blk.mixer_norm, blk.mlp_norm, *parts.vectors],
+            [*parts.shapes, (inter, hidden), (inter, hidden), (hidden, inter)])
+
+
+def matrix_problem(w: object, shape: tuple[int, int] | None) -> str | None:
+    """Why the compiled step cannot read matrix ``w`` of the expected ``shape`` (None: it can).  The step reads
+    every shape from the config, without bounds checks, and each matrix through its kernel's row product."""
+    if shape is None:
+        return None if w is None else f"an unexpected matrix {w!r}"
+    if not isinstance(w, TiledWeight) or not w.compiled or row_product(w.kernel)[0] is None:
+        return f"{getattr(w, 'name', w)!r} has no compiled row kernel"
+    if (w.out_features, w.in_features) != shape:
+        return f"{w.name!r} is {w.out_features} x {w.in_features}, the config says {shape[0]} x {shape[1]}"
     return None
 
 
@@ -154,22 +156,21 @@ class DecodeStep:
         self._partials = np.empty(0, np.float32)
 
     @classmethod
-    def offer(cls, config: ModelConfig, blocks: list, ws: Workspace) -> DecodeStep | None:
-        """The compiled step of a model's ``blocks`` (:class:`.transformer.Block`), or None when the model does not
-        qualify (see the module docstring)."""
-        spec = config.spec
-        if ws.kernels != "numba" or (spec.attention_bias and spec.qk_norm):
-            return None
+    def offer(cls, config: ModelConfig, blocks: list, ws: Workspace) -> DecodeStep | str:
+        """The compiled step of a model's ``blocks`` (:class:`.transformer.Block`), or why the model does not
+        qualify (see the module docstring), naming the layer and what it lacks."""
+        if ws.kernels != "numba":
+            return "the numpy kernels (the compiled step needs kernels=numba)"
         kinds, weights, vectors = [], [], []
-        for blk in blocks:
+        for layer, blk in enumerate(blocks):
             parts = layer_parts(config, blk)
-            if parts is None:
-                return None
+            if isinstance(parts, str):
+                return f"layer {layer}: {parts}"
             kind, matrices, vecs, shapes = parts
-            if not all(w is None if shape is None else
-                       isinstance(w, TiledWeight) and w.compiled and row_product(w.kernel)[0] is not None
-                       and (w.out_features, w.in_features) == shape for w, shape in zip(matrices, shapes, strict=True)):
-                return None  # the compiled step reads every shape from the config, without bounds checks
+            problem = next(filter(None, (matrix_problem(w, shape) for w, shape in zip(matrices, shapes, strict=True))),
+                           None)
+            if problem is not None:
+                return f"layer {layer}: {problem}"
             kinds.append(kind)
             weights.append(matrices)
             vectors.append(vecs)

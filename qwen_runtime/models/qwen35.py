@@ -27,7 +27,7 @@ from ..formats.config import ModelConfig
 from ..quants.scratch import Scratch
 from . import gated_delta as gd
 from .attention import attend, compiled, jit, kernel_view, merge_heads, split_heads
-from .base import WeightStore, register_mixer
+from .base import StepParts, WeightStore, register_mixer
 
 # Value heads per task of a prefill's delta rule (Qwen3.5-0.8B's 16: one task per pool thread).  The batched
 # products of 8 heads cost what 16 heads' cost per head; smaller groups took more CPU.
@@ -67,6 +67,13 @@ class GatedAttention:
 
     def make_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(batch, self.n_kv, max_len, self.head_dim, *self.cache_types)
+
+    def step_parts(self, config: ModelConfig) -> StepParts:
+        """This layer for the compiled decode step (:class:`.base.StepParts`): q with its gate rows, k, v, out and
+        the q/k norms."""
+        q, kv, h = self.n_heads * self.head_dim, self.n_kv * self.head_dim, config.hidden_size
+        return StepParts("attention", [self.wq, self.wk, self.wv, None, self.wo],
+                         [(2 * q, h), (kv, h), (kv, h), None, (h, q)], [None, None, None, self.q_norm, self.k_norm])
 
     def __call__(self, x: np.ndarray, cache: KVCache, state: BatchState) -> np.ndarray:
         b, t, h = x.shape
@@ -209,6 +216,17 @@ class GatedDeltaNet:
 
     def make_cache(self, batch: int, max_len: int) -> LinearAttentionCache:
         return LinearAttentionCache(batch, self.config)
+
+    def step_parts(self, config: ModelConfig) -> StepParts | str:
+        """This layer for the compiled decode step (:class:`.base.StepParts`): the five projections and what the
+        recurrence reads (conv taps, dt bias, A, the gated norm, each value head's key head)."""
+        if self.conv_taps.shape[0] < 2:
+            return f"a Gated DeltaNet convolution of {self.conv_taps.shape[0]} tap (the compiled conv needs 2 or more)"
+        c, h = config, config.hidden_size
+        hv, values = c.linear_num_value_heads, c.linear_num_value_heads * c.linear_value_head_dim
+        return StepParts("linear", [self.w_qkv, self.w_z, self.w_beta, self.w_alpha, self.w_out],
+                         [(c.linear_conv_dim, h), (values, h), (hv, h), (hv, h), (h, values)],
+                         [self.conv_taps, self.dt_bias, self.ssm_a, self.norm, self.key_heads])
 
     def __call__(self, x: np.ndarray, cache: LinearAttentionCache, state: BatchState) -> np.ndarray:
         c = self.config

@@ -9,6 +9,7 @@ H hidden size, I intermediate size, V vocabulary.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +27,8 @@ from ..formats import ModelFiles
 from ..formats.config import ModelConfig
 from .base import Mixer, WeightStore, make_mixer
 from .decode_step import DecodeStep
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -86,8 +89,12 @@ class Model:
         self.cache_types = store.cache_types  # (keys, values): :data:`~qwen_runtime.backend.cache.CACHE_TYPES`
         self.matrices = store.matrices()
         self._row_kernels = all(not isinstance(w, TiledWeight) or w.compiled for w in self.matrices)
-        # every layer of a decode step in one compiled call per thread, when the model qualifies
-        self.step = DecodeStep.offer(config, self.blocks, self.workspace)
+        # every layer of a decode step in one compiled call per thread, when the model qualifies; else why not
+        offered = DecodeStep.offer(config, self.blocks, self.workspace)
+        self.step = offered if isinstance(offered, DecodeStep) else None
+        self.step_refusal = offered if isinstance(offered, str) else None
+        if self.step_refusal is not None and self.workspace.kernels == "numba":
+            log.info("%s: decode steps run op by op: %s", files.path, self.step_refusal)
 
     @property
     def path(self) -> Path:

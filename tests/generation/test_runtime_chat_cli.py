@@ -208,7 +208,8 @@ def test_activations_q8_is_said_in_the_stats_and_needs_compiled_kernels(capsys: 
     pytest.importorskip("numba")
     model = str(fixture_dir("qwen3-tiny"))
     assert cli.main([model, "-p", "def f(x):", "-n", "3", "--activations", "q8", "--kernels", "numba", "--stats"]) == 0
-    assert "kernels: numba, activations q8" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "kernels: numba, activations q8" in err and "\ndecode step: compiled\n" in err
     code = cli.main([model, "-p", "x", "-n", "3", "--activations", "q8", "--kernels", "numpy"])
     assert code == exit_code(KernelsError("x"))
     assert "activations='q8' needs the compiled kernels" in capsys.readouterr().err

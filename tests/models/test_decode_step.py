@@ -4,6 +4,7 @@ thread or two, and a pool thread that leaves the step early."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,8 @@ from qwen_convert.convert import convert
 from qwen_runtime import load
 from qwen_runtime.generation.generate import left_pad
 from qwen_runtime.models import decode_step
+from qwen_runtime.models.attention import Attention
+from qwen_runtime.models.decode_step import DecodeStep
 
 pytest.importorskip("numba")
 
@@ -150,3 +153,27 @@ def test_models_without_a_compiled_step(converted: Converted) -> None:
     assert model.step.runs(1, 1, cache)
     model.workspace.activations = "float"
     assert not model.step.runs(1, 1, cache)
+
+
+def test_a_model_without_the_compiled_step_says_why(converted: Converted, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Each reason the step is refused is named once, in ``model.step_refusal`` and the log (``qwen-run --stats``
+    prints it): the numpy kernels; a layer whose mixer does not describe itself (a new mixer); a matrix whose
+    stored type has no compiled row kernel (here: a Q8_0 matrix swapped for a numpy-kernel one)."""
+    path = converted("qwen2-tiny", "gguf", "q8_0")
+    assert "numpy kernels" in load(path, kernels="numpy").step_refusal
+    model = load(path, kernels="numba")
+    assert model.step is not None and model.step_refusal is None
+    monkeypatch.delattr(Attention, "step_parts")
+    with caplog.at_level(logging.INFO, logger="qwen_runtime.models.transformer"):
+        refused = load(path, kernels="numba")
+    assert refused.step is None
+    assert refused.step_refusal == "layer 0: its Attention mixer does not describe itself to the compiled step " \
+                                   "(step_parts)"
+    assert [r.getMessage() for r in caplog.records] == [f"{path}: decode steps run op by op: {refused.step_refusal}"]
+    monkeypatch.undo()
+    wq = model.blocks[1].mixer.wq
+    wq.compiled, saved = False, wq.compiled
+    assert DecodeStep.offer(model.config, model.blocks, model.workspace) == \
+        "layer 1: 'blk.1.attn_q.weight' has no compiled row kernel"
+    wq.compiled = saved
