@@ -575,9 +575,9 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversion-repeat", type=int, default=None,
                    help="repetitions of every conversion (default: --repeat; the GGUF is always written once)")
     p.add_argument("--threads", type=int, default=2, help="threads of both runtimes")
-    p.add_argument("--kernels", default="numba,numpy", help="our kernels, comma list of numba, numba-q8 (8-bit "
-                   "activations), numpy: the first runs every measurement, the others prompt + decode (default: "
-                   "numba,numpy)")
+    p.add_argument("--kernels", default="numba,numpy", help="our kernels, comma list of numba (the command lines' "
+                   "default activations), numba-float, numba-q8-prompts, numba-q8 (load's activations), numpy: the "
+                   "first runs every measurement, the others prompt + decode (default: numba,numpy)")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "qwen-numpy-bench")
     p.add_argument("--tokenizers", type=Path, default=None,
                    help="directory of <name>/tokenizer.json (default: the repository's, tests/data/tokenizers)")

@@ -61,7 +61,7 @@ def run_ours(path: str, batch: int, prompt: int, new: int, threads: int, kernels
 
     t0 = time.perf_counter()
     name, _, activations = kernels.partition("-")  # numba-q8: compiled kernels with 8-bit activations
-    model = qwen_runtime.load(path, threads=threads, kernels=name, activations=activations or "float")
+    model = qwen_runtime.load(path, threads=threads, kernels=name, activations=activations or "auto")
     loaded = time.perf_counter()
     gen = qwen_runtime.stream(model, prompts(batch, prompt), max_new_tokens=new, use_tokenizer=False)
     next(iter(gen))
@@ -183,8 +183,10 @@ def main() -> None:
     p.add_argument("--new", type=int, default=0)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--kernels", default="numba", choices=("numba", "numba-q8", "numpy"),
-                   help="ours: the kernels to use (numba-q8: load(..., activations='q8'))")
+    p.add_argument("--kernels", default="numba",
+                   choices=("numba", "numba-float", "numba-q8-prompts", "numba-q8", "numpy"),
+                   help="ours: the kernels to use, with the command lines' default activations (auto), or numba-X: "
+                   "load(..., activations=X)")
     args = p.parse_args()
     if args.engine == "jit":
         result = run_jit()
