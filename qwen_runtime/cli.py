@@ -126,13 +126,11 @@ def context_length(model: Model, args: argparse.Namespace, err: TextIO | None = 
     return clamp_context("qwen-run", args.ctx, model.config.context_window, err or sys.stderr)
 
 
-def draft_note(model: Model, args: argparse.Namespace, prompts: int) -> str | None:
+def draft_note(args: argparse.Namespace, prompts: int) -> str | None:
     """Why ``--draft`` cannot apply to this run (a note for stderr), or None when it applies or was not asked."""
     if not args.draft:
         return None
-    if not model.exact_steps:
-        why = f"it needs the compiled kernels (numba), and this model runs on {model.workspace.kernels}"
-    elif args.temperature > 0:
+    if args.temperature > 0:
         why = "sampled replies (--temperature > 0) decode plainly"
     elif prompts > 1:
         why = "several prompts at once decode plainly"
@@ -154,7 +152,7 @@ def run_prompts(model: Model, args: argparse.Namespace, sampling: SamplingParams
     err = err or sys.stderr
     ids = encode_prompts(model, args.prompt, args.chat, args.system, _thinking(args))
     context, longest = context_length(model, args, err), max(len(i) for i in ids)
-    note = draft_note(model, args, len(ids))
+    note = draft_note(args, len(ids))
     if note:
         err.write(note)
     max_new = reply_budget(longest, args.max_new_tokens, context)
@@ -190,7 +188,7 @@ def interactive_chat(model: Model, args: argparse.Namespace, sampling: SamplingP
     """
     err = err or sys.stderr
     chat = _Chat(model, args, sampling, out, err)
-    note = draft_note(model, args, 1)
+    note = draft_note(args, 1)
     if note:
         err.write(note)
     out.write(CHAT_HELP + "\n")

@@ -174,7 +174,7 @@ def startup_banner(app: Starlette, url: str) -> str:
         + ("" if ws.activations == "float" else f", activations {ws.activations}"),
         f"  {cache_note(model)}",
         *([f"  speculative decoding: up to {engine.draft_tokens} prompt-lookup drafts per step for greedy requests"
-           if engine.draft_tokens else "  speculative decoding: off (--draft needs the compiled kernels)"]
+           if engine.draft_tokens else "  speculative decoding: off (on the compiled kernels only)"]
           if engine.draft_asked else []),
         f"  listening on {url}" + ("; API key required on /v1, /tokenize, /metrics and for /health's details"
                                    if state.api_key else ""),

@@ -112,7 +112,7 @@ class Engine:
         self.row_bytes, self.token_bytes = size.row, size.token  # recurrent state of a row; keys and values of a token
         self.memory_limit = default_memory_limit() if max_memory is None else max_memory
         self.draft_asked = draft_tokens
-        self.draft_tokens = draft_tokens if model.exact_steps else 0  # numpy kernels: no exact verify pass
+        self.draft_tokens = draft_tokens if model.exact_steps else 0  # numpy kernels: batched steps not row-invariant
         step_rows = max_batch * (1 + self.draft_tokens)  # a verify pass's tokens, and its recurrent checkpoint
         batched = self.prefill_budget > prefill_chunk  # a pass's tokens beyond one chunk's (their own scores)
         self.activations = (activation_bytes(cfg, step_rows, 1, 1) + activation_bytes(cfg, 1, context, prefill_chunk)

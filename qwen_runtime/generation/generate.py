@@ -9,8 +9,9 @@ its own prompt and output (never padding).
 
 With ``draft_tokens`` > 0 a one-prompt generation of greedy rows decodes speculatively by prompt lookup
 (:mod:`.stepper`): each verify pass (:meth:`Model.verify`) may give several tokens, the same tokens, text
-and stream as plain decoding.  It needs the compiled kernels (:attr:`Model.exact_steps`); with the numpy kernels,
-sampling, or several prompts (whose batched products are not those of one row alone) it decodes plainly.
+and stream as plain decoding (on the numpy path too, where a verify pass feeds its tokens one step at a time:
+the feature is covered, not faster).  With sampling, or several prompts (whose batched products are not those of
+one row alone) it decodes plainly.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ class Generation:
         self.results = [GenerationResult([int(t) for t in p]) for p in prompts]
         self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
         rng = np.random.default_rng(config.seed)  # shared: rows draw in row order, as they always did
-        drafts = config.draft_tokens if len(prompts) == 1 and model.exact_steps else 0
+        drafts = config.draft_tokens if len(prompts) == 1 else 0
         self._rows = [RowStepper(r.prompt_ids, params, rng, config.max_new_tokens, config.stop_ids, tokenizer,
                                  draft_tokens=drafts)
                       for r, params in zip(self.results, config.params_for(len(prompts)), strict=True)]

@@ -111,10 +111,11 @@ class GatedAttention:
 class LinearAttentionCache:
     """Per-row state of one Gated DeltaNet layer, preallocated: last K−1 raw conv inputs and the delta state.
 
-    A state cannot be cut back to fewer tokens, so :meth:`checkpoint` copies the rows a pass may cut back and the
-    next (compiled) pass records its inputs; :meth:`rollback` restores the rows cut back and replays the tokens
-    they keep by the same compiled step (every other token masked as padding, which leaves a state exactly as it
-    was), so a state is bit for bit what feeding only the kept tokens gives.
+    A state cannot be cut back to fewer tokens, so :meth:`checkpoint` copies the rows the passes after it may cut
+    back and each such pass records its inputs (:meth:`record`: one compiled verify pass, or the numpy path's
+    one-token passes); :meth:`rollback` restores the rows cut back and replays the tokens they keep, pass by pass,
+    by the same step each pass took (every other token masked as padding, which leaves a state exactly as it was),
+    so a state is bit for bit what feeding only the kept tokens gives.
     """
 
     def __init__(self, batch: int, config: ModelConfig) -> None:
@@ -123,7 +124,7 @@ class LinearAttentionCache:
         self.state = np.zeros((batch, *state), np.float32)  # [B, Hv, dk, dv]
         self.saved: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # at checkpoint(): the rows copied
         # (int [R]) and their conv and state
-        self.journal: tuple[np.ndarray, Callable[[np.ndarray], None]] | None = None  # the pass since: its
+        self.journal: list[tuple[np.ndarray, Callable[[np.ndarray], None]]] = []  # the passes since: each one's
         # validity [B, T] and the replay of its first n tokens' step on the state, for a validity mask [B, n]
 
     @staticmethod
@@ -141,25 +142,34 @@ class LinearAttentionCache:
 
     def checkpoint(self, rows: np.ndarray | None = None) -> None:
         index = np.arange(len(self.state)) if rows is None else np.flatnonzero(rows)
-        self.saved, self.journal = (index, self.conv[index], self.state[index]), None  # copies
+        self.saved, self.journal = (index, self.conv[index], self.state[index]), []  # copies
+
+    def record(self, valid: np.ndarray, replay: Callable[[np.ndarray], None]) -> None:
+        """Note a pass of ``valid`` [B, T] tokens after :meth:`checkpoint` and how to replay its first tokens."""
+        if self.saved is not None:
+            self.journal.append((valid, replay))
 
     def rollback(self, keep: np.ndarray) -> None:
         saved, journal = self.saved, self.journal
-        self.saved = self.journal = None
-        if saved is None or journal is None:
-            raise ValueError("a linear-attention state rolls back only a compiled pass after checkpoint()")
+        self.saved, self.journal = None, []
+        if saved is None or not journal:
+            raise ValueError("a linear-attention state rolls back only the passes after checkpoint()")
         index, conv, state = saved
-        valid, replay = journal
         keep = np.asarray(keep)
-        cut = keep < valid.sum(axis=1)  # [B] rows whose state went past the tokens they keep
+        cut = keep < sum(valid.sum(axis=1) for valid, _ in journal)  # [B] rows whose state went past what they keep
         if not cut.any():
             return
         restore = cut[index]  # [R] which copies to put back
         if restore.sum() != cut.sum():
             raise ValueError("a row is cut back that was not checkpointed")
         self.conv[index[restore]], self.state[index[restore]] = conv[restore], state[restore]
-        kept = int(keep[cut].max())  # tokens to replay; other rows (and a row's tokens after its own) are masked
-        replay((np.arange(kept)[None, :] < keep[:, None]) & cut[:, None])  # [B, kept]
+        start = 0
+        for valid, replay in journal:  # each pass's kept tokens; other rows (and tokens after a row's own) masked
+            n = np.clip(keep - start, 0, valid.shape[1])  # [B]
+            kept = int(n[cut].max())
+            if kept:
+                replay((np.arange(kept)[None, :] < n[:, None]) & cut[:, None])  # [B, kept]
+            start += valid.shape[1]
 
     def select(self, rows: np.ndarray) -> None:
         self.conv = self.conv[rows]
@@ -168,7 +178,7 @@ class LinearAttentionCache:
     def view(self, rows: slice) -> LinearAttentionCache:
         out = LinearAttentionCache.__new__(LinearAttentionCache)
         out.conv, out.state = self.conv[rows], self.state[rows]
-        out.saved = out.journal = None
+        out.saved, out.journal = None, []
         return out
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
@@ -234,18 +244,30 @@ class GatedDeltaNet:
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         if self._compiled_step():
             return self.w_out.matmul(self._compiled(x.reshape(b * t, h), cache, state)).reshape(b, t, h)
-        valid = None if state.valid.all() else state.valid  # [B, T]
         mixed, z, b_gate, a_gate = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x.reshape(b * t, h))
+        if cache.saved is not None:  # a pass that may be rolled back: its inputs replay the tokens kept
+            cache.record(state.valid, partial(self._replay, self._numpy_step, mixed.copy(), z, b_gate, a_gate, cache))
+        o = self._numpy_step(mixed, z, b_gate, a_gate, cache, state.valid)  # [B, T, Hv, dv]
+        return self.w_out.matmul(o.reshape(b * t, hv * dv)).reshape(b, t, h)
+
+    def _numpy_step(self, mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.ndarray,
+                    cache: LinearAttentionCache, valid: np.ndarray) -> np.ndarray:
+        """The numpy path's conv + SiLU (in place in ``mixed``) and delta rule on ``valid`` [B, T]'s tokens and the
+        cache's state.  # [B*T, C], [B*T, Hv*dv], 2 x [B*T, Hv] -> [B, T, Hv, dv]"""
+        c = self.config
+        b, t = valid.shape
+        hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+        mask = None if valid.all() else valid
         mixed = mixed.reshape(b, t, -1)  # [B, T, C]
         share = t > gd.RECURRENT_MAX_TOKENS  # a decode step's work is too small to hand around
         channels = mixed.shape[2]
-        self.ws.run_grid(partial(self._conv, mixed, cache.conv, valid), [channels],
+        self.ws.run_grid(partial(self._conv, mixed, cache.conv, mask), [channels],
                          [self.ws.balanced(channels, CONV_CHANNELS)], share)  # conv + SiLU in place
         q, k, v = gd.split_qkv(mixed, c.linear_num_key_heads, c.linear_key_head_dim, dv)
         o = np.empty((b, t, hv, dv), np.float32)  # [B, T, Hv, dv]
         self.ws.run_grid(partial(self._heads, q, k, v, z.reshape(b, t, hv, dv), b_gate.reshape(b, t, hv),
-                                 a_gate.reshape(b, t, hv), cache.state, valid, o), [b, hv], [1, HEAD_GROUP], share)
-        return self.w_out.matmul(o.reshape(b * t, hv * dv)).reshape(b, t, h)
+                                 a_gate.reshape(b, t, hv), cache.state, mask, o), [b, hv], [1, HEAD_GROUP], share)
+        return o
 
     def _compiled_step(self) -> bool:
         """Whether a pass runs :mod:`.gated_delta_jit`'s kernels: the recurrence token by token, its heads shared
@@ -265,19 +287,21 @@ class GatedDeltaNet:
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         mixed, z, b_gate, a_gate = matmul_many([self.w_qkv, self.w_z, self.w_beta, self.w_alpha], x)
         if cache.saved is not None:  # a pass that may be rolled back: its inputs replay the tokens kept
-            cache.journal = (state.valid, partial(self._replay, mixed.copy(), z, b_gate, a_gate, cache))
+            cache.record(state.valid, partial(self._replay, self._step, mixed.copy(), z, b_gate, a_gate, cache))
         return self._step(mixed, z, b_gate, a_gate, cache, state.valid).reshape(b * t, hv * dv)
 
-    def _replay(self, mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.ndarray,
-                cache: LinearAttentionCache, valid: np.ndarray) -> None:
-        """:meth:`_step` of a recorded pass's first ``n`` tokens per row (``valid`` [B, n]: the tokens kept; the
-        tokens after them could not change the state before them).  # inputs [B*T, ...] of the whole pass"""
+    @staticmethod
+    def _replay(step: Callable[..., np.ndarray], mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray,
+                a_gate: np.ndarray, cache: LinearAttentionCache, valid: np.ndarray) -> None:
+        """``step`` (:meth:`_step` or :meth:`_numpy_step`, the one the pass took) of a recorded pass's first ``n``
+        tokens per row (``valid`` [B, n]: the tokens kept; the tokens after them could not change the state before
+        them).  # inputs [B*T, ...] of the whole pass"""
         b, n = valid.shape
 
         def first(x: np.ndarray) -> np.ndarray:  # [B*T, W] -> [B*n, W], C-ordered like a pass's own arrays
             return np.ascontiguousarray(x.reshape(b, -1, x.shape[1])[:, :n]).reshape(b * n, -1)
 
-        self._step(first(mixed), first(z), first(b_gate), first(a_gate), cache, valid)
+        step(first(mixed), first(z), first(b_gate), first(a_gate), cache, valid)
 
     def _step(self, mixed: np.ndarray, z: np.ndarray, b_gate: np.ndarray, a_gate: np.ndarray,
               cache: LinearAttentionCache, valid: np.ndarray) -> np.ndarray:

@@ -22,7 +22,6 @@ from ..backend.limits import MemoryPlan, check_memory
 from ..backend.ops import rms_norm
 from ..backend.pool import STEP_TOKENS
 from ..backend.weights import TiledWeight, gated_matmul
-from ..errors import KernelsError
 from ..formats import ModelFiles
 from ..formats.config import ModelConfig
 from .base import Mixer, WeightStore, make_mixer
@@ -219,16 +218,22 @@ class Model:
         [B, T], a ragged cache only): each row's tokens are a prefix of its T, the rest padding whose products are
         skipped and whose logits are meaningless (they pass after the row's own tokens, which never see them).
 
-        Every product runs row by row (``Workspace.rowwise``: a compiled row kernel gives a row the same numbers
-        alone and among others, and F32's per-row BLAS call is a lone step's call), and attention, norms and
-        Gated DeltaNet run the decode step's compiled kernels, which take the tokens one after the other by the
-        operations of a one-token step.  Raises :class:`KernelsError` unless :attr:`exact_steps`.
+        With :attr:`exact_steps`, one pass: every product runs row by row (``Workspace.rowwise``: a compiled row
+        kernel gives a row the same numbers alone and among others, and F32's per-row BLAS call is a lone step's
+        call), and attention, norms and Gated DeltaNet run the decode step's compiled kernels, which take the tokens
+        one after the other by the operations of a one-token step.  Otherwise (the numpy path, or a matrix without a
+        compiled kernel) the tokens are fed one step at a time, which is exact by construction and as slow as
+        decoding them; the cache then counts the ``T`` steps as one pass (what :meth:`Cache.rollback` cuts back).
         int [B, T] -> float32 [B, T, V]
         """
+        t = ids.shape[1]
+        if not 1 <= t <= STEP_TOKENS:
+            raise ValueError(f"a verify pass takes 1 to {STEP_TOKENS} tokens per row, got {t}")
         if not self.exact_steps:
-            raise KernelsError("a verify pass needs the compiled kernels (kernels='numba') for every matrix")
-        if not 1 <= ids.shape[1] <= STEP_TOKENS:
-            raise ValueError(f"a verify pass takes 1 to {STEP_TOKENS} tokens per row, got {ids.shape[1]}")
+            logits = [self.forward(ids[:, i:i + 1], cache, None if valid is None else np.asarray(valid)[:, i:i + 1])
+                      for i in range(t)]  # T x [B, 1, V]
+            cache.last_length = t
+            return np.concatenate(logits, axis=1)
         rows = None if valid is None else np.asarray(valid, bool).reshape(-1)  # [B*T] the tokens' product rows
         with self.workspace.rowwise(rows):
             return self.forward(ids, cache, valid)

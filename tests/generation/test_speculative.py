@@ -12,7 +12,6 @@ import pytest
 from runtime_helpers import Converted, fixture_dir, use_kernels
 
 import qwen_runtime
-from qwen_runtime.errors import KernelsError
 from qwen_runtime.generation.generate import Generation, GenerationConfig
 from qwen_runtime.generation.sampling import SamplingParams
 from qwen_runtime.generation.stepper import PromptLookup, RowStepper
@@ -122,16 +121,6 @@ def test_a_padded_verify_pass_of_ragged_rows_is_exact(family: str) -> None:
         assert np.array_equal(np.stack([c[row] for c in continued]).view(np.uint32), expected[keep:].view(np.uint32))
 
 
-def test_the_numpy_kernels_do_not_draft() -> None:
-    model = qwen_runtime.load(fixture_dir("qwen3-tiny"), kernels="numpy")
-    assert not model.exact_steps
-    with pytest.raises(KernelsError, match="compiled kernels"):
-        model.verify(np.zeros((1, 2), np.int64), model.make_cache(1, 4))
-    gen = Generation(model, [repetitive(model)], GenerationConfig(max_new_tokens=12, draft_tokens=4))
-    gen.run()
-    assert gen.stats.draft_proposed == 0
-
-
 # --- prompt lookup ----------------------------------------------------------------------------------------------
 
 
@@ -235,6 +224,25 @@ def test_qwen35_keeps_its_recurrent_state_exact_through_drafts(family: str) -> N
     looked_up, _ = generate(model, prompt, 6, max_new_tokens=30)
     looked_up.run()
     assert looked_up.results[0].token_ids == plain.results[0].token_ids and looked_up.stats.draft_proposed > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3-tiny", "qwen35-tiny"])
+def test_the_numpy_path_verifies_and_drafts_too(family: str) -> None:
+    """The reference path covers the feature: a verify pass feeds its tokens one step at a time (exact by
+    construction), Qwen3.5's recurrent state rolls back pass by pass through the numpy step, and greedy generation
+    with drafts gives plain decoding's tokens.  (The server drafts on the compiled kernels only: on the numpy path
+    its batched steps are not row-invariant to begin with.)"""
+    model = use_kernels(qwen_runtime.load(fixture_dir(family), kernels="numpy"), "numpy")
+    assert not model.exact_steps
+    check_verify(model)
+    prompt = repetitive(model, 3)
+    plain, _ = generate(model, prompt, 0, max_new_tokens=20)
+    plain.run()
+    gen, spy = generate(model, prompt, 6, spy=True, max_new_tokens=20)
+    gen._rows[0].lookup = Oracle(gen._rows[0], plain.results[0].token_ids)
+    gen.run()
+    assert gen.results[0].token_ids == plain.results[0].token_ids
+    assert gen.stats.draft_accepted > 0 and any(1 < t < 7 for _, _, t in spy.passes)
 
 
 @pytest.mark.parametrize("family", ["qwen3-tiny", "qwen35-tiny"])
