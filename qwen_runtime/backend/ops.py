@@ -5,6 +5,9 @@ Every function takes and returns float32 arrays; shapes are written as ``[B, T, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import numpy as np
 
 from ..formats.rope import RopeScaling
@@ -96,3 +99,27 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     hi += x1 * s
     out[..., 2 * half:] = x[..., 2 * half:]
     return out
+
+
+def add_rms_norm(h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(h + delta, rms_norm(h + delta))``: a block's residual add and its next norm.
+    # 2 x [..., D] -> 2 x [..., D]"""
+    summed = h + delta
+    return summed, rms_norm(summed, weight, eps)
+
+
+class Ops(NamedTuple):
+    """The norms a model's blocks call, chosen once for its kernels (:func:`resolve`): numpy's, or their compiled
+    twins in :mod:`.ops_jit` (one pass over the rows, the residual add fused into the norm)."""
+
+    rms_norm: Callable[..., np.ndarray]
+    add_rms_norm: Callable[..., tuple[np.ndarray, np.ndarray]]
+
+
+def resolve(kernels: str) -> Ops:
+    """The :class:`Ops` of ``kernels`` (``"numba"`` or ``"numpy"``); numba is imported only for the former."""
+    if kernels == "numba":
+        from . import ops_jit
+
+        return Ops(ops_jit.rms_norm, ops_jit.add_rms_norm)
+    return Ops(rms_norm, add_rms_norm)

@@ -84,6 +84,7 @@ from threadpoolctl import ThreadpoolController
 
 from ..errors import KernelsError
 from ..quants.scratch import Scratch
+from .ops import resolve as resolve_ops
 
 KERNEL_CHOICES = ("auto", "numba", "numpy")
 # What the products multiply: float32 activations, 8-bit ones in prompt products only, or in every product (the
@@ -133,6 +134,7 @@ class Workspace:
         if activations != "float" and kernels != "numba":
             raise KernelsError(f"activations={activations!r} needs the compiled kernels (kernels='numba')")
         self.kernels = kernels  # which kernels this model's products and decode-step ops use
+        self.ops = resolve_ops(kernels)  # the norms its blocks call
         self.activations = activations  # which products quantize their activations (the module docstring)
         blas = blas_controller()
         self._libs = [] if blas is None else list(blas.lib_controllers)

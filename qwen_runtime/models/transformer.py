@@ -8,18 +8,15 @@ H hidden size, I intermediate size, V vocabulary.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 from gguf import MODEL_TENSOR
 
 from ..backend.cache import BatchState, Cache, CacheSize, LayerCache, LayeredCache
 from ..backend.limits import MemoryPlan, check_memory
-from ..backend.ops import rms_norm
 from ..backend.pool import STEP_TOKENS
 from ..backend.weights import TiledWeight, gated_matmul
 from ..formats import ModelFiles
@@ -28,13 +25,6 @@ from .base import Mixer, WeightStore, make_mixer
 from .decode_step import DecodeStep
 
 log = logging.getLogger(__name__)
-
-
-@functools.cache
-def ops_jit() -> ModuleType:
-    """:mod:`..ops_jit`, imported (numba with it) on first use."""
-    from ..backend import ops_jit as module
-    return module
 
 
 class MLP:
@@ -66,11 +56,9 @@ class Block:
 
     def mix(self, h: np.ndarray, cache: LayerCache, state: BatchState) -> tuple[np.ndarray, np.ndarray]:
         """The residual stream after the mixer and its second norm, the MLP's input.  # [B, T, H] -> both [B, T, H]"""
-        if self.ws.kernels == "numba":  # the residual add and the second norm in one pass
-            return ops_jit().add_rms_norm(h, self.mixer(ops_jit().rms_norm(h, self.mixer_norm, self.eps), cache, state),
-                                          self.mlp_norm, self.eps)
-        h = h + self.mixer(rms_norm(h, self.mixer_norm, self.eps), cache, state)  # [B, T, H]
-        return h, rms_norm(h, self.mlp_norm, self.eps)
+        ops = self.ws.ops
+        return ops.add_rms_norm(h, self.mixer(ops.rms_norm(h, self.mixer_norm, self.eps), cache, state),
+                                self.mlp_norm, self.eps)
 
 
 class Model:
@@ -140,7 +128,7 @@ class Model:
         b, t = h.shape[:2]
         if last_only:
             h = h[:, -1:]
-        norm = ops_jit().rms_norm if self.workspace.kernels == "numba" else rms_norm
+        norm = self.workspace.ops.rms_norm
         h = norm(h, self.norm, self.config.rms_norm_eps)
         logits = self.lm_head.matmul(h.reshape(-1, h.shape[-1])).reshape(b, h.shape[1], -1)  # [B, T|1, V]
         self.workspace.pass_done(t)
@@ -188,7 +176,7 @@ class Model:
             hs = [h + y[end - n:end].reshape(1, n, d) for (h, _), end, n in zip(mixed, ends, lengths, strict=True)]
         for cache, state in zip(caches, states, strict=True):
             cache.commit(state)
-        norm = ops_jit().rms_norm if self.workspace.kernels == "numba" else rms_norm
+        norm = self.workspace.ops.rms_norm
         last = norm(np.concatenate([h[:, -1:] for h in hs]), self.norm, self.config.rms_norm_eps)  # [K, 1, H]
         with self.workspace.rowwise():  # each row as a one-row product gives it
             logits = self.lm_head.matmul(last.reshape(len(ids), d))  # [K, V]
