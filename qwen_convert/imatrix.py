@@ -66,7 +66,8 @@ QUANTIZE_ENTRIES_KEY, QUANTIZE_CHUNKS_KEY = "quantize.imatrix.entries_count", "q
 KV_STRING_MAX = 127  # llama-quantize copies these strings into a 128-byte buffer
 # Types whose llama.cpp quantizer takes the importance vector (quantize_q8_0 ignores it; F16/F32 are no quant).
 WEIGHTED_TYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K,
-                            QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_XXS, QType.IQ2_XXS})
+                            QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_XXS, QType.IQ3_S,
+                            QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S})
 # Per weighted type, the run of columns whose all-zero weights make our (and llama.cpp's) search store them as
 # zeros: the 16-column sub-blocks of Q3_K / Q6_K, the 32-column blocks of Q4_0 / Q5_0 / IQ4, the 256-column
 # super-blocks of Q2_K / Q4_K / Q5_K.  Q4_1 / Q5_1 fall back to the block's min and max, so they have none.

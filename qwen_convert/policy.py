@@ -47,7 +47,7 @@ CONVERTER_DTYPES: dict[str, tuple[QType, LlamaFileType]] = {
 # Types --tensor-type, --output-tensor-type and --token-embedding-type may name: the ones the converter writes.
 OVERRIDE_TYPES = (QType.F32, QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q2_K,
                   QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.TQ1_0, QType.TQ2_0,
-                  QType.IQ3_XXS, QType.IQ2_XXS)
+                  QType.IQ3_XXS, QType.IQ3_S, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S)
 # llama.cpp's tensor_type_fallback: a 256-value type whose block does not divide the row length -> its twin.
 FALLBACKS = {QType.Q2_K: QType.Q4_0, QType.Q3_K: QType.Q4_0, QType.Q4_K: QType.Q5_0, QType.Q5_K: QType.Q5_1,
              QType.Q6_K: QType.Q8_0, QType.TQ1_0: QType.Q4_0, QType.TQ2_0: QType.Q4_0,
@@ -218,6 +218,8 @@ MIXES: dict[str, Mix] = {
     # the 2-bit i-quant mixes keep the sensitive tensors in K-quants ("first branch" of llama.cpp's rules)
     "iq2_xxs": Mix(QType.IQ2_XXS, LlamaFileType.MOSTLY_IQ2_XXS, attn_v=gqa_at_least(4, QType.Q4_K, QType.Q2_K),
                    ffn_down=first_part(8, QType.Q2_K), token_embd=QType.Q2_K, output=QType.Q5_K),
+    "iq2_xs": Mix(QType.IQ2_XS, LlamaFileType.MOSTLY_IQ2_XS, attn_v=gqa_at_least(4, QType.Q4_K, QType.Q2_K),
+                  ffn_down=first_part(8, QType.Q2_K), token_embd=QType.Q2_K, output=QType.Q5_K),
     "tq1_0": Mix(QType.TQ1_0, LlamaFileType.MOSTLY_TQ1_0, token_embd=QType.Q4_K),
     "tq2_0": Mix(QType.TQ2_0, LlamaFileType.MOSTLY_TQ2_0, token_embd=QType.Q4_K),
 }
