@@ -1,14 +1,14 @@
-"""The i-quant writers below 4 bits: float32 rows to the bytes of llama.cpp's ``quantize_iq3_xxs`` and
-``quantize_iq2_xxs``.
+"""The i-quant writers below 4 bits: float32 rows to the bytes of llama.cpp's ``quantize_iq3_xxs``,
+``quantize_iq3_s``, ``quantize_iq2_xxs``, ``quantize_iq2_xs`` and ``quantize_iq2_s``.
 
-These types store each group of 4 (IQ3_XXS) or 8 (IQ2_XXS) values as one of 256 points of a lattice of 3- or
-2-bit levels (the grid, from ``gguf``'s tables), each group of 8 values' signs with 7 bits (the 8th makes their
-count even) and one 4-bit scale per 32 values.  The searches (``quantize_row_iq3_xxs_impl``,
-``quantize_row_iq2_xxs_impl``) try a range of scales per 32 values; a group whose rounded levels are not a grid
-point takes the best of the points ``iq3xs_init_impl`` / ``iq2xs_init_impl`` list as its neighbours: the grid
-points at the two smallest squared distances from it.  :func:`grid_tables` builds that map and those lists
-exactly as llama.cpp does (same order, so ties resolve alike); the searches are compiled in
-:mod:`qwen_convert.quant_search`.  IQ2_XXS needs an importance vector (llama.cpp asserts one).
+These types store each group of 4 (IQ3) or 8 (IQ2) values as one point of a lattice of 3- or 2-bit levels (the
+grid of 256 to 1024 points, from ``gguf``'s tables), the signs of each group of 8 values with 7 bits (the 8th
+makes their count even: IQ3_XXS, IQ2_XXS, IQ2_XS) or 8, and one 4-bit scale per 16 or 32 values.  The searches
+(``quantize_row_*_impl``) try a range of scales per sub-block; a group whose rounded levels are not a grid point
+takes the best of the points ``iq3xs_init_impl`` / ``iq2xs_init_impl`` list as its neighbours: the grid points
+at the ``nwant`` smallest squared distances from it.  :func:`grid_tables` builds that map and those lists exactly
+as llama.cpp does (same order, so ties resolve alike); the searches are compiled in
+:mod:`qwen_convert.lattice_search`.  IQ2_XXS and IQ2_XS need an importance vector (llama.cpp asserts one).
 """
 
 from __future__ import annotations

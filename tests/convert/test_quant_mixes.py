@@ -164,6 +164,51 @@ def test_iq2_xxs_and_iq2_xs_mixes_follow_llama_quantize(mix: str, base: QType) -
     assert needs_importance("output.weight", base, "q4_k_m")  # llama.cpp cannot encode it without
 
 
+def test_iq3_mixes_follow_llama_quantize() -> None:
+    """iq3_xxs: output Q5_K, untied embedding IQ3_S, attn_q/attn_k IQ2_S, attn_output IQ3_S, attn_v Q4_K at 4+
+    query groups (else IQ3_S without an importance matrix, IQ3_XXS with), ffn_down Q4_K for the first eighth and
+    Q3_K after without a matrix; iq3_xs: IQ3_S with attn_q/attn_k IQ3_XXS and ffn_up/ffn_gate IQ3_XXS between
+    the first and last eighth; iq3_s: IQ3_S, attn_v Q4_K at 4+ groups; iq3_m: attn_v Q4_K, attn_output Q4_K and
+    the first eighth of ffn_down Q4_K; the output Q6_K for all but iq3_xxs."""
+    kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_gate", "ffn_down")
+    shapes = {"token_embd.weight": (1000, 512), "output.weight": (1000, 512),
+              **{f"blk.{i}.{kind}.weight": (512, 512) for i in range(16) for kind in kinds}}
+
+    def layers(types: dict[str, QType], kind: str) -> list[QType]:
+        return [types[f"blk.{i}.{kind}.weight"] for i in range(16)]
+
+    xxs = QType.IQ3_XXS
+    for imatrix in (False, True):
+        for groups in (1, 4):
+            types = plan_types(shapes, "iq3_xxs", ModelFacts(16, groups), QuantOptions(imatrix=imatrix))
+            assert (types["output.weight"], types["token_embd.weight"]) == (QType.Q5_K, QType.IQ3_S)
+            assert set(layers(types, "attn_q")) == set(layers(types, "attn_k")) == {QType.IQ2_S}
+            assert set(layers(types, "attn_output")) == {QType.IQ3_S}
+            assert set(layers(types, "attn_v")) == {QType.Q4_K if groups >= 4 else xxs if imatrix else QType.IQ3_S}
+            assert layers(types, "ffn_down") == ([xxs] * 16 if imatrix else [QType.Q4_K] * 2 + [QType.Q3_K] * 14)
+            assert set(layers(types, "ffn_up")) == set(layers(types, "ffn_gate")) == {xxs}
+    s_types = QType.IQ3_S
+    for groups in (1, 4):
+        facts = ModelFacts(16, groups)
+        attn_v = QType.Q4_K if groups >= 4 else s_types
+        types = plan_types(shapes, "iq3_xs", facts)
+        assert (types["output.weight"], types["token_embd.weight"]) == (QType.Q6_K, s_types)
+        assert set(layers(types, "attn_q")) == set(layers(types, "attn_k")) == {xxs}
+        assert set(layers(types, "attn_v")) == {attn_v}
+        assert layers(types, "ffn_up") == layers(types, "ffn_gate") == [s_types] * 2 + [xxs] * 12 + [s_types] * 2
+        assert set(layers(types, "ffn_down")) == set(layers(types, "attn_output")) == {s_types}
+        types = plan_types(shapes, "iq3_s", facts)
+        assert set(layers(types, "attn_v")) == {attn_v} and types["output.weight"] == QType.Q6_K
+        assert {types[n] for n in shapes if "attn_v" not in n and n != "output.weight"} == {s_types}
+        types = plan_types(shapes, "iq3_m", facts)
+        assert set(layers(types, "attn_v")) == set(layers(types, "attn_output")) == {QType.Q4_K}
+        assert layers(types, "ffn_down") == [QType.Q4_K] * 2 + [s_types] * 14
+        assert set(layers(types, "attn_q")) == set(layers(types, "ffn_up")) == {s_types}
+    options = QuantOptions(tensor_types=(("blk.0.ffn_up", QType.Q8_0),))  # not counted: the rest shift by one
+    assert layers(plan_types(shapes, "iq3_xs", ModelFacts(16, 1), options), "ffn_up") == (
+        [QType.Q8_0, s_types, s_types] + [xxs] * 12 + [s_types])
+
+
 def test_cli_options_reach_the_plan(tmp_path: Path) -> None:
     args = convert_parser().parse_args([str(fixture("qwen3-tiny")), "-o", "x.gguf", "--dtype", "q5_k_m",
                                         "--tensor-type", "attn_K=Q8_0", "--tensor-type", "ffn=q4_1",
