@@ -209,6 +209,8 @@ class Mix:
 
 
 _IQ4_V, _IQ4_DOWN = gqa_at_least(4, QType.Q5_K), without_imatrix(first_part(8, QType.Q5_K))
+_IQ2_S_BUMPS = {"attn_v": gqa_at_least(4, QType.Q4_K, QType.IQ3_S), "ffn_down": first_part(8, QType.IQ3_S),
+                "attn_output": QType.IQ3_S, "token_embd": QType.IQ3_S, "output": QType.Q5_K}
 MIXES: dict[str, Mix] = {
     # "Guard against craziness in the first few ffn_down layers" (llama.cpp), with an importance matrix only.
     "q4_0": Mix(QType.Q4_0, LlamaFileType.MOSTLY_Q4_0, ffn_down=with_imatrix(first_part(8, QType.Q4_1))),
@@ -239,6 +241,9 @@ MIXES: dict[str, Mix] = {
                    ffn_down=first_part(8, QType.Q2_K), token_embd=QType.Q2_K, output=QType.Q5_K),
     "iq2_xs": Mix(QType.IQ2_XS, LlamaFileType.MOSTLY_IQ2_XS, attn_v=gqa_at_least(4, QType.Q4_K, QType.Q2_K),
                   ffn_down=first_part(8, QType.Q2_K), token_embd=QType.Q2_K, output=QType.Q5_K),
+    # iq2_s is IQ2_XS with IQ3_S where iq2_xs has Q2_K, and IQ3_S attn_output; iq2_m the same on IQ2_S
+    "iq2_s": Mix(QType.IQ2_XS, LlamaFileType.MOSTLY_IQ2_S, **_IQ2_S_BUMPS),
+    "iq2_m": Mix(QType.IQ2_S, LlamaFileType.MOSTLY_IQ2_M, **_IQ2_S_BUMPS),
     # the 3-bit i-quant mixes: attn_v Q4_K at 4+ query groups; iq3_xxs without an importance matrix (a file
     # llama.cpp writes only where IQ3_XXS falls back) keeps the K-quant bumps of ffn_down
     "iq3_xxs": Mix(QType.IQ3_XXS, LlamaFileType.MOSTLY_IQ3_XXS,

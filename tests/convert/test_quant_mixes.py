@@ -142,26 +142,31 @@ def test_ternary_and_q2_k_s_mixes_follow_llama_quantize() -> None:
     assert not needs_importance("blk.0.attn_q.weight", QType.TQ1_0, "tq1_0")
 
 
-@pytest.mark.parametrize(("mix", "base"), [("iq2_xxs", QType.IQ2_XXS), ("iq2_xs", QType.IQ2_XS)])
-def test_iq2_xxs_and_iq2_xs_mixes_follow_llama_quantize(mix: str, base: QType) -> None:
-    """iq2_xxs, iq2_xs: output (and a tied embedding) Q5_K, an untied embedding Q2_K, attn_v Q4_K at 4+ query
-    groups (else Q2_K), the first eighth of ffn_down Q2_K, the rest the base type (IQ4_NL where 256 does not
-    divide the rows); every tensor of the base type, and only those, needs an importance matrix."""
+@pytest.mark.parametrize(("mix", "base", "bumped", "attn_output"), [
+    ("iq2_xxs", QType.IQ2_XXS, QType.Q2_K, QType.IQ2_XXS), ("iq2_xs", QType.IQ2_XS, QType.Q2_K, QType.IQ2_XS),
+    ("iq2_s", QType.IQ2_XS, QType.IQ3_S, QType.IQ3_S), ("iq2_m", QType.IQ2_S, QType.IQ3_S, QType.IQ3_S)])
+def test_iq2_mixes_follow_llama_quantize(mix: str, base: QType, bumped: QType, attn_output: QType) -> None:
+    """iq2_xxs, iq2_xs, iq2_s, iq2_m: output (and a tied embedding) Q5_K, attn_v Q4_K at 4+ query groups, the
+    untied embedding, attn_v below 4 groups and the first eighth of ffn_down one type up (Q2_K, or IQ3_S for
+    iq2_s/iq2_m, whose attn_output is IQ3_S too), the rest the base type (IQ4_NL where 256 does not divide the
+    rows); every tensor of the base type, and only those, needs an importance matrix."""
     shapes = {"token_embd.weight": (1000, 512), "output.weight": (1000, 512), "blk.0.ffn_up.weight": (512, 384),
               **{f"blk.{i}.{kind}.weight": (512, 512) for i in range(16) for kind in ("attn_v", "ffn_down",
-                                                                                       "attn_output")}}
-    for groups, attn_v in ((4, QType.Q4_K), (1, QType.Q2_K)):
+                                                                                       "attn_output", "attn_q")}}
+    for groups, attn_v in ((4, QType.Q4_K), (1, bumped)):
         types = plan_types(shapes, mix, ModelFacts(16, groups))
-        assert (types["output.weight"], types["token_embd.weight"]) == (QType.Q5_K, QType.Q2_K)
+        assert (types["output.weight"], types["token_embd.weight"]) == (QType.Q5_K, bumped)
         assert {types[f"blk.{i}.attn_v.weight"] for i in range(16)} == {attn_v}
-        assert [types[f"blk.{i}.ffn_down.weight"] for i in range(3)] == [QType.Q2_K, QType.Q2_K, base]
-        assert {types[f"blk.{i}.attn_output.weight"] for i in range(16)} == {base}
+        assert [types[f"blk.{i}.ffn_down.weight"] for i in range(3)] == [bumped, bumped, base]
+        assert {types[f"blk.{i}.attn_output.weight"] for i in range(16)} == {attn_output}
+        assert {types[f"blk.{i}.attn_q.weight"] for i in range(16)} == {base}
         assert types["blk.0.ffn_up.weight"] == QType.IQ4_NL
         assert [n for n, q in types.items() if needs_importance(n, q, mix)] == [
             n for n, q in types.items() if q == base]
     tied = {n: s for n, s in shapes.items() if n != "output.weight"}
     assert plan_types(tied, mix, ModelFacts(16, 4))["token_embd.weight"] == QType.Q5_K
-    assert needs_importance("output.weight", base, "q4_k_m")  # llama.cpp cannot encode it without
+    assert needs_importance("output.weight", QType.IQ2_XS, "q4_k_m")  # llama.cpp cannot encode it without
+    assert not needs_importance("output.weight", QType.IQ2_S, "q4_k_m")  # it can: the rule's exception holds
 
 
 def test_iq3_mixes_follow_llama_quantize() -> None:
