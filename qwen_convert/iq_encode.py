@@ -28,7 +28,7 @@ QK_K = 256
 # Per type: bits per level, how many distinct distances a neighbour list spans (iq*_init_impl's nwant) and
 # the number of levels the searches produce (their kMaxQ: levels are clamped to 0 .. kMaxQ - 1).
 GRIDS = {QType.IQ3_XXS: (3, 2, 8), QType.IQ2_XXS: (2, 2, 3), QType.IQ2_XS: (2, 2, 3), QType.IQ2_S: (2, 1, 3),
-         QType.IQ3_S: (3, 3, 8)}
+         QType.IQ3_S: (3, 3, 8), QType.IQ1_S: (2, 3, 3)}  # IQ1_M uses IQ1_S's grid and tables
 CHUNK = 2048  # off-grid points whose distances to the grid are sorted at once (2048 x 1024 int64: 16 MiB)
 
 
@@ -133,5 +133,34 @@ def quantize_iq3_s(x: np.ndarray, importance: np.ndarray | None = None) -> np.nd
     return _stored(len(x), d, q3)
 
 
-ENCODERS = {QType.IQ3_XXS: quantize_iq3_xxs, QType.IQ2_XXS: quantize_iq2_xxs, QType.IQ2_XS: quantize_iq2_xs,
-            QType.IQ2_S: quantize_iq2_s, QType.IQ3_S: quantize_iq3_s}
+@functools.cache
+def iq1_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ1_S's (and IQ1_M's) grid as levels 0..2 (int8 [2048, 8]: IQ1 looks up its shifted levels by them), map
+    and neighbour lists."""
+    grid, kmap, neighbours = grid_tables(QType.IQ1_S)
+    return (grid - 1) // 2, kmap, neighbours
+
+
+def quantize_iq1_s(x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    """IQ1_S-encode float32 ``[rows, n]`` (n divisible by 256) weighted by ``importance`` ``[n]`` -> uint8
+    ``[rows, n // 256 * 50]`` (d, grid index low bytes, per 32 values a word of high bits, scale and shift)."""
+    _required(QType.IQ1_S, importance)
+    blocks, qw, _ = _superblocks(x, importance)
+    d, q1 = lattice_search.iq1s_superblocks(blocks, qw, *iq1_tables())
+    return _stored(len(x), d, q1)
+
+
+def quantize_iq1_m(x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    """IQ1_M-encode float32 ``[rows, n]`` (n divisible by 256) -> uint8 ``[rows, n // 256 * 56]``, weighted by
+    ``importance`` ``[n]`` when given.  The block has no scale field: the float16 bits of d go, 4 at a time from
+    the lowest, to the top nibbles of its four 16-bit scale words (bytes 49, 51, 53, 55)."""
+    d, q1 = lattice_search.iq1m_superblocks(*_superblocks(x, importance), *iq1_tables())
+    bits = f16_bytes(d).view("<u2")[:, 0]  # [B]
+    for k in range(4):
+        q1[:, 49 + 2 * k] |= (((bits >> (4 * k)) & 0xF) << 4).astype(np.uint8)
+    return q1.reshape(len(x), -1)
+
+
+ENCODERS = {QType.IQ1_S: quantize_iq1_s, QType.IQ1_M: quantize_iq1_m, QType.IQ2_XXS: quantize_iq2_xxs,
+            QType.IQ2_XS: quantize_iq2_xs, QType.IQ2_S: quantize_iq2_s, QType.IQ3_XXS: quantize_iq3_xxs,
+            QType.IQ3_S: quantize_iq3_s}

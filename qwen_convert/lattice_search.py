@@ -522,3 +522,340 @@ def iq3s_superblocks(x: np.ndarray, qw: np.ndarray, use_qw: bool, grid: np.ndarr
             hi = max(0, min(15, nearest_int(F32(0.5) * (inv * scales[ib + 1] - ONE))))
             out[b, 104 + ib // 2] = lo | (hi << 4)
     return d_out, out
+
+
+# ------------------------------------------------------------------------------------- IQ1_S, IQ1_M
+
+GROUP_MAX_EPS_IQ1_S = np.float32(1e-12)
+GROUP_MAX_EPS_IQ1_M = np.float32(1e-7)
+IQ1_DELTA = np.float32(0.125)  # IQ1S_DELTA = IQ1M_DELTA
+IQ1_S_BYTES, IQ1_M_BYTES = 48, 56  # IQ1_S after its float16 scale; IQ1_M's whole block (its scale is spread)
+IQ1_M_MASKS = np.array([0x00, 0x80, 0x08, 0x88], np.uint8)  # per (first, second) group shift: +, +  +, -  -, +  -, -
+
+
+@njit(cache=True, error_model="numpy", nogil=True, inline="always")
+def _ascending(x: np.ndarray, order: np.ndarray, values: np.ndarray, tmp: np.ndarray, tmp_order: np.ndarray) -> None:
+    """The indices of ``x`` [n] (n a power of two) in ascending order of value into ``order``, ties (and NaN,
+    "equal" to everything) resolved as glibc's ``qsort`` does for llama.cpp's arrays of fewer than 1 KiB: its
+    merge sort (halves sorted, then merged taking the left element unless it is greater), bottom-up here, the
+    same merges for a power of two."""
+    n = len(x)
+    for i in range(n):
+        values[i] = x[i]
+        order[i] = i
+    width = 1
+    while width < n:
+        for lo in range(0, n, 2 * width):
+            a, b, out = lo, lo + width, lo
+            while a < lo + width and b < lo + 2 * width:
+                if values[a] > values[b]:
+                    tmp[out], tmp_order[out] = values[b], order[b]
+                    b += 1
+                else:
+                    tmp[out], tmp_order[out] = values[a], order[a]
+                    a += 1
+                out += 1
+            while a < lo + width:
+                tmp[out], tmp_order[out] = values[a], order[a]
+                a += 1
+                out += 1
+            while b < lo + 2 * width:
+                tmp[out], tmp_order[out] = values[b], order[b]
+                b += 1
+                out += 1
+        values[:] = tmp
+        order[:] = tmp_order
+        width *= 2
+
+
+@njit(cache=True, error_model="numpy", nogil=True, inline="always")
+def iq1_best_neighbour(neighbours: np.ndarray, start: int, grid: np.ndarray, xb: np.ndarray, weight: np.ndarray,
+                       o: int, scale: float, xx: np.ndarray, L: np.ndarray) -> int:
+    """``iq1_find_best_neighbour2``: of the listed grid points, the first with the least
+    ``sum w (scale * xx[l] - x)^2`` over the 8 signed values from ``o`` (``xx``: the three shifted levels,
+    ``grid``: the levels 0..2 of each point [2048, 8]); its levels go to ``L[o:o + 8]``.  When no listed point
+    gives a finite distance llama.cpp scans the whole grid reading past its arrays (then aborts unless that
+    memory happens to help); here the scan reads the values it means to, so such rows (values whose squares
+    overflow float32, NaN) are not promised llama.cpp's bytes."""
+    best, found = FLT_MAX, -1
+    for j in range(1, neighbours[start] + 1):
+        index = neighbours[start + j]
+        d2 = ZERO
+        for i in range(8):
+            diff = scale * xx[grid[index, i]] - xb[o + i]
+            d2 += weight[o + i] * diff * diff
+        if d2 < best:
+            best, found = d2, index
+    if found < 0:
+        found = neighbours[start + 1]
+        for index in range(grid.shape[0]):
+            d2 = ZERO
+            for i in range(8):
+                diff = scale * xx[grid[index, i]] - xb[o + i]
+                d2 += weight[o + i] * diff * diff
+            if d2 < best:
+                best, found = d2, index
+    for i in range(8):
+        L[o + i] = grid[found, i]
+    return found
+
+
+@njit(cache=True, error_model="numpy", nogil=True, inline="always")
+def _iq1_packed(L: np.ndarray, o: int) -> int:
+    u = 0
+    for i in range(8):
+        u |= L[o + i] << (2 * i)
+    return u
+
+
+@njit(cache=True, error_model="numpy", nogil=True, inline="always")
+def _shifted(x_p: np.ndarray, x_m: np.ndarray, plus: bool) -> np.ndarray:
+    return x_p if plus else x_m
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def iq1s_superblocks(x: np.ndarray, qw: np.ndarray, grid: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize_row_iq1_s_impl`` (importance required): sub-blocks of 32 as 4 points of the 2048-point grid of
+    levels -1, 0, 1, shifted by +-0.125 per sub-block.  The exact split of the sorted values into three levels
+    (every pair of boundaries, both shifts), then grid points for the groups of 8 (the listed neighbours where
+    the split is off the grid).  Returns the float32 scale before float16 (d * 1.125) [B] and the 48 bytes after
+    it: the low bytes of 32 grid indices, then per sub-block a little-endian uint16 of the indices' 3 high bits
+    each, the 3-bit scale at bit 12 and the shift's sign at bit 15."""
+    count = x.shape[0]
+    d_out = np.zeros(count, np.float32)
+    out = np.zeros((count, IQ1_S_BYTES), np.uint8)
+    x_p = np.array([-ONE + IQ1_DELTA, IQ1_DELTA, ONE + IQ1_DELTA], np.float32)
+    x_m = np.array([-ONE - IQ1_DELTA, -IQ1_DELTA, ONE - IQ1_DELTA], np.float32)
+    weight = np.empty(32, np.float32)
+    sumx = np.zeros(33, np.float32)
+    sumw = np.zeros(33, np.float32)
+    order = np.empty(32, np.int64)
+    values = np.empty(32, np.float32)
+    tmp = np.empty(32, np.float32)
+    tmp_order = np.empty(32, np.int64)
+    L = np.zeros(32, np.int64)
+    index = np.zeros(4, np.int64)
+    scales = np.zeros(8, np.float32)
+    shifts = np.zeros(8, np.int64)
+    qh = np.zeros(8, np.int64)
+    for b in range(count):
+        xbl = x[b]
+        max_scale = ZERO
+        sigma2 = F32(2.0) * sum_squares(xbl) / F32(256.0)
+        qh[:] = 0
+        for ib in range(8):
+            xb = xbl[32 * ib:32 * ib + 32]
+            top = abs(xb[0])
+            for i in range(32):
+                weight[i] = qw[b % len(qw), 32 * ib + i] * F32(np.sqrt(sigma2 + xb[i] * xb[i]))
+                if i:
+                    top = top if top > abs(xb[i]) else abs(xb[i])
+            scales[ib], shifts[ib] = ZERO, 1
+            if top < GROUP_MAX_EPS_IQ1_S:
+                continue
+            _ascending(xb, order, values, tmp, tmp_order)
+            for j in range(32):
+                i = order[j]
+                sumx[j + 1] = sumx[j] + weight[i] * xb[i]
+                sumw[j + 1] = sumw[j] + weight[i]
+            best, scale = -FLT_MAX, top
+            best1, best2, best_shift = -1, -1, 0
+            for i1 in range(33):
+                for i2 in range(i1, 33):
+                    for shift in (1, -1):
+                        xx = _shifted(x_p, x_m, shift == 1)
+                        sumqx = ((sumx[i1] - sumx[0]) * xx[0] + (sumx[i2] - sumx[i1]) * xx[1]
+                                 + (sumx[32] - sumx[i2]) * xx[2])
+                        sumq2 = ((sumw[i1] - sumw[0]) * xx[0] * xx[0] + (sumw[i2] - sumw[i1]) * xx[1] * xx[1]
+                                 + (sumw[32] - sumw[i2]) * xx[2] * xx[2])
+                        if sumq2 > ZERO and sumqx * sumqx > best * sumq2:
+                            scale = sumqx / sumq2
+                            best = scale * sumqx
+                            best1, best2, best_shift = i1, i2, shift
+            if best1 < 0 or best2 < 0 or best_shift == 0:
+                continue
+            for j in range(32):
+                L[order[j]] = 0 if j < best1 else 1 if j < best2 else 2
+            if scale < ZERO:
+                for j in range(32):
+                    L[j] = 2 - L[j]
+                scale = -scale
+                best_shift = -best_shift
+            xx = _shifted(x_p, x_m, best_shift == 1)
+            on_grid = True
+            for k in range(4):
+                u = _iq1_packed(L, 8 * k)
+                index[k] = kmap[u]
+                if index[k] < 0:
+                    on_grid = False
+                    index[k] = iq1_best_neighbour(neighbours, -kmap[u] - 1, grid, xb, weight, 8 * k, scale, xx, L)
+            if not on_grid:
+                sumqx, sumq2 = ZERO, ZERO
+                for k in range(4):
+                    for j in range(8):
+                        w = weight[8 * k + j]
+                        q = xx[grid[index[k], j]]
+                        sumqx += w * q * xb[8 * k + j]
+                        sumq2 += w * q * q
+                if sumqx > ZERO and sumq2 > ZERO:
+                    scale = sumqx / sumq2
+            for k in range(4):
+                out[b, 4 * ib + k] = index[k] & 255
+                qh[ib] |= (index[k] >> 8) << (3 * k)
+            scales[ib], shifts[ib] = scale, best_shift
+            max_scale = max_scale if max_scale > scale else scale
+        if max_scale != ZERO:
+            d = max_scale / F32(15.0)
+            d_out[b] = d * F32(1.125)
+            inv = ONE / d
+            for ib in range(8):
+                level = max(0, min(7, nearest_int(F32(0.5) * (inv * scales[ib] - ONE))))
+                qh[ib] |= (level | (8 if shifts[ib] == -1 else 0)) << 12
+        for ib in range(8):
+            out[b, 32 + 2 * ib] = qh[ib] & 255
+            out[b, 33 + 2 * ib] = (qh[ib] >> 8) & 255
+    return d_out, out
+
+
+@njit(cache=True, error_model="numpy", nogil=True, inline="always")
+def _iq1m_weights(xb: np.ndarray, qw: np.ndarray, use_qw: bool, row: int, o: int, sigma2: float,
+                  weight: np.ndarray) -> None:
+    for i in range(16):
+        if use_qw:
+            weight[i] = qw[row, o + i] * F32(np.sqrt(sigma2 + xb[i] * xb[i]))
+        else:
+            weight[i] = xb[i] * xb[i]
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def iq1m_superblocks(x: np.ndarray, qw: np.ndarray, use_qw: bool, grid: np.ndarray, kmap: np.ndarray,
+                     neighbours: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize_row_iq1_m_impl``: sub-blocks of 16 as 2 points of IQ1_S's grid, each group of 8 with its own
+    shift sign; weights from ``qw`` when ``use_qw``, else x^2.  Returns the float32 super-block scale before
+    float16 (the least-squares d of the final levels times 1.1125; 0 for a block of zeros) [B] and the 56 bytes
+    of the block without that scale, which :func:`qwen_convert.iq_encode.quantize_iq1_m` spreads over the top
+    nibbles of the 4 scale words: the low bytes of 32 grid indices, per sub-block a byte of the two indices' 3
+    high bits and shift signs (bits 3, 7), then 4 little-endian uint16 of 3-bit sub-block scales."""
+    count = x.shape[0]
+    d_out = np.zeros(count, np.float32)
+    out = np.zeros((count, IQ1_M_BYTES), np.uint8)
+    x_p = np.array([-ONE + IQ1_DELTA, IQ1_DELTA, ONE + IQ1_DELTA], np.float32)
+    x_m = np.array([-ONE - IQ1_DELTA, -IQ1_DELTA, ONE - IQ1_DELTA], np.float32)
+    p2, m2 = x_p[2], x_m[2]
+    cp1, cp2 = x_p[0] * x_p[0] - x_p[1] * x_p[1], x_p[1] * x_p[1] - x_p[2] * x_p[2]
+    cm1, cm2 = x_m[0] * x_m[0] - x_m[1] * x_m[1], x_m[1] * x_m[1] - x_m[2] * x_m[2]
+    weight = np.empty(16, np.float32)
+    px = np.zeros((2, 17), np.float32)
+    pw = np.zeros((2, 17), np.float32)
+    sumqx = np.empty(4, np.float32)
+    sumq2 = np.empty(4, np.float32)
+    order = np.empty(16, np.int64)
+    values = np.empty(16, np.float32)
+    tmp = np.empty(16, np.float32)
+    tmp_order = np.empty(16, np.int64)
+    L = np.zeros(16, np.int64)
+    index = np.zeros(2, np.int64)
+    scales = np.zeros(16, np.float32)
+    shifts = np.zeros(16, np.int64)
+    sc = np.zeros(4, np.int64)
+    for b in range(count):
+        xbl, row = x[b], b % len(qw)
+        max_scale = ZERO
+        sigma2 = F32(2.0) * sum_squares(xbl) / F32(256.0)
+        for ib in range(16):
+            xb = xbl[16 * ib:16 * ib + 16]
+            _iq1m_weights(xb, qw, use_qw, row, 16 * ib, sigma2, weight)
+            top = abs(xb[0])
+            for i in range(1, 16):
+                top = top if top > abs(xb[i]) else abs(xb[i])
+            scales[ib], shifts[ib] = ZERO, 0
+            if top < GROUP_MAX_EPS_IQ1_M:
+                continue
+            _ascending(xb, order, values, tmp, tmp_order)
+            for j in range(16):
+                i = order[j]
+                h = 0 if i < 8 else 1
+                px[h, j + 1] = px[h, j] + weight[i] * xb[i]
+                px[1 - h, j + 1] = px[1 - h, j]
+                pw[h, j + 1] = pw[h, j] + weight[i]
+                pw[1 - h, j + 1] = pw[1 - h, j]
+            best, scale = -FLT_MAX, top
+            best1, best2, best_k = -1, -1, -1
+            for i1 in range(17):
+                for i2 in range(i1, 17):
+                    sx0, sx1 = px[0, i1] + px[0, i2], px[1, i1] + px[1, i2]
+                    qx_p0, qx_p1 = px[0, 16] * p2 - sx0, px[1, 16] * p2 - sx1
+                    qx_m0, qx_m1 = px[0, 16] * m2 - sx0, px[1, 16] * m2 - sx1
+                    q2_p0 = pw[0, 16] * p2 * p2 + pw[0, i1] * cp1 + pw[0, i2] * cp2
+                    q2_p1 = pw[1, 16] * p2 * p2 + pw[1, i1] * cp1 + pw[1, i2] * cp2
+                    q2_m0 = pw[0, 16] * m2 * m2 + pw[0, i1] * cm1 + pw[0, i2] * cm2
+                    q2_m1 = pw[1, 16] * m2 * m2 + pw[1, i1] * cm1 + pw[1, i2] * cm2
+                    sumqx[0], sumqx[1], sumqx[2], sumqx[3] = qx_p0 + qx_p1, qx_p0 + qx_m1, qx_m0 + qx_p1, qx_m0 + qx_m1
+                    sumq2[0], sumq2[1], sumq2[2], sumq2[3] = q2_p0 + q2_p1, q2_p0 + q2_m1, q2_m0 + q2_p1, q2_m0 + q2_m1
+                    for k in range(4):
+                        if sumq2[k] > ZERO and sumqx[k] * sumqx[k] > best * sumq2[k]:
+                            scale = sumqx[k] / sumq2[k]
+                            best = scale * sumqx[k]
+                            best1, best2, best_k = i1, i2, k
+            if best1 < 0 or best2 < 0 or best_k < 0:
+                continue
+            for j in range(16):
+                L[order[j]] = 0 if j < best1 else 1 if j < best2 else 2
+            if scale < ZERO:
+                for j in range(16):
+                    L[j] = 2 - L[j]
+                scale = -scale
+                best_k = 3 - best_k
+            on_grid = True
+            for k in range(2):
+                xx = _shifted(x_p, x_m, best_k < 2 if k == 0 else best_k % 2 == 0)
+                u = _iq1_packed(L, 8 * k)
+                index[k] = kmap[u]
+                if index[k] < 0:
+                    on_grid = False
+                    index[k] = iq1_best_neighbour(neighbours, -kmap[u] - 1, grid, xb, weight, 8 * k, scale, xx, L)
+            if not on_grid:
+                sumqx_f, sumq2_f = ZERO, ZERO
+                for k in range(2):
+                    xx = _shifted(x_p, x_m, best_k < 2 if k == 0 else best_k % 2 == 0)
+                    for j in range(8):
+                        w = weight[8 * k + j]
+                        q = xx[grid[index[k], j]]
+                        sumqx_f += w * q * xb[8 * k + j]
+                        sumq2_f += w * q * q
+                if sumqx_f > ZERO and sumq2_f > ZERO:
+                    scale = sumqx_f / sumq2_f
+            out[b, 2 * ib] = index[0] & 255
+            out[b, 2 * ib + 1] = index[1] & 255
+            out[b, 32 + ib] = (index[0] >> 8) | ((index[1] >> 8) << 4)
+            scales[ib], shifts[ib] = scale, best_k
+            max_scale = max_scale if max_scale > scale else scale
+        if max_scale == ZERO:
+            continue
+        sc[:] = 0
+        d = max_scale / F32(15.0)
+        inv = ONE / d
+        sumqx_f, sumq2_f = ZERO, ZERO
+        for ib in range(16):
+            level = max(0, min(7, nearest_int(F32(0.5) * (inv * scales[ib] - ONE))))
+            sc[ib // 4] |= level << (3 * (ib % 4))
+            out[b, 32 + ib] |= IQ1_M_MASKS[shifts[ib]]
+            xb = xbl[16 * ib:16 * ib + 16]
+            _iq1m_weights(xb, qw, use_qw, row, 16 * ib, sigma2, weight)
+            for k in range(2):
+                xx = _shifted(x_p, x_m, shifts[ib] < 2 if k == 0 else shifts[ib] % 2 == 0)
+                at = np.int64(out[b, 2 * ib + k]) + ((np.int64(out[b, 32 + ib]) << (8 - 4 * k)) & 0x700)
+                odd = F32(2 * level + 1)
+                for j in range(8):
+                    w = weight[8 * k + j]
+                    q = xx[grid[at, j]] * odd
+                    sumqx_f += w * q * xb[8 * k + j]
+                    sumq2_f += w * q * q
+        if sumq2_f > ZERO:
+            d = sumqx_f / sumq2_f
+        d_out[b] = d * F32(1.1125)
+        for k in range(4):
+            out[b, 48 + 2 * k] = sc[k] & 255
+            out[b, 49 + 2 * k] = (sc[k] >> 8) & 255
+    return d_out, out

@@ -48,7 +48,7 @@ CONVERTER_DTYPES: dict[str, tuple[QType, LlamaFileType]] = {
 # Types --tensor-type, --output-tensor-type and --token-embedding-type may name: the ones the converter writes.
 OVERRIDE_TYPES = (QType.F32, QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q2_K,
                   QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.TQ1_0, QType.TQ2_0,
-                  QType.IQ3_XXS, QType.IQ3_S, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S)
+                  QType.IQ3_XXS, QType.IQ3_S, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S, QType.IQ1_M)
 # llama.cpp's tensor_type_fallback: a 256-value type whose block does not divide the row length -> its twin.
 FALLBACKS = {QType.Q2_K: QType.Q4_0, QType.Q3_K: QType.Q4_0, QType.Q4_K: QType.Q5_0, QType.Q5_K: QType.Q5_1,
              QType.Q6_K: QType.Q8_0, QType.TQ1_0: QType.Q4_0, QType.TQ2_0: QType.Q4_0,
@@ -209,6 +209,8 @@ class Mix:
 
 
 _IQ4_V, _IQ4_DOWN = gqa_at_least(4, QType.Q5_K), without_imatrix(first_part(8, QType.Q5_K))
+_IQ1_BUMPS = {"attn_v": gqa_at_least(4, QType.Q4_K, QType.Q2_K), "ffn_down": first_part(8, QType.Q2_K),
+              "attn_output": QType.IQ2_XXS, "token_embd": QType.Q2_K, "output": QType.Q5_K}
 _IQ2_S_BUMPS = {"attn_v": gqa_at_least(4, QType.Q4_K, QType.IQ3_S), "ffn_down": first_part(8, QType.IQ3_S),
                 "attn_output": QType.IQ3_S, "token_embd": QType.IQ3_S, "output": QType.Q5_K}
 MIXES: dict[str, Mix] = {
@@ -241,6 +243,9 @@ MIXES: dict[str, Mix] = {
                    ffn_down=first_part(8, QType.Q2_K), token_embd=QType.Q2_K, output=QType.Q5_K),
     "iq2_xs": Mix(QType.IQ2_XS, LlamaFileType.MOSTLY_IQ2_XS, attn_v=gqa_at_least(4, QType.Q4_K, QType.Q2_K),
                   ffn_down=first_part(8, QType.Q2_K), token_embd=QType.Q2_K, output=QType.Q5_K),
+    # iq1_s, iq1_m: as iq2_xxs, with IQ2_XXS attn_output
+    "iq1_s": Mix(QType.IQ1_S, LlamaFileType.MOSTLY_IQ1_S, **_IQ1_BUMPS),
+    "iq1_m": Mix(QType.IQ1_M, LlamaFileType.MOSTLY_IQ1_M, **_IQ1_BUMPS),
     # iq2_s is IQ2_XS with IQ3_S where iq2_xs has Q2_K, and IQ3_S attn_output; iq2_m the same on IQ2_S
     "iq2_s": Mix(QType.IQ2_XS, LlamaFileType.MOSTLY_IQ2_S, **_IQ2_S_BUMPS),
     "iq2_m": Mix(QType.IQ2_S, LlamaFileType.MOSTLY_IQ2_M, **_IQ2_S_BUMPS),

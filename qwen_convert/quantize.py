@@ -32,7 +32,7 @@ GGUF_QUANTIZED = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)  # encoded by 
 TERNARY = (QType.TQ1_0, QType.TQ2_0)
 # The K-quants, IQ4 and the lattice i-quants: llama.cpp's searches, compiled with numba (imported on first use).
 SEARCHED = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_XXS,
-            QType.IQ3_S, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S)
+            QType.IQ3_S, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S, QType.IQ1_M)
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:

@@ -411,7 +411,8 @@ def test_bad_shapes_are_refused() -> None:
 
 
 def test_searched_types_are_the_writers_listed() -> None:
-    lattice = {QType.IQ3_XXS, QType.IQ3_S, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S}  # test_iq_writers.py
+    # the lattice i-quants: tests/convert/test_iq_writers.py
+    lattice = {QType.IQ3_XXS, QType.IQ3_S, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S, QType.IQ1_M}
     assert set(SEARCHED) == {*K_TYPES, *lattice}
 
 

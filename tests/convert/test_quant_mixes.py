@@ -67,7 +67,7 @@ def test_tensor_type_parsing() -> None:
     assert parse_tensor_type("attn_v=Q8_0") == ("attn_v", QType.Q8_0)
     assert parse_tensor_type(r"blk\.[0-3]\.ffn_down=q6_k") == (r"blk\.[0-3]\.ffn_down", QType.Q6_K)
     assert parse_tensor_type("attn_v=iq2_xxs") == ("attn_v", QType.IQ2_XXS)  # the i-quants we write
-    for bad in ("attn_v", "=q8_0", "attn_v=", "attn_v=q8_k", "attn_v=iq1_m"):
+    for bad in ("attn_v", "=q8_0", "attn_v=", "attn_v=q8_k", "attn_v=mxfp4"):
         with pytest.raises(QwenError, match="--tensor-type"):
             parse_tensor_type(bad)
     with pytest.raises(QwenError, match="not a regular expression"):
@@ -144,12 +144,14 @@ def test_ternary_and_q2_k_s_mixes_follow_llama_quantize() -> None:
 
 @pytest.mark.parametrize(("mix", "base", "bumped", "attn_output"), [
     ("iq2_xxs", QType.IQ2_XXS, QType.Q2_K, QType.IQ2_XXS), ("iq2_xs", QType.IQ2_XS, QType.Q2_K, QType.IQ2_XS),
-    ("iq2_s", QType.IQ2_XS, QType.IQ3_S, QType.IQ3_S), ("iq2_m", QType.IQ2_S, QType.IQ3_S, QType.IQ3_S)])
+    ("iq2_s", QType.IQ2_XS, QType.IQ3_S, QType.IQ3_S), ("iq2_m", QType.IQ2_S, QType.IQ3_S, QType.IQ3_S),
+    ("iq1_s", QType.IQ1_S, QType.Q2_K, QType.IQ2_XXS), ("iq1_m", QType.IQ1_M, QType.Q2_K, QType.IQ2_XXS)])
 def test_iq2_mixes_follow_llama_quantize(mix: str, base: QType, bumped: QType, attn_output: QType) -> None:
-    """iq2_xxs, iq2_xs, iq2_s, iq2_m: output (and a tied embedding) Q5_K, attn_v Q4_K at 4+ query groups, the
-    untied embedding, attn_v below 4 groups and the first eighth of ffn_down one type up (Q2_K, or IQ3_S for
-    iq2_s/iq2_m, whose attn_output is IQ3_S too), the rest the base type (IQ4_NL where 256 does not divide the
-    rows); every tensor of the base type, and only those, needs an importance matrix."""
+    """iq2_xxs, iq2_xs, iq2_s, iq2_m, iq1_s, iq1_m: output (and a tied embedding) Q5_K, attn_v Q4_K at 4+ query
+    groups, the untied embedding, attn_v below 4 groups and the first eighth of ffn_down one type up (Q2_K, or
+    IQ3_S for iq2_s/iq2_m, whose attn_output is IQ3_S too; IQ1's attn_output is IQ2_XXS), the rest the base type
+    (IQ4_NL where 256 does not divide the rows); every tensor of the base type, and only those (IQ2_XXS
+    attn_output too), needs an importance matrix."""
     shapes = {"token_embd.weight": (1000, 512), "output.weight": (1000, 512), "blk.0.ffn_up.weight": (512, 384),
               **{f"blk.{i}.{kind}.weight": (512, 512) for i in range(16) for kind in ("attn_v", "ffn_down",
                                                                                        "attn_output", "attn_q")}}
@@ -162,7 +164,7 @@ def test_iq2_mixes_follow_llama_quantize(mix: str, base: QType, bumped: QType, a
         assert {types[f"blk.{i}.attn_q.weight"] for i in range(16)} == {base}
         assert types["blk.0.ffn_up.weight"] == QType.IQ4_NL
         assert [n for n, q in types.items() if needs_importance(n, q, mix)] == [
-            n for n, q in types.items() if q == base]
+            n for n, q in types.items() if q == base or q == attn_output == QType.IQ2_XXS]
     tied = {n: s for n, s in shapes.items() if n != "output.weight"}
     assert plan_types(tied, mix, ModelFacts(16, 4))["token_embd.weight"] == QType.Q5_K
     assert needs_importance("output.weight", QType.IQ2_XS, "q4_k_m")  # llama.cpp cannot encode it without
