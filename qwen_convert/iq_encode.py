@@ -1,5 +1,6 @@
 """The i-quant writers below 4 bits: float32 rows to the bytes of llama.cpp's ``quantize_iq3_xxs``,
-``quantize_iq3_s``, ``quantize_iq2_xxs``, ``quantize_iq2_xs`` and ``quantize_iq2_s``.
+``quantize_iq3_s``, ``quantize_iq2_xxs``, ``quantize_iq2_xs``, ``quantize_iq2_s``, ``quantize_iq1_s`` and
+``quantize_iq1_m``.
 
 These types store each group of 4 (IQ3) or 8 (IQ2) values as one point of a lattice of 3- or 2-bit levels (the
 grid of 256 to 1024 points, from ``gguf``'s tables), the signs of each group of 8 values with 7 bits (the 8th
@@ -8,7 +9,10 @@ makes their count even: IQ3_XXS, IQ2_XXS, IQ2_XS) or 8, and one 4-bit scale per 
 takes the best of the points ``iq3xs_init_impl`` / ``iq2xs_init_impl`` list as its neighbours: the grid points
 at the ``nwant`` smallest squared distances from it.  :func:`grid_tables` builds that map and those lists exactly
 as llama.cpp does (same order, so ties resolve alike); the searches are compiled in
-:mod:`qwen_convert.lattice_search`.  IQ2_XXS and IQ2_XS need an importance vector (llama.cpp asserts one).
+:mod:`qwen_convert.lattice_search`.  IQ1_S and IQ1_M store each group of 8 values as a point of a 2048-point
+grid of levels -1, 0, 1 shifted by +-1/8, chosen by an exact split of each sub-block's sorted values into three
+levels, then the same neighbour lists.  IQ2_XXS, IQ2_XS and IQ1_S need an importance vector (llama.cpp asserts
+one).
 """
 
 from __future__ import annotations
