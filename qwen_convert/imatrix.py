@@ -29,7 +29,8 @@ writes a model whose rows come out as zeros):
   the rounding error of that column);
 * a matrix whose values are all zero is refused, and so is, per stored type, a run of columns sharing one
   scale whose values are all zero (:data:`ZERO_RUIN_GROUP`): with no weight anywhere in a block, llama.cpp's
-  scale search returns 0 and the block is stored as zeros;
+  scale search returns 0 and the block is stored as zeros (the i-quants: as their grid's first point at the
+  smallest scale, whatever the values);
 * names are matched against the model's tensors (:meth:`Importance.match_report`): a file of which no entry
   names a tensor of the model is refused, and ``quantize.imatrix.entries_count`` counts the entries that match
   (:meth:`Importance.metadata`; no ``quantize.imatrix.*`` keys when no tensor used a vector).
@@ -66,12 +67,15 @@ QUANTIZE_ENTRIES_KEY, QUANTIZE_CHUNKS_KEY = "quantize.imatrix.entries_count", "q
 KV_STRING_MAX = 127  # llama-quantize copies these strings into a 128-byte buffer
 # Types whose llama.cpp quantizer takes the importance vector (quantize_q8_0 ignores it; F16/F32 are no quant).
 WEIGHTED_TYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K,
-                            QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_XXS, QType.IQ2_XXS})
-# Per weighted type, the run of columns whose all-zero weights make our (and llama.cpp's) search store them as
-# zeros: the 16-column sub-blocks of Q3_K / Q6_K, the 32-column blocks of Q4_0 / Q5_0 / IQ4, the 256-column
+                            QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_XXS, QType.IQ3_S,
+                            QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S, QType.IQ1_M})
+# Per weighted type, the run of columns whose all-zero weights make our (and llama.cpp's) search give up on them
+# (stored as zeros, or for the i-quants as the grid's first point at the smallest scale): the 16-column
+# sub-blocks of Q3_K / Q6_K / IQ1_M, the 32-column blocks of Q4_0 / Q5_0 / IQ4 / IQ2_XXS / IQ1_S, the 256-column
 # super-blocks of Q2_K / Q4_K / Q5_K.  Q4_1 / Q5_1 fall back to the block's min and max, so they have none.
 ZERO_RUIN_GROUP = {QType.Q3_K: 16, QType.Q6_K: 16, QType.Q4_0: 32, QType.Q5_0: 32, QType.IQ4_NL: 32,
-                   QType.IQ4_XS: 32, QType.IQ2_XXS: 32, QType.Q2_K: 256, QType.Q4_K: 256, QType.Q5_K: 256}
+                   QType.IQ4_XS: 32, QType.IQ2_XXS: 32, QType.IQ1_S: 32, QType.IQ1_M: 16, QType.Q2_K: 256,
+                   QType.Q4_K: 256, QType.Q5_K: 256}
 
 
 @dataclass
@@ -247,7 +251,7 @@ class Importance:
             if zero.size:
                 first = int(zero[0]) * group
                 raise FormatError(f"{self.path}: tensor {name!r}: importance is zero over columns {first}.."
-                                  f"{first + group - 1}: {qtype.name} would store them as zeros (each run of "
+                                  f"{first + group - 1}: {qtype.name} would not keep their values (each run of "
                                   f"{group} columns needs a non-zero value)")
         return vector
 

@@ -11,15 +11,16 @@ Two kinds of ``--dtype``:
   (src/llama-quant.cpp of llama.cpp as vendored in llama-cpp-python 0.3.36) for dense Qwen2, Qwen3 and Qwen3.5
   models: the same tensors stay unquantized; the output (and a tied token embedding) is Q6_K (the legacy
   Q4_0..Q5_1 mixes included), or Q8_0 when its row length is not a multiple of the mix's block; ``attn_v``
-  (and Qwen3.5's ``attn_qkv``, which llama.cpp counts with them) and ``ffn_down`` get the per-layer bumps of
-  each mix's table; ``attn_output`` its fixed bump; a type whose block does not divide the row length falls
+  (and Qwen3.5's ``attn_qkv``, which llama.cpp counts with them), ``ffn_down`` and (iq3_xs) ``ffn_up`` and
+  ``ffn_gate`` get the per-layer bumps of each mix's table; ``attn_output``, ``attn_k`` and ``attn_q`` their fixed
+  types; a type whose block does not divide the row length falls
   back to llama.cpp's 32-value twin (F16 when that does not fit either).  :class:`QuantOptions` adds
   ``--pure``, ``--tensor-type``, ``--output-tensor-type`` and ``--token-embedding-type`` with llama-quantize's
   precedence.
 
-llama.cpp counts attn_v and ffn_down tensors in its own order (token embedding and output first, then layer by
-layer) and only for tensors its mix logic sees: a tensor given its type by ``--tensor-type`` is not counted,
-which shifts the later layers' bumps; :func:`plan_types` does the same.
+llama.cpp counts attn_v, ffn_down, ffn_up and ffn_gate tensors in its own order (token embedding and output
+first, then layer by layer) and only for tensors its mix logic sees: a tensor given its type by ``--tensor-type``
+is not counted, which shifts the later layers' bumps; :func:`plan_types` does the same.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ CONVERTER_DTYPES: dict[str, tuple[QType, LlamaFileType]] = {
 # Types --tensor-type, --output-tensor-type and --token-embedding-type may name: the ones the converter writes.
 OVERRIDE_TYPES = (QType.F32, QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q2_K,
                   QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.TQ1_0, QType.TQ2_0,
-                  QType.IQ3_XXS, QType.IQ2_XXS)
+                  QType.IQ3_XXS, QType.IQ3_S, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S, QType.IQ1_M)
 # llama.cpp's tensor_type_fallback: a 256-value type whose block does not divide the row length -> its twin.
 FALLBACKS = {QType.Q2_K: QType.Q4_0, QType.Q3_K: QType.Q4_0, QType.Q4_K: QType.Q5_0, QType.Q5_K: QType.Q5_1,
              QType.Q6_K: QType.Q8_0, QType.TQ1_0: QType.Q4_0, QType.TQ2_0: QType.Q4_0,
@@ -176,6 +177,16 @@ def with_imatrix(rule: Rule) -> Rule:
     return lambda r: rule(r) if r.imatrix else None
 
 
+def middle(qtype: QType) -> Rule:
+    """``qtype`` for the tensors counted between the first and the last eighth of the layers."""
+    return lambda r: qtype if r.n // 8 <= r.i < 7 * r.n // 8 else None
+
+
+def first_of(*rules: Rule) -> Rule:
+    """The type of the first of ``rules`` that gives one (llama.cpp's chain of ``else if``)."""
+    return lambda r: next((q for q in (rule(r) for rule in rules) if q is not None), None)
+
+
 @dataclass(frozen=True)
 class Mix:
     """One of llama-quantize's file types: its base type, ``general.file_type`` and per-category bumps."""
@@ -184,12 +195,24 @@ class Mix:
     file_type: LlamaFileType
     attn_v: Rule | None = None
     ffn_down: Rule | None = None
+    ffn_up_gate: Rule | None = None  # ffn_up and ffn_gate, each counted on its own
     attn_output: QType | None = None
+    attn_k: QType | None = None
+    attn_q: QType | None = None
     token_embd: QType | None = None  # an untied token embedding's type (default: the base type)
     output: QType = QType.Q6_K  # output.weight's (and a tied embedding's) where the base type's block fits
 
+    def rule(self, category: Category) -> Rule | None:
+        """The per-layer rule of a counted category."""
+        return {Category.ATTN_V: self.attn_v, Category.FFN_DOWN: self.ffn_down, Category.FFN_UP: self.ffn_up_gate,
+                Category.FFN_GATE: self.ffn_up_gate}[category]
+
 
 _IQ4_V, _IQ4_DOWN = gqa_at_least(4, QType.Q5_K), without_imatrix(first_part(8, QType.Q5_K))
+_IQ1_BUMPS = {"attn_v": gqa_at_least(4, QType.Q4_K, QType.Q2_K), "ffn_down": first_part(8, QType.Q2_K),
+              "attn_output": QType.IQ2_XXS, "token_embd": QType.Q2_K, "output": QType.Q5_K}
+_IQ2_S_BUMPS = {"attn_v": gqa_at_least(4, QType.Q4_K, QType.IQ3_S), "ffn_down": first_part(8, QType.IQ3_S),
+                "attn_output": QType.IQ3_S, "token_embd": QType.IQ3_S, "output": QType.Q5_K}
 MIXES: dict[str, Mix] = {
     # "Guard against craziness in the first few ffn_down layers" (llama.cpp), with an importance matrix only.
     "q4_0": Mix(QType.Q4_0, LlamaFileType.MOSTLY_Q4_0, ffn_down=with_imatrix(first_part(8, QType.Q4_1))),
@@ -218,6 +241,25 @@ MIXES: dict[str, Mix] = {
     # the 2-bit i-quant mixes keep the sensitive tensors in K-quants ("first branch" of llama.cpp's rules)
     "iq2_xxs": Mix(QType.IQ2_XXS, LlamaFileType.MOSTLY_IQ2_XXS, attn_v=gqa_at_least(4, QType.Q4_K, QType.Q2_K),
                    ffn_down=first_part(8, QType.Q2_K), token_embd=QType.Q2_K, output=QType.Q5_K),
+    "iq2_xs": Mix(QType.IQ2_XS, LlamaFileType.MOSTLY_IQ2_XS, attn_v=gqa_at_least(4, QType.Q4_K, QType.Q2_K),
+                  ffn_down=first_part(8, QType.Q2_K), token_embd=QType.Q2_K, output=QType.Q5_K),
+    # iq1_s, iq1_m: as iq2_xxs, with IQ2_XXS attn_output
+    "iq1_s": Mix(QType.IQ1_S, LlamaFileType.MOSTLY_IQ1_S, **_IQ1_BUMPS),
+    "iq1_m": Mix(QType.IQ1_M, LlamaFileType.MOSTLY_IQ1_M, **_IQ1_BUMPS),
+    # iq2_s is IQ2_XS with IQ3_S where iq2_xs has Q2_K, and IQ3_S attn_output; iq2_m the same on IQ2_S
+    "iq2_s": Mix(QType.IQ2_XS, LlamaFileType.MOSTLY_IQ2_S, **_IQ2_S_BUMPS),
+    "iq2_m": Mix(QType.IQ2_S, LlamaFileType.MOSTLY_IQ2_M, **_IQ2_S_BUMPS),
+    # the 3-bit i-quant mixes: attn_v Q4_K at 4+ query groups; iq3_xxs without an importance matrix (a file
+    # llama.cpp writes only where IQ3_XXS falls back) keeps the K-quant bumps of ffn_down
+    "iq3_xxs": Mix(QType.IQ3_XXS, LlamaFileType.MOSTLY_IQ3_XXS,
+                   attn_v=first_of(gqa_at_least(4, QType.Q4_K), without_imatrix(always(QType.IQ3_S))),
+                   ffn_down=without_imatrix(first_part(8, QType.Q4_K, QType.Q3_K)), attn_output=QType.IQ3_S,
+                   attn_k=QType.IQ2_S, attn_q=QType.IQ2_S, token_embd=QType.IQ3_S, output=QType.Q5_K),
+    "iq3_xs": Mix(QType.IQ3_S, LlamaFileType.MOSTLY_IQ3_XS, attn_v=gqa_at_least(4, QType.Q4_K),
+                  ffn_up_gate=middle(QType.IQ3_XXS), attn_k=QType.IQ3_XXS, attn_q=QType.IQ3_XXS),
+    "iq3_s": Mix(QType.IQ3_S, LlamaFileType.MOSTLY_IQ3_S, attn_v=gqa_at_least(4, QType.Q4_K)),
+    "iq3_m": Mix(QType.IQ3_S, LlamaFileType.MOSTLY_IQ3_M, attn_v=always(QType.Q4_K),
+                 ffn_down=first_part(8, QType.Q4_K), attn_output=QType.Q4_K),
     "tq1_0": Mix(QType.TQ1_0, LlamaFileType.MOSTLY_TQ1_0, token_embd=QType.Q4_K),
     "tq2_0": Mix(QType.TQ2_0, LlamaFileType.MOSTLY_TQ2_0, token_embd=QType.Q4_K),
 }
@@ -375,7 +417,8 @@ def _fixed_type(name: str, shape: tuple[int, ...], qtype: QType, flag: str) -> Q
 
 
 class _Chooser:
-    """llama_tensor_get_type over one model, with llama.cpp's running counts of attn_v and ffn_down tensors."""
+    """llama_tensor_get_type over one model, with llama.cpp's running counts of attn_v, ffn_down, ffn_up and
+    ffn_gate tensors."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], mix: Mix | None, base: QType, facts: ModelFacts | None,
                  options: QuantOptions) -> None:
@@ -383,8 +426,9 @@ class _Chooser:
         self.facts = facts or ModelFacts(0, 0)
         self.tied = OUTPUT_NAME not in shapes
         categories = [tensor_category(n) for n in shapes]
-        self.totals = {Category.ATTN_V: categories.count(Category.ATTN_V), Category.FFN_DOWN: self.facts.n_layer}
-        self.counts = {Category.ATTN_V: 0, Category.FFN_DOWN: 0}
+        self.totals = {Category.ATTN_V: categories.count(Category.ATTN_V),
+                       **dict.fromkeys((Category.FFN_DOWN, Category.FFN_UP, Category.FFN_GATE), self.facts.n_layer)}
+        self.counts = dict.fromkeys(self.totals, 0)
 
     def choose(self, name: str, shape: tuple[int, ...]) -> QType:
         if not allows_quantization(name, shape):
@@ -413,10 +457,11 @@ class _Chooser:
             return mix.output if mix.base != QType.Q8_0 else mix.base
         if category == Category.TOKEN_EMBD:
             return mix.token_embd or mix.base
-        if category == Category.ATTN_OUTPUT:
-            return mix.attn_output or mix.base
+        fixed = {Category.ATTN_OUTPUT: mix.attn_output, Category.ATTN_K: mix.attn_k, Category.ATTN_Q: mix.attn_q}
+        if category in fixed:
+            return fixed[category] or mix.base
         if category in self.counts:
-            rule = mix.attn_v if category == Category.ATTN_V else mix.ffn_down
+            rule = mix.rule(category)
             place = RuleInput(self.counts[category], self.totals[category], self.facts, self.options.imatrix)
             self.counts[category] += 1
             return (rule(place) if rule else None) or mix.base

@@ -373,7 +373,7 @@ def requantize(x: np.ndarray, L: np.ndarray, d: np.ndarray, m: np.ndarray, use_m
 # --------------------------------------------------------------------------- with an importance matrix
 
 @njit(cache=True, error_model="numpy", nogil=True, inline="always")
-def _sum_squares(x: np.ndarray) -> float:
+def sum_squares(x: np.ndarray) -> float:
     total = ZERO
     for i in range(len(x)):
         total += x[i] * x[i]
@@ -402,7 +402,7 @@ def kx3_superblocks(x: np.ndarray, qw: np.ndarray, sub: int, nmax: int, scale_ma
     ls = np.empty(nsub, np.int32)
     for b in range(count):
         xb, qb = x[b], qw[b % len(qw)]
-        sum_x2 = _sum_squares(xb)
+        sum_x2 = sum_squares(xb)
         sigma2 = sum_x2 / F32(n) if half_sigma else F32(2.0) * sum_x2 / F32(n)
         for j in range(nsub):
             xs = xb[j * sub:(j + 1) * sub]
@@ -431,7 +431,7 @@ def q3k_superblocks(x: np.ndarray, qw: np.ndarray) -> tuple[np.ndarray, np.ndarr
     sw = np.empty(16, np.float32)
     for b in range(count):
         xb, qb = x[b], qw[b % len(qw)]
-        sigma2 = F32(2.0) * _sum_squares(xb) / F32(n)
+        sigma2 = F32(2.0) * sum_squares(xb) / F32(n)
         for j in range(16):
             xs = xb[16 * j:16 * j + 16]
             total = ZERO
@@ -461,7 +461,7 @@ def legacy_weighted_rows(x: np.ndarray, qw: np.ndarray, nmax: int, offset: bool
     Laux = np.empty(32, np.uint8)
     for r in range(rows):
         xr = x[r]
-        sigma2 = _sum_squares(xr) / F32(n)
+        sigma2 = sum_squares(xr) / F32(n)
         for ib in range(nb):
             xb = xr[32 * ib:32 * ib + 32]
             for j in range(32):
@@ -494,7 +494,7 @@ def iq4_superblocks(x: np.ndarray, qw: np.ndarray, use_qw: bool, values: np.ndar
     v0 = F32(values[0])
     for b in range(count):
         xb = x[b]
-        sigma2 = _sum_squares(xb) * (F32(2.0) / F32(n))
+        sigma2 = sum_squares(xb) * (F32(2.0) / F32(n))
         max_scale, amax_scale = ZERO, ZERO
         for ib in range(nsub):
             xs = xb[32 * ib:32 * ib + 32]
@@ -546,270 +546,3 @@ def iq4_superblocks(x: np.ndarray, qw: np.ndarray, use_qw: bool, values: np.ndar
             for j in range(n):
                 L[b, j] = best_index_int8(values, inv * xb[j])
     return d_out, ls_out, L
-
-
-# ------------------------------------------------------------------------------------- IQ3_XXS, IQ2_XXS
-
-FLT_MAX = np.float32(3.4028234663852886e38)
-GROUP_MAX_EPS_IQ3_XXS = np.float32(1e-8)
-
-
-@njit(cache=True, error_model="numpy", nogil=True)
-def iq_best_neighbour(neighbours: np.ndarray, start: int, grid: np.ndarray, xval: np.ndarray, weight: np.ndarray,
-                      scale: float, L: np.ndarray, o: int) -> int:
-    """``iq{2,3}_find_best_neighbour``: of the grid points listed at ``neighbours[start]`` (count, then
-    indices), the first with the least ``sum weight * (scale * q - x)^2`` over the m values from ``o``; its
-    levels go to ``L[o:o + m]``.  ``grid`` holds the odd values ``2l + 1`` of each point [G, m]."""
-    best_d2, found = FLT_MAX, -1
-    for j in range(1, neighbours[start] + 1):
-        index = neighbours[start + j]
-        d2 = ZERO
-        for i in range(grid.shape[1]):
-            diff = scale * F32(grid[index, i]) - xval[o + i]
-            d2 += weight[o + i] * diff * diff
-        if d2 < best_d2:
-            best_d2, found = d2, index
-    for i in range(grid.shape[1]):
-        L[o + i] = (grid[found, i] - 1) // 2
-    return found
-
-
-@njit(cache=True, error_model="numpy", nogil=True, inline="always")
-def _grid_point(xval: np.ndarray, o: int, m: int, bits: int, top: int, inv: float, L: np.ndarray) -> int:
-    """The levels (0 .. ``top``, llama.cpp's kMaxQ - 1) of values ``o .. o + m - 1`` at scale ``1 / inv`` into
-    ``L``; their packed index u (``bits`` per level)."""
-    u = 0
-    for i in range(m):
-        level = max(0, min(top, nearest_int(F32(0.5) * (inv * xval[o + i] - ONE))))
-        L[o + i] = level
-        u |= level << (bits * i)
-    return u
-
-
-@njit(cache=True, error_model="numpy", nogil=True, inline="always")
-def _signs(xb: np.ndarray, weight: np.ndarray, xval: np.ndarray, signs: np.ndarray) -> None:
-    """|x| into ``xval`` and the 7 stored sign bits of each group of 8 into ``signs``: with an odd count of
-    negatives, the value of least ``weight * x^2`` (first of equals) has its sign flipped, in ``xval`` too."""
-    for k in range(4):
-        nflip, s = 0, 0
-        for i in range(8):
-            if xb[8 * k + i] >= ZERO:
-                xval[8 * k + i] = xb[8 * k + i]
-            else:
-                xval[8 * k + i] = -xb[8 * k + i]
-                nflip += 1
-                s |= 1 << i
-        if nflip % 2:
-            imin, least = 0, weight[8 * k] * xb[8 * k] * xb[8 * k]
-            for i in range(1, 8):
-                ax = weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i]
-                if ax < least:
-                    least, imin = ax, i
-            xval[8 * k + imin] = -xval[8 * k + imin]
-            s ^= 1 << imin
-        signs[k] = s & 127
-
-
-@njit(cache=True, error_model="numpy", nogil=True, inline="always")
-def _odd_sums(weight: np.ndarray, xval: np.ndarray, L: np.ndarray) -> tuple[float, float]:
-    sumqx, sumq2 = ZERO, ZERO
-    for i in range(32):
-        q = F32(2 * L[i] + 1)
-        sumqx += weight[i] * xval[i] * q
-        sumq2 += weight[i] * q * q
-    return sumqx, sumq2
-
-
-@njit(cache=True, error_model="numpy", nogil=True)
-def iq3xxs_superblocks(x: np.ndarray, qw: np.ndarray, use_qw: bool, grid: np.ndarray, kmap: np.ndarray,
-                       neighbours: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``quantize_row_iq3_xxs_impl`` (grid of 256) for super-blocks ``x`` [B, 256], importance ``qw``
-    [B_row, 256] when ``use_qw`` (else weights x^2).  ``grid`` [256, 4] (odd values 2l + 1), ``kmap`` [4096]
-    (packed levels -> grid index, or -(offset + 1) of its neighbour list) and ``neighbours`` as ``iq3xs_init_impl``
-    builds them.  Returns the float32 block scale before float16 (d * 1.0125, 0 for an all-zero block) [B] and
-    the 96 bytes after it [B, 96]: grid indices [64], then per sub-block of 32 the 7-bit signs of its 4 groups of
-    8 and its 4-bit scale (little-endian uint32)."""
-    count = x.shape[0]
-    d_out = np.zeros(count, np.float32)
-    q3 = np.zeros((count, 96), np.uint8)
-    weight = np.empty(32, np.float32)
-    waux = np.empty(32, np.float32)
-    xval = np.empty(32, np.float32)
-    L = np.zeros(32, np.int8)
-    Laux = np.zeros(32, np.int8)
-    on_grid = np.ones(8, np.bool_)
-    on_grid_aux = np.ones(8, np.bool_)
-    signs = np.zeros(4, np.uint32)
-    scales = np.zeros(8, np.float32)
-    packed = np.zeros(8, np.uint32)
-    for b in range(count):
-        xbl = x[b]
-        packed[:] = 0
-        max_scale = ZERO
-        sigma2 = F32(2.0) * _sum_squares(xbl) / F32(256.0)
-        for ib in range(8):
-            xb = xbl[32 * ib:32 * ib + 32]
-            for i in range(32):
-                if use_qw:
-                    weight[i] = qw[b % len(qw), 32 * ib + i] * F32(np.sqrt(sigma2 + xb[i] * xb[i]))
-                else:
-                    weight[i] = xb[i] * xb[i]
-                waux[i] = F32(np.sqrt(weight[i]))
-            _signs(xb, weight, xval, signs)
-            top = xval[0]
-            for i in range(1, 32):
-                top = top if top > xval[i] else xval[i]
-            L[:] = 0
-            if top < GROUP_MAX_EPS_IQ3_XXS:
-                scales[ib] = ZERO
-                continue
-            best = ZERO
-            scale = top / F32(15.0)
-            on_grid[:] = True
-            for step in range(-15, 16):
-                inv = (F32(15.0) + F32(step) * F32(0.2)) / top
-                this_scale = ONE / inv
-                for k in range(8):
-                    u = _grid_point(xval, 4 * k, 4, 3, 7, inv, Laux)
-                    on_grid_aux[k] = kmap[u] >= 0
-                    if not on_grid_aux[k]:
-                        iq_best_neighbour(neighbours, -kmap[u] - 1, grid, xval, waux, this_scale, Laux, 4 * k)
-                sumqx, sumq2 = _odd_sums(weight, xval, Laux)
-                if sumq2 > ZERO and sumqx * sumqx > best * sumq2:
-                    scale = sumqx / sumq2
-                    best = scale * sumqx
-                    L[:] = Laux
-                    on_grid[:] = on_grid_aux
-            if not on_grid.all() and scale > ZERO:
-                inv = ONE / scale
-                for k in range(8):
-                    if on_grid[k]:
-                        continue
-                    u = _grid_point(xval, 4 * k, 4, 3, 7, inv, L)
-                    index = kmap[u]
-                    if index < 0:
-                        index = iq_best_neighbour(neighbours, -kmap[u] - 1, grid, xval, waux, scale, L, 4 * k)
-                    for i in range(4):
-                        L[4 * k + i] = (grid[index, i] - 1) // 2
-                sumqx, sumq2 = _odd_sums(weight, xval, L)
-                if sumq2 > ZERO:
-                    scale = sumqx / sumq2
-            if scale < ZERO:  # llama.cpp: "should never happen"; flip the scale and the signs
-                scale = -scale
-                for k in range(4):
-                    signs[k] = ~signs[k] & 127
-            for k in range(8):
-                u = 0
-                for i in range(4):
-                    u |= L[4 * k + i] << (3 * i)
-                q3[b, 8 * ib + k] = kmap[u]
-            packed[ib] = signs[0] | (signs[1] << 7) | (signs[2] << 14) | (signs[3] << 21)
-            scales[ib] = scale
-            max_scale = max_scale if max_scale > scale else scale
-        if max_scale == ZERO:
-            q3[b, :] = 0
-            continue
-        d = max_scale / F32(31.0)
-        d_out[b] = d * F32(1.0125)
-        inv = ONE / d
-        for ib in range(8):
-            level = max(0, min(15, nearest_int(F32(0.5) * (inv * scales[ib] - ONE))))
-            word = packed[ib] | (np.uint32(level) << 28)
-            for j in range(4):
-                q3[b, 64 + 4 * ib + j] = (word >> (8 * j)) & 255
-    return d_out, q3
-
-
-@njit(cache=True, error_model="numpy", nogil=True)
-def iq2xxs_superblocks(x: np.ndarray, qw: np.ndarray, grid: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray
-                       ) -> tuple[np.ndarray, np.ndarray]:
-    """``quantize_row_iq2_xxs_impl`` for super-blocks ``x`` [B, 256] with importance ``qw`` [B_row, 256] (it
-    has no unweighted form).  ``grid`` [256, 8] (odd values 2l + 1), ``kmap`` [65536] and ``neighbours`` as
-    ``iq2xs_init_impl`` builds them.  Returns the float32 block scale before float16 (0 for an all-zero block)
-    [B] and the 64 bytes after it [B, 64]: per 32 values 4 grid indices, then a little-endian word of the 7-bit
-    signs of its 4 groups of 8 and its 4-bit scale."""
-    count = x.shape[0]
-    d_out = np.zeros(count, np.float32)
-    q2 = np.zeros((count, 64), np.uint8)
-    weight = np.empty(32, np.float32)
-    waux = np.empty(32, np.float32)
-    xval = np.empty(32, np.float32)
-    L = np.zeros(32, np.int8)
-    Laux = np.zeros(32, np.int8)
-    Lqp = np.zeros(32, np.uint8)
-    ls = np.zeros(32, np.int32)
-    signs = np.zeros(4, np.uint32)
-    scales = np.zeros(8, np.float32)
-    packed = np.zeros(8, np.uint32)
-    for b in range(count):
-        xbl, qb = x[b], qw[b % len(qw)]
-        packed[:] = 0
-        max_scale = ZERO
-        sigma2 = _sum_squares(xbl) / F32(256.0)
-        for ib in range(8):
-            xb = xbl[32 * ib:32 * ib + 32]
-            for i in range(32):
-                weight[i] = qb[32 * ib + i] * F32(np.sqrt(sigma2 + xb[i] * xb[i]))
-                waux[i] = F32(np.sqrt(weight[i]))
-            _signs(xb, weight, xval, signs)
-            top = xval[0]
-            for i in range(1, 32):
-                top = top if top > xval[i] else xval[i]
-            if top < GROUP_MAX_EPS:
-                scales[ib] = ZERO
-                continue
-            scale = make_qp_quants(xval, Lqp, 4, weight, ls)
-            L[:] = Lqp  # C hands make_qp_quants L itself
-            eff_max = scale * F32(3.0)
-            if eff_max <= ZERO:
-                scales[ib] = ZERO
-                continue
-            best = ZERO
-            for step in range(-6, 7):
-                inv = (F32(5.0) + F32(step) * F32(0.1)) / eff_max
-                this_scale = ONE / inv
-                for k in range(4):
-                    u = _grid_point(xval, 8 * k, 8, 2, 2, inv, Laux)
-                    if kmap[u] < 0:
-                        iq_best_neighbour(neighbours, -kmap[u] - 1, grid, xval, waux, this_scale, Laux, 8 * k)
-                sumqx, sumq2 = _odd_sums(weight, xval, Laux)
-                if sumq2 > ZERO and sumqx * sumqx > best * sumq2:
-                    scale = sumqx / sumq2
-                    best = scale * sumqx
-                    L[:] = Laux
-            if scale > ZERO:
-                inv = ONE / scale
-                for k in range(4):
-                    u = _grid_point(xval, 8 * k, 8, 2, 2, inv, L)
-                    index = kmap[u]
-                    if index < 0:
-                        index = iq_best_neighbour(neighbours, -kmap[u] - 1, grid, xval, waux, scale, L, 8 * k)
-                    for i in range(8):
-                        L[8 * k + i] = (grid[index, i] - 1) // 2
-                sumqx, sumq2 = _odd_sums(weight, xval, L)
-                if sumq2 > ZERO:
-                    scale = sumqx / sumq2
-            if scale < ZERO:  # llama.cpp: "should never happen"; flip the scale and the signs
-                scale = -scale
-                for k in range(4):
-                    signs[k] = ~signs[k] & 127
-            for k in range(4):
-                u = 0
-                for i in range(8):
-                    u |= L[8 * k + i] << (2 * i)
-                q2[b, 8 * ib + k] = kmap[u]
-                packed[ib] |= signs[k] << (7 * k)
-            scales[ib] = scale
-            max_scale = max_scale if max_scale > scale else scale
-        if max_scale == ZERO:
-            q2[b, :] = 0
-            continue
-        d = max_scale / F32(31.0)
-        d_out[b] = d
-        inv = ONE / d
-        for ib in range(8):
-            level = max(0, min(15, nearest_int(F32(0.5) * (inv * scales[ib] - ONE))))
-            word = packed[ib] | (np.uint32(level) << 28)
-            for j in range(4):
-                q2[b, 8 * ib + 4 + j] = (word >> (8 * j)) & 255
-    return d_out, q2

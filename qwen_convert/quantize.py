@@ -5,8 +5,8 @@ Each chunk is widened to float32 (``[rows, n]``) and encoded to the output type'
 exactly the bytes of ``gguf.quants.quantize`` (llama.cpp's reference) with fewer temporaries; Q4_0, Q4_1, Q5_0
 and Q5_1 are ``gguf.quants.quantize`` itself, which gives the bytes of llama.cpp's quantizer
 (tests/convert/: test_convert_quantize.py and test_quant_writers.py check both), and so are TQ1_0 and TQ2_0
-(test_ternary_writers.py).  The K-quants and IQ4 types are
-:mod:`qwen_convert.kquant_encode`, :mod:`qwen_convert.iq4_encode` and :mod:`qwen_convert.iq_encode` (IQ3_XXS, IQ2_XXS),
+(test_ternary_writers.py).  The K-quants, IQ4 types and lattice i-quants are :mod:`qwen_convert.kquant_encode`,
+:mod:`qwen_convert.iq4_encode` and :mod:`qwen_convert.iq_encode` (IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S),
 llama.cpp's searches re-done in float32 (tests/convert/test_kquant_writers.py, test_iq_writers.py).
 """
 
@@ -30,9 +30,9 @@ CHUNK_ELEMENTS = 1 << 20  # float32 elements widened at once (4 MiB)
 GGUF_QUANTIZED = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)  # encoded by gguf.quants
 # The ternary types: gguf.quants gives llama.cpp's bytes (quantize_row_tq*_0_ref), which takes no importance.
 TERNARY = (QType.TQ1_0, QType.TQ2_0)
-# The K-quants, IQ4, IQ3_XXS and IQ2_XXS: llama.cpp's searches, compiled with numba (imported on first use).
+# The K-quants, IQ4 and the lattice i-quants: llama.cpp's searches, compiled with numba (imported on first use).
 SEARCHED = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_XXS,
-            QType.IQ2_XXS)
+            QType.IQ3_S, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S, QType.IQ1_M)
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
@@ -69,10 +69,10 @@ def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = Non
     """Float32 ``[rows, n]`` -> the stored layout of ``qtype`` for those rows.
 
     ``importance`` is the tensor's per-column importance ``[n]`` (an importance matrix entry, llama.cpp's
-    ``quant_weights``): the K-quants, IQ4, IQ3_XXS and Q4_0..Q5_1 are then encoded as ``llama-quantize --imatrix``
-    does; Q8_0, TQ1_0, TQ2_0 and the dense types ignore it, as llama.cpp does.  These searched encodings split
-    the rows over ``threads`` threads (default: :func:`~qwen_runtime.backend.pool.default_threads`); the bytes do
-    not depend on it.
+    ``quant_weights``): the K-quants, IQ4, the lattice i-quants and Q4_0..Q5_1 are then encoded as
+    ``llama-quantize --imatrix`` does; Q8_0, TQ1_0, TQ2_0 and the dense types ignore it, as llama.cpp does.
+    These searched encodings split the rows over ``threads`` threads (default:
+    :func:`~qwen_runtime.backend.pool.default_threads`); the bytes do not depend on it.
     """
     if qtype in SEARCHED or (importance is not None and qtype in GGUF_QUANTIZED):
         return encode_searched(x, qtype, importance, threads)
@@ -91,7 +91,7 @@ def encode_rows(x: np.ndarray, qtype: QType, importance: np.ndarray | None = Non
 
 
 def encode_searched(x: np.ndarray, qtype: QType, importance: np.ndarray | None, threads: int | None) -> np.ndarray:
-    """A K-quant, IQ4, IQ3_XXS, IQ2_XXS or importance-weighted Q4_0..Q5_1 encoding of float32 ``[rows, n]``,
+    """A K-quant, IQ4, lattice i-quant or importance-weighted Q4_0..Q5_1 encoding of float32 ``[rows, n]``,
     its rows split into up to ``threads`` parts encoded at once (the compiled searches release the GIL; blocks
     never span rows, so the parts are independent)."""
     listen()  # a command then says when numba compiles the searches (their first use on a machine)

@@ -149,7 +149,7 @@ def test_a_zero_run_that_would_zero_blocks_is_refused_for_that_type(tmp_path: Pa
     vector[16:32] = 0.0
     importance = Importance(tmp_path / "im.gguf", {"blk.0.ffn_down.weight": vector}, None, 0)
     with pytest.raises(FormatError, match=r"im.gguf: tensor 'blk.0.ffn_down.weight': importance is zero over "
-                                          r"columns 16..31: Q6_K would store them as zeros"):
+                                          r"columns 16..31: Q6_K would not keep their values"):
         importance.for_tensor("blk.0.ffn_down.weight", 512, QType.Q6_K)
     for qtype in (QType.Q4_0, QType.Q4_K, QType.Q4_1, QType.Q8_0):
         importance.for_tensor("blk.0.ffn_down.weight", 512, qtype)

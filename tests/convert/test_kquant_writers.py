@@ -411,7 +411,9 @@ def test_bad_shapes_are_refused() -> None:
 
 
 def test_searched_types_are_the_writers_listed() -> None:
-    assert set(SEARCHED) == {*K_TYPES, QType.IQ3_XXS, QType.IQ2_XXS}  # the i-quants: test_iq_writers.py
+    # the lattice i-quants: tests/convert/test_iq_writers.py
+    lattice = {QType.IQ3_XXS, QType.IQ3_S, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S, QType.IQ1_M}
+    assert set(SEARCHED) == {*K_TYPES, *lattice}
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_K, QType.IQ4_XS], ids=lambda q: q.name)

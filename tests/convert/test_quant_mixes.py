@@ -67,7 +67,7 @@ def test_tensor_type_parsing() -> None:
     assert parse_tensor_type("attn_v=Q8_0") == ("attn_v", QType.Q8_0)
     assert parse_tensor_type(r"blk\.[0-3]\.ffn_down=q6_k") == (r"blk\.[0-3]\.ffn_down", QType.Q6_K)
     assert parse_tensor_type("attn_v=iq2_xxs") == ("attn_v", QType.IQ2_XXS)  # the i-quants we write
-    for bad in ("attn_v", "=q8_0", "attn_v=", "attn_v=q8_k", "attn_v=iq1_m"):
+    for bad in ("attn_v", "=q8_0", "attn_v=", "attn_v=q8_k", "attn_v=mxfp4"):
         with pytest.raises(QwenError, match="--tensor-type"):
             parse_tensor_type(bad)
     with pytest.raises(QwenError, match="not a regular expression"):
@@ -142,25 +142,78 @@ def test_ternary_and_q2_k_s_mixes_follow_llama_quantize() -> None:
     assert not needs_importance("blk.0.attn_q.weight", QType.TQ1_0, "tq1_0")
 
 
-def test_iq2_xxs_mix_follows_llama_quantize() -> None:
-    """iq2_xxs: output (and a tied embedding) Q5_K, an untied embedding Q2_K, attn_v Q4_K at 4+ query groups
-    (else Q2_K), the first eighth of ffn_down Q2_K, the rest IQ2_XXS (IQ4_NL where 256 does not divide the
-    rows); every IQ2_XXS tensor, and only those, needs an importance matrix."""
+@pytest.mark.parametrize(("mix", "base", "bumped", "attn_output"), [
+    ("iq2_xxs", QType.IQ2_XXS, QType.Q2_K, QType.IQ2_XXS), ("iq2_xs", QType.IQ2_XS, QType.Q2_K, QType.IQ2_XS),
+    ("iq2_s", QType.IQ2_XS, QType.IQ3_S, QType.IQ3_S), ("iq2_m", QType.IQ2_S, QType.IQ3_S, QType.IQ3_S),
+    ("iq1_s", QType.IQ1_S, QType.Q2_K, QType.IQ2_XXS), ("iq1_m", QType.IQ1_M, QType.Q2_K, QType.IQ2_XXS)])
+def test_iq2_mixes_follow_llama_quantize(mix: str, base: QType, bumped: QType, attn_output: QType) -> None:
+    """iq2_xxs, iq2_xs, iq2_s, iq2_m, iq1_s, iq1_m: output (and a tied embedding) Q5_K, attn_v Q4_K at 4+ query
+    groups, the untied embedding, attn_v below 4 groups and the first eighth of ffn_down one type up (Q2_K, or
+    IQ3_S for iq2_s/iq2_m, whose attn_output is IQ3_S too; IQ1's attn_output is IQ2_XXS), the rest the base type
+    (IQ4_NL where 256 does not divide the rows); every tensor of the base type, and only those (IQ2_XXS
+    attn_output too), needs an importance matrix."""
     shapes = {"token_embd.weight": (1000, 512), "output.weight": (1000, 512), "blk.0.ffn_up.weight": (512, 384),
               **{f"blk.{i}.{kind}.weight": (512, 512) for i in range(16) for kind in ("attn_v", "ffn_down",
-                                                                                       "attn_output")}}
-    for groups, attn_v in ((4, QType.Q4_K), (1, QType.Q2_K)):
-        types = plan_types(shapes, "iq2_xxs", ModelFacts(16, groups))
-        assert (types["output.weight"], types["token_embd.weight"]) == (QType.Q5_K, QType.Q2_K)
+                                                                                       "attn_output", "attn_q")}}
+    for groups, attn_v in ((4, QType.Q4_K), (1, bumped)):
+        types = plan_types(shapes, mix, ModelFacts(16, groups))
+        assert (types["output.weight"], types["token_embd.weight"]) == (QType.Q5_K, bumped)
         assert {types[f"blk.{i}.attn_v.weight"] for i in range(16)} == {attn_v}
-        assert [types[f"blk.{i}.ffn_down.weight"] for i in range(3)] == [QType.Q2_K, QType.Q2_K, QType.IQ2_XXS]
-        assert {types[f"blk.{i}.attn_output.weight"] for i in range(16)} == {QType.IQ2_XXS}
+        assert [types[f"blk.{i}.ffn_down.weight"] for i in range(3)] == [bumped, bumped, base]
+        assert {types[f"blk.{i}.attn_output.weight"] for i in range(16)} == {attn_output}
+        assert {types[f"blk.{i}.attn_q.weight"] for i in range(16)} == {base}
         assert types["blk.0.ffn_up.weight"] == QType.IQ4_NL
-        assert [n for n, q in types.items() if needs_importance(n, q, "iq2_xxs")] == [
-            n for n, q in types.items() if q == QType.IQ2_XXS]
+        assert [n for n, q in types.items() if needs_importance(n, q, mix)] == [
+            n for n, q in types.items() if q == base or q == attn_output == QType.IQ2_XXS]
     tied = {n: s for n, s in shapes.items() if n != "output.weight"}
-    assert plan_types(tied, "iq2_xxs", ModelFacts(16, 4))["token_embd.weight"] == QType.Q5_K
-    assert needs_importance("output.weight", QType.IQ2_XXS, "q4_k_m")  # llama.cpp cannot encode it without
+    assert plan_types(tied, mix, ModelFacts(16, 4))["token_embd.weight"] == QType.Q5_K
+    assert needs_importance("output.weight", QType.IQ2_XS, "q4_k_m")  # llama.cpp cannot encode it without
+    assert not needs_importance("output.weight", QType.IQ2_S, "q4_k_m")  # it can: the rule's exception holds
+
+
+def test_iq3_mixes_follow_llama_quantize() -> None:
+    """iq3_xxs: output Q5_K, untied embedding IQ3_S, attn_q/attn_k IQ2_S, attn_output IQ3_S, attn_v Q4_K at 4+
+    query groups (else IQ3_S without an importance matrix, IQ3_XXS with), ffn_down Q4_K for the first eighth and
+    Q3_K after without a matrix; iq3_xs: IQ3_S with attn_q/attn_k IQ3_XXS and ffn_up/ffn_gate IQ3_XXS between
+    the first and last eighth; iq3_s: IQ3_S, attn_v Q4_K at 4+ groups; iq3_m: attn_v Q4_K, attn_output Q4_K and
+    the first eighth of ffn_down Q4_K; the output Q6_K for all but iq3_xxs."""
+    kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_gate", "ffn_down")
+    shapes = {"token_embd.weight": (1000, 512), "output.weight": (1000, 512),
+              **{f"blk.{i}.{kind}.weight": (512, 512) for i in range(16) for kind in kinds}}
+
+    def layers(types: dict[str, QType], kind: str) -> list[QType]:
+        return [types[f"blk.{i}.{kind}.weight"] for i in range(16)]
+
+    xxs = QType.IQ3_XXS
+    for imatrix in (False, True):
+        for groups in (1, 4):
+            types = plan_types(shapes, "iq3_xxs", ModelFacts(16, groups), QuantOptions(imatrix=imatrix))
+            assert (types["output.weight"], types["token_embd.weight"]) == (QType.Q5_K, QType.IQ3_S)
+            assert set(layers(types, "attn_q")) == set(layers(types, "attn_k")) == {QType.IQ2_S}
+            assert set(layers(types, "attn_output")) == {QType.IQ3_S}
+            assert set(layers(types, "attn_v")) == {QType.Q4_K if groups >= 4 else xxs if imatrix else QType.IQ3_S}
+            assert layers(types, "ffn_down") == ([xxs] * 16 if imatrix else [QType.Q4_K] * 2 + [QType.Q3_K] * 14)
+            assert set(layers(types, "ffn_up")) == set(layers(types, "ffn_gate")) == {xxs}
+    s_types = QType.IQ3_S
+    for groups in (1, 4):
+        facts = ModelFacts(16, groups)
+        attn_v = QType.Q4_K if groups >= 4 else s_types
+        types = plan_types(shapes, "iq3_xs", facts)
+        assert (types["output.weight"], types["token_embd.weight"]) == (QType.Q6_K, s_types)
+        assert set(layers(types, "attn_q")) == set(layers(types, "attn_k")) == {xxs}
+        assert set(layers(types, "attn_v")) == {attn_v}
+        assert layers(types, "ffn_up") == layers(types, "ffn_gate") == [s_types] * 2 + [xxs] * 12 + [s_types] * 2
+        assert set(layers(types, "ffn_down")) == set(layers(types, "attn_output")) == {s_types}
+        types = plan_types(shapes, "iq3_s", facts)
+        assert set(layers(types, "attn_v")) == {attn_v} and types["output.weight"] == QType.Q6_K
+        assert {types[n] for n in shapes if "attn_v" not in n and n != "output.weight"} == {s_types}
+        types = plan_types(shapes, "iq3_m", facts)
+        assert set(layers(types, "attn_v")) == set(layers(types, "attn_output")) == {QType.Q4_K}
+        assert layers(types, "ffn_down") == [QType.Q4_K] * 2 + [s_types] * 14
+        assert set(layers(types, "attn_q")) == set(layers(types, "ffn_up")) == {s_types}
+    options = QuantOptions(tensor_types=(("blk.0.ffn_up", QType.Q8_0),))  # not counted: the rest shift by one
+    assert layers(plan_types(shapes, "iq3_xs", ModelFacts(16, 1), options), "ffn_up") == (
+        [QType.Q8_0, s_types, s_types] + [xxs] * 12 + [s_types])
 
 
 def test_cli_options_reach_the_plan(tmp_path: Path) -> None:
