@@ -331,9 +331,12 @@ def attend_tile(q: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.n
             out[h0 + h, t, i] = ot[j, i, k] * inverse
 
 
-def tile_tokens(group: int) -> int:
-    """New tokens of a task: its rows (tokens x the g query heads of a kv head) up to :data:`TILE_ROWS`."""
-    return max(1, TILE_ROWS // group)
+def tile_tokens(group: int, tokens: int) -> int:
+    """New tokens of a task: its rows (tokens x the g query heads of a kv head) up to :data:`TILE_ROWS`, the
+    ``tokens`` of a pass cut into tiles of equal size (a chunk of 256 tokens of a group of 7: 4 tiles of 64, not 73,
+    73, 73 and 37), so the pool's threads get equal work."""
+    most = max(1, TILE_ROWS // group)
+    return -(-tokens // -(-tokens // most))
 
 
 def scratch_shapes(rows: int, hd: int) -> list[tuple[int, ...]]:
@@ -357,7 +360,7 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_slots: np.
     q = np.ascontiguousarray(q, np.float32)
     out = np.empty(q.shape, np.float32)
     k, v = (x.view(np.uint16) if x.dtype == np.float16 else x for x in (keys, values))  # .attention.kernel_view
-    step = tile_tokens(group)
+    step = tile_tokens(group, t)
     ws.run([partial(_task, q[row], k[row, kv], v[row, kv], query_slots[row], key_valid[row], kv * group, group, t0,
                     min(t0 + step, t), out[row])
             for t0 in reversed(range(0, t, step)) for row in range(b) for kv in range(kv_heads)])
