@@ -191,24 +191,26 @@ class BatchState:
             self._memo[key] = rope_cos_sin(self.positions, rotary_dim, theta, scaling)
         return self._memo[key]
 
-    def hidden(self, q0: int = 0, q1: int | None = None) -> np.ndarray | None:
-        """The slots new tokens ``q0:q1`` may not attend to, or None when they see every slot (a decode step
-        without padding).  # bool [B, 1, 1, q1 - q0, S] (S = ``end``)
+    def hidden(self, q0: int = 0, q1: int | None = None, s0: int = 0, s1: int | None = None) -> np.ndarray | None:
+        """Which of the slots ``s0:s1`` new tokens ``q0:q1`` may not attend to, or None when they see every one of
+        them (a decode step without padding; a block of a prefill's tile below the diagonal).
+        # bool [B, 1, 1, q1 - q0, s1 - s0] (default: every new token and every slot up to ``end``)
 
         A token sees the slots up to its own that hold real tokens; it always sees its own slot, so a padding
         query has one finite score (its output is ignored) instead of a row of ``-inf``.  The answer for all
-        new tokens at once is kept for the other layers (a decode step asks for it; a long prefill asks tile
-        by tile and keeps nothing).
+        new tokens and slots at once is kept for the other layers (a decode step asks for it; a long prefill asks
+        tile by tile and block by block and keeps nothing).
         """
         q1 = self.length if q1 is None else q1
-        whole = (q0, q1) == (0, self.length)
+        s1 = self.end if s1 is None else s1
+        whole = (q0, q1, s0, s1) == (0, self.length, 0, self.end)
         if whole and "hidden" in self._memo:
             return self._memo["hidden"]
-        slots = np.arange(self.end)  # [S]
+        slots = np.arange(s0, s1)  # [n]
         query_slots = np.arange(self.start + q0, self.start + q1)  # [Tq]
-        causal = slots[None, :] <= query_slots[:, None]  # [Tq, S]
+        causal = slots[None, :] <= query_slots[:, None]  # [Tq, n]
         own = slots[None, :] == query_slots[:, None]
-        hidden = ~((causal[None] & self.key_valid[:, None, :]) | own[None])  # [B, Tq, S]
+        hidden = ~((causal[None] & self.key_valid[:, None, s0:s1]) | own[None])  # [B, Tq, n]
         result = hidden[:, None, None] if hidden.any() else None
         if whole:
             self._memo["hidden"] = result

@@ -30,18 +30,21 @@ def build_model(source: str | Path | ModelFiles, tile_elements: int = TILE_ELEME
 
 
 def warm_up(model: Model) -> None:
-    """Decode steps of one token, thrown away: the compiled ops of a decode step (by the compiled step and op by op,
-    as a prompt runs them) are loaded from numba's cache (or compiled, the first time on a machine) while the model
-    loads, not inside the first prompt, as llama.cpp warms up too.  The products' kernels are already compiled
-    when their weights are built, so the steps skip them (``Workspace.dry_run``: the weights are not read), and
-    LLVM's code pages are released before the weights are mapped in (:func:`..jit_setup.release_compiler_pages`,
-    then :func:`..weights.populate`): the peak resident memory does not hold both."""
+    """Decode steps of one token and a short prefill, thrown away: the compiled ops of a decode step (by the compiled
+    step and op by op, as a prompt runs them) and a prefill's attention tiles (:mod:`.prefill_jit`) are loaded from
+    numba's cache (or compiled, the first time on a machine) while the model loads, not inside the first prompt, as
+    llama.cpp warms up too.  The products' kernels are already compiled when their weights are built, so the passes
+    skip them (``Workspace.dry_run``: the weights are not read), and LLVM's code pages are released before the
+    weights are mapped in (:func:`..jit_setup.release_compiler_pages`, then :func:`..weights.populate`): the peak
+    resident memory does not hold both."""
     step = model.step
+    prefill = attention.JIT_TOKENS + 1  # the fewest new tokens that take the prefill's tiles
     try:
         with model.workspace.dry_run():
             for path in dict.fromkeys((step, None)):  # the compiled step (when offered), then op by op
                 model.step = path
                 model.forward(np.zeros((1, 1), np.int64), model.make_cache(1, 1), last_only=True)
+            model.forward(np.zeros((1, prefill), np.int64), model.make_cache(1, prefill), last_only=True)
     finally:
         model.step = step
     release_compiler_pages()

@@ -17,15 +17,19 @@ import numpy as np
 from gguf import MODEL_TENSOR
 
 from ..backend.cache import BatchState, CacheSize, KVCache, stored_type
-from ..backend.ops import apply_rope, rms_norm, softmax
+from ..backend.ops import apply_rope, rms_norm
 from ..backend.pool import Workspace
 from ..backend.weights import matmul_many
 from ..formats.archs import FULL_ATTENTION, QWEN2, QWEN3
 from ..formats.config import ModelConfig
 from .base import StepParts, WeightStore, register_mixer
 
-# Upper bound on attention score elements held at once; longer query blocks are processed in tiles.
-SCORE_ELEMENTS = 1 << 22
+# Query rows (new tokens x the query heads of a kv head) of one tile of the numpy path's attention, and the score
+# elements a tile holds at once per batch row and kv head: its blocks of cached slots are cut to fit, so what a
+# prefill holds does not grow with the prompt (a decode step's few rows take every slot of a 16k-token cache in one
+# block, as before).  The blocks depend on the rows alone, so pooled heads sum as the serial ones do.
+QUERY_ROWS = 256
+SCORE_ELEMENTS = 1 << 20
 # Query rows per kv head up to which scores and outputs are one matrix-vector product per query (decode):
 # BLAS reads the cached keys/values at full bandwidth there, while a [S, hd] x [hd, 2] GEMM ran much slower.
 GEMV_ROWS = 4
@@ -35,7 +39,7 @@ GEMV_ROWS = 4
 # at 2,048 cached tokens too).
 POOL_WORK = 1 << 21
 # New tokens per row up to which a workspace with ``kernels="numba"`` runs a step's attention outside the products
-# in compiled code (:mod:`.attention_jit`); longer passes (prefills) stay on BLAS.
+# in compiled code (:mod:`.attention_jit`); longer passes (prefills) run the compiled tiles of :mod:`.prefill_jit`.
 JIT_TOKENS = 4
 
 
@@ -44,6 +48,13 @@ def jit() -> ModuleType:
     """:mod:`.attention_jit`, imported (numba with it) on first use."""
     from . import attention_jit
     return attention_jit
+
+
+@functools.cache
+def prefill_jit() -> ModuleType:
+    """:mod:`.prefill_jit`, imported (numba with it) on first use."""
+    from . import prefill_jit
+    return prefill_jit
 
 
 def compiled(ws: Workspace | None, tokens: int) -> bool:
@@ -65,18 +76,22 @@ def merge_heads(x: np.ndarray) -> np.ndarray:
 
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchState,
            ws: Workspace | None = None) -> np.ndarray:
-    """Scaled dot-product attention with GQA and the batch mask; the kv heads split over the pool when it pays.
+    """Scaled dot-product attention with GQA and the batch mask, in tiles of query rows over blocks of cached slots
+    with an online softmax; the kv heads split over the pool when it pays.
 
-    q: [B, nh, T, hd]; keys/values: [B, nkv, S, hd] -> [B, nh, T, hd]
+    q: [B, nh, T, hd]; keys/values: [B, nkv, S, hd / block] -> [B, nh, T, hd]
 
     Query tokens see the slots :meth:`BatchState.hidden` does not hide.  A ragged batch (``state.lengths``) is
     attended row by row, each over exactly its own slots, so a row's result is bit-identical whatever the other
-    rows hold or how many there are.  With compiled kernels (:func:`compiled`) keys/values may be whole cache
-    buffers: only the slots :meth:`BatchState.slots` names are read.
+    rows hold or how many there are.  With compiled kernels keys/values may be whole cache buffers: only the slots
+    :meth:`BatchState.slots` names are read, by :mod:`.attention_jit` for a few new tokens (:func:`compiled`) and by
+    :mod:`.prefill_jit`'s tiles for more.
     """
     b, nh, t, hd = q.shape
     if compiled(ws, t):
         return jit().attend(q, keys, values, *state.slots())
+    if ws is not None and ws.kernels == "numba":
+        return prefill_jit().attend(q, keys, values, *state.slots(), ws)
     nkv = keys.shape[1]
     q = q.reshape(b, nkv, nh // nkv, t, hd) * np.float32(1.0 / np.sqrt(hd))  # [B, nkv, g, T, hd]
     out = np.empty(q.shape, np.float32)
@@ -93,7 +108,7 @@ def _attend_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: Bat
                  ws: Workspace | None) -> None:
     """Rows of one slot layout, their kv heads split over the pool when it pays.
 
-    q (scaled)/out: [B, nkv, g, T, hd]; keys/values: [B, nkv, S, hd]
+    q (scaled)/out: [B, nkv, g, T, hd]; keys/values: [B, nkv, S, hd / block]
     """
     b, nkv, group, t, hd = q.shape
     if ws is None or not ws.pooled or nkv == 1 or t == 1 or b * nkv * group * t * keys.shape[2] * hd < POOL_WORK:
@@ -106,27 +121,51 @@ def _attend_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: Bat
 
 def _attend_heads(q: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchState, out: np.ndarray,
                   scratch: object) -> None:
-    """Some kv heads and their query heads, tiled over queries (a pool task, or all heads on one thread).
+    """Some kv heads and their query heads, a tile of :data:`QUERY_ROWS` query rows at a time (a pool task, or all
+    heads on one thread).
 
-    q/out: [B, kv, g, T, hd]; keys/values: [B, kv, S, hd]
+    q/out: [B, kv, g, T, hd]; keys/values: [B, kv, S, hd / block]
     """
     b, kv, group, t, hd = q.shape
-    s = keys.shape[2]
-    keys, values = widen(keys), widen(values)  # a cache type narrower than float32: these heads' slots decoded
-    tile = max(1, SCORE_ELEMENTS // (b * kv * group * s))
-    kt = keys.transpose(0, 1, 3, 2)  # [B, kv, hd, S]
-    for q0 in range(0, t, tile):
-        q1 = min(q0 + tile, t)
-        rows = group * (q1 - q0)
-        qs = q[:, :, :, q0:q1].reshape(b, kv, rows, hd)  # all query heads of a kv head: one matmul
-        few = rows <= GEMV_ROWS
-        scores = np.matmul(keys[:, :, None], qs[..., None])[..., 0] if few else qs @ kt  # [B, kv, rows, S]
-        hidden = state.hidden(q0, q1)  # [B, 1, 1, Tq, S] or None
+    tokens = max(1, QUERY_ROWS // group)
+    for q0 in range(0, t, tokens):
+        q1 = min(q0 + tokens, t)
+        qs = q[:, :, :, q0:q1].reshape(b, kv, group * (q1 - q0), hd)  # all query heads of a kv head: one matmul
+        out[:, :, :, q0:q1] = _attend_tile(qs, keys, values, state, q0, q1).reshape(b, kv, group, q1 - q0, hd)
+
+
+def _attend_tile(qs: np.ndarray, keys: np.ndarray, values: np.ndarray, state: BatchState, q0: int, q1: int,
+                 ) -> np.ndarray:
+    """The attention of new tokens ``q0:q1`` (their rows (query head, token) of each kv head), over blocks of cached
+    slots up to the last token's own: an online softmax keeps each row's running maximum ``top``, sum ``weight`` and
+    output ``acc``, rescaled by exp(old top - new top) as each block comes, so a tile holds one block's scores
+    (:data:`SCORE_ELEMENTS` per batch row and kv head) whatever the cache's length.
+
+    qs (scaled): [B, kv, R, hd]; keys/values: [B, kv, S, hd / block] -> [B, kv, R, hd]
+    """
+    b, kv, rows, hd = qs.shape
+    few = rows <= GEMV_ROWS
+    end = state.start + q1  # blocks after the last token's own slot are hidden from every row (causal)
+    block = max(1, SCORE_ELEMENTS // rows)
+    top = np.full((b, kv, rows, 1), -np.inf, np.float32)
+    weight = np.zeros((b, kv, rows, 1), np.float32)
+    acc = np.zeros((b, kv, rows, hd), np.float32)
+    for s0 in range(0, end, block):
+        s1 = min(s0 + block, end)
+        k, v = widen(keys[:, :, s0:s1]), widen(values[:, :, s0:s1])  # the block's slots decoded: [B, kv, n, hd]
+        scores = np.matmul(k[:, :, None], qs[..., None])[..., 0] if few else qs @ k.transpose(0, 1, 3, 2)  # [.., R, n]
+        hidden = state.hidden(q0, q1, s0, s1)  # [B, 1, 1, Tq, n] or None
         if hidden is not None:
-            np.copyto(scores.reshape(b, kv, group, q1 - q0, s, copy=False), np.float32(-np.inf), where=hidden)
-        probs = softmax(scores, out=scores)
-        o = np.matmul(probs[..., None, :], values[:, :, None])[..., 0, :] if few else probs @ values
-        out[:, :, :, q0:q1] = o.reshape(b, kv, group, q1 - q0, hd)
+            np.copyto(scores.reshape(b, kv, -1, q1 - q0, s1 - s0, copy=False), np.float32(-np.inf), where=hidden)
+        best = np.maximum(top, scores.max(axis=-1, keepdims=True))
+        shift = np.where(best == -np.inf, np.float32(0), best)  # a row that sees nothing yet keeps weight 0
+        probs = np.exp(np.subtract(scores, shift, out=scores), out=scores)
+        rescale = np.exp(top - shift)  # [B, kv, R, 1]
+        weight = weight * rescale + probs.sum(axis=-1, keepdims=True)
+        acc *= rescale
+        acc += np.matmul(probs[..., None, :], v[:, :, None])[..., 0, :] if few else probs @ v
+        top = best
+    return acc / weight
 
 
 def widen(x: np.ndarray) -> np.ndarray:
