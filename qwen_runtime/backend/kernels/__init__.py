@@ -49,10 +49,10 @@ JIT_Q8_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q5_0: ("int8", "Q5_0Int8Kernel"),
     QType.Q4_1: ("int8", "Q4_1Int8Kernel"),
     QType.Q5_1: ("int8", "Q5_1Int8Kernel"),
-    QType.Q2_K: ("int8_k", "Q2_KInt8Kernel"),
-    QType.Q3_K: ("int8_k", "Q3_KInt8Kernel"),
+    QType.Q2_K: ("int8_k", "Q2_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
+    QType.Q3_K: ("int8_k", "Q3_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
     QType.Q4_K: ("int8_k", "Q4_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
-    QType.Q5_K: ("int8_k", "Q5_KInt8Kernel"),
+    QType.Q5_K: ("int8_k", "Q5_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
     QType.Q6_K: ("int8_k", "Q6_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
     QType.IQ4_NL: ("int8", "IQ4_NLInt8Kernel"),
     QType.IQ4_XS: ("int8", "IQ4_XSInt8Kernel"),
@@ -63,7 +63,10 @@ JIT_Q8_KERNELS: dict[QType, tuple[str, str]] = {
 # in every other product (other types keep their float kernel).
 JIT_PROMPT_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q8_0: ("amx", "Q8_0AmxPromptKernel"),
+    QType.Q2_K: ("amx_k", "Q2_KAmxPromptKernel"),
+    QType.Q3_K: ("amx_k", "Q3_KAmxPromptKernel"),
     QType.Q4_K: ("amx_k", "Q4_KAmxPromptKernel"),
+    QType.Q5_K: ("amx_k", "Q5_KAmxPromptKernel"),
     QType.Q6_K: ("amx_k", "Q6_KAmxPromptKernel"),
 }
 ACTIVATION_KERNELS = {"q8": JIT_Q8_KERNELS, "q8-prompts": JIT_PROMPT_KERNELS}
