@@ -1,5 +1,5 @@
-"""8-bit activations per 256 values (llama.cpp's q8_K) against the K-quants: the plain numpy reference of the
-integer-dot products that the AMX prefill kernels (``backend/kernels/amx_k.py``) are held to bit for bit.
+"""8-bit activations per 256 values (llama.cpp's q8_K) against the K-quants and IQ4_XS: the plain numpy reference
+of the integer-dot products that the AMX prefill kernels (``backend/kernels/amx_k.py``) are held to bit for bit.
 
 An activation row is quantized per super-block of 256 values as llama.cpp's ``quantize_row_q8_K_ref``: ``max``
 the value of largest magnitude (the first such), ``iscale = -127 / max`` (float32), ``q = min(127,
@@ -15,10 +15,11 @@ as in llama.cpp's ``ggml_vec_dot_<type>_q8_K``:
 
 over the super-blocks in order, every float operation rounded to float32 (no fused add).  The integers ``w`` and
 ``sc`` per type: Q2_K ``q`` 0..3 and ``sc`` 0..15 (its minimums ``m`` 0..15 per 16); Q3_K ``q`` -4..3 and ``sc =
-s - 32``; Q4_K and Q5_K ``q`` 0..15 / 0..31, ``sc`` and ``m`` 0..63 per 32; Q6_K ``q - 32`` and ``sc`` int8 per 16.
-llama.cpp's own kernels add the same terms in other orders (lanes of partial sums, fused adds; its generic Q3_K
-and Q5_K code keeps eight lanes of int32 and adds ``d * lane`` per lane), so it agrees within float32 summation
-error, not bit for bit.
+s - 32``; Q4_K and Q5_K ``q`` 0..15 / 0..31, ``sc`` and ``m`` 0..63 per 32; Q6_K ``q - 32`` and ``sc`` int8 per 16;
+IQ4_XS its levels (-127..113) and ``sc = ls - 32`` per 32 (llama.cpp's AVX2 kernel's integer sum per
+super-block; its generic code adds a float per sub-block instead).  llama.cpp's own kernels add the same terms
+in other orders (lanes of partial sums, fused adds; its generic Q3_K and Q5_K code keeps eight lanes of int32 and
+adds ``d * lane`` per lane), so it agrees within float32 summation error, not bit for bit.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .base import QType, f16_field
+from .iq4 import xs_levels, xs_scales
 from .kquants import _one_bit_values, _scale_min_k4, _signed_scales_k3, _three_bit_values, _two_bit_values
 
 QK_K = 256
@@ -118,9 +120,16 @@ def q6_k_parts(raw: np.ndarray) -> KParts:
     return KParts(q.reshape(r, -1), sc.reshape(r, -1, 16), f16_field(blocks[:, 208:210]).reshape(r, -1))
 
 
+def iq4_xs_parts(raw: np.ndarray) -> KParts:
+    """IQ4_XS rows [R, nb * 136]: each value's level (-127..113), ``sc = ls - 32`` per 32."""
+    r, blocks = len(raw), _blocks(raw, 136)
+    return KParts(xs_levels(blocks).reshape(r, -1), xs_scales(blocks).reshape(r, -1, 8),
+                  f16_field(blocks[:, 0:2]).reshape(r, -1))
+
+
 PARTS: dict[QType, Callable[[np.ndarray], KParts]] = {
     QType.Q2_K: q2_k_parts, QType.Q3_K: q3_k_parts, QType.Q4_K: q4_k_parts, QType.Q5_K: q5_k_parts,
-    QType.Q6_K: q6_k_parts,
+    QType.Q6_K: q6_k_parts, QType.IQ4_XS: iq4_xs_parts,
 }
 
 

@@ -1,4 +1,4 @@
-"""Prompts of K-quant weights (Q2_K to Q6_K) with q8_K activations: the numpy reference of llama.cpp's
+"""Prompts of K-quant weights (Q2_K to Q6_K) and IQ4_XS with q8_K activations: the numpy reference of llama.cpp's
 arithmetic (``q8k_act``) and the AMX tile kernels (``backend/kernels/amx_k.py``) held to it bit for bit.
 
 Error model of the reference: the per-super-block integer sums are exact (int64 in numpy, int32 on the tiles:
@@ -28,9 +28,10 @@ from qwen_runtime.backend.kernels import amx as jit_amx  # noqa: E402 (numba is 
 from qwen_runtime.backend.kernels import amx_k as jit_amx_k  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
-K_TYPES = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+K_TYPES = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)
 # Bytes of each block's float16 d (and dmin) per type.
-SCALE_AT = {QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,)}
+SCALE_AT = {QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,),
+            QType.IQ4_XS: (0,)}
 # float16 edge values for d and dmin: zeros of both signs, subnormals, the largest of both signs.
 EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF], np.uint16)
 
@@ -230,7 +231,7 @@ def test_prompt_kernels_are_the_float_kernels_outside_prompts(qtype: QType) -> N
 
 
 def test_other_types_keep_their_float_kernel() -> None:
-    assert set(JIT_PROMPT_KERNELS) == {QType.Q8_0, *K_TYPES}
+    assert {QType.Q8_0, *K_TYPES} <= set(JIT_PROMPT_KERNELS)
     raw = np.zeros((4, 36), np.uint8)  # Q4_0 rows: two blocks of 18 bytes
     assert type(jit_kernel(QType.Q4_0, raw, "q8-prompts")).__name__ == JIT_KERNELS[QType.Q4_0][1]
 
@@ -238,10 +239,10 @@ def test_other_types_keep_their_float_kernel() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("dtype", "types"), [
     ("q2_k", {QType.Q2_K, QType.Q3_K, QType.Q6_K}), ("q3_k_s", {QType.Q3_K, QType.Q6_K}),
-    ("q5_k_s", {QType.Q5_K, QType.Q6_K})])
+    ("q5_k_s", {QType.Q5_K, QType.Q6_K}), ("iq4_xs", {QType.IQ4_XS, QType.Q6_K})])
 def test_model_prompts_on_tiles(converted: Converted, monkeypatch: pytest.MonkeyPatch, dtype: str,
                                 types: set[QType]) -> None:
-    """The bundled model (rows of 256 and 768 values: whole super-blocks) in a K-quant mix with ``q8-prompts``
+    """The bundled model (rows of 256 and 768 values: whole super-blocks) in a q8_K-activation mix with ``q8-prompts``
     against the same file with ``float``: a prompt under 16 tokens and a decode step after it give the same
     logits bit for bit (the float kernels); a 24-token prompt multiplies the mix's types (and the LM head's Q6_K)
     on the AMX tiles where

@@ -55,7 +55,7 @@ JIT_Q8_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q5_K: ("int8_k", "Q5_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
     QType.Q6_K: ("int8_k", "Q6_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
     QType.IQ4_NL: ("int8", "IQ4_NLInt8Kernel"),
-    QType.IQ4_XS: ("int8", "IQ4_XSInt8Kernel"),
+    QType.IQ4_XS: ("int8", "IQ4_XSAmxKernel"),  # prompts on AMX tiles where the CPU has them
 }
 
 
@@ -68,6 +68,7 @@ JIT_PROMPT_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q4_K: ("amx_k", "Q4_KAmxPromptKernel"),
     QType.Q5_K: ("amx_k", "Q5_KAmxPromptKernel"),
     QType.Q6_K: ("amx_k", "Q6_KAmxPromptKernel"),
+    QType.IQ4_XS: ("amx_k", "IQ4_XSAmxPromptKernel"),
 }
 ACTIVATION_KERNELS = {"q8": JIT_Q8_KERNELS, "q8-prompts": JIT_PROMPT_KERNELS}
 

@@ -1,5 +1,5 @@
-"""Prefill products of K-quant weights (Q2_K to Q6_K) with q8_K activations on AMX tiles (Intel ``amx_int8``,
-numba).
+"""Prefill products of K-quant weights (Q2_K to Q6_K) and IQ4_XS with q8_K activations on AMX tiles (Intel
+``amx_int8``, numba).
 
 The numbers are those of ``quants.q8k_act.product``, bit for bit: per super-block of 256 values an exact int32
 ``sumi = sum_j sc_j (w_j . q8_j)`` (and for the types with minimums ``summ = sum_j m_j bsum_j``), then one float
@@ -8,10 +8,11 @@ step ``acc = acc + f32(sumi) * (d_w * d_x)`` (``- f32(summ) * (dmin_w * d_x)``).
 The sub-block scales are small integers, so they are folded into the weights when a panel is repacked, ``w' =
 sc_j * w``, and each type has a form (:data:`K_FORMS`):
 
-* *wide* (Q4_K 0..945, Q5_K 0..1953, Q6_K -4064..4096): ``w'`` is split into bytes, ``w' = lo + 256 hi`` (``lo``
-  0..255, ``hi`` a small signed value), and ``sumi = A . lo + 256 (A . hi)``: ``tdpbsud`` (signed activations,
-  unsigned ``lo``) and ``tdpbssd``, each four 64-deep tile products per super-block;
-* *narrow* (Q2_K 0..45; Q3_K's ``sc (q)`` is -124..128, so its negation ``-w'`` is stored, -128..124, with ``-d``:
+* *wide* (Q4_K 0..945, Q5_K 0..1953, Q6_K -4064..4096, IQ4_XS's ``(ls - 32) * level`` -4064..4032): ``w'`` is
+  split into bytes, ``w' = lo + 256 hi`` (``lo`` 0..255, ``hi`` a small signed value), and ``sumi = A . lo + 256
+  (A . hi)``: ``tdpbsud`` (signed activations, unsigned ``lo``) and ``tdpbssd``, each four 64-deep tile products
+  per super-block;
+* *narrow* (Q2_K 0..45; Q3_K's ``sc * q`` is -124..128, so its negation ``-w'`` is stored, -128..124, with ``-d``:
   ``f32(-sumi) * (-d_w * d_x)`` rounds as ``f32(sumi) * (d_w * d_x)``): one int8 byte, ``tdpbssd`` alone, half the
   tile work.
 
@@ -45,6 +46,7 @@ from numba.extending import intrinsic
 
 from ...errors import KernelsError
 from ...quants.base import QType
+from ...quants.iq4 import IQ4_LEVELS, IQ4_XS
 from ...quants.kquants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from ...quants.q8k_act import QK_K
 from .amx import (
@@ -63,6 +65,7 @@ from .amx import (
     tilezero,
 )
 from .base import F16_TABLE
+from .iq4 import IQ4_XSJitKernel
 from .kquants import Q2_KJitKernel, Q3_KJitKernel, Q4_KJitKernel, Q5_KJitKernel, Q6_KJitKernel
 
 KSTEPS = QK_K // 64  # 64-deep tile products per super-block
@@ -236,8 +239,34 @@ def repack_q3_k(raw, r0, table, packed, fw):
         emit(values, packed, b)
 
 
+@amx_jit
+def repack_iq4_xs(raw, r0, table, packed, fw):
+    """IQ4_XS rows [R, nb * 136] into ``packed`` int32 [nb, 2, 4, 16, 16] (``(ls_s - 32) * level``, -4064..4032:
+    ``lo`` and ``hi``) and ``fw`` [nb, 2, 16] (d): value ``32s + 16n + l`` is the level of nibble ``n`` of ``qs``
+    byte ``16s + l`` (bytes 8..135); ``ls_s`` is nibble ``s % 2`` of byte ``4 + s // 2`` with bits ``2s, 2s + 1`` of
+    the little-endian ``scales_h`` (bytes 2, 3) as bits 4-5."""
+    nb = packed.shape[0]
+    live = min(TILE, raw.shape[0] - r0)
+    fw[:] = 0
+    values = np.zeros((TILE, QK_K), np.int32)
+    for b in range(nb):
+        o = b * 136
+        for j in range(live):
+            row = raw[r0 + j]
+            fw[b, 0, j] = f16_at(row, o, table)
+            high = np.int32(row[o + 2]) | (np.int32(row[o + 3]) << np.int32(8))
+            for s in range(8):
+                low = (np.int32(row[o + 4 + s // 2]) >> np.int32(4 * (s % 2))) & np.int32(15)
+                sc = (low | (((high >> np.int32(2 * s)) & np.int32(3)) << np.int32(4))) - np.int32(32)
+                for n in range(2):
+                    for lane in range(16):
+                        index = (np.int32(row[o + 8 + 16 * s + lane]) >> np.int32(4 * n)) & np.int32(15)
+                        values[j, 32 * s + 16 * n + lane] = sc * np.int32(IQ4_LEVELS[index])
+        emit(values, packed, b)
+
+
 # Each type's repack function by number (:func:`kquant_amx` takes the number: module docstring).
-REPACK_Q2_K, REPACK_Q3_K, REPACK_Q45_K, REPACK_Q6_K = range(4)
+REPACK_Q2_K, REPACK_Q3_K, REPACK_Q45_K, REPACK_Q6_K, REPACK_IQ4_XS = range(5)
 
 
 @numba.njit(inline="always")
@@ -249,6 +278,8 @@ def repack(kind, raw, r0, table, packed, fw):
         repack_q3_k(raw, r0, table, packed, fw)
     elif kind == REPACK_Q45_K:
         repack_q45_k(raw, r0, table, packed, fw)
+    elif kind == REPACK_IQ4_XS:
+        repack_iq4_xs(raw, r0, table, packed, fw)
     else:
         repack_q6_k(raw, r0, table, packed, fw)
 
@@ -267,6 +298,7 @@ K_FORMS: dict[QType, KForm] = {
     QType.Q4_K: KForm(REPACK_Q45_K, 8, True),
     QType.Q5_K: KForm(REPACK_Q45_K, 8, True),
     QType.Q6_K: KForm(REPACK_Q6_K, 0, True),
+    QType.IQ4_XS: KForm(REPACK_IQ4_XS, 0, True),
 }
 
 
@@ -470,7 +502,7 @@ def q8_k_padded(x: np.ndarray, sums: int = 8) -> KActivations:
 
 
 # The type of K-quant rows of each stored size (bytes per super-block).
-BY_SIZE = {c.type_size: c.qtype for c in (Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K())}
+BY_SIZE = {c.type_size: c.qtype for c in (Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_XS())}
 
 
 def kquant_amx_product(raw: np.ndarray, xk: KActivations, out: np.ndarray) -> None:
@@ -521,3 +553,7 @@ class Q5_KAmxPromptKernel(KQuantAmxPrompts, Q5_KJitKernel):
 
 class Q6_KAmxPromptKernel(KQuantAmxPrompts, Q6_KJitKernel):
     """Q6_K with 8-bit activations in prompts on AMX tiles only (``activations="q8-prompts"``), else exact."""
+
+
+class IQ4_XSAmxPromptKernel(KQuantAmxPrompts, IQ4_XSJitKernel):
+    """IQ4_XS with 8-bit activations in prompts on AMX tiles only (``activations="q8-prompts"``), else exact."""

@@ -64,6 +64,7 @@ from ...quants.q8_0 import Q8_0_BYTES
 from ...quants.q8_act import Q8_ACT_BLOCK
 from ...quants.scratch import Scratch
 from .amx import Q8_0AmxPrompts
+from .amx_k import KQuantAmxPrompts
 from .base import (
     ACC_FLOATS,
     F16_TABLE,
@@ -1087,6 +1088,11 @@ class Q5_1Int8Kernel(Q4_1Int8Kernel):
     type_size, exact = Q5_1_GEO[0], ("legacy", "Q5_1JitKernel")
     gemv1_q8, gemv_q8 = staticmethod(q5_1_gemv1_q8), staticmethod(q5_1_gemv_q8)
     q8_row_product = q5_1_q8_rows
+
+
+class IQ4_XSAmxKernel(KQuantAmxPrompts, IQ4_XSInt8Kernel):
+    """IQ4_XS with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles with q8_K
+    activations (:mod:`.amx_k`)."""
 
 
 class Q8_0AmxKernel(Q8_0AmxPrompts, Q8_0Int8Kernel):
