@@ -23,7 +23,7 @@ from qwen_runtime.quants import QType, codec, q8k_act
 from qwen_runtime.quants.scratch import Scratch
 
 pytest.importorskip("numba")
-from qwen_runtime.backend.kernels import JIT_KERNELS, JIT_PROMPT_KERNELS, JIT_Q8_KERNELS, jit_kernel  # noqa: E402
+from qwen_runtime.backend.kernels import JIT_Q8_KERNELS, jit_kernel  # noqa: E402
 from qwen_runtime.backend.kernels import amx as jit_amx  # noqa: E402 (numba is needed from here on)
 from qwen_runtime.backend.kernels import amx_k as jit_amx_k  # noqa: E402
 
@@ -228,12 +228,6 @@ def test_prompt_kernels_are_the_float_kernels_outside_prompts(qtype: QType) -> N
         exact.product(0, 48, xe, want, Scratch())
         assert np.array_equal(got, want)
     assert isinstance(kernel.prepare(x), jit_amx_k.KActivations) == jit_amx.amx_available()
-
-
-def test_other_types_keep_their_float_kernel() -> None:
-    assert {QType.Q8_0, *K_TYPES} <= set(JIT_PROMPT_KERNELS)
-    raw = np.zeros((4, 36), np.uint8)  # Q4_0 rows: two blocks of 18 bytes
-    assert type(jit_kernel(QType.Q4_0, raw, "q8-prompts")).__name__ == JIT_KERNELS[QType.Q4_0][1]
 
 
 @pytest.mark.slow
