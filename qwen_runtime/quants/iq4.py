@@ -34,6 +34,20 @@ def _levels(indices: np.ndarray, out: np.ndarray) -> None:
     np.take(IQ4_LEVELS, indices, out=out)
 
 
+def xs_scales(blocks: np.ndarray) -> np.ndarray:
+    """Plain: IQ4_XS blocks [n, 136] -> their sub-block scales ``ls_j - 32``, int32 [n, 8] (module docstring)."""
+    high = blocks[:, 2:4].copy().view("<u2").astype(np.int32)  # [n, 1]
+    low = blocks[:, 4:8].astype(np.int32)
+    j = np.arange(8)
+    return (((low[:, j // 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)) - 32
+
+
+def xs_levels(blocks: np.ndarray) -> np.ndarray:
+    """Plain: IQ4_XS blocks [n, 136] -> the level of each value, int8 [n, 256] in value order."""
+    qs = blocks[:, 8:136].reshape(-1, 8, 1, 16)
+    return IQ4_LEVELS[np.concatenate([qs & 15, qs >> 4], axis=2).reshape(len(blocks), -1)]
+
+
 class IQ4_NL(BlockCodec):
     qtype = QType.IQ4_NL
     sub, int_range, max_gap = 32, (int(IQ4_LEVELS[0]), int(IQ4_LEVELS[-1])), int(np.diff(IQ4_LEVELS).max())
@@ -62,13 +76,8 @@ class IQ4_XS(BlockCodec):
     def reference(self, raw: np.ndarray) -> np.ndarray:
         blocks = raw.reshape(-1, self.type_size)
         d = f16_field(blocks[:, 0:2])[:, None]
-        high = blocks[:, 2:4].copy().view("<u2").astype(np.int32)  # [n, 1]
-        low = blocks[:, 4:8].astype(np.int32)
-        j = np.arange(8)
-        ls = ((low[:, j // 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)  # [n, 8]
-        dl = (d * (ls - 32).astype(np.float32))[:, :, None]
-        qs = blocks[:, 8:136].reshape(-1, 8, 1, 16)
-        q = IQ4_LEVELS[np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)].astype(np.float32)
+        dl = (d * xs_scales(blocks).astype(np.float32))[:, :, None]
+        q = xs_levels(blocks).reshape(-1, 8, 32).astype(np.float32)
         return (dl * q).reshape(*raw.shape[:-1], -1)
 
     def ints(self, fields: np.ndarray, out: np.ndarray, scratch: Scratch) -> None:

@@ -53,6 +53,19 @@ def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, m
 
 
+def _signed_scales_k3(packed: np.ndarray) -> np.ndarray:
+    """Plain: Q3_K's 12 scale bytes [n, 12] -> its 16 six-bit scales minus 32, int32 [n, 16] (module docstring)."""
+    packed = packed.astype(np.int32)
+    low = np.concatenate([packed[:, 0:8] & 15, packed[:, 0:8] >> 4], axis=1)  # [n, 16]
+    high = ((packed[:, 8:12][:, None, :] >> SHIFTS_2BIT.reshape(1, 4, 1)) & 3).reshape(-1, 16)
+    return (low | (high << 4)) - 32
+
+
+def _three_bit_values(blocks: np.ndarray) -> np.ndarray:
+    """Plain: Q3_K blocks [n, 110] -> their integers -4..3, int32 [n, 256] (``hmask`` clear: minus 4)."""
+    return _two_bit_values(blocks[:, 32:96]) - 4 * (1 - _one_bit_values(blocks[:, 0:32]))
+
+
 def _by_sub(values: np.ndarray, sub: int) -> np.ndarray:
     return values.reshape(len(values), -1, sub)
 
@@ -96,12 +109,9 @@ class Q3_K(BlockCodec):
 
     def reference(self, raw: np.ndarray) -> np.ndarray:
         blocks = raw.reshape(-1, self.type_size)
-        hmask, qs, packed = blocks[:, 0:32], blocks[:, 32:96], blocks[:, 96:108].astype(np.int32)
         d = f16_field(blocks[:, 108:110])[:, None]
-        low = np.concatenate([packed[:, 0:8] & 15, packed[:, 0:8] >> 4], axis=1)  # [n, 16]
-        high = ((packed[:, 8:12][:, None, :] >> SHIFTS_2BIT.reshape(1, 4, 1)) & 3).reshape(-1, 16)
-        s = (low | (high << 4)) - 32
-        q = _two_bit_values(qs) - 4 * (1 - _one_bit_values(hmask))  # [n, 256]
+        s = _signed_scales_k3(blocks[:, 96:108])
+        q = _three_bit_values(blocks)  # [n, 256]
         dl = (d * s.astype(np.float32))[:, :, None]
         return (dl * _by_sub(q, self.sub).astype(np.float32)).reshape(*raw.shape[:-1], -1)
 

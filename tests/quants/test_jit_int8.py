@@ -185,9 +185,10 @@ def test_rows_equal_alone_and_in_any_batch(qtype: QType) -> None:
                         Workspace(threads=1, kernels="numba")).kernel  # more rows than direct_rows: exact
     many = np.empty((len(x), 29), np.float32)
     exact.product(0, 29, exact.prepare(x), many, ws.scratch[0])
-    if qtype == QType.Q8_0 and amx_available():  # prompts on AMX tiles: the blockwise reference's numbers
-        w, scales = q8_act.q8_0_weights(raw)
-        many = q8_act.product_blockwise(w, scales, *q8_act.quantize_activations(x))
+    if amx_available():  # prompts on AMX tiles: the blockwise reference's numbers
+        w, scales, mins = q8_act.block_weights(qtype, raw)
+        q, d = q8_act.quantize_activations(x)
+        many = q8_act.product_blockwise(w, scales, q, d, mins, None if mins is None else q8_act.activation_sums(q, d))
     assert np.array_equal(weight.matmul(x), many)
 
 

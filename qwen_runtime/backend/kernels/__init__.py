@@ -42,20 +42,21 @@ JIT_KERNELS: dict[QType, tuple[str, str]] = {
     QType.TQ2_0: ("lattice", "TQ2_0JitKernel"),
 }
 
-# Integer-dot kernels with 8-bit activations (``Workspace.activations == "q8"``; other types keep their float kernel).
+# Integer-dot kernels with 8-bit activations (``Workspace.activations == "q8"``; other types keep their float kernel),
+# each with prompts on AMX tiles where the CPU has them (:class:`.amx.AmxPrompts`).
 JIT_Q8_KERNELS: dict[QType, tuple[str, str]] = {
-    QType.Q8_0: ("int8", "Q8_0AmxKernel"),  # prompts on AMX tiles where the CPU has them
-    QType.Q4_0: ("int8", "Q4_0Int8Kernel"),
-    QType.Q5_0: ("int8", "Q5_0Int8Kernel"),
-    QType.Q4_1: ("int8", "Q4_1Int8Kernel"),
-    QType.Q5_1: ("int8", "Q5_1Int8Kernel"),
-    QType.Q2_K: ("int8_k", "Q2_KInt8Kernel"),
-    QType.Q3_K: ("int8_k", "Q3_KInt8Kernel"),
-    QType.Q4_K: ("int8_k", "Q4_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
-    QType.Q5_K: ("int8_k", "Q5_KInt8Kernel"),
-    QType.Q6_K: ("int8_k", "Q6_KAmxKernel"),  # prompts on AMX tiles where the CPU has them
-    QType.IQ4_NL: ("int8", "IQ4_NLInt8Kernel"),
-    QType.IQ4_XS: ("int8", "IQ4_XSInt8Kernel"),
+    QType.Q8_0: ("int8", "Q8_0AmxKernel"),
+    QType.Q4_0: ("int8", "Q4_0AmxKernel"),
+    QType.Q5_0: ("int8", "Q5_0AmxKernel"),
+    QType.Q4_1: ("int8", "Q4_1AmxKernel"),
+    QType.Q5_1: ("int8", "Q5_1AmxKernel"),
+    QType.Q2_K: ("int8_k", "Q2_KAmxKernel"),
+    QType.Q3_K: ("int8_k", "Q3_KAmxKernel"),
+    QType.Q4_K: ("int8_k", "Q4_KAmxKernel"),
+    QType.Q5_K: ("int8_k", "Q5_KAmxKernel"),
+    QType.Q6_K: ("int8_k", "Q6_KAmxKernel"),
+    QType.IQ4_NL: ("int8", "IQ4_NLAmxKernel"),
+    QType.IQ4_XS: ("int8", "IQ4_XSAmxKernel"),
 }
 
 
@@ -63,8 +64,17 @@ JIT_Q8_KERNELS: dict[QType, tuple[str, str]] = {
 # in every other product (other types keep their float kernel).
 JIT_PROMPT_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q8_0: ("amx", "Q8_0AmxPromptKernel"),
+    QType.Q2_K: ("amx_k", "Q2_KAmxPromptKernel"),
+    QType.Q3_K: ("amx_k", "Q3_KAmxPromptKernel"),
     QType.Q4_K: ("amx_k", "Q4_KAmxPromptKernel"),
+    QType.Q5_K: ("amx_k", "Q5_KAmxPromptKernel"),
     QType.Q6_K: ("amx_k", "Q6_KAmxPromptKernel"),
+    QType.IQ4_XS: ("amx_k", "IQ4_XSAmxPromptKernel"),
+    QType.Q4_0: ("amx_blocks", "Q4_0AmxPromptKernel"),
+    QType.Q4_1: ("amx_blocks", "Q4_1AmxPromptKernel"),
+    QType.Q5_0: ("amx_blocks", "Q5_0AmxPromptKernel"),
+    QType.Q5_1: ("amx_blocks", "Q5_1AmxPromptKernel"),
+    QType.IQ4_NL: ("amx_blocks", "IQ4_NLAmxPromptKernel"),
 }
 ACTIVATION_KERNELS = {"q8": JIT_Q8_KERNELS, "q8-prompts": JIT_PROMPT_KERNELS}
 

@@ -31,6 +31,7 @@ import ctypes
 import functools
 import platform
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -40,6 +41,7 @@ from numba.core.errors import RequireLiteralValue
 from numba.extending import intrinsic
 
 from ...errors import KernelsError
+from ...quants.iq4 import IQ4_LEVELS
 from ...quants.q8_0 import Q8_0_BYTES
 from ...quants.q8_act import Q8_ACT_BLOCK, product_blockwise, q8_0_weights
 from ...quants.scratch import Scratch
@@ -186,42 +188,60 @@ def dpbsud(typingctx, dst, a, b):  # noqa: ARG001
 
 
 @intrinsic
-def scale_group(typingctx, acc, sums, dw, dx, dx_stride, row0):  # noqa: ARG001 (numba's intrinsic protocol)
+def scale_group(typingctx, acc, sums, dw, dx, dx_stride, row0, mw, sx, mins):  # noqa: ARG001 (numba's protocol)
     """For rows ``row0 .. row0 + GROUP_ROWS - 1`` of a 32 x 32 step, both 16-column halves, and the :data:`GROUP`
-    blocks ``g`` in order: ``acc[i, j] = acc[i, j] + f32(sums[g, i, j]) * (dw[g, j] * dx[i, g])``, every operation
-    rounded (no fast-math flags, so LLVM fuses nothing).  ``acc`` float32 [32, 32] and ``sums`` int32 [GROUP, 32,
-    32] at those addresses, ``dw`` float32 [GROUP, 32] (consecutive blocks' rows), ``dx[i, g]`` the float32 at ``dx
-    + i * dx_stride + 4 g`` (all int64).  Written as IR, unrolled: each accumulator is loaded and stored once per
-    group, not once per block (the stores shared the cache port with the tile stores), between them GROUP
-    ``vcvtdq2ps``/``vmulps``/``vmulps``/``vaddps`` on zmm."""
+    blocks ``g`` in order: ``acc[i, j] = acc[i, j] + f32(sums[g, i, j]) * (dw[g, j] * dx[i, g])``, with ``mins``
+    (a literal) ``acc[i, j] = acc[i, j] + (f32(sums[g, i, j]) * (dw[g, j] * dx[i, g]) + mw[g, j] * sx[i, g])``,
+    every operation rounded (no fast-math flags, so LLVM fuses nothing).  ``acc`` float32 [32, 32] and ``sums``
+    int32 [GROUP, 32, 32] at those addresses, ``dw`` and ``mw`` float32 [GROUP, 32] (consecutive blocks' rows),
+    ``dx[i, g]`` the float32 at ``dx + i * dx_stride + 4 g``, ``sx[i, g]`` at ``sx + i * dx_stride + 4 g`` (all
+    int64).  Written as IR, unrolled: each accumulator is loaded and stored once per group, not once per block
+    (the stores shared the cache port with the tile stores), between them GROUP ``vcvtdq2ps``/``vmulps``/``vmulps``
+    /``vaddps`` on zmm (two more per block with minimums)."""
+    if not isinstance(mins, types.BooleanLiteral):
+        raise RequireLiteralValue("mins must be a literal bool")
+    with_mins = mins.literal_value
+
     def codegen(context, builder, signature, args):
         f32, i32 = ir.FloatType(), ir.IntType(32)
         v16f, v16i = ir.VectorType(f32, TILE), ir.VectorType(i32, TILE)
         acc_p = builder.inttoptr(args[0], v16f.as_pointer())
         sums_p = builder.inttoptr(args[1], v16i.as_pointer())
-        dw_p = builder.inttoptr(args[2], v16f.as_pointer())
-        dw = [[builder.load(builder.gep(dw_p, [I64(2 * g + h)]), align=4) for h in range(2)] for g in range(GROUP)]
-        zeros = ir.Constant(v16i, [0] * TILE)
+
+        def lanes(at):  # the GROUP x 2 rows of 16 float32 of a [GROUP, 32] array at address ``at``
+            p = builder.inttoptr(at, v16f.as_pointer())
+            return [[builder.load(builder.gep(p, [I64(2 * g + h)]), align=4) for h in range(2)] for g in range(GROUP)]
+
+        def broadcasts(at):  # the GROUP float32 at ``at``, each in all 16 lanes
+            zeros = ir.Constant(v16i, [0] * TILE)
+            out = []
+            for g in range(GROUP):
+                value = builder.load(builder.inttoptr(builder.add(at, I64(4 * g)), f32.as_pointer()), align=4)
+                out.append(builder.shuffle_vector(builder.insert_element(ir.Constant(v16f, ir.Undefined), value,
+                                                                        i32(0)), ir.Constant(v16f, ir.Undefined),
+                                                  zeros))
+            return out
+
+        dw = lanes(args[2])
+        mw = lanes(args[6]) if with_mins else None
         for r in range(GROUP_ROWS):
             i = builder.add(args[5], I64(r))
-            row_at = builder.add(args[3], builder.mul(args[4], i))
-            dx16 = []
-            for g in range(GROUP):
-                dx = builder.load(builder.inttoptr(builder.add(row_at, I64(4 * g)), f32.as_pointer()), align=4)
-                dx16.append(builder.shuffle_vector(builder.insert_element(ir.Constant(v16f, ir.Undefined), dx,
-                                                                          i32(0)), ir.Constant(v16f, ir.Undefined),
-                                                   zeros))
+            dx16 = broadcasts(builder.add(args[3], builder.mul(args[4], i)))
+            sx16 = broadcasts(builder.add(args[7], builder.mul(args[4], i))) if with_mins else None
             for h in range(2):
                 k = builder.add(builder.mul(i, I64(2)), I64(h))
-                lanes = builder.gep(acc_p, [k])
-                total = builder.load(lanes, align=4)
+                at_acc = builder.gep(acc_p, [k])
+                total = builder.load(at_acc, align=4)
                 for g in range(GROUP):
                     at = builder.gep(sums_p, [builder.add(k, I64(SLOT_BYTES // 64 * g))])
-                    block = builder.sitofp(builder.load(at, align=4), v16f)
-                    total = builder.fadd(total, builder.fmul(block, builder.fmul(dw[g][h], dx16[g])))
-                builder.store(total, lanes, align=4)
+                    term = builder.fmul(builder.sitofp(builder.load(at, align=4), v16f),
+                                        builder.fmul(dw[g][h], dx16[g]))
+                    if with_mins:
+                        term = builder.fadd(term, builder.fmul(mw[g][h], sx16[g]))
+                    total = builder.fadd(total, term)
+                builder.store(total, at_acc, align=4)
         return context.get_dummy_value()
-    return types.void(acc, sums, dw, dx, dx_stride, row0), codegen
+    return types.void(acc, sums, dw, dx, dx_stride, row0, mw, sx, mins), codegen
 
 
 @intrinsic
@@ -242,45 +262,91 @@ amx_jit = numba.njit(nogil=True, cache=True)  # compiled on first use only (wher
 
 
 @intrinsic
-def load_i32(typingctx, address):  # noqa: ARG001
-    """The int32 at byte address ``address`` (int64), any alignment (a Q8_0 block's quants start 2 bytes in)."""
+def load_u32(typingctx, address):  # noqa: ARG001
+    """The 4 bytes at byte address ``address`` (int64), any alignment, as an unsigned value in an int64."""
     def codegen(context, builder, signature, args):
-        return builder.load(builder.inttoptr(args[0], ir.IntType(32).as_pointer()), align=1)
-    return types.int32(address), codegen
+        word = builder.load(builder.inttoptr(args[0], ir.IntType(32).as_pointer()), align=1)
+        return builder.zext(word, I64)
+    return types.int64(address), codegen
+
+
+class BlockGeometry(NamedTuple):
+    """Where a type of 32-value blocks keeps its parts (byte offsets in a block; -1: absent), for
+    :func:`repack_blocks`: ``size`` bytes per block, float16 ``d`` at 0 and ``m`` at ``m_at``, the values at
+    ``qs_at`` as :data:`BYTES` (int8, Q8_0) or nibbles (value ``j`` < 16 the low nibble of byte ``j``, else the
+    high nibble of byte ``j - 16``) with bit 4 from bit ``j`` of the 32-bit ``qh`` at ``qh_at``, minus ``bias``
+    (:data:`NIBBLES`) or looked up in the IQ4_NL levels (:data:`LEVELS`)."""
+
+    size: int
+    qs_at: int
+    qh_at: int
+    bias: int
+    m_at: int
+    kind: int
+
+
+BYTES, NIBBLES, LEVELS = range(3)  # how a block stores its 32 integers (BlockGeometry.kind)
+Q8_0_GEOMETRY = BlockGeometry(Q8_0_BYTES, 2, -1, 0, -1, BYTES)
 
 
 @amx_jit
-def repack(raw, c0, table, packed, dw):
-    """Weight rows ``c0 .. c0 + 31`` of Q8_0 ``raw`` [R, nb * 34] into ``packed`` int32 [nb, 2, 8, 16] (per block
-    two 8 x 64-byte VNNI tiles: int32 ``[b, h, kk, j]`` is the 4 quants ``4 kk .. 4 kk + 3`` of row ``c0 + 16 h + j``)
-    and their scales into ``dw`` [nb, 32]; rows past the matrix and blocks past its ``raw.shape[1] / 34`` (the
-    padding to whole groups) as zeros.  Whole 4-byte groups, not bytes: a byte-by-byte copy was a large share of a
-    product's time."""
+def repack_blocks(raw, c0, geometry, table, levels, packed, dw, mw):
+    """Weight rows ``c0 .. c0 + 31`` of 32-value blocks ``raw`` [R, nb * size] (:class:`BlockGeometry`) into
+    ``packed`` int32 [nb, 2, 8, 16] (per block two 8 x 64-byte VNNI tiles: int32 ``[b, h, kk, j]`` is the 4 int8
+    values ``4 kk .. 4 kk + 3`` of row ``c0 + 16 h + j``), their scales into ``dw`` [nb, 32] and minimums into
+    ``mw`` [nb, 32]; rows past the matrix and blocks past ``raw``'s (the padding to whole groups) as zeros.  Whole
+    4-byte groups, not bytes (a byte-by-byte copy was a large share of a product's time): nibbles by masks and
+    shifts, ``qh``'s 4 bits spread to bit 4 of each byte by one multiplication, ``- bias`` in each byte as ``(v +
+    128 - bias) ^ 128`` (no carries: v + 128 - bias < 256), IQ4_NL's levels by 4 lookups of ``levels`` (int8
+    [16])."""
+    size, qs_at, qh_at, bias, m_at, kind = geometry
     row_bytes = raw.shape[1]
     live = min(ROWS, raw.shape[0] - c0)
     base = raw.ctypes.data + c0 * row_bytes
-    stored = row_bytes // Q8_0_BYTES
+    stored = row_bytes // size
     packed[stored:] = 0
     dw[stored:] = 0
+    mw[:] = 0
+    offset = np.int64(128 - bias) * np.int64(0x01010101)
     for b in range(stored):
-        o = b * Q8_0_BYTES
+        o = b * size
         for j in range(live):
             dw[b, j] = table[np.int64(raw[c0 + j, o]) | (np.int64(raw[c0 + j, o + 1]) << 8)]
+            if m_at >= 0:
+                mw[b, j] = table[np.int64(raw[c0 + j, o + m_at]) | (np.int64(raw[c0 + j, o + m_at + 1]) << 8)]
         for j in range(live, ROWS):
             dw[b, j] = 0
         for h in range(2):
             for kk in range(Q8_ACT_BLOCK // 4):
                 for j in range(TILE):
                     r = h * TILE + j
-                    packed[b, h, kk, j] = load_i32(base + r * row_bytes + o + 2 + 4 * kk) if r < live else 0
+                    at = base + r * row_bytes + o
+                    if r >= live:
+                        v = np.int64(0)
+                    elif kind == BYTES:
+                        v = load_u32(at + qs_at + 4 * kk)
+                    else:
+                        v = (load_u32(at + qs_at + 4 * (kk % 4)) >> (4 * (kk // 4))) & 0x0F0F0F0F
+                        if qh_at >= 0:
+                            bits = (load_u32(at + qh_at) >> (4 * kk)) & 15
+                            v |= ((bits * 0x00204081) & 0x01010101) << 4
+                        if kind == LEVELS:
+                            v = ((np.int64(np.uint8(levels[v & 15])) | (np.int64(np.uint8(levels[(v >> 8) & 15])) << 8))
+                                 | (np.int64(np.uint8(levels[(v >> 16) & 15])) << 16)
+                                 | (np.int64(np.uint8(levels[(v >> 24) & 15])) << 24))
+                        else:
+                            v = ((v + offset) & 0xFFFFFFFF) ^ 0x80808080
+                    packed[b, h, kk, j] = np.int32(np.uint32(v))
 
 
 @amx_jit
-def q8_0_amx(raw, q, d, table, cfg, out):
-    """``out[i, r] = sum_b f32(q[i, b] . w[r, b]) * (d_w[r, b] * d[i, b])`` over the blocks in order, for Q8_0
-    rows ``raw`` [R, nb * 34] and quantized activations ``q`` [Mp, nbp * 32] int8, ``d`` [Mp, nbp]
-    (:func:`quantized_padded`: Mp a multiple of 32, nbp of :data:`GROUP`, zeros past ``x``); ``out`` [M, R] (any
-    leading stride).  The padding blocks add ``f32(0) * 0`` to an accumulator that is never -0, so nothing.
+def block_amx(raw, geometry, q, d, s, table, levels, cfg, out):
+    """``out[i, r] = sum_b f32(q[i, b] . w[r, b]) * (d_w[r, b] * d[i, b])`` (with minimums ``m_w``: ``+ (... +
+    m_w[r, b] * s[i, b])``) over the blocks in order, for rows ``raw`` [R, nb * size] of 32-value blocks
+    (:class:`BlockGeometry` ``geometry``) and quantized activations ``q`` [Mp, nbp * 32] int8, ``d`` and ``s``
+    [Mp, nbp] (:func:`quantized_padded`: Mp a multiple of 32, nbp of :data:`GROUP`, zeros past ``x``); ``out``
+    [M, R] (any leading stride).  The padding blocks add ``f32(0) * 0`` (and ``0 * 0``) to an accumulator that is
+    never -0, so nothing.
 
     Software-pipelined by groups of :data:`GROUP` blocks: while the tile unit multiplies group ``g`` (its int32
     results stored to one half of a ring), the float step (:func:`scale_group`) takes group ``g - 1`` from the
@@ -290,22 +356,24 @@ def q8_0_amx(raw, q, d, table, cfg, out):
     cols = q.shape[1]
     nb = cols // Q8_ACT_BLOCK
     groups = nb // GROUP
+    mins = geometry.m_at >= 0
     panels = -(-rows // ROWS)
     chunk = max(1, min(panels, CHUNK_BYTES // (nb * PACKED_BLOCK)))
     packed = np.empty((chunk, nb, 2, Q8_ACT_BLOCK // 4, TILE), np.int32)
     dw = np.empty((chunk, nb, ROWS), np.float32)
+    mw = np.empty((chunk, nb, ROWS), np.float32)
     acc = np.empty((ROWS, ROWS), np.float32)
     ring = np.empty(2 * GROUP * SLOT_BYTES // 4, np.int32)
-    qa, ra, aa, da = q.ctypes.data, ring.ctypes.data, acc.ctypes.data, d.ctypes.data
+    qa, ra, aa, da, sa = q.ctypes.data, ring.ctypes.data, acc.ctypes.data, d.ctypes.data, s.ctypes.data
     oa, ostride = out.ctypes.data, out.strides[0]
     ldtilecfg(cfg.ctypes.data)
     for p0 in range(0, panels, chunk):
         for p in range(min(chunk, panels - p0)):
-            repack(raw, (p0 + p) * ROWS, table, packed[p], dw[p])
+            repack_blocks(raw, (p0 + p) * ROWS, geometry, table, levels, packed[p], dw[p], mw[p])
         for i0 in range(0, q.shape[0], ROWS):
             for p in range(min(chunk, panels - p0)):
                 c0 = (p0 + p) * ROWS
-                pa, dwa = packed[p].ctypes.data, dw[p].ctypes.data
+                pa, dwa, mwa = packed[p].ctypes.data, dw[p].ctypes.data, mw[p].ctypes.data
                 acc[:] = 0
                 for g in range(groups + 1):
                     for t in range(GROUP):
@@ -331,8 +399,14 @@ def q8_0_amx(raw, q, d, table, cfg, out):
                             tilestore(7, ca + 4 * ROWS * TILE + 4 * TILE, 4 * ROWS)
                         if g > 0:
                             e = (g - 1) * GROUP
-                            scale_group(aa, ra + ((g - 1) % 2) * GROUP * SLOT_BYTES, dwa + e * 4 * ROWS,
-                                        da + (i0 * nb + e) * 4, 4 * nb, t * GROUP_ROWS)
+                            sums, row0 = ra + ((g - 1) % 2) * GROUP * SLOT_BYTES, t * GROUP_ROWS
+                            at_x = (i0 * nb + e) * 4
+                            if mins:
+                                scale_group(aa, sums, dwa + e * 4 * ROWS, da + at_x, 4 * nb, row0,
+                                            mwa + e * 4 * ROWS, sa + at_x, True)
+                            else:
+                                scale_group(aa, sums, dwa + e * 4 * ROWS, da + at_x, 4 * nb, row0,
+                                            mwa, sa, False)
                 if rows - c0 >= ROWS:
                     for i in range(min(ROWS, m - i0)):
                         copy_row(oa + (i0 + i) * ostride + c0 * 4, aa + i * ROWS * 4)
@@ -373,18 +447,39 @@ def _config() -> np.ndarray:
     return tile_config()
 
 
-def q8_0_amx_product(raw: np.ndarray, q: np.ndarray, d: np.ndarray, out: np.ndarray) -> None:
-    """``out`` [M, R] = the 8-bit-activation product of Q8_0 rows ``raw`` [R, nb * 34] (uint8 or int8) and
-    :func:`quantized_padded` activations, on AMX tiles; :class:`.KernelsError` where not :func:`amx_available`
-    (the tile instructions would stop the process: illegal instruction)."""
+def blocks_amx_product(geometry: BlockGeometry, raw: np.ndarray, q: np.ndarray, d: np.ndarray, s: np.ndarray,
+                       out: np.ndarray) -> None:
+    """``out`` [M, R] = the 8-bit-activation product of rows ``raw`` [R, nb * size] of 32-value blocks
+    (``geometry``) and :func:`quantized_padded` activations (``s``: their :func:`scaled_sums` for the types with
+    minimums, else any array of ``d``'s shape), on AMX tiles; :class:`.KernelsError` where not
+    :func:`amx_available` (the tile instructions would stop the process: illegal instruction)."""
     if not amx_available():
         raise KernelsError("AMX int8 tiles are not available here (CPU, compiler target or kernel permission)")
-    nb = -(-raw.shape[1] // (GROUP * Q8_0_BYTES)) * GROUP
-    if (q.shape != (len(q), nb * Q8_ACT_BLOCK) or len(q) % ROWS or len(out) > len(q) or out.shape[1] != len(raw)
-            or out.dtype != np.float32 or out.strides[1] != 4
-            or d.shape != (len(q), nb) or d.dtype != np.float32 or not (q.flags.c_contiguous and d.flags.c_contiguous)):
-        raise ValueError(f"Q8_0 AMX product of {raw.shape} stored rows, activations {q.shape}, output {out.shape}")
-    q8_0_amx(raw.view(np.uint8), q, d, F16_TABLE, _config(), out)
+    nb = -(-raw.shape[1] // (GROUP * geometry.size)) * GROUP
+    if (raw.shape[1] % geometry.size or q.shape != (len(q), nb * Q8_ACT_BLOCK) or len(q) % ROWS or len(out) > len(q)
+            or out.shape[1] != len(raw) or out.dtype != np.float32 or out.strides[1] != 4
+            or d.shape != (len(q), nb) or d.dtype != np.float32 or s.shape != d.shape or s.dtype != np.float32
+            or not (q.flags.c_contiguous and d.flags.c_contiguous and s.flags.c_contiguous)):
+        raise ValueError(f"AMX product of {raw.shape} stored rows, activations {q.shape}, output {out.shape}")
+    block_amx(raw.view(np.uint8), geometry, q, d, s, F16_TABLE, IQ4_LEVELS, _config(), out)
+
+
+def q8_0_amx_product(raw: np.ndarray, q: np.ndarray, d: np.ndarray, out: np.ndarray) -> None:
+    """:func:`blocks_amx_product` of Q8_0 rows ``raw`` [R, nb * 34] (uint8 or int8)."""
+    blocks_amx_product(Q8_0_GEOMETRY, raw, q, d, d, out)
+
+
+@amx_jit
+def scaled_sums(q, d, s):
+    """``s[i, b] = d[i, b] * f32(sum(q[i, 32 b .. 32 b + 31]))``: :func:`.q8_act.activation_sums` (llama.cpp's
+    q8_1 ``s``) of ``q`` int8 [M, nb * 32], ``d`` float32 [M, nb] into ``s`` [M, nb]."""
+    for i in range(q.shape[0]):
+        row = q[i]
+        for b in range(d.shape[1]):
+            total = np.int32(0)
+            for k in range(Q8_ACT_BLOCK):
+                total += np.int32(row[b * Q8_ACT_BLOCK + k])
+            s[i, b] = d[i, b] * np.float32(total)
 
 
 def q8_0_q8_product(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> str:
@@ -401,7 +496,8 @@ def q8_0_q8_product(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> str:
 
 
 class AmxActivations(tuple):
-    """:func:`quantized_padded` activations of a prompt (q, d) and its row count, for every tile's product."""
+    """:func:`quantized_padded` activations of a prompt (q, d, and for the types with minimums their
+    :func:`scaled_sums`) and its row count, for every tile's product."""
 
 
 def q8_0_padded(x: np.ndarray) -> AmxActivations:

@@ -1,34 +1,54 @@
-"""Prefill products of Q4_K and Q6_K weights with q8_K activations on AMX tiles (Intel ``amx_int8``, numba).
+"""Prefill products of K-quant weights (Q2_K to Q6_K) and IQ4_XS with q8_K activations on AMX tiles (Intel
+``amx_int8``, numba).
 
-The numbers are those of ``quants.q8k_act.product_q4_k`` / ``product_q6_k``, bit for bit: per super-block of 256
-values an exact int32 ``sumi = sum_j sc_j (q_j . q8_j)`` (and for Q4_K the minimums' ``summ = sum_j m_j
-bsum_j``), then one float step ``acc = acc + f32(sumi) * (d_w * d_x)`` (``- f32(summ) * (dmin_w * d_x)``).
+The numbers are those of ``quants.q8k_act.product``, bit for bit: per super-block of 256 values an exact int32
+``sumi = sum_j sc_j (w_j . q8_j)`` (and for the types with minimums ``summ = sum_j m_j bsum_j``), then one float
+step ``acc = acc + f32(sumi) * (d_w * d_x)`` (``- f32(summ) * (dmin_w * d_x)``).
 
-The sub-block scales are small integers, so they are folded into the weights when a panel is repacked: ``w' =
-sc_j * q`` (Q4_K 0..945, Q6_K -4064..4096) is split into bytes, ``w' = lo + 256 hi`` (``lo`` 0..255, ``hi`` a
-small signed value), and ``sumi = A . lo + 256 (A . hi)``: ``tdpbsud`` (signed activations, unsigned ``lo``) and
-``tdpbssd`` over the whole super-block (four 64-deep tile products each), one int32 tile store per 16 x 16 x 256
-(against 16 x 16 x 32 for Q8_0, whose scale is per 32 values: :mod:`.amx`).  A step is 32 activation rows x
-16 weight rows: tiles 0-1 activations, 2 ``lo``, 3 ``hi``, 4-5 ``A . lo``, 6-7 ``A . hi``.  The float step of
-super-block ``b - 1`` (:func:`k_scale`, IR on zmm) follows the tile products of ``b``.  The minimums' integer sum
-is taken in float32 lanes from the activations' sums per 32: every product (at most 63 x 32 x 127) and partial
-sum is an integer below 2^24, so exact; Q6_K passes zero minimums (``acc - 0``, exact).
+The sub-block scales are small integers, so they are folded into the weights when a panel is repacked, ``w' =
+sc_j * w``, and each type has a form (:data:`K_FORMS`):
 
-Weights: 16-row panels repacked (``lo``, ``hi``: 8 KiB per super-block, scales widened to float32)
-:data:`CHUNK_BYTES` at a time, every 32-row tile of activations passing over each chunk; nothing is kept between
-calls.  Where AMX is absent or refused the kernel classes keep their :mod:`.int8_k` behaviour.
+* *wide* (Q4_K 0..945, Q5_K 0..1953, Q6_K -4064..4096, IQ4_XS's ``(ls - 32) * level`` -4064..4032): ``w'`` is
+  split into bytes, ``w' = lo + 256 hi`` (``lo`` 0..255, ``hi`` a small signed value), and ``sumi = A . lo + 256
+  (A . hi)``: ``tdpbsud`` (signed activations, unsigned ``lo``) and ``tdpbssd``, each four 64-deep tile products
+  per super-block;
+* *narrow* (Q2_K 0..45; Q3_K's ``sc * q`` is -124..128, so its negation ``-w'`` is stored, -128..124, with ``-d``:
+  ``f32(-sumi) * (-d_w * d_x)`` rounds as ``f32(sumi) * (d_w * d_x)``): one int8 byte, ``tdpbssd`` alone, half the
+  tile work.
+
+One int32 tile store per 16 x 16 x 256 (against 16 x 16 x 32 for Q8_0, whose scale is per 32 values:
+:mod:`.amx`).  A step is 32 activation rows x 16 weight rows: tiles 0-1 activations, 2 ``lo``, 3 ``hi``, 4-5 ``A
+. lo``, 6-7 ``A . hi``.  The float step of super-block ``b - 1`` (:func:`k_scale`, IR on zmm) follows the tile
+products of ``b``.  The minimums' integer sum is taken in float32 lanes from the activations' sums per sub-block
+(per 32 for Q4_K and Q5_K, per 16 for Q2_K): every product (at most 63 x 32 x 127) and partial sum is an integer
+below 2^24, so exact; the types without minimums skip that step (``acc - 0`` would change nothing).  The float
+step of each form is its own straight-line code (:func:`k_step`: ``mins`` and ``wide`` literal constants of
+:func:`k_scale`), one branch per super-block choosing it; the type's repack function is chosen by number, not
+passed (numba's cache cannot match a function-typed argument in a new process, so it would compile every time).
+
+Weights: 16-row panels repacked (``lo`` and ``hi``, or the one byte: 4 or 8 KiB per super-block, scales widened
+to float32) :data:`CHUNK_BYTES` at a time, every 32-row tile of activations passing over each chunk; nothing is
+kept between calls.  Where AMX is absent or refused the kernel classes keep their :mod:`.int8_k` (or float)
+behaviour.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
+from numba.core.errors import RequireLiteralValue
 from numba.extending import intrinsic
 
 from ...errors import KernelsError
-from ...quants.q8k_act import Q4_K_BYTES, Q6_K_BYTES, QK_K
+from ...quants.base import QType
+from ...quants.iq4 import IQ4_LEVELS, IQ4_XS
+from ...quants.kquants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+from ...quants.q8k_act import QK_K
 from .amx import (
     I64,
     ROWS,
@@ -45,12 +65,11 @@ from .amx import (
     tilezero,
 )
 from .base import F16_TABLE
-from .kquants import Q4_KJitKernel, Q6_KJitKernel
+from .iq4 import IQ4_XSJitKernel
+from .kquants import Q2_KJitKernel, Q3_KJitKernel, Q4_KJitKernel, Q5_KJitKernel, Q6_KJitKernel
 
 KSTEPS = QK_K // 64  # 64-deep tile products per super-block
-SUBS = 8  # minimums per super-block (Q4_K's sub-blocks of 32)
-FW_ROWS = 2 + SUBS  # per panel and super-block: d, dmin, the 8 minimums (float32 [16] each)
-PANEL_BYTES = 2 * KSTEPS * 64 * TILE  # lo and hi of one panel and super-block
+TILE_BYTES = 1024  # one 16 x 64-byte tile
 CHUNK_BYTES = 1 << 20  # repacked weights per pass over the activation rows (L2-resident)
 
 
@@ -69,9 +88,11 @@ CONFIG = tile_config()
 
 @numba.njit(inline="always")
 def emit(values, packed, b):
-    """The 16 weight rows' ``values`` int32 [16, 256] (``w' = sc * q`` in value order) of super-block ``b`` into
-    the VNNI tiles: ``lo`` (``w' & 255``) and ``hi`` (``w' >> 8``) bytes, 4 consecutive values per int32 of
-    ``packed`` int32 [nb, 2, 4, 16, 16], written in order (row by row of a tile, the 16 weight rows across)."""
+    """The 16 weight rows' ``values`` int32 [16, 256] (``w'`` in value order) of super-block ``b`` into the VNNI
+    tiles of ``packed`` int32 [nb, parts, 4, 16, 16]: ``lo`` (``w' & 255``) and, with two parts, ``hi`` (``w' >>
+    8``) bytes, 4 consecutive values per int32, written in order (row by row of a tile, the 16 weight rows
+    across)."""
+    wide = packed.shape[1] > 1
     for g in range(QK_K // 4):
         for j in range(TILE):
             lo, hi = np.int64(0), np.int64(0)
@@ -80,53 +101,71 @@ def emit(values, packed, b):
                 lo |= (v & 255) << (8 * t)
                 hi |= ((v >> 8) & 255) << (8 * t)
             packed[b, 0, g // 16, g % 16, j] = np.int32(np.uint32(lo))
-            packed[b, 1, g // 16, g % 16, j] = np.int32(np.uint32(hi))
+            if wide:
+                packed[b, 1, g // 16, g % 16, j] = np.int32(np.uint32(hi))
+
+
+@numba.njit(inline="always")
+def f16_at(row, at, table):
+    """The float16 at bytes ``at, at + 1`` of ``row`` as float32."""
+    return table[np.int64(row[at]) | (np.int64(row[at + 1]) << 8)]
+
+
+@numba.njit(inline="always")
+def scale_min_k4(row, o, s):
+    """Sub-block ``s``'s 6-bit scale and minimum of the Q4_K/Q5_K block at byte ``o`` of ``row``."""
+    if s < 4:
+        return np.int32(row[o + 4 + s] & 63), np.int32(row[o + 8 + s] & 63)
+    sc = np.int32(row[o + 8 + s] & 15) | (np.int32(row[o + s] >> 6) << 4)
+    m = np.int32(row[o + 8 + s] >> 4) | (np.int32(row[o + 4 + s] >> 6) << 4)
+    return sc, m
 
 
 @amx_jit
-def repack_q4_k(raw, r0, table, packed, fw):
-    """Rows ``r0 .. r0 + 15`` of Q4_K ``raw`` [R, nb * 144] into ``packed`` int32 [nb, 2, 4, 16, 16] (``lo`` then
-    ``hi`` of ``sc_j * q`` in the VNNI layout: int32 ``[b, part, k // 64, k % 64 // 4, j]`` holds values ``k ..
-    k + 3`` of row ``r0 + j``, ``k`` a multiple of 4) and ``fw`` float32 [nb, 10, 16] (d, dmin, the minimums);
-    rows past the matrix as zeros."""
+def repack_q45_k(raw, r0, table, packed, fw):
+    """Rows ``r0 .. r0 + 15`` of Q4_K ``raw`` [R, nb * 144] or Q5_K [R, nb * 176] into ``packed`` int32 [nb, 2, 4,
+    16, 16] (``lo`` then ``hi`` of ``sc_j * q`` in the VNNI layout: int32 ``[b, part, k // 64, k % 64 // 4, j]``
+    holds values ``k .. k + 3`` of row ``r0 + j``, ``k`` a multiple of 4) and ``fw`` float32 [nb, 10, 16] (d,
+    dmin, the minimums); rows past the matrix as zeros.  Q5_K's bit 4 of sub-block ``s`` is bit ``s`` of its
+    ``qh`` bytes (16..47)."""
     nb = packed.shape[0]
+    size = raw.shape[1] // nb
+    high = size > 144
     live = min(TILE, raw.shape[0] - r0)
     fw[:] = 0
     values = np.zeros((TILE, QK_K), np.int32)
     for b in range(nb):
-        o = b * Q4_K_BYTES
+        o = b * size
         for j in range(live):
             row = raw[r0 + j]
-            fw[b, 0, j] = table[np.int64(row[o]) | (np.int64(row[o + 1]) << 8)]
-            fw[b, 1, j] = table[np.int64(row[o + 2]) | (np.int64(row[o + 3]) << 8)]
-            for s in range(SUBS):
-                if s < 4:
-                    sc = np.int32(row[o + 4 + s] & 63)
-                    m = np.int32(row[o + 8 + s] & 63)
-                else:
-                    sc = np.int32(row[o + 8 + s] & 15) | (np.int32(row[o + s] >> 6) << 4)
-                    m = np.int32(row[o + 8 + s] >> 4) | (np.int32(row[o + 4 + s] >> 6) << 4)
+            fw[b, 0, j] = f16_at(row, o, table)
+            fw[b, 1, j] = f16_at(row, o + 2, table)
+            for s in range(8):
+                sc, m = scale_min_k4(row, o, s)
                 fw[b, 2 + s, j] = m
                 shift = np.int32(4 * (s % 2))
-                qs = row[o + 16 + 32 * (s // 2):o + 48 + 32 * (s // 2)]
+                at = o + size - 128 + 32 * (s // 2)
                 for lane in range(32):
-                    values[j, 32 * s + lane] = sc * ((np.int32(qs[lane]) >> shift) & np.int32(15))
+                    q = (np.int32(row[at + lane]) >> shift) & np.int32(15)
+                    if high:
+                        q |= ((np.int32(row[o + 16 + lane]) >> np.int32(s)) & np.int32(1)) << np.int32(4)
+                    values[j, 32 * s + lane] = sc * q
         emit(values, packed, b)
 
 
 @amx_jit
 def repack_q6_k(raw, r0, table, packed, fw):
-    """As :func:`repack_q4_k` for Q6_K rows [R, nb * 210] (``w' = sc_j * (q - 32)``, ``hi`` signed; ``fw``'s d
-    only, its minimums zero)."""
+    """As :func:`repack_q45_k` for Q6_K rows [R, nb * 210] (``w' = sc_j * (q - 32)``, ``hi`` signed; ``fw`` [nb,
+    2, 16]: its d)."""
     nb = packed.shape[0]
     live = min(TILE, raw.shape[0] - r0)
     fw[:] = 0
     values = np.zeros((TILE, QK_K), np.int32)
     for b in range(nb):
-        o = b * Q6_K_BYTES
+        o = b * 210
         for j in range(live):
             row = raw[r0 + j]
-            fw[b, 0, j] = table[np.int64(row[o + 208]) | (np.int64(row[o + 209]) << 8)]
+            fw[b, 0, j] = f16_at(row, o + 208, table)
             for h in range(2):
                 for a in range(4):
                     ql = row[o + 64 * h + 32 * (a % 2):o + 64 * h + 32 * (a % 2) + 32]
@@ -141,21 +180,154 @@ def repack_q6_k(raw, r0, table, packed, fw):
         emit(values, packed, b)
 
 
+@amx_jit
+def repack_q2_k(raw, r0, table, packed, fw):
+    """Q2_K rows [R, nb * 84] into ``packed`` int32 [nb, 1, 4, 16, 16] (``sc_j * q``, 0..45, one byte) and ``fw``
+    [nb, 18, 16] (d, dmin, the 16 minimums); value ``128h + 32s + l`` is bits ``2s`` of ``qs`` byte ``32h + l``,
+    its sub-block ``j`` the value's index / 16 (scale: low nibble of ``scales[j]``, minimum: high nibble)."""
+    nb = packed.shape[0]
+    live = min(TILE, raw.shape[0] - r0)
+    fw[:] = 0
+    values = np.zeros((TILE, QK_K), np.int32)
+    for b in range(nb):
+        o = b * 84
+        for j in range(live):
+            row = raw[r0 + j]
+            fw[b, 0, j] = f16_at(row, o + 80, table)
+            fw[b, 1, j] = f16_at(row, o + 82, table)
+            for s in range(16):
+                fw[b, 2 + s, j] = np.int32(row[o + s] >> 4)
+            for h in range(2):
+                for s in range(4):
+                    shift = np.int32(2 * s)
+                    for half in range(2):
+                        sc = np.int32(row[o + 8 * h + 2 * s + half] & 15)
+                        for lane in range(16 * half, 16 * half + 16):
+                            q = (np.int32(row[o + 16 + 32 * h + lane]) >> shift) & np.int32(3)
+                            values[j, 128 * h + 32 * s + lane] = sc * q
+        emit(values, packed, b)
+
+
+@amx_jit
+def repack_q3_k(raw, r0, table, packed, fw):
+    """Q3_K rows [R, nb * 110] into ``packed`` int32 [nb, 1, 4, 16, 16] (``-(sc_j * q)``: -128..124, one byte)
+    and ``fw`` [nb, 2, 16] (``-d``): value ``128h + 32s + l`` is bits ``2s`` of ``qs`` byte ``32h + l`` (bytes
+    32..95) minus 4 where bit ``4h + s`` of ``hmask`` byte ``l`` is clear; ``sc_j`` (``j``: the value's index / 16)
+    has its low 4 bits in nibble ``j // 8`` of byte ``96 + j % 8``, its high 2 in bits ``2 (j // 4)`` of byte ``104
+    + j % 4``, minus 32."""
+    nb = packed.shape[0]
+    live = min(TILE, raw.shape[0] - r0)
+    fw[:] = 0
+    values = np.zeros((TILE, QK_K), np.int32)
+    for b in range(nb):
+        o = b * 110
+        for j in range(live):
+            row = raw[r0 + j]
+            fw[b, 0, j] = -f16_at(row, o + 108, table)
+            for h in range(2):
+                for s in range(4):
+                    shift, bit = np.int32(2 * s), np.int32(4 * h + s)
+                    for half in range(2):
+                        k = 8 * h + 2 * s + half
+                        low = (np.int32(row[o + 96 + k % 8]) >> np.int32(4 * (k // 8))) & np.int32(15)
+                        top = (np.int32(row[o + 104 + k % 4]) >> np.int32(2 * (k // 4))) & np.int32(3)
+                        sc = (low | (top << np.int32(4))) - np.int32(32)
+                        for lane in range(16 * half, 16 * half + 16):
+                            q = (np.int32(row[o + 32 + 32 * h + lane]) >> shift) & np.int32(3)
+                            q -= np.int32(4) * (np.int32(1) - ((np.int32(row[o + lane]) >> bit) & np.int32(1)))
+                            values[j, 128 * h + 32 * s + lane] = -(sc * q)
+        emit(values, packed, b)
+
+
+@amx_jit
+def repack_iq4_xs(raw, r0, table, packed, fw):
+    """IQ4_XS rows [R, nb * 136] into ``packed`` int32 [nb, 2, 4, 16, 16] (``(ls_s - 32) * level``, -4064..4032:
+    ``lo`` and ``hi``) and ``fw`` [nb, 2, 16] (d): value ``32s + 16n + l`` is the level of nibble ``n`` of ``qs``
+    byte ``16s + l`` (bytes 8..135); ``ls_s`` is nibble ``s % 2`` of byte ``4 + s // 2`` with bits ``2s, 2s + 1`` of
+    the little-endian ``scales_h`` (bytes 2, 3) as bits 4-5."""
+    nb = packed.shape[0]
+    live = min(TILE, raw.shape[0] - r0)
+    fw[:] = 0
+    values = np.zeros((TILE, QK_K), np.int32)
+    for b in range(nb):
+        o = b * 136
+        for j in range(live):
+            row = raw[r0 + j]
+            fw[b, 0, j] = f16_at(row, o, table)
+            high = np.int32(row[o + 2]) | (np.int32(row[o + 3]) << np.int32(8))
+            for s in range(8):
+                low = (np.int32(row[o + 4 + s // 2]) >> np.int32(4 * (s % 2))) & np.int32(15)
+                sc = (low | (((high >> np.int32(2 * s)) & np.int32(3)) << np.int32(4))) - np.int32(32)
+                for n in range(2):
+                    for lane in range(16):
+                        index = (np.int32(row[o + 8 + 16 * s + lane]) >> np.int32(4 * n)) & np.int32(15)
+                        values[j, 32 * s + 16 * n + lane] = sc * np.int32(IQ4_LEVELS[index])
+        emit(values, packed, b)
+
+
+# Each type's repack function by number (:func:`kquant_amx` takes the number: module docstring).
+REPACK_Q2_K, REPACK_Q3_K, REPACK_Q45_K, REPACK_Q6_K, REPACK_IQ4_XS = range(5)
+
+
+@numba.njit(inline="always")
+def repack(kind, raw, r0, table, packed, fw):
+    """The repack function number ``kind`` of 16 rows from ``r0`` (:data:`REPACK_Q2_K` ...)."""
+    if kind == REPACK_Q2_K:
+        repack_q2_k(raw, r0, table, packed, fw)
+    elif kind == REPACK_Q3_K:
+        repack_q3_k(raw, r0, table, packed, fw)
+    elif kind == REPACK_Q45_K:
+        repack_q45_k(raw, r0, table, packed, fw)
+    elif kind == REPACK_IQ4_XS:
+        repack_iq4_xs(raw, r0, table, packed, fw)
+    else:
+        repack_q6_k(raw, r0, table, packed, fw)
+
+
+class KForm(NamedTuple):
+    """How a type's super-blocks go through :func:`kquant_amx`."""
+
+    repack: int  # its repack function's number: 16 rows into the tiles' layout and ``fw``
+    mins: int  # minimums per super-block (0: none, 8 per 32, 16 per 16), the activations' sums they need
+    wide: bool  # ``w'`` takes a ``lo`` and a ``hi`` byte (two tile products per 64 values)
+
+
+K_FORMS: dict[QType, KForm] = {
+    QType.Q2_K: KForm(REPACK_Q2_K, 16, False),
+    QType.Q3_K: KForm(REPACK_Q3_K, 0, False),
+    QType.Q4_K: KForm(REPACK_Q45_K, 8, True),
+    QType.Q5_K: KForm(REPACK_Q45_K, 8, True),
+    QType.Q6_K: KForm(REPACK_Q6_K, 0, True),
+    QType.IQ4_XS: KForm(REPACK_IQ4_XS, 0, True),
+}
+
+
+def _literal(value: types.Type) -> int:
+    if not isinstance(value, (types.IntegerLiteral, types.BooleanLiteral)):
+        raise RequireLiteralValue("the form's mins and wide must be literal constants")
+    return int(value.literal_value)
+
+
 @intrinsic
-def k_scale(typingctx, acc, sums, fw, dx, dx_stride, bs, bs_stride):  # noqa: ARG001 (numba's intrinsic protocol)
+def k_scale(typingctx, acc, sums, fw, dx, dx_stride, bs, bs_stride, mins, wide):  # noqa: ARG001 (numba's protocol)
     """For the 32 rows ``i`` of a step and its 16 weight rows (lanes): ``sumi = lo + (hi << 8)`` (int32 ``[32,
-    16]`` each at ``sums`` and ``sums + 2048``), ``acc = acc + f32(sumi) * (d_w * dx_i)``, then ``summ = sum_s
-    m_s * bs[i, s]`` (exact integers in float32) and ``acc = acc - summ * (dmin_w * dx_i)``, every operation
-    rounded (no fast-math flags); ``acc`` float32 [32, 16], ``fw`` float32 [10, 16] (d, dmin, minimums),
-    ``dx[i]`` at ``dx + i * dx_stride``, ``bs[i, s]`` at ``bs + i * bs_stride + 4 * s`` (addresses, int64)."""
+    16]`` each at ``sums`` and, if ``wide``, ``sums + 2048``), ``acc = acc + f32(sumi) * (d_w * dx_i)``, then with
+    ``mins`` minimums ``summ = sum_s m_s * bs[i, s]`` (exact integers in float32, so fused multiply-adds give the
+    same sum) and ``acc = acc - summ * (dmin_w * dx_i)``, every other operation rounded (no fast-math flags);
+    ``acc`` float32 [32, 16], ``fw`` float32 [2 + mins, 16] (d, dmin, minimums), ``dx[i]`` at ``dx + i *
+    dx_stride``, ``bs[i, s]`` at ``bs + i * bs_stride + 4 * s`` (addresses, int64); ``mins`` and ``wide``
+    literals."""
+    n_mins, is_wide = _literal(mins), _literal(wide)
+
     def codegen(context, builder, signature, args):
         f32, i32 = ir.FloatType(), ir.IntType(32)
         v16f, v16i = ir.VectorType(f32, TILE), ir.VectorType(i32, TILE)
         acc_p = builder.inttoptr(args[0], v16f.as_pointer())
         sums_p = builder.inttoptr(args[1], v16i.as_pointer())
         fw_p = builder.inttoptr(args[2], v16f.as_pointer())
-        fw = [builder.load(builder.gep(fw_p, [I64(r)]), align=4) for r in range(FW_ROWS)]
+        fw = [builder.load(builder.gep(fw_p, [I64(r)]), align=4) for r in range(2 + n_mins)]
         zeros, eight = ir.Constant(v16i, [0] * TILE), ir.Constant(v16i, [8] * TILE)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f] * 3), "llvm.fma.v16f32")
 
         def broadcast(at):
             value = builder.load(builder.inttoptr(at, f32.as_pointer()), align=4)
@@ -163,20 +335,23 @@ def k_scale(typingctx, acc, sums, fw, dx, dx_stride, bs, bs_stride):  # noqa: AR
                                           ir.Constant(v16f, ir.Undefined), zeros)
 
         for i in range(ROWS):
-            lo = builder.load(builder.gep(sums_p, [I64(i)]), align=4)
-            hi = builder.load(builder.gep(sums_p, [I64(ROWS + i)]), align=4)
-            sumi = builder.sitofp(builder.add(lo, builder.shl(hi, eight)), v16f)
+            sumi = builder.load(builder.gep(sums_p, [I64(i)]), align=4)
+            if is_wide:
+                sumi = builder.add(sumi, builder.shl(builder.load(builder.gep(sums_p, [I64(ROWS + i)]), align=4),
+                                                     eight))
             dxi = broadcast(builder.add(args[3], builder.mul(args[4], I64(i))))
-            row_bs = builder.add(args[5], builder.mul(args[6], I64(i)))
             lanes = builder.gep(acc_p, [I64(i)])
-            total = builder.fadd(builder.load(lanes, align=4), builder.fmul(sumi, builder.fmul(fw[0], dxi)))
-            summ = builder.fmul(fw[2], broadcast(row_bs))
-            for s in range(1, SUBS):
-                summ = builder.fadd(summ, builder.fmul(fw[2 + s], broadcast(builder.add(row_bs, I64(4 * s)))))
-            total = builder.fsub(total, builder.fmul(summ, builder.fmul(fw[1], dxi)))
+            total = builder.fadd(builder.load(lanes, align=4),
+                                 builder.fmul(builder.sitofp(sumi, v16f), builder.fmul(fw[0], dxi)))
+            if n_mins:
+                row_bs = builder.add(args[5], builder.mul(args[6], I64(i)))
+                summ = builder.fmul(fw[2], broadcast(row_bs))
+                for s in range(1, n_mins):
+                    summ = builder.call(fma, [fw[2 + s], broadcast(builder.add(row_bs, I64(4 * s))), summ])
+                total = builder.fsub(total, builder.fmul(summ, builder.fmul(fw[1], dxi)))
             builder.store(total, lanes, align=4)
         return context.get_dummy_value()
-    return types.void(acc, sums, fw, dx, dx_stride, bs, bs_stride), codegen
+    return types.void(acc, sums, fw, dx, dx_stride, bs, bs_stride, mins, wide), codegen
 
 
 @intrinsic
@@ -190,18 +365,33 @@ def copy16(typingctx, dst, src):  # noqa: ARG001
     return types.void(dst, src), codegen
 
 
+@numba.njit(inline="always")
+def k_step(acc, sums, fw, dx, dx_stride, bs, bs_stride, mins, wide):
+    """:func:`k_scale` of the form ``mins``, ``wide`` (one of :data:`K_FORMS`'), its constants given as literals."""
+    if mins == 16:
+        k_scale(acc, sums, fw, dx, dx_stride, bs, bs_stride, 16, False)
+    elif mins == 8:
+        k_scale(acc, sums, fw, dx, dx_stride, bs, bs_stride, 8, True)
+    elif wide:
+        k_scale(acc, sums, fw, dx, dx_stride, bs, bs_stride, 0, True)
+    else:
+        k_scale(acc, sums, fw, dx, dx_stride, bs, bs_stride, 0, False)
+
+
 @amx_jit
-def kquant_amx(repack, raw, q, d, bs, table, cfg, out):
-    """``out`` [M, R] = the q8_K product of K-quant rows ``raw`` (``repack`` their type's) and activations ``q``
-    int8 [Mp, nb * 256], ``d`` float32 [Mp, nb], ``bs`` float32 [Mp, nb * 8] (sums per 32), Mp a multiple of 32
-    with zero rows past ``out``'s."""
+def kquant_amx(kind, raw, q, d, bs, table, cfg, out, mins, wide):
+    """``out`` [M, R] = the q8_K product of K-quant rows ``raw`` (repacked by function number ``kind``, in the
+    form ``mins``, ``wide``: :class:`KForm`) and activations ``q`` int8 [Mp, nb * 256], ``d`` float32 [Mp, nb],
+    ``bs`` float32 [Mp, nb * mins] (the sums per sub-block of the minimums), Mp a multiple of 32 with zero rows past
+    ``out``'s."""
     rows, m = raw.shape[0], out.shape[0]
     cols = q.shape[1]
     nb = cols // QK_K
+    parts = 2 if wide else 1
     panels = -(-rows // TILE)
-    chunk = max(1, min(panels, CHUNK_BYTES // (nb * PANEL_BYTES)))
-    packed = np.empty((chunk, nb, 2, KSTEPS, TILE, TILE), np.int32)
-    fw = np.empty((chunk, nb, FW_ROWS, TILE), np.float32)
+    chunk = max(1, min(panels, CHUNK_BYTES // (nb * parts * KSTEPS * TILE_BYTES)))
+    packed = np.empty((chunk, nb, parts, KSTEPS, TILE, TILE), np.int32)
+    fw = np.empty((chunk, nb, 2 + mins, TILE), np.float32)
     acc = np.empty((ROWS, TILE), np.float32)
     ring = np.empty((2, 2 * ROWS, TILE), np.int32)
     qa, ra, aa, da, ba = q.ctypes.data, ring.ctypes.data, acc.ctypes.data, d.ctypes.data, bs.ctypes.data
@@ -210,7 +400,7 @@ def kquant_amx(repack, raw, q, d, bs, table, cfg, out):
     ldtilecfg(cfg.ctypes.data)
     for p0 in range(0, panels, chunk):
         for p in range(min(chunk, panels - p0)):
-            repack(raw, (p0 + p) * TILE, table, packed[p], fw[p])
+            repack(kind, raw, (p0 + p) * TILE, table, packed[p], fw[p])
         for i0 in range(0, q.shape[0], ROWS):
             for p in range(min(chunk, panels - p0)):
                 c0 = (p0 + p) * TILE
@@ -220,28 +410,34 @@ def kquant_amx(repack, raw, q, d, bs, table, cfg, out):
                     if b < nb:
                         tilezero(4)
                         tilezero(5)
-                        tilezero(6)
-                        tilezero(7)
+                        if wide:
+                            tilezero(6)
+                            tilezero(7)
                         for ks in range(KSTEPS):
                             a0 = qa + i0 * cols + b * QK_K + ks * 64
-                            w0 = pa + (b * 2 * KSTEPS + ks) * 1024
+                            w0 = pa + (b * parts * KSTEPS + ks) * TILE_BYTES
                             tileload(0, a0, cols)
                             tileload(1, a0 + TILE * cols, cols)
                             tileload(2, w0, 64)
-                            tileload(3, w0 + KSTEPS * 1024, 64)
-                            dpbsud(4, 0, 2)
-                            dpbsud(5, 1, 2)
-                            dpbssd(6, 0, 3)
-                            dpbssd(7, 1, 3)
+                            if wide:
+                                tileload(3, w0 + KSTEPS * TILE_BYTES, 64)
+                                dpbsud(4, 0, 2)
+                                dpbsud(5, 1, 2)
+                                dpbssd(6, 0, 3)
+                                dpbssd(7, 1, 3)
+                            else:
+                                dpbssd(4, 0, 2)
+                                dpbssd(5, 1, 2)
                         ca = ra + (b % 2) * slot
                         tilestore(4, ca, 64)
-                        tilestore(5, ca + 1024, 64)
-                        tilestore(6, ca + 2048, 64)
-                        tilestore(7, ca + 3072, 64)
+                        tilestore(5, ca + TILE_BYTES, 64)
+                        if wide:
+                            tilestore(6, ca + 2 * TILE_BYTES, 64)
+                            tilestore(7, ca + 3 * TILE_BYTES, 64)
                     if b > 0:
                         e = b - 1
-                        k_scale(aa, ra + (e % 2) * slot, fa + e * FW_ROWS * TILE * 4, da + (i0 * nb + e) * 4,
-                                4 * nb, ba + (i0 * nb * SUBS + e * SUBS) * 4, 4 * nb * SUBS)
+                        k_step(aa, ra + (e % 2) * slot, fa + e * (2 + mins) * TILE * 4, da + (i0 * nb + e) * 4,
+                               4 * nb, ba + (i0 * nb + e) * mins * 4, 4 * nb * mins, mins, wide)
                 if rows - c0 >= TILE:
                     for i in range(min(ROWS, m - i0)):
                         copy16(oa + (i0 + i) * ostride + c0 * 4, aa + i * TILE * 4)
@@ -253,76 +449,111 @@ def kquant_amx(repack, raw, q, d, bs, table, cfg, out):
 
 
 @amx_jit
-def quantize_q8_k_rows(x, q, d, bs):
+def quantize_q8_k_rows(x, bits, q, d, bs):
     """``quants.q8k_act.quantize_q8_k`` of ``x`` [M, nb * 256] into ``q``, ``d`` (the same float32 operations)
-    and ``bs`` float32 [M, nb * 8], the sums of ``q`` per 32."""
+    and ``bs`` float32 [M, nb * S], the sums of ``q`` per 256 / S values (S = 0: none).  ``bits`` is ``x`` viewed
+    as int32: the largest magnitude is found as the largest of the bits without the sign, and its first position
+    as the least index holding them (integer reductions, which the compiler vectorises; a float ``max`` is not,
+    for its NaN rules)."""
+    nb = d.shape[1]
+    per = bs.shape[1] // nb if nb else 0
     for i in range(x.shape[0]):
-        for b in range(d.shape[1]):
-            xs = x[i, b * QK_K:(b + 1) * QK_K]
-            amax, top = np.float32(0), np.float32(0)
+        for b in range(nb):
+            o = b * QK_K
+            top_bits = np.int32(0)
             for k in range(QK_K):
-                amax = max(amax, abs(xs[k]))
+                top_bits = max(top_bits, bits[i, o + k] & np.int32(0x7FFFFFFF))
+            first = QK_K
             for k in range(QK_K):  # the first of largest magnitude (llama.cpp keeps the first: strict >)
-                if abs(xs[k]) == amax:
-                    top = xs[k]
-                    break
-            iscale = np.float32(-127) / top if amax > 0 else np.float32(0)
-            d[i, b] = np.float32(1) / iscale if amax > 0 else np.float32(0)
-            for s in range(SUBS):
-                total = 0
-                for k in range(32 * s, 32 * s + 32):
-                    v = min(np.float32(127), np.rint(iscale * xs[k]))
-                    q[i, b * QK_K + k] = np.int8(v)
-                    total += np.int32(v)
-                bs[i, b * SUBS + s] = total
+                if bits[i, o + k] & np.int32(0x7FFFFFFF) == top_bits:
+                    first = min(first, k)
+            iscale = np.float32(-127) / x[i, o + first] if top_bits else np.float32(0)
+            d[i, b] = np.float32(1) / iscale if top_bits else np.float32(0)
+            for k in range(QK_K):
+                q[i, o + k] = np.int8(min(np.float32(127), np.rint(iscale * x[i, o + k])))
+            if per:
+                width, row = QK_K // per, q[i]
+                for s in range(per):
+                    total, at = np.int32(0), o + s * width
+                    for k in range(width):
+                        total += np.int32(row[at + k])
+                    bs[i, b * per + s] = np.float32(total)
 
 
 class KActivations(tuple):
-    """:func:`q8_k_padded` of a prompt: (q, d, bsums per 32 as float32), for every tile's product."""
+    """:func:`q8_k_padded` of a prompt: (q, d, the sums per sub-block of the minimums as float32), for every
+    tile's product."""
 
 
-def q8_k_padded(x: np.ndarray) -> KActivations:
+def q8_k_padded(x: np.ndarray, sums: int = 8) -> KActivations:
     """``quants.q8k_act.quantize_q8_k`` of ``x`` [M, K] (compiled: :func:`quantize_q8_k_rows`), padded with zero
-    rows to a multiple of 32, with the sums per 32 (pairs of ``bsums``) as float32 [Mp, K / 32]."""
+    rows to a multiple of 32, with ``sums`` sums of ``q`` per super-block (8: per 32, pairs of ``bsums``; 16: the
+    ``bsums``; 0: none) as float32 [Mp, K / 256 * sums]."""
     m, cols = x.shape
     padded = -(-m // ROWS) * ROWS
     q = np.zeros((padded, cols), np.int8)
     d = np.zeros((padded, cols // QK_K), np.float32)
-    bs = np.zeros((padded, cols // 32), np.float32)
-    quantize_q8_k_rows(np.ascontiguousarray(x, dtype=np.float32), q, d, bs)
+    bs = np.zeros((padded, cols // QK_K * sums), np.float32)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    quantize_q8_k_rows(x, x.view(np.int32), q, d, bs)
     prepared = KActivations((q, d, bs))
     prepared.rows = m
     return prepared
 
 
-REPACK = {Q4_K_BYTES: repack_q4_k, Q6_K_BYTES: repack_q6_k}
+# The type of K-quant rows of each stored size (bytes per super-block).
+BY_SIZE = {c.type_size: c.qtype for c in (Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_XS())}
 
 
 def kquant_amx_product(raw: np.ndarray, xk: KActivations, out: np.ndarray) -> None:
-    """``out`` [M, R] = the q8_K product of Q4_K or Q6_K rows ``raw`` [R, nb * type size] (uint8) and
-    :func:`q8_k_padded` activations on AMX tiles; :class:`.KernelsError` where not :func:`.amx.amx_available`."""
+    """``out`` [M, R] = the q8_K product of K-quant rows ``raw`` [R, nb * type size] (uint8; the type from its
+    size, :data:`BY_SIZE`) and :func:`q8_k_padded` activations (with the sums the type's minimums need) on AMX
+    tiles; :class:`.KernelsError` where not :func:`.amx.amx_available`."""
     if not amx_available():
         raise KernelsError("AMX int8 tiles are not available here (CPU, compiler target or kernel permission)")
     q, d, bs = xk
-    size = raw.shape[1] // d.shape[1] if d.shape[1] else 0
-    if (size not in REPACK or raw.shape[1] != size * d.shape[1] or q.shape[1] != QK_K * d.shape[1]
-            or len(q) % ROWS or len(out) > len(q) or out.shape[1] != len(raw) or out.dtype != np.float32
-            or out.strides[1] != 4):
+    nb = d.shape[1]
+    form = K_FORMS.get(BY_SIZE.get(raw.shape[1] // nb if nb else 0))
+    if (form is None or raw.shape[1] % nb or q.shape[1] != QK_K * nb
+            or (form.mins and bs.shape != (len(q), nb * form.mins)) or len(q) % ROWS or len(out) > len(q)
+            or out.shape[1] != len(raw) or out.dtype != np.float32 or out.strides[1] != 4):
         raise ValueError(f"K-quant AMX product of {raw.shape} stored rows, activations {q.shape}, output {out.shape}")
-    kquant_amx(REPACK[size], raw.view(np.uint8), q, d, bs, F16_TABLE, CONFIG, out)
+    kquant_amx(form.repack, raw.view(np.uint8), q, d, bs, F16_TABLE, CONFIG, out, form.mins, form.wide)
 
 
 class KQuantAmxPrompts(AmxPrompts):
-    """Q4_K and Q6_K prompts through :func:`kquant_amx_product` with q8_K activations (:func:`q8_k_padded`)."""
+    """K-quant prompts through :func:`kquant_amx_product` with q8_K activations (:func:`q8_k_padded`, with the
+    sums the type's minimums need)."""
 
     prepared_type = KActivations
-    quantize = staticmethod(q8_k_padded)
-    amx_product = staticmethod(kquant_amx_product)
+    type_size: int
+
+    def quantize(self, x: np.ndarray) -> KActivations:
+        return q8_k_padded(x, K_FORMS[BY_SIZE[self.type_size]].mins)
+
+    def amx_product(self, raw: np.ndarray, xk: KActivations, out: np.ndarray) -> None:
+        kquant_amx_product(raw, xk, out)
+
+
+class Q2_KAmxPromptKernel(KQuantAmxPrompts, Q2_KJitKernel):
+    """Q2_K with 8-bit activations in prompts on AMX tiles only (``activations="q8-prompts"``), else exact."""
+
+
+class Q3_KAmxPromptKernel(KQuantAmxPrompts, Q3_KJitKernel):
+    """Q3_K with 8-bit activations in prompts on AMX tiles only (``activations="q8-prompts"``), else exact."""
 
 
 class Q4_KAmxPromptKernel(KQuantAmxPrompts, Q4_KJitKernel):
     """Q4_K with 8-bit activations in prompts on AMX tiles only (``activations="q8-prompts"``), else exact."""
 
 
+class Q5_KAmxPromptKernel(KQuantAmxPrompts, Q5_KJitKernel):
+    """Q5_K with 8-bit activations in prompts on AMX tiles only (``activations="q8-prompts"``), else exact."""
+
+
 class Q6_KAmxPromptKernel(KQuantAmxPrompts, Q6_KJitKernel):
     """Q6_K with 8-bit activations in prompts on AMX tiles only (``activations="q8-prompts"``), else exact."""
+
+
+class IQ4_XSAmxPromptKernel(KQuantAmxPrompts, IQ4_XSJitKernel):
+    """IQ4_XS with 8-bit activations in prompts on AMX tiles only (``activations="q8-prompts"``), else exact."""

@@ -64,6 +64,8 @@ from ...quants.q8_0 import Q8_0_BYTES
 from ...quants.q8_act import Q8_ACT_BLOCK
 from ...quants.scratch import Scratch
 from .amx import Q8_0AmxPrompts
+from .amx_blocks import IQ4_NLAmxPrompts, Q4_0AmxPrompts, Q4_1AmxPrompts, Q5_0AmxPrompts, Q5_1AmxPrompts
+from .amx_k import KQuantAmxPrompts
 from .base import (
     ACC_FLOATS,
     F16_TABLE,
@@ -1089,5 +1091,35 @@ class Q5_1Int8Kernel(Q4_1Int8Kernel):
     q8_row_product = q5_1_q8_rows
 
 
+class IQ4_XSAmxKernel(KQuantAmxPrompts, IQ4_XSInt8Kernel):
+    """IQ4_XS with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles with q8_K
+    activations (:mod:`.amx_k`)."""
+
+
 class Q8_0AmxKernel(Q8_0AmxPrompts, Q8_0Int8Kernel):
     """Q8_0 with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles (:mod:`.amx`)."""
+
+
+class Q4_0AmxKernel(Q4_0AmxPrompts, Q4_0Int8Kernel):
+    """Q4_0 with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles
+    (:mod:`.amx_blocks`)."""
+
+
+class Q4_1AmxKernel(Q4_1AmxPrompts, Q4_1Int8Kernel):
+    """Q4_1 with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles with q8_1
+    activations (:mod:`.amx_blocks`)."""
+
+
+class Q5_0AmxKernel(Q5_0AmxPrompts, Q5_0Int8Kernel):
+    """Q5_0 with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles
+    (:mod:`.amx_blocks`)."""
+
+
+class Q5_1AmxKernel(Q5_1AmxPrompts, Q5_1Int8Kernel):
+    """Q5_1 with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles with q8_1
+    activations (:mod:`.amx_blocks`)."""
+
+
+class IQ4_NLAmxKernel(IQ4_NLAmxPrompts, IQ4_NLInt8Kernel):
+    """IQ4_NL with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles
+    (:mod:`.amx_blocks`)."""

@@ -599,8 +599,20 @@ class Q3_KInt8Kernel(Q2_KInt8Kernel):
         return (*Int8Kernel.activations(self, x), np.zeros((len(x), 1), np.float32))  # no minimums
 
 
+class Q2_KAmxKernel(KQuantAmxPrompts, Q2_KInt8Kernel):
+    """Q2_K with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles (:mod:`.amx_k`)."""
+
+
+class Q3_KAmxKernel(KQuantAmxPrompts, Q3_KInt8Kernel):
+    """Q3_K with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles (:mod:`.amx_k`)."""
+
+
 class Q4_KAmxKernel(KQuantAmxPrompts, Q4_KInt8Kernel):
     """Q4_K with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles (:mod:`.amx_k`)."""
+
+
+class Q5_KAmxKernel(KQuantAmxPrompts, Q5_KInt8Kernel):
+    """Q5_K with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles (:mod:`.amx_k`)."""
 
 
 class Q6_KAmxKernel(KQuantAmxPrompts, Q6_KInt8Kernel):
