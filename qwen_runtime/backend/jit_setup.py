@@ -70,26 +70,36 @@ def other_instruction_forms(host: str) -> dict[str, str]:
 
 
 def prepare_numba() -> None:
-    """Set up numba's CPU target without its SciPy import, once per process, before the first compile."""
+    """Set up numba's CPU target without its SciPy import, once per process, before the first compile; whatever
+    came first (SciPy's BLAS bindings imported by another library, or numba set up already), the cache locator and,
+    while numba's code generator does not exist yet, the CPU features are ours: otherwise that process would key
+    its cache apart from every other and compile every kernel afresh."""
     with _LOCK:
-        if "numba.np.arraymath" in sys.modules or _PROBED in sys.modules:
-            return  # set up already, or SciPy's BLAS bindings imported anyway: nothing to save
-        from llvmlite import binding as llvm
         from numba.core import config
 
-        if config.CPU_NAME is None and config.CPU_FEATURES is None:  # before numba's code generator exists
-            config.CPU_FEATURES = cpu_features(llvm.get_host_cpu_features().flatten())
-        from numba.core.registry import cpu_target  # imports SciPy's top-level package when installed (cheap)
+        if "numba.np.arraymath" not in sys.modules:  # numba's code generator does not exist yet
+            if config.CPU_NAME is None and config.CPU_FEATURES is None:
+                from llvmlite import binding as llvm
 
-        sys.modules[_PROBED] = None  # makes `import scipy.linalg.cython_blas` fail at once, before scipy.linalg
-        try:
-            cpu_target.target_context.refresh()  # what the first compile or cache load does
-        finally:
-            del sys.modules[_PROBED]
-        from numba.np import arraymath
-
-        arraymath._HAVE_BLAS = "scipy" in sys.modules
+                config.CPU_FEATURES = cpu_features(llvm.get_host_cpu_features().flatten())
+            if _PROBED not in sys.modules:  # (imported anyway: nothing to save)
+                _set_up_without_scipy_blas()
         use_kernel_sources_locator()
+
+
+def _set_up_without_scipy_blas() -> None:
+    """numba's target set-up with ``scipy.linalg.cython_blas`` unimportable, then its BLAS probe's result as it
+    would have been."""
+    from numba.core.registry import cpu_target  # imports SciPy's top-level package when installed (cheap)
+
+    sys.modules[_PROBED] = None  # makes `import scipy.linalg.cython_blas` fail at once, before scipy.linalg
+    try:
+        cpu_target.target_context.refresh()  # what the first compile or cache load does
+    finally:
+        del sys.modules[_PROBED]
+    from numba.np import arraymath
+
+    arraymath._HAVE_BLAS = "scipy" in sys.modules
 
 
 def release_compiler_pages() -> int:

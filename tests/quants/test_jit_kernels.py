@@ -383,6 +383,24 @@ def test_cpu_features_without_the_256_bit_preference_only_with_avx512() -> None:
     assert out.strip() == "+avx,+avx2,+fma,+f16c"
 
 
+def test_scipy_imported_first_keeps_our_target_and_cache() -> None:
+    """A process that imported SciPy's BLAS bindings before the first kernel (torch, transformers, a user's script)
+    still compiles for the same features and files its code where every other process does: the same cache keys,
+    so it loads what warm_kernels.py compiled rather than compiling every kernel afresh."""
+    from llvmlite import binding as llvm
+
+    code = ("import scipy.linalg.cython_blas\nimport qwen_runtime.backend.kernels.base\n"
+            "from numba.core import caching\nfrom numba.core.registry import cpu_target\n"
+            "from qwen_runtime.backend.jit_setup import caching_class\n"
+            "print(cpu_target.target_context.codegen().magic_tuple()[2])\n"
+            "print(caching_class('CacheImpl')._locator_classes[0].__name__)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_FEATURES", "NUMBA_CPU_NAME")}
+    features, locator = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                       env=env).stdout.split()
+    assert features == (cpu_features(llvm.get_host_cpu_features().flatten()) or features)
+    assert locator == "KernelSourcesLocator"
+
+
 def test_cache_stamp_covers_the_modules_a_kernel_imports(tmp_path: Path) -> None:
     """numba stamps a cached function with its own file's hash; ours also covers the package's modules that file
     imports, transitively (jit_setup.KernelSourcesLocator), so an edit of jit_base.py alone recompiles the kernels
