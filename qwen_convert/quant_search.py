@@ -25,6 +25,8 @@ importance matrix ``qw`` holds the weights of one row's (sub-)blocks, ``[S_row, 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -32,7 +34,7 @@ from numba.extending import intrinsic
 
 from qwen_runtime.backend.jit_setup import prepare_numba
 
-prepare_numba()  # numba's CPU target as the runtime's kernels set it up, whichever package compiles first
+prepare_numba(Path(__file__).parent)  # numba as the runtime sets it up; this package's code filed and stamped alike
 
 F32 = np.float32
 MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: adding it leaves round(f) in the low mantissa bits

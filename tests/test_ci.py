@@ -57,3 +57,25 @@ def test_under_ci_a_skip_is_a_failure_and_is_reported(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stdout
     assert "1 failed, 1 passed" in proc.stdout and "extra missing" in proc.stdout
     assert [(s["nodeid"].split("::")[-1], "oracle" in s["markers"]) for s in skips] == [("test_needs_an_extra", True)]
+
+
+def test_under_ci_only_a_missing_instruction_set_may_skip(tmp_path: Path) -> None:
+    """A ``cpu`` marker this CPU does not meet skips under CI=true too (and is reported); one it meets runs."""
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "cpu_without_amx.py").write_text(
+        "import sys\n\ndef pytest_collection(session):\n"
+        "    sys.modules['conftest'].cpu_has = lambda name: name != 'amx'\n", encoding="utf-8")
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n\n"
+        "@pytest.mark.cpu('amx')\ndef test_tiles():\n    raise AssertionError('ran without the instructions')\n\n"
+        "@pytest.mark.cpu('avx2')\ndef test_vectors():\n    assert True\n", encoding="utf-8")
+    report = tmp_path / "skips.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS")}
+    env |= {"QWEN_SKIP_REPORT": str(report), "CI": "true"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "",
+                           "-p", "cpu_without_amx", "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    assert "1 passed, 1 skipped" in proc.stdout and "this CPU lacks amx" in proc.stdout
+    skips = json.loads(report.read_text(encoding="utf-8"))
+    assert [(s["nodeid"].split("::")[-1], "cpu" in s["markers"]) for s in skips] == [("test_tiles", True)]

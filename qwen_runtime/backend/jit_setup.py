@@ -43,7 +43,8 @@ from .memory import MADV_PAGEOUT, advise, mapped_ranges
 
 _PROBED = "scipy.linalg.cython_blas"  # what numba.np.arraymath imports to probe for BLAS
 _LOCK = threading.Lock()  # models loaded in two threads at once set numba up once
-PACKAGE = Path(__file__).resolve().parent  # the package whose compiled functions get the wider stamp
+PACKAGE = Path(__file__).resolve().parents[1]  # qwen_runtime: its compiled functions get the wider stamp
+_PACKAGES = [PACKAGE]  # and those of the packages that :func:`prepare_numba` was given
 # `from .x import a, b` / `from ..x.y import (a, b)` / `from qwen_runtime.x import a`: the dots, the module, the names.
 _IMPORT = re.compile(r"^from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(?:\(([^)]*)\)|([\w \t,]+))", re.MULTILINE)
 
@@ -69,12 +70,16 @@ def other_instruction_forms(host: str) -> dict[str, str]:
     return forms
 
 
-def prepare_numba() -> None:
+def prepare_numba(package: Path | None = None) -> None:
     """Set up numba's CPU target without its SciPy import, once per process, before the first compile; whatever
     came first (SciPy's BLAS bindings imported by another library, or numba set up already), the cache locator and,
     while numba's code generator does not exist yet, the CPU features are ours: otherwise that process would key
-    its cache apart from every other and compile every kernel afresh."""
+    its cache apart from every other and compile every kernel afresh.  ``package``: the directory of another
+    package whose compiled functions the locator files and stamps as this one's (the converter's searches)."""
     with _LOCK:
+        if package is not None and package.resolve() not in _PACKAGES:
+            _PACKAGES.append(package.resolve())
+            import_closure.cache_clear()
         from numba.core import config
 
         if "numba.np.arraymath" not in sys.modules:  # numba's code generator does not exist yet
@@ -113,37 +118,50 @@ def release_compiler_pages() -> int:
                if "w" not in mode and advise(start, end - start, MADV_PAGEOUT))
 
 
-def imported_files(path: Path, root: Path) -> list[Path]:
-    """The files of the package at ``root`` that the module ``path`` imports from (``from`` imports, relative or
-    by the package's name; modules and packages named as imported names included)."""
+def imported_files(path: Path, *roots: Path) -> list[Path]:
+    """The files of the packages at ``roots`` that the module ``path`` imports from (``from`` imports, relative or
+    by a package's name; modules and packages named as imported names included)."""
+    by_name = {root.name: root for root in roots}
     found = []
     for dots, module, grouped, names in _IMPORT.findall(path.read_text(encoding="utf-8")):
         names = re.sub(r"#.*", "", grouped or names)
         if dots:
             base = path.parent.parents[len(dots) - 2] if len(dots) > 1 else path.parent
-        elif module.split(".")[0] == root.name:
-            base, module = root, module.partition(".")[2]
+        elif module.split(".")[0] in by_name:
+            base, module = by_name[module.split(".")[0]], module.partition(".")[2]
         else:
             continue
         target = base.joinpath(*module.split(".")) if module else base
         candidates = [target.with_suffix(".py"), target / "__init__.py"]
         candidates += [target / f"{name.strip()}.py" for name in names.split(",") if name.strip()]
         found += [c.resolve() for c in candidates if c.is_file()]
-    return [f for f in found if root in f.parents]
+    return [f for f in found if any(root in f.parents for root in roots)]
+
+
+def owning_package(path: Path) -> Path | None:
+    """The package of :data:`_PACKAGES` that holds the file ``path``, if any."""
+    return next((root for root in _PACKAGES if root in path.resolve().parents), None)
 
 
 @functools.cache
-def import_closure(path: Path, root: Path = PACKAGE) -> str:
-    """A hash of ``path`` and of every file of the package ``root`` it imports from, transitively."""
+def import_closure(path: Path, *roots: Path) -> str:
+    """A hash of ``path`` and of every file of the packages ``roots`` (by default this package and those given to
+    :func:`prepare_numba`) it imports from, transitively; each file is named relative to its package's parent, so
+    the hash is the same in every checkout of the same sources."""
+    roots = roots or tuple(_PACKAGES)
     seen, todo = set(), [path.resolve()]
     while todo:
         file = todo.pop()
         if file not in seen:
             seen.add(file)
-            todo += imported_files(file, root)
+            todo += imported_files(file, *roots)
+    named = {}
+    for file in seen:
+        root = next((r for r in roots if r in file.parents), None)
+        named[(file.relative_to(root.parent) if root else Path(file.name)).as_posix()] = file
     digest = hashlib.sha256()
-    for file in sorted(seen):
-        digest.update(file.relative_to(root.parent).as_posix().encode() + b"\0" + file.read_bytes())
+    for name in sorted(named):
+        digest.update(name.encode() + b"\0" + named[name].read_bytes())
     return digest.hexdigest()
 
 
@@ -177,7 +195,7 @@ class KernelSourcesLocator:
             def get_cache_path(self) -> str:
                 if not isinstance(self._inner, caching_class("UserProvidedCacheLocator")):
                     return self._inner.get_cache_path()  # numba's __pycache__ beside the module
-                module = self._py_file.resolve().relative_to(PACKAGE.parent).with_suffix("")
+                module = self._py_file.resolve().relative_to(owning_package(self._py_file).parent).with_suffix("")
                 return str(Path(config.CACHE_DIR, f"{'.'.join(module.parts)}-{import_closure(self._py_file)[:20]}"))
 
             def get_source_stamp(self) -> object:
@@ -188,7 +206,7 @@ class KernelSourcesLocator:
 
             @classmethod
             def from_function(cls, py_func: object, py_file: str) -> object:
-                if PACKAGE not in Path(py_file).resolve().parents:
+                if owning_package(Path(py_file)) is None:
                     return None
                 for locator in caching_class("CacheImpl")._locator_classes:
                     inner = None if locator is cls else locator.from_function(py_func, py_file)

@@ -272,6 +272,7 @@ def test_long_prompt_matches_transformers(name: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.cpu("avx2")
 def test_the_avx2_form() -> None:
     """This file's tests in a process compiling for AVX2 (``NUMBA_CPU_FEATURES``): vectors of 8 lanes, strips of
     16 rows, 4 keys a step."""
@@ -279,9 +280,7 @@ def test_the_avx2_form() -> None:
 
     from qwen_runtime.backend.jit_setup import other_instruction_forms
 
-    features = other_instruction_forms(llvm.get_host_cpu_features().flatten()).get("avx2")
-    if features is None:
-        pytest.skip("needs an AVX2 CPU")
+    features = other_instruction_forms(llvm.get_host_cpu_features().flatten())["avx2"]
     env = {**os.environ, "NUMBA_CPU_FEATURES": features}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
                              "-k", "numba or compiled", __file__], capture_output=True, text=True, env=env,

@@ -127,21 +127,19 @@ def test_reference_against_float64(qtype: QType) -> None:
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize(("m", "rows", "nb"), [(16, 16, 1), (37, 53, 14), (32, 64, 3), (50, 33, 7), (96, 40, 28),
                                              (33, 150, 301)])
+@pytest.mark.cpu("amx")
 def test_amx_product_equals_the_reference(qtype: QType, m: int, rows: int, nb: int) -> None:
     """Bit for bit (partial row tiles: M and R not multiples of 16 or 32; nb not a multiple of the float step's
     group of blocks; 301 blocks: the 32-row panels in more than one L2 chunk, the last one partial)."""
-    if not jit_amx.amx_available():
-        pytest.skip("AMX int8 tiles are not available here")
     raw = block_rows(qtype, rows, nb, seed=m + rows)
     x = activations(m, nb * 32, seed=nb)
     assert np.array_equal(amx_product(qtype, raw, x), reference(qtype, raw, x))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.cpu("amx")
 def test_amx_integer_sums_exact(qtype: QType) -> None:
     """Scales of 1, minimums 0 and ``q = x`` (``d_x = 1``): the exact integer products, extreme values included."""
-    if not jit_amx.amx_available():
-        pytest.skip("AMX int8 tiles are not available here")
     rng = np.random.default_rng(3)
     raw = block_rows(qtype, 35, 4, seed=3, unit=True)
     x = rng.integers(-127, 128, (19, 4 * 32)).astype(np.float32)

@@ -148,10 +148,9 @@ def test_reference_against_float64(qtype: QType) -> None:
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize(("m", "rows", "nb"), [(16, 16, 1), (37, 53, 2), (64, 40, 3), (33, 40, 130)])
+@pytest.mark.cpu("amx")
 def test_amx_product_equals_the_reference(qtype: QType, m: int, rows: int, nb: int) -> None:
     """Bit for bit (partial activation and weight tiles; 130 super-blocks: one 16-row panel per L2 chunk)."""
-    if not jit_amx.amx_available():
-        pytest.skip("AMX int8 tiles are not available here")
     raw = k_rows(qtype, rows, nb, seed=m + rows)
     x = activations(m, nb * 256, seed=nb)
     out = np.full((m, rows), np.nan, np.float32)
@@ -160,10 +159,9 @@ def test_amx_product_equals_the_reference(qtype: QType, m: int, rows: int, nb: i
     assert np.array_equal(out, reference(qtype, raw, x))
 
 
+@pytest.mark.cpu("amx")
 def test_amx_integer_sums_exact() -> None:
     """Q3_K's extreme ``sc * q = 128`` (stored negated) against activations of +-127: every sum exact."""
-    if not jit_amx.amx_available():
-        pytest.skip("AMX int8 tiles are not available here")
     raw = np.zeros((16, 110), np.uint8)
     raw[:, 108:110] = np.array([1], np.float16).view(np.uint8)  # d = 1, every scale -32, every q -4
     x = np.full((32, 256), 127, np.float32)

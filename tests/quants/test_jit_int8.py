@@ -425,7 +425,8 @@ def test_iq4_xs_exact_sums_error_model_and_rows(n: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", ["avx2", "avx512 without vnni"])
+@pytest.mark.parametrize("form", [pytest.param(form, marks=pytest.mark.cpu(form))
+                                  for form in ("avx2", "avx512 without vnni")])
 def test_the_other_instruction_forms(form: str) -> None:
     """This file's kernel tests in a process compiling for another CPU (``NUMBA_CPU_FEATURES``; numba keys its
     cache by them): AVX2's two 256-bit ``pmaddwd`` and the generic sums of 4, or AVX-512BW without VNNI (Q8_0's
@@ -435,9 +436,7 @@ def test_the_other_instruction_forms(form: str) -> None:
     the values up (``jit_base.PERMUTE``; AVX-512 without VNNI compiles them as with it)."""
     from llvmlite import binding as llvm
 
-    features = other_instruction_forms(llvm.get_host_cpu_features().flatten()).get(form)
-    if features is None:
-        pytest.skip("needs an AVX2 CPU" if form == "avx2" else "needs an AVX-512 VNNI CPU")
+    features = other_instruction_forms(llvm.get_host_cpu_features().flatten())[form]
     env = {**os.environ, "NUMBA_CPU_FEATURES": features}
     kernels = Path(__file__).parent / "test_jit_kernels.py"
     tests = ["test_q8_row_product_by_address_equals_the_kernel"]

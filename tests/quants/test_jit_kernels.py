@@ -428,16 +428,35 @@ def test_cache_stamp_covers_the_modules_a_kernel_imports(tmp_path: Path) -> None
     assert stamp[1] == import_closure(Path(Q8_0JitKernel.gemv.py_func.__code__.co_filename))
 
 
+def test_every_compiled_module_is_filed_by_its_sources() -> None:
+    """The compiled functions of the model layer and of the converter's searches are filed as the kernels are, under
+    their module's name and the hash of its sources (not under numba's hash of the checkout's path, which made every
+    checkout compile the decode step afresh), and stamped with the modules they import."""
+    from numba.core import config as numba_config
+
+    from qwen_convert import quant_search
+    from qwen_runtime.models import step_jit
+
+    for function, module in ((step_jit.post, "qwen_runtime.models.step_jit"),
+                             (quant_search.nearest_int, "qwen_convert.quant_search")):
+        locator = function._cache._impl._locator
+        stamp = import_closure(Path(function.py_func.__code__.co_filename))
+        assert type(locator).__name__ == "KernelSourcesLocator" and locator.get_source_stamp()[1] == stamp
+        if numba_config.CACHE_DIR:  # else numba's __pycache__ beside the module
+            assert Path(locator.get_cache_path()).name == f"{module}-{stamp[:20]}"
+
+
 def test_two_checkouts_of_the_same_sources_share_the_numba_cache(tmp_path: Path) -> None:
     """With NUMBA_CACHE_DIR set, a module's compiled code is filed under the hash of its sources, not under the
     checkout's path: a second copy of the package loads what the first compiled (CI clones afresh every run)."""
-    code = ("import numpy as np\nfrom qwen_runtime import ops_jit\nops_jit.silu32(np.float32(1))\n"
+    code = ("import numpy as np\nfrom qwen_runtime.backend import ops_jit\nops_jit.silu32(np.float32(1))\n"
             "stats = ops_jit.silu32.stats\nprint(sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))")
-    source = Path(sys.modules[silu_mul.__module__].__file__).parent
+    source = Path(sys.modules[silu_mul.__module__].__file__).parents[1]
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
     counts = []
+    skipped = shutil.ignore_patterns("__pycache__", "assets")
     for copy in ("a", "b"):
-        shutil.copytree(source, tmp_path / copy / "qwen_runtime", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(source, tmp_path / copy / "qwen_runtime", ignore=skipped)
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**env, "PYTHONPATH": str(tmp_path / copy)}, cwd=tmp_path / copy)
         counts.append(run.stdout.split()[-2:])
