@@ -11,10 +11,11 @@ llama-cpp-python installed by ``.ci/run`` carries no llama.cpp of its own (it is
 when the variable is unset, the installed package has no ``lib/libllama.so`` and the build has one, so that the
 README's test command runs the peer tests after CI on the same machine too.
 
-A test of instructions the machine's CPU may lack is marked ``cpu(name)``: AMX int8 tiles (``"amx"``) or an
-instruction form that ``backend.jit_setup.other_instruction_forms`` derives from the host's (``"avx2"``,
-``"avx512 without vnni"``). Where the CPU lacks it the test skips, under ``CI=true`` too (no install brings an
-instruction set), and is still listed in ``QWEN_SKIP_REPORT`` and by ``-rs``; any other skip stays a failure there.
+A test of instructions the machine's CPU may lack is marked ``cpu(name)``: AMX int8 tiles (``"amx"``) or another
+instruction form than the host's own that ``backend.jit_setup.other_instruction_forms`` finds it can run (``"avx2"``
+on an AVX-512 host, ``"avx512 without vnni"`` on a VNNI one). Where there is none the test skips, under ``CI=true``
+too (no install brings an instruction set), and is still listed in ``QWEN_SKIP_REPORT`` and by ``-rs``; any other
+skip stays a failure there.
 
 One fixture is shared by the whole suite: ``converted``, the committed fixtures converted in-process once per
 session and (name, format, dtype) (``runtime_helpers.Converted``).
@@ -56,7 +57,8 @@ _point_peer_at_built_library()
 
 
 def cpu_has(name: str) -> bool:
-    """Whether this machine runs what the ``cpu`` marker's ``name`` needs (module docstring)."""
+    """Whether this machine runs what the ``cpu`` marker's ``name`` needs, as another form than its own where
+    ``name`` is an instruction form (module docstring)."""
     if name == "amx":
         from qwen_runtime.backend.kernels.amx import amx_available
 
@@ -74,7 +76,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     lacking = [name for marker in item.iter_markers("cpu") for name in marker.args if not cpu_has(name)]
     if lacking:
         _lacking_cpu.add(item.nodeid)
-        pytest.skip(f"this CPU lacks {', '.join(lacking)}")
+        pytest.skip(f"not on this CPU: {', '.join(lacking)}")
 
 
 def _reason(report: pytest.TestReport | pytest.CollectReport) -> str:
