@@ -29,17 +29,26 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert "export CI=true" in lines
 
 
-def run_pytest(tmp_path: Path, ci: bool) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+SAMPLE = ("import pytest\n\n"
+          "@pytest.mark.oracle\n"
+          "def test_needs_an_extra():\n    pytest.importorskip('no_such_module_here', reason='extra missing')\n\n"
+          "def test_runs():\n    assert True\n")
+
+
+def run_pytest(tmp_path: Path, ci: bool, sample: str = SAMPLE, plugin: str = "",
+               ) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    """pytest under the project's conftest on ``sample`` (test_sample.py), with ``plugin`` (the text of a plugin
+    module loaded by ``-p``) if given; the run and the skip report."""
     shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "test_sample.py").write_text(
-        "import pytest\n\n"
-        "@pytest.mark.oracle\n"
-        "def test_needs_an_extra():\n    pytest.importorskip('no_such_module_here', reason='extra missing')\n\n"
-        "def test_runs():\n    assert True\n", encoding="utf-8")
+    (tmp_path / "test_sample.py").write_text(sample, encoding="utf-8")
+    plugins = []
+    if plugin:
+        (tmp_path / "sample_plugin.py").write_text(plugin, encoding="utf-8")
+        plugins = ["-p", "sample_plugin"]
     report = tmp_path / "skips.json"
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS")}
     env |= {"QWEN_SKIP_REPORT": str(report)} | ({"CI": "true"} if ci else {})
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "", *plugins,
                            "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     return proc, json.loads(report.read_text(encoding="utf-8"))
@@ -61,21 +70,13 @@ def test_under_ci_a_skip_is_a_failure_and_is_reported(tmp_path: Path) -> None:
 
 def test_under_ci_only_a_missing_instruction_set_may_skip(tmp_path: Path) -> None:
     """A ``cpu`` marker this CPU does not meet skips under CI=true too (and is reported); one it meets runs."""
-    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "cpu_without_amx.py").write_text(
-        "import sys\n\ndef pytest_collection(session):\n"
-        "    sys.modules['conftest'].cpu_has = lambda name: name != 'amx'\n", encoding="utf-8")
-    (tmp_path / "test_sample.py").write_text(
-        "import pytest\n\n"
-        "@pytest.mark.cpu('amx')\ndef test_tiles():\n    raise AssertionError('ran without the instructions')\n\n"
-        "@pytest.mark.cpu('avx2')\ndef test_vectors():\n    assert True\n", encoding="utf-8")
-    report = tmp_path / "skips.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS")}
-    env |= {"QWEN_SKIP_REPORT": str(report), "CI": "true"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "",
-                           "-p", "cpu_without_amx", "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc, skips = run_pytest(
+        tmp_path, ci=True,
+        sample="import pytest\n\n"
+               "@pytest.mark.cpu('amx')\ndef test_tiles():\n    raise AssertionError('ran without the tiles')\n\n"
+               "@pytest.mark.cpu('avx2')\ndef test_vectors():\n    assert True\n",
+        plugin="import sys\n\ndef pytest_collection(session):\n"
+               "    sys.modules['conftest'].cpu_has = lambda name: name != 'amx'\n")
     assert proc.returncode == 0, proc.stdout
     assert "1 passed, 1 skipped" in proc.stdout and "not on this CPU: amx" in proc.stdout
-    skips = json.loads(report.read_text(encoding="utf-8"))
     assert [(s["nodeid"].split("::")[-1], "cpu" in s["markers"]) for s in skips] == [("test_tiles", True)]
