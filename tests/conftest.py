@@ -17,6 +17,10 @@ on an AVX-512 host, ``"avx512 without vnni"`` on a VNNI one). Where there is non
 too (no install brings an instruction set), and is still listed in ``QWEN_SKIP_REPORT`` and by ``-rs``; any other
 skip stays a failure there.
 
+The README's command runs the tests in one pytest-xdist worker per core, a test file at a time on one worker
+(``--dist loadfile``, pyproject's ``addopts``), so a module's fixtures are built once; the skip report is merged
+from the workers' parts.
+
 One fixture is shared by the whole suite: ``converted``, the committed fixtures converted in-process once per
 session and (name, format, dtype) (``runtime_helpers.Converted``).
 """
@@ -124,6 +128,22 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Converted:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Write the skip report: a pytest-xdist worker its own part beside it, the controller (or a run without
+    workers) the whole, its own entries and every worker's part, which it removes.
+
+    A worker's session finishes before it tells the controller it is done, so every part is there when the
+    controller's session finishes.
+    """
     target = os.environ.get("QWEN_SKIP_REPORT")
-    if target:
-        Path(target).write_text(json.dumps(_skipped, indent=1), encoding="utf-8")
+    if not target:
+        return
+    report = Path(target)
+    worker = getattr(session.config, "workerinput", None)
+    if worker is not None:
+        report.with_name(f"{report.name}.{worker['workerid']}").write_text(json.dumps(_skipped), encoding="utf-8")
+        return
+    entries = list(_skipped)
+    for part in sorted(report.parent.glob(f"{report.name}.gw*")):
+        entries += json.loads(part.read_text(encoding="utf-8"))
+        part.unlink()
+    report.write_text(json.dumps(entries, indent=1), encoding="utf-8")

@@ -23,7 +23,7 @@ def readme_test_command() -> str:
 
 def test_ci_runs_exactly_the_readme_test_command() -> None:
     command = readme_test_command()
-    assert command == "python -m pytest -q"
+    assert command == "python -m pytest -q -n auto"
     lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
     assert any(line == command or line.startswith(f"{command} ||") for line in lines)
     assert "export CI=true" in lines
@@ -35,10 +35,10 @@ SAMPLE = ("import pytest\n\n"
           "def test_runs():\n    assert True\n")
 
 
-def run_pytest(tmp_path: Path, ci: bool, sample: str = SAMPLE, plugin: str = "",
+def run_pytest(tmp_path: Path, ci: bool, sample: str = SAMPLE, plugin: str = "", args: tuple[str, ...] = (),
                ) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
     """pytest under the project's conftest on ``sample`` (test_sample.py), with ``plugin`` (the text of a plugin
-    module loaded by ``-p``) if given; the run and the skip report."""
+    module loaded by ``-p``) if given and more command-line ``args``; the run and the skip report."""
     shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_sample.py").write_text(sample, encoding="utf-8")
     plugins = []
@@ -49,7 +49,7 @@ def run_pytest(tmp_path: Path, ci: bool, sample: str = SAMPLE, plugin: str = "",
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS")}
     env |= {"QWEN_SKIP_REPORT": str(report)} | ({"CI": "true"} if ci else {})
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "", *plugins,
-                           "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path)],
+                           "-W", "ignore::pytest.PytestUnknownMarkWarning", *args, str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     return proc, json.loads(report.read_text(encoding="utf-8"))
 
@@ -80,3 +80,14 @@ def test_under_ci_only_a_missing_instruction_set_may_skip(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stdout
     assert "1 passed, 1 skipped" in proc.stdout and "not on this CPU: amx" in proc.stdout
     assert [(s["nodeid"].split("::")[-1], "cpu" in s["markers"]) for s in skips] == [("test_tiles", True)]
+
+
+def test_the_skip_report_holds_every_workers_skips(tmp_path: Path) -> None:
+    """Under pytest-xdist (README's ``-n auto``) each worker's skips reach the one report, and no part is left."""
+    sample = "".join(f"@pytest.mark.oracle\ndef test_needs_{i}():\n    pytest.skip('extra missing')\n\n"
+                     for i in range(4))
+    proc, skips = run_pytest(tmp_path, ci=True, sample="import pytest\n\n" + sample, args=("-n", "2"))
+    assert proc.returncode == 1, proc.stdout
+    assert "4 failed" in proc.stdout
+    assert sorted(s["nodeid"].split("::")[-1] for s in skips) == [f"test_needs_{i}" for i in range(4)]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("skips.json")) == ["skips.json"]
