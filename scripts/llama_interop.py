@@ -5,7 +5,8 @@
   with ``pip download`` into a cache directory and unpacked there.  Nothing of it is committed.
 * :func:`llama_convert` runs that converter in a subprocess (it puts its own ``gguf-py`` first on sys.path).
 * :func:`llama_quantize` quantizes a GGUF with llama.cpp's own quantizer (``llama_model_quantize``), as
-  ``llama-quantize`` does: a file type such as ``Q4_K_M`` (its per-tensor mixture) or, with ``pure``, one type.
+  ``llama-quantize`` does: a file type such as ``Q4_K_M`` (its per-tensor mixture) or, with ``pure``, one type;
+  :func:`llama_quantize_types` only the types it would give (its dry run).
 * :class:`LlamaModel` opens a GGUF with ``llama_cpp.Llama`` (logits for every position), collecting llama.cpp's
   log lines so tests can assert the absence of warnings.
 * :func:`gguf_structure` / :func:`structural_diff` compare two GGUF files: tensor names, shapes and types, and
@@ -18,6 +19,7 @@ import ctypes
 import hashlib
 import importlib.metadata
 import math
+import re
 import struct
 import subprocess
 import sys
@@ -112,12 +114,45 @@ def llama_quantize(src: Path, dst: Path, ftype: str, pure: bool = False, threads
     llama-quantize's ``--tensor-type``, ``--output-tensor-type`` and ``--token-embedding-type``; ``imatrix`` maps
     tensor names to their importance vectors (what llama-quantize passes after reading an imatrix file).
     """
+    logs = _quantize(src, dst, ftype, pure, threads, tensor_types, output_tensor_type, token_embedding_type, imatrix,
+                     dry_run=False)
+    if not dst.is_file():
+        raise RuntimeError(f"llama.cpp wrote no {dst} quantizing {src} to {ftype}:\n{logs.text()[-2000:]}")
+    return dst
+
+
+# One tensor of llama_model_quantize's log: its name, stored type and, when it converts it, the new type.
+_QUANTIZE_LINE = re.compile(r"\[\s*\d+/\s*\d+\]\s+(\S+)\s+- \[[^\]]*\], type =\s*(\w+), "
+                            r"size =\s*[\d.]+ MiB(?:\s*->\s*[\d.]+ MiB \((\w+)\))?")
+
+
+def llama_quantize_types(src: Path, ftype: str, pure: bool = False, threads: int = 2,
+                         tensor_types: Sequence[tuple[str, str]] = (), output_tensor_type: str | None = None,
+                         token_embedding_type: str | None = None,
+                         imatrix: dict[str, np.ndarray] | None = None) -> dict[str, str]:
+    """The type llama.cpp's quantizer gives each tensor of ``src`` (name -> GGML type name, upper case, as
+    ``GGMLQuantizationType`` names it), from its ``--dry-run`` (no file written, nothing encoded); the arguments
+    are :func:`llama_quantize`'s."""
+    logs = _quantize(src, None, ftype, pure, threads, tensor_types, output_tensor_type, token_embedding_type, imatrix,
+                     dry_run=True)
+    types = {name: (new or old).upper() for name, old, new in _QUANTIZE_LINE.findall(logs.text())}
+    if not types:
+        raise RuntimeError(f"no tensor in llama.cpp's dry run of {src} to {ftype}:\n{logs.text()[-2000:]}")
+    return types
+
+
+def _quantize(src: Path, dst: Path | None, ftype: str, pure: bool, threads: int,
+              tensor_types: Sequence[tuple[str, str]], output_tensor_type: str | None,
+              token_embedding_type: str | None, imatrix: dict[str, np.ndarray] | None,
+              dry_run: bool) -> LogCapture:
+    """One ``llama_model_quantize`` call with llama-quantize's options; its log."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.pure = pure
     params.nthread = threads
+    params.dry_run = dry_run
     if output_tensor_type is not None:
         params.output_tensor_type = getattr(llama_cpp, f"GGML_TYPE_{output_tensor_type.upper()}")
     if token_embedding_type is not None:
@@ -141,11 +176,12 @@ def llama_quantize(src: Path, dst: Path, ftype: str, pure: bool = False, threads
             slot.size = values.size
         params.imatrix = entries
         keep.append(entries)
+    target = b"" if dst is None else str(dst).encode()
     with captured_llama_logs() as logs:
-        status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
-    if status != 0 or not dst.is_file():
+        status = llama_cpp.llama_model_quantize(str(src).encode(), target, params)
+    if status != 0:
         raise RuntimeError(f"llama.cpp could not quantize {src} to {ftype} (status {status}):\n{logs.text()[-2000:]}")
-    return dst
+    return logs
 
 
 # ------------------------------------------------------------------------------------------------ runtime

@@ -356,10 +356,11 @@ def compare_with_llama(files: MixFiles, model: str, theirs_path: Path, ours: dic
 @pytest.mark.parametrize("pure", [False, True], ids=["mix", "pure"])
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_types_and_file_type_match_llama_quantize(mix_files: MixFiles, mix: str, pure: bool) -> None:
-    """Every model: llama-quantize's file type and tensor types equal our plan.  One model per mix and form
-    (the models in turn, so each architecture meets about a quarter of the mixes): our whole file equals
-    llama-quantize's, metadata and bytes.  (Each type's encoder is held to ggml's bytes row by row in
-    test_kquant_writers and test_iq_writers; this test adds the plan, the importance wiring and the file.)"""
+    """Every model: the tensor types of llama-quantize's dry run equal our plan.  One model per mix and form
+    (the models in turn, so each architecture meets about a quarter of the mixes): llama-quantize's file has the
+    dry run's types and the mix's file type, and our whole file equals it, metadata and bytes.  (Each type's
+    encoder is held to ggml's bytes row by row in test_kquant_writers and test_iq_writers; this test adds the
+    plan, the importance wiring and the file.)"""
     import llama_interop as li
 
     from qwen_runtime.formats.gguf_parse import parse_gguf
@@ -380,14 +381,17 @@ def test_types_and_file_type_match_llama_quantize(mix_files: MixFiles, mix: str,
                 convert(mix_files.dirs[model], mix_files.root / "refused.gguf", "gguf", mix,
                         options=QuantOptions(pure=pure), importance=importance)
             continue
-        theirs = mix_files.llama(model, mix, ("pure" if pure else "mix") + ("-imatrix" if weighted else ""),
-                                 pure=pure, imatrix=importance and importance.vectors)
-        parsed = parse_gguf(theirs)
-        assert parsed.metadata["general.file_type"] == int(MIXES[mix].file_type)
-        assert {t.name: t.qtype.name for t in parsed.tensors} == {n: q.name for n, q in planned.items()}
+        vectors = importance and importance.vectors
+        dry_run = li.llama_quantize_types(mix_files.f32[model], mix.upper(), pure=pure, imatrix=vectors)
+        assert dry_run == {n: q.name for n, q in planned.items()}
         if written:
             continue
         written = True
+        theirs = mix_files.llama(model, mix, ("pure" if pure else "mix") + ("-imatrix" if weighted else ""),
+                                 pure=pure, imatrix=vectors)
+        parsed = parse_gguf(theirs)
+        assert parsed.metadata["general.file_type"] == int(MIXES[mix].file_type)
+        assert {t.name: t.qtype.name for t in parsed.tensors} == dry_run
         # the whole file: metadata and structure, then the stored bytes (differing tensors named)
         ours = convert(mix_files.dirs[model], mix_files.root / f"ours-{model}-{mix}-{pure}.gguf", "gguf", mix,
                        options=QuantOptions(pure=pure), importance=importance).output
