@@ -83,8 +83,8 @@ def _name(func: Callable[..., Any]) -> str:
 def _product_variance(torch: Any, a: Any, b: Any, out: Any) -> Any:
     """var of out = a @ b (b already [.., K, N]) under the inner-product model above."""
     k = a.shape[-1]
-    squares = torch.matmul(a * a, b * b)
-    return (UNIT_ROUNDOFF**2 / 3) * ((k / 2 + 1) * squares + (k / 3) * out * out)
+    squares = torch.matmul(a * a, b * b)  # a fresh array, so the rest works in place, in the same order
+    return squares.mul_(k / 2 + 1).add_(out.mul(k / 3).mul_(out)).mul_(UNIT_ROUNDOFF**2 / 3)
 
 
 @contextlib.contextmanager
@@ -96,8 +96,9 @@ def rounding_noise(seed: int) -> Iterator[None]:
     generator = torch.Generator().manual_seed(seed)
 
     def add_noise(out: Any, variance: Any) -> Any:
-        variance = torch.where(torch.isfinite(variance), variance, torch.zeros_like(variance))
-        noise = torch.randn(out.shape, generator=generator, dtype=out.dtype) * variance.sqrt()
+        # in place on the fresh variance: the logits' products are the largest arrays of a run
+        sigma = variance.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).sqrt_()
+        noise = torch.randn(out.shape, generator=generator, dtype=out.dtype).mul_(sigma)
         if out._is_view() or out.requires_grad:
             return out + noise
         return out.add_(noise)
@@ -130,7 +131,10 @@ def rounding_noise(seed: int) -> Iterator[None]:
 
 def row_bounds(clean: np.ndarray, noisy: list[np.ndarray]) -> np.ndarray:
     """LAMBDA * sigma per row ([..., V] -> [...]), sigma the largest per-logit spread of the noisy runs."""
-    spread = np.sqrt(np.mean([(run - clean) ** 2 for run in noisy], axis=0))
+    total = np.zeros_like(clean)
+    for run in noisy:  # one [..., V] array at a time: the runs of a full vocabulary are large
+        total += (run - clean) ** 2
+    spread = np.sqrt(total / len(noisy))
     return (LAMBDA * spread.max(axis=-1)).astype(np.float32)
 
 
