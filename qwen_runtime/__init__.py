@@ -49,9 +49,10 @@ def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int |
     type with an integer-dot kernel, as llama.cpp does) or ``"auto"`` (``q8-prompts`` with the compiled kernels,
     the command lines' default); ``model.workspace.activations`` says which (:mod:`qwen_runtime.backend.pool`).
     ``cache_type_k``/``cache_type_v``: what the KV cache stores keys and
-    values in (:data:`qwen_runtime.backend.cache.CACHE_TYPES`: ``"f32"``, exact; ``"f16"`` or ``"bf16"``, half the
-    memory; ``"q8_0"`` or ``"q4_0"``, llama.cpp's blocks of 32 values along a head; llama.cpp's ``-ctk/-ctv``);
-    ``model.cache_types`` says which.
+    values in (:data:`qwen_runtime.backend.cache.CACHE_TYPES`: ``"f32"``, exact; ``"f16"`` (the default, as
+    llama.cpp's) or ``"bf16"``, half the memory; ``"q8_0"`` or ``"q4_0"``, llama.cpp's blocks of 32 values along a
+    head; llama.cpp's ``-ctk/-ctv``); ``model.cache_types`` says which.  Every pass through a cache reads the
+    stored keys and values, :meth:`Model.logits` too: pass ``"f32"`` for both to get float32 arithmetic's numbers.
     ``rope_scaling`` (:class:`qwen_runtime.formats.rope.RopeScaling`) replaces the file's RoPE scaling for this run, the
     file unchanged (llama.cpp's ``--rope-scaling``); the model then runs up to the scaled window.
     """

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn, TextIO
 
-from .backend.cache import CACHE_TYPES, COMMAND_CACHE_TYPE
+from .backend.cache import CACHE_TYPES, DEFAULT_CACHE_TYPE
 from .backend.compile_events import on_compiling
 from .backend.limits import format_bytes, parse_memory_size
 from .backend.pool import ACTIVATION_CHOICES, KERNEL_CHOICES, KERNELS_VARIABLE, STEP_TOKENS
@@ -218,10 +218,10 @@ def add_cache_type_options(p: argparse.ArgumentParser) -> None:
     """``--cache-type-k/-ctk`` and ``--cache-type-v/-ctv`` (llama.cpp's names): what the KV cache stores keys and
     values in (:func:`qwen_runtime.load`'s ``cache_type_k``/``cache_type_v``; :func:`cache_types` reads them)."""
     for flag, short, what in (("--cache-type-k", "-ctk", "keys"), ("--cache-type-v", "-ctv", "values")):
-        p.add_argument(flag, short, choices=CACHE_TYPES, default=COMMAND_CACHE_TYPE,
+        p.add_argument(flag, short, choices=CACHE_TYPES, default=DEFAULT_CACHE_TYPE,
                        help=f"type the KV cache stores {what} in (llama.cpp's): f32 (exact), f16 or bf16 (half the "
                        f"memory, each value rounded), q8_0 (0.27x, blocks of 32 with a scale) or q4_0 (0.14x); "
-                       f"default {COMMAND_CACHE_TYPE} (llama.cpp's)")
+                       f"default {DEFAULT_CACHE_TYPE} (llama.cpp's)")
 
 
 def cache_types(args: argparse.Namespace) -> dict[str, str]:

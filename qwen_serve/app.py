@@ -153,6 +153,12 @@ def disk_note(engine: Engine) -> str:
             + (f", {disk['skipped']} unusable files skipped" if disk["skipped"] else ""))
 
 
+def context_note(engine: Engine) -> str:
+    """Why a request's context is below the model's window: the memory budget (no --ctx asked for more)."""
+    window = engine.model.config.context_window
+    return f" (the memory budget's; the model's is {window})" if engine.context < window else ""
+
+
 def startup_banner(app: Starlette, url: str) -> str:
     """What a server runs, with which limits, and where: printed once it listens."""
     state: ServerState = app.state.server
@@ -162,8 +168,9 @@ def startup_banner(app: Starlette, url: str) -> str:
     return "\n".join([
         f"qwen-serve: {state.model_name}: {model.config.arch} ({model.files.format}, {weight_types(model)}) "
         f"from {model.path}",
-        f"  context {engine.context} tokens per request, {engine.max_batch} rows, {engine.max_queue} queued at most, "
-        f"prefill chunks of {engine.prefill_chunk} tokens, {engine.prefill_budget} between two decode steps",
+        f"  context {engine.context} tokens per request{context_note(engine)}, {engine.max_batch} rows, "
+        f"{engine.max_queue} queued at most, prefill chunks of {engine.prefill_chunk} tokens, "
+        f"{engine.prefill_budget} between two decode steps",
         f"  memory budget {format_bytes(engine.memory_limit)} for cache and activations "
         f"({format_bytes(engine.activations)} of activations; prefix cache up to "
         f"{format_bytes(engine.prefix.capacity) if engine.prefix else 'off'}"

@@ -119,11 +119,14 @@ class Engine:
                             + (activation_bytes(cfg, 1, self.prefill_budget, self.prefill_budget) if batched else 0)
                             + (max_batch * self.row_bytes if self.draft_tokens else 0))
         room = (self.memory_limit - self.activations - self.row_bytes) // self.token_bytes
+        if max_context is not None and room < context:  # asked for: refused with the numbers, never shrunk
+            model.memory_plan(1, context, self.activations, mask=False).check(
+                self.memory_limit, f"one request of {context} tokens (--ctx)")
         if room < 2:
             raise ResourceLimitError(f"a memory limit of {format_bytes(self.memory_limit)} leaves no room for the "
                                      f"cache of one request (activations alone need about "
                                      f"{format_bytes(self.activations)}); raise --max-memory or lower --max-batch")
-        self.context = min(context, room)  # tokens one row can hold (prompt + completion)
+        self.context = min(context, room)  # tokens one row can hold (prompt + completion); the banner says why
         self.plan = model.memory_plan(max_batch, self.context, self.activations, mask=False)  # what the banner prints
         self.slots = SlotCache(model, max_batch, self.context)
         capacity = self.memory_limit // 4 if cache_memory is None else cache_memory

@@ -86,10 +86,11 @@ _TYPES = (
 )
 CACHE_TYPE = {t.name: t for t in _TYPES}
 CACHE_TYPES = tuple(CACHE_TYPE)
-DEFAULT_CACHE_TYPE = "f32"  # load()/stream(): exact, the numbers of float32 arithmetic
-# qwen-run, qwen-serve and qwen-eval: llama.cpp's default, half the memory (its effect on the bundled model's
-# predictions: docs/performance.md); ``-ctk f32 -ctv f32`` gives the library's exact numbers
-COMMAND_CACHE_TYPE = "f16"
+# load(), create_app() and the commands: llama.cpp's default, half the memory of float32 (its effect on the bundled
+# model's predictions: docs/performance.md); ``-ctk f32 -ctv f32`` or ``cache_type_k/v="f32"`` give exact numbers
+DEFAULT_CACHE_TYPE = "f16"
+# build_model() and a bare KVCache: the numbers of float32 arithmetic, what conversion checks and tests compare
+EXACT_CACHE_TYPE = "f32"
 
 
 def cache_type(name: str) -> CacheType:
@@ -247,15 +248,15 @@ class KVCache:
     """Preallocated keys and values of one full-attention layer, each in its cache type (:data:`CACHE_TYPES`).
     # 2 x [B, kv_heads, max_len, head_dim / block]"""
 
-    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, key_type: str = DEFAULT_CACHE_TYPE,
-                 value_type: str = DEFAULT_CACHE_TYPE) -> None:
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, key_type: str = EXACT_CACHE_TYPE,
+                 value_type: str = EXACT_CACHE_TYPE) -> None:
         kt, vt = cache_type(key_type), cache_type(value_type)
         self.keys = np.zeros((batch, kv_heads, max_len, kt.width(head_dim)), kt.dtype)
         self.values = np.zeros((batch, kv_heads, max_len, vt.width(head_dim)), vt.dtype)
 
     @staticmethod
-    def size(kv_heads: int, head_dim: int, key_type: str = DEFAULT_CACHE_TYPE,
-             value_type: str = DEFAULT_CACHE_TYPE) -> CacheSize:
+    def size(kv_heads: int, head_dim: int, key_type: str = EXACT_CACHE_TYPE,
+             value_type: str = EXACT_CACHE_TYPE) -> CacheSize:
         """What such a cache holds: the keys and values of every token in their types."""
         kt, vt = cache_type(key_type), cache_type(value_type)
         return CacheSize(token=kv_heads * (kt.width(head_dim) * kt.dtype.itemsize

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..backend.cache import DEFAULT_CACHE_TYPE
+from ..backend.cache import EXACT_CACHE_TYPE
 from ..backend.jit_setup import release_compiler_pages
 from ..backend.weights import TILE_ELEMENTS, populate
 from ..formats import ModelFiles, open_model_files
@@ -18,8 +18,8 @@ __all__ = ["MIXERS", "BatchState", "Block", "Mixer", "Model", "WeightStore", "bu
 
 
 def build_model(source: str | Path | ModelFiles, tile_elements: int = TILE_ELEMENTS, threads: int | None = None,
-                kernels: str | None = None, activations: str = "float", cache_type_k: str = DEFAULT_CACHE_TYPE,
-                cache_type_v: str = DEFAULT_CACHE_TYPE) -> Model:
+                kernels: str | None = None, activations: str = "float", cache_type_k: str = EXACT_CACHE_TYPE,
+                cache_type_v: str = EXACT_CACHE_TYPE) -> Model:
     """Open a model path (HF dir, npy dir or GGUF file) or wrap already-opened files; ``threads``, ``kernels``,
     ``activations`` and the cache types are :func:`qwen_runtime.load`'s."""
     files = source if isinstance(source, ModelFiles) else open_model_files(source)

@@ -33,7 +33,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from ..backend.cache import DEFAULT_CACHE_TYPE, BatchState, CacheSize, LayerCache, cache_type
+from ..backend.cache import EXACT_CACHE_TYPE, BatchState, CacheSize, LayerCache, cache_type
 from ..backend.compile_events import listen
 from ..backend.pool import Workspace, resolve_activations, resolve_kernels
 from ..backend.weights import TILE_ELEMENTS, Weight, load_vector, make_weight
@@ -48,8 +48,8 @@ class WeightStore:
     """Hands out a model's weights by canonical kind: matrices as :class:`Weight`, small tensors as float32."""
 
     def __init__(self, files: ModelFiles, tile_elements: int = TILE_ELEMENTS, threads: int | None = None,
-                 kernels: str | None = None, activations: str = "float", cache_type_k: str = DEFAULT_CACHE_TYPE,
-                 cache_type_v: str = DEFAULT_CACHE_TYPE) -> None:
+                 kernels: str | None = None, activations: str = "float", cache_type_k: str = EXACT_CACHE_TYPE,
+                 cache_type_v: str = EXACT_CACHE_TYPE) -> None:
         self.files = files
         for name in (cache_type_k, cache_type_v):  # an unknown type, or blocks that do not divide the heads, fail
             cache_type(name).width(files.config.head_dim)  # before anything is built

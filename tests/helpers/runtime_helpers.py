@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,6 +53,14 @@ class Converted:
 
 
 KERNELS = ("numpy", "numba")  # the reference kernels and their compiled twins
+
+
+def load_exact(path: str | Path, **options: Any) -> Model:
+    """``qwen_runtime.load`` with a float32 KV cache (its default is f16, llama.cpp's): float32 arithmetic's
+    numbers, the ones the oracles (transformers, reference.py, llama.cpp with an F32 cache) are held to."""
+    import qwen_runtime
+
+    return qwen_runtime.load(path, cache_type_k="f32", cache_type_v="f32", **options)
 
 
 def use_kernels(model: Model, kernels: str) -> Model:

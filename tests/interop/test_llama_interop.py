@@ -34,6 +34,7 @@ import interop_models  # noqa: E402
 import llama_interop as li  # noqa: E402
 from float_error import check_rows, reference64  # noqa: E402
 from hf_oracle import hf_logits  # noqa: E402
+from runtime_helpers import load_exact  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 import qwen_runtime  # noqa: E402
@@ -149,7 +150,7 @@ _runtime_cache: dict[Path, qwen_runtime.Model] = {}
 
 def runtime_model(path: Path) -> qwen_runtime.Model:
     if path not in _runtime_cache:
-        _runtime_cache[path] = qwen_runtime.load(path)
+        _runtime_cache[path] = load_exact(path)
     return _runtime_cache[path]
 
 

@@ -41,8 +41,8 @@ pytest.importorskip("accelerate", reason="transformers needs accelerate to load 
 
 import interop_models  # noqa: E402
 import llama_interop as li  # noqa: E402
+from runtime_helpers import load_exact  # noqa: E402
 
-import qwen_runtime  # noqa: E402
 from qwen_convert.convert import convert  # noqa: E402
 from qwen_convert.verify import verify_against  # noqa: E402
 from qwen_runtime.formats.gguf_parse import parse_gguf  # noqa: E402
@@ -97,7 +97,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
 
 
 def ours(path: Path, kernels: str = "auto") -> np.ndarray:
-    return qwen_runtime.load(path, kernels=kernels).logits([PROMPT])[0]
+    return load_exact(path, kernels=kernels).logits([PROMPT])[0]
 
 
 def hf_gguf_logits(path: Path) -> np.ndarray:

@@ -203,7 +203,7 @@ def test_a_cache_type_is_f32_arithmetic_on_its_stored_keys_and_values(name: str,
     assert all(a.dtype == np.float32 for layer in cache.layers if not isinstance(layer, KVCache)
                for a in vars(layer).values() if isinstance(a, np.ndarray))
     stored = run(model, cache)
-    f32_model = load(path, kernels="numpy")
+    f32_model = load(path, kernels="numpy", cache_type_k="f32", cache_type_v="f32")
     rounding = f32_model.make_cache(1, PROMPT.shape[1])
     for i, layer in enumerate(rounding.layers):
         if isinstance(layer, KVCache):

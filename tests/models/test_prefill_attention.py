@@ -18,9 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runtime_helpers import KERNELS, fixture_dir, use_kernels
+from runtime_helpers import KERNELS, fixture_dir, load_exact, use_kernels
 
-import qwen_runtime
 from qwen_runtime.backend.cache import CACHE_TYPE, BatchState, stored_type
 from qwen_runtime.backend.pool import Workspace
 from qwen_runtime.models import attention
@@ -213,7 +212,7 @@ def test_a_long_prefill_holds_tiles_not_scores(kernels: str) -> None:
     arrays) is a few arrays the size of its queries (the scaled copy, the output) plus a tile's scores per kv head,
     far below the [heads, T, S] float32 scores (125 times the queries here); the compiled tiles' scratch is their
     fixed shapes, whatever the prompt."""
-    model = use_kernels(qwen_runtime.load(fixture_dir("qwen3-tiny"), kernels=kernels), kernels)
+    model = use_kernels(load_exact(fixture_dir("qwen3-tiny"), kernels=kernels), kernels)
     c = model.config
     t = 4000
     ids = np.random.default_rng(0).integers(0, c.vocab_size, (1, t))
@@ -261,7 +260,7 @@ def test_long_prompt_matches_transformers(name: str) -> None:
     for kernels in KERNELS:
         if kernels == "numba":
             pytest.importorskip("numba")
-        model = use_kernels(qwen_runtime.load(fixture_dir(name), kernels=kernels), kernels)
+        model = use_kernels(load_exact(fixture_dir(name), kernels=kernels), kernels)
         if prompt is None:
             prompt = np.random.default_rng(11).integers(0, model.config.vocab_size, (1, 700))
             want, bound = reference64(fixture_dir(name), prompt)

@@ -25,12 +25,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from float_error import check_greedy, check_rows, reference64
-from runtime_helpers import Converted, reference
+from runtime_helpers import Converted, load_exact, reference
 
 from qwen_convert.convert import convert
 from qwen_convert.verify import verify_against
 from qwen_convert.verify.behaviour import TWIN_DRAWS, TWIN_MARGIN, rounding_twin
-from qwen_runtime import load
 from qwen_runtime.formats import ModelFiles, open_model_files
 from qwen_runtime.formats.base import V_HEAD_TILED
 from qwen_runtime.formats.gguf_parse import parse_gguf
@@ -60,7 +59,7 @@ def quantized_names(files: ModelFiles) -> list[str]:
 @pytest.mark.parametrize("name", NAMES)
 def test_fp32_copy_matches_transformers(converted: Converted, name: str, fmt: str) -> None:
     ref = reference(name)
-    model = load(converted(name, fmt))
+    model = load_exact(converted(name, fmt))
     if model.config.linear_num_value_heads > model.config.linear_num_key_heads:
         assert model.files.v_head_order == V_HEAD_TILED
     for i in range(3):
@@ -92,7 +91,7 @@ def test_quantized_types_stay_close_to_fp32(converted: Converted, name: str) -> 
     fp32 = open_model_files(converted(name, "gguf"))
     base = Model(fp32, WeightStore(fp32)).logits(prompt)[0]
     scale = float(np.abs(base).max())
-    fp16 = load(converted(name, "gguf", "fp16")).logits(prompt)[0]
+    fp16 = load_exact(converted(name, "gguf", "fp16")).logits(prompt)[0]
     assert float(np.abs(fp16 - base).max()) <= 20 * 2.0**-11 * scale
 
     q8 = open_model_files(converted(name, "gguf", "q8_0"))
@@ -139,10 +138,10 @@ def test_any_layer_pattern_round_trips_through_gguf(tmp_path: Path) -> None:
     meta = parse_gguf(out).metadata
     assert meta["qwen35.attention.recurrent_layers"].tolist() == [True, False, True, True]
     assert meta["qwen35.full_attention_interval"] == 4
-    model = load(out)
+    model = load_exact(out)
     assert model.config.layer_types == ("linear_attention", "full_attention", "linear_attention", "linear_attention")
     prompt = reference("qwen35-tiny")["prompt_2"][None]
-    np.testing.assert_allclose(model.logits(prompt), load(src).logits(prompt), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(model.logits(prompt), load_exact(src).logits(prompt), atol=ATOL, rtol=0)
     assert verify_against(out, src).ok
 
 
@@ -154,4 +153,4 @@ def test_any_layer_pattern_matches_transformers(tmp_path: Path) -> None:
     out = convert(src, tmp_path / "swapped.gguf", "gguf", "fp32").output
     prompt = reference("qwen35-tiny")["prompt_2"]
     want, bound = reference64(src, prompt)
-    check_rows(load(out).logits(prompt[None]), want, bound, "swapped layers")
+    check_rows(load_exact(out).logits(prompt[None]), want, bound, "swapped layers")

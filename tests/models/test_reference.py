@@ -8,10 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from float_error import check_rows, reference64
-from runtime_helpers import Converted, fixture_dir, reference
+from runtime_helpers import Converted, fixture_dir, load_exact, reference
 
 import qwen_runtime.models.reference
-from qwen_runtime import load
 from qwen_runtime.formats import open_model_files
 from qwen_runtime.models.reference import forward
 
@@ -37,7 +36,7 @@ def test_equals_the_fast_path_on_the_same_file(name: str, fmt: str, dtype: str, 
     path = converted(name, fmt, dtype)
     ref = reference(name)
     prompt = ref["prompt_2"]
-    check_rows(load(path).logits(prompt[None])[0], forward(open_model_files(path), prompt), ref["bound_2"],
+    check_rows(load_exact(path).logits(prompt[None])[0], forward(open_model_files(path), prompt), ref["bound_2"],
                f"{fmt} {dtype}")
 
 

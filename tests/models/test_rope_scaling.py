@@ -15,11 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from float_error import check_rows, reference64, tolerance
-from runtime_helpers import fixture_dir, use_kernels
+from runtime_helpers import fixture_dir, load_exact, use_kernels
 
 from qwen_convert.convert import convert
 from qwen_convert.verify.metadata import gguf_model_checks
-from qwen_runtime import load
 from qwen_runtime.cli_support import add_rope_scaling_options, rope_scaling_arg
 from qwen_runtime.errors import ConfigError, ContextOverflowError, UsageError
 from qwen_runtime.formats import open_model_files
@@ -49,7 +48,7 @@ def yarn_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     """(scaled source directory, prompt [1, T], transformers' float64 logits, float32 bounds)."""
     pytest.importorskip("torch")
     src = scaled_copy(request.param, tmp_path_factory.mktemp("yarn"))
-    ids = np.random.default_rng(7).integers(0, load(src).config.vocab_size, (1, PROMPT))
+    ids = np.random.default_rng(7).integers(0, load_exact(src).config.vocab_size, (1, PROMPT))
     expected, bound = reference64(src, ids)
     return src, ids, expected, bound
 
@@ -91,12 +90,12 @@ def test_frequencies_match_transformers(scaling: dict) -> None:
 @pytest.mark.oracle
 def test_logits_match_transformers_in_every_format(yarn_model, tmp_path: Path) -> None:
     src, ids, expected, bound = yarn_model
-    plain = load(fixture_dir(src.name)).logits(ids)
+    plain = load_exact(fixture_dir(src.name)).logits(ids)
     assert (np.abs(plain - expected).max(-1) > 100 * tolerance(bound)).any(), "the scaling changes nothing here"
     for fmt in ("hf", "npy", "gguf"):
         path = src if fmt == "hf" else convert(src, tmp_path / f"out-{fmt}", fmt, "fp32").output
         for kernels in ("numpy", "numba") if fmt == "gguf" else ("numpy",):
-            model = use_kernels(load(path), kernels)
+            model = use_kernels(load_exact(path), kernels)
             assert model.config.rope_scaling == RopeScaling("yarn", 4.0, 32)
             check_rows(model.logits(ids)[0], expected[0], bound[0], f"{src.name} {fmt} {kernels}")
             cache = model.make_cache(1, PROMPT)  # prefill to the original context, then decode past it
@@ -168,7 +167,7 @@ def test_llama_cpp_runs_our_yarn_gguf_like_us(yarn_model, tmp_path: Path) -> Non
 
     src, ids, expected, bound = yarn_model
     gguf = convert(src, tmp_path / "yarn.gguf", "gguf", "fp32").output
-    ours = load(gguf).logits(ids)[0]
+    ours = load_exact(gguf).logits(ids)[0]
     llm = li.LlamaModel(gguf, n_ctx=128)
     try:
         theirs = llm.logits(ids[0].tolist())
@@ -185,18 +184,18 @@ def test_run_time_override_equals_the_config(tmp_path: Path) -> None:
     cfg = json.loads((plain / "config.json").read_text())
     cfg["max_position_embeddings"] = 32
     (plain / "config.json").write_text(json.dumps(cfg))
-    scaled = load(scaled_copy("qwen2-tiny", tmp_path / "scaled"))
+    scaled = load_exact(scaled_copy("qwen2-tiny", tmp_path / "scaled"))
     p = argparse.ArgumentParser()
     add_rope_scaling_options(p)
     override = rope_scaling_arg(p.parse_args(["--rope-scaling", "yarn", "--rope-scale", "4"]))
-    model = load(plain, rope_scaling=override)
+    model = load_exact(plain, rope_scaling=override)
     assert model.config.rope_scaling == scaled.config.rope_scaling == RopeScaling("yarn", 4.0, 32)
-    assert model.config.context_window == 128 and load(plain).config.context_window == 32
+    assert model.config.context_window == 128 and load_exact(plain).config.context_window == 32
     ids = np.random.default_rng(1).integers(0, model.config.vocab_size, (1, PROMPT))
     np.testing.assert_array_equal(model.logits(ids), scaled.logits(ids))
     check_prompt_fits(model, [list(range(100))], 28)
     with pytest.raises(ContextOverflowError):
-        check_prompt_fits(load(plain), [list(range(100))], 28)
+        check_prompt_fits(load_exact(plain), [list(range(100))], 28)
     assert json.loads((plain / "config.json").read_text()) == cfg
     assert rope_scaling_arg(p.parse_args([])) is None
     for flags, message in ((["--rope-scale", "4"], "needs --rope-scaling"),

@@ -13,9 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from float_error import check_greedy, check_rows, reference64
-from runtime_helpers import DENSE_FAMILIES, Converted, fixture_dir, reference, use_kernels
+from runtime_helpers import DENSE_FAMILIES, Converted, fixture_dir, load_exact, reference, use_kernels
 
-from qwen_runtime import load
 from qwen_runtime.backend import pool
 from qwen_runtime.generation.generate import left_pad
 
@@ -27,7 +26,7 @@ FORMATS = ("hf", "npy", "gguf")
 def model_and_ref(request: pytest.FixtureRequest, converted: Converted):
     """Each family from each format with the numpy kernels, and from GGUF with the compiled twins too."""
     name, fmt, kernels = request.param
-    return use_kernels(load(converted(name, fmt)), kernels), reference(name)
+    return use_kernels(load_exact(converted(name, fmt)), kernels), reference(name)
 
 
 def greedy_decode(model, prompt: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
@@ -103,10 +102,10 @@ def test_quantized_types_stay_close_to_fp32(converted: Converted, name: str, fmt
     """
     ref = reference(name)
     prompt = ref["prompt_2"][None]
-    base = load(converted(name, "hf")).logits(prompt)[0]
+    base = load_exact(converted(name, "hf")).logits(prompt)[0]
     scale = float(np.abs(base).max())
     for dtype, rel in (("fp16", 15 * 2.0**-11), ("q8_0", 15 / 254)):
-        got = load(converted(name, fmt, dtype)).logits(prompt)[0]
+        got = load_exact(converted(name, fmt, dtype)).logits(prompt)[0]
         assert float(np.abs(got - base).max()) <= rel * scale, dtype
         top2 = np.sort(base, axis=-1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > 2 * rel * scale
@@ -119,7 +118,7 @@ def test_live_transformers_oracle_padded_batch(name: str) -> None:
     pytest.importorskip("torch")
     path = fixture_dir(name)
     rng = np.random.default_rng(3)
-    model = load(path)
+    model = load_exact(path)
     ids = rng.integers(0, model.config.vocab_size, (2, 9))
     mask = np.ones_like(ids)
     mask[1, :4] = 0
@@ -148,9 +147,9 @@ def test_prefill_scratch_is_released_before_decoding(converted: Converted, monke
     depends on timing, but no thread ever needs more than the single thread that runs every task.
     """
     path = converted("qwen2-tiny", "gguf", "q8_0")
-    pooled = load(path, kernels="numpy")  # the compiled kernels decode steps need no tile scratch
+    pooled = load_exact(path, kernels="numpy")  # the compiled kernels decode steps need no tile scratch
     monkeypatch.setattr(pool, "default_threads", lambda: 1)
-    alone = load(path, kernels="numpy")
+    alone = load_exact(path, kernels="numpy")
     assert not alone.workspace.pooled
     one = _decode_scratch(alone, 4)
     assert one[0] > 0 and one == [one[0]] * 4
@@ -160,7 +159,7 @@ def test_prefill_scratch_is_released_before_decoding(converted: Converted, monke
 def test_chunked_passes_keep_scratch_while_asked(converted: Converted) -> None:
     """Inside the workspace's keep_scratch() passes of several tokens keep the scratch (the chunks of one prompt, a
     server's prefill steps); the outermost block's end drops it, and so does a pass outside any block."""
-    model = load(converted("qwen2-tiny", "gguf", "q8_0"), kernels="numpy")  # whose tiles are scratch
+    model = load_exact(converted("qwen2-tiny", "gguf", "q8_0"), kernels="numpy")  # whose tiles are scratch
     cache = model.make_cache(1, 24)
     with model.workspace.keep_scratch():
         model.forward(np.arange(1, 9)[None], cache, last_only=True)

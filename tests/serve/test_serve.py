@@ -551,7 +551,7 @@ def test_the_banner_prints_the_memory_plan_the_slots_hold() -> None:
     from qwen_serve.app import startup_banner
 
     app = create_app(fixture_dir("qwen3-tiny"), max_memory=1 << 30, max_batch=3, max_context=100,
-                     cache_type_v="f16")
+                     cache_type_k="f32", cache_type_v="f16")
     engine = app.state.server.engine
     plan = engine.plan
     assert (plan.rows, plan.tokens, plan.cache_types) == (3, engine.context, ("f32", "f16"))
@@ -559,6 +559,28 @@ def test_the_banner_prints_the_memory_plan_the_slots_hold() -> None:
     assert plan.activations == engine.activations
     assert plan.weights == sum(t.nbytes for t in engine.model.files.tensors.values())
     assert f"  {plan.summary()}\n" in startup_banner(app, "http://127.0.0.1:1")
+
+
+def test_a_context_asked_for_that_does_not_fit_is_refused_and_the_default_one_is_cut_with_a_note() -> None:
+    """Issue 44: --ctx beyond what the memory budget holds is refused before any slot is allocated, with the
+    plan's numbers; without --ctx the context is what the budget holds, and the banner says so."""
+    from qwen_serve.app import startup_banner
+
+    roomy = create_app(fixture_dir("qwen3-tiny"), max_memory=1 << 30, max_batch=2)
+    engine = roomy.state.server.engine
+    window = engine.model.config.context_window
+    assert engine.context == window and "the memory budget's" not in startup_banner(roomy, "http://127.0.0.1:1")
+    # room for half the window: what the budget left beyond activations and one row's state, for window // 2 tokens
+    limit = roomy.state.server.grammars.reserve() + engine.activations + engine.row_bytes + engine.token_bytes * (
+        window // 2)
+    cut = create_app(fixture_dir("qwen3-tiny"), max_memory=limit, max_batch=2)
+    assert cut.state.server.engine.context == window // 2
+    assert f"(the memory budget's; the model's is {window})" in startup_banner(cut, "http://127.0.0.1:1")
+    with pytest.raises(ResourceLimitError, match=rf"one request of {window} tokens \(--ctx\) needs about .*kv "
+                       rf"cache .* at {window} tokens x 1 rows"):
+        create_app(fixture_dir("qwen3-tiny"), max_memory=limit, max_batch=2, max_context=window)
+    assert create_app(fixture_dir("qwen3-tiny"), max_memory=limit, max_batch=2,
+                      max_context=window // 2).state.server.engine.context == window // 2
 
 
 def test_cli_errors_are_one_line_with_the_exit_code(tmp_path) -> None:
