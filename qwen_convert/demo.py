@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from importlib.resources import files as package_files
 from pathlib import Path
 
-from qwen_runtime import chat_format, load, stream
+from qwen_runtime import EXACT_CACHE, chat_format, load, stream
 from qwen_runtime.errors import QwenError
 from qwen_runtime.formats.hub import model_name
 from qwen_runtime.generation.evaluate import EvalResult, encode_text, evaluate_ids
@@ -227,9 +227,10 @@ def measure_quality(src: Path, outputs: Sequence[DemoOutput], text: str, eval_to
                     stride: int, progress: Callable[[int], None] | None = None, threads: int | None = None,
                     kernels: str | None = None) -> list[EvalResult]:
     """Perplexity of every output on ``text`` and its divergence from the source (one lockstep pass);
-    ``threads`` and ``kernels`` are :func:`qwen_runtime.load`'s."""
-    models = [load(o.path, threads=threads, kernels=kernels) for o in outputs]
-    reference = load(src, threads=threads, kernels=kernels)
+    ``threads`` and ``kernels`` are :func:`qwen_runtime.load`'s; every model keeps an exact f32 KV cache, so the
+    numbers measure the files alone."""
+    models = [load(o.path, threads=threads, kernels=kernels, **EXACT_CACHE) for o in outputs]
+    reference = load(src, threads=threads, kernels=kernels, **EXACT_CACHE)
     ctx = min(ctx, reference.config.max_position_embeddings)
     ids = encode_text(reference, text, eval_tokens)
     return evaluate_ids(models, ids, ctx, min(stride, ctx), reference, progress=progress)

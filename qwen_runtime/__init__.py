@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .backend.cache import DEFAULT_CACHE_TYPE
+from .backend.cache import DEFAULT_CACHE_TYPE, EXACT_CACHE_TYPE
 from .backend.weights import TILE_ELEMENTS
 from .formats import open_model_files
 from .formats.hub import resolve_model
@@ -26,11 +26,13 @@ from .generation.sampling import SamplingParams
 from .models import Model, build_model
 from .text.chat import ChatFormat, chat_format
 
-__all__ = ["ChatFormat", "Generation", "GenerationConfig", "GenerationResult", "GenerationStats", "Model",
-           "SamplingParams", "chat_format", "encode_prompts", "generate", "load", "stream"]
+__all__ = ["EXACT_CACHE", "ChatFormat", "Generation", "GenerationConfig", "GenerationResult", "GenerationStats",
+           "Model", "SamplingParams", "chat_format", "encode_prompts", "generate", "load", "stream"]
 
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 GREEDY = SamplingParams()
+# load(path, **EXACT_CACHE): a float32 KV cache, float32 arithmetic's numbers (a reference, a measurement of a file)
+EXACT_CACHE = {"cache_type_k": EXACT_CACHE_TYPE, "cache_type_v": EXACT_CACHE_TYPE}
 
 
 def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int | None = None,

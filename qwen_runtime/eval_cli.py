@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from tqdm import tqdm
 
-from . import load
+from . import EXACT_CACHE, load
 from .backend.limits import activation_bytes
 from .backend.weights import weight_overhead
 from .cli_support import (
@@ -113,8 +113,8 @@ def evaluate_task(path: str, ids: object, ctx: int, stride: int, reference: str 
     result)."""
     progress = Throttle(report)
     model = load(path, threads=threads, kernels=kernels, activations=activations, rope_scaling=rope_scaling, **cache)
-    ref = load(reference, threads=threads, kernels=kernels, activations=activations,
-               rope_scaling=rope_scaling) if reference else None
+    ref = load(reference, threads=threads, kernels=kernels, activations=activations, rope_scaling=rope_scaling,
+               **EXACT_CACHE) if reference else None
     [result] = evaluate_ids([model], ids, ctx, stride, ref, chunk, progress.add)
     progress.flush()
     return result
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> None:
     models = [load(path, threads=args.threads, kernels=args.kernels, activations=args.activations, rope_scaling=rope,
                    **cache_types(args)) for path in args.models]
     reference = (load(args.reference, threads=args.threads, kernels=args.kernels, activations=args.activations,
-                      rope_scaling=rope)
+                      rope_scaling=rope, **EXACT_CACHE)
                  if args.reference else None)  # an exact f32 cache: --reference MODEL -ctk f16 measures the cache
     limit = min(m.config.context_window for m in (*models, *([reference] if reference else [])))
     ctx = clamp_context("qwen-eval", args.ctx, limit, sys.stderr) if args.ctx else min(DEFAULT_CTX, limit)

@@ -169,6 +169,21 @@ def test_cli_json_and_table(tmp_path: Path, capsys) -> None:
     assert "sliding window of 32 tokens, stride 16" in out and "39 scored" in out
 
 
+def test_the_cli_reference_keeps_an_exact_cache_so_kl_measures_the_models_cache_type(tmp_path: Path, capsys) -> None:
+    """Issue 44: ``--reference M`` runs M with an f32 cache whatever ``-ctk/-ctv`` the models take (their default
+    is f16), so a model against itself differs by its cache type alone: zero with f32, above zero with f16."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    model = str(fixture_dir("qwen3-tiny"))
+    kl = {}
+    for types in ([], ["-ctk", "f32", "-ctv", "f32"]):
+        assert eval_main([model, "-f", str(text), "--ctx", "32", "--max-tokens", "64", "--json", "--reference", model,
+                          *types]) == 0
+        [r] = json.loads(capsys.readouterr().out)["results"]
+        kl[tuple(types)] = r["vs_reference"]["kl_mean"]
+    assert kl[()] > 0 and kl[("-ctk", "f32", "-ctv", "f32")] == 0
+
+
 def test_cli_errors_are_one_line(tmp_path: Path, capsys) -> None:
     model = str(fixture_dir("qwen3-tiny"))
     assert eval_main([model, "-f", str(tmp_path / "missing.txt")]) == 2

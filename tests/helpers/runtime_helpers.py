@@ -60,7 +60,7 @@ def load_exact(path: str | Path, **options: Any) -> Model:
     numbers, the ones the oracles (transformers, reference.py, llama.cpp with an F32 cache) are held to."""
     import qwen_runtime
 
-    return qwen_runtime.load(path, cache_type_k="f32", cache_type_v="f32", **options)
+    return qwen_runtime.load(path, **qwen_runtime.EXACT_CACHE, **options)
 
 
 def use_kernels(model: Model, kernels: str) -> Model:
