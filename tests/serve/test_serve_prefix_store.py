@@ -193,7 +193,7 @@ def test_blocks_of_one_cache_type_are_never_used_by_another(tmp_path: Path) -> N
     subdirectory: the layout's dtypes are part of it) and the reverse; an f16 engine restarted on its own blocks
     restores them (stored as float16, half the bytes) and answers turn 2 bit for bit as without a cache."""
     path = fixture_dir("qwen3-tiny")
-    f32, f16 = qwen_runtime.load(path), qwen_runtime.load(path, cache_type_k="f16", cache_type_v="f16")
+    f32, f16 = qwen_runtime.load(path, **qwen_runtime.EXACT_CACHE), qwen_runtime.load(path)  # f16: load()'s default
     first, second = conversation(f32, tmp_path)
     [f32_dir] = [d for d in tmp_path.iterdir() if d.is_dir()]
     engine = make_engine(f16, cache_memory=0)
@@ -218,7 +218,7 @@ def test_blocks_of_one_cache_type_are_never_used_by_another(tmp_path: Path) -> N
     f16_dir = Path(status["disk"]["directory"])
     for block in f32_dir.iterdir():  # turn 1's blocks, under the same names
         assert (f16_dir / block.name).stat().st_size < block.stat().st_size
-    engine = make_engine(qwen_runtime.load(path), cache_dir=tmp_path)
+    engine = make_engine(qwen_runtime.load(path, **qwen_runtime.EXACT_CACHE), cache_dir=tmp_path)
     try:
         assert Path(engine.status()["prefix_cache"]["disk"]["directory"]) == f32_dir  # f32 keeps its own blocks
     finally:
