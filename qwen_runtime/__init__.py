@@ -48,8 +48,9 @@ def load(path: str | Path, tile_elements: int = TILE_ELEMENTS, *, threads: int |
     variable, else ``auto``.  ``model.workspace.kernels`` says which run.  ``activations``: ``"float"`` (exact
     float32 products), ``"q8-prompts"`` (prompts of Q8_0, Q4_K and Q6_K weights with 8-bit activations on AMX tiles
     where the CPU has them: several times faster, not exact; decode steps stay exact), ``"q8"`` (every product of a
-    type with an integer-dot kernel, as llama.cpp does) or ``"auto"`` (``q8-prompts`` with the compiled kernels,
-    the command lines' default); ``model.workspace.activations`` says which (:mod:`qwen_runtime.backend.pool`).
+    type with an integer-dot kernel, as llama.cpp does) or ``"auto"`` (the command lines' default: with the
+    compiled kernels ``q8-prompts``, or ``q8`` on a CPU where only AVX2 multiplies);
+    ``model.workspace.activations`` says which (:mod:`qwen_runtime.backend.pool`).
     ``cache_type_k``/``cache_type_v``: what the KV cache stores keys and
     values in (:data:`qwen_runtime.backend.cache.CACHE_TYPES`: ``"f32"``, exact; ``"f16"`` (the default, as
     llama.cpp's) or ``"bf16"``, half the memory; ``"q8_0"`` or ``"q4_0"``, llama.cpp's blocks of 32 values along a

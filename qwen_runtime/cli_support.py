@@ -210,8 +210,8 @@ def add_activations_option(p: argparse.ArgumentParser, default: str = "auto") ->
                    help="float: float32 activations, exact; q8-prompts: prompts of Q8_0, Q4_K and Q6_K weights "
                    "quantize their activations to 8 bits and multiply on the CPU's AMX int8 tiles where it has "
                    "them (several times faster, not exact; decode stays exact); q8: every product of a quantized "
-                   "type in integers, as llama.cpp does; auto: q8-prompts with the compiled kernels, else float "
-                   "(default: %(default)s)")
+                   "type in integers, as llama.cpp does; auto: q8-prompts with the compiled kernels (q8 on a CPU "
+                   "with AVX2 but not AVX-512, where it decodes faster), else float (default: %(default)s)")
 
 
 def add_cache_type_options(p: argparse.ArgumentParser) -> None:

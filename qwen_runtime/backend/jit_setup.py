@@ -55,8 +55,8 @@ def cpu_features(host: str) -> str | None:
     return f"{host},-prefer-256-bit" if "+avx512f" in host.split(",") else None
 
 
-# The CPU features of the kernels' other instruction forms (``NUMBA_CPU_FEATURES``): AVX2 without AVX-512 (two 256-bit
-# ``pmaddwd`` and generic sums of 4; no table lookups) and AVX-512 without VNNI (Q8_0's sums of 4 from ``pmaddwd``).
+# The CPU features of the kernels' other instruction forms (``NUMBA_CPU_FEATURES``): AVX2 without AVX-512 (sums of 4
+# from ``pmaddubsw``; no table lookups) and AVX-512 without VNNI (Q8_0's sums of 4 from ``pmaddwd``).
 AVX2_FEATURES = "+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,+bmi,+bmi2"
 
 

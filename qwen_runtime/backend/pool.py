@@ -63,8 +63,11 @@ only.  ``"q8"`` quantizes the activation rows of every product of a type with an
 (:mod:`qwen_runtime.quants.q8_act`).  ``"q8-prompts"`` does so only in the prompt products that run on AMX tiles
 (:data:`qwen_runtime.backend.kernels.JIT_PROMPT_KERNELS`); decode steps, speculative verify passes and every
 ``rowwise`` product keep the exact float kernels, so a row's decoded numbers, batch invariance and exact
-verification are those of ``"float"``.  :func:`resolve_activations` turns ``"auto"`` into ``"q8-prompts"`` with the
-compiled kernels (a prompt's cost is then what a user waits for) and ``"float"`` with numpy.
+verification are those of ``"float"``.  :func:`resolve_activations` turns ``"auto"`` into ``"float"`` with numpy and,
+with the compiled kernels, into ``"q8-prompts"`` (a prompt's cost is what a user waits for) or, where only AVX2
+multiplies, ``"q8"``: there the exact float kernels decode well below the memory's rate and the integer ones do not
+(:data:`.kernels.base.MADDUBS`).  In ``"q8"`` a row's activations are quantized alone and its integer sums are exact,
+so batch invariance and exact verification hold there too, at the 8-bit activations' numbers.
 """
 
 from __future__ import annotations
@@ -441,12 +444,17 @@ def resolve_kernels(choice: str | None = None) -> str:
 
 def resolve_activations(choice: str, kernels: str) -> str:
     """The activation form (:data:`ACTIVATION_FORMS`) of a user's ``choice`` for a model on ``kernels``:
-    ``auto`` is ``q8-prompts`` with the compiled kernels, ``float`` with numpy (which has no integer kernels)."""
+    ``auto`` is the compiled kernels' choice for this CPU (:func:`.kernels.base.auto_activations`: ``q8`` where
+    only AVX2 multiplies, else ``q8-prompts``), ``float`` with numpy (which has no integer kernels)."""
     if choice not in ACTIVATION_CHOICES:
         raise KernelsError(f"activations: expected one of {', '.join(ACTIVATION_CHOICES)}, got {choice!r}")
-    if choice == "auto":
-        return "q8-prompts" if kernels == "numba" else "float"
-    return choice
+    if choice != "auto":
+        return choice
+    if kernels != "numba":
+        return "float"
+    from .kernels.base import auto_activations  # numba: imported only for the compiled kernels
+
+    return auto_activations()
 
 
 @functools.lru_cache(maxsize=1)

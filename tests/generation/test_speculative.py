@@ -80,6 +80,16 @@ def test_a_verify_pass_is_exact_for_stored_types(converted: Converted, family: s
     check_verify(qwen_runtime.load(converted(family, "gguf", dtype), kernels="numba"))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "dtype"), [("qwen2-tiny", "q4_k_m"), ("qwen3-tiny", "q8_0"),
+                                               ("qwen35-tiny", "q4_0")])
+def test_a_verify_pass_is_exact_with_8_bit_activations(converted: Converted, family: str, dtype: str) -> None:
+    """With ``activations="q8"`` (what ``auto`` is where only AVX2 multiplies) a verify pass still gives each token
+    its one-token step's logits bit for bit: each activation row is quantized alone and its integer sums are exact,
+    and a row's float operations are the same alone and in a group of rows."""
+    check_verify(qwen_runtime.load(converted(family, "gguf", dtype), kernels="numba", activations="q8"))
+
+
 @pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("family", ["qwen3-tiny", "qwen35-tiny"])
 def test_a_verify_pass_is_exact_for_each_cache_type(family: str, cache_type: str) -> None:

@@ -13,11 +13,16 @@ bit.  The AMX kernel does the reference's operations in its order, so it must eq
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from runtime_helpers import Converted
 
 from qwen_runtime import load
+from qwen_runtime.backend.jit_setup import AVX2_FEATURES
 from qwen_runtime.backend.pool import Workspace, resolve_activations
 from qwen_runtime.errors import KernelsError
 from qwen_runtime.quants import QType, codec, q8_act
@@ -25,6 +30,7 @@ from qwen_runtime.quants.scratch import Scratch
 
 pytest.importorskip("numba")
 from qwen_runtime.backend.kernels import amx as jit_amx  # noqa: E402 (numba is needed from here on)
+from qwen_runtime.backend.kernels import base as jit_base  # noqa: E402
 from qwen_runtime.backend.kernels.base import GEMV_ROWS  # noqa: E402
 from qwen_runtime.backend.kernels.int8 import Q8_0Int8Kernel  # noqa: E402
 
@@ -213,13 +219,26 @@ def test_prompt_logits_on_amx_match_the_decode_kernels(converted: Converted, mon
 
 
 def test_auto_resolves_by_the_kernels() -> None:
-    assert resolve_activations("auto", "numba") == "q8-prompts"
+    assert resolve_activations("auto", "numba") == ("q8" if jit_base.MADDUBS else "q8-prompts")
     assert resolve_activations("auto", "numpy") == "float"
     assert resolve_activations("q8", "numba") == "q8"
     with pytest.raises(KernelsError, match="activations"):
         resolve_activations("int4", "numba")
     with pytest.raises(KernelsError, match="compiled kernels"):
         Workspace(kernels="numpy", activations="q8-prompts")
+
+
+@pytest.mark.parametrize(("features", "expected"), [
+    (AVX2_FEATURES, "q8"),
+    (AVX2_FEATURES + ",+avx512f,+avx512bw,+avx512vl,+avx512dq", "q8-prompts"),
+])
+def test_auto_by_the_cpu_form(features: str, expected: str) -> None:
+    """``auto`` follows the CPU the kernels compile for (``NUMBA_CPU_FEATURES``, read when numba imports): 8-bit
+    decode too where only AVX2 multiplies, exact decode where AVX-512 does."""
+    code = "from qwen_runtime.backend.pool import resolve_activations; print(resolve_activations('auto', 'numba'))"
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "NUMBA_CPU_FEATURES": features},
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == expected
 
 
 def test_decode_and_verify_exact_prompts_quantized(converted: Converted, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -98,6 +98,18 @@ FEATURES = _target_features()
 # (tables won for one to three rows and lost at eight: docs/performance.md).
 PERMUTE = "avx512f" in FEATURES
 TABLE_ROWS = 2
+# AVX2 without AVX-512: the integer-dot kernels multiply each block by ``pmaddubsw`` (:func:`.int8._quads8`), and a
+# one-row product with 8-bit activations decodes well ahead of the exact float kernels, whose 256-bit FMAs bound
+# them below the memory's rate (docs/performance.md); ``activations="auto"`` is then ``"q8"``
+# (:func:`auto_activations`).
+MADDUBS = "avx2" in FEATURES and "avx512bw" not in FEATURES
+
+
+def auto_activations() -> str:
+    """What ``activations="auto"`` means with the compiled kernels on this CPU: ``"q8"`` (every product of a
+    quantized type with 8-bit activations, as llama.cpp multiplies) where :data:`MADDUBS`, else ``"q8-prompts"``
+    (exact decode; 8-bit prompts on AMX tiles)."""
+    return "q8" if MADDUBS else "q8-prompts"
 
 
 def splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:

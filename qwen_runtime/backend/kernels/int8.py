@@ -32,6 +32,15 @@ the other rows (the server's batch invariance).  The groups, then the quads for 
 and the pairwise lane sums each made the products faster than the loops before them (one activation row at a
 time); the A/B figures are in docs/performance.md.
 
+With AVX2 but not AVX-512 (:data:`.base.MADDUBS`) every block goes through ``vpmaddubsw`` instead (:func:`_quads8`):
+the weights' magnitudes (``vpabsb``; the K-quants' unsigned nibbles as they are) against the activations with the
+weights' signs (``vpsignb``), then ``vpmaddwd`` by ones: eight exact sums of 4 products per block of 32, fused into
+8 of the row's 16 lanes, for one row and several alike (int8 activations for both), so the numbers are again the
+same alone and in a group.  Without it the exact float kernels are bound by arithmetic far below the memory's rate
+there, so ``activations="auto"`` is ``"q8"`` on such CPUs (:func:`.base.auto_activations`).  Assembly (this AVX2
+EPYC): per block ``vpabsb``, ``vpsignb``, ``vpmaddubsw``, ``vpmaddwd``, ``vcvtdq2ps``, ``vfmadd``; Q4_K and Q2_K
+without the first two.
+
 Each type also has a :data:`.q8_act.Q8_ROW_PRODUCT` (``<type>_q8_rows``), the compiled decode step's call by
 address with the forms it prepared once per product input (:func:`quads_product`, :func:`pairs_product`).
 
@@ -75,6 +84,7 @@ from .base import (
     FEATURES,
     GEMV_ROWS,
     I8_2D,
+    MADDUBS,
     U8_2D,
     JitKernel,
     compiled,
@@ -119,6 +129,8 @@ def _pointer(context, builder: ir.IRBuilder, array_type: types.Array, array: ir.
 
 
 VNNI = {"avx512vnni", "avx512bw"} <= FEATURES  # vpdpbusd: the quads kernels (else pmaddwd pairs)
+# With MADDUBS the pairs kernels take int8 activations for one row and several alike, and each block's products go
+# through ``pmaddubsw`` (:func:`_quads8`), 8 lanes a row instead of 16 pairs (:func:`_fma_group`).
 
 
 def _pairs16(builder: ir.IRBuilder, w16: ir.Value, x16: ir.Value) -> ir.Value:
@@ -145,6 +157,23 @@ def _pairs16(builder: ir.IRBuilder, w16: ir.Value, x16: ir.Value) -> ir.Value:
         product = builder.mul(a, b)
         total = product if total is None else builder.add(total, product)
     return total
+
+
+def _quads8(builder: ir.IRBuilder, w: ir.Value, x: ir.Value, unsigned: bool) -> ir.Value:
+    """``<8 x i32>``: ``sum_{k<4} w[4j+k] * x[4j+k]`` for 32 int8 weights ``w`` and activations ``x``, exact:
+    ``pmaddubsw`` of ``|w|`` (unsigned) and ``x`` with the sign of ``w`` (``psignb``) gives 16 pair sums in int16
+    (at most ``2 * 128 * 127``: no saturation, as the activations lie in -127..127), ``pmaddwd`` by ones adds the
+    pairs in int32.  ``unsigned`` weights (0..31, the K-quants' nibbles) go in as they are, without the signs."""
+    module = builder.module
+    if not unsigned:
+        absolute = cgutils.get_or_insert_function(module, ir.FunctionType(V32_I8, [V32_I8, ir.IntType(1)]),
+                                                  "llvm.abs.v32i8")
+        psign = cgutils.get_or_insert_function(module, ir.FunctionType(V32_I8, [V32_I8] * 2), "llvm.x86.avx2.psign.b")
+        w, x = builder.call(absolute, [w, ir.Constant(ir.IntType(1), 0)]), builder.call(psign, [x, w])
+    pmaddubsw = cgutils.get_or_insert_function(module, ir.FunctionType(V16_I16, [V32_I8] * 2),
+                                               "llvm.x86.avx2.pmadd.ub.sw")
+    pmaddwd = cgutils.get_or_insert_function(module, ir.FunctionType(V8_I32, [V16_I16] * 2), "llvm.x86.avx2.pmadd.wd")
+    return builder.call(pmaddwd, [builder.call(pmaddubsw, [w, x]), ir.Constant(V16_I16, [1] * PAIRS)])
 
 
 def _iq4_levels(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
@@ -215,39 +244,51 @@ def _k23(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
     return builder.sub(w, builder.shl(clear, ir.Constant(V32_I8, [2] * Q8_ACT_BLOCK)))
 
 
-def _fma_group(context, builder: ir.IRBuilder, signature, w: ir.Value, args: list, halves: bool = False) -> None:
+def _fma_group(context, builder: ir.IRBuilder, signature, w: ir.Value, args: list, halves: bool = False,
+               unsigned: bool = False) -> None:
     """For each of ``group`` activation rows ``g``: ``acc[g] = fma(f32(pairs(w, x_g)), d_w * d_x[g], acc[g])``,
     the block's ``<32 x i8>`` weights ``w`` unpacked and widened once for all the rows.  The last arguments are
     ``x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, group`` (with ``halves``: ``d_w0, d_w1`` for ``d_w``):
     row ``g``'s 32 activations (int8, or already widened to int16) at ``x[x_at + g * x_stride]``, its scale
     ``d_x[g] = xd[d_at + g * d_stride]`` (flat indices), its 16 float32 lanes at ``acc + 16 g`` (a stack
     pointer; ``group`` a literal, so LLVM keeps the lanes in registers); with ``halves`` lanes 0-7 (values 0-15)
-    scaled by ``d_w0 * d_x``, 8-15 (values 16-31) by ``d_w1 * d_x``.  Every row of every group goes through the
-    same operations, so a row's numbers do not depend on its group."""
+    scaled by ``d_w0 * d_x``, 8-15 (values 16-31) by ``d_w1 * d_x``.  With :data:`MADDUBS` (int8 activations) the
+    block's 8 sums of 4 products (:func:`_quads8`, ``unsigned`` weights 0..31) go into lanes 0-7, lanes 8-15 stay
+    zero, and with ``halves`` lanes 0-3 hold values 0-15.  Every row of every group goes through the same
+    operations, so a row's numbers do not depend on its group."""
     count = 10 if halves else 9
     x, x_at, x_stride, xd, d_at, d_stride, *dw, acc, _ = args[-count:]
     tx, txd = signature.args[-count], signature.args[-count + 3]
     group = signature.args[-1].literal_value
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3), "llvm.fma.v16f32")
-    w16 = builder.sext(w, V32_I16)
-    scale_w = splat(builder, dw[0], V16_F32)
-    if halves:
-        upper = splat(builder, dw[1], V16_F32)
-        scale_w = builder.shuffle_vector(scale_w, upper, ir.Constant(V16_I32, [*range(8), *range(24, 32)]))
-    f32_pointer = _pointer(context, builder, txd, xd, d_at, F32)
     narrow = tx.dtype == types.int8
+    lanes = PAIRS // 2 if MADDUBS else PAIRS
+    vector = ir.VectorType(F32, lanes)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
+                                         f"llvm.fma.v{lanes}f32")
+    w16 = None if MADDUBS else builder.sext(w, V32_I16)
+    scale_w = splat(builder, dw[0], vector)
+    if halves:
+        upper = splat(builder, dw[1], vector)
+        half = lanes // 2
+        scale_w = builder.shuffle_vector(scale_w, upper, ir.Constant(ir.VectorType(I32, lanes),
+                                                                      [*range(half), *range(lanes + half, 2 * lanes)]))
+    f32_pointer = _pointer(context, builder, txd, xd, d_at, F32)
     x_pointer = _pointer(context, builder, tx, x, x_at, ir.IntType(8) if narrow else I16)
     for g in range(group):
         row = ir.Constant(ir.IntType(64), g)
         at = builder.gep(x_pointer, [builder.mul(row, x_stride)])
-        if narrow:
-            qx = builder.sext(builder.load(builder.bitcast(at, V32_I8.as_pointer()), align=1), V32_I16)
+        if MADDUBS:
+            sums = _quads8(builder, w, builder.load(builder.bitcast(at, V32_I8.as_pointer()), align=1), unsigned)
+        elif narrow:
+            sums = _pairs16(builder, w16, builder.sext(builder.load(builder.bitcast(at, V32_I8.as_pointer()), align=1),
+                                                       V32_I16))
         else:
-            qx = builder.load(builder.bitcast(at, V32_I16.as_pointer()), align=2)
-        pairs = builder.sitofp(_pairs16(builder, w16, qx), V16_F32)
-        dx = splat(builder, builder.load(builder.gep(f32_pointer, [builder.mul(row, d_stride)])), V16_F32)
-        at = builder.bitcast(builder.gep(acc, [ir.Constant(ir.IntType(64), g * PAIRS)]), V16_F32.as_pointer())
-        builder.store(builder.call(fma, [pairs, builder.fmul(scale_w, dx), builder.load(at, align=4)]), at, align=4)
+            sums = _pairs16(builder, w16, builder.load(builder.bitcast(at, V32_I16.as_pointer()), align=2))
+        dx = splat(builder, builder.load(builder.gep(f32_pointer, [builder.mul(row, d_stride)])), vector)
+        at = builder.bitcast(builder.gep(acc, [ir.Constant(ir.IntType(64), g * PAIRS)]), vector.as_pointer())
+        lanes_then = builder.load(at, align=4)
+        builder.store(builder.call(fma, [builder.sitofp(sums, vector), builder.fmul(scale_w, dx), lanes_then]), at,
+                      align=4)
 
 
 def _literal(group) -> bool:
@@ -289,7 +330,7 @@ def group_nibbles32_pairs_fma(typingctx, blocks, at, shift, x, x_at, x_stride, x
         return None
 
     def codegen(context, builder, signature, args):
-        _fma_group(context, builder, signature, _nibbles32(context, builder, signature, args), args)
+        _fma_group(context, builder, signature, _nibbles32(context, builder, signature, args), args, unsigned=True)
         return context.get_dummy_value()
 
     return types.void(blocks, at, shift, x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, group), codegen
@@ -303,7 +344,8 @@ def group_q5_k_pairs_fma(typingctx, blocks, at, shift, qh_at, bit, x, x_at, x_st
         return None
 
     def codegen(context, builder, signature, args):
-        _fma_group(context, builder, signature, _nibbles32_high(context, builder, signature, args), args)
+        _fma_group(context, builder, signature, _nibbles32_high(context, builder, signature, args), args,
+                   unsigned=True)
         return context.get_dummy_value()
 
     return (types.void(blocks, at, shift, qh_at, bit, x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, group),
@@ -332,7 +374,8 @@ def group_k23_pairs_fma(typingctx, blocks, qs_at, shift, hm_at, bit, x, x_at, x_
         return None
 
     def codegen(context, builder, signature, args):
-        _fma_group(context, builder, signature, _k23(context, builder, signature, args), args, halves=True)
+        _fma_group(context, builder, signature, _k23(context, builder, signature, args), args, halves=True,
+                   unsigned=signature.args[3] == types.none)
         return context.get_dummy_value()
 
     return (types.void(blocks, qs_at, shift, hm_at, bit, x, x_at, x_stride, xd, d_at, d_stride, d_w0, d_w1, acc,
@@ -358,8 +401,8 @@ def group_q6_pairs_fma(typingctx, blocks, low_at, shift, high_at, high, x, x_at,
 def _quads(builder: ir.IRBuilder, w: ir.Value, xu: ir.Value, negative_bias: ir.Value | None) -> ir.Value:
     """``<16 x i32>``: ``sum_{k<4} w[4j+k] * x[4j+k]`` for 64 int8 weights ``w`` and 64 activations stored as
     ``xu = x + 128`` (uint8), exact.  With AVX-512 VNNI one ``vpdpbusd`` from ``negative_bias`` (``-128`` times
-    the weights' sums of 4, :func:`_vnni_bias`, shared by every activation row); elsewhere ``pmaddwd`` pairs
-    (:func:`_pairs16`) of ``xu - 128`` added in adjacent pairs."""
+    the weights' sums of 4, :func:`_vnni_bias`, shared by every activation row); with :data:`MADDUBS` each half
+    by :func:`_quads8`; elsewhere ``pmaddwd`` pairs (:func:`_pairs16`) of ``xu - 128`` added in adjacent pairs."""
     if negative_bias is not None:
         operands = [negative_bias, builder.bitcast(xu, V16_I32), builder.bitcast(w, V16_I32)]
         return builder.call(_vpdpbusd(builder), operands)
@@ -368,6 +411,10 @@ def _quads(builder: ir.IRBuilder, w: ir.Value, xu: ir.Value, negative_bias: ir.V
     for h in (0, 32):
         pick = ir.Constant(V32_I32, list(range(h, h + 32)))
         undef = ir.Constant(V64_I8, ir.Undefined)
+        if MADDUBS:
+            halves.append(_quads8(builder, builder.shuffle_vector(w, undef, pick),
+                                  builder.shuffle_vector(x, undef, pick), unsigned=False))
+            continue
         pairs = _pairs16(builder, builder.sext(builder.shuffle_vector(w, undef, pick), V32_I16),
                          builder.sext(builder.shuffle_vector(x, undef, pick), V32_I16))  # <16 x i32>
         even, odd = (builder.shuffle_vector(pairs, pairs, ir.Constant(V8_I32, list(range(k, PAIRS, 2))))
@@ -729,9 +776,10 @@ XS_SUBS = IQ4_XS().block_size // Q8_ACT_BLOCK
 IQ4_NL_GEO, IQ4_XS_GEO = (IQ4_NL().type_size, 2, 0, -1, 1, -1), (IQ4_XS().type_size, 8, 0, -1, XS_SUBS, -1)
 Q8_0_GEMV = types.void(I8_2D, U8_2D, F32_2D_C, F32_1D, F32_2D)  # activations + 128 as uint8
 LEGACY_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_1D, F32_2D)
-LEGACY_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_1D, F32_2D)
+ROWS_Q = I8_2D if MADDUBS else I16_2D  # the multi-row kernels' activations (:meth:`Int8Kernel.forms`)
+LEGACY_GEMV_ROWS = types.void(U8_2D, ROWS_Q, F32_2D_C, F32_1D, F32_2D)
 MIN_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)  # + activation sums per 32
-MIN_GEMV_ROWS = types.void(U8_2D, I16_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
+MIN_GEMV_ROWS = types.void(U8_2D, ROWS_Q, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
 I32_2D = types.Array(types.int32, 2, "C", readonly=True)  # start values (jit_q8_act.B32)
 START_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, I32_2D, F32_1D, F32_2D)  # int8 activations, scales, start values
 QUADS_GEMV = types.void(U8_2D, U8_2D, F32_2D_C, F32_1D, F32_2D)  # Q4_0/Q5_0 by quads: activations + 128 as uint8
@@ -829,7 +877,8 @@ def q5_1_gemv_q8(raw, xq, xd, xsum, table, out):
 
 
 q8_cfunc = numba.cfunc(Q8_ROW_PRODUCT, nopython=True, cache=True)
-QUADS_SLOTS, PAIRS_SLOTS = slots(Q, XU, D, D8, B32), slots(Q, Q16, D)  # what quads_product and pairs_product read
+# What quads_product and pairs_product read.
+QUADS_SLOTS, PAIRS_SLOTS = slots(Q, XU, D, D8, B32), (slots(Q, D) if MADDUBS else slots(Q, Q16, D))
 
 
 if VNNI:
@@ -857,17 +906,29 @@ else:
             gemv(w.view(dtype), xu, d8, t, o)
 
 
+if MADDUBS:
+    @inline
+    def rows_q(q, q16):  # noqa: ARG001
+        """The activations of a pairs kernel for several rows: int8 with :data:`MADDUBS`."""
+        return q
+else:
+    @inline
+    def rows_q(q, q16):  # noqa: ARG001
+        """The activations of a pairs kernel for several rows: widened to int16 once per product."""
+        return q16
+
+
 @inline
 def pairs_product(gemv1, gemv, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out,
                   out_stride):
-    """A :data:`.q8_act.Q8_ROW_PRODUCT` of a pairs kernel: ``q`` and ``d`` for one row, ``q16`` and ``d``
+    """A :data:`.q8_act.Q8_ROW_PRODUCT` of a pairs kernel: ``q`` and ``d`` for one row, :func:`rows_q` and ``d``
     for several (:meth:`Int8Kernel.forms`)."""
     w, _, t, o = product_arrays(raw, rows, row_bytes, n, sums, 0, table, out, out_stride)
     q, _, q16, d, _, _ = form_arrays(forms, first, n, cols)
     if n == 1:
         gemv1(w, q, d, t, o)
     else:
-        gemv(w, q16, d, t, o)
+        gemv(w, rows_q(q, q16), d, t, o)
 
 
 @inline
@@ -879,7 +940,7 @@ def pairs_sums_product(gemv1, gemv, raw, rows, row_bytes, forms, first, n, cols,
     if n == 1:
         gemv1(w, q, d, s, t, o)
     else:
-        gemv(w, q16, d, s, t, o)
+        gemv(w, rows_q(q, q16), d, s, t, o)
 
 
 @q8_cfunc
@@ -989,8 +1050,9 @@ class Int8Kernel(JitKernel):
 
     def forms(self, q: np.ndarray, d: np.ndarray) -> tuple:
         """(the activations and their scales as the one-row kernel reads them, the activations and scales as
-        the multi-row kernel does): int8, and int16 for more than one row (no widening per row and block)."""
-        return q, d, (q.astype(np.int16) if len(q) > 1 else q), d
+        the multi-row kernel does): int8, and int16 for more than one row (no widening per row and block) unless
+        the kernels take int8 for all (:data:`MADDUBS`)."""
+        return q, d, (q.astype(np.int16) if len(q) > 1 and not MADDUBS else q), d
 
     def _rows(self, raw: np.ndarray, x: np.ndarray, extra: list, out: np.ndarray) -> None:
         q, d, q_rows, d_rows, *rest = extra
