@@ -64,6 +64,12 @@ LLAMA_QUANTIZED = {"q4_0": ("Q4_0", False)}
 # dtype -> (llama.cpp converter --outtype, quantizer file type): the rows made by its two steps from HF.
 LLAMA_TWO_STEP = {"q4_k_m": ("bf16", "Q4_K_M")}
 OURS = ("fp32", "fp16", "q8_0", "q4_0", "q4_k_m")  # the dtypes qwen-convert writes here
+# dtype -> llama-quantize's file type of the low-bit rows (issue #45): llama.cpp's own files, quantized from the fp32
+# GGUF with an importance matrix that llama-imatrix computed on that GGUF (IMATRIX_TEXT), as users download them.
+LLAMA_IMATRIX = {"iq1_m": "IQ1_M", "iq2_xxs": "IQ2_XXS", "iq2_m": "IQ2_M", "iq3_xxs": "IQ3_XXS", "iq3_m": "IQ3_M",
+                 "tq2_0": "TQ2_0"}
+IMATRIX_TEXT = BUNDLED / "heldout.txt"
+IMATRIX_CTX, IMATRIX_CHUNKS = 256, 8  # llama-imatrix's --ctx and --chunks: 2,048 calibration tokens
 TWO_STEP_NOTE = " (from HF bf16; llama: convert to bf16 + quantize)"
 
 
@@ -153,6 +159,32 @@ def quantize_llama(f32: Path, out: Path, dtype: str, env: dict[str, str], ftype:
     scripts = str(Path(__file__).resolve().parent)
     cmd = [sys.executable, "-c", code, str(f32), str(out), ftype, "1" if pure else "0"]
     wall, rss, _ = run_measured(cmd, {**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], scripts])})
+    return {"wall_s": wall, "peak_rss_mib": rss, "file_gb": out.stat().st_size / 1e9}
+
+
+def imatrix_llama(f32: Path, out: Path, env: dict[str, str]) -> Path:
+    """llama-imatrix's importance matrix of ``f32`` on :data:`IMATRIX_TEXT` (once: kept beside the GGUFs)."""
+    if not out.is_file():
+        import llama_tools
+
+        tool = llama_tools.build_tools(["llama-imatrix"])["llama-imatrix"]
+        partial = out.with_name(f"{out.name}.partial")
+        run_measured([str(tool), "-m", str(f32), "-f", str(IMATRIX_TEXT), "-o", str(partial), "-c", str(IMATRIX_CTX),
+                      "--chunks", str(IMATRIX_CHUNKS), "-t", env["OMP_NUM_THREADS"], "--no-ppl", "--output-format",
+                      "gguf"], env)
+        partial.rename(out)
+    return out
+
+
+def quantize_imatrix_llama(f32: Path, out: Path, dtype: str, env: dict[str, str]) -> dict[str, float]:
+    """llama-quantize with llama-imatrix's matrix of ``f32`` (:data:`LLAMA_IMATRIX`), timed alone (the matrix is
+    computed once per model and not counted)."""
+    import llama_tools
+
+    imatrix = imatrix_llama(f32, f32.with_name(f"{f32.stem}-imatrix.gguf"), env)
+    tool = llama_tools.build_tools(["llama-quantize"])["llama-quantize"]
+    wall, rss, _ = run_measured([str(tool), "--imatrix", str(imatrix), str(f32), str(out), LLAMA_IMATRIX[dtype],
+                                 env["OMP_NUM_THREADS"]], env)
     return {"wall_s": wall, "peak_rss_mib": rss, "file_gb": out.stat().st_size / 1e9}
 
 
@@ -556,7 +588,8 @@ def configure_parser() -> argparse.ArgumentParser:
                    "unless --models / --dtypes are given")
     p.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all; --quick: the first), or of the "
                    f"larger {', '.join(LARGE_MODELS)} (free disk permitting)")
-    p.add_argument("--dtypes", help=f"comma list of {', '.join(DTYPES)} (default: all; --quick: q8_0)")
+    p.add_argument("--dtypes", help=f"comma list of {', '.join(DTYPES)} (default: all; --quick: q8_0), or of the "
+                   f"low-bit {', '.join(LLAMA_IMATRIX)} (llama.cpp's quantizer with llama-imatrix's matrix)")
     p.add_argument("--repeat", type=int, default=3, help="repetitions of every measurement (medians reported)")
     p.add_argument("--new", type=int, help=f"greedy tokens after the prompt (default {Plan.new})")
     p.add_argument("--context", type=int, help=f"tokens of the long prompt (default {Plan.context}; e.g. 16384)")
@@ -606,7 +639,7 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
     for dtype in dtypes:
         gguf = args.cache_dir / "gguf" / f"{src.name}-{dtype}.gguf"
         gguf.parent.mkdir(parents=True, exist_ok=True)
-        if dtype in LLAMA_QUANTIZED and not f32.is_file():
+        if (dtype in LLAMA_QUANTIZED or dtype in LLAMA_IMATRIX) and not f32.is_file():
             log(f"{src.name}: fp32 GGUF for llama.cpp's quantizer")
             convert_ours(src, f32, "fp32", env)
         conv = conversions.setdefault(dtype, {})
@@ -620,6 +653,8 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
                 target = scratch if dtype in OURS else gguf
                 conv.setdefault("llama", []).append(quantize_llama(f32, target, dtype, env))
                 scratch.unlink(missing_ok=True)
+            elif dtype in LLAMA_IMATRIX and not args.no_llama:
+                conv.setdefault("llama", []).append(quantize_imatrix_llama(f32, gguf, dtype, env))
             elif dtype in LLAMA_TWO_STEP and script is not None:
                 conv.setdefault("llama", []).append(two_step_llama(script, src, scratch, dtype, env))
                 scratch.unlink(missing_ok=True)

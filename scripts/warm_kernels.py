@@ -50,7 +50,8 @@ def plan(other_forms: bool) -> list[Task]:
     groups = [Task("legacy, iq4, lattice", tuple(KERNELS + m for m in ("legacy", "iq4", "lattice"))),
               Task("kquants, dense, q8_0, step", (*(KERNELS + m for m in ("kquants", "dense", "q8_0")),
                                                   "qwen_runtime.models.step_jit"), MODELS)]
-    tasks = [*groups, Task("int8, amx", tuple(KERNELS + m for m in ("amx", "amx_k", "amx_blocks", "int8", "int8_k")),
+    tasks = [*groups, Task("int8, amx", tuple(KERNELS + m for m in ("amx", "amx_k", "amx_blocks", "int8", "int8_k",
+                                                                    "lattice_int8")),
                            after=tuple(g.name for g in groups))]
     if other_forms:
         from llvmlite import binding as llvm

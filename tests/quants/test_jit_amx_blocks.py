@@ -190,9 +190,13 @@ def test_float_kernels_where_amx_is_absent(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_the_tables() -> None:
-    """Every type with an AMX prompt kernel has both entries; the others keep their float kernel."""
-    assert set(JIT_PROMPT_KERNELS) == set(JIT_Q8_KERNELS)
+    """Every type with an AMX prompt kernel has an integer-dot kernel too; the i-quants below IQ4 and TQ2_0 have
+    integer-dot kernels without AMX prompts, and q8-prompts keeps their float kernel."""
+    assert set(JIT_PROMPT_KERNELS) <= set(JIT_Q8_KERNELS)
+    lattice = set(JIT_Q8_KERNELS) - set(JIT_PROMPT_KERNELS)
+    assert {JIT_Q8_KERNELS[q][0] for q in lattice} == {"lattice_int8"}
     raw = np.zeros((4, 66), np.uint8)  # IQ2_XXS rows: one block of 66 bytes
+    assert QType.IQ2_XXS in lattice
     assert type(jit_kernel(QType.IQ2_XXS, raw, "q8-prompts")).__name__ == JIT_KERNELS[QType.IQ2_XXS][1]
 
 

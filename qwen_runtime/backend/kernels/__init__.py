@@ -43,7 +43,8 @@ JIT_KERNELS: dict[QType, tuple[str, str]] = {
 }
 
 # Integer-dot kernels with 8-bit activations (``Workspace.activations == "q8"``; other types keep their float kernel),
-# each with prompts on AMX tiles where the CPU has them (:class:`.amx.AmxPrompts`).
+# with prompts on AMX tiles where the CPU has them (:class:`.amx.AmxPrompts`; the i-quants below IQ4 and TQ2_0
+# prefill with their float kernels).
 JIT_Q8_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q8_0: ("int8", "Q8_0AmxKernel"),
     QType.Q4_0: ("int8", "Q4_0AmxKernel"),
@@ -57,6 +58,14 @@ JIT_Q8_KERNELS: dict[QType, tuple[str, str]] = {
     QType.Q6_K: ("int8_k", "Q6_KAmxKernel"),
     QType.IQ4_NL: ("int8", "IQ4_NLAmxKernel"),
     QType.IQ4_XS: ("int8", "IQ4_XSAmxKernel"),
+    QType.IQ2_XXS: ("lattice_int8", "IQ2_XXSInt8Kernel"),
+    QType.IQ2_XS: ("lattice_int8", "IQ2_XSInt8Kernel"),
+    QType.IQ2_S: ("lattice_int8", "IQ2_SInt8Kernel"),
+    QType.IQ3_XXS: ("lattice_int8", "IQ3_XXSInt8Kernel"),
+    QType.IQ3_S: ("lattice_int8", "IQ3_SInt8Kernel"),
+    QType.IQ1_S: ("lattice_int8", "IQ1_SInt8Kernel"),
+    QType.IQ1_M: ("lattice_int8", "IQ1_MInt8Kernel"),
+    QType.TQ2_0: ("lattice_int8", "TQ2_0Int8Kernel"),
 }
 
 

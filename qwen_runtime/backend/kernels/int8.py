@@ -129,8 +129,6 @@ def _pointer(context, builder: ir.IRBuilder, array_type: types.Array, array: ir.
 
 
 VNNI = {"avx512vnni", "avx512bw"} <= FEATURES  # vpdpbusd: the quads kernels (else pmaddwd pairs)
-# With MADDUBS the pairs kernels take int8 activations for one row and several alike, and each block's products go
-# through ``pmaddubsw`` (:func:`_quads8`), 8 lanes a row instead of 16 pairs (:func:`_fma_group`).
 
 
 def _pairs16(builder: ir.IRBuilder, w16: ir.Value, x16: ir.Value) -> ir.Value:
@@ -906,29 +904,20 @@ else:
             gemv(w.view(dtype), xu, d8, t, o)
 
 
-if MADDUBS:
-    @inline
-    def rows_q(q, q16):  # noqa: ARG001
-        """The activations of a pairs kernel for several rows: int8 with :data:`MADDUBS`."""
-        return q
-else:
-    @inline
-    def rows_q(q, q16):  # noqa: ARG001
-        """The activations of a pairs kernel for several rows: widened to int16 once per product."""
-        return q16
-
-
 @inline
 def pairs_product(gemv1, gemv, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out,
                   out_stride):
-    """A :data:`.q8_act.Q8_ROW_PRODUCT` of a pairs kernel: ``q`` and ``d`` for one row, :func:`rows_q` and ``d``
-    for several (:meth:`Int8Kernel.forms`)."""
+    """A :data:`.q8_act.Q8_ROW_PRODUCT` of a pairs kernel: ``q`` and ``d`` for one row; for several, ``q`` with
+    :data:`MADDUBS` (int8 into ``pmaddubsw``), else ``q16`` (widened once per product; :meth:`Int8Kernel.forms`).
+    numba prunes the branch on the constant, so each CPU compiles one of the two."""
     w, _, t, o = product_arrays(raw, rows, row_bytes, n, sums, 0, table, out, out_stride)
     q, _, q16, d, _, _ = form_arrays(forms, first, n, cols)
     if n == 1:
         gemv1(w, q, d, t, o)
+    elif MADDUBS:
+        gemv(w, q, d, t, o)
     else:
-        gemv(w, rows_q(q, q16), d, t, o)
+        gemv(w, q16, d, t, o)
 
 
 @inline
@@ -939,8 +928,10 @@ def pairs_sums_product(gemv1, gemv, raw, rows, row_bytes, forms, first, n, cols,
     q, _, q16, d, _, _ = form_arrays(forms, first, n, cols)
     if n == 1:
         gemv1(w, q, d, s, t, o)
+    elif MADDUBS:
+        gemv(w, q, d, s, t, o)
     else:
-        gemv(w, rows_q(q, q16), d, s, t, o)
+        gemv(w, q16, d, s, t, o)
 
 
 @q8_cfunc

@@ -10,6 +10,10 @@ the reference's float32 operations; one intrinsic (:func:`words_rows`) widens th
 ``vcvtdq2ps``), multiplies by the scales (exact: an 11-bit float16 significand times at most 5 bits of scale and
 6 of grid value) and adds ``fma(w, x, acc)`` into the group's lanes; :func:`words_decode` stores the weights.
 
+* a step reads the row with :func:`load_le` (one unaligned load of 1-8 bytes) and its tables with :func:`entry`,
+  neither with numba's test for a negative index, and takes its sub-block ``j`` and super-block byte ``base``
+  apart (the integer-dot kernels of :mod:`.lattice_int8` loop over both; the loops here divide ``o``), so a
+  sub-block costs no compare and conditional move per access and no division (docs/performance.md);
 * grid points come from tables of words (:mod:`qwen_runtime.quants.grids`, compile-time constants); signs
   are applied to a word at once: ``(g ^ m) + (m & 0x01..01)`` with ``m`` the byte mask of the sign byte
   (``SIGN_MASKS``), which negates the bytes of ``m`` without carries (grid values are 1..62);
@@ -60,6 +64,7 @@ ONES = np.uint64(0x0101010101010101)
 TOPS = np.uint64(0x8080808080808080)
 TWO_BITS = np.uint64(0x0303030303030303)
 U64_8, U64_32 = np.uint64(8), np.uint64(32)
+U32_1, U32_4, U32_7, U32_8, U32_15, U32_127, U32_F0 = (np.uint32(v) for v in (1, 4, 7, 8, 15, 127, 0xF0))
 F_HALF, F_QUARTER, F_EIGHTH = np.float32(0.5), np.float32(0.25), np.float32(0.125)
 
 
@@ -106,25 +111,43 @@ def words_decode(typingctx, w0, w1, w2, w3, s0, s1, out):  # noqa: ARG001
     return types.void(w0, w1, w2, w3, s0, s1, out), codegen
 
 
-@inline
-def _u16(blocks, at):
-    return np.uint32(blocks[at]) | (np.uint32(blocks[at + 1]) << np.uint32(8))
+@intrinsic
+def load_le(typingctx, blocks, at, width):  # noqa: ARG001
+    """The ``width``-byte (a literal: 1, 2, 4 or 8) little-endian unsigned integer at byte ``at`` of a stored row
+    (``at >= 0``), in one unaligned load and without the test numba adds to a signed index for a negative one:
+    uint32, or uint64 for 8 bytes."""
+    if not isinstance(width, types.IntegerLiteral) or width.literal_value not in (1, 2, 4, 8):
+        return None
+    bits = 8 * width.literal_value
+    result = types.uint64 if bits == 64 else types.uint32
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        value = builder.load(builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(bits).as_pointer()), align=1)
+        return builder.zext(value, I32) if bits < 32 else value
+
+    return result(blocks, at, width), codegen
 
 
-@inline
-def _u32(blocks, at):
-    return _u16(blocks, at) | (_u16(blocks, at + 2) << np.uint32(16))
+@intrinsic
+def entry(typingctx, table, i):  # noqa: ARG001
+    """``table[i]`` of a one-dimensional constant table for an index ``0 <= i < len(table)``, without numba's
+    negative-index test (the index fields of these types cannot leave their tables: tests/quants/test_lowbit_quants)."""
+    if not isinstance(table, types.Array) or table.ndim != 1 or not isinstance(i, types.Integer):
+        return None
 
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        index = args[1] if i.bitwidth == 64 else (builder.zext if not i.signed else builder.sext)(args[1], I64)
+        return builder.load(builder.gep(data, [index]))
 
-@inline
-def _u64(blocks, at):
-    return np.uint64(_u32(blocks, at)) | (np.uint64(_u32(blocks, at + 4)) << U64_32)
+    return table.dtype(table, i), codegen
 
 
 @inline
 def _signed(point, signs):
     """The int8 bytes of the word ``point`` negated where bit k of the sign byte ``signs`` is set."""
-    mask = SIGN_MASKS[signs]
+    mask = entry(SIGN_MASKS, signs)
     return (point ^ mask) + (mask & ONES)
 
 
@@ -135,78 +158,87 @@ def _half_scale(d, ls, times):
 
 
 @inline
+def _d_at(table, blocks, base, geo):
+    """The float16 ``d`` at byte ``geo[1]`` of the super-block at byte ``base``."""
+    return f16_at(table, blocks, base + geo[1])
+
+
+@inline
+def _iq1_m_d(table, blocks, base, geo):  # noqa: ARG001
+    """IQ1_M's ``d``: the top nibbles of its four scale words."""
+    bits = ((load_le(blocks, base + 49, 1) >> U32_4) | (load_le(blocks, base + 51, 1) & U32_F0)
+            | ((load_le(blocks, base + 53, 1) >> U32_4) << U32_8) | ((load_le(blocks, base + 55, 1) & U32_F0) << U32_8))
+    return entry(table, bits)
+
+
+@inline
 def _sub_block_at(table, blocks, b, geo):
     """(super-block byte + sub-block ``j``, float16 ``d`` at ``geo[1]``, 0) of the 32-value sub-block ``b``."""
     base = (b // 8) * geo[0]
-    return base + b % 8, f16_at(table, blocks, base + geo[1]), np.float32(0)
+    return base + b % 8, _d_at(table, blocks, base, geo), np.float32(0)
 
 
 @inline
 def _iq1_m_at(table, blocks, b, geo):
-    """:func:`_sub_block_at` for IQ1_M, whose ``d`` is the top nibbles of its four scale words."""
+    """:func:`_sub_block_at` for IQ1_M (:func:`_iq1_m_d`)."""
     base = (b // 8) * geo[0]
-    bits = ((np.int64(blocks[base + 49]) >> 4) | (np.int64(blocks[base + 51]) & 0xF0)
-            | ((np.int64(blocks[base + 53]) >> 4) << 8) | ((np.int64(blocks[base + 55]) & 0xF0) << 8))
-    return base + b % 8, table[bits], np.float32(0)
+    return base + b % 8, _iq1_m_d(table, blocks, base, geo), np.float32(0)
 
+
+# Each type's step: the words and scales of sub-block j of the super-block at byte ``base`` (ggml-common.h's layouts).
 
 @inline
-def _iq2_xxs(blocks, o, geo, d):
-    j = o % geo[0]
-    at = o - j + 2 + 8 * j
-    aux = _u32(blocks, at + 4)
+def _iq2_xxs(blocks, base, j, d):
+    at = base + 2 + 8 * j
+    aux = load_le(blocks, at + 4, 4)
     s = _half_scale(d, aux >> np.uint32(28), F_QUARTER)
-    w0 = _signed(W_IQ2_XXS[blocks[at]], SIGNS_EVEN[aux & 127])
-    w1 = _signed(W_IQ2_XXS[blocks[at + 1]], SIGNS_EVEN[(aux >> np.uint32(7)) & 127])
-    w2 = _signed(W_IQ2_XXS[blocks[at + 2]], SIGNS_EVEN[(aux >> np.uint32(14)) & 127])
-    w3 = _signed(W_IQ2_XXS[blocks[at + 3]], SIGNS_EVEN[(aux >> np.uint32(21)) & 127])
+    w0 = _signed(entry(W_IQ2_XXS, load_le(blocks, at, 1)), entry(SIGNS_EVEN, aux & U32_127))
+    w1 = _signed(entry(W_IQ2_XXS, load_le(blocks, at + 1, 1)), entry(SIGNS_EVEN, (aux >> np.uint32(7)) & U32_127))
+    w2 = _signed(entry(W_IQ2_XXS, load_le(blocks, at + 2, 1)), entry(SIGNS_EVEN, (aux >> np.uint32(14)) & U32_127))
+    w3 = _signed(entry(W_IQ2_XXS, load_le(blocks, at + 3, 1)), entry(SIGNS_EVEN, (aux >> np.uint32(21)) & U32_127))
     return w0, w1, w2, w3, s, s
 
 
 @inline
 def _iq2_xs_word(blocks, at):
-    q = _u16(blocks, at)
-    return _signed(W_IQ2_XS[q & 511], SIGNS_EVEN[q >> np.uint32(9)])
+    q = load_le(blocks, at, 2)
+    return _signed(entry(W_IQ2_XS, q & np.uint32(511)), entry(SIGNS_EVEN, q >> np.uint32(9)))
 
 
 @inline
-def _iq2_xs(blocks, o, geo, d):
-    j = o % geo[0]
-    base = o - j
+def _iq2_xs(blocks, base, j, d):
     at = base + 2 + 8 * j
-    sc = blocks[base + 66 + j]
+    sc = load_le(blocks, base + 66 + j, 1)
     return (_iq2_xs_word(blocks, at), _iq2_xs_word(blocks, at + 2), _iq2_xs_word(blocks, at + 4),
-            _iq2_xs_word(blocks, at + 6), _half_scale(d, sc & 15, F_QUARTER), _half_scale(d, sc >> 4, F_QUARTER))
+            _iq2_xs_word(blocks, at + 6), _half_scale(d, sc & U32_15, F_QUARTER),
+            _half_scale(d, sc >> U32_4, F_QUARTER))
 
 
 @inline
 def _iq2_s_word(blocks, base, j, p, qh):
-    index = np.int64(blocks[base + 2 + 4 * j + p]) | ((np.int64(qh) >> (2 * p)) & 3) << 8
-    return _signed(W_IQ2_S[index], blocks[base + 34 + 4 * j + p])
+    index = load_le(blocks, base + 2 + 4 * j + p, 1) | ((qh >> np.uint32(2 * p)) & np.uint32(3)) << U32_8
+    return _signed(entry(W_IQ2_S, index), load_le(blocks, base + 34 + 4 * j + p, 1))
 
 
 @inline
-def _iq2_s(blocks, o, geo, d):
-    j = o % geo[0]
-    base = o - j
-    qh, sc = blocks[base + 66 + j], blocks[base + 74 + j]
+def _iq2_s(blocks, base, j, d):
+    qh, sc = load_le(blocks, base + 66 + j, 1), load_le(blocks, base + 74 + j, 1)
     return (_iq2_s_word(blocks, base, j, 0, qh), _iq2_s_word(blocks, base, j, 1, qh),
             _iq2_s_word(blocks, base, j, 2, qh), _iq2_s_word(blocks, base, j, 3, qh),
-            _half_scale(d, sc & 15, F_QUARTER), _half_scale(d, sc >> 4, F_QUARTER))
+            _half_scale(d, sc & U32_15, F_QUARTER), _half_scale(d, sc >> U32_4, F_QUARTER))
 
 
 @inline
 def _iq3_xxs_word(blocks, at, aux, p):
-    point = W_IQ3_XXS[blocks[at + 2 * p]] | (W_IQ3_XXS[blocks[at + 2 * p + 1]] << U64_32)
-    return _signed(point, SIGNS_EVEN[(aux >> np.uint32(7 * p)) & 127])
+    point = (entry(W_IQ3_XXS, load_le(blocks, at + 2 * p, 1))
+             | (entry(W_IQ3_XXS, load_le(blocks, at + 2 * p + 1, 1)) << U64_32))
+    return _signed(point, entry(SIGNS_EVEN, (aux >> np.uint32(7 * p)) & U32_127))
 
 
 @inline
-def _iq3_xxs(blocks, o, geo, d):
-    j = o % geo[0]
-    base = o - j
+def _iq3_xxs(blocks, base, j, d):
     at = base + 2 + 8 * j
-    aux = _u32(blocks, base + 66 + 4 * j)
+    aux = load_le(blocks, base + 66 + 4 * j, 4)
     s = _half_scale(d, aux >> np.uint32(28), F_HALF)
     return (_iq3_xxs_word(blocks, at, aux, 0), _iq3_xxs_word(blocks, at, aux, 1), _iq3_xxs_word(blocks, at, aux, 2),
             _iq3_xxs_word(blocks, at, aux, 3), s, s)
@@ -215,52 +247,46 @@ def _iq3_xxs(blocks, o, geo, d):
 @inline
 def _iq3_s_word(blocks, base, j, p, qh):
     at = base + 2 + 8 * j + 2 * p
-    low = np.int64(blocks[at]) | ((np.int64(qh) >> (2 * p)) & 1) << 8
-    high = np.int64(blocks[at + 1]) | ((np.int64(qh) >> (2 * p + 1)) & 1) << 8
-    return _signed(W_IQ3_S[low] | (W_IQ3_S[high] << U64_32), blocks[base + 74 + 4 * j + p])
+    low = load_le(blocks, at, 1) | ((qh >> np.uint32(2 * p)) & U32_1) << U32_8
+    high = load_le(blocks, at + 1, 1) | ((qh >> np.uint32(2 * p + 1)) & U32_1) << U32_8
+    return _signed(entry(W_IQ3_S, low) | (entry(W_IQ3_S, high) << U64_32), load_le(blocks, base + 74 + 4 * j + p, 1))
 
 
 @inline
-def _iq3_s(blocks, o, geo, d):
-    j = o % geo[0]
-    base = o - j
-    qh = blocks[base + 66 + j]
-    s = d * np.float32(1 + 2 * ((np.int64(blocks[base + 106 + j // 2]) >> (4 * (j % 2))) & 15))
+def _iq3_s(blocks, base, j, d):
+    qh = load_le(blocks, base + 66 + j, 1)
+    s = d * np.float32(1 + 2 * ((load_le(blocks, base + 106 + j // 2, 1) >> np.uint32(4 * (j % 2))) & U32_15))
     return (_iq3_s_word(blocks, base, j, 0, qh), _iq3_s_word(blocks, base, j, 1, qh),
             _iq3_s_word(blocks, base, j, 2, qh), _iq3_s_word(blocks, base, j, 3, qh), s, s)
 
 
 @inline
 def _iq1_word(index, minus):
-    return W_IQ1_MINUS[index] if minus else W_IQ1_PLUS[index]
+    return entry(W_IQ1_MINUS, index) if minus else entry(W_IQ1_PLUS, index)
 
 
 @inline
-def _iq1_s(blocks, o, geo, d):
-    j = o % geo[0]
-    base = o - j
-    qh = np.int64(_u16(blocks, base + 34 + 2 * j))
-    at, minus = base + 2 + 4 * j, qh >> 15
-    s = d * np.float32(2 * ((qh >> 12) & 7) + 1) * F_EIGHTH
-    return (_iq1_word(np.int64(blocks[at]) | (qh & 7) << 8, minus),
-            _iq1_word(np.int64(blocks[at + 1]) | ((qh >> 3) & 7) << 8, minus),
-            _iq1_word(np.int64(blocks[at + 2]) | ((qh >> 6) & 7) << 8, minus),
-            _iq1_word(np.int64(blocks[at + 3]) | ((qh >> 9) & 7) << 8, minus), s, s)
+def _iq1_s(blocks, base, j, d):
+    qh = load_le(blocks, base + 34 + 2 * j, 2)
+    at, minus = base + 2 + 4 * j, qh >> np.uint32(15)
+    s = d * np.float32(2 * ((qh >> np.uint32(12)) & U32_7) + 1) * F_EIGHTH
+    return (_iq1_word(load_le(blocks, at, 1) | (qh & U32_7) << U32_8, minus),
+            _iq1_word(load_le(blocks, at + 1, 1) | ((qh >> np.uint32(3)) & U32_7) << U32_8, minus),
+            _iq1_word(load_le(blocks, at + 2, 1) | ((qh >> np.uint32(6)) & U32_7) << U32_8, minus),
+            _iq1_word(load_le(blocks, at + 3, 1) | ((qh >> np.uint32(9)) & U32_7) << U32_8, minus), s, s)
 
 
 @inline
 def _iq1_m_word(blocks, base, j, p):
-    nib = (np.int64(blocks[base + 32 + 2 * j + p // 2]) >> (4 * (p % 2))) & 15
-    return _iq1_word(np.int64(blocks[base + 4 * j + p]) | (nib & 7) << 8, nib >> 3)
+    nib = (load_le(blocks, base + 32 + 2 * j + p // 2, 1) >> np.uint32(4 * (p % 2))) & U32_15
+    return _iq1_word(load_le(blocks, base + 4 * j + p, 1) | (nib & U32_7) << U32_8, nib >> np.uint32(3))
 
 
 @inline
-def _iq1_m(blocks, o, geo, d):
-    j = o % geo[0]
-    base = o - j
-    word = np.int64(_u16(blocks, base + 48 + 2 * (j // 2)))  # sub-blocks 2j, 2j + 1: bits 6(j % 2) .. + 5
-    low = (word >> (6 * (j % 2))) & 7
-    high = (word >> (6 * (j % 2) + 3)) & 7
+def _iq1_m(blocks, base, j, d):
+    word = load_le(blocks, base + 48 + 2 * (j // 2), 2)  # sub-blocks 2j, 2j + 1: bits 6(j % 2) .. + 5
+    low = (word >> np.uint32(6 * (j % 2))) & U32_7
+    high = (word >> np.uint32(6 * (j % 2) + 3)) & U32_7
     return (_iq1_m_word(blocks, base, j, 0), _iq1_m_word(blocks, base, j, 1), _iq1_m_word(blocks, base, j, 2),
             _iq1_m_word(blocks, base, j, 3), d * np.float32(2 * low + 1) * F_EIGHTH,
             d * np.float32(2 * high + 1) * F_EIGHTH)
@@ -268,14 +294,13 @@ def _iq1_m(blocks, o, geo, d):
 
 @inline
 def _tq2_word(blocks, at, shift):
-    q = (_u64(blocks, at) >> shift) & TWO_BITS
+    q = (load_le(blocks, at, 8) >> shift) & TWO_BITS
     return ((q | TOPS) - ONES) ^ TOPS
 
 
 @inline
-def _tq2_0(blocks, o, geo, d):
-    j = o % geo[0]
-    at = o - j + 32 * (j // 4)
+def _tq2_0(blocks, base, j, d):
+    at = base + 32 * (j // 4)
     shift = np.uint64(2 * (j % 4))
     return (_tq2_word(blocks, at, shift), _tq2_word(blocks, at + 8, shift), _tq2_word(blocks, at + 16, shift),
             _tq2_word(blocks, at + 24, shift), d, d)
@@ -284,14 +309,16 @@ def _tq2_0(blocks, o, geo, d):
 @inline
 def _rows(sub, blocks, o, geo, d, x, i0, col, rows, acc):
     """The products of the sub-block at ``o`` (``sub``: the type's words and scales of it)."""
-    w0, w1, w2, w3, s0, s1 = sub(blocks, o, geo, d)
+    j = o % geo[0]
+    w0, w1, w2, w3, s0, s1 = sub(blocks, o - j, j, d)
     words_rows(w0, w1, w2, w3, s0, s1, x, i0, col, rows, acc)
 
 
 @inline
 def _decode(sub, blocks, o, geo, d, out):
     """The weights of the sub-block at ``o`` into ``out`` (exact products: nothing to add for these types)."""
-    w0, w1, w2, w3, s0, s1 = sub(blocks, o, geo, d)
+    j = o % geo[0]
+    w0, w1, w2, w3, s0, s1 = sub(blocks, o - j, j, d)
     words_decode(w0, w1, w2, w3, s0, s1, out)
 
 
