@@ -10,7 +10,8 @@ Steps (each a library function; ``qwen-demo`` prints their results):
 2. :func:`measure_quality` scores the held-out text with the six outputs and the source in lockstep
    (:func:`qwen_runtime.generation.evaluate.evaluate_ids`): perplexity, KL(source || output), top-1 agreement, Δppl.
    With ``kquants`` (``qwen-demo --kquants``), :func:`prepare_kquant_outputs` adds a GGUF per llama.cpp
-   mix of each new type (:data:`KQUANT_MIXES`), without and with an importance matrix that
+   mix of each new type (:data:`KQUANT_MIXES`; ``--lowbit``: :data:`LOWBIT_MIXES`), without and with an
+   importance matrix that
    :func:`qwen_convert.imatrix_collect.compute_imatrix` computes on a calibration text other than the
    evaluation text (:func:`calibration_text`: standard-library modules, the bundled model's kind of text,
    none of them in its held-out text), and scores them in the same lockstep pass.
@@ -36,7 +37,7 @@ from importlib.resources import files as package_files
 from pathlib import Path
 
 from qwen_runtime import EXACT_CACHE, chat_format, load, stream
-from qwen_runtime.errors import QwenError
+from qwen_runtime.errors import QwenError, UsageError
 from qwen_runtime.formats.hub import model_name
 from qwen_runtime.generation.evaluate import EvalResult, encode_text, evaluate_ids
 
@@ -55,6 +56,9 @@ DTYPES = ("fp32", "fp16", "q8_0")
 STAMP_FILE = "demo-source.json"
 # One llama.cpp mix per type the converter writes beyond the 32-value ones (Q2_K ... Q6_K, IQ4_NL, IQ4_XS).
 KQUANT_MIXES = ("q2_k", "q3_k_m", "q4_k_m", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs")
+# llama.cpp's 1.5-3.5-bit mixes (qwen-demo --lowbit), the ones people download to fit a large model in little
+# memory; most need the importance matrix (llama-quantize refuses them without one, and so does the converter).
+LOWBIT_MIXES = ("q2_k_s", "iq3_m", "iq3_xxs", "iq2_m", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "iq1_s", "tq2_0")
 # Calibration text for the importance matrix: standard-library modules (what the bundled model was trained
 # on), each used only when none of its lines of code appears in the evaluation text.
 CALIBRATION_MODULES = ("argparse", "textwrap", "string", "shlex", "fnmatch", "difflib", "heapq", "bisect",
@@ -191,11 +195,13 @@ def calibration_text(evaluation: str, limit: int = CALIBRATION_BYTES) -> str:
     return "\n\n".join(parts)[:limit]
 
 
-def prepare_kquant_outputs(src: Path, out_dir: Path, calibration: str, progress: Progress | None = None
-                           ) -> list[DemoOutput]:
-    """GGUFs of :data:`KQUANT_MIXES` under ``out_dir``, each without and with an importance matrix computed
-    over ``calibration`` (``<model>.imatrix.gguf`` there); call after :func:`prepare_outputs`, whose stamp
-    decides reuse (the imatrix and its outputs are reused only with the same calibration text)."""
+def prepare_kquant_outputs(src: Path, out_dir: Path, calibration: str, progress: Progress | None = None,
+                           mixes: Sequence[str] = KQUANT_MIXES) -> list[DemoOutput]:
+    """GGUFs of ``mixes`` (default :data:`KQUANT_MIXES`) under ``out_dir``, each without and with an importance
+    matrix computed over ``calibration`` (``<model>.imatrix.gguf`` there); a mix the converter refuses to write
+    without one (:class:`UsageError`, before any output) has only its weighted GGUF.  Call after
+    :func:`prepare_outputs`, whose stamp decides reuse (the imatrix and its outputs are reused only with the same
+    calibration text)."""
     digest = hashlib.sha256(calibration.encode("utf-8")).hexdigest()[:12]
     stamp = out_dir / f"{STAMP_FILE}.imatrix"
     reuse = _stamp_matches(out_dir, src)
@@ -209,14 +215,19 @@ def prepare_kquant_outputs(src: Path, out_dir: Path, calibration: str, progress:
     importance = load_importance(imatrix_path)
     outputs = []
     for weighted in (False, True):
-        for job in plan_jobs([src], out_dir, ("gguf",), KQUANT_MIXES):
+        for job in plan_jobs([src], out_dir, ("gguf",), mixes):
             if weighted:
                 job = replace(job, out=job.out.with_name(job.out.name.replace(".gguf", "-imatrix.gguf")))
             if (reuse_weighted if weighted else reuse) and output_is_complete(job):
                 status = REUSED
             else:
-                convert(job.src, job.out, job.format, job.dtype, force=True, verify=verify_written_checksums,
-                        progress=progress, importance=importance if weighted else None)
+                try:
+                    convert(job.src, job.out, job.format, job.dtype, force=True, verify=verify_written_checksums,
+                            progress=progress, importance=importance if weighted else None)
+                except UsageError:
+                    if weighted:
+                        raise
+                    continue  # the mix needs the importance matrix: only its weighted output
                 status = CONVERTED
             outputs.append(_describe(job, status, weighted))
     stamp.write_text(digest, encoding="utf-8")

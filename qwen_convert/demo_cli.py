@@ -24,6 +24,7 @@ from .cli import TqdmProgress
 from .demo import (
     DEFAULT_OUT,
     KQUANT_MIXES,
+    LOWBIT_MIXES,
     Completion,
     DemoOutput,
     bundled_model_path,
@@ -55,6 +56,9 @@ def configure_parser() -> argparse.ArgumentParser:
                    help=f"also score a GGUF per K-quant/IQ4 mix ({', '.join(KQUANT_MIXES)}), without and with "
                    "an importance matrix computed on standard-library modules absent from the text, in the quality "
                    "table (default: off: 14 more outputs to convert and score; completions stay the six above)")
+    p.add_argument("--lowbit", action="store_true",
+                   help=f"also score llama.cpp's 1.5-3.5-bit mixes ({', '.join(LOWBIT_MIXES)}) with that importance "
+                   "matrix, and without it where llama-quantize writes the mix without one (default: off)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT,
                    help=f"prompt completed by every output (default: {DEFAULT_PROMPT!r})")
     p.add_argument("-n", "--max-new-tokens", type=positive_int, default=32, metavar="N",
@@ -107,8 +111,9 @@ def run(args: argparse.Namespace) -> None:
           "qwen_convert.inspect.compare against the source)")
     outputs = prepare_outputs(src, args.out, TqdmProgress())
     scored = list(outputs)
-    if args.kquants:
-        scored += prepare_kquant_outputs(src, args.out, calibration_text(text), TqdmProgress())
+    mixes = (KQUANT_MIXES if args.kquants else ()) + (LOWBIT_MIXES if args.lowbit else ())
+    if mixes:
+        scored += prepare_kquant_outputs(src, args.out, calibration_text(text), TqdmProgress(), mixes)
     print(outputs_table(scored))
     print(f"\n2. Quality on {text_path}: first {args.eval_tokens} tokens, "
           f"{METHOD.format(ctx=args.ctx, stride=args.stride)}; KL(source || output) per token")

@@ -619,6 +619,8 @@ def configure_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-llama", action="store_true", help="measure our runtime and converter only")
     p.add_argument("--no-peer", action="store_true", help="skip the plain numpy peer")
     p.add_argument("--no-runtime", action="store_true", help="the conversions only (no runtime measurements)")
+    p.add_argument("--no-startup", action="store_true", help="skip the compiled kernels' start-up measurement (it "
+                   "compiles every kernel module into an empty numba cache: minutes of CPU)")
     p.add_argument("--report", type=Path, metavar="JSON", help="only print the tables of an earlier results file")
     return p
 
@@ -717,7 +719,7 @@ def run(args: argparse.Namespace) -> None:
     results: dict[str, Any] = {"machine": machine(), "plan": plan.__dict__, "repeat": args.repeat,
                                "conversion_repeat": max(1, args.conversion_repeat or args.repeat),
                                "conversion": {}, "runtime": {}, "configs": {}, "kernels": args.kernels.split(",")}
-    if "numba" in results["kernels"] and not args.no_runtime:
+    if "numba" in results["kernels"] and not args.no_runtime and not args.no_startup:
         log("compiled kernels: first compile and warm start-up")
         results["jit"] = jit_startup(env, args.cache_dir)
     out = args.json or args.cache_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"

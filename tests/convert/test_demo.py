@@ -166,3 +166,19 @@ def test_kquant_outputs_without_and_with_an_imatrix_are_reused(tmp_path: Path) -
     assert [o.status for o in prepare_kquant_outputs(src, out, calibration)] == [REUSED] * 14
     again = prepare_kquant_outputs(src, out, calibration + " ")  # another calibration text: weighted ones remade
     assert [o.status for o in again] == [REUSED] * 7 + [CONVERTED] * 7
+
+
+@pytest.mark.slow
+def test_lowbit_mixes_that_need_the_imatrix_have_only_their_weighted_output(tmp_path: Path) -> None:
+    """``qwen-demo --lowbit``: on the bundled model (rows of 256), iq2_xxs cannot be written without the importance
+    matrix (the converter refuses, as llama-quantize does), so it has only its weighted GGUF; tq2_0 has both."""
+    from qwen_convert.demo import LOWBIT_MIXES, prepare_kquant_outputs
+
+    src, out = bundled(), tmp_path / "out"
+    prepare_outputs(src, out)
+    calibration = " ".join(f"def f{i}(x):\n    return x * {i}" for i in range(100))
+    got = prepare_kquant_outputs(src, out, calibration, mixes=("iq2_xxs", "tq2_0"))
+    assert [(o.dtype, o.imatrix, o.status) for o in got] == [
+        ("tq2_0", False, CONVERTED), ("iq2_xxs", True, CONVERTED), ("tq2_0", True, CONVERTED)]
+    assert not (out / f"{src.name}-iq2_xxs.gguf").exists()
+    assert {"iq2_xxs", "tq2_0"} <= set(LOWBIT_MIXES)
