@@ -655,7 +655,7 @@ def bench_model(src: Path, dtypes: list[str], args: argparse.Namespace, plan: Pl
                 target = scratch if dtype in OURS else gguf
                 conv.setdefault("llama", []).append(quantize_llama(f32, target, dtype, env))
                 scratch.unlink(missing_ok=True)
-            elif dtype in LLAMA_IMATRIX and not args.no_llama:
+            elif dtype in LLAMA_IMATRIX and not args.no_llama and not gguf.is_file():  # built once, then cached
                 conv.setdefault("llama", []).append(quantize_imatrix_llama(f32, gguf, dtype, env))
             elif dtype in LLAMA_TWO_STEP and script is not None:
                 conv.setdefault("llama", []).append(two_step_llama(script, src, scratch, dtype, env))
