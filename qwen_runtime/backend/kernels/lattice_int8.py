@@ -7,9 +7,9 @@ and the float32 scales of values 0-15 and 16-31.  Here the words go into one ``<
 activations quantized per 32 (:func:`.q8_act.quantize_rows`) in integer products, :func:`.int8._fma_group` with
 two scales: with :data:`.base.MADDUBS` (AVX2 without AVX-512) ``|v|`` against the activations signed by ``v`` in
 ``pmaddubsw``, then ``pmaddwd`` by ones, 8 exact sums of 4 (no saturation: ``|v| <= 62`` and ``|q| <= 127``),
-elsewhere ``pmaddwd`` pairs; each block's sums are scaled by ``s * d_x`` into float32 lanes, as llama.cpp
-multiplies these types against its 8-bit activation blocks.  The float kernels' per-value ``cvt``, scale and FMA
-per row become one integer product and one FMA per 8 lanes.
+elsewhere ``pmaddwd`` pairs; each block's sums are scaled by ``s * d_x`` into float32 lanes.  llama.cpp too
+multiplies these types against 8-bit activations, quantized per 256 values (q8_K) where ours are per 32.
+The float kernels' per-value ``cvt``, scale and FMA per row become one integer product and one FMA per 8 lanes.
 
 One and several activation rows run the same loops (groups of 1, or :func:`.int8.row_groups`), so a row's numbers
 do not depend on the rows beside it.  Prompts (more than :attr:`.int8.Int8Kernel.direct_rows` rows) take the
@@ -23,6 +23,7 @@ from numba import carray, types
 from numba.extending import intrinsic
 
 from ...quants.lattice import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
+from ...quants.q8_act import Q8_ACT_BLOCK
 from ...quants.ternary import TQ2_0
 from .base import ACC_FLOATS, GEMV_ROWS, compiled, stack_f32
 from .int8 import (
@@ -60,8 +61,9 @@ from .lattice import (
 )
 
 I32 = ir.IntType(32)
-SUBS = 8  # sub-blocks of 32 values in a super-block of 256
-V4_I64, V32_I8 = ir.VectorType(ir.IntType(64), 4), ir.VectorType(ir.IntType(8), 32)
+SUPER = IQ2_XXS().block_size  # values of a super-block: 256 for every type here
+SUBS = SUPER // Q8_ACT_BLOCK  # its sub-blocks, each one activation block of 32
+V4_I64, V32_I8 = ir.VectorType(ir.IntType(64), 4), ir.VectorType(ir.IntType(8), Q8_ACT_BLOCK)
 
 
 @intrinsic
@@ -90,7 +92,8 @@ def _words_fma(sub, scale, table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb,
     d = scale(table, blocks, base, geo)
     for j in range(SUBS):
         w0, w1, w2, w3, s0, s1 = sub(blocks, base, j, d)
-        group_words_pairs_fma(w0, w1, w2, w3, xq, x_at + 32 * j, cols, xd, d_at + j, nb, s0, s1, acc, group)
+        group_words_pairs_fma(w0, w1, w2, w3, xq, x_at + Q8_ACT_BLOCK * j, cols, xd, d_at + j, nb, s0, s1, acc,
+                              group)
 
 
 @inline
@@ -105,7 +108,7 @@ def words_row_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, ou
         blocks = raw[r]
         lanes_zero(acc, group)
         for sb in range(nb // SUBS):
-            update(table, blocks, sb, geo, xq, i0 * cols + sb * 256, cols, xd, i0 * nb + sb * SUBS, nb, acc, group)
+            update(table, blocks, sb, geo, xq, i0 * cols + sb * SUPER, cols, xd, i0 * nb + sb * SUBS, nb, acc, group)
         lanes_sums(acc, group, sums)
         for g in range(group):
             out[i0 + g, r] = s[g]
