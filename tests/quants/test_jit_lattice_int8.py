@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_jit_int8 import assert_decode_step_close_to_the_float_path
 from test_jit_kernels import random_blocks
 
-from qwen_runtime import load
 from qwen_runtime.backend.kernels import JIT_Q8_KERNELS, jit_kernel
 from qwen_runtime.backend.pool import Workspace
 from qwen_runtime.backend.weights import make_weight
@@ -142,14 +142,4 @@ def test_model_decode_step_close_to_the_float_path(tmp_path: Path, dtype: str) -
 
     qtype = QType[dtype.upper()]
     stored, _ = retyped(RawGGUF.from_file(wide_qwen3_f32(tmp_path)), qtype, np.random.default_rng(31))
-    path = stored.write(tmp_path / f"{dtype}.gguf")
-    exact, q8 = load(path, kernels="numba"), load(path, kernels="numba", activations="q8")
-    assert q8.workspace.activations == "q8"
-    ids = np.array([[3, 17, 42, 7, 99, 5]])
-    cache_exact, cache_q8 = exact.make_cache(1, 8), q8.make_cache(1, 8)
-    exact.forward(ids, cache_exact, last_only=True)
-    q8.forward(ids, cache_q8, last_only=True)
-    step = np.array([[11]])
-    want, got = exact.forward(step, cache_exact), q8.forward(step, cache_q8)
-    assert not np.array_equal(got, want)
-    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+    assert_decode_step_close_to_the_float_path(stored.write(tmp_path / f"{dtype}.gguf"))
