@@ -237,9 +237,10 @@ def _matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
     return outputs
 
 
-# Direct products (compiled row kernels reading the blocks, no scratch tile): weight bytes up to which a
-# product is cut into exactly one task per thread; larger ones (the lm_head) into a multiple of the threads,
-# so that a thread descheduled on a busy machine leaves its share to the others.
+# Direct products (compiled row kernels reading the blocks, no scratch tile): the work (weight bytes times
+# activation rows) up to which a product is cut into exactly one task per thread; more (the lm_head, products of
+# several rows) into a multiple of the threads, so that a thread that runs slower (descheduled on a busy machine,
+# or a core slower than the other: the two of one VM differed by up to 1.8x) leaves its share to the others.
 DIRECT_TASK_BYTES = 8 << 20
 # Task boundaries fall on multiples of these rows (every matrix of a model has a multiple of them).
 DIRECT_ROW_ALIGN = 32
@@ -253,17 +254,9 @@ def reads_blocks(weights: Sequence[Weight], n: int) -> bool:
 
 
 def weight_passes(n: int) -> int:
-    """How many times a direct product of ``n`` activation rows reads its weights (once per group of rows the row
-    kernels hold accumulators for)."""
-    return 1 if n == 1 else -(-n // gemv_rows())
-
-
-@functools.cache
-def gemv_rows() -> int:
-    """The compiled row kernels' :data:`~qwen_runtime.backend.kernels.base.GEMV_ROWS` (imported with numba)."""
-    from .kernels.base import GEMV_ROWS
-
-    return GEMV_ROWS
+    """The work of a direct product of ``n`` activation rows in passes over its weights: one per row (the row
+    kernels' multiply-adds, not their reads, bound products of several rows)."""
+    return n
 
 
 @functools.lru_cache(maxsize=256)

@@ -99,7 +99,7 @@ def test_rows_equal_alone_and_in_any_batch(qtype: QType) -> None:
     ``rowwise``; a product of more rows than ``direct_rows`` is the float kernel's (prompts stay exact)."""
     cols = 2 * 256
     raw = random_blocks(qtype, 29, cols, seed=3)
-    x = activations(GEMV_ROWS + 5, cols, seed=4)
+    x = activations(max(GEMV_ROWS, Int8Kernel.direct_rows) + 5, cols, seed=4)
     kernel = KERNELS[qtype](raw)
     alone = np.concatenate([run(kernel, x[i:i + 1]) for i in range(len(x))])
     for n in range(2, GEMV_ROWS + 1):

@@ -62,9 +62,6 @@ prepare_numba()  # before this package's first compile or cache load (which happ
 GEMV_ROWS = 16
 LANES = 32  # float32 accumulators per row (vertical lanes)
 ACC_FLOATS = GEMV_ROWS * LANES  # the stack accumulators of a kernel for GEMV_ROWS rows
-# Activation rows whose accumulators a float row kernel keeps in registers at once (2 zmm each: 16 of the 32).
-GROUP_ROWS = 8
-GROUP_FLOATS = GROUP_ROWS * LANES
 PAIR = 2  # stored rows a one-row kernel of the 32-value types multiplies at once (:func:`gemv1_rows`)
 PAIR_FLOATS = PAIR * LANES  # their lanes
 TILE_ROWS = 16  # stored rows the groups of a multi-row product take in turn (:func:`gemv_groups`)
@@ -76,7 +73,6 @@ TILE_ROWS = 16  # stored rows the groups of a multi-row product take in turn (:f
 # rows.  Figures: docs/performance.md.
 CHUNK_COLS = 2048
 LINE = 64  # bytes of a cache line
-TILE_FLOATS = GROUP_FLOATS + LANES  # a partial block: its weights and a group's activations (:func:`buffer_fma`)
 ALIGN = 64  # bytes: activations start on a cache line (a zmm load across two lines costs two)
 
 I32, F32 = ir.IntType(32), ir.FloatType()
@@ -103,6 +99,12 @@ TABLE_ROWS = 2
 # them below the memory's rate (docs/performance.md); ``activations="auto"`` is then ``"q8"``
 # (:func:`auto_activations`).
 MADDUBS = "avx2" in FEATURES and "avx512bw" not in FEATURES
+# Activation rows whose accumulators a float row kernel keeps in registers at once: 8 with AVX-512 (2 zmm each, 16 of
+# the 32), 4 elsewhere (4 ymm each: groups of 8 spilled their lanes on AVX2's 16 registers and ran at half the rate
+# of groups of 4, docs/performance.md).
+GROUP_ROWS = 8 if "avx512f" in FEATURES else 4
+GROUP_FLOATS = GROUP_ROWS * LANES
+TILE_FLOATS = GROUP_FLOATS + LANES  # a partial block: its weights and a group's activations (:func:`buffer_fma`)
 
 
 def auto_activations() -> str:
@@ -675,12 +677,16 @@ class JitKernel:
     def prepare(self, x: np.ndarray, rowwise: bool = False) -> tuple:
         """``x`` [N, in] and its :meth:`activations`, for :meth:`product` (``rowwise``: for :meth:`product_rows`;
         the same here, not for every subclass)."""
-        if x.ndim != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"activations of shape {x.shape} for a matrix of {self.in_features} columns")
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = self.checked(x)
         if len(x) <= self.direct_rows:  # the row kernels' loads (BLAS takes the tile path's rows as they are)
             x = aligned(x)
         return (x, *self.activations(x))
+
+    def checked(self, x: np.ndarray) -> np.ndarray:
+        """``x`` [N, in] as C-contiguous float32, after checking its width."""
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"activations of shape {x.shape} for a matrix of {self.in_features} columns")
+        return np.ascontiguousarray(x, dtype=np.float32)
 
     def product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
         """``out = x @ W[r0:r1].T``: up to :attr:`direct_rows` rows straight from the blocks, more rows through a

@@ -110,7 +110,10 @@ from .q8_act import (
 )
 
 PAIRS = Q8_ACT_BLOCK // 2  # int32 lanes of a block's products (pairs of adjacent products)
-GROUP = 8  # activation rows whose lanes a multi-row kernel keeps in registers at once (8 x 16 float32)
+# Activation rows whose lanes a multi-row kernel keeps in registers at once: 8 x 16 float32 in zmm registers; with
+# AVX2 (:data:`MADDUBS`) 4, as 8 rows' lanes and the block's operands did not fit its 16 ymm registers (Q8_0's 16
+# lanes a row, Q4_K's scales and minimums): the spilled lanes went through the stack every block.
+GROUP = 4 if MADDUBS else 8
 CHUNK = 16  # stored rows a multi-row kernel takes through all its groups of activation rows before the next ones
 inline = numba.njit(inline="always", cache=True, fastmath={"contract"})
 I16_2D = types.Array(types.int16, 2, "C", readonly=True)  # the same widened to int16 (multi-row kernels)
@@ -999,7 +1002,10 @@ class Int8Kernel(JitKernel):
 
     block = Q8_ACT_BLOCK
     constants = (F16_TABLE,)
-    direct_rows = 8  # the multi-row kernels hold GEMV_ROWS rows' accumulators; crossover with the exact tile: 8-16
+    # Products of up to this many rows by the integer kernels, more by the float kernel's tile and BLAS: on AVX2
+    # without AVX-512 (:data:`MADDUBS`) the integer groups kept their rate per row up to 48 rows against a float
+    # tile's SGEMM there; with AVX-512 the crossover was 8-16 rows (docs/performance.md).
+    direct_rows = 32 if MADDUBS else 8
     exact: tuple[str, str]  # (module of this package, float kernel class) whose decoder prefill uses
     # The type's Q8_ROW_PRODUCT (called by address from the compiled decode step) and the slots of the forms table it
     # reads (:mod:`.q8_act`); ``sums_width``: the float activation sums it also takes (0: none).
@@ -1019,7 +1025,8 @@ class Int8Kernel(JitKernel):
         per-row Python and numpy work, holding the GIL: prepared per tile, a prefill with ``q8`` ran slower than the
         exact one, thousands of preparations instead of one per product)."""
         if len(x) <= self.direct_rows or rowwise:
-            return super().prepare(x)
+            x = self.checked(x)  # not aligned as the float row kernels' (read here only to quantize it)
+            return (x, *self.activations(x))
         prepared = Prepared((x,))
         prepared.exact = self.exact_kernel.prepare(x)
         return prepared
@@ -1061,9 +1068,11 @@ class QuadsKernel(Int8Kernel):
 
     def forms(self, q: np.ndarray, d: np.ndarray) -> tuple:
         """(q, d, xu, d8, b32): the activations, their scales, the activations plus 128 as uint8, each scale 8
-        times, -32 times each sum of 4 activations (what each kernel reads of them, :meth:`_rows`)."""
+        times (for several rows; one row's kernel reads ``d``), -32 times each sum of 4 activations (where the
+        one-row kernel starts from them, :data:`VNNI`; else no columns): what each kernel reads, :meth:`_rows`."""
         xu = q.view(np.uint8) ^ np.uint8(128)
-        return q, d, xu, np.repeat(d, PAIRS // 2, axis=1), start_values(q)
+        d8 = np.repeat(d, PAIRS // 2, axis=1) if len(q) > 1 else d
+        return q, d, xu, d8, start_values(q) if VNNI else np.empty((len(q), 0), np.int32)
 
     def _rows(self, raw: np.ndarray, x: np.ndarray, extra: list, out: np.ndarray) -> None:
         q, d, xu, d8, b32 = extra
