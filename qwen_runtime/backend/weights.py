@@ -237,11 +237,13 @@ def _matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
     return outputs
 
 
-# Direct products (compiled row kernels reading the blocks, no scratch tile): the work (weight bytes times
-# activation rows) up to which a product is cut into exactly one task per thread; more (the lm_head, products of
-# several rows) into a multiple of the threads, so that a thread that runs slower (descheduled on a busy machine,
-# or a core slower than the other: the two of one VM differed by up to 1.8x) leaves its share to the others.
+# Direct products (compiled row kernels reading the blocks, no scratch tile): the weight bytes up to which a
+# product is cut into exactly one task per thread; larger ones (the lm_head) into a multiple of the threads, so
+# that a thread that runs slower (descheduled on a busy machine, or a core slower than the other) leaves its share
+# to the others.  Products of several activation rows count their work (bytes times rows) the same way, up to
+# DIRECT_ROW_TASKS tasks per thread: more cost more Python per product than a slower thread's share.
 DIRECT_TASK_BYTES = 8 << 20
+DIRECT_ROW_TASKS = 4
 # Task boundaries fall on multiples of these rows (every matrix of a model has a multiple of them).
 DIRECT_ROW_ALIGN = 32
 
@@ -264,12 +266,15 @@ def direct_split(rows: tuple[int, ...], costs: tuple[int, ...], threads: int, pa
                  ) -> tuple[tuple[tuple[int, int], ...], ...]:
     """The rows of matrices (``rows[i]`` rows of ``costs[i]`` bytes, read ``passes`` times) multiplied one after
     the other, cut into tasks of about equal bytes: ``threads`` tasks, or a multiple of them above
-    :data:`DIRECT_TASK_BYTES` per task; each task a row range ``(r0, r1)`` of every matrix (empty ranges where it
-    holds none of its rows).
+    :data:`DIRECT_TASK_BYTES` per task (counting the ``passes``, up to :data:`DIRECT_ROW_TASKS` per thread); each
+    task a row range ``(r0, r1)`` of every matrix (empty ranges where it holds none of its rows).
 
     A row's result does not depend on the range it is multiplied in, so any cut gives the same numbers."""
     total = sum(r * c for r, c in zip(rows, costs, strict=True))
-    tasks = threads * max(1, -(-total * passes // (threads * DIRECT_TASK_BYTES)))
+    per_thread = threads * DIRECT_TASK_BYTES
+    by_bytes = -(-total // per_thread)
+    by_work = min(DIRECT_ROW_TASKS, -(-total * passes // per_thread))
+    tasks = threads * max(1, by_bytes, by_work)
     cuts = [total * k // tasks for k in range(tasks + 1)]  # byte offsets in the matrices end to end
     out: list[list[tuple[int, int]]] = [[] for _ in range(tasks)]
     start = 0  # byte offset of the current matrix

@@ -185,11 +185,13 @@ class Model:
 
     @property
     def segments_exact(self) -> bool:
-        """Whether :meth:`prefill_many` can run several chunks in one pass: compiled kernels for every matrix (the
-        MLPs' of one ``direct_rows`` and float activations, whose tile-and-BLAS product ``product_segments`` splits)."""
+        """Whether :meth:`prefill_many` can run several chunks in one pass: compiled kernels for every matrix, the
+        MLPs' of one ``direct_rows`` and each of whose products of more rows is the tile-and-BLAS one that
+        ``product_segments`` splits (the float kernels; the 8-bit ones where their row kernels take as many rows
+        as the float ones: ``segments_exact`` of each kernel)."""
         mlps = [w for blk in self.blocks for w in (blk.mlp.gate, blk.mlp.up, blk.mlp.down)]
-        return (self.exact_steps and self.workspace.activations == "float"
-                and all(isinstance(w, TiledWeight) and hasattr(w.kernel, "product_segments") for w in mlps)
+        return (self.exact_steps
+                and all(isinstance(w, TiledWeight) and getattr(w.kernel, "segments_exact", False) for w in mlps)
                 and len({w.kernel.direct_rows for w in mlps if isinstance(w, TiledWeight)}) == 1)
 
     @property

@@ -48,6 +48,27 @@ def test_q8_0_chunks_together_equal_chunks_alone(converted: Converted) -> None:
     check_alone_and_together(qwen_runtime.load(converted("qwen3-tiny", "gguf", "q8_0"), kernels="numba"))
 
 
+def test_q8_activation_chunks_together_equal_chunks_alone(converted: Converted) -> None:
+    """With 8-bit activations the chunks run together where every product of more rows than the integer kernels
+    take is the float kernel's tile and BLAS (AVX2 without AVX-512: both take up to 32 rows); elsewhere (AMX
+    prompt tiles, or integer kernels of fewer rows than the float ones) each chunk runs alone.  Either way a
+    chunk's logits and cache are its own pass's."""
+    from qwen_runtime.backend.kernels.amx import amx_available
+    from qwen_runtime.backend.kernels.base import MADDUBS
+
+    model = qwen_runtime.load(converted("qwen3-tiny", "gguf", "q8_0"), kernels="numba", activations="q8")
+    assert model.segments_exact == (MADDUBS and not amx_available())
+    if model.segments_exact:
+        check_alone_and_together(model)
+        return
+    alone = [model.make_cache(1, 200) for _ in LENGTHS]
+    together = [model.make_cache(1, 200) for _ in LENGTHS]
+    chunks = [np.random.default_rng(1).integers(0, model.config.vocab_size, n).tolist() for n in LENGTHS]
+    expected = np.stack([model.forward(np.asarray([c]), cache, last_only=True)[0]
+                         for c, cache in zip(chunks, alone, strict=True)])
+    np.testing.assert_array_equal(model.prefill_many(chunks, together), expected)
+
+
 def test_without_exact_segments_each_chunk_runs_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """The numpy kernels cannot segment their products: every chunk is a forward pass of its own."""
     model = qwen_runtime.load(fixture_dir("qwen3-tiny"), kernels="numpy")

@@ -525,6 +525,11 @@ class AmxPrompts:
             raise ValueError(f"activations of shape {x.shape} for a matrix of {self.in_features} columns")
         return self.quantize(np.ascontiguousarray(x, dtype=np.float32))
 
+    @property
+    def segments_exact(self) -> bool:
+        """Prompts on AMX tiles are not the tile-and-BLAS products :meth:`product_segments` splits."""
+        return not amx_available() and super().segments_exact
+
     def product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
         if not isinstance(xk, self.prepared_type):
             super().product(r0, r1, xk, out, scratch)

@@ -699,6 +699,12 @@ class JitKernel:
             return
         np.matmul(x, self.tile(r0, r1, scratch).T, out=out)
 
+    @property
+    def segments_exact(self) -> bool:
+        """Whether :meth:`product_segments` gives each segment of more than :attr:`direct_rows` rows the numbers of
+        :meth:`product` of that segment alone (the float kernels: both decode the tile and call BLAS)."""
+        return True
+
     def product_segments(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch,
                          lengths: tuple[int, ...]) -> None:
         """:meth:`product` of consecutive segments of ``lengths`` rows, each longer than :attr:`direct_rows`: the tile

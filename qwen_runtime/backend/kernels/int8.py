@@ -1039,6 +1039,16 @@ class Int8Kernel(JitKernel):
             return
         self.exact_kernel.product(r0, r1, xk.exact, out, scratch)
 
+    def tile(self, r0: int, r1: int, scratch: Scratch) -> np.ndarray:
+        """The float kernel's decoded tile (from its view of the stored rows)."""
+        return self.exact_kernel.tile(r0, r1, scratch)
+
+    @property
+    def segments_exact(self) -> bool:
+        """A product of more than :attr:`direct_rows` rows is the float kernel's; it decodes a tile for BLAS (as
+        :meth:`product_segments` does) only where it takes no more rows by its own row kernels."""
+        return self.direct_rows >= self.exact_kernel.direct_rows
+
     def activations(self, x: np.ndarray) -> tuple:
         """:func:`quantize_rows`'s ``q`` and ``d`` in the forms the kernels read (:meth:`forms`)."""
         q = np.empty(x.shape, np.int8)
