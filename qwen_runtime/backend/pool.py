@@ -52,7 +52,9 @@ the runs, the two pools' times, decode A/B under load) is in docs/performance.md
 Decode products of the compiled row kernels (which read any row range straight from the blocks, with no
 scratch tile) are cut into exactly one task per thread, the matrices of a fused product (q/k/v) end to end
 (:func:`qwen_runtime.backend.weights.direct_split`): a run claims two tasks on two threads, not six to a hundred and
-thirty, so the per-task Python (claim, call chain, numba's dispatch) is paid twice per product.
+thirty, so the per-task Python (claim, call chain, numba's dispatch) is paid twice per product.  Products of
+several activation rows (short prompts) are cut into up to four tasks per thread, so that a thread that runs
+slower leaves part of its share to the other.
 
 **Kernels.**  ``Workspace.kernels`` is ``"numba"`` (compiled kernels, numba imported only then) or ``"numpy"``
 (the reference path); :func:`resolve_kernels` turns the user's choice (``auto``, ``numba``, ``numpy``; default:

@@ -13,9 +13,9 @@ A :class:`Weight` is a ``[out, in]`` matrix as stored in the model file (memory-
 :func:`matmul_many` runs the tiles of projections sharing an input (q/k/v) as one pool run;
 :func:`gated_matmul` also applies SwiGLU's activation inside each gate/up task.  Products that the compiled row
 kernels read straight from the blocks (decode-sized ones, and every product inside ``Workspace.rowwise``) are
-not cut into tiles but into one task per pool thread (:func:`direct_split`; more only for matrices above
-:data:`DIRECT_TASK_BYTES` per thread, the lm_head): each run then pays its Python and its hand-off once per
-thread (see :mod:`.pool`).
+not cut into tiles but into one task per pool thread (:func:`direct_split`; more for matrices above
+:data:`DIRECT_TASK_BYTES` per thread, the lm_head, and up to :data:`DIRECT_ROW_TASKS` per thread for products
+of several rows): each run then pays its Python and its hand-off a few times per thread (see :mod:`.pool`).
 
 **Row-invariant products.**  BLAS sums a row's product in an order that depends on how many rows there are
 and where the row sits among them (GEMV for one row, GEMM kernels unrolled by position for several), so a

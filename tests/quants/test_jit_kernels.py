@@ -31,7 +31,7 @@ from test_quants import set_iq1_m_scale
 from qwen_runtime.backend.jit_setup import cpu_features, import_closure, imported_files, release_compiler_pages
 from qwen_runtime.backend.kernels import JIT_KERNELS, JIT_Q8_KERNELS, jit_kernel
 from qwen_runtime.backend.pool import Workspace, resolve_kernels
-from qwen_runtime.backend.weights import gated_matmul, make_weight, matmul_many
+from qwen_runtime.backend.weights import DIRECT_ROW_TASKS, direct_split, gated_matmul, make_weight, matmul_many
 from qwen_runtime.formats.tensors import StoredTensor
 from qwen_runtime.quants import DENSE_TYPES, QType, codec
 from qwen_runtime.quants.scratch import Scratch
@@ -316,6 +316,21 @@ def test_products_cut_over_threads_equal_one_call_bit_for_bit(qtype: QType, acti
             with ws.rowwise():
                 for got, expected in zip(matmul_many(weights[:3], x), whole, strict=False):
                     assert np.array_equal(got, expected)
+
+
+def test_products_of_several_rows_are_cut_into_more_tasks_up_to_a_bound() -> None:
+    """A direct product's tasks count its work, weight bytes times activation rows: one task per thread for one
+    row of a layer matrix, more for several rows, at most DIRECT_ROW_TASKS per thread from the rows; a matrix
+    large in bytes alone (an lm_head) is cut by its bytes, whatever its rows.  The cuts cover every row once."""
+    mlp, head = ((4864,), (952,)), ((151936,), (952,))
+    assert len(direct_split(*mlp, 2, 1)) == 2
+    assert len(direct_split(*mlp, 2, 8)) == 2 * 3
+    assert len(direct_split(*mlp, 2, 96)) == 2 * DIRECT_ROW_TASKS
+    assert len(direct_split(*head, 2, 1)) == len(direct_split(*head, 2, 96)) == 2 * 9
+    for (rows, costs), passes in ((mlp, 8), (head, 1)):
+        ranges = [task[0] for task in direct_split(rows, costs, 2, passes)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == rows[0]
+        assert all(a[1] == b[0] < b[1] for a, b in zip(ranges, ranges[1:], strict=False))
 
 
 def test_compiled_kernels_refuse_shapes_they_were_not_built_for() -> None:
