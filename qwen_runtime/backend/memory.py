@@ -1,7 +1,7 @@
 """Hints to the kernel about resident memory (``madvise(2)``), for the few places that give them: the compiler's code
-pages released once a model's kernels are loaded (:func:`.jit_setup.release_compiler_pages`) and a model's weights
-mapped in at load (:func:`.weights.populate`).  No package imports, so that the compiled kernels' cache stamps
-(:mod:`.jit_setup`) do not depend on anything else."""
+pages released once a model's kernels are loaded (:func:`.jit_setup.release_compiler_pages`), a model's weights
+mapped in at load (:func:`.weights.populate`) and a server's cache rows kept off huge pages (``qwen_serve.slots``).
+No package imports, so that the compiled kernels' cache stamps (:mod:`.jit_setup`) do not depend on anything else."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 MADV_PAGEOUT, MADV_POPULATE_READ = 21, 22  # Linux 5.4+: reclaim these pages now; 5.14+: map them in now
+MADV_NOHUGEPAGE = 15  # no transparent huge pages here: back the pages 4 KiB at a time as they are first written
 
 
 def advise(address: int, length: int, advice: int) -> bool:
