@@ -3,9 +3,8 @@
 Every layer's cache is made once for ``slots`` rows of ``capacity`` tokens (full-attention layers' keys and
 values are allocated with ``np.zeros``, so pages are only backed by memory once a row has written them), in pages
 of 4 KiB: numpy asks the kernel for transparent huge pages for large arrays, and then a fresh row's first tokens
-faulted in (and zeroed) 2 MiB per layer, head, keys and values: on the AVX2 EPYC a fresh engine's first pass of eight
-joining 12-token prompts took 2.5 s instead of 0.8-1.0, and moving a prefilled row into a fresh one 0.3 s
-(docs/performance.md).
+faulted in (and zeroed) 2 MiB per layer, head, keys and values, which made a fresh engine's first passes and row
+moves several times slower than later ones (docs/performance.md).
 A forward pass runs on a contiguous range of rows (:meth:`SlotCache.rows`): the running batch is always
 rows ``0 .. n-1`` and a prompt is prefilled in a row of its own.  The batch is *ragged*: each row writes its
 new tokens after its own tokens and attends over exactly those (see :mod:`qwen_runtime.backend.cache`), so a row
