@@ -229,7 +229,7 @@ def _matmul_many(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
         costs = tuple(w.raw.shape[1] * w.raw.itemsize for w in weights)
         weights[0].ws.run([partial(_direct_task, [(w, r0, r1, xk, y[:, r0:r1]) for (w, xk, y), (r0, r1) in
                                                   zip(parts, ranges, strict=True) if r1 > r0])
-                           for ranges in direct_split(rows, costs, weights[0].ws.threads, weight_passes(len(x)))])
+                           for ranges in direct_split(rows, costs, weights[0].ws.threads, len(x))])
         return outputs
     tasks = [task for w, y in zip(weights, outputs, strict=True) for task in w.tile_tasks(x, y, prepared)]
     if weights:
@@ -255,25 +255,20 @@ def reads_blocks(weights: Sequence[Weight], n: int) -> bool:
                for w in weights)
 
 
-def weight_passes(n: int) -> int:
-    """The work of a direct product of ``n`` activation rows in passes over its weights: one per row (the row
-    kernels' multiply-adds, not their reads, bound products of several rows)."""
-    return n
-
-
 @functools.lru_cache(maxsize=256)
-def direct_split(rows: tuple[int, ...], costs: tuple[int, ...], threads: int, passes: int = 1,
+def direct_split(rows: tuple[int, ...], costs: tuple[int, ...], threads: int, activation_rows: int = 1,
                  ) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """The rows of matrices (``rows[i]`` rows of ``costs[i]`` bytes, read ``passes`` times) multiplied one after
-    the other, cut into tasks of about equal bytes: ``threads`` tasks, or a multiple of them above
-    :data:`DIRECT_TASK_BYTES` per task (counting the ``passes``, up to :data:`DIRECT_ROW_TASKS` per thread); each
+    """The rows of matrices (``rows[i]`` rows of ``costs[i]`` bytes) multiplied one after the other by
+    ``activation_rows`` rows, cut into tasks of about equal bytes: ``threads`` tasks, or a multiple of them above
+    :data:`DIRECT_TASK_BYTES` per task, counting the bytes times the activation rows (the row kernels'
+    multiply-adds, not their reads, bound products of several rows) up to :data:`DIRECT_ROW_TASKS` per thread; each
     task a row range ``(r0, r1)`` of every matrix (empty ranges where it holds none of its rows).
 
     A row's result does not depend on the range it is multiplied in, so any cut gives the same numbers."""
     total = sum(r * c for r, c in zip(rows, costs, strict=True))
     per_thread = threads * DIRECT_TASK_BYTES
     by_bytes = -(-total // per_thread)
-    by_work = min(DIRECT_ROW_TASKS, -(-total * passes // per_thread))
+    by_work = min(DIRECT_ROW_TASKS, -(-total * activation_rows // per_thread))
     tasks = threads * max(1, by_bytes, by_work)
     cuts = [total * k // tasks for k in range(tasks + 1)]  # byte offsets in the matrices end to end
     out: list[list[tuple[int, int]]] = [[] for _ in range(tasks)]
@@ -363,8 +358,7 @@ def _gated_matmul(gate: Weight, up: Weight, x: np.ndarray) -> np.ndarray:
     blocks = gate.blocks()
     if direct:  # one task per thread, as in _matmul_many
         cost = gate.raw.shape[1] * gate.raw.itemsize + up.raw.shape[1] * up.raw.itemsize
-        blocks = [ranges[0] for ranges in direct_split((gate.out_features,), (cost,), gate.ws.threads,
-                                                       weight_passes(len(x)))]
+        blocks = [ranges[0] for ranges in direct_split((gate.out_features,), (cost,), gate.ws.threads, len(x))]
     gate.ws.run([partial(_gated_block, gate, up, r0, r1, xg, xu, out[:, r0:r1]) for r0, r1 in blocks if r1 > r0])
     return out
 
