@@ -1,45 +1,53 @@
 """Compiled integer-dot kernels of the 1- to 3-bit i-quants and TQ2_0 with 8-bit activations (``activations="q8"``,
 numba; see :mod:`.int8`).
 
-Each 32-value sub-block comes as the float kernels read it (:mod:`.lattice`): the type's step gives four 64-bit
-words holding its 32 signed integer values (grid points with their signs, IQ1's ``8g ± 1``, TQ2_0's ``q - 1``)
-and the float32 scales of values 0-15 and 16-31.  Here the words go into one ``<32 x i8>`` and meet the row's
-activations quantized per 32 (:func:`.q8_act.quantize_rows`) in integer products, :func:`.int8._fma_group` with
-two scales: with :data:`.base.MADDUBS` (AVX2 without AVX-512) ``|v|`` against the activations signed by ``v`` in
-``pmaddubsw``, then ``pmaddwd`` by ones, 8 exact sums of 4 (no saturation: ``|v| <= 62`` and ``|q| <= 127``),
-elsewhere ``pmaddwd`` pairs; each block's sums are scaled by ``s * d_x`` into float32 lanes.  llama.cpp too
-multiplies these types against 8-bit activations, quantized per 256 values (q8_K) where ours are per 32.
-The float kernels' per-value ``cvt``, scale and FMA per row become one integer product and one FMA per 8 lanes.
+Each 32-value sub-block meets the row's activations quantized per 32 (:func:`.q8_act.quantize_rows`) as llama.cpp
+multiplies these types: the grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) give their *unsigned* grid points
+as four 64-bit words (value ``8l + k`` in byte ``k`` of word ``l``, from :mod:`qwen_runtime.quants.grids`' tables)
+and their 32 sign bits as one integer, which become ±1 bytes (a broadcast, ``vpshufb``, a test per bit) that sign
+the activations (``vpsignb``); IQ1's ``8g ± 1`` and TQ2_0's ``q - 1`` come as signed words, their magnitudes
+against the activations with their signs.  ``vpmaddubsw`` then gives 16 exact pair sums (at most ``2 * 62 * 127``:
+no saturation), and ``vpmaddwd`` by the sub-block's *integer* scales (``2s + 1``, per 16 or 32 values) 8 exact sums
+of 4, converted to float32 and fused with the activations' scale into the super-block's lanes; once per
+super-block its float ``d`` (times the scales' power-of-two factor) folds those into the row's lanes
+(:func:`lanes_fold`).  No float scale is made per sub-block, and no weight byte is negated (where the words of
+:mod:`.lattice`'s float kernels carry the signs).  llama.cpp's activations are quantized per 256 values (q8_K),
+ours per 32.  The same integer arithmetic in generic IR where the CPU has no AVX2.
 
-One and several activation rows run the same loops (groups of 1, or :func:`.int8.row_groups`), so a row's numbers
-do not depend on the rows beside it.  Prompts (more than :attr:`.int8.Int8Kernel.direct_rows` rows) take the
-type's float kernel.  A module of its own so that models without these types do not load these kernels.
+One and several activation rows run the same loops (groups of 1, or :func:`.int8.row_groups`; int8 activations
+for both), so a row's numbers do not depend on the rows beside it.  Prompts (more than
+:attr:`.int8.Int8Kernel.direct_rows` rows) take the type's float kernel.  A module of its own so that models
+without these types do not load these kernels.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import carray, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ...quants.grids import SIGNS_EVEN
 from ...quants.lattice import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
 from ...quants.q8_act import Q8_ACT_BLOCK
 from ...quants.ternary import TQ2_0
-from .base import ACC_FLOATS, GEMV_ROWS, compiled, stack_f32
+from .base import ACC_FLOATS, FEATURES, GEMV_ROWS, compiled, splat, stack_f32
 from .int8 import (
     LEGACY_GEMV,
-    LEGACY_GEMV_ROWS,
+    PAIRS,
     Int8Kernel,
-    _fma_group,
     _literal,
+    _pointer,
     inline,
     lanes_sums,
     lanes_zero,
-    pairs_product,
     q8_cfunc,
     row_groups,
 )
 from .lattice import (
+    F_EIGHTH,
+    F_QUARTER,
     IQ1_M_GEO,
     IQ1_S_GEO,
     IQ2_S_GEO,
@@ -48,29 +56,100 @@ from .lattice import (
     IQ3_S_GEO,
     IQ3_XXS_GEO,
     TQ2_0_GEO,
+    U32_1,
+    U32_4,
+    U32_7,
+    U32_8,
+    U32_15,
+    U32_127,
+    U64_32,
+    W_IQ2_S,
+    W_IQ2_XS,
+    W_IQ2_XXS,
+    W_IQ3_S,
+    W_IQ3_XXS,
     _d_at,
-    _iq1_m,
     _iq1_m_d,
-    _iq1_s,
-    _iq2_s,
-    _iq2_xs,
-    _iq2_xxs,
-    _iq3_s,
-    _iq3_xxs,
-    _tq2_0,
+    _iq1_m_word,
+    _iq1_word,
+    _tq2_word,
+    entry,
+    load_le,
 )
+from .q8_act import D, Q, form_arrays, product_arrays, slots
 
-I32 = ir.IntType(32)
+I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 SUPER = IQ2_XXS().block_size  # values of a super-block: 256 for every type here
 SUBS = SUPER // Q8_ACT_BLOCK  # its sub-blocks, each one activation block of 32
-V4_I64, V32_I8 = ir.VectorType(ir.IntType(64), 4), ir.VectorType(ir.IntType(8), Q8_ACT_BLOCK)
+V4_I64, V32_I8 = ir.VectorType(I64, 4), ir.VectorType(I8, Q8_ACT_BLOCK)
+V32_I16, V16_I16, V16_I32 = ir.VectorType(I16, Q8_ACT_BLOCK), ir.VectorType(I16, PAIRS), ir.VectorType(I32, PAIRS)
+V8_I32, V8_F32 = ir.VectorType(I32, PAIRS // 2), ir.VectorType(F32, PAIRS // 2)
+U32_2, U32_3, U32_9, U32_14, U32_16, U32_21, U32_24, U32_28, U32_511 = (
+    np.uint32(v) for v in (2, 3, 9, 14, 16, 21, 24, 28, 511))
+
+
+# The grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): unsigned grid points, signs on the activations, the
+# sub-blocks' integer scales in pmaddwd, one float scale per super-block.
+
+def _sign_bytes(builder: ir.IRBuilder, bits: ir.Value) -> ir.Value:
+    """``<32 x i8>``: -1 where bit ``k`` of the low 32 bits of ``bits`` is set, else 1 (byte ``k`` from bit ``k %
+    8`` of byte ``k // 8``): the 32-bit word broadcast, each byte spread over 8 (``vpshufb``), tested bit by bit."""
+    word = builder.trunc(bits, I32) if bits.type.width > 32 else bits
+    four = builder.bitcast(word, ir.VectorType(I8, 4))
+    spread = builder.shuffle_vector(four, ir.Constant(four.type, ir.Undefined),
+                                    ir.Constant(ir.VectorType(I32, Q8_ACT_BLOCK), [k // 8 for k in range(32)]))
+    bit = ir.Constant(V32_I8, [((1 << (k % 8)) + 128) % 256 - 128 for k in range(Q8_ACT_BLOCK)])
+    minus = builder.icmp_unsigned("!=", builder.and_(spread, bit), ir.Constant(V32_I8, [0] * Q8_ACT_BLOCK))
+    return builder.select(minus, ir.Constant(V32_I8, [-1] * Q8_ACT_BLOCK), ir.Constant(V32_I8, [1] * Q8_ACT_BLOCK))
+
+
+def _even_odd(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """Adjacent pairs of ``v`` added: element ``k`` = ``v[2k] + v[2k + 1]`` (the generic form of ``pmadd*``)."""
+    n = v.type.count // 2
+    undef = ir.Constant(v.type, ir.Undefined)
+    return builder.add(*(builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(I32, n), list(range(o, 2 * n, 2))))
+                         for o in (0, 1)))
+
+
+def _psign(builder: ir.IRBuilder, x: ir.Value, signs: ir.Value) -> ir.Value:
+    """``x`` negated where ``signs`` is negative and zero where it is zero (``vpsignb``, in generic IR without
+    AVX2)."""
+    if "avx2" in FEATURES:
+        psign = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32_I8, [V32_I8] * 2),
+                                               "llvm.x86.avx2.psign.b")
+        return builder.call(psign, [x, signs])
+    zero = ir.Constant(V32_I8, [0] * Q8_ACT_BLOCK)
+    kept = builder.select(builder.icmp_signed("==", signs, zero), zero, x)
+    return builder.select(builder.icmp_signed("<", signs, zero), builder.sub(zero, x), kept)
+
+
+def _grid_sums(builder: ir.IRBuilder, grid: ir.Value, signs: ir.Value, x: ir.Value, scales: ir.Value) -> ir.Value:
+    """``<8 x i32>``: lane ``j`` = ``s_j * sum_{k<4} g[4j+k] * sign[4j+k] * x[4j+k]``, exact, for unsigned grid values
+    ``g`` (at most 62), signs (-1, 0 or 1, as ``vpsignb`` takes them), activations in -127..127 and the
+    ``<16 x i16>`` scales (``s_j`` the scale of words ``2j``, ``2j + 1``; at most 31): ``pmaddubsw(g, psignb(x,
+    sign))`` (pairs at most 2 * 62 * 127, no saturation), then ``pmaddwd`` by the scales, where the CPU has AVX2;
+    the same integer arithmetic in generic IR elsewhere."""
+    signed = _psign(builder, x, signs)
+    if "avx2" in FEATURES:
+        pmaddubsw = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_I16, [V32_I8] * 2),
+                                                   "llvm.x86.avx2.pmadd.ub.sw")
+        pmaddwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8_I32, [V16_I16] * 2),
+                                                 "llvm.x86.avx2.pmadd.wd")
+        return builder.call(pmaddwd, [builder.call(pmaddubsw, [grid, signed]), scales])
+    pairs = _even_odd(builder, builder.mul(builder.zext(grid, V32_I16), builder.sext(signed, V32_I16)))
+    return _even_odd(builder, builder.mul(builder.sext(pairs, V16_I32), builder.sext(scales, V16_I32)))
 
 
 @intrinsic
-def group_words_pairs_fma(typingctx, w0, w1, w2, w3, x, x_at, x_stride, xd, d_at, d_stride, s0, s1, acc,
-                          group):  # noqa: ARG001 (numba's protocol)
-    """The 32 int8 values of the words ``w0..w3`` (value ``8l + k`` in byte ``k`` of word ``l``) times ``group``
-    activation rows (:func:`.int8._fma_group`: values 0-15 scaled by ``s0``, 16-31 by ``s1``)."""
+def grid_signs_fma(typingctx, w0, w1, w2, w3, signs, s0, s1, x, x_at, x_stride, xd, d_at, d_stride, part,
+                   group):  # noqa: ARG001 (numba's protocol)
+    """A 32-value sub-block times ``group`` activation rows: the unsigned grid values in the words ``w0..w3``
+    (value ``8l + k`` in byte ``k`` of word ``l``), their signs in the bits of ``signs`` (bit ``k`` of value ``k``;
+    ``None``: the words hold signed values, at most 9 in magnitude, IQ1's and TQ2_0's) and the integer scales
+    ``s0`` (values 0-15) and ``s1`` (16-31) give row ``g`` 8 exact sums (:func:`_grid_sums`), converted to
+    float32 and fused with its scale ``d_x[g] = xd[d_at + g * d_stride]`` into its 8 lanes of the super-block at
+    ``part + 16 g``; its activations at ``x[x_at + g * x_stride]`` (flat indices).  The weights' vectors are made
+    once for the group."""
     if not _literal(group):
         return None
 
@@ -78,256 +157,444 @@ def group_words_pairs_fma(typingctx, w0, w1, w2, w3, x, x_at, x_stride, xd, d_at
         vector = ir.Constant(V4_I64, ir.Undefined)
         for k in range(4):
             vector = builder.insert_element(vector, args[k], I32(k))
-        _fma_group(context, builder, signature, builder.bitcast(vector, V32_I8), args, halves=True)
+        grid = builder.bitcast(vector, V32_I8)
+        if signature.args[4] == types.none:  # signed values: their magnitudes, their signs onto the activations
+            absolute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32_I8, [V32_I8, ir.IntType(1)]),
+                                                      "llvm.abs.v32i8")
+            grid, sign = builder.call(absolute, [grid, ir.Constant(ir.IntType(1), 0)]), grid
+        else:
+            sign = _sign_bytes(builder, args[4])
+        halves = [splat(builder, builder.trunc(s, I16), V16_I16) for s in args[5:7]]
+        half = PAIRS // 2
+        scales = builder.shuffle_vector(*halves, ir.Constant(ir.VectorType(I32, PAIRS),
+                                                             [*range(half), *range(PAIRS + half, 2 * PAIRS)]))
+        x_pointer = _pointer(context, builder, signature.args[7], args[7], args[8], I8)
+        d_pointer = _pointer(context, builder, signature.args[10], args[10], args[11], F32)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8_F32, [V8_F32] * 3), "llvm.fma.v8f32")
+        for g in range(signature.args[-1].literal_value):
+            row = ir.Constant(I64, g)
+            at = builder.bitcast(builder.gep(x_pointer, [builder.mul(row, args[9])]), V32_I8.as_pointer())
+            sums = builder.sitofp(_grid_sums(builder, grid, sign, builder.load(at, align=1), scales), V8_F32)
+            dx = splat(builder, builder.load(builder.gep(d_pointer, [builder.mul(row, args[12])])), V8_F32)
+            lanes = builder.bitcast(builder.gep(args[13], [ir.Constant(I64, g * PAIRS)]), V8_F32.as_pointer())
+            builder.store(builder.call(fma, [sums, dx, builder.load(lanes, align=4)]), lanes, align=4)
         return context.get_dummy_value()
 
-    return types.void(w0, w1, w2, w3, x, x_at, x_stride, xd, d_at, d_stride, s0, s1, acc, group), codegen
+    return types.void(w0, w1, w2, w3, signs, s0, s1, x, x_at, x_stride, xd, d_at, d_stride, part, group), codegen
+
+
+@intrinsic
+def lanes_fold(typingctx, part, acc, scale, group):  # noqa: ARG001
+    """``acc[g] = fma(part[g], scale, acc[g])`` and ``part[g] = 0`` for the 8 lanes of each row ``g < group`` (at
+    ``+ 16 g``): a super-block's sums into the row's lanes with its float scale."""
+    if not _literal(group):
+        return None
+
+    def codegen(context, builder, signature, args):
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8_F32, [V8_F32] * 3), "llvm.fma.v8f32")
+        d = splat(builder, args[2], V8_F32)
+        for g in range(signature.args[-1].literal_value):
+            at = [ir.Constant(I64, g * PAIRS)]
+            p, a = (builder.bitcast(builder.gep(v, at), V8_F32.as_pointer()) for v in args[0:2])
+            builder.store(builder.call(fma, [builder.load(p, align=4), d, builder.load(a, align=4)]), a, align=4)
+            builder.store(ir.Constant(V8_F32, [0.0] * (PAIRS // 2)), p, align=4)
+        return context.get_dummy_value()
+
+    return types.void(part, acc, scale, group), codegen
 
 
 @inline
-def _words_fma(sub, scale, table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group):
-    """Super-block ``sb`` of a stored row (``scale``: its ``d``; ``sub``: the words and scales of each of its 8
-    sub-blocks) times the activation rows of the group, whose blocks of 32 start at ``x_at`` and ``d_at``."""
-    base = sb * geo[0]
-    d = scale(table, blocks, base, geo)
-    for j in range(SUBS):
-        w0, w1, w2, w3, s0, s1 = sub(blocks, base, j, d)
-        group_words_pairs_fma(w0, w1, w2, w3, xq, x_at + Q8_ACT_BLOCK * j, cols, xd, d_at + j, nb, s0, s1, acc,
-                              group)
-
-
-@inline
-def words_row_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
-    """``out[i0 + g, r]`` for ``g < group`` (a literal) and stored rows ``r0 <= r < r1``: each super-block by
-    ``update`` (each sub-block's words made once for the group), fused into each row's lanes (in registers), the
-    lanes summed in order (:func:`.int8.row_group`'s protocol, without minimums)."""
+def grid_row_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):  # noqa: ARG001 (row_groups')
+    """``out[i0 + g, r]`` for ``g < group`` (a literal) and stored rows ``r0 <= r < r1``: each super-block's
+    sub-blocks by ``update`` into the rows' super-block lanes, folded with its scale into the rows' lanes (both in
+    registers), the lanes summed in order (:func:`.int8.row_group`'s protocol)."""
     nb, cols = xd.shape[1], xq.shape[1]
-    acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
+    acc, part, sums = stack_f32(ACC_FLOATS), stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     s = carray(sums, (GEMV_ROWS,))
     for r in range(r0, r1):
         blocks = raw[r]
         lanes_zero(acc, group)
+        lanes_zero(part, group)
         for sb in range(nb // SUBS):
-            update(table, blocks, sb, geo, xq, i0 * cols + sb * SUPER, cols, xd, i0 * nb + sb * SUBS, nb, acc, group)
+            scale = update(table, blocks, sb, geo, xq, i0 * cols + sb * SUPER, cols, xd, i0 * nb + sb * SUBS, nb,
+                           part, group)
+            lanes_fold(part, acc, scale, group)
         lanes_sums(acc, group, sums)
         for g in range(group):
             out[i0 + g, r] = s[g]
 
 
-# Each type: its update (step and locator of kernels/lattice.py), the one-row and multi-row products, the row
-# product called by address from the compiled decode step, the kernel class.
+@inline
+def _grid_fma(sub, blocks, base, xq, x_at, cols, xd, d_at, nb, part, group):
+    """The 8 sub-blocks of the super-block at byte ``base`` (``sub``: the grid words, sign bits and integer
+    scales of each) into the group's super-block lanes."""
+    for j in range(SUBS):
+        w0, w1, w2, w3, signs, s0, s1 = sub(blocks, base, j)
+        grid_signs_fma(w0, w1, w2, w3, signs, s0, s1, xq, x_at + Q8_ACT_BLOCK * j, cols, xd, d_at + j, nb, part,
+                       group)
+
 
 @inline
-def _iq2_xxs_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group):
-    _words_fma(_iq2_xxs, _d_at, table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group)
+def grid_product(gemv1, gemv, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+    """A :data:`.q8_act.Q8_ROW_PRODUCT` of a grid type: ``q`` and ``d`` for one row and for several."""
+    w, _, t, o = product_arrays(raw, rows, row_bytes, n, sums, 0, table, out, out_stride)
+    q, _, _, d, _, _ = form_arrays(forms, first, n, cols)
+    if n == 1:
+        gemv1(w, q, d, t, o)
+    else:
+        gemv(w, q, d, t, o)
+
+
+class GridKernel(Int8Kernel):
+    """A grid type: int8 activations and their scales per 32 for one row and for several."""
+
+    q8_slots = slots(Q, D)
+
+    def forms(self, q: np.ndarray, d: np.ndarray) -> tuple:
+        return q, d, q, d
+
+
+@inline
+def _two_bits(q):
+    """``2 q + 1``: a sub-block's integer scale from its 4-bit field."""
+    return q * U32_2 + U32_1
+
+
+@inline
+def _even_signs(aux):
+    """The 32 sign bits of four 7-bit indices at bits 0, 7, 14 and 21 of ``aux`` (:data:`SIGNS_EVEN`)."""
+    return (np.uint32(entry(SIGNS_EVEN, aux & U32_127))
+            | (np.uint32(entry(SIGNS_EVEN, (aux >> U32_7) & U32_127)) << U32_8)
+            | (np.uint32(entry(SIGNS_EVEN, (aux >> U32_14) & U32_127)) << U32_16)
+            | (np.uint32(entry(SIGNS_EVEN, (aux >> U32_21) & U32_127)) << U32_24))
+
+
+# Each grid type: its sub-block (grid words, sign bits, integer scales: ggml-common.h's layouts), its super-block
+# (the sub-blocks, then ``d`` times the factor of its scales), the one-row and multi-row products, the row product
+# called by address from the compiled decode step, the kernel class.
+
+@inline
+def _iq2_xxs_sub(blocks, base, j):
+    at = base + 2 + 8 * j
+    aux = load_le(blocks, at + 4, 4)
+    ls = _two_bits(aux >> U32_28)
+    return (entry(W_IQ2_XXS, load_le(blocks, at, 1)), entry(W_IQ2_XXS, load_le(blocks, at + 1, 1)),
+            entry(W_IQ2_XXS, load_le(blocks, at + 2, 1)), entry(W_IQ2_XXS, load_le(blocks, at + 3, 1)),
+            _even_signs(aux), ls, ls)
+
+
+@inline
+def _iq2_xxs_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, part, group):
+    base = sb * geo[0]
+    _grid_fma(_iq2_xxs_sub, blocks, base, xq, x_at, cols, xd, d_at, nb, part, group)
+    return _d_at(table, blocks, base, geo) * F_EIGHTH
 
 
 @compiled(LEGACY_GEMV)
 def iq2_xxs_gemv1_q8(raw, xq, xd, table, out):
-    words_row_group(_iq2_xxs_q8, IQ2_XXS_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
+    grid_row_group(_iq2_xxs_q8, IQ2_XXS_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
 
 
-@compiled(LEGACY_GEMV_ROWS)
+@compiled(LEGACY_GEMV)
 def iq2_xxs_gemv_q8(raw, xq, xd, table, out):
-    row_groups(words_row_group, _iq2_xxs_q8, IQ2_XXS_GEO, raw, xq, xd, xd, table, out)
+    row_groups(grid_row_group, _iq2_xxs_q8, IQ2_XXS_GEO, raw, xq, xd, xd, table, out)
 
 
 @q8_cfunc
 def iq2_xxs_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
-    pairs_product(iq2_xxs_gemv1_q8, iq2_xxs_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
-                  table, out, out_stride)
+    grid_product(iq2_xxs_gemv1_q8, iq2_xxs_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
+                 table, out, out_stride)
 
 
-class IQ2_XXSInt8Kernel(Int8Kernel):
+class IQ2_XXSInt8Kernel(GridKernel):
     block, type_size, exact = IQ2_XXS().block_size, IQ2_XXS_GEO[0], ("lattice", "IQ2_XXSJitKernel")
     gemv1_q8, gemv_q8 = staticmethod(iq2_xxs_gemv1_q8), staticmethod(iq2_xxs_gemv_q8)
     q8_row_product = iq2_xxs_q8_rows
 
 
 @inline
-def _iq2_xs_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group):
-    _words_fma(_iq2_xs, _d_at, table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group)
+def _iq2_xs_sub(blocks, base, j):
+    at = base + 2 + 8 * j
+    q0, q1, q2, q3 = load_le(blocks, at, 2), load_le(blocks, at + 2, 2), load_le(blocks, at + 4, 2), load_le(
+        blocks, at + 6, 2)
+    sc = load_le(blocks, base + 66 + j, 1)
+    signs = (np.uint32(entry(SIGNS_EVEN, q0 >> U32_9)) | (np.uint32(entry(SIGNS_EVEN, q1 >> U32_9)) << U32_8)
+             | (np.uint32(entry(SIGNS_EVEN, q2 >> U32_9)) << U32_16)
+             | (np.uint32(entry(SIGNS_EVEN, q3 >> U32_9)) << U32_24))
+    return (entry(W_IQ2_XS, q0 & U32_511), entry(W_IQ2_XS, q1 & U32_511), entry(W_IQ2_XS, q2 & U32_511),
+            entry(W_IQ2_XS, q3 & U32_511), signs, _two_bits(sc & U32_15), _two_bits(sc >> U32_4))
+
+
+@inline
+def _iq2_xs_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, part, group):
+    base = sb * geo[0]
+    _grid_fma(_iq2_xs_sub, blocks, base, xq, x_at, cols, xd, d_at, nb, part, group)
+    return _d_at(table, blocks, base, geo) * F_EIGHTH
 
 
 @compiled(LEGACY_GEMV)
 def iq2_xs_gemv1_q8(raw, xq, xd, table, out):
-    words_row_group(_iq2_xs_q8, IQ2_XS_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
+    grid_row_group(_iq2_xs_q8, IQ2_XS_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
 
 
-@compiled(LEGACY_GEMV_ROWS)
+@compiled(LEGACY_GEMV)
 def iq2_xs_gemv_q8(raw, xq, xd, table, out):
-    row_groups(words_row_group, _iq2_xs_q8, IQ2_XS_GEO, raw, xq, xd, xd, table, out)
+    row_groups(grid_row_group, _iq2_xs_q8, IQ2_XS_GEO, raw, xq, xd, xd, table, out)
 
 
 @q8_cfunc
 def iq2_xs_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
-    pairs_product(iq2_xs_gemv1_q8, iq2_xs_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
-                  table, out, out_stride)
+    grid_product(iq2_xs_gemv1_q8, iq2_xs_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
+                 table, out, out_stride)
 
 
-class IQ2_XSInt8Kernel(Int8Kernel):
+class IQ2_XSInt8Kernel(GridKernel):
     block, type_size, exact = IQ2_XS().block_size, IQ2_XS_GEO[0], ("lattice", "IQ2_XSJitKernel")
     gemv1_q8, gemv_q8 = staticmethod(iq2_xs_gemv1_q8), staticmethod(iq2_xs_gemv_q8)
     q8_row_product = iq2_xs_q8_rows
 
 
 @inline
-def _iq2_s_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group):
-    _words_fma(_iq2_s, _d_at, table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group)
+def _iq2_s_point(blocks, base, j, p, qh):
+    return entry(W_IQ2_S, load_le(blocks, base + 2 + 4 * j + p, 1) | ((qh >> np.uint32(2 * p)) & U32_3) << U32_8)
+
+
+@inline
+def _iq2_s_sub(blocks, base, j):
+    qh, sc = load_le(blocks, base + 66 + j, 1), load_le(blocks, base + 74 + j, 1)
+    return (_iq2_s_point(blocks, base, j, 0, qh), _iq2_s_point(blocks, base, j, 1, qh),
+            _iq2_s_point(blocks, base, j, 2, qh), _iq2_s_point(blocks, base, j, 3, qh),
+            load_le(blocks, base + 34 + 4 * j, 4), _two_bits(sc & U32_15), _two_bits(sc >> U32_4))
+
+
+@inline
+def _iq2_s_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, part, group):
+    base = sb * geo[0]
+    _grid_fma(_iq2_s_sub, blocks, base, xq, x_at, cols, xd, d_at, nb, part, group)
+    return _d_at(table, blocks, base, geo) * F_EIGHTH
 
 
 @compiled(LEGACY_GEMV)
 def iq2_s_gemv1_q8(raw, xq, xd, table, out):
-    words_row_group(_iq2_s_q8, IQ2_S_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
+    grid_row_group(_iq2_s_q8, IQ2_S_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
 
 
-@compiled(LEGACY_GEMV_ROWS)
+@compiled(LEGACY_GEMV)
 def iq2_s_gemv_q8(raw, xq, xd, table, out):
-    row_groups(words_row_group, _iq2_s_q8, IQ2_S_GEO, raw, xq, xd, xd, table, out)
+    row_groups(grid_row_group, _iq2_s_q8, IQ2_S_GEO, raw, xq, xd, xd, table, out)
 
 
 @q8_cfunc
 def iq2_s_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
-    pairs_product(iq2_s_gemv1_q8, iq2_s_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
-                  table, out, out_stride)
+    grid_product(iq2_s_gemv1_q8, iq2_s_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
+                 table, out, out_stride)
 
 
-class IQ2_SInt8Kernel(Int8Kernel):
+class IQ2_SInt8Kernel(GridKernel):
     block, type_size, exact = IQ2_S().block_size, IQ2_S_GEO[0], ("lattice", "IQ2_SJitKernel")
     gemv1_q8, gemv_q8 = staticmethod(iq2_s_gemv1_q8), staticmethod(iq2_s_gemv_q8)
     q8_row_product = iq2_s_q8_rows
 
 
 @inline
-def _iq3_xxs_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group):
-    _words_fma(_iq3_xxs, _d_at, table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group)
+def _iq3_xxs_pair(blocks, at):
+    return entry(W_IQ3_XXS, load_le(blocks, at, 1)) | (entry(W_IQ3_XXS, load_le(blocks, at + 1, 1)) << U64_32)
+
+
+@inline
+def _iq3_xxs_sub(blocks, base, j):
+    at = base + 2 + 8 * j
+    aux = load_le(blocks, base + 66 + 4 * j, 4)
+    ls = _two_bits(aux >> U32_28)
+    return (_iq3_xxs_pair(blocks, at), _iq3_xxs_pair(blocks, at + 2), _iq3_xxs_pair(blocks, at + 4),
+            _iq3_xxs_pair(blocks, at + 6), _even_signs(aux), ls, ls)
+
+
+@inline
+def _iq3_xxs_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, part, group):
+    base = sb * geo[0]
+    _grid_fma(_iq3_xxs_sub, blocks, base, xq, x_at, cols, xd, d_at, nb, part, group)
+    return _d_at(table, blocks, base, geo) * F_QUARTER
 
 
 @compiled(LEGACY_GEMV)
 def iq3_xxs_gemv1_q8(raw, xq, xd, table, out):
-    words_row_group(_iq3_xxs_q8, IQ3_XXS_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
+    grid_row_group(_iq3_xxs_q8, IQ3_XXS_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
 
 
-@compiled(LEGACY_GEMV_ROWS)
+@compiled(LEGACY_GEMV)
 def iq3_xxs_gemv_q8(raw, xq, xd, table, out):
-    row_groups(words_row_group, _iq3_xxs_q8, IQ3_XXS_GEO, raw, xq, xd, xd, table, out)
+    row_groups(grid_row_group, _iq3_xxs_q8, IQ3_XXS_GEO, raw, xq, xd, xd, table, out)
 
 
 @q8_cfunc
 def iq3_xxs_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
-    pairs_product(iq3_xxs_gemv1_q8, iq3_xxs_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
-                  table, out, out_stride)
+    grid_product(iq3_xxs_gemv1_q8, iq3_xxs_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
+                 table, out, out_stride)
 
 
-class IQ3_XXSInt8Kernel(Int8Kernel):
+class IQ3_XXSInt8Kernel(GridKernel):
     block, type_size, exact = IQ3_XXS().block_size, IQ3_XXS_GEO[0], ("lattice", "IQ3_XXSJitKernel")
     gemv1_q8, gemv_q8 = staticmethod(iq3_xxs_gemv1_q8), staticmethod(iq3_xxs_gemv_q8)
     q8_row_product = iq3_xxs_q8_rows
 
 
 @inline
-def _iq3_s_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group):
-    _words_fma(_iq3_s, _d_at, table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group)
+def _iq3_s_pair(blocks, at, qh, p):
+    low = load_le(blocks, at, 1) | ((qh >> np.uint32(2 * p)) & U32_1) << U32_8
+    high = load_le(blocks, at + 1, 1) | ((qh >> np.uint32(2 * p + 1)) & U32_1) << U32_8
+    return entry(W_IQ3_S, low) | (entry(W_IQ3_S, high) << U64_32)
+
+
+@inline
+def _iq3_s_sub(blocks, base, j):
+    at = base + 2 + 8 * j
+    qh = load_le(blocks, base + 66 + j, 1)
+    ls = _two_bits((load_le(blocks, base + 106 + j // 2, 1) >> np.uint32(4 * (j % 2))) & U32_15)
+    return (_iq3_s_pair(blocks, at, qh, 0), _iq3_s_pair(blocks, at + 2, qh, 1), _iq3_s_pair(blocks, at + 4, qh, 2),
+            _iq3_s_pair(blocks, at + 6, qh, 3), load_le(blocks, base + 74 + 4 * j, 4), ls, ls)
+
+
+@inline
+def _iq3_s_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, part, group):
+    base = sb * geo[0]
+    _grid_fma(_iq3_s_sub, blocks, base, xq, x_at, cols, xd, d_at, nb, part, group)
+    return _d_at(table, blocks, base, geo)
 
 
 @compiled(LEGACY_GEMV)
 def iq3_s_gemv1_q8(raw, xq, xd, table, out):
-    words_row_group(_iq3_s_q8, IQ3_S_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
+    grid_row_group(_iq3_s_q8, IQ3_S_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
 
 
-@compiled(LEGACY_GEMV_ROWS)
+@compiled(LEGACY_GEMV)
 def iq3_s_gemv_q8(raw, xq, xd, table, out):
-    row_groups(words_row_group, _iq3_s_q8, IQ3_S_GEO, raw, xq, xd, xd, table, out)
+    row_groups(grid_row_group, _iq3_s_q8, IQ3_S_GEO, raw, xq, xd, xd, table, out)
 
 
 @q8_cfunc
 def iq3_s_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
-    pairs_product(iq3_s_gemv1_q8, iq3_s_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
-                  table, out, out_stride)
+    grid_product(iq3_s_gemv1_q8, iq3_s_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
+                 table, out, out_stride)
 
 
-class IQ3_SInt8Kernel(Int8Kernel):
+class IQ3_SInt8Kernel(GridKernel):
     block, type_size, exact = IQ3_S().block_size, IQ3_S_GEO[0], ("lattice", "IQ3_SJitKernel")
     gemv1_q8, gemv_q8 = staticmethod(iq3_s_gemv1_q8), staticmethod(iq3_s_gemv_q8)
     q8_row_product = iq3_s_q8_rows
 
 
+# IQ1_S, IQ1_M and TQ2_0: signed values in the words (IQ1's ``8g ± 1``, TQ2_0's ``q - 1``), no sign bits.
+
 @inline
-def _iq1_s_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group):
-    _words_fma(_iq1_s, _d_at, table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group)
+def _iq1_s_sub(blocks, base, j):
+    qh = load_le(blocks, base + 34 + 2 * j, 2)
+    at, minus = base + 2 + 4 * j, qh >> np.uint32(15)
+    ls = _two_bits((qh >> np.uint32(12)) & U32_7)
+    return (_iq1_word(load_le(blocks, at, 1) | (qh & U32_7) << U32_8, minus),
+            _iq1_word(load_le(blocks, at + 1, 1) | ((qh >> np.uint32(3)) & U32_7) << U32_8, minus),
+            _iq1_word(load_le(blocks, at + 2, 1) | ((qh >> np.uint32(6)) & U32_7) << U32_8, minus),
+            _iq1_word(load_le(blocks, at + 3, 1) | ((qh >> np.uint32(9)) & U32_7) << U32_8, minus), None, ls, ls)
+
+
+@inline
+def _iq1_s_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, part, group):
+    base = sb * geo[0]
+    _grid_fma(_iq1_s_sub, blocks, base, xq, x_at, cols, xd, d_at, nb, part, group)
+    return _d_at(table, blocks, base, geo) * F_EIGHTH
 
 
 @compiled(LEGACY_GEMV)
 def iq1_s_gemv1_q8(raw, xq, xd, table, out):
-    words_row_group(_iq1_s_q8, IQ1_S_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
+    grid_row_group(_iq1_s_q8, IQ1_S_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
 
 
-@compiled(LEGACY_GEMV_ROWS)
+@compiled(LEGACY_GEMV)
 def iq1_s_gemv_q8(raw, xq, xd, table, out):
-    row_groups(words_row_group, _iq1_s_q8, IQ1_S_GEO, raw, xq, xd, xd, table, out)
+    row_groups(grid_row_group, _iq1_s_q8, IQ1_S_GEO, raw, xq, xd, xd, table, out)
 
 
 @q8_cfunc
 def iq1_s_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
-    pairs_product(iq1_s_gemv1_q8, iq1_s_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
-                  table, out, out_stride)
+    grid_product(iq1_s_gemv1_q8, iq1_s_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
+                 table, out, out_stride)
 
 
-class IQ1_SInt8Kernel(Int8Kernel):
+class IQ1_SInt8Kernel(GridKernel):
     block, type_size, exact = IQ1_S().block_size, IQ1_S_GEO[0], ("lattice", "IQ1_SJitKernel")
     gemv1_q8, gemv_q8 = staticmethod(iq1_s_gemv1_q8), staticmethod(iq1_s_gemv_q8)
     q8_row_product = iq1_s_q8_rows
 
 
 @inline
-def _iq1_m_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group):
-    _words_fma(_iq1_m, _iq1_m_d, table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group)
+def _iq1_m_sub(blocks, base, j):
+    word = load_le(blocks, base + 48 + 2 * (j // 2), 2)  # sub-blocks 2j, 2j + 1: bits 6(j % 2) .. + 5
+    return (_iq1_m_word(blocks, base, j, 0), _iq1_m_word(blocks, base, j, 1), _iq1_m_word(blocks, base, j, 2),
+            _iq1_m_word(blocks, base, j, 3), None, _two_bits((word >> np.uint32(6 * (j % 2))) & U32_7),
+            _two_bits((word >> np.uint32(6 * (j % 2) + 3)) & U32_7))
+
+
+@inline
+def _iq1_m_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, part, group):
+    base = sb * geo[0]
+    _grid_fma(_iq1_m_sub, blocks, base, xq, x_at, cols, xd, d_at, nb, part, group)
+    return _iq1_m_d(table, blocks, base, geo) * F_EIGHTH
 
 
 @compiled(LEGACY_GEMV)
 def iq1_m_gemv1_q8(raw, xq, xd, table, out):
-    words_row_group(_iq1_m_q8, IQ1_M_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
+    grid_row_group(_iq1_m_q8, IQ1_M_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
 
 
-@compiled(LEGACY_GEMV_ROWS)
+@compiled(LEGACY_GEMV)
 def iq1_m_gemv_q8(raw, xq, xd, table, out):
-    row_groups(words_row_group, _iq1_m_q8, IQ1_M_GEO, raw, xq, xd, xd, table, out)
+    row_groups(grid_row_group, _iq1_m_q8, IQ1_M_GEO, raw, xq, xd, xd, table, out)
 
 
 @q8_cfunc
 def iq1_m_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
-    pairs_product(iq1_m_gemv1_q8, iq1_m_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
-                  table, out, out_stride)
+    grid_product(iq1_m_gemv1_q8, iq1_m_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
+                 table, out, out_stride)
 
 
-class IQ1_MInt8Kernel(Int8Kernel):
+class IQ1_MInt8Kernel(GridKernel):
     block, type_size, exact = IQ1_M().block_size, IQ1_M_GEO[0], ("lattice", "IQ1_MJitKernel")
     gemv1_q8, gemv_q8 = staticmethod(iq1_m_gemv1_q8), staticmethod(iq1_m_gemv_q8)
     q8_row_product = iq1_m_q8_rows
 
 
 @inline
-def _tq2_0_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group):
-    _words_fma(_tq2_0, _d_at, table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, acc, group)
+def _tq2_0_sub(blocks, base, j):
+    at = base + 32 * (j // 4)
+    shift = np.uint64(2 * (j % 4))
+    return (_tq2_word(blocks, at, shift), _tq2_word(blocks, at + 8, shift), _tq2_word(blocks, at + 16, shift),
+            _tq2_word(blocks, at + 24, shift), None, U32_1, U32_1)
+
+
+@inline
+def _tq2_0_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, part, group):
+    base = sb * geo[0]
+    _grid_fma(_tq2_0_sub, blocks, base, xq, x_at, cols, xd, d_at, nb, part, group)
+    return _d_at(table, blocks, base, geo)
 
 
 @compiled(LEGACY_GEMV)
 def tq2_0_gemv1_q8(raw, xq, xd, table, out):
-    words_row_group(_tq2_0_q8, TQ2_0_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
+    grid_row_group(_tq2_0_q8, TQ2_0_GEO, 1, 0, raw.shape[0], 0, raw, xq, xd, xd, table, out)
 
 
-@compiled(LEGACY_GEMV_ROWS)
+@compiled(LEGACY_GEMV)
 def tq2_0_gemv_q8(raw, xq, xd, table, out):
-    row_groups(words_row_group, _tq2_0_q8, TQ2_0_GEO, raw, xq, xd, xd, table, out)
+    row_groups(grid_row_group, _tq2_0_q8, TQ2_0_GEO, raw, xq, xd, xd, table, out)
 
 
 @q8_cfunc
 def tq2_0_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
-    pairs_product(tq2_0_gemv1_q8, tq2_0_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
-                  table, out, out_stride)
+    grid_product(tq2_0_gemv1_q8, tq2_0_gemv_q8, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
+                 table, out, out_stride)
 
 
-class TQ2_0Int8Kernel(Int8Kernel):
+class TQ2_0Int8Kernel(GridKernel):
     block, type_size, exact = TQ2_0().block_size, TQ2_0_GEO[0], ("lattice", "TQ2_0JitKernel")
     gemv1_q8, gemv_q8 = staticmethod(tq2_0_gemv1_q8), staticmethod(tq2_0_gemv_q8)
     q8_row_product = tq2_0_q8_rows
