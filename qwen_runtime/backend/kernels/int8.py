@@ -206,12 +206,14 @@ def _nibbles32(context, builder: ir.IRBuilder, signature, args: list) -> ir.Valu
 
 def _nibbles32_high(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
     """The ``<32 x i8>`` weights 0..31 of a Q5_K sub-block: :func:`_nibbles32` plus bit ``bit`` of the 32 bytes
-    at ``blocks[qh_at]`` as bit 4 (the first five arguments ``blocks, at, shift, qh_at, bit``)."""
+    at ``blocks[qh_at]`` as bit 4 (the first five arguments ``blocks, at, shift, qh_at, bit``), tested against a
+    mask rather than shifted (x86 has no shift of bytes by a variable count: LLVM widened each to words)."""
     h = builder.load(_pointer(context, builder, signature.args[0], args[0], args[3], V32_I8), align=1)
-    count = splat(builder, builder.trunc(args[4], ir.IntType(8)), V32_I8)
-    bit = builder.and_(builder.lshr(h, count), ir.Constant(V32_I8, [1] * Q8_ACT_BLOCK))
-    return builder.or_(_nibbles32(context, builder, signature, args),
-                       builder.shl(bit, ir.Constant(V32_I8, [4] * Q8_ACT_BLOCK)))
+    mask = splat(builder, builder.trunc(builder.shl(ir.Constant(args[4].type, 1), args[4]), ir.IntType(8)), V32_I8)
+    zero = ir.Constant(V32_I8, [0] * Q8_ACT_BLOCK)
+    bit4 = builder.select(builder.icmp_unsigned("!=", builder.and_(h, mask), zero),
+                          ir.Constant(V32_I8, [16] * Q8_ACT_BLOCK), zero)
+    return builder.or_(_nibbles32(context, builder, signature, args), bit4)
 
 
 def _q6(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
