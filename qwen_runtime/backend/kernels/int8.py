@@ -121,6 +121,7 @@ I16, I32, F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
 V32_I8, V32_I16 = ir.VectorType(ir.IntType(8), Q8_ACT_BLOCK), ir.VectorType(I16, Q8_ACT_BLOCK)
 V16_I16, V16_I32, V16_F32 = ir.VectorType(I16, PAIRS), ir.VectorType(I32, PAIRS), ir.VectorType(F32, PAIRS)
 V8_I32, V16_I8, V32_I32 = ir.VectorType(I32, PAIRS // 2), ir.VectorType(ir.IntType(8), PAIRS), ir.VectorType(I32, 32)
+V8_F32 = ir.VectorType(F32, PAIRS // 2)
 V64_I8 = ir.VectorType(ir.IntType(8), 2 * Q8_ACT_BLOCK)
 
 
@@ -385,22 +386,6 @@ def group_k23_pairs_fma(typingctx, blocks, qs_at, shift, hm_at, bit, x, x_at, x_
                        group), codegen)
 
 
-@intrinsic
-def group_q6_pairs_fma(typingctx, blocks, low_at, shift, high_at, high, x, x_at, x_stride, xd, d_at, d_stride,
-                       d_w0, d_w1, acc, group):  # noqa: ARG001
-    """32 values of a Q6_K block (:func:`_q6`) times ``group`` activation rows (:func:`_fma_group` with halves:
-    the two 16-value sub-blocks' scales ``d_w0``, ``d_w1``)."""
-    if not _literal(group):
-        return None
-
-    def codegen(context, builder, signature, args):
-        _fma_group(context, builder, signature, _q6(context, builder, signature, args), args, halves=True)
-        return context.get_dummy_value()
-
-    return (types.void(blocks, low_at, shift, high_at, high, x, x_at, x_stride, xd, d_at, d_stride, d_w0, d_w1, acc,
-                       group), codegen)
-
-
 def _quads(builder: ir.IRBuilder, w: ir.Value, xu: ir.Value, negative_bias: ir.Value | None) -> ir.Value:
     """``<16 x i32>``: ``sum_{k<4} w[4j+k] * x[4j+k]`` for 64 int8 weights ``w`` and 64 activations stored as
     ``xu = x + 128`` (uint8), exact.  With AVX-512 VNNI one ``vpdpbusd`` from ``negative_bias`` (``-128`` times
@@ -564,6 +549,120 @@ def q8_0_quads_fma(typingctx, blocks, o0, o1, qh0, qh1, bias, kind, form, xu, x_
 
     return (types.void(blocks, o0, o1, qh0, qh1, bias, kind, form, xu, x_at, x_stride, xd, d_at, d_stride, d0, d1,
                        start, start_at, acc, group), codegen)
+
+
+def _even_odd(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """Adjacent pairs of ``v`` added: element ``k`` = ``v[2k] + v[2k + 1]`` (the generic form of ``pmadd*``)."""
+    n = v.type.count // 2
+    undef = ir.Constant(v.type, ir.Undefined)
+    return builder.add(*(builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(I32, n), list(range(o, 2 * n, 2))))
+                         for o in (0, 1)))
+
+
+def _psign(builder: ir.IRBuilder, x: ir.Value, signs: ir.Value) -> ir.Value:
+    """``x`` negated where ``signs`` is negative and zero where it is zero (``vpsignb``, in generic IR without
+    AVX2)."""
+    if "avx2" in FEATURES:
+        psign = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32_I8, [V32_I8] * 2),
+                                               "llvm.x86.avx2.psign.b")
+        return builder.call(psign, [x, signs])
+    zero = ir.Constant(V32_I8, [0] * Q8_ACT_BLOCK)
+    kept = builder.select(builder.icmp_signed("==", signs, zero), zero, x)
+    return builder.select(builder.icmp_signed("<", signs, zero), builder.sub(zero, x), kept)
+
+
+def scaled_quads(builder: ir.IRBuilder, grid: ir.Value, signs: ir.Value, x: ir.Value, scales: ir.Value) -> ir.Value:
+    """``<8 x i32>``: lane ``j`` = ``s_j * sum_{k<4} g[4j+k] * sign[4j+k] * x[4j+k]``, exact, for unsigned weights
+    ``g`` (grid points or magnitudes, at most 62), signs (-1, 0 or 1, as ``vpsignb`` takes them), activations in
+    -127..127 and the ``<16 x i16>`` scales (``s_j`` the scale of words ``2j``, ``2j + 1``; -128..127):
+    ``pmaddubsw(g, psignb(x, sign))`` (pairs at most 2 * 62 * 127, no saturation), then ``pmaddwd`` by the scales
+    (lanes below 2^24 in magnitude, so exact in float32 too), where the CPU has AVX2; the same integer arithmetic
+    in generic IR elsewhere."""
+    signed = _psign(builder, x, signs)
+    if "avx2" in FEATURES:
+        pmaddubsw = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_I16, [V32_I8] * 2),
+                                                   "llvm.x86.avx2.pmadd.ub.sw")
+        pmaddwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8_I32, [V16_I16] * 2),
+                                                 "llvm.x86.avx2.pmadd.wd")
+        return builder.call(pmaddwd, [builder.call(pmaddubsw, [grid, signed]), scales])
+    pairs = _even_odd(builder, builder.mul(builder.zext(grid, V32_I16), builder.sext(signed, V32_I16)))
+    return _even_odd(builder, builder.mul(builder.sext(pairs, V16_I32), builder.sext(scales, V16_I32)))
+
+
+def _int16(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    width = value.type.width
+    return value if width == 16 else builder.trunc(value, I16) if width > 16 else builder.sext(value, I16)
+
+
+def halves16(builder: ir.IRBuilder, s0: ir.Value, s1: ir.Value) -> ir.Value:
+    """``<16 x i16>``: the integer ``s0`` in lanes 0-7 (the pair sums of values 0-15), ``s1`` in lanes 8-15."""
+    halves = [splat(builder, _int16(builder, s), V16_I16) for s in (s0, s1)]
+    half = PAIRS // 2
+    return builder.shuffle_vector(*halves, ir.Constant(ir.VectorType(I32, PAIRS),
+                                                       [*range(half), *range(PAIRS + half, 2 * PAIRS)]))
+
+
+def scaled_fma_group(context, builder: ir.IRBuilder, signature, magnitudes: ir.Value, signs: ir.Value,
+                     scales: ir.Value, args: list) -> None:
+    """For each of ``group`` activation rows ``g``: ``part[g] = fma(f32(scaled_quads(magnitudes, signs, x_g,
+    scales)), d_x[g], part[g])`` in 8 float32 lanes, the block's vectors made once for all the rows.  The last
+    arguments are ``x, x_at, x_stride, xd, d_at, d_stride, part, group``: row ``g``'s 32 int8 activations at
+    ``x[x_at + g * x_stride]``, its scale ``xd[d_at + g * d_stride]`` (flat indices), its lanes at ``part + 16 g``
+    (a stack pointer, ``group`` a literal: the lanes stay in registers).  The weights' float scale is applied
+    later, once per super-block (:func:`lanes_fold`)."""
+    tx, txd = signature.args[-8], signature.args[-5]
+    x, x_at, x_stride, xd, d_at, d_stride, part, _ = args[-8:]
+    x_pointer = _pointer(context, builder, tx, x, x_at, ir.IntType(8))
+    d_pointer = _pointer(context, builder, txd, xd, d_at, F32)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8_F32, [V8_F32] * 3), "llvm.fma.v8f32")
+    for g in range(signature.args[-1].literal_value):
+        row = ir.Constant(ir.IntType(64), g)
+        at = builder.bitcast(builder.gep(x_pointer, [builder.mul(row, x_stride)]), V32_I8.as_pointer())
+        sums = builder.sitofp(scaled_quads(builder, magnitudes, signs, builder.load(at, align=1), scales), V8_F32)
+        dx = splat(builder, builder.load(builder.gep(d_pointer, [builder.mul(row, d_stride)])), V8_F32)
+        lanes = builder.bitcast(builder.gep(part, [ir.Constant(ir.IntType(64), g * PAIRS)]), V8_F32.as_pointer())
+        builder.store(builder.call(fma, [sums, dx, builder.load(lanes, align=4)]), lanes, align=4)
+
+
+@intrinsic
+def group_q6_scaled_fma(typingctx, blocks, low_at, shift, high_at, high, s0, s1, x, x_at, x_stride, xd, d_at,
+                        d_stride, part, group):  # noqa: ARG001
+    """32 values of a Q6_K block (:func:`_q6`, ``q - 32``) with its two 16-value sub-blocks' integer scales ``s0``,
+    ``s1`` times ``group`` activation rows (:func:`scaled_fma_group`: the magnitudes against the activations
+    with the values' signs)."""
+    if not _literal(group):
+        return None
+
+    def codegen(context, builder, signature, args):
+        w = _q6(context, builder, signature, args)
+        absolute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32_I8, [V32_I8, ir.IntType(1)]),
+                                                  "llvm.abs.v32i8")
+        scaled_fma_group(context, builder, signature, builder.call(absolute, [w, ir.Constant(ir.IntType(1), 0)]), w,
+                         halves16(builder, args[5], args[6]), args)
+        return context.get_dummy_value()
+
+    return (types.void(blocks, low_at, shift, high_at, high, s0, s1, x, x_at, x_stride, xd, d_at, d_stride, part,
+                       group), codegen)
+
+
+@intrinsic
+def lanes_fold(typingctx, part, acc, scale, group):  # noqa: ARG001
+    """``acc[g] = fma(part[g], scale, acc[g])`` and ``part[g] = 0`` for the 8 lanes of each row ``g < group`` (at
+    ``+ 16 g``): a super-block's sums into the row's lanes with its float scale."""
+    if not _literal(group):
+        return None
+
+    def codegen(context, builder, signature, args):
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8_F32, [V8_F32] * 3), "llvm.fma.v8f32")
+        d = splat(builder, args[2], V8_F32)
+        for g in range(signature.args[-1].literal_value):
+            at = [ir.Constant(ir.IntType(64), g * PAIRS)]
+            p, a = (builder.bitcast(builder.gep(v, at), V8_F32.as_pointer()) for v in args[0:2])
+            builder.store(builder.call(fma, [builder.load(p, align=4), d, builder.load(a, align=4)]), a, align=4)
+            builder.store(ir.Constant(V8_F32, [0.0] * (PAIRS // 2)), p, align=4)
+        return context.get_dummy_value()
+
+    return types.void(part, acc, scale, group), codegen
 
 
 @intrinsic

@@ -32,18 +32,20 @@ from ...quants.grids import SIGNS_EVEN
 from ...quants.lattice import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
 from ...quants.q8_act import Q8_ACT_BLOCK
 from ...quants.ternary import TQ2_0
-from .base import ACC_FLOATS, FEATURES, GEMV_ROWS, compiled, splat, stack_f32
+from .base import ACC_FLOATS, GEMV_ROWS, compiled, stack_f32
 from .int8 import (
     LEGACY_GEMV,
     PAIRS,
     Int8Kernel,
     _literal,
-    _pointer,
+    halves16,
     inline,
+    lanes_fold,
     lanes_sums,
     lanes_zero,
     q8_cfunc,
     row_groups,
+    scaled_fma_group,
 )
 from .lattice import (
     F_EIGHTH,
@@ -103,50 +105,13 @@ def _sign_bytes(builder: ir.IRBuilder, bits: ir.Value) -> ir.Value:
     return builder.select(minus, ir.Constant(V32_I8, [-1] * Q8_ACT_BLOCK), ir.Constant(V32_I8, [1] * Q8_ACT_BLOCK))
 
 
-def _even_odd(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    """Adjacent pairs of ``v`` added: element ``k`` = ``v[2k] + v[2k + 1]`` (the generic form of ``pmadd*``)."""
-    n = v.type.count // 2
-    undef = ir.Constant(v.type, ir.Undefined)
-    return builder.add(*(builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(I32, n), list(range(o, 2 * n, 2))))
-                         for o in (0, 1)))
-
-
-def _psign(builder: ir.IRBuilder, x: ir.Value, signs: ir.Value) -> ir.Value:
-    """``x`` negated where ``signs`` is negative and zero where it is zero (``vpsignb``, in generic IR without
-    AVX2)."""
-    if "avx2" in FEATURES:
-        psign = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32_I8, [V32_I8] * 2),
-                                               "llvm.x86.avx2.psign.b")
-        return builder.call(psign, [x, signs])
-    zero = ir.Constant(V32_I8, [0] * Q8_ACT_BLOCK)
-    kept = builder.select(builder.icmp_signed("==", signs, zero), zero, x)
-    return builder.select(builder.icmp_signed("<", signs, zero), builder.sub(zero, x), kept)
-
-
-def _grid_sums(builder: ir.IRBuilder, grid: ir.Value, signs: ir.Value, x: ir.Value, scales: ir.Value) -> ir.Value:
-    """``<8 x i32>``: lane ``j`` = ``s_j * sum_{k<4} g[4j+k] * sign[4j+k] * x[4j+k]``, exact, for unsigned grid values
-    ``g`` (at most 62), signs (-1, 0 or 1, as ``vpsignb`` takes them), activations in -127..127 and the
-    ``<16 x i16>`` scales (``s_j`` the scale of words ``2j``, ``2j + 1``; at most 31): ``pmaddubsw(g, psignb(x,
-    sign))`` (pairs at most 2 * 62 * 127, no saturation), then ``pmaddwd`` by the scales, where the CPU has AVX2;
-    the same integer arithmetic in generic IR elsewhere."""
-    signed = _psign(builder, x, signs)
-    if "avx2" in FEATURES:
-        pmaddubsw = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_I16, [V32_I8] * 2),
-                                                   "llvm.x86.avx2.pmadd.ub.sw")
-        pmaddwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8_I32, [V16_I16] * 2),
-                                                 "llvm.x86.avx2.pmadd.wd")
-        return builder.call(pmaddwd, [builder.call(pmaddubsw, [grid, signed]), scales])
-    pairs = _even_odd(builder, builder.mul(builder.zext(grid, V32_I16), builder.sext(signed, V32_I16)))
-    return _even_odd(builder, builder.mul(builder.sext(pairs, V16_I32), builder.sext(scales, V16_I32)))
-
-
 @intrinsic
 def grid_signs_fma(typingctx, w0, w1, w2, w3, signs, s0, s1, x, x_at, x_stride, xd, d_at, d_stride, part,
                    group):  # noqa: ARG001 (numba's protocol)
     """A 32-value sub-block times ``group`` activation rows: the unsigned grid values in the words ``w0..w3``
     (value ``8l + k`` in byte ``k`` of word ``l``), their signs in the bits of ``signs`` (bit ``k`` of value ``k``;
     ``None``: the words hold signed values, at most 9 in magnitude, IQ1's and TQ2_0's) and the integer scales
-    ``s0`` (values 0-15) and ``s1`` (16-31) give row ``g`` 8 exact sums (:func:`_grid_sums`), converted to
+    ``s0`` (values 0-15) and ``s1`` (16-31) give row ``g`` 8 exact sums (:func:`.int8.scaled_quads`), converted to
     float32 and fused with its scale ``d_x[g] = xd[d_at + g * d_stride]`` into its 8 lanes of the super-block at
     ``part + 16 g``; its activations at ``x[x_at + g * x_stride]`` (flat indices).  The weights' vectors are made
     once for the group."""
@@ -164,43 +129,10 @@ def grid_signs_fma(typingctx, w0, w1, w2, w3, signs, s0, s1, x, x_at, x_stride, 
             grid, sign = builder.call(absolute, [grid, ir.Constant(ir.IntType(1), 0)]), grid
         else:
             sign = _sign_bytes(builder, args[4])
-        halves = [splat(builder, builder.trunc(s, I16), V16_I16) for s in args[5:7]]
-        half = PAIRS // 2
-        scales = builder.shuffle_vector(*halves, ir.Constant(ir.VectorType(I32, PAIRS),
-                                                             [*range(half), *range(PAIRS + half, 2 * PAIRS)]))
-        x_pointer = _pointer(context, builder, signature.args[7], args[7], args[8], I8)
-        d_pointer = _pointer(context, builder, signature.args[10], args[10], args[11], F32)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8_F32, [V8_F32] * 3), "llvm.fma.v8f32")
-        for g in range(signature.args[-1].literal_value):
-            row = ir.Constant(I64, g)
-            at = builder.bitcast(builder.gep(x_pointer, [builder.mul(row, args[9])]), V32_I8.as_pointer())
-            sums = builder.sitofp(_grid_sums(builder, grid, sign, builder.load(at, align=1), scales), V8_F32)
-            dx = splat(builder, builder.load(builder.gep(d_pointer, [builder.mul(row, args[12])])), V8_F32)
-            lanes = builder.bitcast(builder.gep(args[13], [ir.Constant(I64, g * PAIRS)]), V8_F32.as_pointer())
-            builder.store(builder.call(fma, [sums, dx, builder.load(lanes, align=4)]), lanes, align=4)
+        scaled_fma_group(context, builder, signature, grid, sign, halves16(builder, args[5], args[6]), args)
         return context.get_dummy_value()
 
     return types.void(w0, w1, w2, w3, signs, s0, s1, x, x_at, x_stride, xd, d_at, d_stride, part, group), codegen
-
-
-@intrinsic
-def lanes_fold(typingctx, part, acc, scale, group):  # noqa: ARG001
-    """``acc[g] = fma(part[g], scale, acc[g])`` and ``part[g] = 0`` for the 8 lanes of each row ``g < group`` (at
-    ``+ 16 g``): a super-block's sums into the row's lanes with its float scale."""
-    if not _literal(group):
-        return None
-
-    def codegen(context, builder, signature, args):
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8_F32, [V8_F32] * 3), "llvm.fma.v8f32")
-        d = splat(builder, args[2], V8_F32)
-        for g in range(signature.args[-1].literal_value):
-            at = [ir.Constant(I64, g * PAIRS)]
-            p, a = (builder.bitcast(builder.gep(v, at), V8_F32.as_pointer()) for v in args[0:2])
-            builder.store(builder.call(fma, [builder.load(p, align=4), d, builder.load(a, align=4)]), a, align=4)
-            builder.store(ir.Constant(V8_F32, [0.0] * (PAIRS // 2)), p, align=4)
-        return context.get_dummy_value()
-
-    return types.void(part, acc, scale, group), codegen
 
 
 @inline
