@@ -606,19 +606,24 @@ def scaled_fma_group(context, builder: ir.IRBuilder, signature, magnitudes: ir.V
                      scales: ir.Value, args: list) -> None:
     """For each of ``group`` activation rows ``g``: ``part[g] = fma(f32(scaled_quads(magnitudes, signs, x_g,
     scales)), d_x[g], part[g])`` in 8 float32 lanes, the block's vectors made once for all the rows.  The last
-    arguments are ``x, x_at, x_stride, xd, d_at, d_stride, part, group``: row ``g``'s 32 int8 activations at
-    ``x[x_at + g * x_stride]``, its scale ``xd[d_at + g * d_stride]`` (flat indices), its lanes at ``part + 16 g``
-    (a stack pointer, ``group`` a literal: the lanes stay in registers).  The weights' float scale is applied
-    later, once per super-block (:func:`lanes_fold`)."""
+    arguments are ``x, x_at, x_stride, xd, d_at, d_stride, part, group``: row ``g``'s 32 activations (int8, or
+    int16 holding int8 values) at ``x[x_at + g * x_stride]``, its scale ``xd[d_at + g * d_stride]`` (flat
+    indices), its lanes at ``part + 16 g`` (a stack pointer, ``group`` a literal: the lanes stay in registers).
+    The weights' float scale is applied later, once per super-block (:func:`lanes_fold`)."""
     tx, txd = signature.args[-8], signature.args[-5]
     x, x_at, x_stride, xd, d_at, d_stride, part, _ = args[-8:]
-    x_pointer = _pointer(context, builder, tx, x, x_at, ir.IntType(8))
+    narrow = tx.dtype == types.int8
+    x_pointer = _pointer(context, builder, tx, x, x_at, ir.IntType(8) if narrow else I16)
     d_pointer = _pointer(context, builder, txd, xd, d_at, F32)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8_F32, [V8_F32] * 3), "llvm.fma.v8f32")
     for g in range(signature.args[-1].literal_value):
         row = ir.Constant(ir.IntType(64), g)
-        at = builder.bitcast(builder.gep(x_pointer, [builder.mul(row, x_stride)]), V32_I8.as_pointer())
-        sums = builder.sitofp(scaled_quads(builder, magnitudes, signs, builder.load(at, align=1), scales), V8_F32)
+        at = builder.gep(x_pointer, [builder.mul(row, x_stride)])
+        if narrow:
+            xg = builder.load(builder.bitcast(at, V32_I8.as_pointer()), align=1)
+        else:  # the int16 activations of the pairs kernels' multi-row form (:meth:`Int8Kernel.forms`)
+            xg = builder.trunc(builder.load(builder.bitcast(at, V32_I16.as_pointer()), align=2), V32_I8)
+        sums = builder.sitofp(scaled_quads(builder, magnitudes, signs, xg, scales), V8_F32)
         dx = splat(builder, builder.load(builder.gep(d_pointer, [builder.mul(row, d_stride)])), V8_F32)
         lanes = builder.bitcast(builder.gep(part, [ir.Constant(ir.IntType(64), g * PAIRS)]), V8_F32.as_pointer())
         builder.store(builder.call(fma, [sums, dx, builder.load(lanes, align=4)]), lanes, align=4)
