@@ -2,17 +2,18 @@
 numba; see :mod:`.int8`).
 
 Each 32-value sub-block meets the row's activations quantized per 32 (:func:`.q8_act.quantize_rows`) as llama.cpp
-multiplies these types: the grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) give their *unsigned* grid points
-as four 64-bit words (value ``8l + k`` in byte ``k`` of word ``l``, from :mod:`qwen_runtime.quants.grids`' tables)
-and their 32 sign bits as one integer, which become ±1 bytes (a broadcast, ``vpshufb``, a test per bit) that sign
-the activations (``vpsignb``); IQ1's ``8g ± 1`` and TQ2_0's ``q - 1`` come as signed words, their magnitudes
-against the activations with their signs.  ``vpmaddubsw`` then gives 16 exact pair sums (at most ``2 * 62 * 127``:
-no saturation), and ``vpmaddwd`` by the sub-block's *integer* scales (``2s + 1``, per 16 or 32 values) 8 exact sums
-of 4, converted to float32 and fused with the activations' scale into the super-block's lanes; once per
-super-block its float ``d`` (times the scales' power-of-two factor) folds those into the row's lanes
-(:func:`lanes_fold`).  No float scale is made per sub-block, and no weight byte is negated (where the words of
-:mod:`.lattice`'s float kernels carry the signs).  llama.cpp's activations are quantized per 256 values (q8_K),
-ours per 32.  The same integer arithmetic in generic IR where the CPU has no AVX2.
+multiplies these types: the grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) give their *unsigned* grid points as
+four 64-bit words (value ``8l + k`` in byte ``k`` of word ``l``, from :mod:`qwen_runtime.quants.grids`' tables) and
+their 32 sign bits as one integer, which become ±1 bytes (a broadcast, ``vpshufb``, a test per bit) that sign the
+activations (``vpsignb``); IQ1's ``8g ± 1`` come as signed words, and TQ2_0's ``q - 1`` unpacked from its 32 bytes
+in vector arithmetic (:func:`group_tq2_fma`), their magnitudes against the activations with their signs.
+``vpmaddubsw`` then gives 16 exact pair sums (at most ``2 * 62 * 127``: no saturation), and ``vpmaddwd`` by the sub-
+block's *integer* scales (``2s + 1``, per 16 or 32 values) 8 exact sums of 4, converted to float32 and fused with
+the activations' scale into the super-block's lanes; once per super-block its float ``d`` (times the scales' power-
+of-two factor) folds those into the row's lanes (:func:`.int8.lanes_fold`). No float scale is made per sub-block,
+and no weight byte is negated (where the words of :mod:`.lattice`'s float kernels carry the signs). llama.cpp's
+activations are quantized per 256 values (q8_K), ours per 32. The same integer arithmetic in generic IR where the
+CPU has no AVX2.
 
 One and several activation rows run the same loops (groups of 1, or :func:`.int8.row_groups`; int8 activations
 for both), so a row's numbers do not depend on the rows beside it.  Prompts (more than
@@ -32,7 +33,7 @@ from ...quants.grids import SIGNS_EVEN
 from ...quants.lattice import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
 from ...quants.q8_act import Q8_ACT_BLOCK
 from ...quants.ternary import TQ2_0
-from .base import ACC_FLOATS, GEMV_ROWS, compiled, stack_f32
+from .base import ACC_FLOATS, GEMV_ROWS, compiled, splat, stack_f32
 from .int8 import (
     LEGACY_GEMV,
     PAIRS,
@@ -74,18 +75,16 @@ from .lattice import (
     _iq1_m_d,
     _iq1_m_word,
     _iq1_word,
-    _tq2_word,
     entry,
     load_le,
 )
 from .q8_act import D, Q, form_arrays, product_arrays, slots
 
-I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 SUPER = IQ2_XXS().block_size  # values of a super-block: 256 for every type here
 SUBS = SUPER // Q8_ACT_BLOCK  # its sub-blocks, each one activation block of 32
 V4_I64, V32_I8 = ir.VectorType(I64, 4), ir.VectorType(I8, Q8_ACT_BLOCK)
-V32_I16, V16_I16, V16_I32 = ir.VectorType(I16, Q8_ACT_BLOCK), ir.VectorType(I16, PAIRS), ir.VectorType(I32, PAIRS)
-V8_I32, V8_F32 = ir.VectorType(I32, PAIRS // 2), ir.VectorType(F32, PAIRS // 2)
+V16_I16 = ir.VectorType(I16, PAIRS)
 U32_2, U32_3, U32_9, U32_14, U32_16, U32_21, U32_24, U32_28, U32_511 = (
     np.uint32(v) for v in (2, 3, 9, 14, 16, 21, 24, 28, 511))
 
@@ -495,18 +494,36 @@ class IQ1_MInt8Kernel(GridKernel):
     q8_row_product = iq1_m_q8_rows
 
 
-@inline
-def _tq2_0_sub(blocks, base, j):
-    at = base + 32 * (j // 4)
-    shift = np.uint64(2 * (j % 4))
-    return (_tq2_word(blocks, at, shift), _tq2_word(blocks, at + 8, shift), _tq2_word(blocks, at + 16, shift),
-            _tq2_word(blocks, at + 24, shift), None, U32_1, U32_1)
+@intrinsic
+def group_tq2_fma(typingctx, blocks, at, shift, x, x_at, x_stride, xd, d_at, d_stride, part, group):  # noqa: ARG001
+    """A TQ2_0 sub-block times ``group`` activation rows (:func:`.int8.scaled_fma_group`, scale 1): bits ``shift,
+    shift + 1`` of the 32 bytes at ``blocks[at]`` are ``q``, the values ``q - 1``, unpacked in vector arithmetic
+    (one 16-bit shift by a uniform count, a mask, a subtraction) rather than word by word."""
+    if not _literal(group):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        q = builder.load(builder.bitcast(builder.gep(data, [args[1]]), V16_I16.as_pointer()), align=1)
+        q = builder.lshr(q, splat(builder, builder.trunc(args[2], I16), V16_I16))
+        q = builder.and_(builder.bitcast(q, V32_I8), ir.Constant(V32_I8, [3] * Q8_ACT_BLOCK))
+        v = builder.sub(q, ir.Constant(V32_I8, [1] * Q8_ACT_BLOCK))
+        absolute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32_I8, [V32_I8, ir.IntType(1)]),
+                                                  "llvm.abs.v32i8")
+        one = ir.Constant(I16, 1)
+        scaled_fma_group(context, builder, signature, builder.call(absolute, [v, ir.Constant(ir.IntType(1), 0)]), v,
+                         halves16(builder, one, one), args)
+        return context.get_dummy_value()
+
+    return types.void(blocks, at, shift, x, x_at, x_stride, xd, d_at, d_stride, part, group), codegen
 
 
 @inline
 def _tq2_0_q8(table, blocks, sb, geo, xq, x_at, cols, xd, d_at, nb, part, group):
     base = sb * geo[0]
-    _grid_fma(_tq2_0_sub, blocks, base, xq, x_at, cols, xd, d_at, nb, part, group)
+    for j in range(SUBS):
+        group_tq2_fma(blocks, base + 32 * (j // 4), 2 * (j % 4), xq, x_at + Q8_ACT_BLOCK * j, cols, xd, d_at + j, nb,
+                      part, group)
     return _d_at(table, blocks, base, geo)
 
 
