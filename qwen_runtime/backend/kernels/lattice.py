@@ -17,7 +17,8 @@ the reference's float32 operations; one intrinsic (:func:`words_rows`) widens th
 * grid points come from tables of words (:mod:`qwen_runtime.quants.grids`, compile-time constants); signs
   are applied to a word at once: ``(g ^ m) + (m & 0x01..01)`` with ``m`` the byte mask of the sign byte
   (``SIGN_MASKS``), which negates the bytes of ``m`` without carries (grid values are 1..62);
-* IQ1's values ``8g ± 1`` come from two tables (``g * 8 + 1`` and ``g * 8 - 1``), the scale times 1/8;
+* IQ1's values ``8g ± 1`` come from one table (``g * 8 + 1``, then ``g * 8 - 1``): IQ1_M's delta sign is bit 11 of
+  the index (no branch per word), IQ1_S's picks a half once per sub-block; the scale times 1/8;
 * TQ2_0's 2-bit ``q`` are masked from 64-bit loads, and ``q - 1`` taken per byte as ``((q | 0x80) - 1) ^ 0x80``.
 """
 
@@ -57,7 +58,10 @@ V16_F32, V32_I8, V4_I64 = ir.VectorType(F32, HALF), ir.VectorType(I8, LANES), ir
 
 W_IQ2_XXS, W_IQ2_XS, W_IQ2_S = words(GRID_IQ2_XXS), words(GRID_IQ2_XS), words(GRID_IQ2_S)
 W_IQ3_XXS, W_IQ3_S = words(GRID_IQ3_XXS).astype(np.uint64), words(GRID_IQ3_S).astype(np.uint64)
-W_IQ1_PLUS, W_IQ1_MINUS = words(GRID_IQ1 * np.int8(8) + np.int8(1)), words(GRID_IQ1 * np.int8(8) - np.int8(1))
+# IQ1's values 8g + 1 at index i, 8g - 1 at i + 2048: the sign of the delta is bit 11 of the index.
+W_IQ1 = np.concatenate([words(GRID_IQ1 * np.int8(8) + np.int8(1)), words(GRID_IQ1 * np.int8(8) - np.int8(1))])
+# The halves, for IQ1_S, whose sign holds for a whole sub-block (LLVM picks the table once for its four words).
+W_IQ1_PLUS, W_IQ1_MINUS = W_IQ1[:len(GRID_IQ1)], W_IQ1[len(GRID_IQ1):]
 # Byte k of SIGN_MASKS[s] is 0xFF where bit k of s is set.
 SIGN_MASKS = words(np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, -1, 0).astype(np.int8))
 ONES = np.uint64(0x0101010101010101)
@@ -279,7 +283,7 @@ def _iq1_s(blocks, base, j, d):
 @inline
 def _iq1_m_word(blocks, base, j, p):
     nib = (load_le(blocks, base + 32 + 2 * j + p // 2, 1) >> np.uint32(4 * (p % 2))) & U32_15
-    return _iq1_word(load_le(blocks, base + 4 * j + p, 1) | (nib & U32_7) << U32_8, nib >> np.uint32(3))
+    return entry(W_IQ1, load_le(blocks, base + 4 * j + p, 1) | nib << U32_8)  # nib's bit 3: the delta's sign
 
 
 @inline
