@@ -248,21 +248,17 @@ def _k23(context, builder: ir.IRBuilder, signature, args: list) -> ir.Value:
     return builder.sub(w, builder.shl(clear, ir.Constant(V32_I8, [2] * Q8_ACT_BLOCK)))
 
 
-def _fma_group(context, builder: ir.IRBuilder, signature, w: ir.Value, args: list, halves: bool = False,
-               unsigned: bool = False) -> None:
+def _fma_group(context, builder: ir.IRBuilder, signature, w: ir.Value, args: list, unsigned: bool = False) -> None:
     """For each of ``group`` activation rows ``g``: ``acc[g] = fma(f32(pairs(w, x_g)), d_w * d_x[g], acc[g])``,
     the block's ``<32 x i8>`` weights ``w`` unpacked and widened once for all the rows.  The last arguments are
-    ``x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, group`` (with ``halves``: ``d_w0, d_w1`` for ``d_w``):
-    row ``g``'s 32 activations (int8, or already widened to int16) at ``x[x_at + g * x_stride]``, its scale
-    ``d_x[g] = xd[d_at + g * d_stride]`` (flat indices), its 16 float32 lanes at ``acc + 16 g`` (a stack
-    pointer; ``group`` a literal, so LLVM keeps the lanes in registers); with ``halves`` lanes 0-7 (values 0-15)
-    scaled by ``d_w0 * d_x``, 8-15 (values 16-31) by ``d_w1 * d_x``.  With :data:`MADDUBS` (int8 activations) the
-    block's 8 sums of 4 products (:func:`_quads8`, ``unsigned`` weights 0..31) go into lanes 0-7, lanes 8-15 stay
-    zero, and with ``halves`` lanes 0-3 hold values 0-15.  Every row of every group goes through the same
-    operations, so a row's numbers do not depend on its group."""
-    count = 10 if halves else 9
-    x, x_at, x_stride, xd, d_at, d_stride, *dw, acc, _ = args[-count:]
-    tx, txd = signature.args[-count], signature.args[-count + 3]
+    ``x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, group``: row ``g``'s 32 activations (int8, or already
+    widened to int16) at ``x[x_at + g * x_stride]``, its scale ``d_x[g] = xd[d_at + g * d_stride]`` (flat
+    indices), its 16 float32 lanes at ``acc + 16 g`` (a stack pointer; ``group`` a literal, so LLVM keeps the
+    lanes in registers).  With :data:`MADDUBS` (int8 activations) the block's 8 sums of 4 products
+    (:func:`_quads8`, ``unsigned`` weights 0..31) go into lanes 0-7 and lanes 8-15 stay zero.  Every row of every
+    group goes through the same operations, so a row's numbers do not depend on its group."""
+    x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, _ = args[-9:]
+    tx, txd = signature.args[-9], signature.args[-6]
     group = signature.args[-1].literal_value
     narrow = tx.dtype == types.int8
     lanes = PAIRS // 2 if MADDUBS else PAIRS
@@ -270,12 +266,7 @@ def _fma_group(context, builder: ir.IRBuilder, signature, w: ir.Value, args: lis
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
                                          f"llvm.fma.v{lanes}f32")
     w16 = None if MADDUBS else builder.sext(w, V32_I16)
-    scale_w = splat(builder, dw[0], vector)
-    if halves:
-        upper = splat(builder, dw[1], vector)
-        half = lanes // 2
-        scale_w = builder.shuffle_vector(scale_w, upper, ir.Constant(ir.VectorType(I32, lanes),
-                                                                      [*range(half), *range(lanes + half, 2 * lanes)]))
+    scale_w = splat(builder, d_w, vector)
     f32_pointer = _pointer(context, builder, txd, xd, d_at, F32)
     x_pointer = _pointer(context, builder, tx, x, x_at, ir.IntType(8) if narrow else I16)
     for g in range(group):
@@ -367,23 +358,6 @@ def group_iq4_pairs_fma(typingctx, blocks, at, x, x_at, x_stride, xd, d_at, d_st
         return context.get_dummy_value()
 
     return types.void(blocks, at, x, x_at, x_stride, xd, d_at, d_stride, d_w, acc, group), codegen
-
-
-@intrinsic
-def group_k23_pairs_fma(typingctx, blocks, qs_at, shift, hm_at, bit, x, x_at, x_stride, xd, d_at, d_stride, d_w0,
-                        d_w1, acc, group):  # noqa: ARG001
-    """32 values of a Q2_K/Q3_K block (:func:`_k23`) times ``group`` activation rows (:func:`_fma_group` with
-    halves: the two 16-value sub-blocks' scales ``d_w0``, ``d_w1``)."""
-    if not _literal(group):
-        return None
-
-    def codegen(context, builder, signature, args):
-        _fma_group(context, builder, signature, _k23(context, builder, signature, args), args, halves=True,
-                   unsigned=signature.args[3] == types.none)
-        return context.get_dummy_value()
-
-    return (types.void(blocks, qs_at, shift, hm_at, bit, x, x_at, x_stride, xd, d_at, d_stride, d_w0, d_w1, acc,
-                       group), codegen)
 
 
 def _quads(builder: ir.IRBuilder, w: ir.Value, xu: ir.Value, negative_bias: ir.Value | None) -> ir.Value:
@@ -571,14 +545,15 @@ def _psign(builder: ir.IRBuilder, x: ir.Value, signs: ir.Value) -> ir.Value:
     return builder.select(builder.icmp_signed("<", signs, zero), builder.sub(zero, x), kept)
 
 
-def scaled_quads(builder: ir.IRBuilder, grid: ir.Value, signs: ir.Value, x: ir.Value, scales: ir.Value) -> ir.Value:
-    """``<8 x i32>``: lane ``j`` = ``s_j * sum_{k<4} g[4j+k] * sign[4j+k] * x[4j+k]``, exact, for unsigned weights
-    ``g`` (grid points or magnitudes, at most 62), signs (-1, 0 or 1, as ``vpsignb`` takes them), activations in
-    -127..127 and the ``<16 x i16>`` scales (``s_j`` the scale of words ``2j``, ``2j + 1``; -128..127):
-    ``pmaddubsw(g, psignb(x, sign))`` (pairs at most 2 * 62 * 127, no saturation), then ``pmaddwd`` by the scales
-    (lanes below 2^24 in magnitude, so exact in float32 too), where the CPU has AVX2; the same integer arithmetic
-    in generic IR elsewhere."""
-    signed = _psign(builder, x, signs)
+def scaled_quads(builder: ir.IRBuilder, grid: ir.Value, signs: ir.Value | None, x: ir.Value,
+                 scales: ir.Value) -> ir.Value:
+    """``<8 x i32>``: lane ``j`` = ``s_j * sum_{k<4} g[4j+k] * sign[4j+k] * x[4j+k]``, exact, for unsigned weights ``g``
+    (grid points or magnitudes, at most 62), signs (-1, 0 or 1, as ``vpsignb`` takes them; None: all 1),
+    activations in -127..127 and the ``<16 x i16>`` scales (``s_j`` the scale of words ``2j``, ``2j + 1``;
+    -128..127): ``pmaddubsw(g, psignb(x, sign))`` (pairs at most 2 * 62 * 127, no saturation), then ``pmaddwd``
+    by the scales (lanes below 2^24 in magnitude, so exact in float32 too), where the CPU has AVX2; the same
+    integer arithmetic in generic IR elsewhere."""
+    signed = x if signs is None else _psign(builder, x, signs)
     if "avx2" in FEATURES:
         pmaddubsw = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_I16, [V32_I8] * 2),
                                                    "llvm.x86.avx2.pmadd.ub.sw")
@@ -602,7 +577,7 @@ def halves16(builder: ir.IRBuilder, s0: ir.Value, s1: ir.Value) -> ir.Value:
                                                        [*range(half), *range(PAIRS + half, 2 * PAIRS)]))
 
 
-def scaled_fma_group(context, builder: ir.IRBuilder, signature, magnitudes: ir.Value, signs: ir.Value,
+def scaled_fma_group(context, builder: ir.IRBuilder, signature, magnitudes: ir.Value, signs: ir.Value | None,
                      scales: ir.Value, args: list) -> None:
     """For each of ``group`` activation rows ``g``: ``part[g] = fma(f32(scaled_quads(magnitudes, signs, x_g,
     scales)), d_x[g], part[g])`` in 8 float32 lanes, the block's vectors made once for all the rows.  The last
@@ -648,6 +623,29 @@ def group_q6_scaled_fma(typingctx, blocks, low_at, shift, high_at, high, s0, s1,
 
     return (types.void(blocks, low_at, shift, high_at, high, s0, s1, x, x_at, x_stride, xd, d_at, d_stride, part,
                        group), codegen)
+
+
+@intrinsic
+def group_k23_scaled_fma(typingctx, blocks, qs_at, shift, hm_at, bit, s0, s1, x, x_at, x_stride, xd, d_at, d_stride,
+                         part, group):  # noqa: ARG001
+    """32 values of a Q2_K/Q3_K block (:func:`_k23`: Q2_K's unsigned, Q3_K's signed) with the two 16-value
+    sub-blocks' integer scales ``s0``, ``s1`` times ``group`` activation rows (:func:`scaled_fma_group`)."""
+    if not _literal(group):
+        return None
+
+    def codegen(context, builder, signature, args):
+        w = _k23(context, builder, signature, args)
+        if signature.args[3] == types.none:
+            magnitudes, signs = w, None
+        else:
+            absolute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32_I8, [V32_I8, ir.IntType(1)]),
+                                                      "llvm.abs.v32i8")
+            magnitudes, signs = builder.call(absolute, [w, ir.Constant(ir.IntType(1), 0)]), w
+        scaled_fma_group(context, builder, signature, magnitudes, signs, halves16(builder, args[5], args[6]), args)
+        return context.get_dummy_value()
+
+    return (types.void(blocks, qs_at, shift, hm_at, bit, s0, s1, x, x_at, x_stride, xd, d_at, d_stride, part, group),
+            codegen)
 
 
 @intrinsic

@@ -60,7 +60,7 @@ from .int8 import (
     _literal,
     _pointer,
     _vpdpbusd,
-    group_k23_pairs_fma,
+    group_k23_scaled_fma,
     group_nibbles32_pairs_fma,
     group_q5_k_pairs_fma,
     group_q6_scaled_fma,
@@ -80,7 +80,6 @@ from .kquants import (
     Q6_K_BYTES,
     QK_K,
     V8_F32,
-    k23_scales,
     minimums_fma,
     minimums_sum,
     q4_k_scales,
@@ -167,39 +166,54 @@ def q6_k_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out, b0
 
 @inline
 def k23_group(update, q3, group, r0, r1, i0, raw, xq, xd, xsum, table, out, b0, b1):  # noqa: ARG001 (row_groups')
-    """``out[i, r] = sum_j ds_j * d_x[i, j // 2] * (w_j . q_x[i, j]) - dm_j * xsum[i, j]`` over the 16-value
-    sub-blocks ``j`` of Q2_K rows (``q3`` False; ``xsum`` the float32 activation sums per 16) or Q3_K rows (no
-    minimums) ``r0 <= r < r1``, for the activation rows ``i0 <= i < i0 + group``: step ``(h, s)`` of a block is
-    its activation block of 32 ``4h + s``, lanes 0-7 sub-block ``8h + 2s``, 8-15 the next one
-    (:func:`.kquants.k23_scales`)."""
+    """``out[i, r] = sum_b d_b * sum_j sc_j * d_x[i, j // 2] * (w_j . q_x[i, j]) - dm_j * xsum[i, j]`` over the
+    blocks ``b`` and 16-value sub-blocks ``j`` of Q2_K rows (``q3`` False; ``sc_j`` 4 bits; ``dm_j = dmin * m_j``;
+    ``xsum`` the float32 activation sums per 16) or Q3_K rows (``sc_j = s_j - 32``, no minimums) ``r0 <= r < r1``,
+    for the activation rows ``i0 <= i < i0 + group``: step ``(h, s)`` of a block is its activation block of 32
+    ``4h + s``, pair lanes 0-7 sub-block ``8h + 2s`` and 8-15 the next one, their integer scales in ``pmaddwd``
+    (:func:`.int8.group_k23_scaled_fma`), the block's ``d`` once on its lanes (:func:`.int8.lanes_fold`)."""
     size = Q3_K_BYTES if q3 else Q2_K_BYTES
     cols, nd = xq.shape[1], xd.shape[1]
-    acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
+    acc, part, sums = stack_f32(ACC_FLOATS), stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     t, mins = carray(sums, (GEMV_ROWS,)), carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
-    ds, dm = carray(stack_f32(16), (16,)), carray(stack_f32(16), (16,))
     for r in range(r0, r1):
         lanes_zero(acc, group)
+        lanes_zero(part, group)
         for g in range(group):
             mins[g] = 0
         for b in range(b0, b1):
             blk = raw[r, b * size: b * size + size]
             prefetch(blk, 0)
-            k23_scales(blk, table, ds, dm, q3)
+            if q3:
+                d = table[np.int64(blk[108]) | (np.int64(blk[109]) << 8)]
+            else:
+                d = table[np.int64(blk[80]) | (np.int64(blk[81]) << 8)]
+                dmin = table[np.int64(blk[82]) | (np.int64(blk[83]) << 8)]
             for h in range(2):
                 for s in range(4):
                     j, a = 8 * h + 2 * s, 4 * h + s
                     x_at, d_at = i0 * cols + b * 256 + 32 * a, i0 * nd + b * 8 + a
                     if q3:
-                        group_k23_pairs_fma(blk, 32 + 32 * h, 2 * s, 0, 4 * h + s, xq, x_at, cols, xd, d_at, nd,
-                                            ds[j], ds[j + 1], acc, group)
+                        group_k23_scaled_fma(blk, 32 + 32 * h, 2 * s, 0, 4 * h + s, q3_k_scale(blk, j),
+                                             q3_k_scale(blk, j + 1), xq, x_at, cols, xd, d_at, nd, part, group)
                     else:
+                        m0, m1 = dmin * np.float32(blk[j] >> 4), dmin * np.float32(blk[j + 1] >> 4)
                         for g in range(group):
-                            mins[g] += dm[j] * xsum[i0 + g, b * 16 + j] + dm[j + 1] * xsum[i0 + g, b * 16 + j + 1]
-                        group_k23_pairs_fma(blk, 16 + 32 * h, 2 * s, None, 0, xq, x_at, cols, xd, d_at, nd, ds[j],
-                                            ds[j + 1], acc, group)
+                            mins[g] += m0 * xsum[i0 + g, b * 16 + j] + m1 * xsum[i0 + g, b * 16 + j + 1]
+                        group_k23_scaled_fma(blk, 16 + 32 * h, 2 * s, None, 0, np.int64(blk[j] & 15),
+                                             np.int64(blk[j + 1] & 15), xq, x_at, cols, xd, d_at, nd, part, group)
+            lanes_fold(part, acc, d, group)
         lanes_sums(acc, group, sums)
         for g in range(group):
             deposit(out, i0 + g, r, t[g] - mins[g], b0)
+
+
+@inline
+def q3_k_scale(blk, j):
+    """Q3_K's integer scale ``s_j - 32`` of sub-block ``j`` (the 6-bit ``s_j`` of :mod:`.kquants`' docstring)."""
+    low = (blk[96 + j % 8] >> np.uint8(4 * (j // 8))) & np.uint8(15)
+    high = (blk[104 + j % 4] >> np.uint8(2 * (j // 4))) & np.uint8(3)
+    return np.int64(low | (high << np.uint8(4))) - 32
 
 
 I64, F32 = ir.IntType(64), ir.FloatType()
