@@ -29,7 +29,7 @@ from numba import carray, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ...quants.grids import SIGNS_EVEN
+from ...quants.grids import GRID_IQ3_S, GRID_IQ3_XXS, SIGNS_EVEN, words
 from ...quants.lattice import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
 from ...quants.q8_act import Q8_ACT_BLOCK
 from ...quants.ternary import TQ2_0
@@ -65,12 +65,9 @@ from .lattice import (
     U32_8,
     U32_15,
     U32_127,
-    U64_32,
     W_IQ2_S,
     W_IQ2_XS,
     W_IQ2_XXS,
-    W_IQ3_S,
-    W_IQ3_XXS,
     _d_at,
     _iq1_m_d,
     _iq1_m_word,
@@ -85,6 +82,7 @@ SUPER = IQ2_XXS().block_size  # values of a super-block: 256 for every type here
 SUBS = SUPER // Q8_ACT_BLOCK  # its sub-blocks, each one activation block of 32
 V4_I64, V32_I8 = ir.VectorType(I64, 4), ir.VectorType(I8, Q8_ACT_BLOCK)
 V16_I16 = ir.VectorType(I16, PAIRS)
+W4_IQ3_XXS, W4_IQ3_S = words(GRID_IQ3_XXS), words(GRID_IQ3_S)  # uint32: 4 values a point
 U32_2, U32_3, U32_9, U32_14, U32_16, U32_21, U32_24, U32_28, U32_511 = (
     np.uint32(v) for v in (2, 3, 9, 14, 16, 21, 24, 28, 511))
 
@@ -105,33 +103,37 @@ def _sign_bytes(builder: ir.IRBuilder, bits: ir.Value) -> ir.Value:
 
 
 @intrinsic
-def grid_signs_fma(typingctx, w0, w1, w2, w3, signs, s0, s1, x, x_at, x_stride, xd, d_at, d_stride, part,
+def grid_signs_fma(typingctx, points, signs, s0, s1, x, x_at, x_stride, xd, d_at, d_stride, part,
                    group):  # noqa: ARG001 (numba's protocol)
-    """A 32-value sub-block times ``group`` activation rows: the unsigned grid values in the words ``w0..w3``
-    (value ``8l + k`` in byte ``k`` of word ``l``), their signs in the bits of ``signs`` (bit ``k`` of value ``k``;
-    ``None``: the words hold signed values, at most 9 in magnitude, IQ1's and TQ2_0's) and the integer scales
-    ``s0`` (values 0-15) and ``s1`` (16-31) give row ``g`` 8 exact sums (:func:`.int8.scaled_quads`), converted to
-    float32 and fused with its scale ``d_x[g] = xd[d_at + g * d_stride]`` into its 8 lanes of the super-block at
-    ``part + 16 g``; its activations at ``x[x_at + g * x_stride]`` (flat indices).  The weights' vectors are made
-    once for the group."""
-    if not _literal(group):
+    """A 32-value sub-block times ``group`` activation rows: the unsigned grid values in the words ``points``
+    (four uint64 of 8 values, or eight uint32 of 4: value ``k`` in byte ``k % width`` of word ``k // width``),
+    their signs in the bits of ``signs`` (bit ``k`` of value ``k``; ``None``: the words hold signed values, at
+    most 9 in magnitude, IQ1's) and the integer scales ``s0`` (values 0-15) and ``s1`` (16-31) give row ``g`` 8
+    exact sums (:func:`.int8.scaled_quads`), converted to float32 and fused with its scale ``d_x[g] = xd[d_at + g
+    * d_stride]`` into its 8 lanes of the super-block at ``part + 16 g``; its activations at ``x[x_at + g *
+    x_stride]`` (flat indices).  The weights' vectors are made once for the group; eight 4-byte points go
+    straight into the vector (``vpinsrd``), without a shift and an or per pair."""
+    if not _literal(group) or not isinstance(points, types.UniTuple) or points.count not in (4, 8):
         return None
 
     def codegen(context, builder, signature, args):
-        vector = ir.Constant(V4_I64, ir.Undefined)
-        for k in range(4):
-            vector = builder.insert_element(vector, args[k], I32(k))
+        count = signature.args[0].count
+        vector = ir.Constant(ir.VectorType(ir.IntType(256 // count), count), ir.Undefined)
+        for k in range(count):
+            word = builder.extract_value(args[0], k)
+            vector = builder.insert_element(vector, builder.trunc(word, vector.type.element)
+                                            if word.type.width > vector.type.element.width else word, I32(k))
         grid = builder.bitcast(vector, V32_I8)
-        if signature.args[4] == types.none:  # signed values: their magnitudes, their signs onto the activations
+        if signature.args[1] == types.none:  # signed values: their magnitudes, their signs onto the activations
             absolute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32_I8, [V32_I8, ir.IntType(1)]),
                                                       "llvm.abs.v32i8")
             grid, sign = builder.call(absolute, [grid, ir.Constant(ir.IntType(1), 0)]), grid
         else:
-            sign = _sign_bytes(builder, args[4])
-        scaled_fma_group(context, builder, signature, grid, sign, halves16(builder, args[5], args[6]), args)
+            sign = _sign_bytes(builder, args[1])
+        scaled_fma_group(context, builder, signature, grid, sign, halves16(builder, args[2], args[3]), args)
         return context.get_dummy_value()
 
-    return types.void(w0, w1, w2, w3, signs, s0, s1, x, x_at, x_stride, xd, d_at, d_stride, part, group), codegen
+    return types.void(points, signs, s0, s1, x, x_at, x_stride, xd, d_at, d_stride, part, group), codegen
 
 
 @inline
@@ -160,9 +162,8 @@ def _grid_fma(sub, blocks, base, xq, x_at, cols, xd, d_at, nb, part, group):
     """The 8 sub-blocks of the super-block at byte ``base`` (``sub``: the grid words, sign bits and integer
     scales of each) into the group's super-block lanes."""
     for j in range(SUBS):
-        w0, w1, w2, w3, signs, s0, s1 = sub(blocks, base, j)
-        grid_signs_fma(w0, w1, w2, w3, signs, s0, s1, xq, x_at + Q8_ACT_BLOCK * j, cols, xd, d_at + j, nb, part,
-                       group)
+        points, signs, s0, s1 = sub(blocks, base, j)
+        grid_signs_fma(points, signs, s0, s1, xq, x_at + Q8_ACT_BLOCK * j, cols, xd, d_at + j, nb, part, group)
 
 
 @inline
@@ -209,8 +210,8 @@ def _iq2_xxs_sub(blocks, base, j):
     at = base + 2 + 8 * j
     aux = load_le(blocks, at + 4, 4)
     ls = _two_bits(aux >> U32_28)
-    return (entry(W_IQ2_XXS, load_le(blocks, at, 1)), entry(W_IQ2_XXS, load_le(blocks, at + 1, 1)),
-            entry(W_IQ2_XXS, load_le(blocks, at + 2, 1)), entry(W_IQ2_XXS, load_le(blocks, at + 3, 1)),
+    return ((entry(W_IQ2_XXS, load_le(blocks, at, 1)), entry(W_IQ2_XXS, load_le(blocks, at + 1, 1)),
+             entry(W_IQ2_XXS, load_le(blocks, at + 2, 1)), entry(W_IQ2_XXS, load_le(blocks, at + 3, 1))),
             _even_signs(aux), ls, ls)
 
 
@@ -252,8 +253,8 @@ def _iq2_xs_sub(blocks, base, j):
     signs = (np.uint32(entry(SIGNS_EVEN, q0 >> U32_9)) | (np.uint32(entry(SIGNS_EVEN, q1 >> U32_9)) << U32_8)
              | (np.uint32(entry(SIGNS_EVEN, q2 >> U32_9)) << U32_16)
              | (np.uint32(entry(SIGNS_EVEN, q3 >> U32_9)) << U32_24))
-    return (entry(W_IQ2_XS, q0 & U32_511), entry(W_IQ2_XS, q1 & U32_511), entry(W_IQ2_XS, q2 & U32_511),
-            entry(W_IQ2_XS, q3 & U32_511), signs, _two_bits(sc & U32_15), _two_bits(sc >> U32_4))
+    return ((entry(W_IQ2_XS, q0 & U32_511), entry(W_IQ2_XS, q1 & U32_511), entry(W_IQ2_XS, q2 & U32_511),
+             entry(W_IQ2_XS, q3 & U32_511)), signs, _two_bits(sc & U32_15), _two_bits(sc >> U32_4))
 
 
 @inline
@@ -293,8 +294,8 @@ def _iq2_s_point(blocks, base, j, p, qh):
 @inline
 def _iq2_s_sub(blocks, base, j):
     qh, sc = load_le(blocks, base + 66 + j, 1), load_le(blocks, base + 74 + j, 1)
-    return (_iq2_s_point(blocks, base, j, 0, qh), _iq2_s_point(blocks, base, j, 1, qh),
-            _iq2_s_point(blocks, base, j, 2, qh), _iq2_s_point(blocks, base, j, 3, qh),
+    return ((_iq2_s_point(blocks, base, j, 0, qh), _iq2_s_point(blocks, base, j, 1, qh),
+             _iq2_s_point(blocks, base, j, 2, qh), _iq2_s_point(blocks, base, j, 3, qh)),
             load_le(blocks, base + 34 + 4 * j, 4), _two_bits(sc & U32_15), _two_bits(sc >> U32_4))
 
 
@@ -328,8 +329,8 @@ class IQ2_SInt8Kernel(GridKernel):
 
 
 @inline
-def _iq3_xxs_pair(blocks, at):
-    return entry(W_IQ3_XXS, load_le(blocks, at, 1)) | (entry(W_IQ3_XXS, load_le(blocks, at + 1, 1)) << U64_32)
+def _iq3_xxs_point(blocks, at):
+    return entry(W4_IQ3_XXS, load_le(blocks, at, 1))
 
 
 @inline
@@ -337,8 +338,9 @@ def _iq3_xxs_sub(blocks, base, j):
     at = base + 2 + 8 * j
     aux = load_le(blocks, base + 66 + 4 * j, 4)
     ls = _two_bits(aux >> U32_28)
-    return (_iq3_xxs_pair(blocks, at), _iq3_xxs_pair(blocks, at + 2), _iq3_xxs_pair(blocks, at + 4),
-            _iq3_xxs_pair(blocks, at + 6), _even_signs(aux), ls, ls)
+    return ((_iq3_xxs_point(blocks, at), _iq3_xxs_point(blocks, at + 1), _iq3_xxs_point(blocks, at + 2),
+             _iq3_xxs_point(blocks, at + 3), _iq3_xxs_point(blocks, at + 4), _iq3_xxs_point(blocks, at + 5),
+             _iq3_xxs_point(blocks, at + 6), _iq3_xxs_point(blocks, at + 7)), _even_signs(aux), ls, ls)
 
 
 @inline
@@ -371,10 +373,8 @@ class IQ3_XXSInt8Kernel(GridKernel):
 
 
 @inline
-def _iq3_s_pair(blocks, at, qh, p):
-    low = load_le(blocks, at, 1) | ((qh >> np.uint32(2 * p)) & U32_1) << U32_8
-    high = load_le(blocks, at + 1, 1) | ((qh >> np.uint32(2 * p + 1)) & U32_1) << U32_8
-    return entry(W_IQ3_S, low) | (entry(W_IQ3_S, high) << U64_32)
+def _iq3_s_point(blocks, at, qh, k):
+    return entry(W4_IQ3_S, load_le(blocks, at + k, 1) | ((qh >> np.uint32(k)) & U32_1) << U32_8)
 
 
 @inline
@@ -382,8 +382,10 @@ def _iq3_s_sub(blocks, base, j):
     at = base + 2 + 8 * j
     qh = load_le(blocks, base + 66 + j, 1)
     ls = _two_bits((load_le(blocks, base + 106 + j // 2, 1) >> np.uint32(4 * (j % 2))) & U32_15)
-    return (_iq3_s_pair(blocks, at, qh, 0), _iq3_s_pair(blocks, at + 2, qh, 1), _iq3_s_pair(blocks, at + 4, qh, 2),
-            _iq3_s_pair(blocks, at + 6, qh, 3), load_le(blocks, base + 74 + 4 * j, 4), ls, ls)
+    return ((_iq3_s_point(blocks, at, qh, 0), _iq3_s_point(blocks, at, qh, 1), _iq3_s_point(blocks, at, qh, 2),
+             _iq3_s_point(blocks, at, qh, 3), _iq3_s_point(blocks, at, qh, 4), _iq3_s_point(blocks, at, qh, 5),
+             _iq3_s_point(blocks, at, qh, 6), _iq3_s_point(blocks, at, qh, 7)), load_le(blocks, base + 74 + 4 * j, 4),
+            ls, ls)
 
 
 @inline
@@ -422,10 +424,10 @@ def _iq1_s_sub(blocks, base, j):
     qh = load_le(blocks, base + 34 + 2 * j, 2)
     at, minus = base + 2 + 4 * j, qh >> np.uint32(15)
     ls = _two_bits((qh >> np.uint32(12)) & U32_7)
-    return (_iq1_word(load_le(blocks, at, 1) | (qh & U32_7) << U32_8, minus),
-            _iq1_word(load_le(blocks, at + 1, 1) | ((qh >> np.uint32(3)) & U32_7) << U32_8, minus),
-            _iq1_word(load_le(blocks, at + 2, 1) | ((qh >> np.uint32(6)) & U32_7) << U32_8, minus),
-            _iq1_word(load_le(blocks, at + 3, 1) | ((qh >> np.uint32(9)) & U32_7) << U32_8, minus), None, ls, ls)
+    return ((_iq1_word(load_le(blocks, at, 1) | (qh & U32_7) << U32_8, minus),
+             _iq1_word(load_le(blocks, at + 1, 1) | ((qh >> np.uint32(3)) & U32_7) << U32_8, minus),
+             _iq1_word(load_le(blocks, at + 2, 1) | ((qh >> np.uint32(6)) & U32_7) << U32_8, minus),
+             _iq1_word(load_le(blocks, at + 3, 1) | ((qh >> np.uint32(9)) & U32_7) << U32_8, minus)), None, ls, ls)
 
 
 @inline
@@ -460,8 +462,8 @@ class IQ1_SInt8Kernel(GridKernel):
 @inline
 def _iq1_m_sub(blocks, base, j):
     word = load_le(blocks, base + 48 + 2 * (j // 2), 2)  # sub-blocks 2j, 2j + 1: bits 6(j % 2) .. + 5
-    return (_iq1_m_word(blocks, base, j, 0), _iq1_m_word(blocks, base, j, 1), _iq1_m_word(blocks, base, j, 2),
-            _iq1_m_word(blocks, base, j, 3), None, _two_bits((word >> np.uint32(6 * (j % 2))) & U32_7),
+    return ((_iq1_m_word(blocks, base, j, 0), _iq1_m_word(blocks, base, j, 1), _iq1_m_word(blocks, base, j, 2),
+             _iq1_m_word(blocks, base, j, 3)), None, _two_bits((word >> np.uint32(6 * (j % 2))) & U32_7),
             _two_bits((word >> np.uint32(6 * (j % 2) + 3)) & U32_7))
 
 
