@@ -605,24 +605,36 @@ def scaled_fma_group(context, builder: ir.IRBuilder, signature, magnitudes: ir.V
 
 
 @intrinsic
-def group_q6_scaled_fma(typingctx, blocks, low_at, shift, high_at, high, s0, s1, x, x_at, x_stride, xd, d_at,
-                        d_stride, part, group):  # noqa: ARG001
-    """32 values of a Q6_K block (:func:`_q6`, ``q - 32``) with its two 16-value sub-blocks' integer scales ``s0``,
-    ``s1`` times ``group`` activation rows (:func:`scaled_fma_group`: the magnitudes against the activations
-    with the values' signs)."""
+def group_q6_block_fma(typingctx, blocks, x, x_at, x_stride, xd, d_at, d_stride, part, group):  # noqa: ARG001
+    """A whole Q6_K block times ``group`` activation rows: its 8 runs of 32 values (:func:`_q6`, ``q - 32``; run
+    ``a = 4h + s`` at its constant offsets) each with the int8 scales of its two 16-value sub-blocks ``2a, 2a + 1``,
+    picked by a constant shuffle from the block's 16 scales, widened once (:func:`scaled_fma_group`: the
+    magnitudes against the activations with the values' signs; run ``a`` reads activation block ``a`` of the
+    256 at ``x_at``, ``d_at``)."""
     if not _literal(group):
         return None
 
     def codegen(context, builder, signature, args):
-        w = _q6(context, builder, signature, args)
+        i64 = ir.IntType(64)
         absolute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32_I8, [V32_I8, ir.IntType(1)]),
                                                   "llvm.abs.v32i8")
-        scaled_fma_group(context, builder, signature, builder.call(absolute, [w, ir.Constant(ir.IntType(1), 0)]), w,
-                         halves16(builder, args[5], args[6]), args)
+        scales = builder.load(_pointer(context, builder, signature.args[0], args[0], i64(192), V16_I8), align=1)
+        scales = builder.sext(scales, V16_I16)
+        x, x_at, x_stride, xd, d_at, d_stride, part, group_ = args[1:]
+        for h in range(2):
+            for s in range(4):
+                a = 4 * h + s
+                fields = [args[0], i64(64 * h + 32 * (s % 2)), i64(4 * (s // 2)), i64(128 + 32 * h), i64(2 * s)]
+                w = _q6(context, builder, signature, fields)
+                pick = builder.shuffle_vector(scales, scales, ir.Constant(ir.VectorType(I32, PAIRS),
+                                                                          [2 * a] * 8 + [2 * a + 1] * 8))
+                rows = [x, builder.add(x_at, i64(Q8_ACT_BLOCK * a)), x_stride, xd, builder.add(d_at, i64(a)),
+                        d_stride, part, group_]
+                scaled_fma_group(context, builder, signature,
+                                 builder.call(absolute, [w, ir.Constant(ir.IntType(1), 0)]), w, pick, rows)
         return context.get_dummy_value()
 
-    return (types.void(blocks, low_at, shift, high_at, high, s0, s1, x, x_at, x_stride, xd, d_at, d_stride, part,
-                       group), codegen)
+    return types.void(blocks, x, x_at, x_stride, xd, d_at, d_stride, part, group), codegen
 
 
 @intrinsic

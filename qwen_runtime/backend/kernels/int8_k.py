@@ -8,7 +8,7 @@ A Q4_K block of 256 values has 8 sub-blocks of 32 with ``value = ds_j * q - dm_j
 ``j`` of its ``qh`` bytes as bit 4, :func:`.int8.group_q5_k_pairs_fma`), the minimums against the float32
 activation sums per 32 (exact activations, as the float kernel).  A Q6_K block has 16 sub-blocks of 16 values
 ``d * sc_j * (q - 32)`` (``sc_j`` int8, ``q`` 6 bits): each activation block of 32 spans two, whose integer
-scales go into ``pmaddwd`` (:func:`.int8.group_q6_scaled_fma`), the block's ``d`` once on its lanes.
+scales go into ``pmaddwd`` (:func:`.int8.group_q6_block_fma`), the block's ``d`` once on its lanes.
 
 With AVX-512 VNNI, Q4_K goes 64 weights at a time instead (:func:`q4_k_vnni_group`): a chunk's 32 bytes give
 sub-blocks ``2c`` (low nibbles) and ``2c + 1`` (high) as one ``<64 x i8>`` against the row's 64 activations in
@@ -63,7 +63,7 @@ from .int8 import (
     group_k23_scaled_fma,
     group_nibbles32_pairs_fma,
     group_q5_k_pairs_fma,
-    group_q6_scaled_fma,
+    group_q6_block_fma,
     inline,
     lanes_fold,
     lanes_sums,
@@ -140,7 +140,7 @@ def q6_k_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out, b0
     """``out[i, r] = sum_b d_b * sum_j sc_j * d_x[i, j // 2] * (w_j . q_x[i, j])`` over the blocks ``b`` of Q6_K rows
     ``r0 <= r < r1`` and their 16-value sub-blocks ``j`` for the activation rows ``i0 <= i < i0 + group`` (``w = q -
     32``): two sub-blocks per activation block of 32, their int8 scales ``sc_j`` in ``pmaddwd``
-    (:func:`.int8.group_q6_scaled_fma`), each block's ``d`` once on its lanes (:func:`.int8.lanes_fold`)."""
+    (:func:`.int8.group_q6_block_fma`), each block's ``d`` once on its lanes (:func:`.int8.lanes_fold`)."""
     cols, nd = xq.shape[1], xd.shape[1]
     acc, part, sums = stack_f32(ACC_FLOATS), stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
     t = carray(sums, (GEMV_ROWS,))
@@ -151,13 +151,7 @@ def q6_k_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out, b0
             o = b * Q6_K_BYTES
             blk = raw[r, o: o + Q6_K_BYTES]
             prefetch(blk, 0)
-            for h in range(2):
-                for s in range(4):
-                    j = 8 * h + 2 * s
-                    a = 4 * h + s  # the activation block of 32 within the 256
-                    group_q6_scaled_fma(blk, 64 * h + 32 * (s % 2), 4 * (s // 2), 128 + 32 * h, 2 * s,
-                                        np.int8(blk[192 + j]), np.int8(blk[193 + j]), xq,
-                                        i0 * cols + b * 256 + 32 * a, cols, xd, i0 * nd + b * 8 + a, nd, part, group)
+            group_q6_block_fma(blk, xq, i0 * cols + b * 256, cols, xd, i0 * nd + b * 8, nd, part, group)
             lanes_fold(part, acc, table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)], group)
         lanes_sums(acc, group, sums)
         for g in range(group):
@@ -318,7 +312,7 @@ def group_q6_vnni_fma(typingctx, blk, h, x, x_at, x_stride, bias, bias_at, bias_
                       group):  # noqa: ARG001
     """Values ``128 h + 64 part`` .. ``+ 63`` of a Q6_K block (``part`` a literal, 0 or 1) times ``group`` activation
     rows: steps ``s = 2 part`` and ``2 part + 1`` of half ``h``, their 6-bit ``q`` (0..63, from ``ql`` and ``qh`` as
-    :func:`.int8.group_q6_scaled_fma` takes them) as one ``<64 x i8>`` against row ``g``'s 64 int8 activations
+    :func:`.int8.group_q6_block_fma` takes them) as one ``<64 x i8>`` against row ``g``'s 64 int8 activations
     in one ``vpdpbusd`` started from ``bias`` (``-32`` times the row's sums of 4 activations, so the lanes hold the
     sums of ``(q - 32) x``), converted to float32 and fused into the row's 16 lanes with the scales of sub-blocks
     ``8 h + 4 part`` .. ``+ 3``, four lanes each, from ``p[16 g ...]`` (:func:`scale_products`)."""
