@@ -109,30 +109,29 @@ def q4_k_group(update, size, group, r0, r1, i0, raw, xq, xd, xsum, table, out, b
     """``out[i, r] = sum_j ds_j * d_x[i, j] * (q_j . q_x[i, j]) - dm_j * xsum[i, j]`` over the 32-value
     sub-blocks ``j`` of Q4_K/Q5_K rows ``r0 <= r < r1`` (blocks of ``size`` bytes) for the activation rows
     ``i0 <= i < i0 + group`` (``ds``, ``dm``: :func:`.kquants.q4_k_scales`; ``xsum``: the float32 activation
-    sums per 32, as the float kernel's minimums; :func:`.int8.row_group`'s protocol): each block's scales
-    decoded and its weights unpacked once for the group."""
+    sums per 32, as the float kernel's minimums, 8 lanes a row: :func:`.kquants.minimums_fma`;
+    :func:`.int8.row_group`'s protocol): each block's scales decoded and its weights unpacked once for the group."""
     cols, nd = xq.shape[1], xd.shape[1]
     acc, sums = stack_f32(ACC_FLOATS), stack_f32(GEMV_ROWS)
-    mins = carray(stack_f32(GEMV_ROWS), (GEMV_ROWS,))
+    minp = stack_f32(MIN_LANES)
+    mins = carray(minp, (MIN_LANES,))
     dsp, dmp = stack_f32(8), stack_f32(8)
-    ds, dm = carray(dsp, (8,)), carray(dmp, (8,))
+    ds = carray(dsp, (8,))
     s = carray(sums, (GEMV_ROWS,))
     for r in range(r0, r1):
         lanes_zero(acc, group)
-        for g in range(group):
-            mins[g] = 0
+        mins[:8 * group] = 0
         for b in range(b0, b1):
             blk = raw[r, b * size: b * size + size]
             prefetch(blk, 0)
             k45_scales(blk, table, dsp, dmp)
+            minimums_fma(dmp, xsum, i0 * nd + b * 8, nd, minp, group)
             for j in range(8):
-                for g in range(group):
-                    mins[g] += dm[j] * xsum[i0 + g, b * 8 + j]
                 k45_group_update(blk, j, size, xq, i0 * cols + b * 256 + 32 * j, cols, xd, i0 * nd + b * 8 + j, nd,
                                  ds[j], acc, group)
         lanes_sums(acc, group, sums)
         for g in range(group):
-            deposit(out, i0 + g, r, s[g] - mins[g], b0)
+            deposit(out, i0 + g, r, s[g] - minimums_sum(mins, g), b0)
 
 
 @inline
