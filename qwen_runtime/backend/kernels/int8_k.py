@@ -80,8 +80,10 @@ from .kquants import (
     Q6_K_BYTES,
     QK_K,
     V8_F32,
+    k23_d,
     minimums_fma,
     minimums_sum,
+    q3_k_scale,
     q4_k_scales,
     q6_k_scales_at,
 )
@@ -177,11 +179,7 @@ def k23_group(update, q3, group, r0, r1, i0, raw, xq, xd, xsum, table, out, b0, 
         for b in range(b0, b1):
             blk = raw[r, b * size: b * size + size]
             prefetch(blk, 0)
-            if q3:
-                d = table[np.int64(blk[108]) | (np.int64(blk[109]) << 8)]
-            else:
-                d = table[np.int64(blk[80]) | (np.int64(blk[81]) << 8)]
-                dmin = table[np.int64(blk[82]) | (np.int64(blk[83]) << 8)]
+            d, dmin = k23_d(blk, table, q3)
             for h in range(2):
                 for s in range(4):
                     j, a = 8 * h + 2 * s, 4 * h + s
@@ -199,14 +197,6 @@ def k23_group(update, q3, group, r0, r1, i0, raw, xq, xd, xsum, table, out, b0, 
         lanes_sums(acc, group, sums)
         for g in range(group):
             deposit(out, i0 + g, r, t[g] - mins[g], b0)
-
-
-@inline
-def q3_k_scale(blk, j):
-    """Q3_K's integer scale ``s_j - 32`` of sub-block ``j`` (the 6-bit ``s_j`` of :mod:`.kquants`' docstring)."""
-    low = (blk[96 + j % 8] >> np.uint8(4 * (j // 8))) & np.uint8(15)
-    high = (blk[104 + j % 4] >> np.uint8(2 * (j // 4))) & np.uint8(3)
-    return np.int64(low | (high << np.uint8(4))) - 32
 
 
 I64, F32 = ir.IntType(64), ir.FloatType()

@@ -436,19 +436,31 @@ def q6_k_decode(raw, table, tile):
 
 
 @numba.njit(inline="always")
+def k23_d(blk, table, q3):
+    """The float16 ``d`` and ``dmin`` (Q3_K: ``d`` and 0) of a Q2_K or (``q3``) Q3_K block, as float32."""
+    if q3:
+        return table[np.int64(blk[108]) | (np.int64(blk[109]) << 8)], np.float32(0)
+    return table[np.int64(blk[80]) | (np.int64(blk[81]) << 8)], table[np.int64(blk[82]) | (np.int64(blk[83]) << 8)]
+
+
+@numba.njit(inline="always")
+def q3_k_scale(blk, j):
+    """Q3_K's integer scale ``s_j - 32`` of sub-block ``j`` (the 6-bit ``s_j`` of :mod:`.kquants`' docstring)."""
+    low = (blk[96 + j % 8] >> np.uint8(4 * (j // 8))) & M4
+    high = (blk[104 + j % 4] >> np.uint8(2 * (j // 4))) & M2
+    return np.int32(low | (high << S4)) - 32
+
+
+@numba.njit(inline="always")
 def k23_scales(blk, table, ds, dm, q3):
     """The 16 sub-block scales ``ds[j]`` (and Q2_K's minimums ``dm[j]``) of a Q2_K or (``q3``) Q3_K block, as the
     reference computes them: Q2_K ``d * (scales[j] & 15)``, ``dmin * (scales[j] >> 4)``; Q3_K
-    ``d * (s_j - 32)`` with the 6-bit ``s_j`` of :mod:`.kquants`' docstring."""
+    ``d * (s_j - 32)`` (:func:`q3_k_scale`)."""
+    d, dmin = k23_d(blk, table, q3)
     if q3:
-        d = table[np.int64(blk[108]) | (np.int64(blk[109]) << 8)]
         for j in range(16):
-            low = (blk[96 + j % 8] >> np.uint8(4 * (j // 8))) & M4
-            high = (blk[104 + j % 4] >> np.uint8(2 * (j // 4))) & M2
-            ds[j] = d * np.float32(np.int32(low | (high << S4)) - 32)
+            ds[j] = d * np.float32(q3_k_scale(blk, j))
         return
-    d = table[np.int64(blk[80]) | (np.int64(blk[81]) << 8)]
-    dmin = table[np.int64(blk[82]) | (np.int64(blk[83]) << 8)]
     for j in range(16):
         ds[j] = d * np.float32(blk[j] & M4)
         dm[j] = dmin * np.float32(blk[j] >> S4)
