@@ -161,6 +161,14 @@ def _pairs16(builder: ir.IRBuilder, w16: ir.Value, x16: ir.Value) -> ir.Value:
     return total
 
 
+def magnitudes(builder: ir.IRBuilder, w: ir.Value) -> ir.Value:
+    """``|w|`` of ``<32 x i8>`` weights (``vpabsb``): the unsigned operand of ``pmaddubsw``, whose signs go onto
+    the activations (``vpsignb``)."""
+    absolute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32_I8, [V32_I8, ir.IntType(1)]),
+                                              "llvm.abs.v32i8")
+    return builder.call(absolute, [w, ir.Constant(ir.IntType(1), 0)])
+
+
 def _quads8(builder: ir.IRBuilder, w: ir.Value, x: ir.Value, unsigned: bool) -> ir.Value:
     """``<8 x i32>``: ``sum_{k<4} w[4j+k] * x[4j+k]`` for 32 int8 weights ``w`` and activations ``x``, exact:
     ``pmaddubsw`` of ``|w|`` (unsigned) and ``x`` with the sign of ``w`` (``psignb``) gives 16 pair sums in int16
@@ -168,10 +176,8 @@ def _quads8(builder: ir.IRBuilder, w: ir.Value, x: ir.Value, unsigned: bool) -> 
     pairs in int32.  ``unsigned`` weights (0..31, the K-quants' nibbles) go in as they are, without the signs."""
     module = builder.module
     if not unsigned:
-        absolute = cgutils.get_or_insert_function(module, ir.FunctionType(V32_I8, [V32_I8, ir.IntType(1)]),
-                                                  "llvm.abs.v32i8")
         psign = cgutils.get_or_insert_function(module, ir.FunctionType(V32_I8, [V32_I8] * 2), "llvm.x86.avx2.psign.b")
-        w, x = builder.call(absolute, [w, ir.Constant(ir.IntType(1), 0)]), builder.call(psign, [x, w])
+        w, x = magnitudes(builder, w), builder.call(psign, [x, w])
     pmaddubsw = cgutils.get_or_insert_function(module, ir.FunctionType(V16_I16, [V32_I8] * 2),
                                                "llvm.x86.avx2.pmadd.ub.sw")
     pmaddwd = cgutils.get_or_insert_function(module, ir.FunctionType(V8_I32, [V16_I16] * 2), "llvm.x86.avx2.pmadd.wd")
@@ -577,10 +583,10 @@ def halves16(builder: ir.IRBuilder, s0: ir.Value, s1: ir.Value) -> ir.Value:
                                                        [*range(half), *range(PAIRS + half, 2 * PAIRS)]))
 
 
-def scaled_fma_group(context, builder: ir.IRBuilder, signature, magnitudes: ir.Value, signs: ir.Value | None,
+def scaled_fma_group(context, builder: ir.IRBuilder, signature, grid: ir.Value, signs: ir.Value | None,
                      scales: ir.Value, args: list) -> None:
-    """For each of ``group`` activation rows ``g``: ``part[g] = fma(f32(scaled_quads(magnitudes, signs, x_g,
-    scales)), d_x[g], part[g])`` in 8 float32 lanes, the block's vectors made once for all the rows.  The last
+    """For each of ``group`` activation rows ``g``: ``part[g] = fma(f32(scaled_quads(grid, signs, x_g, scales)),
+    d_x[g], part[g])`` in 8 float32 lanes, the block's vectors made once for all the rows.  The last
     arguments are ``x, x_at, x_stride, xd, d_at, d_stride, part, group``: row ``g``'s 32 activations (int8, or
     int16 holding int8 values) at ``x[x_at + g * x_stride]``, its scale ``xd[d_at + g * d_stride]`` (flat
     indices), its lanes at ``part + 16 g`` (a stack pointer, ``group`` a literal: the lanes stay in registers).
@@ -598,7 +604,7 @@ def scaled_fma_group(context, builder: ir.IRBuilder, signature, magnitudes: ir.V
             xg = builder.load(builder.bitcast(at, V32_I8.as_pointer()), align=1)
         else:  # the int16 activations of the pairs kernels' multi-row form (:meth:`Int8Kernel.forms`)
             xg = builder.trunc(builder.load(builder.bitcast(at, V32_I16.as_pointer()), align=2), V32_I8)
-        sums = builder.sitofp(scaled_quads(builder, magnitudes, signs, xg, scales), V8_F32)
+        sums = builder.sitofp(scaled_quads(builder, grid, signs, xg, scales), V8_F32)
         dx = splat(builder, builder.load(builder.gep(d_pointer, [builder.mul(row, d_stride)])), V8_F32)
         lanes = builder.bitcast(builder.gep(part, [ir.Constant(ir.IntType(64), g * PAIRS)]), V8_F32.as_pointer())
         builder.store(builder.call(fma, [sums, dx, builder.load(lanes, align=4)]), lanes, align=4)
@@ -616,8 +622,6 @@ def group_q6_block_fma(typingctx, blocks, x, x_at, x_stride, xd, d_at, d_stride,
 
     def codegen(context, builder, signature, args):
         i64 = ir.IntType(64)
-        absolute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32_I8, [V32_I8, ir.IntType(1)]),
-                                                  "llvm.abs.v32i8")
         scales = builder.load(_pointer(context, builder, signature.args[0], args[0], i64(192), V16_I8), align=1)
         scales = builder.sext(scales, V16_I16)
         x, x_at, x_stride, xd, d_at, d_stride, part, group_ = args[1:]
@@ -630,8 +634,7 @@ def group_q6_block_fma(typingctx, blocks, x, x_at, x_stride, xd, d_at, d_stride,
                                                                           [2 * a] * 8 + [2 * a + 1] * 8))
                 rows = [x, builder.add(x_at, i64(Q8_ACT_BLOCK * a)), x_stride, xd, builder.add(d_at, i64(a)),
                         d_stride, part, group_]
-                scaled_fma_group(context, builder, signature,
-                                 builder.call(absolute, [w, ir.Constant(ir.IntType(1), 0)]), w, pick, rows)
+                scaled_fma_group(context, builder, signature, magnitudes(builder, w), w, pick, rows)
         return context.get_dummy_value()
 
     return types.void(blocks, x, x_at, x_stride, xd, d_at, d_stride, part, group), codegen
@@ -647,13 +650,9 @@ def group_k23_scaled_fma(typingctx, blocks, qs_at, shift, hm_at, bit, s0, s1, x,
 
     def codegen(context, builder, signature, args):
         w = _k23(context, builder, signature, args)
-        if signature.args[3] == types.none:
-            magnitudes, signs = w, None
-        else:
-            absolute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32_I8, [V32_I8, ir.IntType(1)]),
-                                                      "llvm.abs.v32i8")
-            magnitudes, signs = builder.call(absolute, [w, ir.Constant(ir.IntType(1), 0)]), w
-        scaled_fma_group(context, builder, signature, magnitudes, signs, halves16(builder, args[5], args[6]), args)
+        unsigned = signature.args[3] == types.none  # Q2_K's 0..3
+        scaled_fma_group(context, builder, signature, w if unsigned else magnitudes(builder, w),
+                         None if unsigned else w, halves16(builder, args[5], args[6]), args)
         return context.get_dummy_value()
 
     return (types.void(blocks, qs_at, shift, hm_at, bit, s0, s1, x, x_at, x_stride, xd, d_at, d_stride, part, group),

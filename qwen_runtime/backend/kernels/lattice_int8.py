@@ -26,7 +26,6 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import carray, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ...quants.grids import GRID_IQ3_S, GRID_IQ3_XXS, SIGNS_EVEN, words
@@ -44,6 +43,7 @@ from .int8 import (
     lanes_fold,
     lanes_sums,
     lanes_zero,
+    magnitudes,
     q8_cfunc,
     row_groups,
     scaled_fma_group,
@@ -125,9 +125,7 @@ def grid_signs_fma(typingctx, points, signs, s0, s1, x, x_at, x_stride, xd, d_at
                                             if word.type.width > vector.type.element.width else word, I32(k))
         grid = builder.bitcast(vector, V32_I8)
         if signature.args[1] == types.none:  # signed values: their magnitudes, their signs onto the activations
-            absolute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32_I8, [V32_I8, ir.IntType(1)]),
-                                                      "llvm.abs.v32i8")
-            grid, sign = builder.call(absolute, [grid, ir.Constant(ir.IntType(1), 0)]), grid
+            grid, sign = magnitudes(builder, grid), grid
         else:
             sign = _sign_bytes(builder, args[1])
         scaled_fma_group(context, builder, signature, grid, sign, halves16(builder, args[2], args[3]), args)
@@ -187,7 +185,7 @@ class GridKernel(Int8Kernel):
 
 
 @inline
-def _two_bits(q):
+def _odd_scale(q):
     """``2 q + 1``: a sub-block's integer scale from its 4-bit field."""
     return q * U32_2 + U32_1
 
@@ -209,7 +207,7 @@ def _even_signs(aux):
 def _iq2_xxs_sub(blocks, base, j):
     at = base + 2 + 8 * j
     aux = load_le(blocks, at + 4, 4)
-    ls = _two_bits(aux >> U32_28)
+    ls = _odd_scale(aux >> U32_28)
     return ((entry(W_IQ2_XXS, load_le(blocks, at, 1)), entry(W_IQ2_XXS, load_le(blocks, at + 1, 1)),
              entry(W_IQ2_XXS, load_le(blocks, at + 2, 1)), entry(W_IQ2_XXS, load_le(blocks, at + 3, 1))),
             _even_signs(aux), ls, ls)
@@ -254,7 +252,7 @@ def _iq2_xs_sub(blocks, base, j):
              | (np.uint32(entry(SIGNS_EVEN, q2 >> U32_9)) << U32_16)
              | (np.uint32(entry(SIGNS_EVEN, q3 >> U32_9)) << U32_24))
     return ((entry(W_IQ2_XS, q0 & U32_511), entry(W_IQ2_XS, q1 & U32_511), entry(W_IQ2_XS, q2 & U32_511),
-             entry(W_IQ2_XS, q3 & U32_511)), signs, _two_bits(sc & U32_15), _two_bits(sc >> U32_4))
+             entry(W_IQ2_XS, q3 & U32_511)), signs, _odd_scale(sc & U32_15), _odd_scale(sc >> U32_4))
 
 
 @inline
@@ -296,7 +294,7 @@ def _iq2_s_sub(blocks, base, j):
     qh, sc = load_le(blocks, base + 66 + j, 1), load_le(blocks, base + 74 + j, 1)
     return ((_iq2_s_point(blocks, base, j, 0, qh), _iq2_s_point(blocks, base, j, 1, qh),
              _iq2_s_point(blocks, base, j, 2, qh), _iq2_s_point(blocks, base, j, 3, qh)),
-            load_le(blocks, base + 34 + 4 * j, 4), _two_bits(sc & U32_15), _two_bits(sc >> U32_4))
+            load_le(blocks, base + 34 + 4 * j, 4), _odd_scale(sc & U32_15), _odd_scale(sc >> U32_4))
 
 
 @inline
@@ -337,7 +335,7 @@ def _iq3_xxs_point(blocks, at):
 def _iq3_xxs_sub(blocks, base, j):
     at = base + 2 + 8 * j
     aux = load_le(blocks, base + 66 + 4 * j, 4)
-    ls = _two_bits(aux >> U32_28)
+    ls = _odd_scale(aux >> U32_28)
     return ((_iq3_xxs_point(blocks, at), _iq3_xxs_point(blocks, at + 1), _iq3_xxs_point(blocks, at + 2),
              _iq3_xxs_point(blocks, at + 3), _iq3_xxs_point(blocks, at + 4), _iq3_xxs_point(blocks, at + 5),
              _iq3_xxs_point(blocks, at + 6), _iq3_xxs_point(blocks, at + 7)), _even_signs(aux), ls, ls)
@@ -381,7 +379,7 @@ def _iq3_s_point(blocks, at, qh, k):
 def _iq3_s_sub(blocks, base, j):
     at = base + 2 + 8 * j
     qh = load_le(blocks, base + 66 + j, 1)
-    ls = _two_bits((load_le(blocks, base + 106 + j // 2, 1) >> np.uint32(4 * (j % 2))) & U32_15)
+    ls = _odd_scale((load_le(blocks, base + 106 + j // 2, 1) >> np.uint32(4 * (j % 2))) & U32_15)
     return ((_iq3_s_point(blocks, at, qh, 0), _iq3_s_point(blocks, at, qh, 1), _iq3_s_point(blocks, at, qh, 2),
              _iq3_s_point(blocks, at, qh, 3), _iq3_s_point(blocks, at, qh, 4), _iq3_s_point(blocks, at, qh, 5),
              _iq3_s_point(blocks, at, qh, 6), _iq3_s_point(blocks, at, qh, 7)), load_le(blocks, base + 74 + 4 * j, 4),
@@ -423,7 +421,7 @@ class IQ3_SInt8Kernel(GridKernel):
 def _iq1_s_sub(blocks, base, j):
     qh = load_le(blocks, base + 34 + 2 * j, 2)
     at, minus = base + 2 + 4 * j, qh >> np.uint32(15)
-    ls = _two_bits((qh >> np.uint32(12)) & U32_7)
+    ls = _odd_scale((qh >> np.uint32(12)) & U32_7)
     return ((_iq1_word(load_le(blocks, at, 1) | (qh & U32_7) << U32_8, minus),
              _iq1_word(load_le(blocks, at + 1, 1) | ((qh >> np.uint32(3)) & U32_7) << U32_8, minus),
              _iq1_word(load_le(blocks, at + 2, 1) | ((qh >> np.uint32(6)) & U32_7) << U32_8, minus),
@@ -463,8 +461,8 @@ class IQ1_SInt8Kernel(GridKernel):
 def _iq1_m_sub(blocks, base, j):
     word = load_le(blocks, base + 48 + 2 * (j // 2), 2)  # sub-blocks 2j, 2j + 1: bits 6(j % 2) .. + 5
     return ((_iq1_m_word(blocks, base, j, 0), _iq1_m_word(blocks, base, j, 1), _iq1_m_word(blocks, base, j, 2),
-             _iq1_m_word(blocks, base, j, 3)), None, _two_bits((word >> np.uint32(6 * (j % 2))) & U32_7),
-            _two_bits((word >> np.uint32(6 * (j % 2) + 3)) & U32_7))
+             _iq1_m_word(blocks, base, j, 3)), None, _odd_scale((word >> np.uint32(6 * (j % 2))) & U32_7),
+            _odd_scale((word >> np.uint32(6 * (j % 2) + 3)) & U32_7))
 
 
 @inline
@@ -510,11 +508,8 @@ def group_tq2_fma(typingctx, blocks, at, shift, x, x_at, x_stride, xd, d_at, d_s
         q = builder.lshr(q, splat(builder, builder.trunc(args[2], I16), V16_I16))
         q = builder.and_(builder.bitcast(q, V32_I8), ir.Constant(V32_I8, [3] * Q8_ACT_BLOCK))
         v = builder.sub(q, ir.Constant(V32_I8, [1] * Q8_ACT_BLOCK))
-        absolute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32_I8, [V32_I8, ir.IntType(1)]),
-                                                  "llvm.abs.v32i8")
         one = ir.Constant(I16, 1)
-        scaled_fma_group(context, builder, signature, builder.call(absolute, [v, ir.Constant(ir.IntType(1), 0)]), v,
-                         halves16(builder, one, one), args)
+        scaled_fma_group(context, builder, signature, magnitudes(builder, v), v, halves16(builder, one, one), args)
         return context.get_dummy_value()
 
     return types.void(blocks, at, shift, x, x_at, x_stride, xd, d_at, d_stride, part, group), codegen
