@@ -1,19 +1,23 @@
-"""This machine's int8 multiply-add peak and the AMX prefill kernel's rate against the float path (issue #46).
+"""This machine's int8 multiply-add peak and the integer prefill kernels' rate against the float path (issue #46).
 
     python scripts/int8_peak.py [--repeat 3] [--rows 512]
 
-1. Peak, one thread, operands in registers: AMX ``tdpbssd`` (16 x 64 by 64 x 16 int8 tiles, four independent
-   accumulators) and AVX-512 VNNI ``vpdpbusd`` (eight independent zmm accumulators), where the CPU has them.
+1. Peak, one thread: AMX ``tdpbssd`` (16 x 64 by 64 x 16 int8 tiles, four independent accumulators) and AVX-512
+   VNNI ``vpdpbusd`` (eight independent zmm accumulators), operands in registers, where the CPU has them; with
+   AVX2, ``pmaddubsw`` + ``pmaddwd`` + ``paddd`` on 32 int8 values in the lanes GEMM's inner-loop shape (4
+   activation vectors and 2 weight vectors and their scales loaded per step from an L1-resident window, 8
+   independent accumulators), and float32 FMA (8 independent ymm accumulators), the float path's ceiling.
 2. ``x @ W.T`` for Q8_0, Q4_K and Q6_K weights (``--types``) of the Qwen2.5-0.5B MLP shape (4864 x 896) and
    the Qwen2.5-3B one (11008 x 2048), for the K-quants their down projections (896 x 4864, 2048 x 11008),
-   ``--rows`` activation rows: the AMX kernels (:mod:`qwen_runtime.backend.kernels.amx`, q8_0 activations;
-   :mod:`qwen_runtime.backend.kernels.amx_k`, q8_K activations; quantized once, timed with the quantization) against
+   ``--rows`` activation rows: the integer kernels (AMX: :mod:`qwen_runtime.backend.kernels.amx`, q8_0
+   activations, and :mod:`qwen_runtime.backend.kernels.amx_k`, q8_K; else AVX2's lanes,
+   :mod:`qwen_runtime.backend.kernels.avx2_k`, Q4_K and Q6_K; quantized once, timed with the quantization) against
    the float prefill path for the same product (each tile of about 2^20 weights decoded to float32 by the
-   compiled decoder, then SGEMM), on one thread and on two (columns split in two halves for AMX; the float
-   path's tiles shared by two threads, BLAS on one thread each).  Paired: AMX and float timed in turn.
+   compiled decoder, then SGEMM), on one thread and on two (columns split in two halves; the float path's tiles
+   shared by two threads, BLAS on one thread each).  Paired: integer and float timed in turn.
 
 Prints T int8 multiply-adds per second (for the float path: T float multiply-adds), the fraction of the measured
-AMX peak, and the AMX / float ratio; the fastest of ``--repeat`` runs.  For stable numbers run it alone.
+int8 peak, and the integer / float ratio; the fastest of ``--repeat`` runs.  For stable numbers run it alone.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from numba.extending import intrinsic
 
 from qwen_runtime.backend.kernels import amx as jit_amx
 from qwen_runtime.backend.kernels import amx_k as jit_amx_k
+from qwen_runtime.backend.kernels import avx2_k
 from qwen_runtime.backend.kernels.amx import dpbssd, ldtilecfg, tileload, tilerelease, tilestore, tilezero
 from qwen_runtime.backend.kernels.base import FEATURES
 from qwen_runtime.backend.kernels.kquants import Q4_KJitKernel, Q6_KJitKernel
@@ -45,6 +50,11 @@ SHAPES = {"Qwen2.5-0.5B MLP 4864 x 896": (4864, 896), "Qwen2.5-3B MLP 11008 x 20
 K_SHAPES = {"Qwen2.5-0.5B down 896 x 4864": (896, 4864), "Qwen2.5-3B down 2048 x 11008": (2048, 11008)}
 V16_I32 = ir.VectorType(ir.IntType(32), 16)
 VNNI_ACCUMULATORS = 8
+I64 = ir.IntType(64)
+V32_I8, V16_I16, V8_I32, V8_F32 = (ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16),
+                                    ir.VectorType(ir.IntType(32), 8), ir.VectorType(ir.FloatType(), 8))
+AVX2_X, AVX2_W = 4, 2  # activation and weight vectors per step of the AVX2 peak (the lanes GEMM's tile)
+WINDOW = 2048  # bytes each stream of the AVX2 peak cycles through (L1-resident)
 
 
 @numba.njit(nogil=True)
@@ -105,6 +115,102 @@ def vnni_spin(acc, a, b, n):
         vnni_rounds(acc, a, b, 64)
 
 
+def _counted_loop(builder: ir.IRBuilder, n: ir.Value, accumulators: list[ir.Constant], body: Callable) -> list:
+    """A loop of ``n`` steps carrying ``accumulators`` (phis); ``body(i, values)`` returns the next values.  The
+    accumulators' last values are returned."""
+    entry = builder.block
+    loop, after = builder.append_basic_block("loop"), builder.append_basic_block("after")
+    builder.branch(loop)
+    builder.position_at_end(loop)
+    i = builder.phi(I64)
+    i.add_incoming(I64(0), entry)
+    phis = []
+    for start in accumulators:
+        phi = builder.phi(start.type)
+        phi.add_incoming(start, entry)
+        phis.append(phi)
+    values = body(i, phis)
+    for phi, value in zip(phis, values, strict=True):
+        phi.add_incoming(value, loop)
+    following = builder.add(i, I64(1))
+    i.add_incoming(following, loop)
+    builder.cbranch(builder.icmp_signed("<", following, n), loop, after)
+    builder.position_at_end(after)
+    return values
+
+
+@intrinsic
+def avx2_spin(typingctx, n, window, out):  # noqa: ARG001
+    """``n`` steps of the lanes GEMM's inner loop: per step 2 weight vectors and their scales and 4 activation
+    vectors loaded from ``window`` (int8, 8 streams of :data:`WINDOW` bytes), 8 ``pmaddubsw`` + ``pmaddwd`` into 8
+    independent int32 accumulators (their sum stored to ``out``, int32 [8], so nothing is optimised away)."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[1])(context, builder, args[1]).data
+        module = builder.module
+        maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(V16_I16, [V32_I8] * 2),
+                                                 "llvm.x86.avx2.pmadd.ub.sw")
+        maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(V8_I32, [V16_I16] * 2),
+                                                "llvm.x86.avx2.pmadd.wd")
+
+        def step(i, accs):
+            at = builder.mul(builder.and_(i, I64(WINDOW // 32 - 1)), I64(32))
+
+            def load(stream, vector):
+                pointer = builder.gep(data, [builder.add(at, I64(stream * WINDOW))])
+                return builder.load(builder.bitcast(pointer, vector.as_pointer()), align=1)
+
+            w = [load(c, V32_I8) for c in range(AVX2_W)]
+            scales = [load(AVX2_W + c, V16_I16) for c in range(AVX2_W)]
+            out = []
+            for r in range(AVX2_X):
+                x = load(2 * AVX2_W + r, V32_I8)
+                for c in range(AVX2_W):
+                    pairs = builder.call(maddubs, [w[c], x])
+                    out.append(builder.add(accs[r * AVX2_W + c], builder.call(maddwd, [pairs, scales[c]])))
+            return out
+
+        zero = ir.Constant(V8_I32, [0] * 8)
+        values = _counted_loop(builder, args[0], [zero] * (AVX2_X * AVX2_W), step)
+        total = values[0]
+        for v in values[1:]:
+            total = builder.add(total, v)
+        target = context.make_array(signature.args[2])(context, builder, args[2]).data
+        builder.store(total, builder.bitcast(target, V8_I32.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(n, window, out), codegen
+
+
+@intrinsic
+def fma_spin(typingctx, n, seed, out):  # noqa: ARG001
+    """``n`` steps of 8 independent float32 ``fma`` chains on ymm registers (their sum stored to ``out``)."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[1])(context, builder, args[1]).data
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8_F32, [V8_F32] * 3), "llvm.fma.v8f32")
+        a, b = (builder.load(builder.bitcast(builder.gep(data, [I64(8 * k)]), V8_F32.as_pointer()), align=4)
+                for k in range(2))
+        values = _counted_loop(builder, args[0], [ir.Constant(V8_F32, [float(k)] * 8) for k in range(8)],
+                               lambda i, accs: [builder.call(fma, [a, b, v]) for v in accs])
+        total = values[0]
+        for v in values[1:]:
+            total = builder.fadd(total, v)
+        target = context.make_array(signature.args[2])(context, builder, args[2]).data
+        builder.store(total, builder.bitcast(target, V8_F32.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(n, seed, out), codegen
+
+
+@numba.njit(nogil=True)
+def avx2_peak_run(n, window, out):
+    avx2_spin(n, window, out)
+
+
+@numba.njit(nogil=True)
+def fma_peak_run(n, seed, out):
+    fma_spin(n, seed, out)
+
+
 def best(repeat: int, run: Callable[[], object]) -> float:
     times = []
     for _ in range(repeat):
@@ -149,18 +255,27 @@ TYPES = {"q8_0": (q8_0_rows, Q8_0JitKernel), "q4_k": (partial(k_rows, 144), Q4_K
          "q6_k": (partial(k_rows, 210), Q6_KJitKernel)}
 
 
-def amx_product(kind: str, raw: np.ndarray, x: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None) -> None:
-    """Quantize once, then the AMX kernel on one thread or on two column halves (multiples of 32 rows)."""
+def int8_product(kind: str, raw: np.ndarray, x: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None,
+                 amx: bool) -> None:
+    """Quantize once, then the AMX kernel (``amx``) or AVX2's lanes on one thread or on two column halves
+    (multiples of 32 rows)."""
     if kind == "q8_0":
         q, d = jit_amx.quantized_padded(x)
 
         def run(part: tuple[int, int]) -> None:
             jit_amx.q8_0_amx_product(raw[part[0]:part[1]], q, d, out[:, part[0]:part[1]])
-    else:
+    elif amx:
         xk = jit_amx_k.q8_k_padded(x)
 
         def run(part: tuple[int, int]) -> None:
             jit_amx_k.kquant_amx_product(raw[part[0]:part[1]], xk, out[:, part[0]:part[1]])
+    else:
+        per, dtype = avx2_k.LANE_SUMS[raw.shape[1] // (x.shape[1] // 256)]
+        q, d, sums = jit_amx_k.q8_k_padded(x, per)
+        lanes = avx2_k.lane_activations(q, d, sums.astype(dtype), len(x))
+
+        def run(part: tuple[int, int]) -> None:
+            avx2_k.kquant_lanes_product(raw[part[0]:part[1]], lanes, out[:, part[0]:part[1]])
     if pool is None:
         run((0, len(raw)))
         return
@@ -214,29 +329,45 @@ def main() -> None:
         n = 20_000
         rate = n * 64 * VNNI_ACCUMULATORS * 64 / best(args.repeat, lambda: vnni_spin(acc, a, b, n)) / 1e12
         print(f"AVX-512 VNNI vpdpbusd, registers, one thread: {rate:.2f} T int8 multiply-adds/s")
-    if not amx:
+    if "avx2" in FEATURES and "fma" in FEATURES:
+        window = rng.integers(0, 64, (2 * AVX2_W + AVX2_X) * WINDOW).astype(np.int8)
+        seed, out8, outf = rng.random(16).astype(np.float32), np.zeros(8, np.int32), np.zeros(8, np.float32)
+        avx2_peak_run(10, window, out8)
+        fma_peak_run(10, seed, outf)
+        n = 10_000_000
+        rate = n * AVX2_X * AVX2_W * 32 / best(args.repeat, lambda: avx2_peak_run(n, window, out8)) / 1e12
+        flops = n * 8 * 8 / best(args.repeat, lambda: fma_peak_run(n, seed, outf)) / 1e12
+        print(f"AVX2 pmaddubsw + pmaddwd, the lanes GEMM's inner loop from L1, one thread: {rate:.3f} T int8 "
+              f"multiply-adds/s")
+        print(f"float32 FMA, 8 ymm chains, one thread: {flops:.3f} T float multiply-adds/s")
+        peak = peak if amx else rate
+    lanes = not amx and avx2_k.takes(144)
+    if not (amx or lanes):
         return
-    print(f"\nweights x {args.rows} activation rows (8-bit activations on AMX; float: decoded tiles + SGEMM)")
-    print(f"{'type':5} {'shape':30} {'threads':>7} {'AMX ms':>8} {'T MAC/s':>8} {'of peak':>8} {'float ms':>9}"
-          f" {'T MAC/s':>8} {'AMX/float':>9}")
+    kinds = [k for k in args.types.split(",") if amx or k != "q8_0"]
+    print(f"\nweights x {args.rows} activation rows (8-bit activations on {'AMX' if amx else 'AVX2 lanes'}; float: "
+          "decoded tiles + SGEMM)")
+    print(f"{'type':5} {'shape':30} {'threads':>7} {'int8 ms':>8} {'T MAC/s':>8} {'of peak':>8} {'float ms':>9}"
+          f" {'T MAC/s':>8} {'int8/float':>10}")
     scratches = [Scratch(), Scratch()]
     with ThreadPoolExecutor(2) as two:
-        for kind in args.types.split(","):
+        for kind in kinds:
             make, float_kernel = TYPES[kind]
             for name, (rows, cols) in (SHAPES if kind == "q8_0" else K_SHAPES).items():
                 raw = make(rows, cols, rng)
                 x = rng.normal(0, 1, (args.rows, cols)).astype(np.float32)
                 out = np.empty((args.rows, rows), np.float32)
                 kernel = float_kernel(raw)
-                amx_product(kind, raw[:64], x, out[:, :64], None)
+                int8_product(kind, raw[:64], x, out[:, :64], None, amx)
                 float_product(float_kernel(raw[:64]), x, out[:, :64], None, scratches)
                 macs = args.rows * rows * cols
                 for pool in (None, two):
-                    t_amx, t_float = paired(args.repeat, partial(amx_product, kind, raw, x, out, pool),
-                                            partial(float_product, kernel, x, out, pool, scratches))
-                    print(f"{kind:5} {name:30} {1 if pool is None else 2:>7} {t_amx * 1e3:8.1f} "
-                          f"{macs / t_amx / 1e12:8.3f} {macs / t_amx / 1e12 / peak:8.1%} {t_float * 1e3:9.1f} "
-                          f"{macs / t_float / 1e12:8.3f} {t_float / t_amx:9.2f}")
+                    t_int8, t_float = paired(args.repeat, partial(int8_product, kind, raw, x, out, pool, amx),
+                                             partial(float_product, kernel, x, out, pool, scratches))
+                    threads = 1 if pool is None else 2
+                    print(f"{kind:5} {name:30} {threads:>7} {t_int8 * 1e3:8.1f} {macs / t_int8 / 1e12:8.3f} "
+                          f"{macs / t_int8 / 1e12 / peak / threads:8.1%} {t_float * 1e3:9.1f} "
+                          f"{macs / t_float / 1e12:8.3f} {t_float / t_int8:10.2f}")
 
 
 if __name__ == "__main__":

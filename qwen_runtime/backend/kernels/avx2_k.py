@@ -1,0 +1,407 @@
+"""Prompts of Q4_K and Q6_K weights on AVX2's integer lanes (numba): a register-blocked GEMM with q8_K
+activations, the numbers of ``quants.q8k_act.product`` bit for bit (the AMX kernels' reference, :mod:`.amx_k`).
+
+Why its own layout.  The row kernels (:mod:`.int8_k`) put 32 values of one weight row in a vector, so each
+(activation row, weight row) pair ends a super-block with 8 int32 lanes to add across; at several activation rows
+those horizontal sums and their float steps cost about as much as the products.  Here a vector holds **8 weight
+rows x 4 consecutive values** (a *panel*, repacked from the blocks per call), the activation row's 4 int8 values
+are broadcast to all 8 (``vpbroadcastd``), and one ``pmaddubsw`` (unsigned weights: Q4_K's nibbles, Q6_K's 6-bit
+``q``, against the signed activations; each pair at most ``2 * 63 * 127``, no saturation) then ``pmaddwd`` by the
+sub-block's scales (lanes ``2i, 2i + 1`` hold row ``i``'s) gives each of the 8 rows its own int32 lane: no
+lanes are ever added across.  A tile is :data:`ROWS` activation rows x :data:`GROUPS` panels (16 weight rows), 8
+int32 accumulators in registers, the weight vectors loaded once per 4 values for all the activation rows.
+
+Per super-block ``b`` the tile then takes the reference's float step on 8 pairs at a time: ``acc = acc +
+f32(sumi) * (d_w * d_x)`` and, with minimums (Q4_K), ``acc = acc - f32(summ) * (dmin_w * d_x)``, each operation
+rounded as the reference rounds it (no contraction).  ``summ = sum_j m_j bsum_j`` is a sum of integers below
+2^24, so exact in float32 in any order.  Q6_K's weights are ``q - 32``: ``sumi = sum_j sc_j (q_j . x_j) - 32
+sum_j sc_j bsum_j`` (the second sum from the activations' sums per 16, two sub-blocks per ``pmaddwd``), exact
+in int32.
+
+Weights: each call repacks :data:`PANELS` panels at a time from the memory-mapped blocks into per-thread
+buffers (about ``16 K`` bytes of values plus the scales) that every tile of activation rows then reads; nothing is
+kept between calls.  Compiled only where the CPU has AVX2 (:data:`AVAILABLE`).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.errors import RequireLiteralValue
+from numba.extending import intrinsic
+
+from ...errors import KernelsError
+from ...quants.kquants import Q4_K, Q6_K
+from ...quants.q8k_act import BSUM, QK_K
+from .base import F16_TABLE, F32_1D, FEATURES, MADDUBS
+
+AVAILABLE = "avx2" in FEATURES
+PANEL = 8  # weight rows in one vector (4 values each)
+QUAD = 4  # values of one row in one vector
+ROWS = 4  # activation rows of a tile
+GROUPS = 2  # panels of a tile
+PANELS = 2  # panels repacked per pass over the activation rows
+Q4_K_SUB, Q6_K_SUB = 32, 16  # values per sub-block scale
+Q6_BIAS_SHIFT = 5  # Q6_K's q - 32: 32 = 1 << 5
+Q4_K_BYTES, Q6_K_BYTES = Q4_K().type_size, Q6_K().type_size
+I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+V32_I8, V16_I16, V8_I32, V8_F32 = (ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8),
+                                    ir.VectorType(F32, 8))
+U8_2D = types.Array(types.uint8, 2, "C", readonly=True)
+I8_2D = types.Array(types.int8, 2, "C")
+F32_2D = types.Array(types.float32, 2, "C")
+F32_OUT = types.Array(types.float32, 2, "A")
+I16_2D = types.Array(types.int16, 2, "C")
+W_2D = types.Array(types.uint8, 2, "C")
+Q4_K_KIND, Q6_K_KIND = 4, 6
+
+
+def _data(context, builder: ir.IRBuilder, array_type: types.Array, array: ir.Value) -> ir.Value:
+    return context.make_array(array_type)(context, builder, array).data
+
+
+def _load(builder: ir.IRBuilder, base: ir.Value, at: ir.Value, vector: ir.Type, align: int) -> ir.Value:
+    """``vector`` at element ``at`` of the pointer ``base``."""
+    return builder.load(builder.bitcast(builder.gep(base, [at]), vector.as_pointer()), align=align)
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
+    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, I32(0))
+    return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined),
+                                  ir.Constant(ir.VectorType(I32, vector.count), [0] * vector.count))
+
+
+def _x86(builder: ir.IRBuilder, name: str, result: ir.Type, argument: ir.Type) -> ir.Function:
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, [argument] * 2), name)
+
+
+@intrinsic
+def k_tile(typingctx, kind, w, s, extra, dw, dm, g0, xq, xd, xsums, x0, nb, out):  # noqa: ARG001
+    """``out[(r * GROUPS + g) * 8 + i]`` = the q8_K product of activation row ``x0 + r`` (``r < ROWS``) and row
+    ``i`` of panel ``g0 + g`` over all ``nb`` super-blocks (a stack pointer of ``ROWS * GROUPS * 8`` floats).
+
+    Panels (:func:`repack_q4_k`, :func:`repack_q6_k`; flat per panel): ``w`` [K / 4][8][4] uint8 values, ``s``
+    [subs][16] int16 scales, ``dw`` (and Q4_K's ``dm``) [nb][8] float32; ``extra`` Q4_K's minimums [nb * 8][8]
+    float32, Q6_K's scale pairs [nb * 8][16] int16.  Activations: ``xq`` [M, K] int8, ``xd`` [M, nb], ``xsums``
+    Q4_K's float32 sums per 32 [M, nb * 8], Q6_K's int16 sums per 16 [M, nb * 16].  ``kind`` a literal
+    (:data:`Q4_K_KIND`, :data:`Q6_K_KIND`)."""
+    if not isinstance(kind, types.IntegerLiteral):
+        raise RequireLiteralValue("the kind of k_tile must be a literal int")
+    q4 = kind.literal_value == Q4_K_KIND
+    shift = 3 if q4 else 2  # log2 of the value quads per sub-block
+
+    def codegen(context, builder, signature, args):
+        ty = signature.args
+        _, w_, s_, extra_, dw_, dm_, g0_, xq_, xd_, xsums_, x0_, nb_, out_ = args
+        pmaddubsw = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", V16_I16, V32_I8)
+        pmaddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", V8_I32, V16_I16)
+        cols = builder.mul(nb_, I64(QK_K))
+        subs = builder.mul(nb_, I64(QK_K // (Q4_K_SUB if q4 else Q6_K_SUB)))
+        panels = [builder.add(g0_, I64(g)) for g in range(GROUPS)]
+        rows = [builder.add(x0_, I64(r)) for r in range(ROWS)]
+
+        def panel(index, array, per):  # panel g's start in a flat [panels, per] array
+            return [builder.gep(_data(context, builder, ty[index], array), [builder.mul(g, per)]) for g in panels]
+
+        w_at = panel(1, w_, builder.mul(cols, I64(PANEL)))
+        s_at = panel(2, s_, builder.mul(subs, I64(2 * PANEL)))
+        extra_at = panel(3, extra_, builder.mul(nb_, I64(8 * (PANEL if q4 else 2 * PANEL))))
+        dw_at = panel(4, dw_, builder.mul(nb_, I64(PANEL)))
+        dm_at = panel(5, dm_, builder.mul(nb_, I64(PANEL)))
+        x_cols = cgutils.unpack_tuple(builder, context.make_array(ty[7])(context, builder, xq_).shape)[1]
+        sums_cols = cgutils.unpack_tuple(builder, context.make_array(ty[9])(context, builder, xsums_).shape)[1]
+        x_at = [builder.gep(_data(context, builder, ty[7], xq_), [builder.mul(x, x_cols)]) for x in rows]
+        sums_at = [builder.gep(_data(context, builder, ty[9], xsums_), [builder.mul(x, sums_cols)]) for x in rows]
+        xd_data = _data(context, builder, ty[8], xd_)
+        pairs = [(r, g) for r in range(ROWS) for g in range(GROUPS)]
+
+        entry = builder.block
+        block_head = builder.append_basic_block("superblock")
+        quad_loop = builder.append_basic_block("quads")
+        float_step = builder.append_basic_block("float_step")
+        done = builder.append_basic_block("done")
+        builder.branch(block_head)
+
+        builder.position_at_end(block_head)  # per super-block: float accumulators carried
+        b = builder.phi(I64)
+        b.add_incoming(I64(0), entry)
+        acc = {p: builder.phi(V8_F32) for p in pairs}
+        for a in acc.values():
+            a.add_incoming(ir.Constant(V8_F32, [0.0] * 8), entry)
+        builder.branch(quad_loop)
+
+        builder.position_at_end(quad_loop)  # per 4 values: int32 sums carried (a loop, so nothing spills)
+        quad = builder.phi(I64)
+        quad.add_incoming(I64(0), block_head)
+        sums = {p: builder.phi(V8_I32) for p in pairs}
+        for v in sums.values():
+            v.add_incoming(ir.Constant(V8_I32, [0] * 8), block_head)
+        k = builder.add(builder.mul(b, I64(QK_K)), builder.mul(quad, I64(QUAD)))  # first value of the quad
+        sub = builder.lshr(builder.add(builder.mul(b, I64(QK_K // QUAD)), quad), I64(shift))
+        scales = [_load(builder, s_at[g], builder.mul(sub, I64(2 * PANEL)), V16_I16, 2) for g in range(GROUPS)]
+        weights = [_load(builder, w_at[g], builder.mul(k, I64(PANEL)), V32_I8, 1) for g in range(GROUPS)]
+        new = {}
+        for r in range(ROWS):
+            x = builder.bitcast(_splat(builder, _load(builder, x_at[r], k, I32, 1), V8_I32), V32_I8)
+            for g in range(GROUPS):
+                products = builder.call(pmaddwd, [builder.call(pmaddubsw, [weights[g], x]), scales[g]])
+                new[r, g] = builder.add(sums[r, g], products)
+        following = builder.add(quad, I64(1))
+        quad.add_incoming(following, quad_loop)
+        for p, v in sums.items():
+            v.add_incoming(new[p], quad_loop)
+        builder.cbranch(builder.icmp_signed("<", following, I64(QK_K // QUAD)), quad_loop, float_step)
+
+        builder.position_at_end(float_step)
+        stepped = _float_step(builder, q4, pmaddwd, new, acc, b, nb_, rows, xd_data, sums_at, extra_at, dw_at,
+                              dm_at)
+        after = builder.add(b, I64(1))
+        b.add_incoming(after, float_step)
+        for p, a in acc.items():
+            a.add_incoming(stepped[p], float_step)
+        builder.cbranch(builder.icmp_signed("<", after, nb_), block_head, done)
+
+        builder.position_at_end(done)
+        for (r, g), v in stepped.items():
+            at = builder.gep(out_, [I64((r * GROUPS + g) * PANEL)])
+            builder.store(v, builder.bitcast(at, V8_F32.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(kind, w, s, extra, dw, dm, g0, xq, xd, xsums, x0, nb, out), codegen
+
+
+def _float_step(builder: ir.IRBuilder, q4: bool, pmaddwd, sums: dict, acc: dict, b: ir.Value, nb: ir.Value,
+                rows: list, xd: ir.Value, sums_at: list, extra_at: list, dw_at: list, dm_at: list) -> dict:
+    """Super-block ``b``'s float step of every (row, panel) pair of a tile: the reference's operations, each
+    rounded (no contraction); Q6_K first takes ``32 sum_j sc_j bsum_j`` off the int32 sums."""
+    b8 = builder.mul(b, I64(PANEL))
+    dw = [_load(builder, at, b8, V8_F32, 4) for at in dw_at]
+    dm = [_load(builder, at, b8, V8_F32, 4) for at in dm_at] if q4 else []
+    stepped = {}
+    for r, row in enumerate(rows):
+        dx = _splat(builder, builder.load(builder.gep(xd, [builder.add(builder.mul(row, nb), b)])), V8_F32)
+        for g in range(len(dw_at)):
+            sumi = sums[r, g]
+            if not q4:  # pairs of sub-blocks: lane i = sc_2p bsum_2p + sc_2p+1 bsum_2p+1 of row i
+                bias = None
+                for p in range(QK_K // Q6_K_SUB // 2):
+                    pair = _load(builder, sums_at[r], builder.add(builder.mul(b, I64(QK_K // BSUM)), I64(2 * p)),
+                                 I32, 2)
+                    scale_pairs = _load(builder, extra_at[g], builder.mul(builder.add(b8, I64(p)), I64(2 * PANEL)),
+                                        V16_I16, 2)
+                    term = builder.call(pmaddwd, [scale_pairs, builder.bitcast(_splat(builder, pair, V8_I32),
+                                                                               V16_I16)])
+                    bias = term if bias is None else builder.add(bias, term)
+                sumi = builder.sub(sumi, builder.shl(bias, ir.Constant(V8_I32, [Q6_BIAS_SHIFT] * 8)))
+            value = builder.fadd(acc[r, g], builder.fmul(builder.sitofp(sumi, V8_F32), builder.fmul(dw[g], dx)))
+            if q4:
+                summ = None
+                for j in range(QK_K // Q4_K_SUB):
+                    m = _load(builder, extra_at[g], builder.mul(builder.add(b8, I64(j)), I64(PANEL)), V8_F32, 4)
+                    bsum = _splat(builder, builder.load(builder.gep(sums_at[r], [builder.add(b8, I64(j))])), V8_F32)
+                    term = builder.fmul(m, bsum)
+                    summ = term if summ is None else builder.fadd(summ, term)
+                value = builder.fsub(value, builder.fmul(summ, builder.fmul(dm[g], dx)))
+            stepped[r, g] = value
+    return stepped
+
+
+@numba.njit(inline="always")
+def _f16(table, blk, o):
+    return table[np.int64(blk[o]) | (np.int64(blk[o + 1]) << 8)]
+
+
+@numba.njit(inline="always")
+def _word(blk, o):
+    """The little-endian uint32 of bytes ``o .. o + 3``."""
+    return (np.uint32(blk[o]) | (np.uint32(blk[o + 1]) << np.uint32(8)) | (np.uint32(blk[o + 2]) << np.uint32(16))
+            | (np.uint32(blk[o + 3]) << np.uint32(24)))
+
+
+@numba.njit(inline="always")
+def _put(w32, g, quad, i, word):
+    """Row ``i``'s 4 values of value quad ``quad`` in panel ``g`` (``w32``: the panels as uint32)."""
+    w32[g, quad * PANEL + i] = word
+
+
+LOW4, LOW2 = np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
+
+
+@numba.njit(inline="always")
+def repack_q4_k(raw, r0, n, table, w32, s, m, dw, dm):
+    """Stored Q4_K rows ``r0 .. r0 + n`` into panels of 8 (rows past ``n`` all zero): the nibbles by words (4
+    values of a row at once), the 6-bit scales and minimums, d and dmin."""
+    nb = dw.shape[1] // PANEL
+    for c in range(w32.shape[0] * PANEL):
+        g, i = c // PANEL, c % PANEL
+        live = c < n
+        for b in range(nb):
+            o = b * Q4_K_BYTES
+            blk = raw[r0 + c] if live else raw[r0]
+            dw[g, b * PANEL + i] = _f16(table, blk, o) if live else np.float32(0)
+            dm[g, b * PANEL + i] = _f16(table, blk, o + 2) if live else np.float32(0)
+            for j in range(QK_K // Q4_K_SUB):
+                if j < 4:
+                    sc, mn = blk[o + 4 + j] & 63, blk[o + 8 + j] & 63
+                else:
+                    sc = (blk[o + 8 + j] & 15) | ((blk[o + j] >> 6) << 4)
+                    mn = (blk[o + 8 + j] >> 4) | ((blk[o + 4 + j] >> 6) << 4)
+                t = b * (QK_K // Q4_K_SUB) + j
+                s[g, t * 2 * PANEL + 2 * i] = sc if live else 0
+                s[g, t * 2 * PANEL + 2 * i + 1] = sc if live else 0
+                m[g, t * PANEL + i] = np.float32(mn) if live else np.float32(0)
+            for chunk in range(4):  # 64 values: bytes l hold value 64 chunk + l (low) and + 32 (high)
+                for lq in range(8):
+                    word = _word(blk, o + 16 + 32 * chunk + 4 * lq) if live else np.uint32(0)
+                    quad = b * (QK_K // QUAD) + 16 * chunk + lq
+                    _put(w32, g, quad, i, word & LOW4)
+                    _put(w32, g, quad + 8, i, (word >> np.uint32(4)) & LOW4)
+
+
+@numba.njit(inline="always")
+def _six(low, high, low_shift, high_shift):
+    """Four 6-bit values: the nibbles of ``low >> low_shift`` and bits 4-5 from ``high >> high_shift``."""
+    return (((low >> np.uint32(low_shift)) & LOW4)
+            | (((high >> np.uint32(high_shift)) & LOW2) << np.uint32(4)))
+
+
+@numba.njit(inline="always")
+def repack_q6_k(raw, r0, n, table, w32, s, pairs, dw):
+    """Stored Q6_K rows into panels of 8: ``q`` (0..63) by words, the int8 scales per 16 (and in pairs of
+    sub-blocks for the ``-32`` term), d."""
+    nb = dw.shape[1] // PANEL
+    for c in range(w32.shape[0] * PANEL):
+        g, i = c // PANEL, c % PANEL
+        live = c < n
+        for b in range(nb):
+            o = b * Q6_K_BYTES
+            blk = raw[r0 + c] if live else raw[r0]
+            dw[g, b * PANEL + i] = _f16(table, blk, o + 208) if live else np.float32(0)
+            for j in range(QK_K // Q6_K_SUB):
+                sc = np.int16(np.int8(blk[o + 192 + j])) if live else np.int16(0)
+                t = b * (QK_K // Q6_K_SUB) + j
+                s[g, t * 2 * PANEL + 2 * i] = sc
+                s[g, t * 2 * PANEL + 2 * i + 1] = sc
+                p = b * (QK_K // Q6_K_SUB // 2) + j // 2
+                pairs[g, p * 2 * PANEL + 2 * i + j % 2] = sc
+            for half in range(2):  # 128 values: ql bytes 64 half + l (l < 64), qh bytes 128 + 32 half + l
+                for lq in range(8):
+                    a = _word(blk, o + 64 * half + 4 * lq) if live else np.uint32(0)
+                    a2 = _word(blk, o + 64 * half + 32 + 4 * lq) if live else np.uint32(0)
+                    h = _word(blk, o + 128 + 32 * half + 4 * lq) if live else np.uint32(0)
+                    quad = b * (QK_K // QUAD) + 32 * half + lq
+                    _put(w32, g, quad, i, _six(a, h, 0, 0))
+                    _put(w32, g, quad + 8, i, _six(a2, h, 0, 2))
+                    _put(w32, g, quad + 16, i, _six(a, h, 4, 4))
+                    _put(w32, g, quad + 24, i, _six(a2, h, 4, 6))
+
+
+@intrinsic
+def stack_tile(typingctx):  # noqa: ARG001
+    """A float32 buffer of one tile's results on the stack."""
+    def codegen(context, builder, signature, args):
+        buffer = cgutils.alloca_once(builder, F32, size=ROWS * GROUPS * PANEL)
+        buffer.align = 32
+        return buffer
+
+    return types.CPointer(types.float32)(), codegen
+
+
+@numba.njit(inline="always")
+def _store_tile(tile, m, n, x0, p0, c0, out):
+    """A tile's results (activation rows ``x0 ..``, rows ``p0 ..`` of the repacked panels) into ``out[x0 + r,
+    c0 + p0 + c]``, for the activation rows below ``m`` and the panel rows below ``n``."""
+    for r in range(min(ROWS, m - x0)):
+        for c in range(min(GROUPS * PANEL, n - p0)):
+            out[x0 + r, c0 + p0 + c] = tile[r * GROUPS * PANEL + c]
+
+
+if AVAILABLE:
+    @numba.njit(types.void(U8_2D, I8_2D, F32_2D, F32_2D, F32_1D, F32_OUT), nogil=True, cache=True)
+    def q4_k_prompts(raw, q, d, sums, table, out):
+        """``out`` [M, R] = the q8_K product of Q4_K rows ``raw`` [R, nb * 144] and activations ``q``, ``d``,
+        ``sums`` (per 32, float32) whose first M rows are real (the rest padding of a multiple of :data:`ROWS`)."""
+        m, rows = out.shape
+        nb = d.shape[1]
+        w = np.empty((PANELS, nb * QK_K * PANEL // 4), np.uint32)
+        s = np.empty((PANELS, nb * (QK_K // Q4_K_SUB) * 2 * PANEL), np.int16)
+        mins = np.empty((PANELS, nb * (QK_K // Q4_K_SUB) * PANEL), np.float32)
+        dw = np.empty((PANELS, nb * PANEL), np.float32)
+        dm = np.empty((PANELS, nb * PANEL), np.float32)
+        buffer = stack_tile()
+        tile = numba.carray(buffer, (ROWS * GROUPS * PANEL,))
+        wbytes = w.view(np.uint8)
+        for c0 in range(0, rows, PANELS * PANEL):
+            n = min(PANELS * PANEL, rows - c0)
+            repack_q4_k(raw, c0, n, table, w, s, mins, dw, dm)
+            for x0 in range(0, m, ROWS):
+                for g0 in range(0, PANELS, GROUPS):
+                    k_tile(Q4_K_KIND, wbytes, s, mins, dw, dm, g0, q, d, sums, x0, nb, buffer)
+                    _store_tile(tile, m, n, x0, g0 * PANEL, c0, out)
+
+    @numba.njit(types.void(U8_2D, I8_2D, F32_2D, I16_2D, F32_1D, F32_OUT), nogil=True, cache=True)
+    def q6_k_prompts(raw, q, d, sums, table, out):
+        """:func:`q4_k_prompts` of Q6_K rows [R, nb * 210]; ``sums`` the activations' int16 sums per 16."""
+        m, rows = out.shape
+        nb = d.shape[1]
+        w = np.empty((PANELS, nb * QK_K * PANEL // 4), np.uint32)
+        s = np.empty((PANELS, nb * (QK_K // Q6_K_SUB) * 2 * PANEL), np.int16)
+        pairs = np.empty((PANELS, nb * (QK_K // Q6_K_SUB // 2) * 2 * PANEL), np.int16)
+        dw = np.empty((PANELS, nb * PANEL), np.float32)
+        buffer = stack_tile()
+        tile = numba.carray(buffer, (ROWS * GROUPS * PANEL,))
+        wbytes = w.view(np.uint8)
+        for c0 in range(0, rows, PANELS * PANEL):
+            n = min(PANELS * PANEL, rows - c0)
+            repack_q6_k(raw, c0, n, table, w, s, pairs, dw)
+            for x0 in range(0, m, ROWS):
+                for g0 in range(0, PANELS, GROUPS):
+                    k_tile(Q6_K_KIND, wbytes, s, pairs, dw, dw, g0, q, d, sums, x0, nb, buffer)
+                    _store_tile(tile, m, n, x0, g0 * PANEL, c0, out)
+
+
+class LaneActivations(tuple):
+    """A prompt's q8_K activations for :func:`kquant_lanes_product`: (q int8 [Mp, K], d float32 [Mp, K / 256],
+    the sums the type needs), ``rows`` the real ones (the rest zero padding)."""
+
+    rows: int
+
+
+# The types multiplied here, by stored bytes per super-block: (kernel, sums of q per super-block, their dtype).
+LANE_SUMS = {Q4_K_BYTES: (QK_K // Q4_K_SUB, np.float32), Q6_K_BYTES: (QK_K // BSUM, np.int16)}
+
+
+def takes(type_size: int) -> bool:
+    """Whether prompts of this K-quant (by its bytes per super-block) go through these kernels on this CPU: the
+    types above, on a CPU with AVX2 but not AVX-512 (:data:`.base.MADDUBS`), where the float tiles' SGEMM has half
+    the integer lanes' rate (docs/performance.md)."""
+    return MADDUBS and AVAILABLE and type_size in LANE_SUMS
+
+
+def lane_activations(q: np.ndarray, d: np.ndarray, sums: np.ndarray, rows: int) -> LaneActivations:
+    """:class:`LaneActivations` of q8_K activations (``sums`` as float32 from the quantizer, converted to the
+    dtype the kernel reads: exact, as they are integers of at most 16 * 127)."""
+    prepared = LaneActivations((q, d, sums))
+    prepared.rows = rows
+    return prepared
+
+
+def kquant_lanes_product(raw: np.ndarray, xk: LaneActivations, out: np.ndarray) -> None:
+    """``out`` [M, R] = the q8_K product (``quants.q8k_act.product``'s numbers) of Q4_K or Q6_K rows ``raw`` [R,
+    nb * type size] (the type from its size) and :class:`LaneActivations` ``xk``; :class:`.KernelsError` where
+    :func:`takes` does not."""
+    q, d, sums = xk
+    nb = d.shape[1]
+    size = raw.shape[1] // nb if nb else 0
+    if not takes(size):
+        raise KernelsError("the AVX2 prompt kernels need a CPU with AVX2 (and not AVX-512) and Q4_K or Q6_K rows")
+    per, dtype = LANE_SUMS[size]
+    if (raw.shape[1] % nb or q.shape != (len(d), QK_K * nb) or sums.shape != (len(q), nb * per)
+            or sums.dtype != dtype or len(q) % ROWS or len(out) > len(q) or out.shape[1] != len(raw)
+            or out.dtype != np.float32):
+        raise ValueError(f"K-quant lanes product of {raw.shape} stored rows, activations {q.shape}, output {out.shape}")
+    kernel = q4_k_prompts if size == Q4_K_BYTES else q6_k_prompts
+    kernel(raw.view(np.uint8), q, d, sums, F16_TABLE, out)
