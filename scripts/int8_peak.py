@@ -11,7 +11,7 @@
    the Qwen2.5-3B one (11008 x 2048), for the K-quants their down projections (896 x 4864, 2048 x 11008),
    ``--rows`` activation rows: the integer kernels (AMX: :mod:`qwen_runtime.backend.kernels.amx`, q8_0
    activations, and :mod:`qwen_runtime.backend.kernels.amx_k`, q8_K; else AVX2's lanes,
-   :mod:`qwen_runtime.backend.kernels.avx2_k`, Q4_K and Q6_K; quantized once, timed with the quantization) against
+   :mod:`qwen_runtime.backend.kernels.lanes`, Q4_K and Q6_K; quantized once, timed with the quantization) against
    the float prefill path for the same product (each tile of about 2^20 weights decoded to float32 by the
    compiled decoder, then SGEMM), on one thread and on two (columns split in two halves; the float path's tiles
    shared by two threads, BLAS on one thread each).  Paired: integer and float timed in turn.
@@ -38,7 +38,7 @@ from numba.extending import intrinsic
 
 from qwen_runtime.backend.kernels import amx as jit_amx
 from qwen_runtime.backend.kernels import amx_k as jit_amx_k
-from qwen_runtime.backend.kernels import avx2_k
+from qwen_runtime.backend.kernels import lanes
 from qwen_runtime.backend.kernels.amx import dpbssd, ldtilecfg, tileload, tilerelease, tilestore, tilezero
 from qwen_runtime.backend.kernels.base import FEATURES
 from qwen_runtime.backend.kernels.kquants import Q4_KJitKernel, Q6_KJitKernel
@@ -259,23 +259,29 @@ def int8_product(kind: str, raw: np.ndarray, x: np.ndarray, out: np.ndarray, poo
                  amx: bool) -> None:
     """Quantize once, then the AMX kernel (``amx``) or AVX2's lanes on one thread or on two column halves
     (multiples of 32 rows)."""
-    if kind == "q8_0":
+    if kind == "q8_0" and amx:
         q, d = jit_amx.quantized_padded(x)
 
         def run(part: tuple[int, int]) -> None:
             jit_amx.q8_0_amx_product(raw[part[0]:part[1]], q, d, out[:, part[0]:part[1]])
+    elif kind == "q8_0":
+        q, d = jit_amx.quantized_padded(x)
+        prepared = lanes.q8_0_lane_activations(q, d, len(x), x.shape[1])
+
+        def run(part: tuple[int, int]) -> None:
+            lanes.q8_0_lanes_product(raw[part[0]:part[1]], prepared, out[:, part[0]:part[1]])
     elif amx:
         xk = jit_amx_k.q8_k_padded(x)
 
         def run(part: tuple[int, int]) -> None:
             jit_amx_k.kquant_amx_product(raw[part[0]:part[1]], xk, out[:, part[0]:part[1]])
     else:
-        per, dtype = avx2_k.LANE_SUMS[raw.shape[1] // (x.shape[1] // 256)]
+        per, dtype = lanes.LANE_SUMS[raw.shape[1] // (x.shape[1] // 256)]
         q, d, sums = jit_amx_k.q8_k_padded(x, per)
-        lanes = avx2_k.lane_activations(q, d, sums.astype(dtype), len(x))
+        prepared = lanes.lane_activations(q, d, sums.astype(dtype), len(x))
 
         def run(part: tuple[int, int]) -> None:
-            avx2_k.kquant_lanes_product(raw[part[0]:part[1]], lanes, out[:, part[0]:part[1]])
+            lanes.kquant_lanes_product(raw[part[0]:part[1]], prepared, out[:, part[0]:part[1]])
     if pool is None:
         run((0, len(raw)))
         return
@@ -341,10 +347,9 @@ def main() -> None:
               f"multiply-adds/s")
         print(f"float32 FMA, 8 ymm chains, one thread: {flops:.3f} T float multiply-adds/s")
         peak = peak if amx else rate
-    lanes = not amx and avx2_k.takes(144)
-    if not (amx or lanes):
+    if not (amx or lanes.takes(144)):
         return
-    kinds = [k for k in args.types.split(",") if amx or k != "q8_0"]
+    kinds = args.types.split(",")
     print(f"\nweights x {args.rows} activation rows (8-bit activations on {'AMX' if amx else 'AVX2 lanes'}; float: "
           "decoded tiles + SGEMM)")
     print(f"{'type':5} {'shape':30} {'threads':>7} {'int8 ms':>8} {'T MAC/s':>8} {'of peak':>8} {'float ms':>9}"

@@ -30,6 +30,7 @@ from qwen_runtime.quants import QType, codec, q8_act
 from qwen_runtime.quants.iq4 import IQ4_LEVELS
 
 pytest.importorskip("numba")
+from qwen_runtime.backend.kernels import lanes as jit_lanes  # noqa: E402
 from qwen_runtime.backend.kernels.amx import amx_available  # noqa: E402 (numba is needed from here on)
 from qwen_runtime.backend.kernels.base import F16_TABLE, GEMV_ROWS  # noqa: E402
 from qwen_runtime.backend.kernels.int8 import (  # noqa: E402
@@ -169,7 +170,8 @@ def test_products_within_the_error_model(qtype: QType, n: int) -> None:
 @pytest.mark.parametrize("qtype", TYPES)
 def test_rows_equal_alone_and_in_any_batch(qtype: QType) -> None:
     """Row invariance (the server's batch invariance): 1..GEMV_ROWS rows, and more through ``rowwise``; a product of
-    more rows than ``direct_rows`` is the float kernel's (or, on AMX, the blockwise reference's)."""
+    more rows than ``direct_rows`` is the float kernel's (or, on AMX and for Q8_0 on AVX2's lanes, the blockwise
+    reference's)."""
     raw = random_blocks(qtype, 29, 9, seed=3)
     x = activations(max(GEMV_ROWS, Int8Kernel.direct_rows) + 5, 9 * 32, seed=4)
     kernel = KERNELS[qtype](raw)
@@ -185,7 +187,7 @@ def test_rows_equal_alone_and_in_any_batch(qtype: QType) -> None:
     exact = make_weight(StoredTensor("w", qtype, (29, 9 * 32), "memory", data=raw),
                         Workspace(threads=2, kernels="numba"), tile_elements=8 * 288)  # the same tiles, float
     many = exact.matmul(x)
-    if amx_available():  # prompts on AMX tiles: the blockwise reference's numbers
+    if amx_available() or (qtype == QType.Q8_0 and jit_lanes.takes_q8_0()):  # the blockwise reference's numbers
         w, scales, mins = q8_act.block_weights(qtype, raw)
         q, d = q8_act.quantize_activations(x)
         many = q8_act.product_blockwise(w, scales, q, d, mins, None if mins is None else q8_act.activation_sums(q, d))

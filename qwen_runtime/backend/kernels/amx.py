@@ -45,6 +45,7 @@ from ...quants.iq4 import IQ4_LEVELS
 from ...quants.q8_0 import Q8_0_BYTES
 from ...quants.q8_act import Q8_ACT_BLOCK, product_blockwise, q8_0_weights
 from ...quants.scratch import Scratch
+from . import lanes
 from .base import F16_TABLE, FEATURES
 from .q8_0 import Q8_0JitKernel
 from .q8_act import quantize_rows
@@ -510,41 +511,76 @@ def q8_0_padded(x: np.ndarray) -> AmxActivations:
 class AmxPrompts:
     """Prompts on AMX tiles: a product of :data:`AMX_MIN_ROWS` rows or more (not ``rowwise``) quantizes its
     activations once (:meth:`prepare`, by ``quantize``) and multiplies each tile of weight rows by ``amx_product``
-    where :func:`amx_available`.  Fewer rows, ``rowwise`` products (the decode step, speculative verification, the
-    server's batch invariance) and CPUs without AMX take the kernel this mixin precedes: the exact float kernel
-    (``activations="q8-prompts"``) or the integer-dot one (``activations="q8"``)."""
+    where :func:`amx_available`.  Where AMX is not, a product of more than ``direct_rows`` rows goes through the
+    integer lanes of :mod:`.lanes` for the types and CPUs it takes (``lane_quantize`` not None; ``lane_product``).
+    Fewer rows, ``rowwise`` products (the decode step, speculative verification, the server's batch invariance)
+    and the other CPUs take the kernel this mixin precedes: the exact float kernel (``activations="q8-prompts"``)
+    or the integer-dot one (``activations="q8"``)."""
 
     prepared_type: type = tuple  # what ``quantize`` returns (a tuple subclass with ``rows``)
     quantize: Callable[[np.ndarray], tuple]
     amx_product: Callable[[np.ndarray, tuple, np.ndarray], None]
 
+    def lane_quantize(self, x: np.ndarray) -> lanes.LaneActivations | None:
+        """``x`` as :meth:`lane_product` reads it, or None where the lanes do not take this type here."""
+        return None
+
+    def lane_product(self, raw: np.ndarray, xk: lanes.LaneActivations, out: np.ndarray) -> None:
+        raise NotImplementedError
+
     def prepare(self, x: np.ndarray, rowwise: bool = False) -> tuple:
-        if rowwise or len(x) < AMX_MIN_ROWS or not amx_available():
+        amx = amx_available()
+        if rowwise or len(x) < AMX_MIN_ROWS or (not amx and len(x) <= self.direct_rows):
             return super().prepare(x, rowwise)
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"activations of shape {x.shape} for a matrix of {self.in_features} columns")
-        return self.quantize(np.ascontiguousarray(x, dtype=np.float32))
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if amx:
+            return self.quantize(x)
+        prepared = self.lane_quantize(x)
+        return super().prepare(x, rowwise) if prepared is None else prepared
 
     @property
     def segments_exact(self) -> bool:
-        """Prompts on AMX tiles are not the tile-and-BLAS products :meth:`product_segments` splits."""
+        """Prompts on AMX tiles are not the tile-and-BLAS products :meth:`product_segments` splits; through the
+        lanes each row's numbers do not depend on the other rows, so any split is exact."""
         return not amx_available() and super().segments_exact
 
     def product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
-        if not isinstance(xk, self.prepared_type):
+        if not isinstance(xk, (self.prepared_type, lanes.LaneActivations)):
             super().product(r0, r1, xk, out, scratch)
             return
         if out.shape != (xk.rows, r1 - r0) or out.dtype != np.float32:
             raise ValueError(f"output of shape {out.shape} for {xk.rows} rows and {r1 - r0} columns")
-        self.amx_product(self.raw[r0:r1], xk, out)
+        if isinstance(xk, lanes.LaneActivations):
+            self.lane_product(self.raw[r0:r1], xk, out)
+        else:
+            self.amx_product(self.raw[r0:r1], xk, out)
+
+    def product_segments(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch,
+                         lengths: tuple[int, ...]) -> None:
+        if isinstance(xk, lanes.LaneActivations):  # one product: each row's numbers are its own
+            self.product(r0, r1, xk, out, scratch)
+        else:
+            super().product_segments(r0, r1, xk, out, scratch, lengths)
 
 
 class Q8_0AmxPrompts(AmxPrompts):
-    """Q8_0 prompts through :func:`q8_0_amx_product` (the numbers of :func:`.q8_act.product_blockwise`)."""
+    """Q8_0 prompts through :func:`q8_0_amx_product` or the lanes' :func:`.lanes.q8_0_lanes_product` (both the
+    numbers of :func:`.q8_act.product_blockwise`)."""
 
     prepared_type = AmxActivations
     quantize = staticmethod(q8_0_padded)
     amx_product = staticmethod(lambda raw, xk, out: q8_0_amx_product(raw, xk[0], xk[1], out))
+
+    def lane_quantize(self, x: np.ndarray) -> lanes.LaneActivations | None:
+        if not lanes.takes_q8_0():
+            return None
+        q, d = quantized_padded(x)
+        return lanes.q8_0_lane_activations(q, d, len(x), self.in_features)
+
+    def lane_product(self, raw: np.ndarray, xk: lanes.LaneActivations, out: np.ndarray) -> None:
+        lanes.q8_0_lanes_product(raw, xk, out)
 
 
 class Q8_0AmxPromptKernel(Q8_0AmxPrompts, Q8_0JitKernel):

@@ -49,8 +49,7 @@ from ...quants.base import QType
 from ...quants.iq4 import IQ4_LEVELS, IQ4_XS
 from ...quants.kquants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from ...quants.q8k_act import QK_K
-from ...quants.scratch import Scratch
-from . import avx2_k
+from . import lanes
 from .amx import (
     I64,
     ROWS,
@@ -525,9 +524,8 @@ def kquant_amx_product(raw: np.ndarray, xk: KActivations, out: np.ndarray) -> No
 
 class KQuantAmxPrompts(AmxPrompts):
     """K-quant prompts through :func:`kquant_amx_product` with q8_K activations (:func:`q8_k_padded`, with the
-    sums the type's minimums need); where AMX is absent, Q4_K's and Q6_K's prompts of more than ``direct_rows``
-    rows go through AVX2's integer lanes (:func:`.avx2_k.kquant_lanes_product`, the same numbers) where
-    :func:`.avx2_k.takes` them."""
+    sums the type's minimums need), or for Q4_K and Q6_K through AVX2's integer lanes
+    (:func:`.lanes.kquant_lanes_product`, the same numbers) where :func:`.lanes.takes` them."""
 
     prepared_type = KActivations
     type_size: int
@@ -538,30 +536,15 @@ class KQuantAmxPrompts(AmxPrompts):
     def amx_product(self, raw: np.ndarray, xk: KActivations, out: np.ndarray) -> None:
         kquant_amx_product(raw, xk, out)
 
-    def prepare(self, x: np.ndarray, rowwise: bool = False) -> tuple:
-        if rowwise or len(x) <= self.direct_rows or amx_available() or not avx2_k.takes(self.type_size):
-            return super().prepare(x, rowwise)
-        if x.ndim != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"activations of shape {x.shape} for a matrix of {self.in_features} columns")
-        per, dtype = avx2_k.LANE_SUMS[self.type_size]
-        q, d, sums = q8_k_padded(np.ascontiguousarray(x, dtype=np.float32), per)
-        return avx2_k.lane_activations(q, d, sums.astype(dtype, copy=False), len(x))
+    def lane_quantize(self, x: np.ndarray) -> lanes.LaneActivations | None:
+        if not lanes.takes(self.type_size):
+            return None
+        per, dtype = lanes.LANE_SUMS[self.type_size]
+        q, d, sums = q8_k_padded(x, per)
+        return lanes.lane_activations(q, d, sums.astype(dtype, copy=False), len(x))
 
-    def product(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch) -> None:
-        if not isinstance(xk, avx2_k.LaneActivations):
-            super().product(r0, r1, xk, out, scratch)
-            return
-        if out.shape != (xk.rows, r1 - r0) or out.dtype != np.float32:
-            raise ValueError(f"output of shape {out.shape} for {xk.rows} rows and {r1 - r0} columns")
-        avx2_k.kquant_lanes_product(self.raw[r0:r1], xk, out)
-
-    def product_segments(self, r0: int, r1: int, xk: object, out: np.ndarray, scratch: Scratch,
-                         lengths: tuple[int, ...]) -> None:
-        """Each row's numbers through the lanes do not depend on the other rows: one product for all segments."""
-        if isinstance(xk, avx2_k.LaneActivations):
-            self.product(r0, r1, xk, out, scratch)
-        else:
-            super().product_segments(r0, r1, xk, out, scratch, lengths)
+    def lane_product(self, raw: np.ndarray, xk: lanes.LaneActivations, out: np.ndarray) -> None:
+        lanes.kquant_lanes_product(raw, xk, out)
 
 
 class Q2_KAmxPromptKernel(KQuantAmxPrompts, Q2_KJitKernel):

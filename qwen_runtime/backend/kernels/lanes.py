@@ -1,26 +1,34 @@
-"""Prompts of Q4_K and Q6_K weights on AVX2's integer lanes (numba): a register-blocked GEMM with q8_K
-activations, the numbers of ``quants.q8k_act.product`` bit for bit (the AMX kernels' reference, :mod:`.amx_k`).
+"""Prompts of Q8_0, Q4_K and Q6_K weights on AVX2's integer lanes (numba): a register-blocked GEMM with 8-bit
+activations, the numbers of the references the AMX kernels are held to bit for bit (``quants.q8_act.
+product_blockwise`` with q8_0 activations for Q8_0, ``quants.q8k_act.product`` with q8_K for the K-quants).
 
-Why its own layout.  The row kernels (:mod:`.int8_k`) put 32 values of one weight row in a vector, so each
-(activation row, weight row) pair ends a super-block with 8 int32 lanes to add across; at several activation rows
-those horizontal sums and their float steps cost about as much as the products.  Here a vector holds **8 weight
-rows x 4 consecutive values** (a *panel*, repacked from the blocks per call), the activation row's 4 int8 values
-are broadcast to all 8 (``vpbroadcastd``), and one ``pmaddubsw`` (unsigned weights: Q4_K's nibbles, Q6_K's 6-bit
-``q``, against the signed activations; each pair at most ``2 * 63 * 127``, no saturation) then ``pmaddwd`` by the
-sub-block's scales (lanes ``2i, 2i + 1`` hold row ``i``'s) gives each of the 8 rows its own int32 lane: no
-lanes are ever added across.  A tile is :data:`ROWS` activation rows x :data:`GROUPS` panels (16 weight rows), 8
-int32 accumulators in registers, the weight vectors loaded once per 4 values for all the activation rows.
+Why its own layout.  The row kernels (:mod:`.int8`, :mod:`.int8_k`) put 32 values of one weight row in a vector,
+so each (activation row, weight row) pair ends a block with 8 int32 lanes to add across; at several activation
+rows those horizontal sums and their float steps cost about as much as the products.  Here a vector holds **8
+weight rows x a few consecutive values** (a *panel*, repacked from the blocks per call) and the activation row's
+values are broadcast to all 8: each weight row keeps its own int32 lane, and no lanes are ever added across.
 
-Per super-block ``b`` the tile then takes the reference's float step on 8 pairs at a time: ``acc = acc +
-f32(sumi) * (d_w * d_x)`` and, with minimums (Q4_K), ``acc = acc - f32(summ) * (dmin_w * d_x)``, each operation
-rounded as the reference rounds it (no contraction).  ``summ = sum_j m_j bsum_j`` is a sum of integers below
-2^24, so exact in float32 in any order.  Q6_K's weights are ``q - 32``: ``sumi = sum_j sc_j (q_j . x_j) - 32
-sum_j sc_j bsum_j`` (the second sum from the activations' sums per 16, two sub-blocks per ``pmaddwd``), exact
-in int32.
+* K-quants: 4 values per row, the activations' 4 int8 broadcast (``vpbroadcastd``); one ``pmaddubsw``
+  (unsigned weights: Q4_K's nibbles, Q6_K's 6-bit ``q``, against the signed activations; each pair at most ``2 *
+  63 * 127``, no saturation), then ``pmaddwd`` by the sub-block's scales (lanes ``2i, 2i + 1`` hold row ``i``'s).
+* Q8_0: signed weights, whose magnitudes ``pmaddubsw`` cannot take unsigned without per-lane signs: the panel
+  holds 2 values per row widened to int16, the activations (int8 values) too, one ``pmaddwd`` per 2 values.
+
+A tile is :data:`ROWS` activation rows x :data:`GROUPS` panels (16 weight rows), 8 int32 accumulators carried
+in registers by an explicit loop (:func:`_tile_loops`: unrolled code let LLVM interleave the steps and spill),
+the weight vectors loaded once per step for all the activation rows.
+
+Per block (Q8_0's 32 values, a K-quant's super-block of 256) the tile takes the reference's float step on 8
+pairs at a time: ``acc = acc + f32(sumi) * (d_w * d_x)`` and, with minimums (Q4_K), ``acc = acc - f32(summ) *
+(dmin_w * d_x)``, each operation rounded as the reference rounds it (no contraction).  ``summ = sum_j m_j
+bsum_j`` is a sum of integers below 2^24, so exact in float32 in any order.  Q6_K's weights are ``q - 32``:
+``sumi = sum_j sc_j (q_j . x_j) - 32 sum_j sc_j bsum_j`` (the second sum from the activations' sums per 16, two
+sub-blocks per ``pmaddwd``), exact in int32.  A row's numbers do not depend on the other rows of the product.
 
 Weights: each call repacks :data:`PANELS` panels at a time from the memory-mapped blocks into per-thread
-buffers (about ``16 K`` bytes of values plus the scales) that every tile of activation rows then reads; nothing is
-kept between calls.  Compiled only where the CPU has AVX2 (:data:`AVAILABLE`).
+buffers (16 rows of values plus their scales) that every tile of activation rows then reads; nothing is kept
+between calls.  Compiled where the CPU has AVX2 (:data:`AVAILABLE`), taken where it has no AVX-512
+(:func:`takes`), whose SGEMM on float tiles has twice AVX2's rate.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from numba.extending import intrinsic
 
 from ...errors import KernelsError
 from ...quants.kquants import Q4_K, Q6_K
+from ...quants.q8_0 import Q8_0_BYTES
+from ...quants.q8_act import Q8_ACT_BLOCK
 from ...quants.q8k_act import BSUM, QK_K
 from .base import F16_TABLE, F32_1D, FEATURES, MADDUBS
 
@@ -55,7 +65,6 @@ I8_2D = types.Array(types.int8, 2, "C")
 F32_2D = types.Array(types.float32, 2, "C")
 F32_OUT = types.Array(types.float32, 2, "A")
 I16_2D = types.Array(types.int16, 2, "C")
-W_2D = types.Array(types.uint8, 2, "C")
 Q4_K_KIND, Q6_K_KIND = 4, 6
 
 
@@ -76,6 +85,54 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.
 
 def _x86(builder: ir.IRBuilder, name: str, result: ir.Type, argument: ir.Type) -> ir.Function:
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, [argument] * 2), name)
+
+
+def _tile_loops(builder: ir.IRBuilder, blocks: ir.Value, steps: int, step, finish, out: ir.Value) -> None:
+    """The loops of a tile: per block (``blocks`` of them) ``steps`` calls of ``step(block, i, sums)``, each
+    returning the (row, panel) pairs' next int32 sums, carried in phis (a loop, not unrolled code, so the 8
+    accumulators stay in registers), then ``finish(block, sums, acc)``, the pairs' next float32 values; the last
+    stored to ``out`` (pair (r, g) at ``(r * GROUPS + g) * PANEL``)."""
+    pairs = [(r, g) for r in range(ROWS) for g in range(GROUPS)]
+    entry = builder.block
+    block_head = builder.append_basic_block("block")
+    step_loop = builder.append_basic_block("steps")
+    float_step = builder.append_basic_block("float_step")
+    done = builder.append_basic_block("done")
+    builder.branch(block_head)
+
+    builder.position_at_end(block_head)
+    b = builder.phi(I64)
+    b.add_incoming(I64(0), entry)
+    acc = {p: builder.phi(V8_F32) for p in pairs}
+    for a in acc.values():
+        a.add_incoming(ir.Constant(V8_F32, [0.0] * 8), entry)
+    builder.branch(step_loop)
+
+    builder.position_at_end(step_loop)
+    i = builder.phi(I64)
+    i.add_incoming(I64(0), block_head)
+    sums = {p: builder.phi(V8_I32) for p in pairs}
+    for v in sums.values():
+        v.add_incoming(ir.Constant(V8_I32, [0] * 8), block_head)
+    new = step(b, i, sums)
+    following = builder.add(i, I64(1))
+    i.add_incoming(following, step_loop)
+    for p, v in sums.items():
+        v.add_incoming(new[p], step_loop)
+    builder.cbranch(builder.icmp_signed("<", following, I64(steps)), step_loop, float_step)
+
+    builder.position_at_end(float_step)
+    stepped = finish(b, new, acc)
+    after = builder.add(b, I64(1))
+    b.add_incoming(after, float_step)
+    for p, a in acc.items():
+        a.add_incoming(stepped[p], float_step)
+    builder.cbranch(builder.icmp_signed("<", after, blocks), block_head, done)
+
+    builder.position_at_end(done)
+    for (r, g), v in stepped.items():
+        builder.store(v, builder.bitcast(builder.gep(out, [I64((r * GROUPS + g) * PANEL)]), V8_F32.as_pointer()),
+                      align=4)
 
 
 @intrinsic
@@ -116,61 +173,75 @@ def k_tile(typingctx, kind, w, s, extra, dw, dm, g0, xq, xd, xsums, x0, nb, out)
         x_at = [builder.gep(_data(context, builder, ty[7], xq_), [builder.mul(x, x_cols)]) for x in rows]
         sums_at = [builder.gep(_data(context, builder, ty[9], xsums_), [builder.mul(x, sums_cols)]) for x in rows]
         xd_data = _data(context, builder, ty[8], xd_)
-        pairs = [(r, g) for r in range(ROWS) for g in range(GROUPS)]
+        def step(b, quad, sums):  # 4 values of every pair: int32 sums
+            k = builder.add(builder.mul(b, I64(QK_K)), builder.mul(quad, I64(QUAD)))  # first value of the quad
+            sub = builder.lshr(builder.add(builder.mul(b, I64(QK_K // QUAD)), quad), I64(shift))
+            scales = [_load(builder, s_at[g], builder.mul(sub, I64(2 * PANEL)), V16_I16, 2) for g in range(GROUPS)]
+            weights = [_load(builder, w_at[g], builder.mul(k, I64(PANEL)), V32_I8, 1) for g in range(GROUPS)]
+            new = {}
+            for r in range(ROWS):
+                x = builder.bitcast(_splat(builder, _load(builder, x_at[r], k, I32, 1), V8_I32), V32_I8)
+                for g in range(GROUPS):
+                    products = builder.call(pmaddwd, [builder.call(pmaddubsw, [weights[g], x]), scales[g]])
+                    new[r, g] = builder.add(sums[r, g], products)
+            return new
 
-        entry = builder.block
-        block_head = builder.append_basic_block("superblock")
-        quad_loop = builder.append_basic_block("quads")
-        float_step = builder.append_basic_block("float_step")
-        done = builder.append_basic_block("done")
-        builder.branch(block_head)
+        def finish(b, sums, acc):
+            return _float_step(builder, q4, pmaddwd, sums, acc, b, nb_, rows, xd_data, sums_at, extra_at, dw_at,
+                               dm_at)
 
-        builder.position_at_end(block_head)  # per super-block: float accumulators carried
-        b = builder.phi(I64)
-        b.add_incoming(I64(0), entry)
-        acc = {p: builder.phi(V8_F32) for p in pairs}
-        for a in acc.values():
-            a.add_incoming(ir.Constant(V8_F32, [0.0] * 8), entry)
-        builder.branch(quad_loop)
-
-        builder.position_at_end(quad_loop)  # per 4 values: int32 sums carried (a loop, so nothing spills)
-        quad = builder.phi(I64)
-        quad.add_incoming(I64(0), block_head)
-        sums = {p: builder.phi(V8_I32) for p in pairs}
-        for v in sums.values():
-            v.add_incoming(ir.Constant(V8_I32, [0] * 8), block_head)
-        k = builder.add(builder.mul(b, I64(QK_K)), builder.mul(quad, I64(QUAD)))  # first value of the quad
-        sub = builder.lshr(builder.add(builder.mul(b, I64(QK_K // QUAD)), quad), I64(shift))
-        scales = [_load(builder, s_at[g], builder.mul(sub, I64(2 * PANEL)), V16_I16, 2) for g in range(GROUPS)]
-        weights = [_load(builder, w_at[g], builder.mul(k, I64(PANEL)), V32_I8, 1) for g in range(GROUPS)]
-        new = {}
-        for r in range(ROWS):
-            x = builder.bitcast(_splat(builder, _load(builder, x_at[r], k, I32, 1), V8_I32), V32_I8)
-            for g in range(GROUPS):
-                products = builder.call(pmaddwd, [builder.call(pmaddubsw, [weights[g], x]), scales[g]])
-                new[r, g] = builder.add(sums[r, g], products)
-        following = builder.add(quad, I64(1))
-        quad.add_incoming(following, quad_loop)
-        for p, v in sums.items():
-            v.add_incoming(new[p], quad_loop)
-        builder.cbranch(builder.icmp_signed("<", following, I64(QK_K // QUAD)), quad_loop, float_step)
-
-        builder.position_at_end(float_step)
-        stepped = _float_step(builder, q4, pmaddwd, new, acc, b, nb_, rows, xd_data, sums_at, extra_at, dw_at,
-                              dm_at)
-        after = builder.add(b, I64(1))
-        b.add_incoming(after, float_step)
-        for p, a in acc.items():
-            a.add_incoming(stepped[p], float_step)
-        builder.cbranch(builder.icmp_signed("<", after, nb_), block_head, done)
-
-        builder.position_at_end(done)
-        for (r, g), v in stepped.items():
-            at = builder.gep(out_, [I64((r * GROUPS + g) * PANEL)])
-            builder.store(v, builder.bitcast(at, V8_F32.as_pointer()), align=4)
+        _tile_loops(builder, nb_, QK_K // QUAD, step, finish, out_)
         return context.get_dummy_value()
 
     return types.void(kind, w, s, extra, dw, dm, g0, xq, xd, xsums, x0, nb, out), codegen
+
+
+@intrinsic
+def q8_0_tile(typingctx, w, dw, g0, x, xd, x0, nb, out):  # noqa: ARG001
+    """``out[(r * GROUPS + g) * 8 + i]`` = the q8_0 product (``q8_act.product_blockwise``'s numbers) of
+    activation row ``x0 + r`` and row ``i`` of panel ``g0 + g`` over ``nb`` blocks of 32.  Panels
+    (:func:`repack_q8_0`): ``w`` [K / 2][8][2] int16 weights, ``dw`` [nb][8] float32; activations ``x`` [M, K]
+    int16 (int8 values), ``xd`` [M, nb]: per 2 values one ``pmaddwd`` of the panel and the broadcast pair,
+    exact, then per block ``acc = acc + f32(sumi) * (d_w * d_x)``."""
+    def codegen(context, builder, signature, args):
+        ty = signature.args
+        w_, dw_, g0_, x_, xd_, x0_, nb_, out_ = args
+        pmaddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", V8_I32, V16_I16)
+        cols = builder.mul(nb_, I64(Q8_ACT_BLOCK))
+        panels = [builder.add(g0_, I64(g)) for g in range(GROUPS)]
+        rows = [builder.add(x0_, I64(r)) for r in range(ROWS)]
+        w_data, dw_data = _data(context, builder, ty[0], w_), _data(context, builder, ty[1], dw_)
+        w_at = [builder.gep(w_data, [builder.mul(g, builder.mul(cols, I64(PANEL)))]) for g in panels]
+        dw_at = [builder.gep(dw_data, [builder.mul(g, builder.mul(nb_, I64(PANEL)))]) for g in panels]
+        x_cols = cgutils.unpack_tuple(builder, context.make_array(ty[3])(context, builder, x_).shape)[1]
+        x_at = [builder.gep(_data(context, builder, ty[3], x_), [builder.mul(row, x_cols)]) for row in rows]
+        xd_data = _data(context, builder, ty[4], xd_)
+
+        def step(b, pair, sums):  # 2 values of every pair
+            k = builder.add(builder.mul(b, I64(Q8_ACT_BLOCK)), builder.mul(pair, I64(2)))
+            weights = [_load(builder, at, builder.mul(k, I64(PANEL)), V16_I16, 2) for at in w_at]
+            new = {}
+            for r in range(ROWS):
+                xr = builder.bitcast(_splat(builder, _load(builder, x_at[r], k, I32, 2), V8_I32), V16_I16)
+                for g in range(GROUPS):
+                    new[r, g] = builder.add(sums[r, g], builder.call(pmaddwd, [weights[g], xr]))
+            return new
+
+        def finish(b, sums, acc):
+            dw = [_load(builder, at, builder.mul(b, I64(PANEL)), V8_F32, 4) for at in dw_at]
+            stepped = {}
+            for r, row in enumerate(rows):
+                dx = _splat(builder, builder.load(builder.gep(xd_data, [builder.add(builder.mul(row, nb_), b)])),
+                            V8_F32)
+                for g in range(GROUPS):
+                    term = builder.fmul(builder.sitofp(sums[r, g], V8_F32), builder.fmul(dw[g], dx))
+                    stepped[r, g] = builder.fadd(acc[r, g], term)
+            return stepped
+
+        _tile_loops(builder, nb_, Q8_ACT_BLOCK // 2, step, finish, out_)
+        return context.get_dummy_value()
+
+    return types.void(w, dw, g0, x, xd, x0, nb, out), codegen
 
 
 def _float_step(builder: ir.IRBuilder, q4: bool, pmaddwd, sums: dict, acc: dict, b: ir.Value, nb: ir.Value,
@@ -299,6 +370,23 @@ def repack_q6_k(raw, r0, n, table, w32, s, pairs, dw):
                     _put(w32, g, quad + 24, i, _six(a2, h, 4, 6))
 
 
+@numba.njit(inline="always")
+def repack_q8_0(raw, r0, n, table, w16, dw):
+    """Stored Q8_0 rows ``r0 .. r0 + n`` into panels of 8 (rows past ``n`` all zero): the int8 values widened to
+    int16 in pairs, d."""
+    nb = dw.shape[1] // PANEL
+    for c in range(w16.shape[0] * PANEL):
+        g, i = c // PANEL, c % PANEL
+        live = c < n
+        blk = raw[r0 + c] if live else raw[r0]
+        for b in range(nb):
+            o = b * Q8_0_BYTES
+            dw[g, b * PANEL + i] = _f16(table, blk, o) if live else np.float32(0)
+            for k in range(Q8_ACT_BLOCK):
+                at = ((b * Q8_ACT_BLOCK + k) // 2) * 2 * PANEL + 2 * i + k % 2
+                w16[g, at] = np.int16(np.int8(blk[o + 2 + k])) if live else np.int16(0)
+
+
 @intrinsic
 def stack_tile(typingctx):  # noqa: ARG001
     """A float32 buffer of one tile's results on the stack."""
@@ -342,6 +430,24 @@ if AVAILABLE:
                     k_tile(Q4_K_KIND, wbytes, s, mins, dw, dm, g0, q, d, sums, x0, nb, buffer)
                     _store_tile(tile, m, n, x0, g0 * PANEL, c0, out)
 
+    @numba.njit(types.void(U8_2D, I16_2D, F32_2D, F32_1D, F32_OUT), nogil=True, cache=True)
+    def q8_0_prompts(raw, x, d, table, out):
+        """``out`` [M, R] = the q8_0 product of Q8_0 rows ``raw`` [R, nb * 34] and int16 activations ``x``, ``d``
+        (blocks of 32) whose first M rows are real."""
+        m, rows = out.shape
+        nb = raw.shape[1] // Q8_0_BYTES
+        w = np.empty((PANELS, nb * Q8_ACT_BLOCK * PANEL), np.int16)
+        dw = np.empty((PANELS, nb * PANEL), np.float32)
+        buffer = stack_tile()
+        tile = numba.carray(buffer, (ROWS * GROUPS * PANEL,))
+        for c0 in range(0, rows, PANELS * PANEL):
+            n = min(PANELS * PANEL, rows - c0)
+            repack_q8_0(raw, c0, n, table, w, dw)
+            for x0 in range(0, m, ROWS):
+                for g0 in range(0, PANELS, GROUPS):
+                    q8_0_tile(w, dw, g0, x, d, x0, nb, buffer)
+                    _store_tile(tile, m, n, x0, g0 * PANEL, c0, out)
+
     @numba.njit(types.void(U8_2D, I8_2D, F32_2D, I16_2D, F32_1D, F32_OUT), nogil=True, cache=True)
     def q6_k_prompts(raw, q, d, sums, table, out):
         """:func:`q4_k_prompts` of Q6_K rows [R, nb * 210]; ``sums`` the activations' int16 sums per 16."""
@@ -375,9 +481,8 @@ LANE_SUMS = {Q4_K_BYTES: (QK_K // Q4_K_SUB, np.float32), Q6_K_BYTES: (QK_K // BS
 
 
 def takes(type_size: int) -> bool:
-    """Whether prompts of this K-quant (by its bytes per super-block) go through these kernels on this CPU: the
-    types above, on a CPU with AVX2 but not AVX-512 (:data:`.base.MADDUBS`), where the float tiles' SGEMM has half
-    the integer lanes' rate (docs/performance.md)."""
+    """Whether prompts of this K-quant (by its bytes per super-block) go through these kernels on this CPU: Q4_K
+    and Q6_K, on a CPU with AVX2 but not AVX-512 (:data:`.base.MADDUBS`)."""
     return MADDUBS and AVAILABLE and type_size in LANE_SUMS
 
 
@@ -387,6 +492,32 @@ def lane_activations(q: np.ndarray, d: np.ndarray, sums: np.ndarray, rows: int) 
     prepared = LaneActivations((q, d, sums))
     prepared.rows = rows
     return prepared
+
+
+def takes_q8_0() -> bool:
+    """Whether Q8_0 prompts go through :func:`q8_0_lanes_product` on this CPU (as :func:`takes`)."""
+    return MADDUBS and AVAILABLE
+
+
+def q8_0_lane_activations(q: np.ndarray, d: np.ndarray, rows: int, cols: int) -> LaneActivations:
+    """:class:`LaneActivations` of q8_0 activations ``q`` [Mp, >= cols] int8, ``d`` (blocks of 32): the first
+    ``cols`` values widened to int16 (each pair one ``pmaddwd`` operand)."""
+    prepared = LaneActivations((q[:, :cols].astype(np.int16), np.ascontiguousarray(d[:, :cols // Q8_ACT_BLOCK])))
+    prepared.rows = rows
+    return prepared
+
+
+def q8_0_lanes_product(raw: np.ndarray, xk: LaneActivations, out: np.ndarray) -> None:
+    """``out`` [M, R] = the q8_0 product (``q8_act.product_blockwise``'s numbers) of Q8_0 rows ``raw`` [R, nb *
+    34] and :func:`q8_0_lane_activations` ``xk``; :class:`.KernelsError` where :func:`takes_q8_0` does not."""
+    if not takes_q8_0():
+        raise KernelsError("the AVX2 prompt kernels need a CPU with AVX2 (and not AVX-512)")
+    x, d = xk
+    nb = raw.shape[1] // Q8_0_BYTES
+    if (raw.shape[1] % Q8_0_BYTES or x.shape[1] != nb * Q8_ACT_BLOCK or d.shape != (len(x), nb) or len(x) % ROWS
+            or len(out) > len(x) or out.shape[1] != len(raw) or out.dtype != np.float32):
+        raise ValueError(f"Q8_0 lanes product of {raw.shape} stored rows, activations {x.shape}, output {out.shape}")
+    q8_0_prompts(raw.view(np.uint8), x, d, F16_TABLE, out)
 
 
 def kquant_lanes_product(raw: np.ndarray, xk: LaneActivations, out: np.ndarray) -> None:
