@@ -284,6 +284,25 @@ def read_bandwidth(files: Sequence[Path], env: dict[str, str], threads: int) -> 
     return {**json.loads(run_measured(cmd, env)[2].strip().splitlines()[-1]), "file": largest.name}
 
 
+PEAK = Path(__file__).with_name("int8_peak.py")
+
+
+def machine_peak(env: dict[str, str], threads: int) -> dict[str, Any]:
+    """This machine's one-thread int8 and float32 multiply-add peaks (``int8_peak.py --peak-only``), with the
+    threads the runtimes use: prefill is reported as a fraction of ``threads`` times the int8 peak."""
+    out = run_measured([sys.executable, str(PEAK), "--peak-only"], env)[2]
+    return {**json.loads(out.strip().splitlines()[-1]), "threads": threads}
+
+
+def layer_macs(config: dict[str, Any]) -> int:
+    """Multiply-adds per prompt token of the layers' matrices (q, k, v, o, gate, up, down; attention's own
+    products and the LM head, which a prompt runs on its last token, left out)."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head, config["num_key_value_heads"] * head
+    return config["num_hidden_layers"] * (hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter)
+
+
 def best_read(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The run's plain read: the fastest of ``samples`` (read_bandwidth results taken before, between and after the
     models), with all of them.  A physical limit, so the best sample: one taken while the machine was busy read
@@ -430,8 +449,11 @@ def prefill_ratios(raw: dict[str, dict[str, list[dict]]], lengths: Sequence[int]
 
 
 def prefill_lines(summary: dict, prefills: dict[str, dict[str, dict[int, dict[str, float]]]],
-                  lengths: Sequence[int]) -> list[str]:
-    """One table: prefill tok/s by prompt length, ours / llama.cpp (medians) and the paired ratio (min-max)."""
+                  lengths: Sequence[int], configs: dict[str, dict[str, Any]] | None = None,
+                  peak: dict[str, Any] | None = None) -> list[str]:
+    """One table: prefill tok/s by prompt length, ours / llama.cpp (medians) and the paired ratio (min-max); with
+    the machine's ``peak`` (:func:`machine_peak`), our layers' multiply-adds per second as a fraction of its int8
+    peak on the runtimes' threads."""
     if not lengths or not any(prefills.values()):
         return []
     head = ["model", "type", *(f"prefill({n}) tok/s ours / llama (paired ×, min-max)" for n in lengths)]
@@ -441,10 +463,22 @@ def prefill_lines(summary: dict, prefills: dict[str, dict[str, dict[int, dict[st
             m = summary.get(model, {}).get(dtype, {})
             medians = {n: pair(m.get(prefill_key("ours", n), {}), m.get(prefill_key("llama", n), {}),
                                "prefill_tps", with_ratio=False) for n in lengths}
-            cells = [f"{medians[n]} ({fmt(r['median'], 2)}, {fmt(r['min'], 2)}-{fmt(r['max'], 2)})"
-                     if (r := by_length.get(n)) else "-" for n in lengths]
+            cells = []
+            for n in lengths:
+                r = by_length.get(n)
+                ours = m.get(prefill_key("ours", n), {}).get("prefill_tps", NAN)
+                share = (ours * layer_macs(configs[model]) / (peak["int8"] * 1e12 * peak["threads"])
+                         if peak and "int8" in peak and configs and model in configs else NAN)
+                of_peak = f"; {share:.0%} of the {peak['int8_form']} int8 peak" if share == share else ""
+                cells.append(f"{medians[n]} ({fmt(r['median'], 2)}, {fmt(r['min'], 2)}-{fmt(r['max'], 2)}{of_peak})"
+                             if r else "-")
             rows.append("| " + " | ".join([model, dtype, *cells]) + " |")
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows, ""]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows, ""]
+    if peak and "int8" in peak:
+        lines += [f"Machine peak, one thread: {peak['int8']:.3f} T int8 multiply-adds/s ({peak['int8_form']}), "
+                  f"{peak.get('float', NAN):.3f} T float32 (FMA); prefill's share counts the layers' matrices "
+                  f"on {peak['threads']} threads.", ""]
+    return lines
 
 
 def paired_ratios(raw: dict[str, dict[str, list[dict]]], a: str = "ours", b: str = "llama"
@@ -686,7 +720,8 @@ def report(results: dict[str, Any], plan: Plan) -> list[str]:
              f"({results.get('conversion_repeat', results['repeat'])} of each conversion)", "",
              *(runtime_table(runs, plan, results.get("kernels", ["numba"]),
                              results.get("read", {}).get("read_gbps", NAN)) + [""] if any(runs.values()) else []),
-             *paired_lines(results["paired"]), *prefill_lines(runs, results["paired_prefill"], plan.prefills),
+             *paired_lines(results["paired"]),
+             *prefill_lines(runs, results["paired_prefill"], plan.prefills, results["configs"], results.get("peak")),
              *jit_lines(results.get("jit", {})), *conversion_table(conv), ""]
     read_gbps = results.get("read", {}).get("read_gbps", NAN)
     for model in dict.fromkeys([*runs, *conv]):  # a NaN target was not measured (--quick, --dtypes, --no-llama)
@@ -733,6 +768,9 @@ def run(args: argparse.Namespace) -> None:
             reads.append(read_bandwidth(files, env, args.threads))
 
     sample_read()
+    if plan.prefills and not args.no_runtime:
+        log("int8 and float peaks")
+        results["peak"] = machine_peak(env, args.threads)
     for i, name in enumerate(names):
         log(f"{name}: checkpoint")
         tokenizers = args.tokenizers or real_tokenizers.tokenizers_dir()

@@ -23,6 +23,7 @@ int8 peak, and the integer / float ratio; the fastest of ``--repeat`` runs.  For
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -309,23 +310,19 @@ def float_product(kernel: Q8_0JitKernel | Q4_KJitKernel | Q6_KJitKernel, x: np.n
     list(pool.map(run, range(2)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--rows", type=int, default=512, help="activation rows (prompt tokens)")
-    parser.add_argument("--types", default="q8_0,q4_k,q6_k", help="weight types, comma-separated")
-    args = parser.parse_args()
-    rng = np.random.default_rng(0)
-    threadpoolctl.threadpool_limits(1)  # BLAS on the calling thread: the runtime's pool threads each run it so
-    amx = jit_amx.amx_available()
-    peak = None
-    if amx:
+def peaks(repeat: int, rng: np.random.Generator) -> dict[str, float | str]:
+    """This machine's one-thread peaks, printed as measured: T int8 multiply-adds/s of its widest integer form
+    (``int8_form``: AMX, else AVX-512 VNNI, else the AVX2 lanes' inner loop) and T float multiply-adds/s of float32
+    FMA on ymm registers."""
+    found: dict[str, float | str] = {}
+    if jit_amx.amx_available():
         cfg, c = amx_peak_config(), np.zeros((16, 16), np.int32)
         a, b = (rng.integers(-128, 128, (16, 64), dtype=np.int8) for _ in range(2))
         amx_spin(cfg, a, b, c, 10)
         n = 500_000
-        peak = 4 * n * 16 * 16 * 64 / best(args.repeat, lambda: amx_spin(cfg, a, b, c, n)) / 1e12
-        print(f"AMX tdpbssd, tiles in registers, one thread: {peak:.2f} T int8 multiply-adds/s")
+        found["int8"] = 4 * n * 16 * 16 * 64 / best(repeat, lambda: amx_spin(cfg, a, b, c, n)) / 1e12
+        found["int8_form"] = "amx"
+        print(f"AMX tdpbssd, tiles in registers, one thread: {found['int8']:.2f} T int8 multiply-adds/s")
     else:
         print("AMX: not available here (CPU, compiler target or kernel permission)")
     if "avx512vnni" in FEATURES:
@@ -333,20 +330,41 @@ def main() -> None:
         a, b = (rng.integers(0, 1 << 30, 16).astype(np.int32) for _ in range(2))
         vnni_spin(acc, a, b, 10)
         n = 20_000
-        rate = n * 64 * VNNI_ACCUMULATORS * 64 / best(args.repeat, lambda: vnni_spin(acc, a, b, n)) / 1e12
+        rate = n * 64 * VNNI_ACCUMULATORS * 64 / best(repeat, lambda: vnni_spin(acc, a, b, n)) / 1e12
         print(f"AVX-512 VNNI vpdpbusd, registers, one thread: {rate:.2f} T int8 multiply-adds/s")
+        found.setdefault("int8_form", "vnni")
+        found.setdefault("int8", rate)
     if "avx2" in FEATURES and "fma" in FEATURES:
         window = rng.integers(0, 64, (2 * AVX2_W + AVX2_X) * WINDOW).astype(np.int8)
         seed, out8, outf = rng.random(16).astype(np.float32), np.zeros(8, np.int32), np.zeros(8, np.float32)
         avx2_peak_run(10, window, out8)
         fma_peak_run(10, seed, outf)
         n = 10_000_000
-        rate = n * AVX2_X * AVX2_W * 32 / best(args.repeat, lambda: avx2_peak_run(n, window, out8)) / 1e12
-        flops = n * 8 * 8 / best(args.repeat, lambda: fma_peak_run(n, seed, outf)) / 1e12
+        rate = n * AVX2_X * AVX2_W * 32 / best(repeat, lambda: avx2_peak_run(n, window, out8)) / 1e12
+        found["float"] = n * 8 * 8 / best(repeat, lambda: fma_peak_run(n, seed, outf)) / 1e12
         print(f"AVX2 pmaddubsw + pmaddwd, the lanes GEMM's inner loop from L1, one thread: {rate:.3f} T int8 "
               f"multiply-adds/s")
-        print(f"float32 FMA, 8 ymm chains, one thread: {flops:.3f} T float multiply-adds/s")
-        peak = peak if amx else rate
+        print(f"float32 FMA, 8 ymm chains, one thread: {found['float']:.3f} T float multiply-adds/s")
+        if "int8" not in found:
+            found["int8"], found["int8_form"] = rate, "avx2"
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=512, help="activation rows (prompt tokens)")
+    parser.add_argument("--types", default="q8_0,q4_k,q6_k", help="weight types, comma-separated")
+    parser.add_argument("--peak-only", action="store_true",
+                        help="only the peaks, then one JSON line (what scripts/bench.py reads)")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    threadpoolctl.threadpool_limits(1)  # BLAS on the calling thread: the runtime's pool threads each run it so
+    found = peaks(args.repeat, rng)
+    if args.peak_only:
+        print(json.dumps(found))
+        return
+    amx, peak = found.get("int8_form") == "amx", found.get("int8", float("nan"))
     if not (amx or lanes.takes(144)):
         return
     kinds = args.types.split(",")

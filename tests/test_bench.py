@@ -62,3 +62,20 @@ def test_results_files_without_prefill_lengths_still_report() -> None:
     assert bench.plan_of({"plan": {**bench.QUICK.__dict__, "prefills": [64, 512]}}).prefills == (64, 512)
     old = {k: v for k, v in bench.QUICK.__dict__.items() if k != "prefills"}
     assert bench.plan_of({"plan": old}).prefills == ()
+
+
+def test_prefill_share_of_the_int8_peak() -> None:
+    """Prefill's multiply-adds per second (the layers' matrices per token times tok/s) against the machine's int8
+    peak on the runtimes' threads; Qwen2.5-0.5B's layer matrices are 357,826,560 weights."""
+    config = {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2,
+              "num_hidden_layers": 24}
+    assert bench.layer_macs(config) == 357_826_560
+    runs = {"m": {"q8_0": {"ours_prefill512": {"prefill_tps": 200.0}, "llama_prefill512": {"prefill_tps": 100.0}}}}
+    raw = {"q8_0": {"ours_prefill512": [{"prefill_tps": 200.0}], "llama_prefill512": [{"prefill_tps": 100.0}]}}
+    paired = {"m": bench.prefill_ratios(raw, [512])}
+    peak = {"int8": 0.1, "float": 0.05, "int8_form": "avx2", "threads": 2}
+    lines = bench.prefill_lines(runs, paired, [512], {"m": config}, peak)
+    share = 200 * 357_826_560 / (0.1e12 * 2)
+    assert f"(2.00, 2.00-2.00; {share:.0%} of the avx2 int8 peak)" in lines[2]
+    assert lines[-2].startswith("Machine peak, one thread: 0.100 T int8")
+    assert "of the" not in bench.prefill_lines(runs, paired, [512])[2]

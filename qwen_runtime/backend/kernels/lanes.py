@@ -78,6 +78,7 @@ def _load(builder: ir.IRBuilder, base: ir.Value, at: ir.Value, vector: ir.Type, 
 
 
 def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
+    """``value`` in every element of ``vector`` (a broadcast)."""
     one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, I32(0))
     return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined),
                                   ir.Constant(ir.VectorType(I32, vector.count), [0] * vector.count))
@@ -173,6 +174,7 @@ def k_tile(typingctx, kind, w, s, extra, dw, dm, g0, xq, xd, xsums, x0, nb, out)
         x_at = [builder.gep(_data(context, builder, ty[7], xq_), [builder.mul(x, x_cols)]) for x in rows]
         sums_at = [builder.gep(_data(context, builder, ty[9], xsums_), [builder.mul(x, sums_cols)]) for x in rows]
         xd_data = _data(context, builder, ty[8], xd_)
+
         def step(b, quad, sums):  # 4 values of every pair: int32 sums
             k = builder.add(builder.mul(b, I64(QK_K)), builder.mul(quad, I64(QUAD)))  # first value of the quad
             sub = builder.lshr(builder.add(builder.mul(b, I64(QK_K // QUAD)), quad), I64(shift))
