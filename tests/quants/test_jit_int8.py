@@ -170,8 +170,8 @@ def test_products_within_the_error_model(qtype: QType, n: int) -> None:
 @pytest.mark.parametrize("qtype", TYPES)
 def test_rows_equal_alone_and_in_any_batch(qtype: QType) -> None:
     """Row invariance (the server's batch invariance): 1..GEMV_ROWS rows, and more through ``rowwise``; a product of
-    more rows than ``direct_rows`` is the float kernel's (or, on AMX and for Q8_0 on AVX2's lanes, the blockwise
-    reference's)."""
+    more rows than ``direct_rows`` is the float kernel's (or, on AMX and for Q8_0, Q4_0 and Q5_0 on AVX2's lanes,
+    the blockwise reference's)."""
     raw = random_blocks(qtype, 29, 9, seed=3)
     x = activations(max(GEMV_ROWS, Int8Kernel.direct_rows) + 5, 9 * 32, seed=4)
     kernel = KERNELS[qtype](raw)
@@ -187,7 +187,7 @@ def test_rows_equal_alone_and_in_any_batch(qtype: QType) -> None:
     exact = make_weight(StoredTensor("w", qtype, (29, 9 * 32), "memory", data=raw),
                         Workspace(threads=2, kernels="numba"), tile_elements=8 * 288)  # the same tiles, float
     many = exact.matmul(x)
-    if amx_available() or (qtype == QType.Q8_0 and jit_lanes.takes_q8_0()):  # the blockwise reference's numbers
+    if amx_available() or (qtype in (QType.Q8_0, QType.Q4_0, QType.Q5_0) and jit_lanes.takes_q8_0()):
         w, scales, mins = q8_act.block_weights(qtype, raw)
         q, d = q8_act.quantize_activations(x)
         many = q8_act.product_blockwise(w, scales, q, d, mins, None if mins is None else q8_act.activation_sums(q, d))

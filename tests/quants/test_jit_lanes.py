@@ -31,8 +31,9 @@ from qwen_runtime.backend.kernels import lanes as jit_lanes  # noqa: E402
 from qwen_runtime.backend.kernels.amx_k import q8_k_padded  # noqa: E402
 from qwen_runtime.quants import q8_act  # noqa: E402
 
-LANE_TYPES = (QType.Q8_0, QType.Q4_K, QType.Q6_K)
+BLOCK_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q5_0)  # blocks of 32, q8_0 activations
 K_LANE_TYPES = (QType.Q4_K, QType.Q6_K)
+LANE_TYPES = BLOCK_TYPES + K_LANE_TYPES
 
 
 def lane_product(qtype: QType, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -45,7 +46,7 @@ def lane_product(qtype: QType, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 def takes(qtype: QType) -> bool:
-    return jit_lanes.takes_q8_0() if qtype == QType.Q8_0 else jit_lanes.takes(codec(qtype).type_size)
+    return jit_lanes.takes_q8_0() if qtype in BLOCK_TYPES else jit_lanes.takes(codec(qtype).type_size)
 
 
 @pytest.mark.parametrize("qtype", K_LANE_TYPES, ids=lambda t: t.name)
@@ -107,42 +108,54 @@ def test_refuses_other_shapes() -> None:
                                     np.empty((4, 16), np.float32))
 
 
-def q8_0_rows(rows: int, nb: int, seed: int) -> np.ndarray:
-    """Random Q8_0 rows: every int8 value, float16 d of about 1e-3 of both signs, 5 % float16 edge values
-    (zeros, subnormals, the largest)."""
+def block_rows(qtype: QType, rows: int, nb: int, seed: int) -> np.ndarray:
+    """Random rows of a 32-value block type: every value and bit pattern, float16 d of about 1e-3 of both signs,
+    5 % float16 edge values (zeros, subnormals, the largest)."""
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (rows, nb, 34), dtype=np.uint8)
+    size = codec(qtype).type_size
+    blocks = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
     d = (rng.uniform(2e-4, 2e-3, (rows, nb)) * rng.choice([-1, 1], (rows, nb))).astype(np.float16)
     edge = rng.random(d.shape) < 0.05
     d.view(np.uint16)[edge] = rng.choice(np.array([0x0000, 0x8000, 0x0001, 0x7BFF, 0xFBFF], np.uint16),
                                          int(edge.sum()))
     blocks[:, :, :2] = d[..., None].view(np.uint8).reshape(rows, nb, 2)
-    return blocks.reshape(rows, nb * 34)
+    return blocks.reshape(rows, nb * size)
 
 
-def q8_0_reference(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+def block_reference(qtype: QType, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     q, d = q8_act.quantize_activations(x)
-    return q8_act.product_blockwise(*q8_act.q8_0_weights(raw), q, d)
+    w, scales, _ = q8_act.block_weights(qtype, raw)
+    return q8_act.product_blockwise(w, scales, q, d)
 
 
+def block_product(qtype: QType, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The lanes' product of a block type's rows, activations quantized as the kernel classes quantize them."""
+    q, d = jit_amx.quantized_padded(x)
+    out = np.full((len(x), len(raw)), np.nan, np.float32)
+    if qtype == QType.Q8_0:
+        jit_lanes.q8_0_lanes_product(raw, jit_lanes.q8_0_lane_activations(q, d, len(x), x.shape[1]), out)
+    else:
+        jit_lanes.nibble_lanes_product(raw, jit_lanes.nibble_lane_activations(q, d, len(x), x.shape[1]), out)
+    return out
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize(("m", "rows", "nb"), [(1, 7, 1), (4, 16, 3), (37, 40, 2), (70, 33, 28), (9, 17, 345)])
-def test_q8_0_product_equals_the_reference(m: int, rows: int, nb: int) -> None:
-    """Bit for bit, partial tiles and panels, float16 edge scales, activations at +-127 in one row; where the CPU
-    is not the kernels' the product is refused."""
-    raw = q8_0_rows(rows, nb, seed=m + rows)
+def test_block_product_equals_the_reference(qtype: QType, m: int, rows: int, nb: int) -> None:
+    """Bit for bit, partial tiles and panels, float16 edge scales, activations at +-127 in one row (Q4_0's and
+    Q5_0's largest bias sums); where the CPU is not the kernels' the product is refused."""
+    raw = block_rows(qtype, rows, nb, seed=m + rows)
     x = np.random.default_rng(nb).normal(0, 1, (m, nb * 32)).astype(np.float32)
     x[0, ::2], x[0, 1::2] = 5, -5
-    q, d = jit_amx.quantized_padded(x)
-    prepared = jit_lanes.q8_0_lane_activations(q, d, m, nb * 32)
-    out = np.full((m, rows), np.nan, np.float32)
-    if not jit_lanes.takes_q8_0():
+    if not takes(qtype):
         with pytest.raises(KernelsError, match="AVX2"):
-            jit_lanes.q8_0_lanes_product(raw, prepared, out)
+            block_product(qtype, raw, x)
         return
-    jit_lanes.q8_0_lanes_product(raw, prepared, out)
-    np.testing.assert_array_equal(out, q8_0_reference(raw, x))
+    np.testing.assert_array_equal(block_product(qtype, raw, x), block_reference(qtype, raw, x))
+    q, d = jit_amx.quantized_padded(x)
     with pytest.raises(ValueError, match="lanes product"):
-        jit_lanes.q8_0_lanes_product(raw[:, :-34], prepared, out)
+        jit_lanes.q8_0_lanes_product(raw[:, :-2], jit_lanes.q8_0_lane_activations(q, d, m, nb * 32),
+                                     np.empty((m, rows), np.float32))
 
 
 @pytest.mark.parametrize("activations_form", ["q8", "q8-prompts"])
@@ -152,7 +165,7 @@ def test_kernel_classes_take_prompts_through_the_lanes(qtype: QType, activations
     quantized once to q8_K and multiplied through the lanes where :func:`jit_lanes.takes` the type (and AMX is
     absent), each task's rows equal to the reference's columns; segments of it are the same numbers; up to
     ``direct_rows`` rows and ``rowwise`` products keep the kernel's own preparation."""
-    raw = q8_0_rows(48, 16, seed=5) if qtype == QType.Q8_0 else k_rows(qtype, 48, 2, seed=5)
+    raw = block_rows(qtype, 48, 16, seed=5) if qtype in BLOCK_TYPES else k_rows(qtype, 48, 2, seed=5)
     kernel = jit_kernel(qtype, raw, activations_form)
     n = kernel.direct_rows + 5
     x = activations(n, 512, seed=5)
@@ -166,7 +179,8 @@ def test_kernel_classes_take_prompts_through_the_lanes(qtype: QType, activations
     out = np.full((n, 48), np.nan, np.float32)
     for r0, r1 in [(0, 16), (16, 41), (41, 48)]:
         kernel.product(r0, r1, xk, out[:, r0:r1], Scratch())
-    np.testing.assert_array_equal(out, q8_0_reference(raw, x) if qtype == QType.Q8_0 else reference(qtype, raw, x))
+    want = block_reference(qtype, raw, x) if qtype in BLOCK_TYPES else reference(qtype, raw, x)
+    np.testing.assert_array_equal(out, want)
     assert kernel.segments_exact
     segments = np.full((n, 48), np.nan, np.float32)
     kernel.product_segments(0, 48, xk, segments, Scratch(), (n,))
@@ -174,19 +188,20 @@ def test_kernel_classes_take_prompts_through_the_lanes(qtype: QType, activations
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("dtype", "types"), [("q4_k_m", {QType.Q4_K, QType.Q6_K}), ("q8_0", {QType.Q8_0})])
+@pytest.mark.parametrize(("dtype", "types"), [("q4_k_m", {QType.Q4_K, QType.Q6_K}), ("q8_0", {QType.Q8_0}),
+                                              ("q4_0", {QType.Q4_0, QType.Q6_K}), ("q5_0", {QType.Q5_0, QType.Q6_K})])
 def test_model_prompts_through_the_lanes(converted: Converted, monkeypatch: pytest.MonkeyPatch, dtype: str,
                                          types: set[QType]) -> None:
-    """The bundled model (rows of 256 and 768 values) in q4_k_m (Q4_K and Q6_K matrices) and q8_0: a 40-token
-    prompt (more than ``direct_rows``) with 8-bit activations multiplies its types through the lanes where the CPU
-    takes them and stays within the activations' error of the float prompt's logits (2^-8 of each product's
+    """The bundled model (rows of 256 and 768 values) in q4_k_m (Q4_K and Q6_K matrices), q8_0, q4_0 and q5_0
+    (their tied LM head Q6_K): a 40-token prompt (more than ``direct_rows``; logits of every position) with 8-bit
+    activations multiplies its types through the lanes where the CPU takes them and stays within the activations' error of the float prompt's logits (2^-8 of each product's
     magnitude through four layers: a few percent of the largest logit), and its chunks prefilled together with
     others equal each alone (``Model.prefill_many``)."""
     path = converted("bundled", "gguf", dtype)
     exact = qwen_runtime.load(path, kernels="numba", activations="float")
     q8 = qwen_runtime.load(path, kernels="numba", activations="q8")
     sizes = set()
-    for name in ("kquant_lanes_product", "q8_0_lanes_product"):
+    for name in ("kquant_lanes_product", "q8_0_lanes_product", "nibble_lanes_product"):
         real = getattr(jit_lanes, name)
         monkeypatch.setattr(jit_lanes, name, lambda raw, xk, out, real=real: sizes.add(raw.shape[1] // xk[1].shape[1])
                             or real(raw, xk, out))

@@ -17,6 +17,7 @@ import numpy as np
 from ...quants.base import QType
 from ...quants.iq4 import IQ4_NL
 from ...quants.legacy import Q4_0, Q4_1, Q5_0, Q5_1
+from . import lanes
 from .amx import (
     LEVELS,
     NIBBLES,
@@ -57,7 +58,9 @@ def padded_with_sums(x: np.ndarray, mins: bool) -> AmxActivations:
 
 
 class BlockAmxPrompts(AmxPrompts):
-    """Prompts of a 32-value block type through :func:`.amx.blocks_amx_product` (``qtype``'s :data:`GEOMETRY`)."""
+    """Prompts of a 32-value block type through :func:`.amx.blocks_amx_product` (``qtype``'s :data:`GEOMETRY`), or
+    for Q4_0 and Q5_0 through AVX2's lanes (:func:`.lanes.nibble_lanes_product`, the same numbers) where
+    :func:`.lanes.takes_q8_0`."""
 
     prepared_type = AmxActivations
     qtype: QType
@@ -67,6 +70,15 @@ class BlockAmxPrompts(AmxPrompts):
 
     def amx_product(self, raw: np.ndarray, xk: AmxActivations, out: np.ndarray) -> None:
         blocks_amx_product(GEOMETRY[self.qtype], raw, *xk, out)
+
+    def lane_quantize(self, x: np.ndarray) -> lanes.LaneActivations | None:
+        if self.qtype not in (QType.Q4_0, QType.Q5_0) or not lanes.takes_q8_0():
+            return None
+        q, d = quantized_padded(x)
+        return lanes.nibble_lane_activations(q, d, len(x), self.in_features)
+
+    def lane_product(self, raw: np.ndarray, xk: lanes.LaneActivations, out: np.ndarray) -> None:
+        lanes.nibble_lanes_product(raw, xk, out)
 
 
 class Q4_0AmxPrompts(BlockAmxPrompts):

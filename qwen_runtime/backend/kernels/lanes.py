@@ -43,6 +43,7 @@ from numba.extending import intrinsic
 
 from ...errors import KernelsError
 from ...quants.kquants import Q4_K, Q6_K
+from ...quants.legacy import Q4_0, Q5_0
 from ...quants.q8_0 import Q8_0_BYTES
 from ...quants.q8_act import Q8_ACT_BLOCK
 from ...quants.q8k_act import BSUM, QK_K
@@ -57,6 +58,7 @@ PANELS = 2  # panels repacked per pass over the activation rows
 Q4_K_SUB, Q6_K_SUB = 32, 16  # values per sub-block scale
 Q6_BIAS_SHIFT = 5  # Q6_K's q - 32: 32 = 1 << 5
 Q4_K_BYTES, Q6_K_BYTES = Q4_K().type_size, Q6_K().type_size
+Q4_0_BYTES, Q5_0_BYTES = Q4_0().type_size, Q5_0().type_size
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 V32_I8, V16_I16, V8_I32, V8_F32 = (ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8),
                                     ir.VectorType(F32, 8))
@@ -65,6 +67,7 @@ I8_2D = types.Array(types.int8, 2, "C")
 F32_2D = types.Array(types.float32, 2, "C")
 F32_OUT = types.Array(types.float32, 2, "A")
 I16_2D = types.Array(types.int16, 2, "C")
+I32_2D = types.Array(types.int32, 2, "C")
 Q4_K_KIND, Q6_K_KIND = 4, 6
 
 
@@ -246,6 +249,64 @@ def q8_0_tile(typingctx, w, dw, g0, x, xd, x0, nb, out):  # noqa: ARG001
     return types.void(w, dw, g0, x, xd, x0, nb, out), codegen
 
 
+@intrinsic
+def nibble_tile(typingctx, bias, w, dw, g0, xq, xd, xsums, x0, nb, out):  # noqa: ARG001
+    """``out[(r * GROUPS + g) * 8 + i]`` = the q8_0 product (``q8_act.product_blockwise``'s numbers) of
+    activation row ``x0 + r`` and row ``i`` of panel ``g0 + g`` of Q4_0 or Q5_0 weights over ``nb`` blocks of 32.
+    Panels (:func:`repack_nibbles`): ``w`` [K / 4][8][4] uint8 values ``q`` (0..15 or 0..31; the weight is ``q -
+    bias``, ``bias`` a literal 8 or 16), ``dw`` [nb][8]; activations ``xq`` [M, >= K] int8, ``xd`` [M, nb] and
+    ``xsums`` [M, nb] int32, the sums of ``q`` per block: ``sumi = (q . x) - bias sum(x)``, exact, then per block
+    ``acc = acc + f32(sumi) * (d_w * d_x)``."""
+    if not isinstance(bias, types.IntegerLiteral):
+        raise RequireLiteralValue("the bias of nibble_tile must be a literal int")
+    shift = bias.literal_value.bit_length() - 1
+
+    def codegen(context, builder, signature, args):
+        ty = signature.args
+        _, w_, dw_, g0_, xq_, xd_, xsums_, x0_, nb_, out_ = args
+        pmaddubsw = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", V16_I16, V32_I8)
+        pmaddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", V8_I32, V16_I16)
+        ones = ir.Constant(V16_I16, [1] * 16)
+        cols = builder.mul(nb_, I64(Q8_ACT_BLOCK))
+        panels = [builder.add(g0_, I64(g)) for g in range(GROUPS)]
+        rows = [builder.add(x0_, I64(r)) for r in range(ROWS)]
+        w_data, dw_data = _data(context, builder, ty[1], w_), _data(context, builder, ty[2], dw_)
+        w_at = [builder.gep(w_data, [builder.mul(g, builder.mul(cols, I64(PANEL)))]) for g in panels]
+        dw_at = [builder.gep(dw_data, [builder.mul(g, builder.mul(nb_, I64(PANEL)))]) for g in panels]
+        x_cols = cgutils.unpack_tuple(builder, context.make_array(ty[4])(context, builder, xq_).shape)[1]
+        x_at = [builder.gep(_data(context, builder, ty[4], xq_), [builder.mul(row, x_cols)]) for row in rows]
+        xd_data, sums_data = _data(context, builder, ty[5], xd_), _data(context, builder, ty[6], xsums_)
+
+        def step(b, quad, sums):  # 4 values of every pair
+            k = builder.add(builder.mul(b, I64(Q8_ACT_BLOCK)), builder.mul(quad, I64(QUAD)))
+            weights = [_load(builder, at, builder.mul(k, I64(PANEL)), V32_I8, 1) for at in w_at]
+            new = {}
+            for r in range(ROWS):
+                x = builder.bitcast(_splat(builder, _load(builder, x_at[r], k, I32, 1), V8_I32), V32_I8)
+                for g in range(GROUPS):
+                    products = builder.call(pmaddwd, [builder.call(pmaddubsw, [weights[g], x]), ones])
+                    new[r, g] = builder.add(sums[r, g], products)
+            return new
+
+        def finish(b, sums, acc):
+            dw = [_load(builder, at, builder.mul(b, I64(PANEL)), V8_F32, 4) for at in dw_at]
+            stepped = {}
+            for r, row in enumerate(rows):
+                at = builder.add(builder.mul(row, nb_), b)
+                dx = _splat(builder, builder.load(builder.gep(xd_data, [at])), V8_F32)
+                bias_sum = _splat(builder, builder.shl(builder.load(builder.gep(sums_data, [at])), I32(shift)), V8_I32)
+                for g in range(GROUPS):
+                    sumi = builder.sub(sums[r, g], bias_sum)
+                    term = builder.fmul(builder.sitofp(sumi, V8_F32), builder.fmul(dw[g], dx))
+                    stepped[r, g] = builder.fadd(acc[r, g], term)
+            return stepped
+
+        _tile_loops(builder, nb_, Q8_ACT_BLOCK // QUAD, step, finish, out_)
+        return context.get_dummy_value()
+
+    return types.void(bias, w, dw, g0, xq, xd, xsums, x0, nb, out), codegen
+
+
 def _float_step(builder: ir.IRBuilder, q4: bool, pmaddwd, sums: dict, acc: dict, b: ir.Value, nb: ir.Value,
                 rows: list, xd: ir.Value, sums_at: list, extra_at: list, dw_at: list, dm_at: list) -> dict:
     """Super-block ``b``'s float step of every (row, panel) pair of a tile: the reference's operations, each
@@ -373,21 +434,53 @@ def repack_q6_k(raw, r0, n, table, w32, s, pairs, dw):
 
 
 @numba.njit(inline="always")
-def repack_q8_0(raw, r0, n, table, w16, dw):
-    """Stored Q8_0 rows ``r0 .. r0 + n`` into panels of 8 (rows past ``n`` all zero): the int8 values widened to
-    int16 in pairs, d."""
+def repack_q8_0(raw, r0, n, table, w32, dw):
+    """Stored Q8_0 rows ``r0 .. r0 + n`` into panels of 8 (rows past ``n`` all zero): each pair of int8 values
+    widened to two int16 in one word, d."""
     nb = dw.shape[1] // PANEL
-    for c in range(w16.shape[0] * PANEL):
+    for c in range(w32.shape[0] * PANEL):
         g, i = c // PANEL, c % PANEL
         live = c < n
         blk = raw[r0 + c] if live else raw[r0]
         for b in range(nb):
             o = b * Q8_0_BYTES
             dw[g, b * PANEL + i] = _f16(table, blk, o) if live else np.float32(0)
-            for k in range(Q8_ACT_BLOCK):
-                at = ((b * Q8_ACT_BLOCK + k) // 2) * 2 * PANEL + 2 * i + k % 2
-                w16[g, at] = np.int16(np.int8(blk[o + 2 + k])) if live else np.int16(0)
+            for p in range(Q8_ACT_BLOCK // 2):
+                low = np.uint32(np.uint16(np.int16(np.int8(blk[o + 2 + 2 * p]))))
+                high = np.uint32(np.uint16(np.int16(np.int8(blk[o + 3 + 2 * p]))))
+                w32[g, (b * (Q8_ACT_BLOCK // 2) + p) * PANEL + i] = (low | (high << np.uint32(16))) if live else 0
 
+
+@numba.njit(inline="always")
+def repack_nibbles(raw, r0, n, table, w32, dw, size):
+    """Stored Q4_0 (``size`` 18) or Q5_0 (22: bit 4 of value ``l`` is bit ``l`` of ``qh``) rows into panels of 8:
+    the unsigned values ``q`` by words, d."""
+    nb = dw.shape[1] // PANEL
+    first = 2 if size == Q4_0_BYTES else 6
+    for c in range(w32.shape[0] * PANEL):
+        g, i = c // PANEL, c % PANEL
+        live = c < n
+        blk = raw[r0 + c] if live else raw[r0]
+        for b in range(nb):
+            o = b * size
+            dw[g, b * PANEL + i] = _f16(table, blk, o) if live else np.float32(0)
+            qh = _word(blk, o + 2) if size != Q4_0_BYTES else np.uint32(0)
+            for lq in range(4):  # values 4 lq .. 4 lq + 3 (low nibbles) and 16 + 4 lq .. (high)
+                word = _word(blk, o + first + 4 * lq) if live else np.uint32(0)
+                low, high = word & LOW4, (word >> np.uint32(4)) & LOW4
+                if size != Q4_0_BYTES and live:
+                    low |= _bits4(qh >> np.uint32(4 * lq))
+                    high |= _bits4(qh >> np.uint32(16 + 4 * lq))
+                quad = b * (Q8_ACT_BLOCK // QUAD) + lq
+                _put(w32, g, quad, i, low)
+                _put(w32, g, quad + 4, i, high)
+
+
+@numba.njit(inline="always")
+def _bits4(bits):
+    """Bits 0-3 of ``bits`` as bit 4 of four bytes (bit ``j`` into byte ``j``)."""
+    return (((bits & np.uint32(1)) << np.uint32(4)) | ((bits & np.uint32(2)) << np.uint32(11))
+            | ((bits & np.uint32(4)) << np.uint32(18)) | ((bits & np.uint32(8)) << np.uint32(25)))
 
 @intrinsic
 def stack_tile(typingctx):  # noqa: ARG001
@@ -438,17 +531,45 @@ if AVAILABLE:
         (blocks of 32) whose first M rows are real."""
         m, rows = out.shape
         nb = raw.shape[1] // Q8_0_BYTES
-        w = np.empty((PANELS, nb * Q8_ACT_BLOCK * PANEL), np.int16)
+        w32 = np.empty((PANELS, nb * Q8_ACT_BLOCK * PANEL // 2), np.uint32)
+        w = w32.view(np.int16)
         dw = np.empty((PANELS, nb * PANEL), np.float32)
         buffer = stack_tile()
         tile = numba.carray(buffer, (ROWS * GROUPS * PANEL,))
         for c0 in range(0, rows, PANELS * PANEL):
             n = min(PANELS * PANEL, rows - c0)
-            repack_q8_0(raw, c0, n, table, w, dw)
+            repack_q8_0(raw, c0, n, table, w32, dw)
             for x0 in range(0, m, ROWS):
                 for g0 in range(0, PANELS, GROUPS):
                     q8_0_tile(w, dw, g0, x, d, x0, nb, buffer)
                     _store_tile(tile, m, n, x0, g0 * PANEL, c0, out)
+
+    @numba.njit(inline="always")
+    def nibble_prompts(raw, q, d, sums, table, out, size, bias):
+        """``out`` [M, R] = the q8_0 product of Q4_0 or Q5_0 rows (``size`` bytes a block, ``bias`` a literal)
+        and activations ``q`` int8, ``d``, ``sums`` (int32 per block) whose first M rows are real."""
+        m, rows = out.shape
+        nb = raw.shape[1] // size
+        w = np.empty((PANELS, nb * Q8_ACT_BLOCK * PANEL // 4), np.uint32)
+        dw = np.empty((PANELS, nb * PANEL), np.float32)
+        buffer = stack_tile()
+        tile = numba.carray(buffer, (ROWS * GROUPS * PANEL,))
+        wbytes = w.view(np.uint8)
+        for c0 in range(0, rows, PANELS * PANEL):
+            n = min(PANELS * PANEL, rows - c0)
+            repack_nibbles(raw, c0, n, table, w, dw, size)
+            for x0 in range(0, m, ROWS):
+                for g0 in range(0, PANELS, GROUPS):
+                    nibble_tile(bias, wbytes, dw, g0, q, d, sums, x0, nb, buffer)
+                    _store_tile(tile, m, n, x0, g0 * PANEL, c0, out)
+
+    @numba.njit(types.void(U8_2D, I8_2D, F32_2D, I32_2D, F32_1D, F32_OUT), nogil=True, cache=True)
+    def q4_0_prompts(raw, q, d, sums, table, out):
+        nibble_prompts(raw, q, d, sums, table, out, Q4_0_BYTES, 8)
+
+    @numba.njit(types.void(U8_2D, I8_2D, F32_2D, I32_2D, F32_1D, F32_OUT), nogil=True, cache=True)
+    def q5_0_prompts(raw, q, d, sums, table, out):
+        nibble_prompts(raw, q, d, sums, table, out, Q5_0_BYTES, 16)
 
     @numba.njit(types.void(U8_2D, I8_2D, F32_2D, I16_2D, F32_1D, F32_OUT), nogil=True, cache=True)
     def q6_k_prompts(raw, q, d, sums, table, out):
@@ -520,6 +641,36 @@ def q8_0_lanes_product(raw: np.ndarray, xk: LaneActivations, out: np.ndarray) ->
             or len(out) > len(x) or out.shape[1] != len(raw) or out.dtype != np.float32):
         raise ValueError(f"Q8_0 lanes product of {raw.shape} stored rows, activations {x.shape}, output {out.shape}")
     q8_0_prompts(raw.view(np.uint8), x, d, F16_TABLE, out)
+
+
+NIBBLES = {Q4_0_BYTES: 8, Q5_0_BYTES: 16}  # bytes per block -> the bias of its values
+
+
+def nibble_lane_activations(q: np.ndarray, d: np.ndarray, rows: int, cols: int) -> LaneActivations:
+    """:class:`LaneActivations` of q8_0 activations for Q4_0/Q5_0: ``q`` [Mp, >= cols] int8 as it is, ``d`` and
+    the int32 sums of ``q`` per block of the first ``cols`` values."""
+    blocks = cols // Q8_ACT_BLOCK
+    sums = q[:, :cols].reshape(len(q), blocks, Q8_ACT_BLOCK).sum(axis=2, dtype=np.int32)
+    prepared = LaneActivations((q, np.ascontiguousarray(d[:, :blocks]), sums))
+    prepared.rows = rows
+    return prepared
+
+
+def nibble_lanes_product(raw: np.ndarray, xk: LaneActivations, out: np.ndarray) -> None:
+    """``out`` [M, R] = the q8_0 product (``q8_act.product_blockwise``'s numbers) of Q4_0 or Q5_0 rows ``raw`` (the
+    type from its bytes per block of the activations' blocks) and :func:`nibble_lane_activations` ``xk``."""
+    if not takes_q8_0():
+        raise KernelsError("the AVX2 prompt kernels need a CPU with AVX2 (and not AVX-512)")
+    q, d, sums = xk
+    nb = d.shape[1]
+    size = raw.shape[1] // nb if nb else 0
+    if (size not in NIBBLES or raw.shape[1] % nb or q.shape[1] < nb * Q8_ACT_BLOCK or sums.shape != d.shape
+            or len(q) != len(d) or len(q) % ROWS or len(out) > len(q) or out.shape[1] != len(raw)
+            or out.dtype != np.float32):
+        raise ValueError(f"Q4_0/Q5_0 lanes product of {raw.shape} stored rows, activations {q.shape}, output "
+                         f"{out.shape}")
+    kernel = q4_0_prompts if size == Q4_0_BYTES else q5_0_prompts
+    kernel(raw.view(np.uint8), q, d, sums, F16_TABLE, out)
 
 
 def kquant_lanes_product(raw: np.ndarray, xk: LaneActivations, out: np.ndarray) -> None:
