@@ -140,6 +140,16 @@ def _counted_loop(builder: ir.IRBuilder, n: ir.Value, accumulators: list[ir.Cons
     return values
 
 
+def _store_sum(context, builder: ir.IRBuilder, out_type: types.Array, out: ir.Value, values: list,
+               add: Callable) -> None:
+    """The sum of the loop's last ``values`` stored to the array ``out`` (so nothing is optimised away)."""
+    total = values[0]
+    for v in values[1:]:
+        total = add(total, v)
+    target = context.make_array(out_type)(context, builder, out).data
+    builder.store(total, builder.bitcast(target, total.type.as_pointer()), align=4)
+
+
 @intrinsic
 def avx2_spin(typingctx, n, window, out):  # noqa: ARG001
     """``n`` steps of the lanes GEMM's inner loop: per step 2 weight vectors and their scales and 4 activation
@@ -172,11 +182,7 @@ def avx2_spin(typingctx, n, window, out):  # noqa: ARG001
 
         zero = ir.Constant(V8_I32, [0] * 8)
         values = _counted_loop(builder, args[0], [zero] * (AVX2_X * AVX2_W), step)
-        total = values[0]
-        for v in values[1:]:
-            total = builder.add(total, v)
-        target = context.make_array(signature.args[2])(context, builder, args[2]).data
-        builder.store(total, builder.bitcast(target, V8_I32.as_pointer()), align=4)
+        _store_sum(context, builder, signature.args[2], args[2], values, builder.add)
         return context.get_dummy_value()
 
     return types.void(n, window, out), codegen
@@ -192,11 +198,7 @@ def fma_spin(typingctx, n, seed, out):  # noqa: ARG001
                 for k in range(2))
         values = _counted_loop(builder, args[0], [ir.Constant(V8_F32, [float(k)] * 8) for k in range(8)],
                                lambda i, accs: [builder.call(fma, [a, b, v]) for v in accs])
-        total = values[0]
-        for v in values[1:]:
-            total = builder.fadd(total, v)
-        target = context.make_array(signature.args[2])(context, builder, args[2]).data
-        builder.store(total, builder.bitcast(target, V8_F32.as_pointer()), align=4)
+        _store_sum(context, builder, signature.args[2], args[2], values, builder.fadd)
         return context.get_dummy_value()
 
     return types.void(n, seed, out), codegen

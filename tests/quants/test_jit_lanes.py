@@ -194,9 +194,9 @@ def test_model_prompts_through_the_lanes(converted: Converted, monkeypatch: pyte
                                          types: set[QType]) -> None:
     """The bundled model (rows of 256 and 768 values) in q4_k_m (Q4_K and Q6_K matrices), q8_0, q4_0 and q5_0
     (their tied LM head Q6_K): a 40-token prompt (more than ``direct_rows``; logits of every position) with 8-bit
-    activations multiplies its types through the lanes where the CPU takes them and stays within the activations' error of the float prompt's logits (2^-8 of each product's
-    magnitude through four layers: a few percent of the largest logit), and its chunks prefilled together with
-    others equal each alone (``Model.prefill_many``)."""
+    activations multiplies its types through the lanes where the CPU takes them and stays within the activations'
+    error of the float prompt's logits (2^-8 of each product's magnitude through four layers: a few percent of the
+    largest logit), and its chunks prefilled together with others equal each alone (``Model.prefill_many``)."""
     path = converted("bundled", "gguf", dtype)
     exact = qwen_runtime.load(path, kernels="numba", activations="float")
     q8 = qwen_runtime.load(path, kernels="numba", activations="q8")

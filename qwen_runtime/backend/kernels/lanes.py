@@ -91,33 +91,32 @@ def _x86(builder: ir.IRBuilder, name: str, result: ir.Type, argument: ir.Type) -
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, [argument] * 2), name)
 
 
+def _loop_head(builder: ir.IRBuilder, head: ir.Block, pairs: list, zero: ir.Constant) -> tuple[ir.Value, dict]:
+    """Branch from the current block to the loop block ``head`` and open it: a counter from 0 and a value per
+    pair from ``zero`` (phis whose other incoming values the caller adds)."""
+    entry = builder.block
+    builder.branch(head)
+    builder.position_at_end(head)
+    counter = builder.phi(I64)
+    counter.add_incoming(I64(0), entry)
+    values = {p: builder.phi(zero.type) for p in pairs}
+    for v in values.values():
+        v.add_incoming(zero, entry)
+    return counter, values
+
+
 def _tile_loops(builder: ir.IRBuilder, blocks: ir.Value, steps: int, step, finish, out: ir.Value) -> None:
     """The loops of a tile: per block (``blocks`` of them) ``steps`` calls of ``step(block, i, sums)``, each
     returning the (row, panel) pairs' next int32 sums, carried in phis (a loop, not unrolled code, so the 8
     accumulators stay in registers), then ``finish(block, sums, acc)``, the pairs' next float32 values; the last
     stored to ``out`` (pair (r, g) at ``(r * GROUPS + g) * PANEL``)."""
     pairs = [(r, g) for r in range(ROWS) for g in range(GROUPS)]
-    entry = builder.block
     block_head = builder.append_basic_block("block")
     step_loop = builder.append_basic_block("steps")
     float_step = builder.append_basic_block("float_step")
     done = builder.append_basic_block("done")
-    builder.branch(block_head)
-
-    builder.position_at_end(block_head)
-    b = builder.phi(I64)
-    b.add_incoming(I64(0), entry)
-    acc = {p: builder.phi(V8_F32) for p in pairs}
-    for a in acc.values():
-        a.add_incoming(ir.Constant(V8_F32, [0.0] * 8), entry)
-    builder.branch(step_loop)
-
-    builder.position_at_end(step_loop)
-    i = builder.phi(I64)
-    i.add_incoming(I64(0), block_head)
-    sums = {p: builder.phi(V8_I32) for p in pairs}
-    for v in sums.values():
-        v.add_incoming(ir.Constant(V8_I32, [0] * 8), block_head)
+    b, acc = _loop_head(builder, block_head, pairs, ir.Constant(V8_F32, [0.0] * 8))
+    i, sums = _loop_head(builder, step_loop, pairs, ir.Constant(V8_I32, [0] * 8))
     new = step(b, i, sums)
     following = builder.add(i, I64(1))
     i.add_incoming(following, step_loop)
@@ -201,6 +200,43 @@ def k_tile(typingctx, kind, w, s, extra, dw, dm, g0, xq, xd, xsums, x0, nb, out)
     return types.void(kind, w, s, extra, dw, dm, g0, xq, xd, xsums, x0, nb, out), codegen
 
 
+def _block_operands(context, builder: ir.IRBuilder, ty: tuple, args: list, w: int, x0: ir.Value,
+                    nb: ir.Value) -> tuple[list, list, list, list]:
+    """A 32-value block type's tile operands from the intrinsic's arguments ``w, dw, g0, x`` at ``args[w:w + 4]``
+    and the first activation row ``x0``: the activation rows, and pointers to each panel's values (``K * 8`` elements a
+    panel, whatever their type) and scales, and to each row's activations."""
+    w_, dw_, g0_, x_ = args[w:w + 4]
+    cols = builder.mul(nb, I64(Q8_ACT_BLOCK))
+    panels = [builder.add(g0_, I64(g)) for g in range(GROUPS)]
+    rows = [builder.add(x0, I64(r)) for r in range(ROWS)]
+    w_data, dw_data = _data(context, builder, ty[w], w_), _data(context, builder, ty[w + 1], dw_)
+    w_at = [builder.gep(w_data, [builder.mul(g, builder.mul(cols, I64(PANEL)))]) for g in panels]
+    dw_at = [builder.gep(dw_data, [builder.mul(g, builder.mul(nb, I64(PANEL)))]) for g in panels]
+    x_cols = cgutils.unpack_tuple(builder, context.make_array(ty[w + 3])(context, builder, x_).shape)[1]
+    x_at = [builder.gep(_data(context, builder, ty[w + 3], x_), [builder.mul(row, x_cols)]) for row in rows]
+    return rows, w_at, dw_at, x_at
+
+
+def _block_step(builder: ir.IRBuilder, sums: dict, acc: dict, b: ir.Value, nb: ir.Value, rows: list, xd: ir.Value,
+                dw_at: list, bias: tuple[ir.Value, int] | None = None) -> dict:
+    """Block ``b``'s float step of every pair: ``acc + f32(sumi) * (d_w * d_x)``, each operation rounded; with
+    ``bias`` (the activations' int32 sums per block, the log2 of the weights' bias) ``sumi`` first loses ``bias *
+    sum(x)``."""
+    dw = [_load(builder, at, builder.mul(b, I64(PANEL)), V8_F32, 4) for at in dw_at]
+    stepped = {}
+    for r, row in enumerate(rows):
+        at = builder.add(builder.mul(row, nb), b)
+        dx = _splat(builder, builder.load(builder.gep(xd, [at])), V8_F32)
+        offset = None
+        if bias is not None:
+            offset = _splat(builder, builder.shl(builder.load(builder.gep(bias[0], [at])), I32(bias[1])), V8_I32)
+        for g in range(len(dw_at)):
+            sumi = sums[r, g] if offset is None else builder.sub(sums[r, g], offset)
+            term = builder.fmul(builder.sitofp(sumi, V8_F32), builder.fmul(dw[g], dx))
+            stepped[r, g] = builder.fadd(acc[r, g], term)
+    return stepped
+
+
 @intrinsic
 def q8_0_tile(typingctx, w, dw, g0, x, xd, x0, nb, out):  # noqa: ARG001
     """``out[(r * GROUPS + g) * 8 + i]`` = the q8_0 product (``q8_act.product_blockwise``'s numbers) of
@@ -210,17 +246,10 @@ def q8_0_tile(typingctx, w, dw, g0, x, xd, x0, nb, out):  # noqa: ARG001
     exact, then per block ``acc = acc + f32(sumi) * (d_w * d_x)``."""
     def codegen(context, builder, signature, args):
         ty = signature.args
-        w_, dw_, g0_, x_, xd_, x0_, nb_, out_ = args
+        nb_, out_ = args[6], args[7]
         pmaddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", V8_I32, V16_I16)
-        cols = builder.mul(nb_, I64(Q8_ACT_BLOCK))
-        panels = [builder.add(g0_, I64(g)) for g in range(GROUPS)]
-        rows = [builder.add(x0_, I64(r)) for r in range(ROWS)]
-        w_data, dw_data = _data(context, builder, ty[0], w_), _data(context, builder, ty[1], dw_)
-        w_at = [builder.gep(w_data, [builder.mul(g, builder.mul(cols, I64(PANEL)))]) for g in panels]
-        dw_at = [builder.gep(dw_data, [builder.mul(g, builder.mul(nb_, I64(PANEL)))]) for g in panels]
-        x_cols = cgutils.unpack_tuple(builder, context.make_array(ty[3])(context, builder, x_).shape)[1]
-        x_at = [builder.gep(_data(context, builder, ty[3], x_), [builder.mul(row, x_cols)]) for row in rows]
-        xd_data = _data(context, builder, ty[4], xd_)
+        rows, w_at, dw_at, x_at = _block_operands(context, builder, ty, args, 0, args[5], nb_)
+        xd_data = _data(context, builder, ty[4], args[4])
 
         def step(b, pair, sums):  # 2 values of every pair
             k = builder.add(builder.mul(b, I64(Q8_ACT_BLOCK)), builder.mul(pair, I64(2)))
@@ -233,15 +262,7 @@ def q8_0_tile(typingctx, w, dw, g0, x, xd, x0, nb, out):  # noqa: ARG001
             return new
 
         def finish(b, sums, acc):
-            dw = [_load(builder, at, builder.mul(b, I64(PANEL)), V8_F32, 4) for at in dw_at]
-            stepped = {}
-            for r, row in enumerate(rows):
-                dx = _splat(builder, builder.load(builder.gep(xd_data, [builder.add(builder.mul(row, nb_), b)])),
-                            V8_F32)
-                for g in range(GROUPS):
-                    term = builder.fmul(builder.sitofp(sums[r, g], V8_F32), builder.fmul(dw[g], dx))
-                    stepped[r, g] = builder.fadd(acc[r, g], term)
-            return stepped
+            return _block_step(builder, sums, acc, b, nb_, rows, xd_data, dw_at)
 
         _tile_loops(builder, nb_, Q8_ACT_BLOCK // 2, step, finish, out_)
         return context.get_dummy_value()
@@ -263,19 +284,12 @@ def nibble_tile(typingctx, bias, w, dw, g0, xq, xd, xsums, x0, nb, out):  # noqa
 
     def codegen(context, builder, signature, args):
         ty = signature.args
-        _, w_, dw_, g0_, xq_, xd_, xsums_, x0_, nb_, out_ = args
+        nb_, out_ = args[8], args[9]
         pmaddubsw = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", V16_I16, V32_I8)
         pmaddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", V8_I32, V16_I16)
         ones = ir.Constant(V16_I16, [1] * 16)
-        cols = builder.mul(nb_, I64(Q8_ACT_BLOCK))
-        panels = [builder.add(g0_, I64(g)) for g in range(GROUPS)]
-        rows = [builder.add(x0_, I64(r)) for r in range(ROWS)]
-        w_data, dw_data = _data(context, builder, ty[1], w_), _data(context, builder, ty[2], dw_)
-        w_at = [builder.gep(w_data, [builder.mul(g, builder.mul(cols, I64(PANEL)))]) for g in panels]
-        dw_at = [builder.gep(dw_data, [builder.mul(g, builder.mul(nb_, I64(PANEL)))]) for g in panels]
-        x_cols = cgutils.unpack_tuple(builder, context.make_array(ty[4])(context, builder, xq_).shape)[1]
-        x_at = [builder.gep(_data(context, builder, ty[4], xq_), [builder.mul(row, x_cols)]) for row in rows]
-        xd_data, sums_data = _data(context, builder, ty[5], xd_), _data(context, builder, ty[6], xsums_)
+        rows, w_at, dw_at, x_at = _block_operands(context, builder, ty, args, 1, args[7], nb_)
+        xd_data, sums_data = _data(context, builder, ty[5], args[5]), _data(context, builder, ty[6], args[6])
 
         def step(b, quad, sums):  # 4 values of every pair
             k = builder.add(builder.mul(b, I64(Q8_ACT_BLOCK)), builder.mul(quad, I64(QUAD)))
@@ -289,17 +303,7 @@ def nibble_tile(typingctx, bias, w, dw, g0, xq, xd, xsums, x0, nb, out):  # noqa
             return new
 
         def finish(b, sums, acc):
-            dw = [_load(builder, at, builder.mul(b, I64(PANEL)), V8_F32, 4) for at in dw_at]
-            stepped = {}
-            for r, row in enumerate(rows):
-                at = builder.add(builder.mul(row, nb_), b)
-                dx = _splat(builder, builder.load(builder.gep(xd_data, [at])), V8_F32)
-                bias_sum = _splat(builder, builder.shl(builder.load(builder.gep(sums_data, [at])), I32(shift)), V8_I32)
-                for g in range(GROUPS):
-                    sumi = builder.sub(sums[r, g], bias_sum)
-                    term = builder.fmul(builder.sitofp(sumi, V8_F32), builder.fmul(dw[g], dx))
-                    stepped[r, g] = builder.fadd(acc[r, g], term)
-            return stepped
+            return _block_step(builder, sums, acc, b, nb_, rows, xd_data, dw_at, (sums_data, shift))
 
         _tile_loops(builder, nb_, Q8_ACT_BLOCK // QUAD, step, finish, out_)
         return context.get_dummy_value()
@@ -365,16 +369,22 @@ LOW4, LOW2 = np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
 
 
 @numba.njit(inline="always")
+def _panel_row(raw, r0, n, c):
+    """Row ``c`` of the panels being repacked: (panel, row in it, whether it is a stored row (``c < n``), the
+    stored row ``r0 + c``, or ``r0`` in place of one past the end)."""
+    live = c < n
+    return c // PANEL, c % PANEL, live, raw[r0 + c] if live else raw[r0]
+
+
+@numba.njit(inline="always")
 def repack_q4_k(raw, r0, n, table, w32, s, m, dw, dm):
     """Stored Q4_K rows ``r0 .. r0 + n`` into panels of 8 (rows past ``n`` all zero): the nibbles by words (4
     values of a row at once), the 6-bit scales and minimums, d and dmin."""
     nb = dw.shape[1] // PANEL
     for c in range(w32.shape[0] * PANEL):
-        g, i = c // PANEL, c % PANEL
-        live = c < n
+        g, i, live, blk = _panel_row(raw, r0, n, c)
         for b in range(nb):
             o = b * Q4_K_BYTES
-            blk = raw[r0 + c] if live else raw[r0]
             dw[g, b * PANEL + i] = _f16(table, blk, o) if live else np.float32(0)
             dm[g, b * PANEL + i] = _f16(table, blk, o + 2) if live else np.float32(0)
             for j in range(QK_K // Q4_K_SUB):
@@ -408,11 +418,9 @@ def repack_q6_k(raw, r0, n, table, w32, s, pairs, dw):
     sub-blocks for the ``-32`` term), d."""
     nb = dw.shape[1] // PANEL
     for c in range(w32.shape[0] * PANEL):
-        g, i = c // PANEL, c % PANEL
-        live = c < n
+        g, i, live, blk = _panel_row(raw, r0, n, c)
         for b in range(nb):
             o = b * Q6_K_BYTES
-            blk = raw[r0 + c] if live else raw[r0]
             dw[g, b * PANEL + i] = _f16(table, blk, o + 208) if live else np.float32(0)
             for j in range(QK_K // Q6_K_SUB):
                 sc = np.int16(np.int8(blk[o + 192 + j])) if live else np.int16(0)
@@ -439,9 +447,7 @@ def repack_q8_0(raw, r0, n, table, w32, dw):
     widened to two int16 in one word, d."""
     nb = dw.shape[1] // PANEL
     for c in range(w32.shape[0] * PANEL):
-        g, i = c // PANEL, c % PANEL
-        live = c < n
-        blk = raw[r0 + c] if live else raw[r0]
+        g, i, live, blk = _panel_row(raw, r0, n, c)
         for b in range(nb):
             o = b * Q8_0_BYTES
             dw[g, b * PANEL + i] = _f16(table, blk, o) if live else np.float32(0)
@@ -458,9 +464,7 @@ def repack_nibbles(raw, r0, n, table, w32, dw, size):
     nb = dw.shape[1] // PANEL
     first = 2 if size == Q4_0_BYTES else 6
     for c in range(w32.shape[0] * PANEL):
-        g, i = c // PANEL, c % PANEL
-        live = c < n
-        blk = raw[r0 + c] if live else raw[r0]
+        g, i, live, blk = _panel_row(raw, r0, n, c)
         for b in range(nb):
             o = b * size
             dw[g, b * PANEL + i] = _f16(table, blk, o) if live else np.float32(0)
