@@ -11,13 +11,14 @@
    the Qwen2.5-3B one (11008 x 2048), for the K-quants their down projections (896 x 4864, 2048 x 11008),
    ``--rows`` activation rows: the integer kernels (AMX: :mod:`qwen_runtime.backend.kernels.amx`, q8_0
    activations, and :mod:`qwen_runtime.backend.kernels.amx_k`, q8_K; else AVX2's lanes,
-   :mod:`qwen_runtime.backend.kernels.lanes`, Q4_K and Q6_K; quantized once, timed with the quantization) against
+   :mod:`qwen_runtime.backend.kernels.lanes`, the same activations; quantized once, timed with the quantization) against
    the float prefill path for the same product (each tile of about 2^20 weights decoded to float32 by the
    compiled decoder, then SGEMM), on one thread and on two (columns split in two halves; the float path's tiles
    shared by two threads, BLAS on one thread each).  Paired: integer and float timed in turn.
 
 Prints T int8 multiply-adds per second (for the float path: T float multiply-adds), the fraction of the measured
-int8 peak, and the integer / float ratio; the fastest of ``--repeat`` runs.  For stable numbers run it alone.
+int8 peak on the threads used, and the integer / float ratio; the fastest of ``--repeat`` runs.  For stable
+numbers run it alone; ``--peak-only`` prints the peaks and one JSON line (what ``scripts/bench.py`` reads).
 """
 
 from __future__ import annotations
