@@ -1,7 +1,7 @@
-"""Prompts of Q8_0, Q4_K and Q6_K weights on AVX2's integer lanes (``backend/kernels/jit_lanes.py``): the
-register-blocked GEMM held bit for bit to the references whose error models ``test_jit_amx.py`` (Q8_0 with q8_0
-activations, ``q8_act.product_blockwise``) and ``test_jit_amx_k.py`` (the K-quants with q8_K activations,
-``q8k_act.product``) prove against float64, the AMX kernels' references too.
+"""Prompts of Q8_0, Q4_0, Q5_0, Q4_K, Q6_K and IQ4_XS weights on AVX2's integer lanes (``backend/kernels/lanes.py``):
+the register-blocked GEMM held bit for bit to the references whose error models ``test_jit_amx.py`` (the 32-value
+blocks with q8_0 activations, ``q8_act.product_blockwise``) and ``test_jit_amx_k.py`` (the K-quants and IQ4_XS with
+q8_K activations, ``q8k_act.product``) prove against float64, the AMX kernels' references too.
 
 Only a CPU with AVX2 and not AVX-512 takes these kernels (``jit_lanes.takes``); elsewhere the product refuses and
 the kernel classes keep their other paths, and ``test_the_avx2_form`` runs this file compiled for AVX2.
@@ -32,14 +32,16 @@ from qwen_runtime.backend.kernels.amx_k import q8_k_padded  # noqa: E402
 from qwen_runtime.quants import q8_act  # noqa: E402
 
 BLOCK_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q5_0)  # blocks of 32, q8_0 activations
-K_LANE_TYPES = (QType.Q4_K, QType.Q6_K)
+K_LANE_TYPES = (QType.Q4_K, QType.Q6_K, QType.IQ4_XS)  # super-blocks of 256, q8_K activations
 LANE_TYPES = BLOCK_TYPES + K_LANE_TYPES
 
 
 def lane_product(qtype: QType, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     """:func:`jit_lanes.kquant_lanes_product` of ``x`` quantized as the kernel classes quantize it."""
-    per, dtype = jit_lanes.LANE_SUMS[codec(qtype).type_size]
+    size = codec(qtype).type_size
+    per, dtype = jit_lanes.LANE_SUMS[size]
     q, d, sums = q8_k_padded(x, per)
+    q = q.astype(np.int16) if size in jit_lanes.WIDE else q
     out = np.full((len(x), len(raw)), np.nan, np.float32)
     jit_lanes.kquant_lanes_product(raw, jit_lanes.lane_activations(q, d, sums.astype(dtype), len(x)), out)
     return out
@@ -65,7 +67,7 @@ def test_product_equals_the_reference(qtype: QType, m: int, rows: int, nb: int) 
     np.testing.assert_array_equal(lane_product(qtype, raw, x), reference(qtype, raw, x))
 
 
-@pytest.mark.parametrize("qtype", K_LANE_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (QType.Q4_K, QType.Q6_K), ids=lambda t: t.name)
 def test_integer_sums_at_their_extremes(qtype: QType) -> None:
     """The largest weights, scales and activations of both signs: every int32 sum and the ``-32`` term exact.
     Q4_K: q = 15, sc = m = 63; Q6_K: q = 0 (value -32), sc = -128 and 127."""
@@ -91,7 +93,7 @@ def test_integer_sums_at_their_extremes(qtype: QType) -> None:
 
 def test_refuses_other_shapes() -> None:
     """A mismatch of activations, output or row length is a ValueError naming the shapes; a type other than
-    Q4_K or Q6_K (or a CPU the kernels are not for) a KernelsError."""
+    Q4_K, Q6_K or IQ4_XS (or a CPU the kernels are not for) a KernelsError."""
     raw = k_rows(QType.Q4_K, 16, 2, seed=1)
     q, d, sums = q8_k_padded(activations(4, 512, seed=1), 8)
     good = jit_lanes.lane_activations(q, d, sums, 4)
@@ -189,11 +191,12 @@ def test_kernel_classes_take_prompts_through_the_lanes(qtype: QType, activations
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("dtype", "types"), [("q4_k_m", {QType.Q4_K, QType.Q6_K}), ("q8_0", {QType.Q8_0}),
-                                              ("q4_0", {QType.Q4_0, QType.Q6_K}), ("q5_0", {QType.Q5_0, QType.Q6_K})])
+                                              ("q4_0", {QType.Q4_0, QType.Q6_K}), ("q5_0", {QType.Q5_0, QType.Q6_K}),
+                                              ("iq4_xs", {QType.IQ4_XS, QType.Q6_K})])
 def test_model_prompts_through_the_lanes(converted: Converted, monkeypatch: pytest.MonkeyPatch, dtype: str,
                                          types: set[QType]) -> None:
-    """The bundled model (rows of 256 and 768 values) in q4_k_m (Q4_K and Q6_K matrices), q8_0, q4_0 and q5_0
-    (their tied LM head Q6_K): a 40-token prompt (more than ``direct_rows``; logits of every position) with 8-bit
+    """The bundled model (rows of 256 and 768 values) in q4_k_m (Q4_K and Q6_K matrices), q8_0, q4_0, q5_0 and
+    iq4_xs (their tied LM head Q6_K): a 40-token prompt (more than ``direct_rows``; logits of every position) with 8-bit
     activations multiplies its types through the lanes where the CPU takes them and stays within the activations'
     error of the float prompt's logits (2^-8 of each product's magnitude through four layers: a few percent of the
     largest logit), and its chunks prefilled together with others equal each alone (``Model.prefill_many``)."""

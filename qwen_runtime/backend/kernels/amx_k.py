@@ -524,7 +524,7 @@ def kquant_amx_product(raw: np.ndarray, xk: KActivations, out: np.ndarray) -> No
 
 class KQuantAmxPrompts(AmxPrompts):
     """K-quant prompts through :func:`kquant_amx_product` with q8_K activations (:func:`q8_k_padded`, with the
-    sums the type's minimums need), or for Q4_K and Q6_K through AVX2's integer lanes
+    sums the type's minimums need), or for Q4_K, Q6_K and IQ4_XS through AVX2's integer lanes
     (:func:`.lanes.kquant_lanes_product`, the same numbers) where :func:`.lanes.takes` them."""
 
     prepared_type = KActivations
@@ -541,6 +541,7 @@ class KQuantAmxPrompts(AmxPrompts):
             return None
         per, dtype = lanes.LANE_SUMS[self.type_size]
         q, d, sums = q8_k_padded(x, per)
+        q = q.astype(np.int16) if self.type_size in lanes.WIDE else q
         return lanes.lane_activations(q, d, sums.astype(dtype, copy=False), len(x))
 
     def lane_product(self, raw: np.ndarray, xk: lanes.LaneActivations, out: np.ndarray) -> None:

@@ -1,6 +1,7 @@
-"""Prompts of Q8_0, Q4_K and Q6_K weights on AVX2's integer lanes (numba): a register-blocked GEMM with 8-bit
-activations, the numbers of the references the AMX kernels are held to bit for bit (``quants.q8_act.
-product_blockwise`` with q8_0 activations for Q8_0, ``quants.q8k_act.product`` with q8_K for the K-quants).
+"""Prompts of Q8_0, Q4_0, Q5_0, Q4_K, Q6_K and IQ4_XS weights on AVX2's integer lanes (numba): a register-blocked
+GEMM with 8-bit activations, the numbers of the references the AMX kernels are held to bit for bit
+(``quants.q8_act.product_blockwise`` with q8_0 activations for the 32-value blocks, ``quants.q8k_act.product`` with
+q8_K for the K-quants and IQ4_XS).
 
 Why its own layout.  The row kernels (:mod:`.int8`, :mod:`.int8_k`) put 32 values of one weight row in a vector,
 so each (activation row, weight row) pair ends a block with 8 int32 lanes to add across; at several activation
@@ -8,11 +9,13 @@ rows those horizontal sums and their float steps cost about as much as the produ
 weight rows x a few consecutive values** (a *panel*, repacked from the blocks per call) and the activation row's
 values are broadcast to all 8: each weight row keeps its own int32 lane, and no lanes are ever added across.
 
-* K-quants: 4 values per row, the activations' 4 int8 broadcast (``vpbroadcastd``); one ``pmaddubsw``
-  (unsigned weights: Q4_K's nibbles, Q6_K's 6-bit ``q``, against the signed activations; each pair at most ``2 *
-  63 * 127``, no saturation), then ``pmaddwd`` by the sub-block's scales (lanes ``2i, 2i + 1`` hold row ``i``'s).
-* Q8_0: signed weights, whose magnitudes ``pmaddubsw`` cannot take unsigned without per-lane signs: the panel
-  holds 2 values per row widened to int16, the activations (int8 values) too, one ``pmaddwd`` per 2 values.
+* Unsigned values (Q4_K's and Q4_0's nibbles, Q5_0's 5 bits, Q6_K's 6-bit ``q``): 4 values per row, the
+  activations' 4 int8 broadcast (``vpbroadcastd``); one ``pmaddubsw`` against the signed activations (each pair
+  at most ``2 * 63 * 127``, no saturation), then ``pmaddwd`` by the sub-block's scales (lanes ``2i, 2i + 1`` hold
+  row ``i``'s; ones for the 32-value blocks, whose bias ``q - 8`` / ``q - 16`` leaves through the activations' sums).
+* Signed values (Q8_0's int8, IQ4_XS's levels times their sub-block scale, at most 4064), which ``pmaddubsw``
+  cannot take unsigned without a sign step per pair: the panel holds 2 values per row as int16, the activations
+  (int8 values) widened too, one ``pmaddwd`` per 2 values.
 
 A tile is :data:`ROWS` activation rows x :data:`GROUPS` panels (16 weight rows), 8 int32 accumulators carried
 in registers by an explicit loop (:func:`_tile_loops`: unrolled code let LLVM interleave the steps and spill),
@@ -42,6 +45,7 @@ from numba.core.errors import RequireLiteralValue
 from numba.extending import intrinsic
 
 from ...errors import KernelsError
+from ...quants.iq4 import IQ4_LEVELS, IQ4_XS
 from ...quants.kquants import Q4_K, Q6_K
 from ...quants.legacy import Q4_0, Q5_0
 from ...quants.q8_0 import Q8_0_BYTES
@@ -59,6 +63,7 @@ Q4_K_SUB, Q6_K_SUB = 32, 16  # values per sub-block scale
 Q6_BIAS_SHIFT = 5  # Q6_K's q - 32: 32 = 1 << 5
 Q4_K_BYTES, Q6_K_BYTES = Q4_K().type_size, Q6_K().type_size
 Q4_0_BYTES, Q5_0_BYTES = Q4_0().type_size, Q5_0().type_size
+IQ4_XS_BYTES = IQ4_XS().type_size
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 V32_I8, V16_I16, V8_I32, V8_F32 = (ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8),
                                     ir.VectorType(F32, 8))
@@ -201,12 +206,13 @@ def k_tile(typingctx, kind, w, s, extra, dw, dm, g0, xq, xd, xsums, x0, nb, out)
 
 
 def _block_operands(context, builder: ir.IRBuilder, ty: tuple, args: list, w: int, x0: ir.Value,
-                    nb: ir.Value) -> tuple[list, list, list, list]:
-    """A 32-value block type's tile operands from the intrinsic's arguments ``w, dw, g0, x`` at ``args[w:w + 4]``
+                    nb: ir.Value, block: int = Q8_ACT_BLOCK) -> tuple[list, list, list, list]:
+    """A block type's tile operands (``block`` values a scale) from the intrinsic's arguments ``w, dw, g0, x`` at
+    ``args[w:w + 4]``
     and the first activation row ``x0``: the activation rows, and pointers to each panel's values (``K * 8`` elements a
     panel, whatever their type) and scales, and to each row's activations."""
     w_, dw_, g0_, x_ = args[w:w + 4]
-    cols = builder.mul(nb, I64(Q8_ACT_BLOCK))
+    cols = builder.mul(nb, I64(block))
     panels = [builder.add(g0_, I64(g)) for g in range(GROUPS)]
     rows = [builder.add(x0, I64(r)) for r in range(ROWS)]
     w_data, dw_data = _data(context, builder, ty[w], w_), _data(context, builder, ty[w + 1], dw_)
@@ -238,21 +244,27 @@ def _block_step(builder: ir.IRBuilder, sums: dict, acc: dict, b: ir.Value, nb: i
 
 
 @intrinsic
-def q8_0_tile(typingctx, w, dw, g0, x, xd, x0, nb, out):  # noqa: ARG001
-    """``out[(r * GROUPS + g) * 8 + i]`` = the q8_0 product (``q8_act.product_blockwise``'s numbers) of
-    activation row ``x0 + r`` and row ``i`` of panel ``g0 + g`` over ``nb`` blocks of 32.  Panels
-    (:func:`repack_q8_0`): ``w`` [K / 2][8][2] int16 weights, ``dw`` [nb][8] float32; activations ``x`` [M, K]
-    int16 (int8 values), ``xd`` [M, nb]: per 2 values one ``pmaddwd`` of the panel and the broadcast pair,
-    exact, then per block ``acc = acc + f32(sumi) * (d_w * d_x)``."""
+def int16_tile(typingctx, block, w, dw, g0, x, xd, x0, nb, out):  # noqa: ARG001
+    """``out[(r * GROUPS + g) * 8 + i]`` = the product of activation row ``x0 + r`` and row ``i`` of panel ``g0 +
+    g`` over ``nb`` blocks of ``block`` values (a literal: Q8_0's 32 with q8_0 activations,
+    ``q8_act.product_blockwise``'s numbers; IQ4_XS's 256 with q8_K, ``q8k_act.product``'s).  Panels
+    (:func:`repack_q8_0`, :func:`repack_iq4_xs`): ``w`` [K / 2][8][2] int16 weights (IQ4_XS: level times its
+    sub-block's scale, at most 4064), ``dw`` [nb][8] float32; activations ``x`` [M, K] int16 (int8 values), ``xd``
+    [M, nb]: per 2 values one ``pmaddwd`` of the panel and the broadcast pair, exact, then per block ``acc = acc +
+    f32(sumi) * (d_w * d_x)``."""
+    if not isinstance(block, types.IntegerLiteral):
+        raise RequireLiteralValue("the block of int16_tile must be a literal int")
+    size = block.literal_value
+
     def codegen(context, builder, signature, args):
         ty = signature.args
-        nb_, out_ = args[6], args[7]
+        nb_, out_ = args[7], args[8]
         pmaddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", V8_I32, V16_I16)
-        rows, w_at, dw_at, x_at = _block_operands(context, builder, ty, args, 0, args[5], nb_)
-        xd_data = _data(context, builder, ty[4], args[4])
+        rows, w_at, dw_at, x_at = _block_operands(context, builder, ty, args, 1, args[6], nb_, size)
+        xd_data = _data(context, builder, ty[5], args[5])
 
         def step(b, pair, sums):  # 2 values of every pair
-            k = builder.add(builder.mul(b, I64(Q8_ACT_BLOCK)), builder.mul(pair, I64(2)))
+            k = builder.add(builder.mul(b, I64(size)), builder.mul(pair, I64(2)))
             weights = [_load(builder, at, builder.mul(k, I64(PANEL)), V16_I16, 2) for at in w_at]
             new = {}
             for r in range(ROWS):
@@ -264,10 +276,10 @@ def q8_0_tile(typingctx, w, dw, g0, x, xd, x0, nb, out):  # noqa: ARG001
         def finish(b, sums, acc):
             return _block_step(builder, sums, acc, b, nb_, rows, xd_data, dw_at)
 
-        _tile_loops(builder, nb_, Q8_ACT_BLOCK // 2, step, finish, out_)
+        _tile_loops(builder, nb_, size // 2, step, finish, out_)
         return context.get_dummy_value()
 
-    return types.void(w, dw, g0, x, xd, x0, nb, out), codegen
+    return types.void(block, w, dw, g0, x, xd, x0, nb, out), codegen
 
 
 @intrinsic
@@ -458,6 +470,27 @@ def repack_q8_0(raw, r0, n, table, w32, dw):
 
 
 @numba.njit(inline="always")
+def repack_iq4_xs(raw, r0, n, table, levels, w16, dw):
+    """Stored IQ4_XS rows ``r0 .. r0 + n`` into panels of 8 (rows past ``n`` all zero): each value's level times
+    its sub-block's scale ``ls - 32`` as int16, in pairs; d."""
+    nb = dw.shape[1] // PANEL
+    for c in range(w16.shape[0] * PANEL):
+        g, i, live, blk = _panel_row(raw, r0, n, c)
+        for b in range(nb):
+            o = b * IQ4_XS_BYTES
+            dw[g, b * PANEL + i] = _f16(table, blk, o) if live else np.float32(0)
+            high = np.int64(blk[o + 2]) | (np.int64(blk[o + 3]) << 8)
+            for j in range(QK_K // Q8_ACT_BLOCK):
+                ls = ((np.int64(blk[o + 4 + j // 2]) >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)
+                scale = (ls - 32) if live else 0
+                for half in range(2):  # values 32 j + e (low nibbles of bytes e) and 32 j + 16 + e (high)
+                    for e in range(16):
+                        byte = np.int64(blk[o + 8 + 16 * j + e])
+                        k = b * QK_K + Q8_ACT_BLOCK * j + 16 * half + e
+                        w16[g, (k // 2) * 2 * PANEL + 2 * i + k % 2] = levels[(byte >> (4 * half)) & 15] * scale
+
+
+@numba.njit(inline="always")
 def repack_nibbles(raw, r0, n, table, w32, dw, size):
     """Stored Q4_0 (``size`` 18) or Q5_0 (22: bit 4 of value ``l`` is bit ``l`` of ``qh``) rows into panels of 8:
     the unsigned values ``q`` by words, d."""
@@ -545,7 +578,26 @@ if AVAILABLE:
             repack_q8_0(raw, c0, n, table, w32, dw)
             for x0 in range(0, m, ROWS):
                 for g0 in range(0, PANELS, GROUPS):
-                    q8_0_tile(w, dw, g0, x, d, x0, nb, buffer)
+                    int16_tile(Q8_ACT_BLOCK, w, dw, g0, x, d, x0, nb, buffer)
+                    _store_tile(tile, m, n, x0, g0 * PANEL, c0, out)
+
+    @numba.njit(types.void(U8_2D, I16_2D, F32_2D, types.Array(types.int8, 1, "C", readonly=True), F32_1D, F32_OUT),
+                nogil=True, cache=True)
+    def iq4_xs_prompts(raw, x, d, levels, table, out):
+        """``out`` [M, R] = the q8_K product of IQ4_XS rows ``raw`` [R, nb * 136] and int16 activations ``x``,
+        ``d`` (per 256) whose first M rows are real; ``levels`` the 16 values of a nibble."""
+        m, rows = out.shape
+        nb = d.shape[1]
+        w = np.empty((PANELS, nb * QK_K * PANEL), np.int16)
+        dw = np.empty((PANELS, nb * PANEL), np.float32)
+        buffer = stack_tile()
+        tile = numba.carray(buffer, (ROWS * GROUPS * PANEL,))
+        for c0 in range(0, rows, PANELS * PANEL):
+            n = min(PANELS * PANEL, rows - c0)
+            repack_iq4_xs(raw, c0, n, table, levels, w, dw)
+            for x0 in range(0, m, ROWS):
+                for g0 in range(0, PANELS, GROUPS):
+                    int16_tile(QK_K, w, dw, g0, x, d, x0, nb, buffer)
                     _store_tile(tile, m, n, x0, g0 * PANEL, c0, out)
 
     @numba.njit(inline="always")
@@ -604,12 +656,14 @@ class LaneActivations(tuple):
 
 
 # The types multiplied here, by stored bytes per super-block: (kernel, sums of q per super-block, their dtype).
-LANE_SUMS = {Q4_K_BYTES: (QK_K // Q4_K_SUB, np.float32), Q6_K_BYTES: (QK_K // BSUM, np.int16)}
+LANE_SUMS = {Q4_K_BYTES: (QK_K // Q4_K_SUB, np.float32), Q6_K_BYTES: (QK_K // BSUM, np.int16),
+             IQ4_XS_BYTES: (0, np.float32)}
+WIDE = frozenset({IQ4_XS_BYTES})  # types whose activations the kernel reads widened to int16 (signed weights)
 
 
 def takes(type_size: int) -> bool:
-    """Whether prompts of this K-quant (by its bytes per super-block) go through these kernels on this CPU: Q4_K
-    and Q6_K, on a CPU with AVX2 but not AVX-512 (:data:`.base.MADDUBS`)."""
+    """Whether prompts of this K-quant or IQ4_XS (by its bytes per super-block) go through these kernels on this
+    CPU: Q4_K, Q6_K and IQ4_XS, on a CPU with AVX2 but not AVX-512 (:data:`.base.MADDUBS`)."""
     return MADDUBS and AVAILABLE and type_size in LANE_SUMS
 
 
@@ -678,18 +732,21 @@ def nibble_lanes_product(raw: np.ndarray, xk: LaneActivations, out: np.ndarray) 
 
 
 def kquant_lanes_product(raw: np.ndarray, xk: LaneActivations, out: np.ndarray) -> None:
-    """``out`` [M, R] = the q8_K product (``quants.q8k_act.product``'s numbers) of Q4_K or Q6_K rows ``raw`` [R,
-    nb * type size] (the type from its size) and :class:`LaneActivations` ``xk``; :class:`.KernelsError` where
-    :func:`takes` does not."""
+    """``out`` [M, R] = the q8_K product (``quants.q8k_act.product``'s numbers) of Q4_K, Q6_K or IQ4_XS rows
+    ``raw`` [R, nb * type size] (the type from its size) and :class:`LaneActivations` ``xk`` (``q`` int16 for
+    the :data:`WIDE` types); :class:`.KernelsError` where :func:`takes` does not."""
     q, d, sums = xk
     nb = d.shape[1]
     size = raw.shape[1] // nb if nb else 0
     if not takes(size):
-        raise KernelsError("the AVX2 prompt kernels need a CPU with AVX2 (and not AVX-512) and Q4_K or Q6_K rows")
+        raise KernelsError("the AVX2 prompt kernels need a CPU with AVX2 (and not AVX-512) and Q4_K, Q6_K or IQ4_XS "
+                           "rows")
     per, dtype = LANE_SUMS[size]
     if (raw.shape[1] % nb or q.shape != (len(d), QK_K * nb) or sums.shape != (len(q), nb * per)
             or sums.dtype != dtype or len(q) % ROWS or len(out) > len(q) or out.shape[1] != len(raw)
-            or out.dtype != np.float32):
+            or out.dtype != np.float32 or q.dtype != (np.int16 if size in WIDE else np.int8)):
         raise ValueError(f"K-quant lanes product of {raw.shape} stored rows, activations {q.shape}, output {out.shape}")
-    kernel = q4_k_prompts if size == Q4_K_BYTES else q6_k_prompts
-    kernel(raw.view(np.uint8), q, d, sums, F16_TABLE, out)
+    if size == IQ4_XS_BYTES:
+        iq4_xs_prompts(raw.view(np.uint8), q, d, IQ4_LEVELS, F16_TABLE, out)
+    else:
+        (q4_k_prompts if size == Q4_K_BYTES else q6_k_prompts)(raw.view(np.uint8), q, d, sums, F16_TABLE, out)
