@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -51,7 +52,7 @@ from typing import Any
 
 import llama_interop  # fetching llama.cpp's converter, its --outtype names (shared with the interop tests)
 import real_tokenizers
-from bench_models import LARGE_MODELS, MODELS, build_checkpoint
+from bench_models import LARGE_MODELS, MODELS, build_checkpoint, tensor_shapes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -295,12 +296,11 @@ def machine_peak(env: dict[str, str], threads: int) -> dict[str, Any]:
 
 
 def layer_macs(config: dict[str, Any]) -> int:
-    """Multiply-adds per prompt token of the layers' matrices (q, k, v, o, gate, up, down; attention's own
-    products and the LM head, which a prompt runs on its last token, left out)."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head = config.get("head_dim") or hidden // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * head, config["num_key_value_heads"] * head
-    return config["num_hidden_layers"] * (hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter)
+    """Multiply-adds per prompt token of the layers' matrices (every 2-D weight of ``bench_models.tensor_shapes``
+    inside a layer: attention or Gated DeltaNet projections and the MLP; attention's own products and the LM head,
+    which a prompt runs on its last token, left out)."""
+    return sum(math.prod(shape) for name, shape in tensor_shapes(config).items()
+               if name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2)
 
 
 def best_read(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -67,8 +67,8 @@ def test_results_files_without_prefill_lengths_still_report() -> None:
 def test_prefill_share_of_the_int8_peak() -> None:
     """Prefill's multiply-adds per second (the layers' matrices per token times tok/s) against the machine's int8
     peak on the runtimes' threads; Qwen2.5-0.5B's layer matrices are 357,826,560 weights."""
-    config = {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2,
-              "num_hidden_layers": 24}
+    config = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
+              "num_key_value_heads": 2, "num_hidden_layers": 24, "vocab_size": 151936, "tie_word_embeddings": True}
     assert bench.layer_macs(config) == 357_826_560
     runs = {"m": {"q8_0": {"ours_prefill512": {"prefill_tps": 200.0}, "llama_prefill512": {"prefill_tps": 100.0}}}}
     raw = {"q8_0": {"ours_prefill512": [{"prefill_tps": 200.0}], "llama_prefill512": [{"prefill_tps": 100.0}]}}
