@@ -51,7 +51,8 @@ from ...quants.legacy import Q4_0, Q5_0
 from ...quants.q8_0 import Q8_0_BYTES
 from ...quants.q8_act import Q8_ACT_BLOCK
 from ...quants.q8k_act import BSUM, QK_K
-from .base import F16_TABLE, F32_1D, FEATURES, MADDUBS
+from .base import F16_TABLE, F32, F32_1D, FEATURES, I32, MADDUBS, f16_at, splat, stack_f32
+from .lattice import load_le
 
 AVAILABLE = "avx2" in FEATURES
 PANEL = 8  # weight rows in one vector (4 values each)
@@ -59,12 +60,13 @@ QUAD = 4  # values of one row in one vector
 ROWS = 4  # activation rows of a tile
 GROUPS = 2  # panels of a tile
 PANELS = 2  # panels repacked per pass over the activation rows
+TILE_FLOATS = ROWS * GROUPS * PANEL  # one tile's results (a stack buffer)
 Q4_K_SUB, Q6_K_SUB = 32, 16  # values per sub-block scale
 Q6_BIAS_SHIFT = 5  # Q6_K's q - 32: 32 = 1 << 5
 Q4_K_BYTES, Q6_K_BYTES = Q4_K().type_size, Q6_K().type_size
 Q4_0_BYTES, Q5_0_BYTES = Q4_0().type_size, Q5_0().type_size
 IQ4_XS_BYTES = IQ4_XS().type_size
-I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+I8, I16, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
 V32_I8, V16_I16, V8_I32, V8_F32 = (ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8),
                                     ir.VectorType(F32, 8))
 U8_2D = types.Array(types.uint8, 2, "C", readonly=True)
@@ -83,13 +85,6 @@ def _data(context, builder: ir.IRBuilder, array_type: types.Array, array: ir.Val
 def _load(builder: ir.IRBuilder, base: ir.Value, at: ir.Value, vector: ir.Type, align: int) -> ir.Value:
     """``vector`` at element ``at`` of the pointer ``base``."""
     return builder.load(builder.bitcast(builder.gep(base, [at]), vector.as_pointer()), align=align)
-
-
-def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
-    """``value`` in every element of ``vector`` (a broadcast)."""
-    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, I32(0))
-    return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined),
-                                  ir.Constant(ir.VectorType(I32, vector.count), [0] * vector.count))
 
 
 def _x86(builder: ir.IRBuilder, name: str, result: ir.Type, argument: ir.Type) -> ir.Function:
@@ -189,7 +184,7 @@ def k_tile(typingctx, kind, w, s, extra, dw, dm, g0, xq, xd, xsums, x0, nb, out)
             weights = [_load(builder, w_at[g], builder.mul(k, I64(PANEL)), V32_I8, 1) for g in range(GROUPS)]
             new = {}
             for r in range(ROWS):
-                x = builder.bitcast(_splat(builder, _load(builder, x_at[r], k, I32, 1), V8_I32), V32_I8)
+                x = builder.bitcast(splat(builder, _load(builder, x_at[r], k, I32, 1), V8_I32), V32_I8)
                 for g in range(GROUPS):
                     products = builder.call(pmaddwd, [builder.call(pmaddubsw, [weights[g], x]), scales[g]])
                     new[r, g] = builder.add(sums[r, g], products)
@@ -223,25 +218,23 @@ def _block_operands(context, builder: ir.IRBuilder, ty: tuple, args: list, w: in
     return rows, w_at, dw_at, x_at
 
 
+def _dx(builder: ir.IRBuilder, xd: ir.Value, row: ir.Value, nb: ir.Value, b: ir.Value) -> ir.Value:
+    """Activation row ``row``'s scale of block ``b`` (``xd`` [M, nb] float32), in all 8 lanes."""
+    return splat(builder, builder.load(builder.gep(xd, [builder.add(builder.mul(row, nb), b)])), V8_F32)
+
+
 def _block_step(builder: ir.IRBuilder, sums: dict, acc: dict, b: ir.Value, nb: ir.Value, rows: list, xd: ir.Value,
-                dw_at: list, bias: tuple[ir.Value, int] | None = None) -> dict:
-    """Block ``b``'s float step of every pair: ``acc + f32(sumi) * (d_w * d_x)``, each operation rounded; with
-    ``bias`` (the activations' int32 sums per block, the log2 of the weights' bias) ``sumi`` first loses ``bias *
-    sum(x)``."""
+                dw_at: list) -> dict:
+    """Block ``b``'s float step of every pair: ``acc + f32(sumi) * (d_w * d_x)``, each operation rounded (no
+    contraction; ``sums``: each pair's exact int32 ``sumi``)."""
     dw = [_load(builder, at, builder.mul(b, I64(PANEL)), V8_F32, 4) for at in dw_at]
     stepped = {}
     for r, row in enumerate(rows):
-        at = builder.add(builder.mul(row, nb), b)
-        dx = _splat(builder, builder.load(builder.gep(xd, [at])), V8_F32)
-        offset = None
-        if bias is not None:
-            offset = _splat(builder, builder.shl(builder.load(builder.gep(bias[0], [at])), I32(bias[1])), V8_I32)
+        dx = _dx(builder, xd, row, nb, b)
         for g in range(len(dw_at)):
-            sumi = sums[r, g] if offset is None else builder.sub(sums[r, g], offset)
-            term = builder.fmul(builder.sitofp(sumi, V8_F32), builder.fmul(dw[g], dx))
+            term = builder.fmul(builder.sitofp(sums[r, g], V8_F32), builder.fmul(dw[g], dx))
             stepped[r, g] = builder.fadd(acc[r, g], term)
     return stepped
-
 
 @intrinsic
 def int16_tile(typingctx, block, w, dw, g0, x, xd, x0, nb, out):  # noqa: ARG001
@@ -268,7 +261,7 @@ def int16_tile(typingctx, block, w, dw, g0, x, xd, x0, nb, out):  # noqa: ARG001
             weights = [_load(builder, at, builder.mul(k, I64(PANEL)), V16_I16, 2) for at in w_at]
             new = {}
             for r in range(ROWS):
-                xr = builder.bitcast(_splat(builder, _load(builder, x_at[r], k, I32, 2), V8_I32), V16_I16)
+                xr = builder.bitcast(splat(builder, _load(builder, x_at[r], k, I32, 2), V8_I32), V16_I16)
                 for g in range(GROUPS):
                     new[r, g] = builder.add(sums[r, g], builder.call(pmaddwd, [weights[g], xr]))
             return new
@@ -308,14 +301,19 @@ def nibble_tile(typingctx, bias, w, dw, g0, xq, xd, xsums, x0, nb, out):  # noqa
             weights = [_load(builder, at, builder.mul(k, I64(PANEL)), V32_I8, 1) for at in w_at]
             new = {}
             for r in range(ROWS):
-                x = builder.bitcast(_splat(builder, _load(builder, x_at[r], k, I32, 1), V8_I32), V32_I8)
+                x = builder.bitcast(splat(builder, _load(builder, x_at[r], k, I32, 1), V8_I32), V32_I8)
                 for g in range(GROUPS):
                     products = builder.call(pmaddwd, [builder.call(pmaddubsw, [weights[g], x]), ones])
                     new[r, g] = builder.add(sums[r, g], products)
             return new
 
-        def finish(b, sums, acc):
-            return _block_step(builder, sums, acc, b, nb_, rows, xd_data, dw_at, (sums_data, shift))
+        def finish(b, sums, acc):  # sumi = (q . x) - bias * sum(x)
+            exact = {}
+            for r, row in enumerate(rows):
+                total = builder.load(builder.gep(sums_data, [builder.add(builder.mul(row, nb_), b)]))
+                offset = splat(builder, builder.shl(total, I32(shift)), V8_I32)
+                exact.update({(r, g): builder.sub(sums[r, g], offset) for g in range(GROUPS)})
+            return _block_step(builder, exact, acc, b, nb_, rows, xd_data, dw_at)
 
         _tile_loops(builder, nb_, Q8_ACT_BLOCK // QUAD, step, finish, out_)
         return context.get_dummy_value()
@@ -325,50 +323,35 @@ def nibble_tile(typingctx, bias, w, dw, g0, xq, xd, xsums, x0, nb, out):  # noqa
 
 def _float_step(builder: ir.IRBuilder, q4: bool, pmaddwd, sums: dict, acc: dict, b: ir.Value, nb: ir.Value,
                 rows: list, xd: ir.Value, sums_at: list, extra_at: list, dw_at: list, dm_at: list) -> dict:
-    """Super-block ``b``'s float step of every (row, panel) pair of a tile: the reference's operations, each
-    rounded (no contraction); Q6_K first takes ``32 sum_j sc_j bsum_j`` off the int32 sums."""
+    """Super-block ``b``'s float step of every (row, panel) pair of a tile (:func:`_block_step`): Q6_K first takes
+    ``32 sum_j sc_j bsum_j`` off the int32 sums, Q4_K then takes ``f32(summ) * (dmin_w * d_x)`` off the result, each
+    operation rounded as the reference rounds it."""
     b8 = builder.mul(b, I64(PANEL))
-    dw = [_load(builder, at, b8, V8_F32, 4) for at in dw_at]
-    dm = [_load(builder, at, b8, V8_F32, 4) for at in dm_at] if q4 else []
-    stepped = {}
+    if not q4:  # pairs of sub-blocks: lane i = sc_2p bsum_2p + sc_2p+1 bsum_2p+1 of row i
+        exact = {}
+        for (r, g), sumi in sums.items():
+            bias = None
+            for p in range(QK_K // Q6_K_SUB // 2):
+                pair = _load(builder, sums_at[r], builder.add(builder.mul(b, I64(QK_K // BSUM)), I64(2 * p)), I32, 2)
+                scale_pairs = _load(builder, extra_at[g], builder.mul(builder.add(b8, I64(p)), I64(2 * PANEL)),
+                                    V16_I16, 2)
+                term = builder.call(pmaddwd, [scale_pairs, builder.bitcast(splat(builder, pair, V8_I32), V16_I16)])
+                bias = term if bias is None else builder.add(bias, term)
+            exact[r, g] = builder.sub(sumi, builder.shl(bias, ir.Constant(V8_I32, [Q6_BIAS_SHIFT] * 8)))
+        return _block_step(builder, exact, acc, b, nb, rows, xd, dw_at)
+    stepped = _block_step(builder, sums, acc, b, nb, rows, xd, dw_at)
+    dm = [_load(builder, at, b8, V8_F32, 4) for at in dm_at]
     for r, row in enumerate(rows):
-        dx = _splat(builder, builder.load(builder.gep(xd, [builder.add(builder.mul(row, nb), b)])), V8_F32)
+        dx = _dx(builder, xd, row, nb, b)
         for g in range(len(dw_at)):
-            sumi = sums[r, g]
-            if not q4:  # pairs of sub-blocks: lane i = sc_2p bsum_2p + sc_2p+1 bsum_2p+1 of row i
-                bias = None
-                for p in range(QK_K // Q6_K_SUB // 2):
-                    pair = _load(builder, sums_at[r], builder.add(builder.mul(b, I64(QK_K // BSUM)), I64(2 * p)),
-                                 I32, 2)
-                    scale_pairs = _load(builder, extra_at[g], builder.mul(builder.add(b8, I64(p)), I64(2 * PANEL)),
-                                        V16_I16, 2)
-                    term = builder.call(pmaddwd, [scale_pairs, builder.bitcast(_splat(builder, pair, V8_I32),
-                                                                               V16_I16)])
-                    bias = term if bias is None else builder.add(bias, term)
-                sumi = builder.sub(sumi, builder.shl(bias, ir.Constant(V8_I32, [Q6_BIAS_SHIFT] * 8)))
-            value = builder.fadd(acc[r, g], builder.fmul(builder.sitofp(sumi, V8_F32), builder.fmul(dw[g], dx)))
-            if q4:
-                summ = None
-                for j in range(QK_K // Q4_K_SUB):
-                    m = _load(builder, extra_at[g], builder.mul(builder.add(b8, I64(j)), I64(PANEL)), V8_F32, 4)
-                    bsum = _splat(builder, builder.load(builder.gep(sums_at[r], [builder.add(b8, I64(j))])), V8_F32)
-                    term = builder.fmul(m, bsum)
-                    summ = term if summ is None else builder.fadd(summ, term)
-                value = builder.fsub(value, builder.fmul(summ, builder.fmul(dm[g], dx)))
-            stepped[r, g] = value
+            summ = None
+            for j in range(QK_K // Q4_K_SUB):
+                m = _load(builder, extra_at[g], builder.mul(builder.add(b8, I64(j)), I64(PANEL)), V8_F32, 4)
+                bsum = splat(builder, builder.load(builder.gep(sums_at[r], [builder.add(b8, I64(j))])), V8_F32)
+                term = builder.fmul(m, bsum)
+                summ = term if summ is None else builder.fadd(summ, term)
+            stepped[r, g] = builder.fsub(stepped[r, g], builder.fmul(summ, builder.fmul(dm[g], dx)))
     return stepped
-
-
-@numba.njit(inline="always")
-def _f16(table, blk, o):
-    return table[np.int64(blk[o]) | (np.int64(blk[o + 1]) << 8)]
-
-
-@numba.njit(inline="always")
-def _word(blk, o):
-    """The little-endian uint32 of bytes ``o .. o + 3``."""
-    return (np.uint32(blk[o]) | (np.uint32(blk[o + 1]) << np.uint32(8)) | (np.uint32(blk[o + 2]) << np.uint32(16))
-            | (np.uint32(blk[o + 3]) << np.uint32(24)))
 
 
 @numba.njit(inline="always")
@@ -397,8 +380,8 @@ def repack_q4_k(raw, r0, n, table, w32, s, m, dw, dm):
         g, i, live, blk = _panel_row(raw, r0, n, c)
         for b in range(nb):
             o = b * Q4_K_BYTES
-            dw[g, b * PANEL + i] = _f16(table, blk, o) if live else np.float32(0)
-            dm[g, b * PANEL + i] = _f16(table, blk, o + 2) if live else np.float32(0)
+            dw[g, b * PANEL + i] = f16_at(table, blk, o) if live else np.float32(0)
+            dm[g, b * PANEL + i] = f16_at(table, blk, o + 2) if live else np.float32(0)
             for j in range(QK_K // Q4_K_SUB):
                 if j < 4:
                     sc, mn = blk[o + 4 + j] & 63, blk[o + 8 + j] & 63
@@ -411,7 +394,7 @@ def repack_q4_k(raw, r0, n, table, w32, s, m, dw, dm):
                 m[g, t * PANEL + i] = np.float32(mn) if live else np.float32(0)
             for chunk in range(4):  # 64 values: bytes l hold value 64 chunk + l (low) and + 32 (high)
                 for lq in range(8):
-                    word = _word(blk, o + 16 + 32 * chunk + 4 * lq) if live else np.uint32(0)
+                    word = load_le(blk, o + 16 + 32 * chunk + 4 * lq, 4) if live else np.uint32(0)
                     quad = b * (QK_K // QUAD) + 16 * chunk + lq
                     _put(w32, g, quad, i, word & LOW4)
                     _put(w32, g, quad + 8, i, (word >> np.uint32(4)) & LOW4)
@@ -433,7 +416,7 @@ def repack_q6_k(raw, r0, n, table, w32, s, pairs, dw):
         g, i, live, blk = _panel_row(raw, r0, n, c)
         for b in range(nb):
             o = b * Q6_K_BYTES
-            dw[g, b * PANEL + i] = _f16(table, blk, o + 208) if live else np.float32(0)
+            dw[g, b * PANEL + i] = f16_at(table, blk, o + 208) if live else np.float32(0)
             for j in range(QK_K // Q6_K_SUB):
                 sc = np.int16(np.int8(blk[o + 192 + j])) if live else np.int16(0)
                 t = b * (QK_K // Q6_K_SUB) + j
@@ -443,9 +426,9 @@ def repack_q6_k(raw, r0, n, table, w32, s, pairs, dw):
                 pairs[g, p * 2 * PANEL + 2 * i + j % 2] = sc
             for half in range(2):  # 128 values: ql bytes 64 half + l (l < 64), qh bytes 128 + 32 half + l
                 for lq in range(8):
-                    a = _word(blk, o + 64 * half + 4 * lq) if live else np.uint32(0)
-                    a2 = _word(blk, o + 64 * half + 32 + 4 * lq) if live else np.uint32(0)
-                    h = _word(blk, o + 128 + 32 * half + 4 * lq) if live else np.uint32(0)
+                    a = load_le(blk, o + 64 * half + 4 * lq, 4) if live else np.uint32(0)
+                    a2 = load_le(blk, o + 64 * half + 32 + 4 * lq, 4) if live else np.uint32(0)
+                    h = load_le(blk, o + 128 + 32 * half + 4 * lq, 4) if live else np.uint32(0)
                     quad = b * (QK_K // QUAD) + 32 * half + lq
                     _put(w32, g, quad, i, _six(a, h, 0, 0))
                     _put(w32, g, quad + 8, i, _six(a2, h, 0, 2))
@@ -462,7 +445,7 @@ def repack_q8_0(raw, r0, n, table, w32, dw):
         g, i, live, blk = _panel_row(raw, r0, n, c)
         for b in range(nb):
             o = b * Q8_0_BYTES
-            dw[g, b * PANEL + i] = _f16(table, blk, o) if live else np.float32(0)
+            dw[g, b * PANEL + i] = f16_at(table, blk, o) if live else np.float32(0)
             for p in range(Q8_ACT_BLOCK // 2):
                 low = np.uint32(np.uint16(np.int16(np.int8(blk[o + 2 + 2 * p]))))
                 high = np.uint32(np.uint16(np.int16(np.int8(blk[o + 3 + 2 * p]))))
@@ -478,7 +461,7 @@ def repack_iq4_xs(raw, r0, n, table, levels, w16, dw):
         g, i, live, blk = _panel_row(raw, r0, n, c)
         for b in range(nb):
             o = b * IQ4_XS_BYTES
-            dw[g, b * PANEL + i] = _f16(table, blk, o) if live else np.float32(0)
+            dw[g, b * PANEL + i] = f16_at(table, blk, o) if live else np.float32(0)
             high = np.int64(blk[o + 2]) | (np.int64(blk[o + 3]) << 8)
             for j in range(QK_K // Q8_ACT_BLOCK):
                 ls = ((np.int64(blk[o + 4 + j // 2]) >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)
@@ -500,10 +483,10 @@ def repack_nibbles(raw, r0, n, table, w32, dw, size):
         g, i, live, blk = _panel_row(raw, r0, n, c)
         for b in range(nb):
             o = b * size
-            dw[g, b * PANEL + i] = _f16(table, blk, o) if live else np.float32(0)
-            qh = _word(blk, o + 2) if size != Q4_0_BYTES else np.uint32(0)
+            dw[g, b * PANEL + i] = f16_at(table, blk, o) if live else np.float32(0)
+            qh = load_le(blk, o + 2, 4) if size != Q4_0_BYTES else np.uint32(0)
             for lq in range(4):  # values 4 lq .. 4 lq + 3 (low nibbles) and 16 + 4 lq .. (high)
-                word = _word(blk, o + first + 4 * lq) if live else np.uint32(0)
+                word = load_le(blk, o + first + 4 * lq, 4) if live else np.uint32(0)
                 low, high = word & LOW4, (word >> np.uint32(4)) & LOW4
                 if size != Q4_0_BYTES and live:
                     low |= _bits4(qh >> np.uint32(4 * lq))
@@ -518,17 +501,6 @@ def _bits4(bits):
     """Bits 0-3 of ``bits`` as bit 4 of four bytes (bit ``j`` into byte ``j``)."""
     return (((bits & np.uint32(1)) << np.uint32(4)) | ((bits & np.uint32(2)) << np.uint32(11))
             | ((bits & np.uint32(4)) << np.uint32(18)) | ((bits & np.uint32(8)) << np.uint32(25)))
-
-@intrinsic
-def stack_tile(typingctx):  # noqa: ARG001
-    """A float32 buffer of one tile's results on the stack."""
-    def codegen(context, builder, signature, args):
-        buffer = cgutils.alloca_once(builder, F32, size=ROWS * GROUPS * PANEL)
-        buffer.align = 32
-        return buffer
-
-    return types.CPointer(types.float32)(), codegen
-
 
 @numba.njit(inline="always")
 def _store_tile(tile, m, n, x0, p0, c0, out):
@@ -551,8 +523,8 @@ if AVAILABLE:
         mins = np.empty((PANELS, nb * (QK_K // Q4_K_SUB) * PANEL), np.float32)
         dw = np.empty((PANELS, nb * PANEL), np.float32)
         dm = np.empty((PANELS, nb * PANEL), np.float32)
-        buffer = stack_tile()
-        tile = numba.carray(buffer, (ROWS * GROUPS * PANEL,))
+        buffer = stack_f32(TILE_FLOATS)
+        tile = numba.carray(buffer, (TILE_FLOATS,))
         wbytes = w.view(np.uint8)
         for c0 in range(0, rows, PANELS * PANEL):
             n = min(PANELS * PANEL, rows - c0)
@@ -571,8 +543,8 @@ if AVAILABLE:
         w32 = np.empty((PANELS, nb * Q8_ACT_BLOCK * PANEL // 2), np.uint32)
         w = w32.view(np.int16)
         dw = np.empty((PANELS, nb * PANEL), np.float32)
-        buffer = stack_tile()
-        tile = numba.carray(buffer, (ROWS * GROUPS * PANEL,))
+        buffer = stack_f32(TILE_FLOATS)
+        tile = numba.carray(buffer, (TILE_FLOATS,))
         for c0 in range(0, rows, PANELS * PANEL):
             n = min(PANELS * PANEL, rows - c0)
             repack_q8_0(raw, c0, n, table, w32, dw)
@@ -590,8 +562,8 @@ if AVAILABLE:
         nb = d.shape[1]
         w = np.empty((PANELS, nb * QK_K * PANEL), np.int16)
         dw = np.empty((PANELS, nb * PANEL), np.float32)
-        buffer = stack_tile()
-        tile = numba.carray(buffer, (ROWS * GROUPS * PANEL,))
+        buffer = stack_f32(TILE_FLOATS)
+        tile = numba.carray(buffer, (TILE_FLOATS,))
         for c0 in range(0, rows, PANELS * PANEL):
             n = min(PANELS * PANEL, rows - c0)
             repack_iq4_xs(raw, c0, n, table, levels, w, dw)
@@ -608,8 +580,8 @@ if AVAILABLE:
         nb = raw.shape[1] // size
         w = np.empty((PANELS, nb * Q8_ACT_BLOCK * PANEL // 4), np.uint32)
         dw = np.empty((PANELS, nb * PANEL), np.float32)
-        buffer = stack_tile()
-        tile = numba.carray(buffer, (ROWS * GROUPS * PANEL,))
+        buffer = stack_f32(TILE_FLOATS)
+        tile = numba.carray(buffer, (TILE_FLOATS,))
         wbytes = w.view(np.uint8)
         for c0 in range(0, rows, PANELS * PANEL):
             n = min(PANELS * PANEL, rows - c0)
@@ -636,8 +608,8 @@ if AVAILABLE:
         s = np.empty((PANELS, nb * (QK_K // Q6_K_SUB) * 2 * PANEL), np.int16)
         pairs = np.empty((PANELS, nb * (QK_K // Q6_K_SUB // 2) * 2 * PANEL), np.int16)
         dw = np.empty((PANELS, nb * PANEL), np.float32)
-        buffer = stack_tile()
-        tile = numba.carray(buffer, (ROWS * GROUPS * PANEL,))
+        buffer = stack_f32(TILE_FLOATS)
+        tile = numba.carray(buffer, (TILE_FLOATS,))
         wbytes = w.view(np.uint8)
         for c0 in range(0, rows, PANELS * PANEL):
             n = min(PANELS * PANEL, rows - c0)
