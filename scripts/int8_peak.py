@@ -44,6 +44,7 @@ from qwen_runtime.backend.kernels import lanes
 from qwen_runtime.backend.kernels.amx import dpbssd, ldtilecfg, tileload, tilerelease, tilestore, tilezero
 from qwen_runtime.backend.kernels.base import FEATURES
 from qwen_runtime.backend.kernels.kquants import Q4_KJitKernel, Q6_KJitKernel
+from qwen_runtime.backend.kernels.lanes import I64, V8_F32, V8_I32, V16_I16, V32_I8
 from qwen_runtime.backend.kernels.q8_0 import Q8_0JitKernel
 from qwen_runtime.quants.scratch import Scratch
 
@@ -52,10 +53,7 @@ SHAPES = {"Qwen2.5-0.5B MLP 4864 x 896": (4864, 896), "Qwen2.5-3B MLP 11008 x 20
 K_SHAPES = {"Qwen2.5-0.5B down 896 x 4864": (896, 4864), "Qwen2.5-3B down 2048 x 11008": (2048, 11008)}
 V16_I32 = ir.VectorType(ir.IntType(32), 16)
 VNNI_ACCUMULATORS = 8
-I64 = ir.IntType(64)
-V32_I8, V16_I16, V8_I32, V8_F32 = (ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16),
-                                    ir.VectorType(ir.IntType(32), 8), ir.VectorType(ir.FloatType(), 8))
-AVX2_X, AVX2_W = 4, 2  # activation and weight vectors per step of the AVX2 peak (the lanes GEMM's tile)
+AVX2_X, AVX2_W = lanes.ROWS, lanes.GROUPS  # activation and weight vectors per step of the AVX2 peak: the lanes' tile
 WINDOW = 2048  # bytes each stream of the AVX2 peak cycles through (L1-resident)
 
 
@@ -280,7 +278,7 @@ def int8_product(kind: str, raw: np.ndarray, x: np.ndarray, out: np.ndarray, poo
         def run(part: tuple[int, int]) -> None:
             jit_amx_k.kquant_amx_product(raw[part[0]:part[1]], xk, out[:, part[0]:part[1]])
     else:
-        per, dtype = lanes.LANE_SUMS[raw.shape[1] // (x.shape[1] // 256)]
+        per, dtype = lanes.LANE_SUMS[raw.shape[1] // (x.shape[1] // lanes.QK_K)]
         q, d, sums = jit_amx_k.q8_k_padded(x, per)
         prepared = lanes.lane_activations(q, d, sums.astype(dtype), len(x))
 
@@ -368,7 +366,7 @@ def main() -> None:
         print(json.dumps(found))
         return
     amx, peak = found.get("int8_form") == "amx", found.get("int8", float("nan"))
-    if not (amx or lanes.takes(144)):
+    if not (amx or lanes.takes(lanes.Q4_K_BYTES)):
         return
     kinds = args.types.split(",")
     print(f"\nweights x {args.rows} activation rows (8-bit activations on {'AMX' if amx else 'AVX2 lanes'}; float: "
