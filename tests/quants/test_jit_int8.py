@@ -26,7 +26,7 @@ from qwen_runtime.backend.pool import Workspace
 from qwen_runtime.backend.weights import make_weight
 from qwen_runtime.errors import KernelsError
 from qwen_runtime.formats.tensors import StoredTensor
-from qwen_runtime.quants import QType, codec, q8_act
+from qwen_runtime.quants import QType, codec, q8_act, q8k_act
 from qwen_runtime.quants.iq4 import IQ4_LEVELS
 
 pytest.importorskip("numba")
@@ -44,11 +44,13 @@ from qwen_runtime.backend.kernels.int8 import (  # noqa: E402
     quantize_rows,
 )
 from qwen_runtime.backend.kernels.int8_k import (  # noqa: E402
+    Q8K,
     Q2_KInt8Kernel,
     Q4_KInt8Kernel,
     Q5_KInt8Kernel,
     Q6_KInt8Kernel,
 )
+from qwen_runtime.backend.kernels.q8_act import quantize_k  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF], np.uint16)  # zero, -0, subnormal, max
@@ -125,6 +127,22 @@ def test_activations_quantize_as_the_reference() -> None:
     assert np.abs(q).max() == 127 and np.all(np.abs(q).reshape(7, 12, 32).max(axis=2)[:, 1:] == 127)
     blocks = x.reshape(7, 12, 32)
     assert np.all(np.abs(q.reshape(7, 12, 32) * d[..., None] - blocks) <= d[..., None] * (0.5 + 1e-5))
+
+
+def test_q8_k_activations_quantize_as_the_reference() -> None:
+    """The compiled q8_K quantizer of the decode step's forms (``q8_act.quantize_k``): ``q8k_act.quantize_q8_k``'s
+    values, scales and sums per 16, with an all-zero super-block, a tie of largest magnitudes of both signs (the
+    first one decides the sign of ``d``), huge and tiny values."""
+    x = activations(5, 4 * 256, seed=3)
+    x[:, 256:512] = 0
+    x[:, 512:768] = np.linspace(-1, 1, 256)
+    x[:, 520], x[:, 700] = -7.5, 7.5
+    x[:, 768:] *= 1e-30
+    q, d, bs = quantize_k(x)
+    q_ref, d_ref, bs_ref = q8k_act.quantize_q8_k(x)
+    assert np.array_equal(q, q_ref) and np.array_equal(d, d_ref) and np.array_equal(bs, bs_ref)
+    assert bs.dtype == np.int16 and np.all(d[:, 1] == 0) and np.all(q[:, 256:512] == 0)
+    assert np.all(q[:, 520] == -127) and np.all(q[:, 700] == 127) and np.all(d[:, 2] > 0)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -226,6 +244,13 @@ def assert_decode_step_close_to_the_float_path(path: Path) -> None:
 
 
 K45_BYTES = {QType.Q4_K: 144, QType.Q5_K: 176}
+# Types whose row kernels take q8_K activations here (AVX2 without AVX-512 VNNI: ``int8_k.Q8K``): bit for bit
+# ``q8k_act.product``, whose error model against float64 ``test_jit_amx_k.py`` proves.
+Q8K_TYPES = (QType.Q4_K, QType.Q6_K) if Q8K else ()
+
+
+def q8k_reference(qtype: QType, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    return q8k_act.product(qtype, raw, *q8k_act.quantize_q8_k(x))
 K45_KERNELS = {QType.Q4_K: Q4_KInt8Kernel, QType.Q5_K: Q5_KInt8Kernel}
 
 
@@ -295,7 +320,10 @@ def test_q4_k_within_the_error_model(qtype: QType, n: int) -> None:
     kernel = jit_kernel(qtype, raw, activations="q8")  # the registered integer-dot kernel
     assert isinstance(kernel, K45_KERNELS[qtype])
     got = run(kernel, x)
-    assert np.all(np.abs(got - reference) <= (nb * 8 + 18) * EPS32 * magnitude)
+    if qtype in Q8K_TYPES:
+        assert np.array_equal(got, q8k_reference(qtype, raw, x))
+    else:
+        assert np.all(np.abs(got - reference) <= (nb * 8 + 18) * EPS32 * magnitude)
     # rows alone and in every batch size: the same numbers
     alone = np.concatenate([run(kernel, x[i:i + 1]) for i in range(n)])
     for m in range(1, n + 1):
@@ -364,7 +392,10 @@ def test_q6_k_within_the_error_model(n: int) -> None:
     reference = np.einsum("nrj,rj,nj->nr", per_16(w, q), scales.astype(np.float64), halves)
     magnitude = np.einsum("nrj,rj,nj->nr", per_16(np.abs(w), np.abs(q)), np.abs(scales.astype(np.float64)), halves)
     got = run(Q6_KInt8Kernel(raw), x)
-    assert np.all(np.abs(got - reference) <= (nb * 8 + 18) * EPS32 * magnitude)
+    if QType.Q6_K in Q8K_TYPES:
+        assert np.array_equal(got, q8k_reference(QType.Q6_K, raw, x))
+    else:
+        assert np.all(np.abs(got - reference) <= (nb * 8 + 18) * EPS32 * magnitude)
     kernel = Q6_KInt8Kernel(raw)
     assert np.array_equal(np.concatenate([run(kernel, x[i:i + 1]) for i in range(n)]), got)
 

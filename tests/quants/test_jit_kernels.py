@@ -33,12 +33,12 @@ from qwen_runtime.backend.kernels import JIT_KERNELS, JIT_Q8_KERNELS, jit_kernel
 from qwen_runtime.backend.pool import Workspace, resolve_kernels
 from qwen_runtime.backend.weights import DIRECT_ROW_TASKS, direct_split, gated_matmul, make_weight, matmul_many
 from qwen_runtime.formats.tensors import StoredTensor
-from qwen_runtime.quants import DENSE_TYPES, QType, codec
+from qwen_runtime.quants import DENSE_TYPES, QType, codec, q8k_act
 from qwen_runtime.quants.scratch import Scratch
 
 pytest.importorskip("numba")
 from qwen_runtime.backend.kernels.base import CHUNK_COLS, F16_TABLE, GEMV_ROWS, TILE_ROWS, sums_of  # noqa: E402 (numba is needed from here on)
-from qwen_runtime.backend.kernels.int8_k import WHOLE_COLS  # noqa: E402
+from qwen_runtime.backend.kernels.int8_k import Q8K, WHOLE_COLS  # noqa: E402
 from qwen_runtime.backend.kernels.q8_0 import Q8_0JitKernel  # noqa: E402
 from qwen_runtime.backend.kernels.q8_act import forms_bytes, prepare_forms  # noqa: E402
 from qwen_runtime.backend.ops_jit import silu_mul  # noqa: E402
@@ -189,7 +189,9 @@ K_QUANTS = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K]
 def test_long_k_quant_rows_are_their_chunks_added_in_order_bit_for_bit(qtype: QType, activations: str) -> None:
     """K-quant rows longer than a chunk (float activations: CHUNK_COLS; 8-bit: WHOLE_COLS) are the float32 sums,
     in order, of the same kernel over each chunk of CHUNK_COLS columns alone (whole rows each), with a partial
-    last chunk and a partial last tile of stored rows; one row alone gives the same bits as in a batch."""
+    last chunk and a partial last tile of stored rows; one row alone gives the same bits as in a batch.  The
+    kernels against q8_K activations (``int8_k.Q8K``) carry their running sums across the chunks instead: the
+    whole row's ``q8k_act.product``."""
     cols = (CHUNK_COLS if activations == "float" else WHOLE_COLS) + CHUNK_COLS + 512
     rows = TILE_ROWS + 5
     raw = random_blocks(qtype, rows, cols, seed=8)
@@ -202,6 +204,11 @@ def test_long_k_quant_rows_are_their_chunks_added_in_order_bit_for_bit(qtype: QT
         return out
 
     kernel = jit_kernel(qtype, raw, activations=activations)
+    if activations == "q8" and Q8K and qtype in (QType.Q4_K, QType.Q6_K):
+        expected = q8k_act.product(qtype, raw, *q8k_act.quantize_q8_k(x))
+        assert np.array_equal(rowwise(kernel, x), expected)
+        assert np.array_equal(rowwise(kernel, x[1:2]), expected[1:2])
+        return
     expected = np.zeros((len(x), rows), np.float32)
     for c0 in range(0, cols, CHUNK_COLS):
         c1 = min(c0 + CHUNK_COLS, cols)

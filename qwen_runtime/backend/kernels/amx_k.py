@@ -68,6 +68,7 @@ from .amx import (
 from .base import F16_TABLE
 from .iq4 import IQ4_XSJitKernel
 from .kquants import Q2_KJitKernel, Q3_KJitKernel, Q4_KJitKernel, Q5_KJitKernel, Q6_KJitKernel
+from .q8_act import quantize_k_rows
 
 KSTEPS = QK_K // 64  # 64-deep tile products per super-block
 TILE_BYTES = 1024  # one 16 x 64-byte tile
@@ -451,34 +452,20 @@ def kquant_amx(kind, raw, q, d, bs, table, cfg, out, mins, wide):
 
 @amx_jit
 def quantize_q8_k_rows(x, bits, q, d, bs):
-    """``quants.q8k_act.quantize_q8_k`` of ``x`` [M, nb * 256] into ``q``, ``d`` (the same float32 operations)
-    and ``bs`` float32 [M, nb * S], the sums of ``q`` per 256 / S values (S = 0: none).  ``bits`` is ``x`` viewed
-    as int32: the largest magnitude is found as the largest of the bits without the sign, and its first position
-    as the least index holding them (integer reductions, which the compiler vectorises; a float ``max`` is not,
-    for its NaN rules)."""
+    """``quants.q8k_act.quantize_q8_k`` of ``x`` [M, nb * 256] into ``q``, ``d`` (:func:`.q8_act.quantize_k_rows`)
+    and ``bs`` float32 [M, nb * S], the sums of ``q`` per 256 / S values (S = 0: none)."""
+    quantize_k_rows(x, bits, q, d)
     nb = d.shape[1]
     per = bs.shape[1] // nb if nb else 0
+    if not per:
+        return
+    width = QK_K // per
     for i in range(x.shape[0]):
-        for b in range(nb):
-            o = b * QK_K
-            top_bits = np.int32(0)
-            for k in range(QK_K):
-                top_bits = max(top_bits, bits[i, o + k] & np.int32(0x7FFFFFFF))
-            first = QK_K
-            for k in range(QK_K):  # the first of largest magnitude (llama.cpp keeps the first: strict >)
-                if bits[i, o + k] & np.int32(0x7FFFFFFF) == top_bits:
-                    first = min(first, k)
-            iscale = np.float32(-127) / x[i, o + first] if top_bits else np.float32(0)
-            d[i, b] = np.float32(1) / iscale if top_bits else np.float32(0)
-            for k in range(QK_K):
-                q[i, o + k] = np.int8(min(np.float32(127), np.rint(iscale * x[i, o + k])))
-            if per:
-                width, row = QK_K // per, q[i]
-                for s in range(per):
-                    total, at = np.int32(0), o + s * width
-                    for k in range(width):
-                        total += np.int32(row[at + k])
-                    bs[i, b * per + s] = np.float32(total)
+        for s in range(nb * per):
+            total = np.int32(0)
+            for k in range(width):
+                total += np.int32(q[i, s * width + k])
+            bs[i, s] = np.float32(total)
 
 
 class KActivations(tuple):

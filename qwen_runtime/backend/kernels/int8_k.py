@@ -20,6 +20,10 @@ product: :meth:`Q6_KInt8Kernel.forms`).  Figures, with the 7B-shaped file's deco
 several activation rows run the same loops (groups of 1, or :func:`.int8.row_groups`), rows longer than
 :data:`WHOLE_COLS` columns by chunks of columns (:func:`chunked`).  A module of its own so that models without
 K-quants do not load these kernels.
+
+On AVX2 without AVX-512 VNNI (:data:`Q8K`) Q4_K and Q6_K take activations quantized per 256 values instead (q8_K,
+:mod:`.q8k_rows`): a super-block sums in int32 with one float step, ``quants.q8k_act.product``'s numbers bit for
+bit, the same as the prompts' lanes, so a row's numbers depend on neither the batch nor the prompt's length.
 """
 
 from __future__ import annotations
@@ -35,8 +39,13 @@ from .amx_k import KQuantAmxPrompts
 from .base import (
     ACC_FLOATS,
     CHUNK_COLS,
+    F32_1D,
+    F32_2D,
+    F32_2D_C,
     GEMV_ROWS,
+    I8_2D,
     TILE_ROWS,
+    U8_2D,
     compiled,
     deposit,
     fetch_row,
@@ -45,11 +54,11 @@ from .base import (
     sums_of,
 )
 from .int8 import (
+    I16_2D,
     LEGACY_GEMV,
     LEGACY_GEMV_ROWS,
     MIN_GEMV,
     MIN_GEMV_ROWS,
-    PAIRS_SLOTS,
     START_GEMV,
     V16_F32,
     V16_I32,
@@ -87,9 +96,30 @@ from .kquants import (
     q4_k_scales,
     q6_k_scales_at,
 )
-from .q8_act import B32, D, Q, form_arrays, product_arrays, slots, start_values
+from .q8_act import (
+    B32,
+    KB,
+    KD,
+    KQ,
+    D,
+    Q,
+    form_arrays,
+    k_form_arrays,
+    product_arrays,
+    quantize_k,
+    slots,
+    start_values,
+)
+from .q8k_rows import AVAILABLE as Q8K_AVAILABLE
+from .q8k_rows import SUMS as K_SUMS
+from .q8k_rows import q4_k_block, q6_k_block
 
 Q2_K_BYTES, Q3_K_BYTES = Q2_K().type_size, Q3_K().type_size
+# Q4_K and Q6_K against q8_K activations (:mod:`.q8k_rows`) on AVX2 without AVX-512 VNNI, whose per-32 kernels
+# spend as much on float steps as on products; with VNNI the 64-value ``vpdpbusd`` kernels below.
+Q8K = Q8K_AVAILABLE and not VNNI
+K_SLOTS = slots(KQ, KD, KB)
+K_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, I16_2D, F32_1D, F32_2D)  # q8_K values, scales, sums per 16
 
 # The same scale unpacking inlined into the loops (a call per block kept the lanes in memory across it).
 k45_scales = inline(q4_k_scales.py_func)
@@ -386,7 +416,7 @@ def chunked(group_fn, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out):
     asking first for the same chunk of the row a tile further (the float kernels' order,
     :func:`.base.gemv_groups`: the chunks' sums added in order, whatever the group).  One call site serves both:
     a second one for whole rows made the first compile of this module longer, for the same speed."""
-    nb = xd.shape[1] // 8
+    nb = xq.shape[1] // QK_K
     whole = nb * QK_K <= WHOLE_COLS
     step = max(nb, 1) if whole else CHUNK_COLS // QK_K
     tile = r1 - r0 if whole else TILE_ROWS
@@ -471,6 +501,59 @@ def q5_k_gemv_q8(raw, xq, xd, xsum, table, out):
 
 
 @inline
+def q8k_group(q4, group, r0, r1, i0, raw, xq, xd, bs, table, out, b0, b1):
+    """``out[i, r]`` = the q8_K product (``quants.q8k_act.product``'s numbers) of Q4_K (``q4``) or Q6_K rows
+    ``r0 <= r < r1`` over their super-blocks ``b0:b1`` for the activation rows ``i0 <= i < i0 + group``
+    (:mod:`.q8k_rows`), starting from the sums the previous chunk of columns left in ``out`` (``b0 > 0``)."""
+    cols, nb, nbs, row_bytes = xq.shape[1], xd.shape[1], bs.shape[1], raw.shape[1]
+    size = Q4_K_BYTES if q4 else Q6_K_BYTES
+    accp = stack_f32(GEMV_ROWS)
+    acc = carray(accp, (GEMV_ROWS,))
+    for r in range(r0, r1):
+        for g in range(group):
+            acc[g] = out[i0 + g, r] if b0 else np.float32(0)
+        for b in range(b0, b1):
+            at = r * row_bytes + b * size
+            prefetch(raw, at)
+            x_at, d_at, s_at = i0 * cols + b * QK_K, i0 * nb + b, i0 * nbs + b * K_SUMS
+            if q4:
+                q4_k_block(raw, at, xq, x_at, cols, xd, d_at, nb, bs, s_at, nbs, accp, group)
+            else:
+                q6_k_block(raw, at, xq, x_at, cols, xd, d_at, nb, bs, s_at, nbs, accp, group)
+        for g in range(group):
+            out[i0 + g, r] = acc[g]
+
+
+@inline
+def q4_k_q8k_group(update, geo, group, r0, r1, i0, raw, xq, xd, bs, table, out, b0, b1):  # noqa: ARG001
+    """:func:`q8k_group` of Q4_K (:func:`chunked`'s protocol)."""
+    q8k_group(True, group, r0, r1, i0, raw, xq, xd, bs, table, out, b0, b1)
+
+
+@inline
+def q6_k_q8k_group(update, geo, group, r0, r1, i0, raw, xq, xd, bs, table, out, b0, b1):  # noqa: ARG001
+    """:func:`q8k_group` of Q6_K (:func:`chunked`'s protocol)."""
+    q8k_group(False, group, r0, r1, i0, raw, xq, xd, bs, table, out, b0, b1)
+
+
+if Q8K:  # AVX2 without AVX-512 VNNI
+    @compiled(K_GEMV, contract=False)
+    def q4_k_gemv_q8k(raw, xq, xd, bs, table, out):
+        row_groups(chunked, q4_k_q8k_group, None, raw, xq, xd, bs, table, out)
+
+    @compiled(K_GEMV, contract=False)
+    def q6_k_gemv_q8k(raw, xq, xd, bs, table, out):
+        row_groups(chunked, q6_k_q8k_group, None, raw, xq, xd, bs, table, out)
+
+    @inline
+    def q8k_product(gemv, raw, rows, row_bytes, forms, first, n, cols, table, out, out_stride):
+        """A :data:`.q8_act.Q8_ROW_PRODUCT` of the q8_K kernels: the slots KQ, KD, KB."""
+        w, _, t, o = product_arrays(raw, rows, row_bytes, n, 0, 0, table, out, out_stride)
+        q, d, bs = k_form_arrays(forms, first, n, cols)
+        gemv(w, q, d, bs, t, o)
+
+
+@inline
 def int8_sums_product(gemv1, gemv, raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out,
                       out_stride):
     """A :data:`.q8_act.Q8_ROW_PRODUCT` of Q4_K's VNNI kernels: ``q``, ``d`` and the float sums per 32 for
@@ -502,6 +585,14 @@ if VNNI:
     @q8_cfunc
     def q6_k_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
         q6_k_vnni_product(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride)
+elif Q8K:
+    @q8_cfunc
+    def q4_k_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+        q8k_product(q4_k_gemv_q8k, raw, rows, row_bytes, forms, first, n, cols, table, out, out_stride)
+
+    @q8_cfunc
+    def q6_k_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
+        q8k_product(q6_k_gemv_q8k, raw, rows, row_bytes, forms, first, n, cols, table, out, out_stride)
 else:
     @q8_cfunc
     def q4_k_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, table, out, out_stride):
@@ -532,49 +623,73 @@ def q3_k_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, t
                        table, out, out_stride)
 
 
-class Q4_KInt8Kernel(Int8Kernel):
+class Q8KRows(Int8Kernel):
+    """A K-quant whose rows take q8_K activations (:func:`q8k_group`): ``q``, ``d`` and the int16 sums per 16
+    (:func:`.q8_act.quantize_k`), one kernel for any number of rows."""
+
+    q8_slots, sums_width = K_SLOTS, 0
+
+    def activations(self, x: np.ndarray) -> tuple:
+        return quantize_k(x)
+
+    def _rows(self, raw: np.ndarray, x: np.ndarray, extra: list, out: np.ndarray) -> None:
+        self.gemv_q8(raw, *extra, *self.constants, out)
+
+
+class Q4_KInt8Kernel(Q8KRows if Q8K else Int8Kernel):
     """Q4_K with 8-bit activations: ``vpdpbusd`` on 64 weights at a time where the CPU has AVX-512 VNNI (int8
-    activations for any number of rows), else :func:`q4_k_group`'s pairs (int16 activations for several rows)."""
+    activations for any number of rows), against q8_K activations on other AVX2 CPUs (:class:`Q8KRows`), else
+    :func:`q4_k_group`'s pairs (int16 activations for several rows)."""
 
     block, type_size, exact = QK_K, Q4_K_BYTES, ("kquants", "Q4_KJitKernel")
-    q8_row_product, sums_width = q4_k_q8_rows, 32
+    q8_row_product = q4_k_q8_rows
     if VNNI:
         gemv1_q8, gemv_q8 = staticmethod(q4_k_gemv1_vnni), staticmethod(q4_k_gemv_vnni)
-        q8_slots = slots(Q, D)
+        q8_slots, sums_width = slots(Q, D), 32
+    elif Q8K:
+        gemv_q8 = staticmethod(q4_k_gemv_q8k)
     else:
         gemv1_q8, gemv_q8 = staticmethod(q4_k_gemv1_q8), staticmethod(q4_k_gemv_q8)
+        sums_width = 32
+
+    if not Q8K:
+        def activations(self, x: np.ndarray) -> tuple:
+            return (*super().activations(x), sums_of(x, self.sums_width))
+
+        def forms(self, q: np.ndarray, d: np.ndarray) -> tuple:
+            return (q, d, q, d) if VNNI else super().forms(q, d)
+
+
+class Q5_KInt8Kernel(Int8Kernel):
+    """Q5_K: the pairs kernel on every CPU (int16 activations for several rows), the minimums against the float
+    activation sums per 32."""
+
+    block, type_size, exact = QK_K, Q5_K_BYTES, ("kquants", "Q5_KJitKernel")
+    gemv1_q8, gemv_q8 = staticmethod(q5_k_gemv1_q8), staticmethod(q5_k_gemv_q8)
+    q8_row_product, sums_width = q5_k_q8_rows, 32
 
     def activations(self, x: np.ndarray) -> tuple:
         return (*super().activations(x), sums_of(x, self.sums_width))
 
-    def forms(self, q: np.ndarray, d: np.ndarray) -> tuple:
-        return (q, d, q, d) if VNNI else super().forms(q, d)
 
-
-class Q5_KInt8Kernel(Q4_KInt8Kernel):
-    """Q5_K: the pairs kernel on every CPU (int16 activations for several rows)."""
-
-    type_size, exact = Q5_K_BYTES, ("kquants", "Q5_KJitKernel")
-    gemv1_q8, gemv_q8 = staticmethod(q5_k_gemv1_q8), staticmethod(q5_k_gemv_q8)
-    forms, q8_row_product, q8_slots = Int8Kernel.forms, q5_k_q8_rows, PAIRS_SLOTS
-
-
-class Q6_KInt8Kernel(Int8Kernel):
+class Q6_KInt8Kernel(Q8KRows if Q8K else Int8Kernel):
     """Q6_K with 8-bit activations: ``vpdpbusd`` on 64 weights at a time where the CPU has AVX-512 VNNI (int8
-    activations and their ``-32 *`` sums of 4 for any number of rows), else :func:`q6_k_group`'s pairs."""
+    activations and their ``-32 *`` sums of 4 for any number of rows), against q8_K activations on other AVX2 CPUs
+    (:class:`Q8KRows`), else :func:`q6_k_group`'s pairs."""
 
     block, type_size, exact = QK_K, Q6_K_BYTES, ("kquants", "Q6_KJitKernel")
     q8_row_product = q6_k_q8_rows
     if VNNI:
         gemv1_q8, gemv_q8 = staticmethod(q6_k_gemv1_vnni), staticmethod(q6_k_gemv_vnni)
         q8_slots = slots(Q, D, B32)
+    elif Q8K:
+        gemv_q8 = staticmethod(q6_k_gemv_q8k)
     else:
         gemv1_q8, gemv_q8 = staticmethod(q6_k_gemv1_q8), staticmethod(q6_k_gemv_q8)
 
-    def forms(self, q: np.ndarray, d: np.ndarray) -> tuple:
-        if not VNNI:
-            return super().forms(q, d)
-        return q, d, q, d, start_values(q)
+    if VNNI:
+        def forms(self, q: np.ndarray, d: np.ndarray) -> tuple:
+            return q, d, q, d, start_values(q)
 
 
 class Q2_KInt8Kernel(Int8Kernel):

@@ -11,7 +11,10 @@ further):
 * :data:`Q16`: ``q`` as int16 [N, cols] (the pairs kernels for several rows: no widening per row and block);
 * :data:`D8`: ``d`` with each value 8 times, float32 [N, cols / 4] (Q8_0's several rows: one 64-byte load);
 * :data:`B32`: ``-32`` times each sum of 4 of ``q``, int32 [N, cols / 4] (the start values of ``vpdpbusd``: Q6_K's,
-  and shifted to their bias those of one row of Q8_0, Q4_0 and Q5_0).
+  and shifted to their bias those of one row of Q8_0, Q4_0 and Q5_0);
+* :data:`KQ`, :data:`KD`, :data:`KB`: the activations quantized per 256 values instead (llama.cpp's q8_K,
+  :func:`quantize_k_rows`): ``q`` int8 [N, cols], ``d`` float32 [N, cols / 256] and the sums of ``q`` per 16 as
+  int16 [N, cols / 16] (the K-quants' kernels of :mod:`.q8k_rows`).
 
 These are the integer operations of the kernels' own ``forms`` (numpy, the per-operation path), so the numbers are
 the same.  A module of its own, small, so that the compiled decode step loads it without the kernels.
@@ -24,14 +27,17 @@ from numba import carray, types
 from numba.extending import intrinsic
 
 from ...quants.q8_act import Q8_ACT_BLOCK, Q8_ACT_MAX
+from ...quants.q8k_act import BSUM, Q8K_MAX, QK_K
 from .base import F16_TABLE, F32_2D_C, address_as, call_at, compiled, f32_at, i64_at, inline, u8_at
 
-Q, XU, Q16, D, D8, B32 = range(6)  # the slots of a forms table
-SLOTS = 6
+Q, XU, Q16, D, D8, B32, KQ, KD, KB = range(9)  # the slots of a forms table
+SLOTS = 9
 TABLE_SIZE = F16_TABLE.size
 # Bytes of a slot's row per column of the input (D: 4 bytes per 32 columns, given as 1/8).
-ROW_BYTES = {Q: 1, XU: 1, Q16: 2, D: 1 / 8, D8: 1, B32: 1}
+ROW_BYTES = {Q: 1, XU: 1, Q16: 2, D: 1 / 8, D8: 1, B32: 1, KQ: 1, KD: 4 / QK_K, KB: 2 / BSUM}
 I8_2D_W = types.int8[:, ::1]
+I16_2D_W = types.int16[:, ::1]
+I32_2D_C = types.int32[:, ::1]
 i8_at, i16_at, i32_at = (address_as(t) for t in (types.int8, types.int16, types.int32))
 
 # The C signature of a type's row product with 8-bit activations (``<type>_q8_rows``), called by address from the
@@ -44,6 +50,12 @@ Q8_ROW_PRODUCT = types.void(*([types.int64] * 12))
 def slots(*names: int) -> int:
     """The bit mask of the given slots (what a kernel reads, what :func:`prepare_forms` fills)."""
     return sum(1 << s for s in set(names))
+
+
+@inline
+def slots_k():
+    """The bit mask of the q8_K slots."""
+    return (1 << KQ) | (1 << KD) | (1 << KB)
 
 
 @compiled(types.void(F32_2D_C, I8_2D_W, F32_2D_C), contract=False)
@@ -63,6 +75,62 @@ def quantize_rows(x, q, d):
                 q[i, b * 32 + k] = np.int8(np.rint(xs[k] * inverse))
 
 
+@compiled(types.void(F32_2D_C, I32_2D_C, I8_2D_W, F32_2D_C), contract=False)
+def quantize_k_rows(x, bits, q, d):
+    """``q``, ``d`` = ``quants.q8k_act.quantize_q8_k`` of ``x`` [N, nb * 256] (the same float32 operations).
+    ``bits`` is ``x`` viewed as int32: the largest magnitude is found as the largest of the bits without the sign,
+    and its first position as the least index holding them (integer reductions, which the compiler vectorises; a
+    float ``max`` is not, for its NaN rules)."""
+    nb = d.shape[1]
+    for i in range(x.shape[0]):
+        for b in range(nb):
+            o = b * QK_K
+            top_bits = np.int32(0)
+            for k in range(QK_K):
+                top_bits = max(top_bits, bits[i, o + k] & np.int32(0x7FFFFFFF))
+            first = QK_K
+            for k in range(QK_K):  # the first of largest magnitude (llama.cpp keeps the first: strict >)
+                if bits[i, o + k] & np.int32(0x7FFFFFFF) == top_bits:
+                    first = min(first, k)
+            iscale = -Q8K_MAX / x[i, o + first] if top_bits else np.float32(0)
+            d[i, b] = np.float32(1) / iscale if top_bits else np.float32(0)
+            for k in range(QK_K):
+                q[i, o + k] = np.int8(min(Q8K_MAX, np.rint(iscale * x[i, o + k])))
+
+
+@compiled(types.void(I8_2D_W, I16_2D_W))
+def sums16(q, bs):
+    """``bs`` = the sums of ``q`` [N, cols] per 16 values (q8_K's ``bsums``), int16 [N, cols / 16]."""
+    for i in range(q.shape[0]):
+        for s in range(bs.shape[1]):
+            total = np.int32(0)
+            for k in range(BSUM):
+                total += np.int32(q[i, s * BSUM + k])
+            bs[i, s] = total
+
+
+def quantize_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``quants.q8k_act.quantize_q8_k`` of ``x`` [N, cols] compiled, with the sums per 16 as int16: the
+    :data:`KQ`, :data:`KD`, :data:`KB` arrays."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n, cols = x.shape
+    q = np.empty((n, cols), np.int8)
+    d = np.empty((n, cols // QK_K), np.float32)
+    bs = np.empty((n, cols // BSUM), np.int16)
+    quantize_k_rows(x, x.view(np.int32), q, d)
+    sums16(q, bs)
+    return q, d, bs
+
+
+@inline
+def k_form_arrays(forms, first, n, cols):
+    """The q8_K slots of the forms table at address ``forms`` from activation row ``first``: (q, d, bsums)."""
+    f = carray(i64_at(forms), (SLOTS,))
+    return (carray(i8_at(f[KQ] + first * cols), (n, cols)),
+            carray(f32_at(f[KD] + 4 * first * (cols // QK_K)), (n, cols // QK_K)),
+            carray(i16_at(f[KB] + 2 * first * (cols // BSUM)), (n, cols // BSUM)))
+
+
 @inline
 def form_arrays(forms, first, n, cols):
     """The slots of the forms table at address ``forms`` from activation row ``first``, ``n`` rows of an input of
@@ -77,9 +145,15 @@ def form_arrays(forms, first, n, cols):
 
 @compiled(types.void(F32_2D_C, types.int64, types.int64), contract=False)
 def prepare_forms(x, mask, forms):
-    """Fill the slots in ``mask`` (and Q, D, from which the others come) of the forms table at address ``forms``
-    for the input ``x`` [N, cols]."""
+    """Fill the slots in ``mask`` of the forms table at address ``forms`` for the input ``x`` [N, cols]: the
+    per-32 ones (and Q, D, from which they come) where it names any, the q8_K ones where it names any."""
     n, cols = x.shape
+    if mask & slots_k():
+        kq, kd, kb = k_form_arrays(forms, 0, n, cols)
+        quantize_k_rows(x, x.view(np.int32), kq, kd)
+        sums16(kq, kb)
+    if not mask & ~slots_k():
+        return
     q, xu, q16, d, d8, b32 = form_arrays(forms, 0, n, cols)
     quantize_rows(x, q, d)
     for i in range(n):

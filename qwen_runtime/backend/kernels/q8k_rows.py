@@ -1,0 +1,233 @@
+"""Q4_K and Q6_K rows against q8_K activations in AVX2's integer lanes (numba): the decode step's products and
+every product of up to ``direct_rows`` activation rows on CPUs without AVX-512 VNNI.
+
+Why a form of its own.  The 8-bit kernels of :mod:`.int8_k` quantize the activations per 32 values, so each
+32-value sub-block ends in a conversion to float and a fused add with its own scale product: on AVX2 that float
+work per 32 values cost as much as the integer products, and the 3B-shaped Q4_K_M file decoded well below the
+memory's rate.  Here the activations are quantized per super-block of 256 (llama.cpp's q8_K,
+``quants.q8k_act.quantize_q8_k``), a super-block's sub-block scales are small integers, and so a whole
+super-block sums in int32 (``pmaddubsw`` of the unsigned weights and the signed activations, then ``pmaddwd`` by the
+sub-block scales, which also adds the pairs), with one float step per super-block and activation row.
+
+The numbers are ``quants.q8k_act.product``'s bit for bit, as are the prompts' (:mod:`.lanes`, :mod:`.amx_k`):
+per super-block ``acc = acc + f32(sumi) * (d_w * d_x)`` and for Q4_K ``acc = acc - f32(summ) * (dmin_w * d_x)``,
+each operation rounded (the IR carries no fast-math flags, so nothing is fused), the super-blocks in order.  So a
+row's result depends neither on the other activation rows nor on how many rows the product has.  Rows longer than
+:data:`.int8_k.WHOLE_COLS` go by chunks of columns (:func:`.int8_k.chunked`); each chunk starts from the running
+sums the previous one left in ``out``, so the order stays that of one pass.
+
+* Q4_K: ``sumi = sum_j sc_j (q_j . x_j)`` over its 8 sub-blocks of 32 (``q`` 0..15; pair sums at most
+  ``2 * 15 * 127``), ``summ = sum_j m_j (bsum_2j + bsum_2j+1)`` from the activations' sums per 16 (one
+  ``pmaddwd`` of the 16 sums by the minimums, each twice).
+* Q6_K: ``q`` 0..63 unsigned into ``pmaddubsw`` (pairs at most ``2 * 63 * 127``), the 16 int8 scales per 16 values
+  in ``pmaddwd``, and the ``- 32`` as ``32 sum_j sc_j bsum_j`` off the int32 sum.
+
+Activations per row: ``q`` int8 [cols], ``d`` float32 [cols / 256], ``bsums`` int16 [cols / 16]
+(:func:`.q8_act.quantize_k_rows`, the forms slots :data:`.q8_act.KQ`, :data:`.q8_act.KD`, :data:`.q8_act.KB`).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ...quants.kquants import Q4_K, Q6_K
+from ...quants.q8k_act import BSUM, QK_K
+from .base import F32, FEATURES, GEMV_ROWS, I32
+
+AVAILABLE = "avx2" in FEATURES
+Q4_K_BYTES, Q6_K_BYTES = Q4_K().type_size, Q6_K().type_size
+SUMS = QK_K // BSUM  # activation sums per super-block
+I8, I16, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
+V32_I8, V16_I8, V8_I8 = ir.VectorType(I8, 32), ir.VectorType(I8, 16), ir.VectorType(I8, 8)
+V16_I16, V8_I16, V8_I32 = ir.VectorType(I16, 16), ir.VectorType(I16, 8), ir.VectorType(I32, 8)
+V2_I32 = ir.VectorType(I32, 2)
+
+
+def _x86(builder: ir.IRBuilder, name: str, result: ir.Type, argument: ir.Type) -> ir.Function:
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, [argument] * 2), name)
+
+
+def _at(context, builder: ir.IRBuilder, array_type: types.Array, array: ir.Value, at: ir.Value,
+        element: ir.Type) -> ir.Value:
+    """``&array[at]`` (flat element index) as a pointer to ``element``."""
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(builder.gep(data, [at]), element.as_pointer())
+
+
+def _pick(builder: ir.IRBuilder, v: ir.Value, lanes: list[int], other: ir.Value | None = None) -> ir.Value:
+    """The elements ``lanes`` of ``v`` (and of ``other`` after them)."""
+    return builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined) if other is None else other,
+                                  ir.Constant(ir.VectorType(I32, len(lanes)), lanes))
+
+
+def _totals(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """The sums of the 8 int32 lanes of ``a`` and of ``b``, reduced side by side (exact in any order)."""
+    a4 = builder.add(_pick(builder, a, [0, 1, 2, 3]), _pick(builder, a, [4, 5, 6, 7]))
+    b4 = builder.add(_pick(builder, b, [0, 1, 2, 3]), _pick(builder, b, [4, 5, 6, 7]))
+    both = builder.add(_pick(builder, a4, [0, 2, 4, 6], b4), _pick(builder, a4, [1, 3, 5, 7], b4))
+    both = builder.add(_pick(builder, both, [0, 2]), _pick(builder, both, [1, 3]))
+    return builder.extract_element(both, I32(0)), builder.extract_element(both, I32(1))
+
+
+class _Block:
+    """A stored super-block (intrinsic arguments ``raw, at``: the stored rows and the flat index of its first
+    byte) and the operands of activation row ``g`` of a group (``x, x_at, x_stride, xd, d_at, d_stride, bs, bs_at,
+    bs_stride``: its values, scale and sums per 16 at flat indices ``*_at + g * *_stride``)."""
+
+    def __init__(self, context, builder: ir.IRBuilder, ty: tuple, args: list) -> None:
+        self.context, self.builder, self.ty, self.args = context, builder, ty, args
+        self.base = _at(context, builder, ty[0], args[0], args[1], I8)
+
+    def load(self, offset: int, element: ir.Type) -> ir.Value:
+        """``element`` at byte ``offset`` of the block (unaligned)."""
+        b = self.builder
+        return b.load(b.bitcast(b.gep(self.base, [I64(offset)]), element.as_pointer()), align=1)
+
+    def half(self, offset: int) -> ir.Value:
+        """The float16 at byte ``offset`` as float32 (exact; ``vcvtph2ps`` with F16C)."""
+        return self.builder.fpext(self.builder.bitcast(self.load(offset, I16), ir.HalfType()), F32)
+
+    def _row(self, k: int, g: int, offset: int, element: ir.Type, align: int) -> ir.Value:
+        b, at = self.builder, self.args[k + 1]
+        at = b.add(b.add(at, b.mul(self.args[k + 2], I64(g))), I64(offset))
+        return b.load(_at(self.context, b, self.ty[k], self.args[k], at, element), align=align)
+
+    def values(self, g: int, offset: int) -> ir.Value:
+        """32 int8 activations of row ``g`` from value ``offset`` of the super-block."""
+        return self._row(2, g, offset, V32_I8, 1)
+
+    def scale(self, g: int) -> ir.Value:
+        return self._row(5, g, 0, F32, 4)
+
+    def sums(self, g: int) -> ir.Value:
+        """The super-block's 16 activation sums per 16 values (int16) of row ``g``."""
+        return self._row(8, g, 0, V16_I16, 2)
+
+
+def _step(builder: ir.IRBuilder, acc: ir.Value, g: int, terms: list) -> None:
+    """``acc[g]`` through the reference's float step: for each ``(sign, integer, scale_w, scale_x)`` of ``terms``,
+    ``acc = acc +/- f32(integer) * (scale_w * scale_x)``, each operation rounded (no fast-math flags here, and the
+    kernels that inline this are compiled without contraction)."""
+    at = builder.gep(acc, [I64(g)])
+    value = builder.load(at)
+    for sign, integer, scale_w, scale_x in terms:
+        term = builder.fmul(builder.sitofp(integer, F32), builder.fmul(scale_w, scale_x))
+        value = builder.fadd(value, term) if sign > 0 else builder.fsub(value, term)
+    builder.store(value, at)
+
+
+def _literal(group) -> bool:
+    return isinstance(group, types.IntegerLiteral) and 1 <= group.literal_value <= GEMV_ROWS
+
+
+def _splats(builder: ir.IRBuilder, scales: ir.Value) -> callable:
+    """For ``<8 x i16>`` scales: a function of a list of 16 indices giving the ``<16 x i16>`` of those scales,
+    each one ``pshufb`` of the scales in both 128-bit halves (8 instructions of shifts and broadcasts otherwise)."""
+    both = builder.bitcast(_pick(builder, scales, list(range(8)) * 2), V32_I8)
+    pshufb = _x86(builder, "llvm.x86.avx2.pshuf.b", V32_I8, V32_I8)
+
+    def pick(lanes: list[int]) -> ir.Value:
+        mask = ir.Constant(V32_I8, [2 * j + k for j in lanes for k in (0, 1)])
+        return builder.bitcast(builder.call(pshufb, [both, mask]), V16_I16)
+
+    return pick
+
+
+def _q4_k_scales(block: _Block) -> tuple[ir.Value, ir.Value]:
+    """The 8 sub-block scales and 8 minimums (6 bits each) of a Q4_K block as ``<8 x i16>`` each, unpacked from
+    the 12 bytes at byte 4 by 32-bit words (``kquants.get_scale_min_k4``'s layout)."""
+    builder = block.builder
+    a0, a1, a2 = (block.load(4 * k, I32) for k in (1, 2, 3))
+    low6, low4, two = I32(0x3F3F3F3F), I32(0x0F0F0F0F), I32(0x30303030)
+    sc = [builder.and_(a0, low6),
+          builder.or_(builder.and_(a2, low4), builder.and_(builder.lshr(a0, I32(2)), two))]
+    mins = [builder.and_(a1, low6),
+            builder.or_(builder.and_(builder.lshr(a2, I32(4)), low4), builder.and_(builder.lshr(a1, I32(2)), two))]
+
+    def widen(words):
+        v = ir.Constant(V2_I32, ir.Undefined)
+        for k, w in enumerate(words):
+            v = builder.insert_element(v, w, I32(k))
+        return builder.zext(builder.bitcast(v, V8_I8), V8_I16)
+
+    return widen(sc), widen(mins)
+
+
+@intrinsic
+def q4_k_block(typingctx, raw, at, x, x_at, x_stride, xd, d_at, d_stride, bs, bs_at, bs_stride, acc,
+               group):  # noqa: ARG001
+    """The Q4_K super-block at byte ``at`` of ``raw`` times ``group`` activation rows: row ``g``'s 256 int8 values
+    at ``x[x_at + g x_stride]``, its scale ``xd[d_at + g d_stride]``, its 16 sums ``bs[bs_at + g bs_stride]``
+    (flat indices), its running float32 sum at ``acc[g]`` (the module docstring's step)."""
+    if not _literal(group):
+        return None
+    count = group.literal_value
+
+    def codegen(context, builder, signature, args):
+        block = _Block(context, builder, signature.args, args)
+        pmaddubsw = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", V16_I16, V32_I8)
+        pmaddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", V8_I32, V16_I16)
+        dw, dm = block.half(0), block.half(2)
+        sc, mins = _q4_k_scales(block)
+        splat = _splats(builder, sc)
+        fifteen = ir.Constant(V32_I8, [15] * 32)
+        sumi = [ir.Constant(V8_I32, [0] * 8)] * count
+        for c in range(4):  # 64 values: bytes k hold value 64 c + k (low nibble) and 64 c + 32 + k (high)
+            q = block.load(16 + 32 * c, V32_I8)
+            halves = (builder.and_(q, fifteen), builder.and_(builder.lshr(q, ir.Constant(V32_I8, [4] * 32)), fifteen))
+            for h, w in enumerate(halves):
+                scale = splat([2 * c + h] * 16)
+                for g in range(count):
+                    pairs = builder.call(pmaddubsw, [w, block.values(g, 64 * c + 32 * h)])
+                    sumi[g] = builder.add(sumi[g], builder.call(pmaddwd, [pairs, scale]))
+        twice = _pick(builder, mins, [j // 2 for j in range(16)])
+        for g in range(count):
+            total, summ = _totals(builder, sumi[g], builder.call(pmaddwd, [block.sums(g), twice]))
+            dx = block.scale(g)
+            _step(builder, args[11], g, [(1, total, dw, dx), (-1, summ, dm, dx)])
+        return context.get_dummy_value()
+
+    return types.void(raw, at, x, x_at, x_stride, xd, d_at, d_stride, bs, bs_at, bs_stride, acc, group), codegen
+
+
+@intrinsic
+def q6_k_block(typingctx, raw, at, x, x_at, x_stride, xd, d_at, d_stride, bs, bs_at, bs_stride, acc,
+               group):  # noqa: ARG001
+    """The Q6_K super-block at byte ``at`` of ``raw`` times ``group`` activation rows (:func:`q4_k_block`'s
+    arguments): ``q`` (0..63) of value ``128*h + 32*j + k`` from bits ``4*(j // 2)`` of ``ql[64*h + 32*(j % 2) +
+    k]`` and bits ``2*j`` of ``qh[32*h + k]``; its scales ``sc[16]`` int8 at byte 192, ``d`` at 208."""
+    if not _literal(group):
+        return None
+    count = group.literal_value
+
+    def codegen(context, builder, signature, args):
+        block = _Block(context, builder, signature.args, args)
+        pmaddubsw = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", V16_I16, V32_I8)
+        pmaddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", V8_I32, V16_I16)
+        dw = block.half(208)
+        scales = builder.sext(block.load(192, V16_I8), V16_I16)
+        halves = [_splats(builder, _pick(builder, scales, list(range(8 * h, 8 * h + 8)))) for h in range(2)]
+
+        def bits(v, shift, mask):
+            return builder.and_(builder.lshr(v, ir.Constant(V32_I8, [shift] * 32)), ir.Constant(V32_I8, [mask] * 32))
+
+        sumi = [ir.Constant(V8_I32, [0] * 8)] * count
+        for h in range(2):
+            qh = block.load(128 + 32 * h, V32_I8)
+            for j in range(4):
+                w = builder.or_(bits(block.load(64 * h + 32 * (j % 2), V32_I8), 4 * (j // 2), 15),
+                                builder.shl(bits(qh, 2 * j, 3), ir.Constant(V32_I8, [4] * 32)))
+                scale = halves[h]([2 * j] * 8 + [2 * j + 1] * 8)
+                for g in range(count):
+                    pairs = builder.call(pmaddubsw, [w, block.values(g, 128 * h + 32 * j)])
+                    sumi[g] = builder.add(sumi[g], builder.call(pmaddwd, [pairs, scale]))
+        for g in range(count):
+            bias = builder.shl(builder.call(pmaddwd, [block.sums(g), scales]), ir.Constant(V8_I32, [5] * 8))
+            total, _ = _totals(builder, builder.sub(sumi[g], bias), bias)
+            _step(builder, args[11], g, [(1, total, dw, block.scale(g))])
+        return context.get_dummy_value()
+
+    return types.void(raw, at, x, x_at, x_stride, xd, d_at, d_stride, bs, bs_at, bs_stride, acc, group), codegen
