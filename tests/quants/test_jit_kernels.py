@@ -190,8 +190,8 @@ def test_long_k_quant_rows_are_their_chunks_added_in_order_bit_for_bit(qtype: QT
     """K-quant rows longer than a chunk (float activations: CHUNK_COLS; 8-bit: WHOLE_COLS) are the float32 sums,
     in order, of the same kernel over each chunk of CHUNK_COLS columns alone (whole rows each), with a partial
     last chunk and a partial last tile of stored rows; one row alone gives the same bits as in a batch.  The
-    kernels against q8_K activations (``int8_k.Q8K``) carry their running sums across the chunks instead: the
-    whole row's ``q8k_act.product``."""
+    kernels against q8_K activations (``int8_k.Q8K``) take the rows whole: the whole row's
+    ``q8k_act.product``."""
     cols = (CHUNK_COLS if activations == "float" else WHOLE_COLS) + CHUNK_COLS + 512
     rows = TILE_ROWS + 5
     raw = random_blocks(qtype, rows, cols, seed=8)

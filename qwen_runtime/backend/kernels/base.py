@@ -206,6 +206,10 @@ PREFETCH_BYTES = 4096
 # F32 rows (4 bytes a weight, four times Q8_0's) lost at 4096: the fp32 decode step was slower at 4096 than at
 # 2048, while the 16-bit and quantized files' steps gained a little.  Figures: docs/performance.md.
 F32_PREFETCH_BYTES = 2048
+# The q8_K row kernels (AVX2 without VNNI: the AMD EPYC machines here) ask for every cache line of the block, and
+# nearer: on those CPUs one request per block at PREFETCH_BYTES left the kernel slower from memory than no request
+# at all, while all the block's lines at 2048 made it the fastest.  Figures: docs/performance.md.
+Q8K_PREFETCH_BYTES = 2048
 
 
 def prefetcher(distance: int):  # -> an intrinsic
@@ -236,6 +240,7 @@ def prefetcher(distance: int):  # -> an intrinsic
 prefetch = prefetcher(PREFETCH_BYTES)  # what every row kernel calls for the block it starts
 prefetch_at = prefetcher(0)  # the element itself (:func:`fetch_row`)
 prefetch_f32 = prefetcher(F32_PREFETCH_BYTES)  # F32 rows' (4 bytes per weight)
+prefetch_q8k = prefetcher(Q8K_PREFETCH_BYTES)  # the q8_K row kernels', once per cache line of a block
 
 
 def rows_fma(context: object, builder: ir.IRBuilder, x_type: types.Array, x: ir.Value, i0: ir.Value, col: ir.Value,

@@ -23,7 +23,8 @@ K-quants do not load these kernels.
 
 On AVX2 without AVX-512 VNNI (:data:`Q8K`) Q4_K and Q6_K take activations quantized per 256 values instead (q8_K,
 :mod:`.q8k_rows`): a super-block sums in int32 with one float step, ``quants.q8k_act.product``'s numbers bit for
-bit, the same as the prompts' lanes, so a row's numbers depend on neither the batch nor the prompt's length.
+bit, the same as the prompts' lanes, so a row's numbers depend on neither the batch nor the prompt's length; their
+rows go whole, each block's every cache line asked for ahead (:func:`q8k_rows`).
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ from .base import (
     F32_2D_C,
     GEMV_ROWS,
     I8_2D,
+    LINE,
     TILE_ROWS,
     U8_2D,
     compiled,
     deposit,
     fetch_row,
     prefetch,
+    prefetch_q8k,
     stack_f32,
     sums_of,
 )
@@ -501,20 +504,22 @@ def q5_k_gemv_q8(raw, xq, xd, xsum, table, out):
 
 
 @inline
-def q8k_group(q4, group, r0, r1, i0, raw, xq, xd, bs, table, out, b0, b1):
-    """``out[i, r]`` = the q8_K product (``quants.q8k_act.product``'s numbers) of Q4_K (``q4``) or Q6_K rows
-    ``r0 <= r < r1`` over their super-blocks ``b0:b1`` for the activation rows ``i0 <= i < i0 + group``
-    (:mod:`.q8k_rows`), starting from the sums the previous chunk of columns left in ``out`` (``b0 > 0``)."""
+def q8k_rows(q4, group, r0, r1, i0, raw, xq, xd, bs, out):
+    """``out[i, r]`` = the q8_K product (``quants.q8k_act.product``'s numbers) of the whole Q4_K (``q4``) or Q6_K
+    rows ``r0 <= r < r1`` for the activation rows ``i0 <= i < i0 + group`` (:mod:`.q8k_rows`), every cache line of
+    a block asked for :data:`.base.Q8K_PREFETCH_BYTES` ahead.  Whole rows, however long: unlike the kernels of
+    32-value blocks, these lost to chunks of columns at every length and batch measured (docs/performance.md)."""
     cols, nb, nbs, row_bytes = xq.shape[1], xd.shape[1], bs.shape[1], raw.shape[1]
     size = Q4_K_BYTES if q4 else Q6_K_BYTES
     accp = stack_f32(GEMV_ROWS)
     acc = carray(accp, (GEMV_ROWS,))
     for r in range(r0, r1):
         for g in range(group):
-            acc[g] = out[i0 + g, r] if b0 else np.float32(0)
-        for b in range(b0, b1):
+            acc[g] = np.float32(0)
+        for b in range(nb):
             at = r * row_bytes + b * size
-            prefetch(raw, at)
+            for line in range(0, size, LINE):
+                prefetch_q8k(raw, at + line)
             x_at, d_at, s_at = i0 * cols + b * QK_K, i0 * nb + b, i0 * nbs + b * K_SUMS
             if q4:
                 q4_k_block(raw, at, xq, x_at, cols, xd, d_at, nb, bs, s_at, nbs, accp, group)
@@ -525,25 +530,25 @@ def q8k_group(q4, group, r0, r1, i0, raw, xq, xd, bs, table, out, b0, b1):
 
 
 @inline
-def q4_k_q8k_group(update, geo, group, r0, r1, i0, raw, xq, xd, bs, table, out, b0, b1):  # noqa: ARG001
-    """:func:`q8k_group` of Q4_K (:func:`chunked`'s protocol)."""
-    q8k_group(True, group, r0, r1, i0, raw, xq, xd, bs, table, out, b0, b1)
+def q4_k_q8k_rows(update, geo, group, r0, r1, i0, raw, xq, xd, bs, table, out):  # noqa: ARG001
+    """:func:`q8k_rows` of Q4_K (:func:`.int8.row_groups`' protocol)."""
+    q8k_rows(True, group, r0, r1, i0, raw, xq, xd, bs, out)
 
 
 @inline
-def q6_k_q8k_group(update, geo, group, r0, r1, i0, raw, xq, xd, bs, table, out, b0, b1):  # noqa: ARG001
-    """:func:`q8k_group` of Q6_K (:func:`chunked`'s protocol)."""
-    q8k_group(False, group, r0, r1, i0, raw, xq, xd, bs, table, out, b0, b1)
+def q6_k_q8k_rows(update, geo, group, r0, r1, i0, raw, xq, xd, bs, table, out):  # noqa: ARG001
+    """:func:`q8k_rows` of Q6_K (:func:`.int8.row_groups`' protocol)."""
+    q8k_rows(False, group, r0, r1, i0, raw, xq, xd, bs, out)
 
 
 if Q8K:  # AVX2 without AVX-512 VNNI
     @compiled(K_GEMV, contract=False)
     def q4_k_gemv_q8k(raw, xq, xd, bs, table, out):
-        row_groups(chunked, q4_k_q8k_group, None, raw, xq, xd, bs, table, out)
+        row_groups(q4_k_q8k_rows, None, None, raw, xq, xd, bs, table, out)
 
     @compiled(K_GEMV, contract=False)
     def q6_k_gemv_q8k(raw, xq, xd, bs, table, out):
-        row_groups(chunked, q6_k_q8k_group, None, raw, xq, xd, bs, table, out)
+        row_groups(q6_k_q8k_rows, None, None, raw, xq, xd, bs, table, out)
 
     @inline
     def q8k_product(gemv, raw, rows, row_bytes, forms, first, n, cols, table, out, out_stride):
@@ -624,7 +629,7 @@ def q3_k_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, t
 
 
 class Q8KRows(Int8Kernel):
-    """A K-quant whose rows take q8_K activations (:func:`q8k_group`): ``q``, ``d`` and the int16 sums per 16
+    """A K-quant whose rows take q8_K activations (:func:`q8k_rows`): ``q``, ``d`` and the int16 sums per 16
     (:func:`.q8_act.quantize_k`), one kernel for any number of rows."""
 
     q8_slots, sums_width = K_SLOTS, 0

@@ -12,9 +12,8 @@ sub-block scales, which also adds the pairs), with one float step per super-bloc
 The numbers are ``quants.q8k_act.product``'s bit for bit, as are the prompts' (:mod:`.lanes`, :mod:`.amx_k`):
 per super-block ``acc = acc + f32(sumi) * (d_w * d_x)`` and for Q4_K ``acc = acc - f32(summ) * (dmin_w * d_x)``,
 each operation rounded (the IR carries no fast-math flags, so nothing is fused), the super-blocks in order.  So a
-row's result depends neither on the other activation rows nor on how many rows the product has.  Rows longer than
-:data:`.int8_k.WHOLE_COLS` go by chunks of columns (:func:`.int8_k.chunked`); each chunk starts from the running
-sums the previous one left in ``out``, so the order stays that of one pass.
+row's result depends neither on the other activation rows nor on how many rows the product has.  The rows go
+whole, however long (:func:`.int8_k.q8k_rows`).
 
 * Q4_K: ``sumi = sum_j sc_j (q_j . x_j)`` over its 8 sub-blocks of 32 (``q`` 0..15; pair sums at most
   ``2 * 15 * 127``), ``summ = sum_j m_j (bsum_2j + bsum_2j+1)`` from the activations' sums per 16 (one
@@ -28,7 +27,7 @@ Activations per row: ``q`` int8 [cols], ``d`` float32 [cols / 256], ``bsums`` in
 
 from __future__ import annotations
 
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -38,12 +37,13 @@ from ...quants.q8k_act import BSUM, QK_K
 from .base import F32, FEATURES, GEMV_ROWS, I32
 
 AVAILABLE = "avx2" in FEATURES
+binding.initialize_native_asmparser()  # numba does not, and LLVM needs it to emit inline assembly
 Q4_K_BYTES, Q6_K_BYTES = Q4_K().type_size, Q6_K().type_size
 SUMS = QK_K // BSUM  # activation sums per super-block
 I8, I16, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
-V32_I8, V16_I8, V8_I8 = ir.VectorType(I8, 32), ir.VectorType(I8, 16), ir.VectorType(I8, 8)
+V32_I8, V16_I8 = ir.VectorType(I8, 32), ir.VectorType(I8, 16)
 V16_I16, V8_I16, V8_I32 = ir.VectorType(I16, 16), ir.VectorType(I16, 8), ir.VectorType(I32, 8)
-V2_I32 = ir.VectorType(I32, 2)
+V4_I32 = ir.VectorType(I32, 4)
 
 
 def _x86(builder: ir.IRBuilder, name: str, result: ir.Type, argument: ir.Type) -> ir.Function:
@@ -125,35 +125,35 @@ def _literal(group) -> bool:
 
 def _splats(builder: ir.IRBuilder, scales: ir.Value) -> callable:
     """For ``<8 x i16>`` scales: a function of a list of 16 indices giving the ``<16 x i16>`` of those scales,
-    each one ``pshufb`` of the scales in both 128-bit halves (8 instructions of shifts and broadcasts otherwise)."""
+    each one ``vpshufb`` of the scales in both 128-bit halves.  The ``vpshufb`` is inline assembly because LLVM
+    rewrites a constant byte shuffle into a shift and a broadcast, two instructions where one does."""
     both = builder.bitcast(_pick(builder, scales, list(range(8)) * 2), V32_I8)
-    pshufb = _x86(builder, "llvm.x86.avx2.pshuf.b", V32_I8, V32_I8)
+    vpshufb = ir.InlineAsm(ir.FunctionType(V32_I8, [V32_I8, V32_I8]), "vpshufb $2, $1, $0", "=x,x,x")
 
     def pick(lanes: list[int]) -> ir.Value:
         mask = ir.Constant(V32_I8, [2 * j + k for j in lanes for k in (0, 1)])
-        return builder.bitcast(builder.call(pshufb, [both, mask]), V16_I16)
+        return builder.bitcast(builder.call(vpshufb, [both, mask]), V16_I16)
 
     return pick
 
 
-def _q4_k_scales(block: _Block) -> tuple[ir.Value, ir.Value]:
-    """The 8 sub-block scales and 8 minimums (6 bits each) of a Q4_K block as ``<8 x i16>`` each, unpacked from
-    the 12 bytes at byte 4 by 32-bit words (``kquants.get_scale_min_k4``'s layout)."""
+def _q4_k_scales(block: _Block) -> ir.Value:
+    """The 8 sub-block scales and the 8 minimums (6 bits each) of a Q4_K block as one ``<16 x i16>`` (scales in
+    lanes 0..7), unpacked from the 12 bytes at byte 4 (``kquants.get_scale_min_k4``'s layout) in one vector: the
+    words ``a0, a1, a2`` give the scales' words ``a0 & 0x3f..`` and ``(a2 & 0x0f..) | ((a0 >> 2) & 0x30..)``, the
+    minimums' the same of ``a1`` and ``a2 >> 4``."""
     builder = block.builder
-    a0, a1, a2 = (block.load(4 * k, I32) for k in (1, 2, 3))
-    low6, low4, two = I32(0x3F3F3F3F), I32(0x0F0F0F0F), I32(0x30303030)
-    sc = [builder.and_(a0, low6),
-          builder.or_(builder.and_(a2, low4), builder.and_(builder.lshr(a0, I32(2)), two))]
-    mins = [builder.and_(a1, low6),
-            builder.or_(builder.and_(builder.lshr(a2, I32(4)), low4), builder.and_(builder.lshr(a1, I32(2)), two))]
+    words = block.load(4, V4_I32)  # a0, a1, a2 and the block's first 4 quant bytes (unused)
 
-    def widen(words):
-        v = ir.Constant(V2_I32, ir.Undefined)
-        for k, w in enumerate(words):
-            v = builder.insert_element(v, w, I32(k))
-        return builder.zext(builder.bitcast(v, V8_I8), V8_I16)
+    def const(value: int) -> ir.Constant:
+        return ir.Constant(V4_I32, [value] * 4)
 
-    return widen(sc), widen(mins)
+    low = builder.and_(words, const(0x3F3F3F3F))  # [sc 0..3, min 0..3, ...]
+    top = builder.and_(builder.lshr(words, const(2)), const(0x30303030))
+    a2 = builder.lshr(_pick(builder, words, [2, 2, 2, 2]), ir.Constant(V4_I32, [0, 4, 0, 4]))
+    high = builder.or_(builder.and_(a2, const(0x0F0F0F0F)), top)  # [sc 4..7, min 4..7, ...]
+    both = builder.bitcast(_pick(builder, low, [0, 4, 1, 5], high), V16_I8)
+    return builder.zext(both, V16_I16)
 
 
 @intrinsic
@@ -171,8 +171,8 @@ def q4_k_block(typingctx, raw, at, x, x_at, x_stride, xd, d_at, d_stride, bs, bs
         pmaddubsw = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", V16_I16, V32_I8)
         pmaddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", V8_I32, V16_I16)
         dw, dm = block.half(0), block.half(2)
-        sc, mins = _q4_k_scales(block)
-        splat = _splats(builder, sc)
+        scales = _q4_k_scales(block)
+        splat = _splats(builder, _pick(builder, scales, list(range(8))))
         fifteen = ir.Constant(V32_I8, [15] * 32)
         sumi = [ir.Constant(V8_I32, [0] * 8)] * count
         for c in range(4):  # 64 values: bytes k hold value 64 c + k (low nibble) and 64 c + 32 + k (high)
@@ -183,7 +183,7 @@ def q4_k_block(typingctx, raw, at, x, x_at, x_stride, xd, d_at, d_stride, bs, bs
                 for g in range(count):
                     pairs = builder.call(pmaddubsw, [w, block.values(g, 64 * c + 32 * h)])
                     sumi[g] = builder.add(sumi[g], builder.call(pmaddwd, [pairs, scale]))
-        twice = _pick(builder, mins, [j // 2 for j in range(16)])
+        twice = _pick(builder, scales, [8 + j // 2 for j in range(16)])
         for g in range(count):
             total, summ = _totals(builder, sumi[g], builder.call(pmaddwd, [block.sums(g), twice]))
             dx = block.scale(g)
