@@ -201,8 +201,9 @@ def bits_to_f32(typingctx, bits):  # noqa: ARG001
 
 # How far ahead of the block being multiplied the row kernels prefetch the stored rows.  Out of cache the loops
 # waited for memory without it; 2048 bytes and more were best for the 8-bit-activation Q8_0 kernel, and the VNNI
-# K-quant kernels, faster per byte, want it further (4096); the float kernels are the same at 2048 and 4096.
-PREFETCH_BYTES = 4096
+# K-quant kernels, faster per byte, want it further (4096); the float kernels are the same at 2048 and 4096.  On
+# the AVX2-only EPYC (:data:`MADDUBS`) 4096 was slower than 2048 for Q8_0 and Q5_0 rows and than none for Q5_K's.
+PREFETCH_BYTES = 2048 if MADDUBS else 4096
 # F32 rows (4 bytes a weight, four times Q8_0's) lost at 4096: the fp32 decode step was slower at 4096 than at
 # 2048, while the 16-bit and quantized files' steps gained a little.  Figures: docs/performance.md.
 F32_PREFETCH_BYTES = 2048

@@ -24,7 +24,7 @@ K-quants do not load these kernels.
 On AVX2 without AVX-512 VNNI (:data:`Q8K`) Q4_K and Q6_K take activations quantized per 256 values instead (q8_K,
 :mod:`.q8k_rows`): a super-block sums in int32 with one float step, ``quants.q8k_act.product``'s numbers bit for
 bit, the same as the prompts' lanes, so a row's numbers depend on neither the batch nor the prompt's length; their
-rows go whole, each block's every cache line asked for ahead (:func:`q8k_rows`).
+rows go whole, each block's every cache line asked for ahead (:func:`q8k_whole_rows`).
 """
 
 from __future__ import annotations
@@ -504,7 +504,7 @@ def q5_k_gemv_q8(raw, xq, xd, xsum, table, out):
 
 
 @inline
-def q8k_rows(q4, group, r0, r1, i0, raw, xq, xd, bs, out):
+def q8k_whole_rows(q4, group, r0, r1, i0, raw, xq, xd, bs, out):
     """``out[i, r]`` = the q8_K product (``quants.q8k_act.product``'s numbers) of the whole Q4_K (``q4``) or Q6_K
     rows ``r0 <= r < r1`` for the activation rows ``i0 <= i < i0 + group`` (:mod:`.q8k_rows`), every cache line of
     a block asked for :data:`.base.Q8K_PREFETCH_BYTES` ahead.  Whole rows, however long: unlike the kernels of
@@ -531,14 +531,14 @@ def q8k_rows(q4, group, r0, r1, i0, raw, xq, xd, bs, out):
 
 @inline
 def q4_k_q8k_rows(update, geo, group, r0, r1, i0, raw, xq, xd, bs, table, out):  # noqa: ARG001
-    """:func:`q8k_rows` of Q4_K (:func:`.int8.row_groups`' protocol)."""
-    q8k_rows(True, group, r0, r1, i0, raw, xq, xd, bs, out)
+    """:func:`q8k_whole_rows` of Q4_K (:func:`.int8.row_groups`' protocol)."""
+    q8k_whole_rows(True, group, r0, r1, i0, raw, xq, xd, bs, out)
 
 
 @inline
 def q6_k_q8k_rows(update, geo, group, r0, r1, i0, raw, xq, xd, bs, table, out):  # noqa: ARG001
-    """:func:`q8k_rows` of Q6_K (:func:`.int8.row_groups`' protocol)."""
-    q8k_rows(False, group, r0, r1, i0, raw, xq, xd, bs, out)
+    """:func:`q8k_whole_rows` of Q6_K (:func:`.int8.row_groups`' protocol)."""
+    q8k_whole_rows(False, group, r0, r1, i0, raw, xq, xd, bs, out)
 
 
 if Q8K:  # AVX2 without AVX-512 VNNI
@@ -629,7 +629,7 @@ def q3_k_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, t
 
 
 class Q8KRows(Int8Kernel):
-    """A K-quant whose rows take q8_K activations (:func:`q8k_rows`): ``q``, ``d`` and the int16 sums per 16
+    """A K-quant whose rows take q8_K activations (:func:`q8k_whole_rows`): ``q``, ``d`` and the int16 sums per 16
     (:func:`.q8_act.quantize_k`), one kernel for any number of rows."""
 
     q8_slots, sums_width = K_SLOTS, 0

@@ -13,7 +13,7 @@ The numbers are ``quants.q8k_act.product``'s bit for bit, as are the prompts' (:
 per super-block ``acc = acc + f32(sumi) * (d_w * d_x)`` and for Q4_K ``acc = acc - f32(summ) * (dmin_w * d_x)``,
 each operation rounded (the IR carries no fast-math flags, so nothing is fused), the super-blocks in order.  So a
 row's result depends neither on the other activation rows nor on how many rows the product has.  The rows go
-whole, however long (:func:`.int8_k.q8k_rows`).
+whole, however long (:func:`.int8_k.q8k_whole_rows`).
 
 * Q4_K: ``sumi = sum_j sc_j (q_j . x_j)`` over its 8 sub-blocks of 32 (``q`` 0..15; pair sums at most
   ``2 * 15 * 127``), ``summ = sum_j m_j (bsum_2j + bsum_2j+1)`` from the activations' sums per 16 (one
@@ -34,7 +34,8 @@ from numba.extending import intrinsic
 
 from ...quants.kquants import Q4_K, Q6_K
 from ...quants.q8k_act import BSUM, QK_K
-from .base import F32, FEATURES, GEMV_ROWS, I32
+from .base import F32, FEATURES, I32
+from .int8 import _literal
 
 AVAILABLE = "avx2" in FEATURES
 binding.initialize_native_asmparser()  # numba does not, and LLVM needs it to emit inline assembly
@@ -80,6 +81,8 @@ class _Block:
     def __init__(self, context, builder: ir.IRBuilder, ty: tuple, args: list) -> None:
         self.context, self.builder, self.ty, self.args = context, builder, ty, args
         self.base = _at(context, builder, ty[0], args[0], args[1], I8)
+        self.pmaddubsw = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", V16_I16, V32_I8)
+        self.pmaddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", V8_I32, V16_I16)
 
     def load(self, offset: int, element: ir.Type) -> ir.Value:
         """``element`` at byte ``offset`` of the block (unaligned)."""
@@ -106,6 +109,15 @@ class _Block:
         """The super-block's 16 activation sums per 16 values (int16) of row ``g``."""
         return self._row(8, g, 0, V16_I16, 2)
 
+    def products(self, sumi: list, w: ir.Value, offset: int, scale: ir.Value) -> None:
+        """``sumi[g] += pmaddwd(pmaddubsw(w, row g's 32 values from ``offset``), scale)`` for every row ``g``:
+        32 unsigned weights ``w`` against the activations, the pairs times their sub-block's ``<16 x i16>``
+        scales."""
+        b = self.builder
+        for g, total in enumerate(sumi):
+            pairs = b.call(self.pmaddubsw, [w, self.values(g, offset)])
+            sumi[g] = b.add(total, b.call(self.pmaddwd, [pairs, scale]))
+
 
 def _step(builder: ir.IRBuilder, acc: ir.Value, g: int, terms: list) -> None:
     """``acc[g]`` through the reference's float step: for each ``(sign, integer, scale_w, scale_x)`` of ``terms``,
@@ -119,8 +131,25 @@ def _step(builder: ir.IRBuilder, acc: ir.Value, g: int, terms: list) -> None:
     builder.store(value, at)
 
 
-def _literal(group) -> bool:
-    return isinstance(group, types.IntegerLiteral) and 1 <= group.literal_value <= GEMV_ROWS
+def _super_block(body: callable):  # -> an intrinsic
+    """The intrinsic ``(raw, at, x, x_at, x_stride, xd, d_at, d_stride, bs, bs_at, bs_stride, acc, group)`` of a
+    stored super-block times ``group`` (a literal) activation rows whose code ``body(builder, block, count, acc)``
+    emits (``block`` a :class:`_Block`); its docstring is the body's."""
+
+    @intrinsic
+    def kernel(typingctx, raw, at, x, x_at, x_stride, xd, d_at, d_stride, bs, bs_at, bs_stride, acc,
+               group):  # noqa: ARG001
+        if not _literal(group):
+            return None
+
+        def codegen(context, builder, signature, args):
+            body(builder, _Block(context, builder, signature.args, args), group.literal_value, args[11])
+            return context.get_dummy_value()
+
+        return types.void(raw, at, x, x_at, x_stride, xd, d_at, d_stride, bs, bs_at, bs_stride, acc, group), codegen
+
+    kernel.__doc__ = body.__doc__
+    return kernel
 
 
 def _splats(builder: ir.IRBuilder, scales: ir.Value) -> callable:
@@ -156,78 +185,48 @@ def _q4_k_scales(block: _Block) -> ir.Value:
     return builder.zext(both, V16_I16)
 
 
-@intrinsic
-def q4_k_block(typingctx, raw, at, x, x_at, x_stride, xd, d_at, d_stride, bs, bs_at, bs_stride, acc,
-               group):  # noqa: ARG001
+@_super_block
+def q4_k_block(builder: ir.IRBuilder, block: _Block, count: int, acc: ir.Value) -> None:
     """The Q4_K super-block at byte ``at`` of ``raw`` times ``group`` activation rows: row ``g``'s 256 int8 values
     at ``x[x_at + g x_stride]``, its scale ``xd[d_at + g d_stride]``, its 16 sums ``bs[bs_at + g bs_stride]``
     (flat indices), its running float32 sum at ``acc[g]`` (the module docstring's step)."""
-    if not _literal(group):
-        return None
-    count = group.literal_value
-
-    def codegen(context, builder, signature, args):
-        block = _Block(context, builder, signature.args, args)
-        pmaddubsw = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", V16_I16, V32_I8)
-        pmaddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", V8_I32, V16_I16)
-        dw, dm = block.half(0), block.half(2)
-        scales = _q4_k_scales(block)
-        splat = _splats(builder, _pick(builder, scales, list(range(8))))
-        fifteen = ir.Constant(V32_I8, [15] * 32)
-        sumi = [ir.Constant(V8_I32, [0] * 8)] * count
-        for c in range(4):  # 64 values: bytes k hold value 64 c + k (low nibble) and 64 c + 32 + k (high)
-            q = block.load(16 + 32 * c, V32_I8)
-            halves = (builder.and_(q, fifteen), builder.and_(builder.lshr(q, ir.Constant(V32_I8, [4] * 32)), fifteen))
-            for h, w in enumerate(halves):
-                scale = splat([2 * c + h] * 16)
-                for g in range(count):
-                    pairs = builder.call(pmaddubsw, [w, block.values(g, 64 * c + 32 * h)])
-                    sumi[g] = builder.add(sumi[g], builder.call(pmaddwd, [pairs, scale]))
-        twice = _pick(builder, scales, [8 + j // 2 for j in range(16)])
-        for g in range(count):
-            total, summ = _totals(builder, sumi[g], builder.call(pmaddwd, [block.sums(g), twice]))
-            dx = block.scale(g)
-            _step(builder, args[11], g, [(1, total, dw, dx), (-1, summ, dm, dx)])
-        return context.get_dummy_value()
-
-    return types.void(raw, at, x, x_at, x_stride, xd, d_at, d_stride, bs, bs_at, bs_stride, acc, group), codegen
+    dw, dm = block.half(0), block.half(2)
+    scales = _q4_k_scales(block)
+    splat = _splats(builder, _pick(builder, scales, list(range(8))))
+    fifteen = ir.Constant(V32_I8, [15] * 32)
+    sumi = [ir.Constant(V8_I32, [0] * 8)] * count
+    for c in range(4):  # 64 values: bytes k hold value 64 c + k (low nibble) and 64 c + 32 + k (high)
+        q = block.load(16 + 32 * c, V32_I8)
+        halves = (builder.and_(q, fifteen), builder.and_(builder.lshr(q, ir.Constant(V32_I8, [4] * 32)), fifteen))
+        for h, w in enumerate(halves):
+            block.products(sumi, w, 64 * c + 32 * h, splat([2 * c + h] * 16))
+    twice = _pick(builder, scales, [8 + j // 2 for j in range(16)])
+    for g in range(count):
+        total, summ = _totals(builder, sumi[g], builder.call(block.pmaddwd, [block.sums(g), twice]))
+        dx = block.scale(g)
+        _step(builder, acc, g, [(1, total, dw, dx), (-1, summ, dm, dx)])
 
 
-@intrinsic
-def q6_k_block(typingctx, raw, at, x, x_at, x_stride, xd, d_at, d_stride, bs, bs_at, bs_stride, acc,
-               group):  # noqa: ARG001
+@_super_block
+def q6_k_block(builder: ir.IRBuilder, block: _Block, count: int, acc: ir.Value) -> None:
     """The Q6_K super-block at byte ``at`` of ``raw`` times ``group`` activation rows (:func:`q4_k_block`'s
     arguments): ``q`` (0..63) of value ``128*h + 32*j + k`` from bits ``4*(j // 2)`` of ``ql[64*h + 32*(j % 2) +
     k]`` and bits ``2*j`` of ``qh[32*h + k]``; its scales ``sc[16]`` int8 at byte 192, ``d`` at 208."""
-    if not _literal(group):
-        return None
-    count = group.literal_value
+    dw = block.half(208)
+    scales = builder.sext(block.load(192, V16_I8), V16_I16)
+    halves = [_splats(builder, _pick(builder, scales, list(range(8 * h, 8 * h + 8)))) for h in range(2)]
 
-    def codegen(context, builder, signature, args):
-        block = _Block(context, builder, signature.args, args)
-        pmaddubsw = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", V16_I16, V32_I8)
-        pmaddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", V8_I32, V16_I16)
-        dw = block.half(208)
-        scales = builder.sext(block.load(192, V16_I8), V16_I16)
-        halves = [_splats(builder, _pick(builder, scales, list(range(8 * h, 8 * h + 8)))) for h in range(2)]
+    def bits(v, shift, mask):
+        return builder.and_(builder.lshr(v, ir.Constant(V32_I8, [shift] * 32)), ir.Constant(V32_I8, [mask] * 32))
 
-        def bits(v, shift, mask):
-            return builder.and_(builder.lshr(v, ir.Constant(V32_I8, [shift] * 32)), ir.Constant(V32_I8, [mask] * 32))
-
-        sumi = [ir.Constant(V8_I32, [0] * 8)] * count
-        for h in range(2):
-            qh = block.load(128 + 32 * h, V32_I8)
-            for j in range(4):
-                w = builder.or_(bits(block.load(64 * h + 32 * (j % 2), V32_I8), 4 * (j // 2), 15),
-                                builder.shl(bits(qh, 2 * j, 3), ir.Constant(V32_I8, [4] * 32)))
-                scale = halves[h]([2 * j] * 8 + [2 * j + 1] * 8)
-                for g in range(count):
-                    pairs = builder.call(pmaddubsw, [w, block.values(g, 128 * h + 32 * j)])
-                    sumi[g] = builder.add(sumi[g], builder.call(pmaddwd, [pairs, scale]))
-        for g in range(count):
-            bias = builder.shl(builder.call(pmaddwd, [block.sums(g), scales]), ir.Constant(V8_I32, [5] * 8))
-            total, _ = _totals(builder, builder.sub(sumi[g], bias), bias)
-            _step(builder, args[11], g, [(1, total, dw, block.scale(g))])
-        return context.get_dummy_value()
-
-    return types.void(raw, at, x, x_at, x_stride, xd, d_at, d_stride, bs, bs_at, bs_stride, acc, group), codegen
+    sumi = [ir.Constant(V8_I32, [0] * 8)] * count
+    for h in range(2):
+        qh = block.load(128 + 32 * h, V32_I8)
+        for j in range(4):
+            w = builder.or_(bits(block.load(64 * h + 32 * (j % 2), V32_I8), 4 * (j // 2), 15),
+                            builder.shl(bits(qh, 2 * j, 3), ir.Constant(V32_I8, [4] * 32)))
+            block.products(sumi, w, 128 * h + 32 * j, halves[h]([2 * j] * 8 + [2 * j + 1] * 8))
+    for g in range(count):
+        bias = builder.shl(builder.call(block.pmaddwd, [block.sums(g), scales]), ir.Constant(V8_I32, [5] * 8))
+        total, _ = _totals(builder, builder.sub(sumi[g], bias), bias)
+        _step(builder, acc, g, [(1, total, dw, block.scale(g))])
