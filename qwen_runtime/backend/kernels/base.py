@@ -244,6 +244,7 @@ prefetch_f32 = prefetcher(F32_PREFETCH_BYTES)  # F32 rows' (4 bytes per weight)
 prefetch_q8k = prefetcher(Q8K_PREFETCH_BYTES)  # the q8_K row kernels', once per cache line of a block
 
 
+
 def rows_fma(context: object, builder: ir.IRBuilder, x_type: types.Array, x: ir.Value, i0: ir.Value, col: ir.Value,
              rows: int, acc: ir.Value, w: list) -> None:
     """LLVM IR of ``acc[i, k] = fma(w[k], x[i0 + i, col + k], acc[i, k])`` for ``i < rows`` and the 32 lanes ``k``:
@@ -372,6 +373,15 @@ def pair_rows(raw, r, stored):
     """The stored rows of a group (:func:`gemv1_rows`): row ``r`` and, if ``stored == 2``, row ``r + 1`` (row ``r``
     again when ``r`` is the last row, whose second result is then not deposited: :func:`stored_row`)."""
     return raw[r], raw[min(r + stored - 1, raw.shape[0] - 1)]
+
+
+@inline
+def prefetch_block(blk, size):
+    """Ask for the ``size`` bytes of a K-quant block ``blk`` :data:`PREFETCH_BYTES` ahead: every cache line of it
+    on CPUs with AVX2 but not AVX-512BW (:data:`MADDUBS`), where one request per block left the loops waiting for
+    memory, its first byte elsewhere (as measured on the AVX-512 machines)."""
+    for line in range(0, size if MADDUBS else 1, LINE):
+        prefetch(blk, line)
 
 
 @inline

@@ -52,6 +52,7 @@ from .base import (
     deposit,
     fetch_row,
     prefetch,
+    prefetch_block,
     prefetch_q8k,
     stack_f32,
     sums_of,
@@ -158,7 +159,7 @@ def q4_k_group(update, size, group, r0, r1, i0, raw, xq, xd, xsum, table, out, b
         mins[:8 * group] = 0
         for b in range(b0, b1):
             blk = raw[r, b * size: b * size + size]
-            prefetch(blk, 0)
+            prefetch_block(blk, size)
             k45_scales(blk, table, dsp, dmp)
             minimums_fma(dmp, xsum, i0 * nd + b * 8, nd, minp, group)
             for j in range(8):
@@ -184,7 +185,7 @@ def q6_k_group(update, geo, group, r0, r1, i0, raw, xq, xd, xsum, table, out, b0
         for b in range(b0, b1):
             o = b * Q6_K_BYTES
             blk = raw[r, o: o + Q6_K_BYTES]
-            prefetch(blk, 0)
+            prefetch_block(blk, Q6_K_BYTES)
             group_q6_block_fma(blk, xq, i0 * cols + b * 256, cols, xd, i0 * nd + b * 8, nd, part, group)
             lanes_fold(part, acc, table[np.int64(blk[208]) | (np.int64(blk[209]) << 8)], group)
         lanes_sums(acc, group, sums)
@@ -211,7 +212,7 @@ def k23_group(update, q3, group, r0, r1, i0, raw, xq, xd, xsum, table, out, b0, 
             mins[g] = 0
         for b in range(b0, b1):
             blk = raw[r, b * size: b * size + size]
-            prefetch(blk, 0)
+            prefetch_block(blk, size)
             d, dmin = k23_d(blk, table, q3)
             for h in range(2):
                 for s in range(4):
