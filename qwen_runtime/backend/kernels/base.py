@@ -244,7 +244,6 @@ prefetch_f32 = prefetcher(F32_PREFETCH_BYTES)  # F32 rows' (4 bytes per weight)
 prefetch_q8k = prefetcher(Q8K_PREFETCH_BYTES)  # the q8_K row kernels', once per cache line of a block
 
 
-
 def rows_fma(context: object, builder: ir.IRBuilder, x_type: types.Array, x: ir.Value, i0: ir.Value, col: ir.Value,
              rows: int, acc: ir.Value, w: list) -> None:
     """LLVM IR of ``acc[i, k] = fma(w[k], x[i0 + i, col + k], acc[i, k])`` for ``i < rows`` and the 32 lanes ``k``:

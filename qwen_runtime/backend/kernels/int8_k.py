@@ -102,9 +102,7 @@ from .kquants import (
 )
 from .q8_act import (
     B32,
-    KB,
-    KD,
-    KQ,
+    K_SLOTS,
     D,
     Q,
     form_arrays,
@@ -122,7 +120,6 @@ Q2_K_BYTES, Q3_K_BYTES = Q2_K().type_size, Q3_K().type_size
 # Q4_K and Q6_K against q8_K activations (:mod:`.q8k_rows`) on AVX2 without AVX-512 VNNI, whose per-32 kernels
 # spend as much on float steps as on products; with VNNI the 64-value ``vpdpbusd`` kernels below.
 Q8K = Q8K_AVAILABLE and not VNNI
-K_SLOTS = slots(KQ, KD, KB)
 K_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, I16_2D, F32_1D, F32_2D)  # q8_K values, scales, sums per 16
 
 # The same scale unpacking inlined into the loops (a call per block kept the lanes in memory across it).

@@ -52,10 +52,7 @@ def slots(*names: int) -> int:
     return sum(1 << s for s in set(names))
 
 
-@inline
-def slots_k():
-    """The bit mask of the q8_K slots."""
-    return (1 << KQ) | (1 << KD) | (1 << KB)
+K_SLOTS = slots(KQ, KD, KB)  # the q8_K slots' mask
 
 
 @compiled(types.void(F32_2D_C, I8_2D_W, F32_2D_C), contract=False)
@@ -148,11 +145,11 @@ def prepare_forms(x, mask, forms):
     """Fill the slots in ``mask`` of the forms table at address ``forms`` for the input ``x`` [N, cols]: the
     per-32 ones (and Q, D, from which they come) where it names any, the q8_K ones where it names any."""
     n, cols = x.shape
-    if mask & slots_k():
+    if mask & K_SLOTS:
         kq, kd, kb = k_form_arrays(forms, 0, n, cols)
         quantize_k_rows(x, x.view(np.int32), kq, kd)
         sums16(kq, kb)
-    if not mask & ~slots_k():
+    if not mask & ~K_SLOTS:
         return
     q, xu, q16, d, d8, b32 = form_arrays(forms, 0, n, cols)
     quantize_rows(x, q, d)
