@@ -227,13 +227,14 @@ def test_logprobs_of_chat_and_completions(server: RunningServer) -> None:
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(t) <= 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
     # streamed: text_offset goes on across chunks, and include_usage puts "usage": null in every chunk but the last
+    # (greedy throughout: a sampled reply may end at the end-of-text token before max_tokens)
     streamed = list(client.completions.create(model="qwen3-tiny", prompt="import numpy", max_tokens=4, logprobs=2,
                                               stream=True, stream_options={"include_usage": True}, **GREEDY))
     offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
     assert offsets == lp.text_offset
     for path, body in (("completions", {"prompt": "import numpy"}),
                        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
-        status, _, raw = http("POST", f"{server.url}/v1/{path}", {**body, "max_tokens": 3, "stream": True,
+        status, _, raw = http("POST", f"{server.url}/v1/{path}", {**body, **GREEDY, "max_tokens": 3, "stream": True,
                                                                    "stream_options": {"include_usage": True}})
         events = [json.loads(line[6:]) for line in raw.decode().split("\n\n") if line.startswith("data: {")]
         assert status == 200 and all("usage" in e and e["usage"] is None for e in events[:-1])
