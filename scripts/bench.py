@@ -85,8 +85,10 @@ class Plan:
     context: int = 2048
     context_new: int = 32
     prefills: tuple[int, ...] = ()  # prompt lengths measured for prefill alone, ours and llama.cpp back to back
+    context_caches: tuple[str, ...] = ()  # KV cache types of both engines' long prompt, beside their defaults
 
 
+LONG_CONTEXT = 16384  # prompts from this length are judged by issue #44's long-context targets
 QUICK = Plan(prompt=64, new=32, batch=8, batch_new=8, context=512, context_new=8)
 
 
@@ -208,9 +210,10 @@ def two_step_llama(script: Path, src: Path, out: Path, dtype: str, env: dict[str
 # ------------------------------------------------------------------------------------------- measurements
 
 def measure(engine: str, gguf: Path, prompt: int, new: int, batch: int, env: dict[str, str],
-            threads: int, kernels: str = "numba") -> dict[str, float]:
+            threads: int, kernels: str = "numba", cache_type: str | None = None) -> dict[str, float]:
     cmd = [sys.executable, str(WORKER), engine, str(gguf), "--prompt", str(prompt), "--new", str(new),
-           "--batch", str(batch), "--threads", str(threads), "--kernels", kernels]
+           "--batch", str(batch), "--threads", str(threads), "--kernels", kernels,
+           *(("--cache-type", cache_type) if cache_type else ())]
     sample = json.loads(run_measured(cmd, env)[2].strip().splitlines()[-1])
     sample["loadavg_1min"] = os.getloadavg()[0]  # the machine's load while it ran (shared machines)
     return sample
@@ -222,26 +225,33 @@ def runtime_round(gguf: Path, plan: Plan, llama: bool, peer: bool, env: dict[str
     """One repetition of every runtime measurement of one file, ours, the numpy peer and llama.cpp interleaved.
 
     Keys: ``ours``/``numpy``/``llama`` (prompt + decode), ``ours_batch`` (``plan.batch`` rows), ``*_context``
-    (long prompt), all of ours with ``kernels[0]``; ``ours_<k>`` (prompt + decode) for each other kernel ``k``.
+    (long prompt, each engine's default cache) and ``*_context_<type>`` (both on that KV cache type), all of ours
+    with ``kernels[0]``; ``ours_<k>`` (prompt + decode) for each other kernel ``k``.
     """
     main_kernels = kernels[0]
     jobs = {"ours": ("ours", plan.prompt, plan.new, 1), "numpy": ("numpy", plan.prompt, plan.new, 1),
             "llama": ("llama", plan.prompt, plan.new, 1),
-            "ours_batch": ("ours", plan.prompt, plan.batch_new, plan.batch),
-            "ours_context": ("ours", plan.context, plan.context_new, 1),
-            "llama_context": ("llama", plan.context, plan.context_new, 1)}
+            "ours_batch": ("ours", plan.prompt, plan.batch_new, plan.batch)}
+    for cache in (None, *plan.context_caches):
+        jobs.update({context_key(engine, cache): (engine, plan.context, plan.context_new, 1, cache)
+                     for engine in ("ours", "llama")})
     for length in plan.prefills:
         jobs.update({prefill_key("ours", length): ("ours", length, 1, 1),
                      prefill_key("llama", length): ("llama", length, 1, 1)})
     results = {}
-    for name, (engine, prompt, new, batch) in jobs.items():
-        if (name == "ours_batch" and not with_batch) or (name.endswith("_context") and not with_context):
+    for name, (engine, prompt, new, batch, *cache) in jobs.items():
+        if (name == "ours_batch" and not with_batch) or ("_context" in name and not with_context):
             continue
         if engine == "ours" or (engine == "llama" and llama) or (engine == "numpy" and peer):
-            results[name] = measure(engine, gguf, prompt, new, batch, env, threads, main_kernels)
+            results[name] = measure(engine, gguf, prompt, new, batch, env, threads, main_kernels, *cache)
     for other in kernels[1:]:
         results[f"ours_{other}"] = measure("ours", gguf, plan.prompt, plan.new, 1, env, threads, other)
     return results
+
+
+def context_key(engine: str, cache: str | None) -> str:
+    """The measurement name of ``engine``'s long prompt on KV cache type ``cache`` (None: the engine's default)."""
+    return f"{engine}_context" + (f"_{cache}" if cache else "")
 
 
 def jit_startup(env: dict[str, str], cache_dir: Path, pairs: int = 5) -> dict[str, Any]:
@@ -407,6 +417,45 @@ def runtime_table(summary: dict, plan: Plan, kernels: Sequence[str] = ("numba",)
     rows = [runtime_row(model, dtype, m, others, read_gbps) for model, dtypes in summary.items()
             for dtype, m in dtypes.items()]
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows]
+
+
+def context_table(summary: dict, plan: Plan) -> list[str]:
+    """The long prompt per KV cache (each engine's default, then both on each of ``plan.context_caches``): prefill,
+    decode after it and peak RSS, ours / llama.cpp (one line per model, type and cache)."""
+    rows = []
+    for model, dtypes in summary.items():
+        for dtype, m in dtypes.items():
+            for cache in (None, *plan.context_caches):
+                ours, llama = m.get(context_key("ours", cache), {}), m.get(context_key("llama", cache), {})
+                if ours or llama:
+                    rows.append(f"| {model} | {dtype} | {cache or 'defaults (f16 / f16)'} | "
+                                f"{pair(ours, llama, 'prefill_tps')} | {pair(ours, llama, 'ttft_s', 1, False)} | "
+                                f"{pair(ours, llama, 'decode_tps')} | {pair(ours, llama, 'VmHWM', 0)} | "
+                                f"{pair(ours, llama, 'RssAnon', 0, False)} |")
+    if not rows:
+        return []
+    head = ["model", "type", "KV cache", f"prefill({plan.context}) tok/s ours / llama (×)", "TTFT s ours / llama",
+            f"decode({plan.context_new}) @{plan.context} tok/s ours / llama (×)", "peak RSS MiB ours / llama (×)",
+            "anon MiB ours / llama"]
+    return [f"Long prompt, {plan.context} tokens:", "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *rows, ""]
+
+
+def context_targets(runs: dict, plan: Plan) -> list[Target]:
+    """Issue #44's long-context targets for one model, per KV cache: decode and prefill >= 0.9x llama.cpp's at the
+    same context, peak RSS <= llama.cpp's."""
+    out = []
+    for dtype, m in runs.items():
+        for cache in (None, *plan.context_caches):
+            ours, llama = m.get(context_key("ours", cache), {}), m.get(context_key("llama", cache), {})
+            where = f"{dtype} @{plan.context}, {cache or 'default'} cache"
+            out += [Target(f"{where}: decode / llama", ratio(ours.get("decode_tps", NAN),
+                                                             llama.get("decode_tps", NAN)), 0.9),
+                    Target(f"{where}: prefill / llama", ratio(ours.get("prefill_tps", NAN),
+                                                              llama.get("prefill_tps", NAN)), 0.9),
+                    Target(f"{where}: peak RSS / llama", ratio(ours.get("VmHWM", NAN), llama.get("VmHWM", NAN)),
+                           -1.0)]
+    return out
 
 
 def jit_lines(jit: dict[str, Any]) -> list[str]:
@@ -639,6 +688,8 @@ def configure_parser() -> argparse.ArgumentParser:
                    help="second and later models: the single-stream prompt + decode only (no batch, no long prompt)")
     p.add_argument("--batch-dtypes", help="dtypes with the batched measurement (default: all)")
     p.add_argument("--context-dtypes", help="dtypes with the long-prompt measurement (default: all)")
+    p.add_argument("--context-caches", help="comma list of KV cache types (f32, f16, bf16, q8_0, q4_0) both engines "
+                   "also run the long prompt on, beside their defaults, e.g. q8_0")
     p.add_argument("--conversion-repeat", type=int, default=None,
                    help="repetitions of every conversion (default: --repeat; the GGUF is always written once)")
     p.add_argument("--threads", type=int, default=2, help="threads of both runtimes")
@@ -720,13 +771,14 @@ def report(results: dict[str, Any], plan: Plan) -> list[str]:
              f"({results.get('conversion_repeat', results['repeat'])} of each conversion)", "",
              *(runtime_table(runs, plan, results.get("kernels", ["numba"]),
                              results.get("read", {}).get("read_gbps", NAN)) + [""] if any(runs.values()) else []),
-             *paired_lines(results["paired"]),
+             *context_table(runs, plan), *paired_lines(results["paired"]),
              *prefill_lines(runs, results["paired_prefill"], plan.prefills, results["configs"], results.get("peak")),
              *jit_lines(results.get("jit", {})), *conversion_table(conv), ""]
     read_gbps = results.get("read", {}).get("read_gbps", NAN)
     for model in dict.fromkeys([*runs, *conv]):  # a NaN target was not measured (--quick, --dtypes, --no-llama)
         found = [t for t in targets(runs.get(model, {}), conv.get(model, {}), results["configs"][model], plan,
                                     read_gbps) + prefill_targets(results["paired_prefill"].get(model, {}))
+                 + (context_targets(runs.get(model, {}), plan) if plan.context >= LONG_CONTEXT else [])
                  if t.value == t.value]
         results.setdefault("targets", {})[model] = [{"name": t.name, "value": t.value, "goal": t.goal, "met": t.met}
                                                      for t in found]
@@ -737,13 +789,15 @@ def report(results: dict[str, Any], plan: Plan) -> list[str]:
 def plan_of(results: dict[str, Any]) -> Plan:
     """The plan of a results file (JSON keeps ``prefills`` as a list; older files have none)."""
     saved = results["plan"]
-    return Plan(**{**saved, "prefills": tuple(saved.get("prefills", ()))})
+    return Plan(**{**saved, "prefills": tuple(saved.get("prefills", ())),
+                   "context_caches": tuple(saved.get("context_caches", ()))})
 
 
 def run(args: argparse.Namespace) -> None:
     plan = QUICK if args.quick else Plan()
     given = (("new", args.new), ("context_new", args.context_new), ("context", args.context),
-             ("prefills", tuple(int(n) for n in args.prefills.split(",")) if args.prefills else None))
+             ("prefills", tuple(int(n) for n in args.prefills.split(",")) if args.prefills else None),
+             ("context_caches", tuple(args.context_caches.split(",")) if args.context_caches else None))
     plan = Plan(**{**plan.__dict__, **{k: v for k, v in given if v is not None}})
     names = args.models.split(",") if args.models else list(MODELS)[:1] if args.quick else list(MODELS)
     dtypes = args.dtypes.split(",") if args.dtypes else ["q8_0"] if args.quick else list(DTYPES)

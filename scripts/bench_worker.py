@@ -1,6 +1,7 @@
 """One benchmark measurement in a fresh process; prints one JSON object on stdout's last line.
 
     python scripts/bench_worker.py ENGINE MODEL_FILE --prompt N --new N [--batch B] [--threads 2] [--kernels K]
+                                  [--cache-type T]
     python scripts/bench_worker.py jit -          import numba and every compiled-kernel module, timed
     python scripts/bench_worker.py start FILE     load FILE (--kernels K) and generate one token: CPU seconds
     python scripts/bench_worker.py floor -        numba alone: import it and call one cached function, CPU seconds
@@ -13,6 +14,13 @@ to first token, prefill tokens/s and (aggregate) decode tokens/s.  Prompts are s
 (the same for both engines) and decoding never stops early, so both engines do exactly the same work.
 Memory comes from /proc/self/status after the last token, while the model is still loaded: VmHWM (peak RSS),
 RssAnon and RssFile.
+
+Each engine runs on its own defaults unless ``--cache-type`` names the KV cache type of keys and values for both
+(f32, f16, bf16, q8_0, q4_0: ours ``load(cache_type_k=, cache_type_v=)``, llama.cpp's ``-ctk/-ctv``).  llama.cpp
+runs with flash attention on: its library's default (``LLAMA_FLASH_ATTN_TYPE_AUTO``, which llama-cli and
+llama-server keep) turns it on for the CPU, and it is required for a quantized V cache; llama-cpp-python's
+``Llama(flash_attn=False)`` default would turn it off and leave llama.cpp's long-context attention slower than its
+users see it.
 """
 
 from __future__ import annotations
@@ -56,12 +64,14 @@ def weight_bytes_per_token(model: qwen_runtime.Model) -> int:
     return sum(n for name, n in matrices.items() if tied or name != "token_embd.weight")
 
 
-def run_ours(path: str, batch: int, prompt: int, new: int, threads: int, kernels: str) -> dict[str, float]:
+def run_ours(path: str, batch: int, prompt: int, new: int, threads: int, kernels: str,
+             cache_type: str | None = None) -> dict[str, float]:
     import qwen_runtime
 
     t0 = time.perf_counter()
     name, _, activations = kernels.partition("-")  # numba-q8: compiled kernels with 8-bit activations
-    model = qwen_runtime.load(path, threads=threads, kernels=name, activations=activations or "auto")
+    caches = {} if cache_type is None else {"cache_type_k": cache_type, "cache_type_v": cache_type}
+    model = qwen_runtime.load(path, threads=threads, kernels=name, activations=activations or "auto", **caches)
     loaded = time.perf_counter()
     gen = qwen_runtime.stream(model, prompts(batch, prompt), max_new_tokens=new, use_tokenizer=False)
     next(iter(gen))
@@ -148,14 +158,19 @@ def run_numpy(path: str, batch: int, prompt: int, new: int) -> dict[str, float]:
     return {**numpy_peer.run(path, prompts(1, prompt)[0], new), **memory_mib()}
 
 
-def run_llama(path: str, batch: int, prompt: int, new: int, threads: int) -> dict[str, float]:
+def run_llama(path: str, batch: int, prompt: int, new: int, threads: int,
+              cache_type: str | None = None) -> dict[str, float]:
+    import gguf
     import llama_cpp
 
     if batch != 1:
         raise SystemExit("llama: only single-stream measurements")
+    caches = {} if cache_type is None else {
+        "type_k": int(gguf.GGMLQuantizationType[cache_type.upper()]),
+        "type_v": int(gguf.GGMLQuantizationType[cache_type.upper()])}
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(path, n_ctx=prompt + new, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                          verbose=False)
+                          flash_attn=True, verbose=False, **caches)
     loaded = time.perf_counter()
     n_vocab = llm.n_vocab()
     ids = prompts(1, prompt)[0]
@@ -187,6 +202,8 @@ def main() -> None:
                    choices=("numba", "numba-float", "numba-q8-prompts", "numba-q8", "numpy"),
                    help="ours: the kernels to use, with the command lines' default activations (auto), or numba-X: "
                    "load(..., activations=X)")
+    p.add_argument("--cache-type", choices=("f32", "f16", "bf16", "q8_0", "q4_0"),
+                   help="ours and llama: the KV cache type of keys and values (default: each engine's own)")
     args = p.parse_args()
     if args.engine == "jit":
         result = run_jit()
@@ -197,11 +214,11 @@ def main() -> None:
     elif args.engine == "read":
         result = run_read(args.model, args.threads)
     elif args.engine == "ours":
-        result = run_ours(args.model, args.batch, args.prompt, args.new, args.threads, args.kernels)
+        result = run_ours(args.model, args.batch, args.prompt, args.new, args.threads, args.kernels, args.cache_type)
     elif args.engine == "numpy":
         result = run_numpy(args.model, args.batch, args.prompt, args.new)
     else:
-        result = run_llama(args.model, args.batch, args.prompt, args.new, args.threads)
+        result = run_llama(args.model, args.batch, args.prompt, args.new, args.threads, args.cache_type)
     sys.stdout.write(json.dumps(result) + "\n")
 
 

@@ -79,3 +79,28 @@ def test_prefill_share_of_the_int8_peak() -> None:
     assert f"(2.00, 2.00-2.00; {share:.0%} of the avx2 int8 peak)" in lines[2]
     assert lines[-2].startswith("Machine peak, one thread: 0.100 T int8")
     assert "of the" not in bench.prefill_lines(runs, paired, [512])[2]
+
+
+def test_long_prompts_per_kv_cache_are_tabled_and_held_to_issue_44s_targets() -> None:
+    plan = bench.Plan(context=16384, context_new=32, context_caches=("q8_0",))
+    m = {bench.context_key("ours", None): {"prefill_tps": 90.0, "decode_tps": 18.0, "VmHWM": 900.0, "ttft_s": 180.0,
+                                          "RssAnon": 150.0},
+         bench.context_key("llama", None): {"prefill_tps": 100.0, "decode_tps": 20.0, "VmHWM": 1000.0,
+                                           "ttft_s": 160.0, "RssAnon": 600.0},
+         bench.context_key("ours", "q8_0"): {"prefill_tps": 80.0, "decode_tps": 15.0, "VmHWM": 1100.0},
+         bench.context_key("llama", "q8_0"): {"prefill_tps": 100.0, "decode_tps": 20.0, "VmHWM": 1000.0}}
+    assert list(m) == ["ours_context", "llama_context", "ours_context_q8_0", "llama_context_q8_0"]
+    table = bench.context_table({"m": {"q8_0": m}}, plan)
+    assert table[0] == "Long prompt, 16384 tokens:"
+    assert table[3] == ("| m | q8_0 | defaults (f16 / f16) | 90.0 / 100.0 (0.90) | 180.0 / 160.0 | 18.0 / 20.0 (0.90) "
+                        "| 900 / 1000 (0.90) | 150 / 600 |")
+    assert table[4].startswith("| m | q8_0 | q8_0 | 80.0 / 100.0 (0.80) |")
+    found = {t.name: t.met for t in bench.context_targets({"q8_0": m}, plan)}
+    assert found == {"q8_0 @16384, default cache: decode / llama": True,
+                     "q8_0 @16384, default cache: prefill / llama": True,
+                     "q8_0 @16384, default cache: peak RSS / llama": True,
+                     "q8_0 @16384, q8_0 cache: decode / llama": False,
+                     "q8_0 @16384, q8_0 cache: prefill / llama": False,
+                     "q8_0 @16384, q8_0 cache: peak RSS / llama": False}
+    assert bench.plan_of({"plan": {**plan.__dict__, "context_caches": ["q8_0"]}}).context_caches == ("q8_0",)
+    assert bench.context_table({"m": {"q8_0": {}}}, plan) == []
