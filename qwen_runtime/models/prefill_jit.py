@@ -249,38 +249,40 @@ def fold_block(st: np.ndarray, n: int, s0: int, own: np.ndarray, valid: np.ndarr
     st [BLOCK + KEYS, STRIP]; own int [STRIP]; valid bool [S]; top/weight [STRIP]; ot [hd', STRIP]
 
     The per-row values live on the stack (:func:`~..backend.kernels.base.stack_f32`) so that LLVM knows they share
-    no memory with the scores and vectorises the loops over the strip's lanes.
+    no memory with the scores and vectorises the loops over the strip's lanes.  The loops run over the constant
+    :data:`STRIP`: LLVM then turns each into whole vectors with its constants in registers, where a run-time count
+    made it enter a vector loop of two iterations, with alias checks and its constants reloaded, once per slot
+    (docs/performance.md).
     """
-    lanes = st.shape[1]  # STRIP, as a run-time count: LLVM vectorises these loops rather than unrolling them
     if masked:  # a slot is seen by the rows up to whose own slot it comes, if real (a row always sees its own)
         for s in range(n):
             slot, real = s0 + s, valid[s0 + s]
-            for k in range(lanes):
+            for k in range(STRIP):
                 if not (slot <= own[k] and (real or slot == own[k])):
                     st[s, k] = MASKED
     rows = carray(stack_f32(ROW_FLOATS), (3, STRIP))
     best, alpha, sums = rows[0], rows[1], rows[2]
-    for k in range(lanes):
+    for k in range(STRIP):
         best[k] = top[k]
         sums[k] = ZERO
     for s in range(n):
-        for k in range(lanes):
+        for k in range(STRIP):
             best[k] = max(best[k], st[s, k])
-    for k in range(lanes):
+    for k in range(STRIP):
         alpha[k] = ZERO if top[k] == MASKED else exp32(top[k] - best[k])  # exactly 1 when the top stays
         top[k] = best[k]
     for s in range(n):
-        for k in range(lanes):
+        for k in range(STRIP):
             p = ZERO if st[s, k] == MASKED else exp32(st[s, k] - best[k])
             st[s, k] = p
             sums[k] += p
     moved = False
-    for k in range(lanes):
+    for k in range(STRIP):
         weight[k] = weight[k] * alpha[k] + sums[k]
         moved |= alpha[k] != ONE
     if moved:  # (most blocks of a long context leave every row's maximum where it was)
         for i in range(ot.shape[0]):
-            for k in range(lanes):
+            for k in range(STRIP):
                 ot[i, k] *= alpha[k]
 
 
