@@ -250,9 +250,8 @@ def fold_block(st: np.ndarray, n: int, s0: int, own: np.ndarray, valid: np.ndarr
 
     The per-row values live on the stack (:func:`~..backend.kernels.base.stack_f32`) so that LLVM knows they share
     no memory with the scores and vectorises the loops over the strip's lanes.  The loops run over the constant
-    :data:`STRIP`: LLVM then turns each into whole vectors with its constants in registers, where a run-time count
-    made it enter a vector loop of two iterations, with alias checks and its constants reloaded, once per slot
-    (docs/performance.md).
+    :data:`STRIP`: LLVM then takes a whole slot per iteration, where a run-time count made it enter a vector loop of
+    two iterations, with alias checks and its constants reloaded, once per slot (docs/performance.md).
     """
     if masked:  # a slot is seen by the rows up to whose own slot it comes, if real (a row always sees its own)
         for s in range(n):
