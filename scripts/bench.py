@@ -428,7 +428,7 @@ def context_table(summary: dict, plan: Plan) -> list[str]:
             for cache in (None, *plan.context_caches):
                 ours, llama = m.get(context_key("ours", cache), {}), m.get(context_key("llama", cache), {})
                 if ours or llama:
-                    rows.append(f"| {model} | {dtype} | {cache or 'defaults (f16 / f16)'} | "
+                    rows.append(f"| {model} | {dtype} | {cache or 'defaults'} | "
                                 f"{pair(ours, llama, 'prefill_tps')} | {pair(ours, llama, 'ttft_s', 1, False)} | "
                                 f"{pair(ours, llama, 'decode_tps')} | {pair(ours, llama, 'VmHWM', 0)} | "
                                 f"{pair(ours, llama, 'RssAnon', 0, False)} |")
@@ -688,8 +688,8 @@ def configure_parser() -> argparse.ArgumentParser:
                    help="second and later models: the single-stream prompt + decode only (no batch, no long prompt)")
     p.add_argument("--batch-dtypes", help="dtypes with the batched measurement (default: all)")
     p.add_argument("--context-dtypes", help="dtypes with the long-prompt measurement (default: all)")
-    p.add_argument("--context-caches", help="comma list of KV cache types (f32, f16, bf16, q8_0, q4_0) both engines "
-                   "also run the long prompt on, beside their defaults, e.g. q8_0")
+    p.add_argument("--context-caches", help="comma list of KV cache types (qwen_runtime.backend.cache.CACHE_TYPES) "
+                   "both engines also run the long prompt on, beside their defaults, e.g. q8_0")
     p.add_argument("--conversion-repeat", type=int, default=None,
                    help="repetitions of every conversion (default: --repeat; the GGUF is always written once)")
     p.add_argument("--threads", type=int, default=2, help="threads of both runtimes")

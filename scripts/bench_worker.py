@@ -165,9 +165,8 @@ def run_llama(path: str, batch: int, prompt: int, new: int, threads: int,
 
     if batch != 1:
         raise SystemExit("llama: only single-stream measurements")
-    caches = {} if cache_type is None else {
-        "type_k": int(gguf.GGMLQuantizationType[cache_type.upper()]),
-        "type_v": int(gguf.GGMLQuantizationType[cache_type.upper()])}
+    caches = {} if cache_type is None else dict.fromkeys(("type_k", "type_v"),
+                                                          int(gguf.GGMLQuantizationType[cache_type.upper()]))
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(path, n_ctx=prompt + new, n_batch=512, n_threads=threads, n_threads_batch=threads,
                           flash_attn=True, verbose=False, **caches)
@@ -202,8 +201,8 @@ def main() -> None:
                    choices=("numba", "numba-float", "numba-q8-prompts", "numba-q8", "numpy"),
                    help="ours: the kernels to use, with the command lines' default activations (auto), or numba-X: "
                    "load(..., activations=X)")
-    p.add_argument("--cache-type", choices=("f32", "f16", "bf16", "q8_0", "q4_0"),
-                   help="ours and llama: the KV cache type of keys and values (default: each engine's own)")
+    p.add_argument("--cache-type", help="ours and llama: the KV cache type of keys and values, one of "
+                   "qwen_runtime.backend.cache.CACHE_TYPES (default: each engine's own)")
     args = p.parse_args()
     if args.engine == "jit":
         result = run_jit()
