@@ -2,10 +2,10 @@
 
     python scripts/warm_kernels.py [--jobs N] [--other-forms]
 
-The kernel modules compile their kernels when first imported (explicit signatures) and the compiled decode step
-when a model first runs; one process does that one function after another (about 4 minutes of CPU on this
-machine from a cold cache).  Here independent groups of modules compile in parallel processes, each group's
-modules in import order so that no two processes compile the same function; a model fixture of each decode-step
+Each kernel compiles (explicit signature) when a weight that uses it is built, and the compiled decode step when a
+model first runs; a process does that one function after another (about 4 minutes of CPU on this machine from a
+cold cache, for every kernel).  Here every kernel of each module is compiled, independent groups of modules in
+parallel processes, so that no two processes compile the same function; a model fixture of each decode-step
 kind (attention; Gated DeltaNet) then runs a few tokens.  ``--other-forms`` also compiles every kernel module for
 the kernels' other instruction forms this CPU runs (``jit_setup.other_instruction_forms``: AVX2, AVX-512 without
 VNNI), which the tests check in processes of their own.  `.ci/run` calls this before the tests, which then load
@@ -50,8 +50,8 @@ def plan(other_forms: bool) -> list[Task]:
     groups = [Task("legacy, iq4, lattice", tuple(KERNELS + m for m in ("legacy", "iq4", "lattice"))),
               Task("kquants, dense, q8_0, step", (*(KERNELS + m for m in ("kquants", "dense", "q8_0")),
                                                   "qwen_runtime.models.step_jit"), MODELS)]
-    tasks = [*groups, Task("int8, amx", tuple(KERNELS + m for m in ("amx", "amx_k", "amx_blocks", "int8", "int8_k",
-                                                                    "lattice_int8")),
+    tasks = [*groups, Task("int8, amx", tuple(KERNELS + m for m in ("lanes", "amx", "amx_k", "amx_blocks", "int8",
+                                                                    "int8_k", "lattice_int8")),
                            after=tuple(g.name for g in groups))]
     if other_forms:
         from llvmlite import binding as llvm
@@ -59,7 +59,8 @@ def plan(other_forms: bool) -> list[Task]:
         from qwen_runtime.backend.jit_setup import other_instruction_forms
 
         for name, features in other_instruction_forms(llvm.get_host_cpu_features().flatten()).items():
-            modules = tuple(KERNELS + m for m in ("q8_0", "dense", "kquants", "iq4", "int8_k"))  # and what they import
+            modules = tuple(KERNELS + m for m in ("q8_0", "dense", "kquants", "iq4", "legacy", "lattice", "lanes",
+                                                  "int8", "int8_k"))
             tasks.append(Task(name, modules, features=features))
     return tasks
 
@@ -68,10 +69,12 @@ def warm(modules: list[str], models: list[str]) -> dict[str, float]:
     """Seconds to import each module, then to run 3 tokens of each fixture model with the compiled kernels."""
     import importlib
 
+    from qwen_runtime.backend.kernels.base import ready_module
+
     times = {}
     for module in modules:
         t = time.perf_counter()
-        importlib.import_module(module)
+        ready_module(importlib.import_module(module))
         times[module] = time.perf_counter() - t
     if models:
         import qwen_runtime

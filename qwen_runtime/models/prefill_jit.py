@@ -359,6 +359,10 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_slots: np.
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     q = np.ascontiguousarray(q, np.float32)
+    # One layout whatever the batch (a ragged batch's slots come as a strided view): a new layout is a new
+    # specialisation of attend_tile, compiled inside a prompt rather than while the model loads.
+    query_slots = np.ascontiguousarray(query_slots, np.int64)
+    key_valid = np.ascontiguousarray(key_valid, np.bool_)
     out = np.empty(q.shape, np.float32)
     k, v = (x.view(np.uint16) if x.dtype == np.float16 else x for x in (keys, values))  # .attention.kernel_view
     step = tile_tokens(group, t)

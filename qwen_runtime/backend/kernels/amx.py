@@ -46,7 +46,7 @@ from ...quants.q8_0 import Q8_0_BYTES
 from ...quants.q8_act import Q8_ACT_BLOCK, product_blockwise, q8_0_weights
 from ...quants.scratch import Scratch
 from . import lanes
-from .base import F16_TABLE, FEATURES
+from .base import F16_TABLE, FEATURES, Declared
 from .q8_0 import Q8_0JitKernel
 from .q8_act import quantize_rows
 
@@ -528,6 +528,16 @@ class AmxPrompts:
     def lane_product(self, raw: np.ndarray, xk: lanes.LaneActivations, out: np.ndarray) -> None:
         raise NotImplementedError
 
+    def lane_kernel(self) -> Declared | None:
+        """The lanes' compiled prompt product :meth:`lane_product` calls on this CPU (None: the lanes do not take
+        this type here)."""
+        return None
+
+    def compiled_functions(self) -> list:
+        """The kernel's own compiled functions and the lanes' prompt product where prompts go there."""
+        lane = self.lane_kernel()
+        return [*super().compiled_functions(), *([] if lane is None else [lane])]
+
     def prepare(self, x: np.ndarray, rowwise: bool = False) -> tuple:
         amx = amx_available()
         if rowwise or len(x) < AMX_MIN_ROWS or (not amx and len(x) <= self.direct_rows):
@@ -581,6 +591,9 @@ class Q8_0AmxPrompts(AmxPrompts):
 
     def lane_product(self, raw: np.ndarray, xk: lanes.LaneActivations, out: np.ndarray) -> None:
         lanes.q8_0_lanes_product(raw, xk, out)
+
+    def lane_kernel(self) -> Declared | None:
+        return lanes.prompt_kernel(Q8_0_BYTES)
 
 
 class Q8_0AmxPromptKernel(Q8_0AmxPrompts, Q8_0JitKernel):

@@ -28,6 +28,7 @@ from .amx import (
     quantized_padded,
     scaled_sums,
 )
+from .base import Declared
 from .iq4 import IQ4_NLJitKernel
 from .legacy import Q4_0JitKernel, Q4_1JitKernel, Q5_0JitKernel, Q5_1JitKernel
 
@@ -72,13 +73,16 @@ class BlockAmxPrompts(AmxPrompts):
         blocks_amx_product(GEOMETRY[self.qtype], raw, *xk, out)
 
     def lane_quantize(self, x: np.ndarray) -> lanes.LaneActivations | None:
-        if self.qtype not in (QType.Q4_0, QType.Q5_0) or not lanes.takes_q8_0():
+        if self.lane_kernel() is None:
             return None
         q, d = quantized_padded(x)
         return lanes.nibble_lane_activations(q, d, len(x), self.in_features)
 
     def lane_product(self, raw: np.ndarray, xk: lanes.LaneActivations, out: np.ndarray) -> None:
         lanes.nibble_lanes_product(raw, xk, out)
+
+    def lane_kernel(self) -> Declared | None:
+        return lanes.prompt_kernel(self.type_size) if self.qtype in (QType.Q4_0, QType.Q5_0) else None
 
 
 class Q4_0AmxPrompts(BlockAmxPrompts):

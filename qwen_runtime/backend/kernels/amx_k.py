@@ -65,7 +65,7 @@ from .amx import (
     tilestore,
     tilezero,
 )
-from .base import F16_TABLE
+from .base import F16_TABLE, Declared
 from .iq4 import IQ4_XSJitKernel
 from .kquants import Q2_KJitKernel, Q3_KJitKernel, Q4_KJitKernel, Q5_KJitKernel, Q6_KJitKernel
 from .q8_act import quantize_k_rows
@@ -533,6 +533,9 @@ class KQuantAmxPrompts(AmxPrompts):
 
     def lane_product(self, raw: np.ndarray, xk: lanes.LaneActivations, out: np.ndarray) -> None:
         lanes.kquant_lanes_product(raw, xk, out)
+
+    def lane_kernel(self) -> Declared | None:
+        return lanes.prompt_kernel(self.type_size)
 
 
 class Q2_KAmxPromptKernel(KQuantAmxPrompts, Q2_KJitKernel):

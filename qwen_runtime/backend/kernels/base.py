@@ -40,6 +40,10 @@ row kernel instead (calls of :data:`GEMV_ROWS` rows), so a row's numbers never d
 
 from __future__ import annotations
 
+import functools
+import threading
+from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numba
@@ -47,7 +51,8 @@ import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import config, types
-from numba.core import cgutils
+from numba.core import cgutils, sigutils, typeinfer
+from numba.core.registry import CPUDispatcher
 from numba.extending import intrinsic
 
 from ...errors import FormatError
@@ -162,11 +167,96 @@ F32_2D_C = types.float32[:, ::1]
 F32_2D = types.float32[:, :]  # output column blocks: any row stride
 
 
-def compiled(signature: object, contract: bool = True):  # -> a decorator
-    """``numba.njit`` as every kernel uses it: explicit signature (compiled at import, one specialisation),
-    no GIL, the on-disk cache, and FMA contraction as the only fast-math licence (``contract=False`` for
-    decoders, whose ``scale * q - minimum`` must round twice, as the reference does)."""
-    return numba.njit(signature, nogil=True, cache=True, fastmath={"contract"} if contract else False)
+class Declared(CPUDispatcher):
+    """A kernel of one declared signature, compiled (or loaded from numba's cache) on first use rather than at
+    import: by :func:`ready` (a weight's kernel readies the functions it calls while the model loads, see
+    :meth:`JitKernel.compiled_functions`), by a compiled caller being typed, or by a first call from Python.
+
+    Then, as ``numba.njit(signature)``, it holds exactly that one specialisation: a call whose arguments differ
+    (a writable array for a read-only one) converts to it or fails, and never compiles another.  Why lazy: a
+    module holds a family's kernels for every type and form, and machine code loaded for the types a model does
+    not store is anonymous memory for the whole run (a Q8_0 model imported the K-quant and legacy kernels:
+    docs/performance.md)."""
+
+    declared: object = None  # the signature; None for a dispatcher numba rebuilt by pickling (compiles as njit)
+
+    def ready(self) -> Declared:
+        """Compile (or load) the declared signature once, then refuse any other."""
+        if self.declared is not None and not self.overloads:
+            with typeinfer.register_dispatcher(self):
+                super().compile(self.declared)
+            self.disable_compile()
+        return self
+
+    def compile(self, sig: object) -> object:
+        self.ready()
+        existing = self.overloads.get(tuple(sigutils.normalize_signature(sig)[0]))
+        return existing.entry_point if existing is not None else super().compile(sig)
+
+    def get_call_template(self, args: tuple, kws: dict) -> tuple:
+        self.ready()
+        return super().get_call_template(args, kws)
+
+    def _compile_for_args(self, *args: object, **kws: object) -> object:
+        self.ready()
+        return self if self.declared is not None else super()._compile_for_args(*args, **kws)
+
+
+def compiled(signature: object, contract: bool = True, shared: bool = False):  # -> a decorator
+    """``numba.njit`` as every kernel uses it: explicit signature (one specialisation, compiled on first use:
+    :class:`Declared`), no GIL, the on-disk cache, and FMA contraction as the only fast-math licence
+    (``contract=False`` for decoders, whose ``scale * q - minimum`` must round twice, as the reference does).
+    ``shared``: compiled at import, for the helpers the kernels of many types call from Python (the activations'
+    quantizers and block sums), which no one weight's kernel lists."""
+
+    def declare(function: Callable) -> Declared:
+        options = {"nopython": True, "nogil": True, "fastmath": {"contract"} if contract else False}
+        kernel = Declared(py_func=function, locals={}, targetoptions=options)
+        kernel.enable_caching()
+        kernel.declared = signature
+        return kernel.ready() if shared else kernel
+
+    return declare
+
+
+class DeclaredCFunc:
+    """A C-callable kernel (``numba.cfunc``) compiled (or loaded from numba's cache) when its address is first
+    asked for, as :class:`Declared` for Python's calls; the compiled :class:`numba.core.ccallback.CFunc` answers
+    every attribute."""
+
+    def __init__(self, function: Callable, signature: object) -> None:
+        self.py_func, self.signature = function, signature
+        self.__name__, self.__doc__ = function.__name__, function.__doc__
+        self._compiled = None
+        self._lock = threading.Lock()
+
+    def ready(self) -> object:
+        with self._lock:
+            if self._compiled is None:
+                self._compiled = numba.cfunc(self.signature, nopython=True, cache=True)(self.py_func)
+        return self._compiled
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.ready(), name)
+
+
+def declared_cfunc(signature: object):  # -> a decorator
+    """:class:`DeclaredCFunc` of ``signature``."""
+    return lambda function: DeclaredCFunc(function, signature)
+
+
+def ready(function: object) -> object:
+    """``function`` (a :class:`Declared` or :class:`DeclaredCFunc`) compiled or loaded now."""
+    return function.ready()
+
+
+def ready_module(module: ModuleType) -> list[str]:
+    """Every declared kernel of ``module`` compiled or loaded now (``scripts/warm_kernels.py``); their names."""
+    names = [name for name, value in vars(module).items() if isinstance(value, (Declared, DeclaredCFunc))
+             and getattr(value.py_func, "__module__", None) == module.__name__]
+    for name in names:
+        getattr(module, name).ready()
+    return names
 
 
 @intrinsic
@@ -536,7 +626,7 @@ def group_loop(update, locate, geo, rows, stored, raw, r, x, i0, c0, c1, args, o
 # sums the type takes (:meth:`JitKernel.sums_width`), ``table`` the float16 table, ``out`` rows ``out_stride`` floats
 # apart.  One product function per type, each a thin call of the type's ``gemv1``/``gemv``.
 ROW_PRODUCT = types.void(*([types.int64] * 11))
-row_cfunc = numba.cfunc(ROW_PRODUCT, nopython=True, cache=True)
+row_cfunc = declared_cfunc(ROW_PRODUCT)
 
 
 def address_as(dtype: types.Type):  # -> an intrinsic
@@ -610,7 +700,7 @@ def table_product(gemv1, gemv, raw, rows, row_bytes, x, n, cols, sums, sums_cols
         gemv(w.view(dtype), xs, t, o)
 
 
-@compiled(types.void(F32_2D_C, types.int64, F32_2D_C), contract=False)
+@compiled(types.void(F32_2D_C, types.int64, F32_2D_C), contract=False, shared=True)
 def block_sums(x, width, out):
     """``out[i, j] = Σ x[i, j*width : (j+1)*width]``, the activations' block sums of the types with minimums, in
     numpy's pairwise order (eight running sums of every eighth value, then ``((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))``):
@@ -646,6 +736,19 @@ def aligned(x: np.ndarray) -> np.ndarray:
     return copy
 
 
+@functools.cache
+def _class_functions(cls: type) -> list[Declared | DeclaredCFunc]:
+    """The :class:`Declared` and :class:`DeclaredCFunc` attributes of ``cls`` and its bases (static methods
+    unwrapped)."""
+    found = {}
+    for klass in cls.__mro__:
+        for value in vars(klass).values():
+            value = getattr(value, "__func__", value)
+            if isinstance(value, (Declared, DeclaredCFunc)):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
 class JitKernel:
     """A stored matrix multiplied by compiled kernels (the :class:`~qwen_runtime.quants.TileKernel` interface).
 
@@ -676,6 +779,13 @@ class JitKernel:
             raise FormatError(f"{type(self).__name__}: stored rows must be contiguous")
         self.raw = self.stored(raw)
         self.in_features = raw.shape[1] // self.stored_unit() * self.block
+        for function in self.compiled_functions():
+            function.ready()
+
+    def compiled_functions(self) -> list[Declared | DeclaredCFunc]:
+        """The compiled functions this kernel calls, readied when it is built (while the model loads, so that a
+        generation compiles nothing): every one its class names (``gemv``, ``decode``, the row products...)."""
+        return _class_functions(type(self))
 
     def stored_unit(self) -> int:
         """Elements of the stored row array per block (bytes for quantized types, 1 for dense ones)."""

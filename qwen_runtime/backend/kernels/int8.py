@@ -88,6 +88,7 @@ from .base import (
     U8_2D,
     JitKernel,
     compiled,
+    declared_cfunc,
     prefetch,
     splat,
     stack_f32,
@@ -992,7 +993,7 @@ def q5_1_gemv_q8(raw, xq, xd, xsum, table, out):
     row_groups(row_group, _q5_group, Q5_1_GEO, raw, xq, xd, xsum, table, out)
 
 
-q8_cfunc = numba.cfunc(Q8_ROW_PRODUCT, nopython=True, cache=True)
+q8_cfunc = declared_cfunc(Q8_ROW_PRODUCT)
 # What quads_product and pairs_product read.
 QUADS_SLOTS, PAIRS_SLOTS = slots(Q, XU, D, D8, B32), (slots(Q, D) if MADDUBS else slots(Q, Q16, D))
 

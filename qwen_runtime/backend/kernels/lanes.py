@@ -51,7 +51,7 @@ from ...quants.legacy import Q4_0, Q5_0
 from ...quants.q8_0 import Q8_0_BYTES
 from ...quants.q8_act import Q8_ACT_BLOCK
 from ...quants.q8k_act import BSUM, QK_K
-from .base import F16_TABLE, F32, F32_1D, FEATURES, I32, MADDUBS, f16_at, splat, stack_f32
+from .base import F16_TABLE, F32, F32_1D, FEATURES, I32, MADDUBS, Declared, compiled, f16_at, splat, stack_f32
 from .lattice import load_le
 
 AVAILABLE = "avx2" in FEATURES
@@ -512,7 +512,7 @@ def _store_tile(tile, m, n, x0, p0, c0, out):
 
 
 if AVAILABLE:
-    @numba.njit(types.void(U8_2D, I8_2D, F32_2D, F32_2D, F32_1D, F32_OUT), nogil=True, cache=True)
+    @compiled(types.void(U8_2D, I8_2D, F32_2D, F32_2D, F32_1D, F32_OUT), contract=False)
     def q4_k_prompts(raw, q, d, sums, table, out):
         """``out`` [M, R] = the q8_K product of Q4_K rows ``raw`` [R, nb * 144] and activations ``q``, ``d``,
         ``sums`` (per 32, float32) whose first M rows are real (the rest padding of a multiple of :data:`ROWS`)."""
@@ -534,7 +534,7 @@ if AVAILABLE:
                     k_tile(Q4_K_KIND, wbytes, s, mins, dw, dm, g0, q, d, sums, x0, nb, buffer)
                     _store_tile(tile, m, n, x0, g0 * PANEL, c0, out)
 
-    @numba.njit(types.void(U8_2D, I16_2D, F32_2D, F32_1D, F32_OUT), nogil=True, cache=True)
+    @compiled(types.void(U8_2D, I16_2D, F32_2D, F32_1D, F32_OUT), contract=False)
     def q8_0_prompts(raw, x, d, table, out):
         """``out`` [M, R] = the q8_0 product of Q8_0 rows ``raw`` [R, nb * 34] and int16 activations ``x``, ``d``
         (blocks of 32) whose first M rows are real."""
@@ -553,8 +553,8 @@ if AVAILABLE:
                     int16_tile(Q8_ACT_BLOCK, w, dw, g0, x, d, x0, nb, buffer)
                     _store_tile(tile, m, n, x0, g0 * PANEL, c0, out)
 
-    @numba.njit(types.void(U8_2D, I16_2D, F32_2D, types.Array(types.int8, 1, "C", readonly=True), F32_1D, F32_OUT),
-                nogil=True, cache=True)
+    @compiled(types.void(U8_2D, I16_2D, F32_2D, types.Array(types.int8, 1, "C", readonly=True), F32_1D, F32_OUT),
+              contract=False)
     def iq4_xs_prompts(raw, x, d, levels, table, out):
         """``out`` [M, R] = the q8_K product of IQ4_XS rows ``raw`` [R, nb * 136] and int16 activations ``x``,
         ``d`` (per 256) whose first M rows are real; ``levels`` the 16 values of a nibble."""
@@ -591,15 +591,15 @@ if AVAILABLE:
                     nibble_tile(bias, wbytes, dw, g0, q, d, sums, x0, nb, buffer)
                     _store_tile(tile, m, n, x0, g0 * PANEL, c0, out)
 
-    @numba.njit(types.void(U8_2D, I8_2D, F32_2D, I32_2D, F32_1D, F32_OUT), nogil=True, cache=True)
+    @compiled(types.void(U8_2D, I8_2D, F32_2D, I32_2D, F32_1D, F32_OUT), contract=False)
     def q4_0_prompts(raw, q, d, sums, table, out):
         nibble_prompts(raw, q, d, sums, table, out, Q4_0_BYTES, 8)
 
-    @numba.njit(types.void(U8_2D, I8_2D, F32_2D, I32_2D, F32_1D, F32_OUT), nogil=True, cache=True)
+    @compiled(types.void(U8_2D, I8_2D, F32_2D, I32_2D, F32_1D, F32_OUT), contract=False)
     def q5_0_prompts(raw, q, d, sums, table, out):
         nibble_prompts(raw, q, d, sums, table, out, Q5_0_BYTES, 16)
 
-    @numba.njit(types.void(U8_2D, I8_2D, F32_2D, I16_2D, F32_1D, F32_OUT), nogil=True, cache=True)
+    @compiled(types.void(U8_2D, I8_2D, F32_2D, I16_2D, F32_1D, F32_OUT), contract=False)
     def q6_k_prompts(raw, q, d, sums, table, out):
         """:func:`q4_k_prompts` of Q6_K rows [R, nb * 210]; ``sums`` the activations' int16 sums per 16."""
         m, rows = out.shape
@@ -647,6 +647,15 @@ def lane_activations(q: np.ndarray, d: np.ndarray, sums: np.ndarray, rows: int) 
     return prepared
 
 
+def prompt_kernel(type_size: int) -> Declared | None:
+    """The compiled prompt product of a type (by its bytes per block or super-block) where this CPU takes it
+    (:func:`takes_q8_0`, :func:`takes`), else None: what a weight of the type readies while the model loads."""
+    if not (MADDUBS and AVAILABLE):
+        return None
+    return {Q8_0_BYTES: q8_0_prompts, Q4_0_BYTES: q4_0_prompts, Q5_0_BYTES: q5_0_prompts, Q4_K_BYTES: q4_k_prompts,
+            Q6_K_BYTES: q6_k_prompts, IQ4_XS_BYTES: iq4_xs_prompts}.get(type_size)
+
+
 def takes_q8_0() -> bool:
     """Whether Q8_0 prompts go through :func:`q8_0_lanes_product` on this CPU (as :func:`takes`)."""
     return MADDUBS and AVAILABLE
@@ -670,7 +679,7 @@ def q8_0_lanes_product(raw: np.ndarray, xk: LaneActivations, out: np.ndarray) ->
     if (raw.shape[1] % Q8_0_BYTES or x.shape[1] != nb * Q8_ACT_BLOCK or d.shape != (len(x), nb) or len(x) % ROWS
             or len(out) > len(x) or out.shape[1] != len(raw) or out.dtype != np.float32):
         raise ValueError(f"Q8_0 lanes product of {raw.shape} stored rows, activations {x.shape}, output {out.shape}")
-    q8_0_prompts(raw.view(np.uint8), x, d, F16_TABLE, out)
+    prompt_kernel(Q8_0_BYTES)(raw.view(np.uint8), x, d, F16_TABLE, out)
 
 
 NIBBLES = {Q4_0_BYTES: 8, Q5_0_BYTES: 16}  # bytes per block -> the bias of its values
@@ -699,8 +708,7 @@ def nibble_lanes_product(raw: np.ndarray, xk: LaneActivations, out: np.ndarray) 
             or out.dtype != np.float32):
         raise ValueError(f"Q4_0/Q5_0 lanes product of {raw.shape} stored rows, activations {q.shape}, output "
                          f"{out.shape}")
-    kernel = q4_0_prompts if size == Q4_0_BYTES else q5_0_prompts
-    kernel(raw.view(np.uint8), q, d, sums, F16_TABLE, out)
+    prompt_kernel(size)(raw.view(np.uint8), q, d, sums, F16_TABLE, out)
 
 
 def kquant_lanes_product(raw: np.ndarray, xk: LaneActivations, out: np.ndarray) -> None:
@@ -718,7 +726,5 @@ def kquant_lanes_product(raw: np.ndarray, xk: LaneActivations, out: np.ndarray) 
             or sums.dtype != dtype or len(q) % ROWS or len(out) > len(q) or out.shape[1] != len(raw)
             or out.dtype != np.float32 or q.dtype != (np.int16 if size in WIDE else np.int8)):
         raise ValueError(f"K-quant lanes product of {raw.shape} stored rows, activations {q.shape}, output {out.shape}")
-    if size == IQ4_XS_BYTES:
-        iq4_xs_prompts(raw.view(np.uint8), q, d, IQ4_LEVELS, F16_TABLE, out)
-    else:
-        (q4_k_prompts if size == Q4_K_BYTES else q6_k_prompts)(raw.view(np.uint8), q, d, sums, F16_TABLE, out)
+    levels_or_sums = IQ4_LEVELS if size == IQ4_XS_BYTES else sums  # IQ4_XS reads its levels, the others their sums
+    prompt_kernel(size)(raw.view(np.uint8), q, d, levels_or_sums, F16_TABLE, out)

@@ -55,7 +55,7 @@ def slots(*names: int) -> int:
 K_SLOTS = slots(KQ, KD, KB)  # the q8_K slots' mask
 
 
-@compiled(types.void(F32_2D_C, I8_2D_W, F32_2D_C), contract=False)
+@compiled(types.void(F32_2D_C, I8_2D_W, F32_2D_C), contract=False, shared=True)
 def quantize_rows(x, q, d):
     """``q``, ``d`` = :func:`.q8_act.quantize_activations` of ``x`` [N, nb * 32] (the same float32 operations)."""
     nb = d.shape[1]
@@ -72,7 +72,7 @@ def quantize_rows(x, q, d):
                 q[i, b * 32 + k] = np.int8(np.rint(xs[k] * inverse))
 
 
-@compiled(types.void(F32_2D_C, I32_2D_C, I8_2D_W, F32_2D_C), contract=False)
+@compiled(types.void(F32_2D_C, I32_2D_C, I8_2D_W, F32_2D_C), contract=False, shared=True)
 def quantize_k_rows(x, bits, q, d):
     """``q``, ``d`` = ``quants.q8k_act.quantize_q8_k`` of ``x`` [N, nb * 256] (the same float32 operations).
     ``bits`` is ``x`` viewed as int32: the largest magnitude is found as the largest of the bits without the sign,
@@ -95,7 +95,7 @@ def quantize_k_rows(x, bits, q, d):
                 q[i, o + k] = np.int8(min(Q8K_MAX, np.rint(iscale * x[i, o + k])))
 
 
-@compiled(types.void(I8_2D_W, I16_2D_W))
+@compiled(types.void(I8_2D_W, I16_2D_W), shared=True)
 def sums16(q, bs):
     """``bs`` = the sums of ``q`` [N, cols] per 16 values (q8_K's ``bsums``), int16 [N, cols / 16]."""
     for i in range(q.shape[0]):
