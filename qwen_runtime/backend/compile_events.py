@@ -4,12 +4,12 @@ compiling (:func:`on_compiling`) and says what and why on stderr.  numba sends i
 compile, not for a load from its on-disk cache, so a warm start says nothing.
 
 Every kernel is cached on disk (``cache=True``), so it compiles once per machine and version; yet a newcomer saw
-the note again after ``qwen-demo``, once per command that reached kernels the demo had not used: a kernel module
-compiles all of its kernels, for every type it serves, when first imported, and the demo's Q8_0/F16/F32 models
-import only theirs.  ``--activations q8`` then compiles the 8-bit-activation kernels (and the Q4_0..Q5_1 ones they
-import), a K-quant model the K-quant kernels, a K-quant conversion the quantizers' searches, each a wait of its
-own.  So the note names the group of kernels compiling (:data:`GROUPS`), one line per group as each starts: the
-line says what the wait is for, and a wait of several groups shows progress.  (In a checkout whose sources change,
+the note again after ``qwen-demo``, once per command that reached kernels the demo had not used: a kernel compiles
+when a weight that calls it is built, and the demo's Q8_0/F16/F32 models build only theirs.  ``--activations q8``
+then compiles the 8-bit-activation kernels, a K-quant model the K-quant kernels, a K-quant conversion the
+quantizers' searches, each a wait of its own.  So the note names the group of kernels compiling (:data:`GROUPS`),
+one line per group as each starts: the line says what the wait is for, and a wait of several groups shows
+progress.  (In a checkout whose sources change,
 a kernel also compiles again after an edit of a module it imports: its cache stamp covers them, see
 :mod:`.jit_setup`.)
 

@@ -61,9 +61,9 @@ slower leaves part of its share to the other.
 the ``QWEN_KERNELS`` environment variable, else ``auto``) into one of them.  ``Workspace.activations`` is
 ``"float"`` (exact float32 products), ``"q8-prompts"`` or ``"q8"``, all but the first with the compiled kernels
 only.  ``"q8"`` quantizes the activation rows of every product of a type with an integer-dot kernel
-(:data:`qwen_runtime.backend.kernels.JIT_Q8_KERNELS`) to 8 bits first, as llama.cpp does
+(:func:`qwen_runtime.backend.kernels.kernel_table`, form ``"q8"``) to 8 bits first, as llama.cpp does
 (:mod:`qwen_runtime.quants.q8_act`).  ``"q8-prompts"`` does so only in the prompt products that run on AMX tiles
-(:data:`qwen_runtime.backend.kernels.JIT_PROMPT_KERNELS`); decode steps, speculative verify passes and every
+(the table's form ``"q8-prompts"``); decode steps, speculative verify passes and every
 ``rowwise`` product keep the exact float kernels, so a row's decoded numbers, batch invariance and exact
 verification are those of ``"float"``.  :func:`resolve_activations` turns ``"auto"`` into ``"float"`` with numpy and,
 with the compiled kernels, into ``"q8-prompts"`` (a prompt's cost is what a user waits for) or, where only AVX2

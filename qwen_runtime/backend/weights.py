@@ -53,7 +53,7 @@ from ..quants import TileKernel, codec
 from ..quants.base import RowTileKernel
 from ..quants.scratch import Scratch
 from . import ops
-from .kernels import JIT_KERNELS, jit_kernel
+from .kernels import jit_kernel, kernel_class
 from .memory import MADV_POPULATE_READ, advise
 from .pool import Workspace
 
@@ -414,7 +414,7 @@ def kept_bytes(qtype: QType, stored_nbytes: int, kernels: str = "numpy") -> int:
     """Anonymous memory the weight of one matrix of ``stored_nbytes`` stored bytes keeps for its life beside
     its memory-mapped rows, with ``kernels`` (``"numpy"``: an upper bound, as the compiled kernels keep nothing
     and fall back to the numpy ones only for types without a compiled kernel)."""
-    if qtype == QType.F32 or (kernels == "numba" and qtype in JIT_KERNELS):
+    if qtype == QType.F32 or (kernels == "numba" and kernel_class(qtype) is not None):
         return 0
     return codec(qtype).kept_bytes(stored_nbytes)
 

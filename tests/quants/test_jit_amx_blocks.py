@@ -20,9 +20,10 @@ from qwen_runtime.quants import QType, codec, q8_act
 from qwen_runtime.quants.scratch import Scratch
 
 pytest.importorskip("numba")
-from qwen_runtime.backend.kernels import JIT_KERNELS, JIT_PROMPT_KERNELS, JIT_Q8_KERNELS, jit_kernel  # noqa: E402
 from qwen_runtime.backend.kernels import amx as jit_amx  # noqa: E402 (numba is needed from here on)
 from qwen_runtime.backend.kernels import amx_blocks as jit_amx_blocks  # noqa: E402
+from qwen_runtime.backend.kernels import jit_kernel, kernel_table  # noqa: E402
+from qwen_runtime.backend.kernels.lattice_int8 import GridKernel  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 TYPES = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.IQ4_NL)
@@ -159,7 +160,7 @@ def test_kernel_choice_for_prompts(qtype: QType) -> None:
     raw = block_rows(qtype, 70, 8, seed=5)
     x = activations(20, 256, seed=5)
     kernel = jit_kernel(qtype, raw, activations="q8")
-    assert type(kernel).__name__ == JIT_Q8_KERNELS[qtype][1] == f"{qtype.name}AmxKernel"
+    assert type(kernel) is kernel_table()["q8"][qtype] and type(kernel).__name__ == f"{qtype.name}AmxKernel"
     prompts, exact = jit_kernel(qtype, raw, "q8-prompts"), jit_kernel(qtype, raw, "float")
     assert isinstance(prompts, type(exact)) and not hasattr(prompts, "q8_row_product")
     for rows, rowwise in ((15, False), (20, True)):
@@ -192,12 +193,13 @@ def test_float_kernels_where_amx_is_absent(monkeypatch: pytest.MonkeyPatch) -> N
 def test_the_tables() -> None:
     """Every type with an AMX prompt kernel has an integer-dot kernel too; the i-quants below IQ4 and TQ2_0 have
     integer-dot kernels without AMX prompts, and q8-prompts keeps their float kernel."""
-    assert set(JIT_PROMPT_KERNELS) <= set(JIT_Q8_KERNELS)
-    lattice = set(JIT_Q8_KERNELS) - set(JIT_PROMPT_KERNELS)
-    assert {JIT_Q8_KERNELS[q][0] for q in lattice} == {"lattice_int8"}
+    table = kernel_table()
+    assert set(table["q8-prompts"]) <= set(table["q8"]) <= set(table["float"])
+    lattice = set(table["q8"]) - set(table["q8-prompts"])
+    assert all(issubclass(table["q8"][q], GridKernel) for q in lattice)
     raw = np.zeros((4, 66), np.uint8)  # IQ2_XXS rows: one block of 66 bytes
     assert QType.IQ2_XXS in lattice
-    assert type(jit_kernel(QType.IQ2_XXS, raw, "q8-prompts")).__name__ == JIT_KERNELS[QType.IQ2_XXS][1]
+    assert type(jit_kernel(QType.IQ2_XXS, raw, "q8-prompts")) is table["float"][QType.IQ2_XXS]
 
 
 @pytest.mark.slow

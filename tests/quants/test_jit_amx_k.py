@@ -23,9 +23,9 @@ from qwen_runtime.quants import QType, codec, q8k_act
 from qwen_runtime.quants.scratch import Scratch
 
 pytest.importorskip("numba")
-from qwen_runtime.backend.kernels import JIT_Q8_KERNELS, jit_kernel  # noqa: E402
 from qwen_runtime.backend.kernels import amx as jit_amx  # noqa: E402 (numba is needed from here on)
 from qwen_runtime.backend.kernels import amx_k as jit_amx_k  # noqa: E402
+from qwen_runtime.backend.kernels import jit_kernel, kernel_table  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 K_TYPES = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)
@@ -194,7 +194,7 @@ def test_kernel_choice_for_prompts(qtype: QType) -> None:
     bit for bit; fewer rows and ``rowwise`` products keep the integer decode kernels' preparation."""
     raw = k_rows(qtype, 48, 2, seed=5)
     kernel = jit_kernel(qtype, raw, activations="q8")
-    assert type(kernel).__name__ == JIT_Q8_KERNELS[qtype][1] == f"{qtype.name}AmxKernel"
+    assert type(kernel) is kernel_table()["q8"][qtype] and type(kernel).__name__ == f"{qtype.name}AmxKernel"
     assert isinstance(kernel, jit_amx_k.KQuantAmxPrompts)
     x = activations(20, 512, seed=5)
     assert not isinstance(kernel.prepare(x[:15]), jit_amx_k.KActivations)

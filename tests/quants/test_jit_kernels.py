@@ -29,7 +29,7 @@ from gguf import quants
 from test_quants import set_iq1_m_scale
 
 from qwen_runtime.backend.jit_setup import cpu_features, import_closure, imported_files, release_compiler_pages
-from qwen_runtime.backend.kernels import JIT_KERNELS, JIT_Q8_KERNELS, jit_kernel
+from qwen_runtime.backend.kernels import jit_kernel, kernel_table
 from qwen_runtime.backend.pool import Workspace, resolve_kernels
 from qwen_runtime.backend.weights import DIRECT_ROW_TASKS, direct_split, gated_matmul, make_weight, matmul_many
 from qwen_runtime.formats.tensors import StoredTensor
@@ -52,7 +52,7 @@ F16_FIELDS = {QType.Q8_0: (0,), QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q5_0
               QType.IQ1_M: ()}  # IQ1_M's d: the top nibbles of its scale words (set below)
 EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF, 0x1C00, 0x9C00], np.uint16)
 EDGE_F32 = np.array([0.0, -0.0, 1e-40, -1e-45, 2.0**23, -(2.0**23)], np.float32)  # ±0, subnormals, BF16's largest
-COMPILED = sorted(JIT_KERNELS, key=lambda q: q.name)
+COMPILED = sorted(kernel_table()["float"], key=lambda q: q.name)
 
 
 def random_blocks(qtype: QType, rows: int, cols: int, seed: int, edges: float = 0.1) -> np.ndarray:
@@ -246,7 +246,7 @@ def test_row_product_by_address_equals_the_kernel_bit_for_bit(qtype: QType, n: i
 Q8_ROW_PRODUCT = ctypes.CFUNCTYPE(None, *([ctypes.c_int64] * 12))
 
 
-@pytest.mark.parametrize("qtype", sorted(JIT_Q8_KERNELS, key=lambda q: q.name), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", sorted(kernel_table()["q8"], key=lambda q: q.name), ids=lambda q: q.name)
 @pytest.mark.parametrize("n", [1, 3, GEMV_ROWS])
 def test_q8_row_product_by_address_equals_the_kernel(qtype: QType, n: int) -> None:
     """Each type's Q8_ROW_PRODUCT (the compiled decode step's call with 8-bit activations): the forms table filled
@@ -508,3 +508,50 @@ def test_dry_run_products_are_zeros_and_end_with_the_block() -> None:
     with ws.dry_run():
         assert not w.matmul(x).any() and not gated_matmul(w, up, x).any()
     assert not ws.dry and w.matmul(x).any()
+
+
+def test_a_kernel_compiles_when_a_weight_calls_it() -> None:
+    """Importing every kernel module compiles no type's kernel; building a Q8_0 weight's kernel readies exactly the
+    functions its class names (one specialisation each), and no other type's: a process holds machine code only for
+    the types its models store (numba's cache would otherwise load every kernel of a family)."""
+    code = """
+import numpy as np
+from qwen_runtime.backend.kernels import jit_kernel, kernel_table
+from qwen_runtime.backend.kernels.base import Declared, DeclaredCFunc, _class_functions
+from qwen_runtime.quants import QType
+
+def readied():
+    import sys
+    return {name for module, m in list(sys.modules.items()) if module.startswith("qwen_runtime.backend.kernels.")
+            for name, f in vars(m).items() if (isinstance(f, Declared) and f.overloads and not f.py_func.__name__
+            in ("block_sums", "quantize_rows", "quantize_k_rows", "sums16"))
+            or (isinstance(f, DeclaredCFunc) and f._compiled is not None)}
+
+kernel_table()
+assert not readied(), readied()
+kernel = jit_kernel(QType.Q8_0, np.zeros((4, 2 * 34), np.uint8))
+names = {f.py_func.__name__ for f in kernel.compiled_functions()}
+assert readied() == names, (readied(), names)
+assert all(len(f.signatures) == 1 for f in kernel.compiled_functions() if isinstance(f, Declared))
+assert not any("q4_k" in name or "q4_0" in name for name in readied())
+print(sorted(names))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "q8_0_gemv" in done.stdout and "q8_0_decode" in done.stdout
+
+
+def test_a_declared_kernel_keeps_its_one_signature() -> None:
+    """A kernel compiled on first use holds its declared signature only, as ``numba.njit(signature)`` does: a call
+    with a writable array where a read-only one is declared converts, one of another dtype fails and compiles
+    nothing."""
+    from qwen_runtime.backend.kernels import q8_0
+
+    kernel = q8_0.q8_0_decode
+    raw = np.zeros((2, 34), np.uint8)  # writable: the declared raw is read-only
+    tile = np.empty((2, 32), np.float32)
+    kernel(raw, F16_TABLE, tile)
+    assert len(kernel.signatures) == 1 and not tile.any()
+    with pytest.raises(TypeError):
+        kernel(raw.astype(np.int16), F16_TABLE, tile)
+    assert len(kernel.signatures) == 1

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qwen_runtime.backend.kernels import JIT_KERNELS, jit_kernel
+from qwen_runtime.backend.kernels import jit_kernel, kernel_table
 from qwen_runtime.backend.pool import Workspace
 from qwen_runtime.backend.weights import make_weight
 from qwen_runtime.errors import FormatError
@@ -43,7 +43,7 @@ EDGE_F32 = np.array([0.0, -0.0, 1e-40, -1e-45, 1.8e19, -1.8e19], np.float32)  # 
 
 
 def test_every_type_of_this_file_is_registered() -> None:
-    assert set(TYPES) <= set(JIT_KERNELS)
+    assert set(TYPES) <= set(kernel_table()["float"])
 
 
 def columns(qtype: QType) -> int:

@@ -18,7 +18,7 @@ import pytest
 from test_jit_int8 import assert_decode_step_close_to_the_float_path
 from test_jit_kernels import random_blocks
 
-from qwen_runtime.backend.kernels import JIT_Q8_KERNELS, jit_kernel
+from qwen_runtime.backend.kernels import jit_kernel, kernel_table
 from qwen_runtime.backend.pool import Workspace
 from qwen_runtime.backend.weights import make_weight
 from qwen_runtime.formats.tensors import StoredTensor
@@ -75,7 +75,7 @@ def reference(qtype: QType, raw: np.ndarray, x: np.ndarray) -> tuple[np.ndarray,
 
 def test_every_type_is_registered() -> None:
     for qtype, kernel in KERNELS.items():
-        assert JIT_Q8_KERNELS[qtype] == ("lattice_int8", kernel.__name__)
+        assert kernel_table()["q8"][qtype] is kernel
         assert isinstance(jit_kernel(qtype, random_blocks(qtype, 2, 256, seed=0), activations="q8"), kernel)
 
 

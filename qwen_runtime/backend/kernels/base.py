@@ -1,10 +1,10 @@
 """What the compiled (numba) tile kernels share: the decorator, stack accumulators, the float16 table and the
 kernel class that :mod:`qwen_runtime.backend.weights` calls.
 
-Imported only when ``Workspace.kernels == "numba"`` (through :func:`qwen_runtime.backend.kernels.kernel`), so the
-numpy path never loads numba.  Every kernel is a single-threaded ``nogil`` function with an explicit signature,
-compiled when its module is first imported (one module per family of types, so only the types a model uses)
-and kept in numba's on-disk cache (``cache=True``; ``NUMBA_CACHE_DIR`` moves it).  The pool's threads call
+Imported only when ``Workspace.kernels == "numba"`` (through :func:`qwen_runtime.backend.kernels.kernel_table`), so
+the numpy path never loads numba.  Every kernel is a single-threaded ``nogil`` function with an explicit
+signature, compiled when a weight that calls it is built (:class:`Declared`: only the types and forms a model
+uses) and kept in numba's on-disk cache (``cache=True``; ``NUMBA_CACHE_DIR`` moves it).  The pool's threads call
 them and release the GIL, so numba's own thread pool never starts (:mod:`qwen_runtime.backend.pool`).
 
 **Formulation** (measured, and checked in each kernel's assembly: packed ``vfmadd...ps`` on zmm, the
@@ -30,8 +30,8 @@ docs/performance.md.
 **Start-up.**  The first-ever compile of every module takes minutes of CPU, once per machine (numba's on-disk
 cache keeps the machine code; ``scripts/warm_kernels.py`` compiles all of them ahead on every core).  With a warm
 cache a process pays ``import numba``, numba's target set-up on the first kernel it compiles or loads (without
-the SciPy import it would add: :mod:`..jit_setup`) and the load of each cached function (3 per type; a module
-loads all its types); docs/performance.md has the figures.
+the SciPy import it would add: :mod:`..jit_setup`) and the load of each cached function its weights call (a few per
+type and form); docs/performance.md has the figures.
 
 For more than ``direct_rows`` activation rows (prefill, large batches) a tile is decoded into float32 scratch
 by compiled code and multiplied by BLAS; inside ``Workspace.rowwise()`` (serving) every row goes through the
@@ -61,7 +61,7 @@ from ..jit_setup import prepare_numba
 if TYPE_CHECKING:  # an annotation only, kept out of the cache stamp of the kernels (jit_setup.import_closure)
     from ...quants.scratch import Scratch
 
-prepare_numba()  # before this package's first compile or cache load (which happens at import)
+prepare_numba()  # before this package's first compile or cache load (the shared helpers load at import)
 
 # Activation rows a row kernel multiplies at once, each by the same operations (the accumulators it holds).
 GEMV_ROWS = 16

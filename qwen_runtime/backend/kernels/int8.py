@@ -58,8 +58,6 @@ generic IR (``sext``, ``mul``, even/odd ``add`` in int32) LLVM narrowed the prod
 
 from __future__ import annotations
 
-import importlib
-
 import numba
 import numpy as np
 from llvmlite import ir
@@ -94,7 +92,9 @@ from .base import (
     stack_f32,
     sums_of,
 )
-from .legacy import bit4_bytes
+from .iq4 import IQ4_NLJitKernel, IQ4_XSJitKernel
+from .legacy import Q4_0JitKernel, Q4_1JitKernel, Q5_0JitKernel, Q5_1JitKernel, bit4_bytes
+from .q8_0 import Q8_0JitKernel
 from .q8_act import (
     B32,
     D8,
@@ -1122,7 +1122,7 @@ class Int8Kernel(JitKernel):
     # without AVX-512 (:data:`MADDUBS`) the integer groups kept their rate per row up to 48 rows against a float
     # tile's SGEMM there; with AVX-512 the crossover was 8-16 rows (docs/performance.md).
     direct_rows = 32 if MADDUBS else 8
-    exact: tuple[str, str]  # (module of this package, float kernel class) whose decoder prefill uses
+    exact: type[JitKernel]  # the type's float kernel, whose decoder prefill uses
     # The type's Q8_ROW_PRODUCT (called by address from the compiled decode step) and the slots of the forms table it
     # reads (:mod:`.q8_act`); ``sums_width``: the float activation sums it also takes (0: none).
     q8_row_product: object = None
@@ -1130,8 +1130,7 @@ class Int8Kernel(JitKernel):
 
     def __init__(self, raw: np.ndarray) -> None:
         super().__init__(raw)
-        module, name = self.exact
-        self.exact_kernel = getattr(importlib.import_module(f".{module}", __package__), name)(raw)
+        self.exact_kernel = self.exact(raw)
         self.decode = self.exact_kernel.decode
 
     def prepare(self, x: np.ndarray, rowwise: bool = False) -> tuple:
@@ -1211,7 +1210,7 @@ class QuadsKernel(Int8Kernel):
 
 
 class Q8_0Int8Kernel(QuadsKernel):
-    type_size, exact = Q8_0_BYTES, ("q8_0", "Q8_0JitKernel")
+    type_size, exact = Q8_0_BYTES, Q8_0JitKernel
     gemv1_q8, gemv_q8 = staticmethod(q8_0_gemv1_q8), staticmethod(q8_0_gemv_q8)
     q8_row_product = q8_0_q8_rows
 
@@ -1224,40 +1223,40 @@ if VNNI:
         """Q4_0 with AVX-512 VNNI: by pairs of blocks as Q8_0 (:func:`quads_group`, the nibbles as they are
         against ``q`` for one row, minus 8 against ``xu`` for several)."""
 
-        type_size, exact = Q4_0_GEO[0], ("legacy", "Q4_0JitKernel")
+        type_size, exact = Q4_0_GEO[0], Q4_0JitKernel
         gemv1_q8, gemv_q8 = staticmethod(q4_0_gemv1_vnni), staticmethod(q4_0_gemv_vnni)
         q8_row_product = q4_0_q8_rows
 
     class Q5_0Int8Kernel(QuadsKernel):
         """Q5_0 with AVX-512 VNNI: as Q4_0, bit 4 from ``qh``."""
 
-        type_size, exact = Q5_0_GEO[0], ("legacy", "Q5_0JitKernel")
+        type_size, exact = Q5_0_GEO[0], Q5_0JitKernel
         gemv1_q8, gemv_q8 = staticmethod(q5_0_gemv1_vnni), staticmethod(q5_0_gemv_vnni)
         q8_row_product = q5_0_q8_rows
 else:
     class Q4_0Int8Kernel(Int8Kernel):
         """Q4_0 without VNNI: :func:`row_group`'s pairs."""
 
-        type_size, exact = Q4_0_GEO[0], ("legacy", "Q4_0JitKernel")
+        type_size, exact = Q4_0_GEO[0], Q4_0JitKernel
         gemv1_q8, gemv_q8 = staticmethod(q4_0_gemv1_q8), staticmethod(q4_0_gemv_q8)
         q8_row_product = q4_0_q8_rows
 
     class Q5_0Int8Kernel(Int8Kernel):
         """Q5_0 without VNNI: :func:`row_group`'s pairs."""
 
-        type_size, exact = Q5_0_GEO[0], ("legacy", "Q5_0JitKernel")
+        type_size, exact = Q5_0_GEO[0], Q5_0JitKernel
         gemv1_q8, gemv_q8 = staticmethod(q5_0_gemv1_q8), staticmethod(q5_0_gemv_q8)
         q8_row_product = q5_0_q8_rows
 
 
 class IQ4_NLInt8Kernel(Int8Kernel):
-    type_size, exact = IQ4_NL_GEO[0], ("iq4", "IQ4_NLJitKernel")
+    type_size, exact = IQ4_NL_GEO[0], IQ4_NLJitKernel
     gemv1_q8, gemv_q8 = staticmethod(iq4_nl_gemv1_q8), staticmethod(iq4_nl_gemv_q8)
     q8_row_product = iq4_nl_q8_rows
 
 
 class IQ4_XSInt8Kernel(Int8Kernel):
-    block, type_size, exact = IQ4_XS().block_size, IQ4_XS_GEO[0], ("iq4", "IQ4_XSJitKernel")
+    block, type_size, exact = IQ4_XS().block_size, IQ4_XS_GEO[0], IQ4_XSJitKernel
     gemv1_q8, gemv_q8 = staticmethod(iq4_xs_gemv1_q8), staticmethod(iq4_xs_gemv_q8)
     q8_row_product = iq4_xs_q8_rows
 
@@ -1265,7 +1264,7 @@ class IQ4_XSInt8Kernel(Int8Kernel):
 class Q4_1Int8Kernel(Int8Kernel):
     """Q4_1: ``d * q + m``, the minimums against the float32 activation sums per 32 (as Q4_K's)."""
 
-    type_size, exact = Q4_1_GEO[0], ("legacy", "Q4_1JitKernel")
+    type_size, exact = Q4_1_GEO[0], Q4_1JitKernel
     gemv1_q8, gemv_q8 = staticmethod(q4_1_gemv1_q8), staticmethod(q4_1_gemv_q8)
     q8_row_product, sums_width = q4_1_q8_rows, Q8_ACT_BLOCK
 
@@ -1274,7 +1273,7 @@ class Q4_1Int8Kernel(Int8Kernel):
 
 
 class Q5_1Int8Kernel(Q4_1Int8Kernel):
-    type_size, exact = Q5_1_GEO[0], ("legacy", "Q5_1JitKernel")
+    type_size, exact = Q5_1_GEO[0], Q5_1JitKernel
     gemv1_q8, gemv_q8 = staticmethod(q5_1_gemv1_q8), staticmethod(q5_1_gemv_q8)
     q8_row_product = q5_1_q8_rows
 

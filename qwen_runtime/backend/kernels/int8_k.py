@@ -93,6 +93,11 @@ from .kquants import (
     Q6_K_BYTES,
     QK_K,
     V8_F32,
+    Q2_KJitKernel,
+    Q3_KJitKernel,
+    Q4_KJitKernel,
+    Q5_KJitKernel,
+    Q6_KJitKernel,
     k23_d,
     minimums_fma,
     minimums_sum,
@@ -644,7 +649,7 @@ class Q4_KInt8Kernel(Q8KRows if Q8K else Int8Kernel):
     activations for any number of rows), against q8_K activations on other AVX2 CPUs (:class:`Q8KRows`), else
     :func:`q4_k_group`'s pairs (int16 activations for several rows)."""
 
-    block, type_size, exact = QK_K, Q4_K_BYTES, ("kquants", "Q4_KJitKernel")
+    block, type_size, exact = QK_K, Q4_K_BYTES, Q4_KJitKernel
     q8_row_product = q4_k_q8_rows
     if VNNI:
         gemv1_q8, gemv_q8 = staticmethod(q4_k_gemv1_vnni), staticmethod(q4_k_gemv_vnni)
@@ -667,7 +672,7 @@ class Q5_KInt8Kernel(Int8Kernel):
     """Q5_K: the pairs kernel on every CPU (int16 activations for several rows), the minimums against the float
     activation sums per 32."""
 
-    block, type_size, exact = QK_K, Q5_K_BYTES, ("kquants", "Q5_KJitKernel")
+    block, type_size, exact = QK_K, Q5_K_BYTES, Q5_KJitKernel
     gemv1_q8, gemv_q8 = staticmethod(q5_k_gemv1_q8), staticmethod(q5_k_gemv_q8)
     q8_row_product, sums_width = q5_k_q8_rows, 32
 
@@ -680,7 +685,7 @@ class Q6_KInt8Kernel(Q8KRows if Q8K else Int8Kernel):
     activations and their ``-32 *`` sums of 4 for any number of rows), against q8_K activations on other AVX2 CPUs
     (:class:`Q8KRows`), else :func:`q6_k_group`'s pairs."""
 
-    block, type_size, exact = QK_K, Q6_K_BYTES, ("kquants", "Q6_KJitKernel")
+    block, type_size, exact = QK_K, Q6_K_BYTES, Q6_KJitKernel
     q8_row_product = q6_k_q8_rows
     if VNNI:
         gemv1_q8, gemv_q8 = staticmethod(q6_k_gemv1_vnni), staticmethod(q6_k_gemv_vnni)
@@ -698,7 +703,7 @@ class Q6_KInt8Kernel(Q8KRows if Q8K else Int8Kernel):
 class Q2_KInt8Kernel(Int8Kernel):
     """Q2_K: the minimums against the float32 activation sums per 16 (as the float kernel's)."""
 
-    block, type_size, exact = QK_K, Q2_K_BYTES, ("kquants", "Q2_KJitKernel")
+    block, type_size, exact = QK_K, Q2_K_BYTES, Q2_KJitKernel
     gemv1_q8, gemv_q8 = staticmethod(q2_k_gemv1_q8), staticmethod(q2_k_gemv_q8)
     q8_row_product, sums_width = q2_k_q8_rows, 16
 
@@ -707,7 +712,7 @@ class Q2_KInt8Kernel(Int8Kernel):
 
 
 class Q3_KInt8Kernel(Q2_KInt8Kernel):
-    type_size, exact = Q3_K_BYTES, ("kquants", "Q3_KJitKernel")
+    type_size, exact = Q3_K_BYTES, Q3_KJitKernel
     gemv1_q8, gemv_q8 = staticmethod(q3_k_gemv1_q8), staticmethod(q3_k_gemv_q8)
     q8_row_product, sums_width = q3_k_q8_rows, 0  # no minimums: its kernels never read the sums
 

@@ -68,6 +68,14 @@ from .lattice import (
     W_IQ2_S,
     W_IQ2_XS,
     W_IQ2_XXS,
+    IQ1_MJitKernel,
+    IQ1_SJitKernel,
+    IQ2_SJitKernel,
+    IQ2_XSJitKernel,
+    IQ2_XXSJitKernel,
+    IQ3_SJitKernel,
+    IQ3_XXSJitKernel,
+    TQ2_0JitKernel,
     _d_at,
     _iq1_m_d,
     _iq1_m_word,
@@ -237,7 +245,7 @@ def iq2_xxs_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols
 
 
 class IQ2_XXSInt8Kernel(GridKernel):
-    block, type_size, exact = IQ2_XXS().block_size, IQ2_XXS_GEO[0], ("lattice", "IQ2_XXSJitKernel")
+    block, type_size, exact = IQ2_XXS().block_size, IQ2_XXS_GEO[0], IQ2_XXSJitKernel
     gemv1_q8, gemv_q8 = staticmethod(iq2_xxs_gemv1_q8), staticmethod(iq2_xxs_gemv_q8)
     q8_row_product = iq2_xxs_q8_rows
 
@@ -279,7 +287,7 @@ def iq2_xs_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols,
 
 
 class IQ2_XSInt8Kernel(GridKernel):
-    block, type_size, exact = IQ2_XS().block_size, IQ2_XS_GEO[0], ("lattice", "IQ2_XSJitKernel")
+    block, type_size, exact = IQ2_XS().block_size, IQ2_XS_GEO[0], IQ2_XSJitKernel
     gemv1_q8, gemv_q8 = staticmethod(iq2_xs_gemv1_q8), staticmethod(iq2_xs_gemv_q8)
     q8_row_product = iq2_xs_q8_rows
 
@@ -321,7 +329,7 @@ def iq2_s_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, 
 
 
 class IQ2_SInt8Kernel(GridKernel):
-    block, type_size, exact = IQ2_S().block_size, IQ2_S_GEO[0], ("lattice", "IQ2_SJitKernel")
+    block, type_size, exact = IQ2_S().block_size, IQ2_S_GEO[0], IQ2_SJitKernel
     gemv1_q8, gemv_q8 = staticmethod(iq2_s_gemv1_q8), staticmethod(iq2_s_gemv_q8)
     q8_row_product = iq2_s_q8_rows
 
@@ -365,7 +373,7 @@ def iq3_xxs_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols
 
 
 class IQ3_XXSInt8Kernel(GridKernel):
-    block, type_size, exact = IQ3_XXS().block_size, IQ3_XXS_GEO[0], ("lattice", "IQ3_XXSJitKernel")
+    block, type_size, exact = IQ3_XXS().block_size, IQ3_XXS_GEO[0], IQ3_XXSJitKernel
     gemv1_q8, gemv_q8 = staticmethod(iq3_xxs_gemv1_q8), staticmethod(iq3_xxs_gemv_q8)
     q8_row_product = iq3_xxs_q8_rows
 
@@ -410,7 +418,7 @@ def iq3_s_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, 
 
 
 class IQ3_SInt8Kernel(GridKernel):
-    block, type_size, exact = IQ3_S().block_size, IQ3_S_GEO[0], ("lattice", "IQ3_SJitKernel")
+    block, type_size, exact = IQ3_S().block_size, IQ3_S_GEO[0], IQ3_SJitKernel
     gemv1_q8, gemv_q8 = staticmethod(iq3_s_gemv1_q8), staticmethod(iq3_s_gemv_q8)
     q8_row_product = iq3_s_q8_rows
 
@@ -452,7 +460,7 @@ def iq1_s_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, 
 
 
 class IQ1_SInt8Kernel(GridKernel):
-    block, type_size, exact = IQ1_S().block_size, IQ1_S_GEO[0], ("lattice", "IQ1_SJitKernel")
+    block, type_size, exact = IQ1_S().block_size, IQ1_S_GEO[0], IQ1_SJitKernel
     gemv1_q8, gemv_q8 = staticmethod(iq1_s_gemv1_q8), staticmethod(iq1_s_gemv_q8)
     q8_row_product = iq1_s_q8_rows
 
@@ -489,7 +497,7 @@ def iq1_m_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, 
 
 
 class IQ1_MInt8Kernel(GridKernel):
-    block, type_size, exact = IQ1_M().block_size, IQ1_M_GEO[0], ("lattice", "IQ1_MJitKernel")
+    block, type_size, exact = IQ1_M().block_size, IQ1_M_GEO[0], IQ1_MJitKernel
     gemv1_q8, gemv_q8 = staticmethod(iq1_m_gemv1_q8), staticmethod(iq1_m_gemv_q8)
     q8_row_product = iq1_m_q8_rows
 
@@ -541,6 +549,6 @@ def tq2_0_q8_rows(raw, rows, row_bytes, forms, first, n, cols, sums, sums_cols, 
 
 
 class TQ2_0Int8Kernel(GridKernel):
-    block, type_size, exact = TQ2_0().block_size, TQ2_0_GEO[0], ("lattice", "TQ2_0JitKernel")
+    block, type_size, exact = TQ2_0().block_size, TQ2_0_GEO[0], TQ2_0JitKernel
     gemv1_q8, gemv_q8 = staticmethod(tq2_0_gemv1_q8), staticmethod(tq2_0_gemv_q8)
     q8_row_product = tq2_0_q8_rows
