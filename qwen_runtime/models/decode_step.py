@@ -265,8 +265,8 @@ class DecodeStep:
         for size in sizes + slots:
             offsets.append(total)
             total += -(-batch * size // ALIGN_FLOATS) * ALIGN_FLOATS
-        if self._work.size < total + ALIGN_FLOATS:
-            self._work = np.empty(total + ALIGN_FLOATS, np.float32)
+        if self._work.size < total + ALIGN_FLOATS:  # zeros: a dry run (no products) reads no stale floats
+            self._work = np.zeros(total + ALIGN_FLOATS, np.float32)
         skip = (-self._work.ctypes.data % (4 * ALIGN_FLOATS)) // 4
         work = self._work[skip:skip + total]
         forms = np.array([work.ctypes.data + 4 * at for at in offsets[len(sizes):]] or [0] * jit_q8_act.SLOTS,

@@ -145,6 +145,23 @@ def test_q8_k_activations_quantize_as_the_reference() -> None:
     assert np.all(q[:, 520] == -127) and np.all(q[:, 700] == 127) and np.all(d[:, 2] > 0)
 
 
+def test_infinite_activations_give_ieee_results_not_an_exception() -> None:
+    """An infinite activation (a diverging model; once, unwritten buffers in a warm-up pass) quantizes as numpy
+    divides, ``d = 1 / (-127 / inf) = -inf``, as the reference does, instead of stopping the step with Python's
+    ZeroDivisionError; the other blocks keep the reference's numbers."""
+    x = activations(2, 2 * 256, seed=4)
+    x[0, 3], x[1, 300] = np.inf, -np.inf
+    q, d, _ = quantize_k(x)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q_ref, d_ref, _ = q8k_act.quantize_q8_k(x)
+    assert d[0, 0] == -np.inf and d[1, 1] == np.inf
+    assert np.array_equal(d[0, 1:], d_ref[0, 1:]) and np.array_equal(q[0, 256:], q_ref[0, 256:])
+    assert np.array_equal(d[1, :1], d_ref[1, :1]) and np.array_equal(q[1, :256], q_ref[1, :256])
+    q8, d8 = np.empty(x.shape, np.int8), np.empty((2, 16), np.float32)
+    quantize_rows(x, q8, d8)
+    assert d8[0, 0] == np.inf and d8[1, 9] == np.inf
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("n", [1, 2, 5, GEMV_ROWS])
 def test_block_sums_are_exact(qtype: QType, n: int) -> None:

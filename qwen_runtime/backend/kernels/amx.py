@@ -46,7 +46,7 @@ from ...quants.q8_0 import Q8_0_BYTES
 from ...quants.q8_act import Q8_ACT_BLOCK, product_blockwise, q8_0_weights
 from ...quants.scratch import Scratch
 from . import lanes
-from .base import F16_TABLE, FEATURES, Declared
+from .base import F16_TABLE, FEATURES, I8, I64, Declared
 from .q8_0 import Q8_0JitKernel
 from .q8_act import quantize_rows
 
@@ -65,7 +65,6 @@ SLOT_BYTES = 4 * ROWS * ROWS
 CHUNK_BYTES = 1 << 20
 PACKED_BLOCK = ROWS * Q8_ACT_BLOCK  # bytes of one block of 32 weight rows in the VNNI layout (two 512-byte tiles)
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
-I8, I64 = ir.IntType(8), ir.IntType(64)
 I8P = I8.as_pointer()
 
 

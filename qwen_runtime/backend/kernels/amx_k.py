@@ -51,7 +51,6 @@ from ...quants.kquants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from ...quants.q8k_act import QK_K
 from . import lanes
 from .amx import (
-    I64,
     ROWS,
     TILE,
     AmxPrompts,
@@ -65,7 +64,7 @@ from .amx import (
     tilestore,
     tilezero,
 )
-from .base import F16_TABLE, Declared
+from .base import F16_TABLE, I64, Declared
 from .iq4 import IQ4_XSJitKernel
 from .kquants import Q2_KJitKernel, Q3_KJitKernel, Q4_KJitKernel, Q5_KJitKernel, Q6_KJitKernel
 from .q8_act import quantize_k_rows

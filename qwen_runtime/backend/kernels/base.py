@@ -80,10 +80,15 @@ CHUNK_COLS = 2048
 LINE = 64  # bytes of a cache line
 ALIGN = 64  # bytes: activations start on a cache line (a zmm load across two lines costs two)
 
-I32, F32 = ir.IntType(32), ir.FloatType()
 HALF = LANES // 2
-V16_F32 = ir.VectorType(F32, HALF)  # one zmm: half of a row's lanes
-V16_I32 = ir.VectorType(I32, HALF)
+# The LLVM IR types of every kernel module's intrinsics, defined once: scalars, and vectors named V<count>_<element>
+# (V16_F32: one zmm, half of a row's lanes).
+I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+V4_I8, V16_I8, V32_I8, V64_I8 = (ir.VectorType(I8, n) for n in (4, 16, 32, 64))
+V8_I16, V16_I16, V32_I16 = (ir.VectorType(I16, n) for n in (8, 16, 32))
+V4_I32, V8_I32, V16_I32, V32_I32 = (ir.VectorType(I32, n) for n in (4, 8, 16, 32))
+V4_I64 = ir.VectorType(I64, 4)
+V8_F32, V16_F32 = ir.VectorType(F32, 8), ir.VectorType(F32, HALF)
 
 
 def _target_features() -> frozenset[str]:
@@ -157,14 +162,28 @@ def look_up(builder: ir.IRBuilder, index: ir.Value, tables: list, high: ir.Value
 # float16 bits -> float32, exact (NaN payloads included): 256 KiB, built once per process (cheap).
 F16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
-# Stored rows: read-only (memory-mapped files are), writable arrays convert to these.
+# The numba array types of the kernels' signatures, defined once.  Stored rows and prepared activations:
+# read-only (memory-mapped files are; writable arrays convert to these).
 U8_2D = types.Array(types.uint8, 2, "C", readonly=True)
 I8_2D = types.Array(types.int8, 2, "C", readonly=True)
+I16_2D = types.Array(types.int16, 2, "C", readonly=True)  # activations widened to int16 (multi-row kernels)
+I32_2D = types.Array(types.int32, 2, "C", readonly=True)
 U16_2D = types.Array(types.uint16, 2, "C", readonly=True)
 F32_2D_RO = types.Array(types.float32, 2, "C", readonly=True)
+# Writable: what a kernel fills (quantized activations, sums, tiles).
+I8_2D_W = types.int8[:, ::1]
+I16_2D_W = types.int16[:, ::1]
+I32_2D_W = types.int32[:, ::1]
 F32_1D = types.float32[::1]
 F32_2D_C = types.float32[:, ::1]
 F32_2D = types.float32[:, :]  # output column blocks: any row stride
+
+
+# IEEE division, as numpy's and llama.cpp's: an infinite activation gives an infinite or NaN result rather than
+# Python's ZeroDivisionError (q8_K's ``1 / iscale`` of an infinite maximum is 1 / -0.0).  The compiled decode step
+# calls the activations' quantizers; a warm-up pass over unwritten buffers (``Workspace.dry_run``) once met such
+# values and stopped a model's load.
+ERROR_MODEL = "numpy"
 
 
 class Declared(CPUDispatcher):
@@ -210,7 +229,8 @@ def compiled(signature: object, contract: bool = True, shared: bool = False):  #
     quantizers and block sums), which no one weight's kernel lists."""
 
     def declare(function: Callable) -> Declared:
-        options = {"nopython": True, "nogil": True, "fastmath": {"contract"} if contract else False}
+        options = {"nopython": True, "nogil": True, "fastmath": {"contract"} if contract else False,
+                   "error_model": ERROR_MODEL}
         kernel = Declared(py_func=function, locals={}, targetoptions=options)
         kernel.enable_caching()
         kernel.declared = signature
@@ -233,7 +253,8 @@ class DeclaredCFunc:
     def ready(self) -> object:
         with self._lock:
             if self._compiled is None:
-                self._compiled = numba.cfunc(self.signature, nopython=True, cache=True)(self.py_func)
+                self._compiled = numba.cfunc(self.signature, nopython=True, cache=True,
+                                             error_model=ERROR_MODEL)(self.py_func)
         return self._compiled
 
     def __getattr__(self, name: str) -> object:

@@ -38,6 +38,8 @@ from .base import (
     TILE_FLOATS,
     U16_2D,
     V16_F32,
+    V16_I16,
+    V16_I32,
     JitKernel,
     buffer_fma,
     compiled,
@@ -54,8 +56,6 @@ from .base import (
     stack_f32,
     zero_lanes,
 )
-
-V16_I16, V16_I32 = ir.VectorType(ir.IntType(16), HALF), ir.VectorType(I32, HALF)
 
 
 @intrinsic
@@ -287,4 +287,3 @@ class BF16JitKernel(DenseJitKernel):
     row_product = bf16_rows
 
 
-KERNELS = (F32JitKernel, F16JitKernel, BF16JitKernel)

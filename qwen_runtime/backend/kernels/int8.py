@@ -76,14 +76,29 @@ from .amx_k import KQuantAmxPrompts
 from .base import (
     ACC_FLOATS,
     F16_TABLE,
+    F32,
     F32_1D,
     F32_2D,
     F32_2D_C,
     FEATURES,
     GEMV_ROWS,
     I8_2D,
+    I16,
+    I16_2D,
+    I32,
+    I32_2D,
     MADDUBS,
     U8_2D,
+    V8_F32,
+    V8_I32,
+    V16_F32,
+    V16_I8,
+    V16_I16,
+    V16_I32,
+    V32_I8,
+    V32_I16,
+    V32_I32,
+    V64_I8,
     JitKernel,
     compiled,
     declared_cfunc,
@@ -117,13 +132,6 @@ PAIRS = Q8_ACT_BLOCK // 2  # int32 lanes of a block's products (pairs of adjacen
 GROUP = 4 if MADDUBS else 8
 CHUNK = 16  # stored rows a multi-row kernel takes through all its groups of activation rows before the next ones
 inline = numba.njit(inline="always", cache=True, fastmath={"contract"})
-I16_2D = types.Array(types.int16, 2, "C", readonly=True)  # the same widened to int16 (multi-row kernels)
-I16, I32, F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
-V32_I8, V32_I16 = ir.VectorType(ir.IntType(8), Q8_ACT_BLOCK), ir.VectorType(I16, Q8_ACT_BLOCK)
-V16_I16, V16_I32, V16_F32 = ir.VectorType(I16, PAIRS), ir.VectorType(I32, PAIRS), ir.VectorType(F32, PAIRS)
-V8_I32, V16_I8, V32_I32 = ir.VectorType(I32, PAIRS // 2), ir.VectorType(ir.IntType(8), PAIRS), ir.VectorType(I32, 32)
-V8_F32 = ir.VectorType(F32, PAIRS // 2)
-V64_I8 = ir.VectorType(ir.IntType(8), 2 * Q8_ACT_BLOCK)
 
 
 def _pointer(context, builder: ir.IRBuilder, array_type: types.Array, array: ir.Value, at: ir.Value,
@@ -897,7 +905,6 @@ ROWS_Q = I8_2D if MADDUBS else I16_2D  # the multi-row kernels' activations (:me
 LEGACY_GEMV_ROWS = types.void(U8_2D, ROWS_Q, F32_2D_C, F32_1D, F32_2D)
 MIN_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, F32_2D_C, F32_1D, F32_2D)  # + activation sums per 32
 MIN_GEMV_ROWS = types.void(U8_2D, ROWS_Q, F32_2D_C, F32_2D_C, F32_1D, F32_2D)
-I32_2D = types.Array(types.int32, 2, "C", readonly=True)  # start values (jit_q8_act.B32)
 START_GEMV = types.void(U8_2D, I8_2D, F32_2D_C, I32_2D, F32_1D, F32_2D)  # int8 activations, scales, start values
 QUADS_GEMV = types.void(U8_2D, U8_2D, F32_2D_C, F32_1D, F32_2D)  # Q4_0/Q5_0 by quads: activations + 128 as uint8
 

@@ -40,14 +40,22 @@ from .amx_k import KQuantAmxPrompts
 from .base import (
     ACC_FLOATS,
     CHUNK_COLS,
+    F32,
     F32_1D,
     F32_2D,
     F32_2D_C,
     GEMV_ROWS,
     I8_2D,
+    I16_2D,
+    I64,
     LINE,
     TILE_ROWS,
     U8_2D,
+    V8_F32,
+    V16_F32,
+    V16_I32,
+    V32_I8,
+    V64_I8,
     compiled,
     deposit,
     fetch_row,
@@ -58,16 +66,11 @@ from .base import (
     sums_of,
 )
 from .int8 import (
-    I16_2D,
     LEGACY_GEMV,
     LEGACY_GEMV_ROWS,
     MIN_GEMV,
     MIN_GEMV_ROWS,
     START_GEMV,
-    V16_F32,
-    V16_I32,
-    V32_I8,
-    V64_I8,
     VNNI,
     Int8Kernel,
     _literal,
@@ -92,7 +95,6 @@ from .kquants import (
     Q5_K_BYTES,
     Q6_K_BYTES,
     QK_K,
-    V8_F32,
     Q2_KJitKernel,
     Q3_KJitKernel,
     Q4_KJitKernel,
@@ -235,8 +237,6 @@ def k23_group(update, q3, group, r0, r1, i0, raw, xq, xd, xsum, table, out, b0, 
             deposit(out, i0 + g, r, t[g] - mins[g], b0)
 
 
-I64, F32 = ir.IntType(64), ir.FloatType()
-V16_I32_IDX = ir.VectorType(ir.IntType(32), 16)
 SCALES = 8 * GEMV_ROWS  # floats of a group's per-block scale products (8 per activation row)
 Q6_SCALES = 16 * GEMV_ROWS  # the same for Q6_K (16 per activation row)
 
@@ -283,7 +283,7 @@ def group_nibbles64_vnni_fma(typingctx, blk, at, x, x_at, x_stride, p, chunk, ac
         w = builder.bitcast(builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(ir.IntType(32), 64),
                                                                           list(range(64)))), V16_I32)
         zero = ir.Constant(V16_I32, [0] * 16)
-        pick = ir.Constant(V16_I32_IDX, [2 * c] * 8 + [2 * c + 1] * 8)
+        pick = ir.Constant(V16_I32, [2 * c] * 8 + [2 * c + 1] * 8)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3),
                                              "llvm.fma.v16f32")
         for g in range(count):
@@ -361,7 +361,7 @@ def group_q6_vnni_fma(typingctx, blk, h, x, x_at, x_stride, bias, bias_at, bias_
             steps.append(builder.or_(low, high))
         w = builder.bitcast(builder.shuffle_vector(steps[0], steps[1], ir.Constant(ir.VectorType(ir.IntType(32), 64),
                                                                                    list(range(64)))), V16_I32)
-        pick = ir.Constant(V16_I32_IDX, [4 * k + j // 4 for j in range(16)])  # of half h's 8 sub-blocks
+        pick = ir.Constant(V16_I32, [4 * k + j // 4 for j in range(16)])  # of half h's 8 sub-blocks
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16_F32, [V16_F32] * 3),
                                              "llvm.fma.v16f32")
         for g in range(count):

@@ -130,4 +130,3 @@ class IQ4_XSJitKernel(BlockSumsKernel):
     row_product = iq4_xs_rows
 
 
-KERNELS = (IQ4_NLJitKernel, IQ4_XSJitKernel)

@@ -43,13 +43,19 @@ from .base import (
     F32_2D_C,
     GROUP_ROWS,
     HALF,
+    I8,
     I32,
     LANES,
     PERMUTE,
     TABLE_ROWS,
     U8_2D,
+    V4_I8,
+    V8_F32,
+    V8_I32,
     V16_F32,
+    V16_I8,
     V16_I32,
+    V32_I8,
     JitKernel,
     compiled,
     deposit,
@@ -72,8 +78,6 @@ from .base import (
     zero_lanes,
 )
 
-I8 = ir.IntType(8)
-
 QK_K = 256
 Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = 144, 176, 210
 # uint8 constants keep the bit arithmetic in 8-bit lanes (numba widens uint8 op int64 to int64, which does not
@@ -82,7 +86,6 @@ M6, M4, M2, S6, S4, ONE = np.uint8(63), np.uint8(15), np.uint8(3), np.uint8(6), 
 Q6_BIAS = np.float32(32)
 
 
-V32_I8, V16_I8 = ir.VectorType(I8, LANES), ir.VectorType(I8, HALF)
 
 
 @intrinsic
@@ -119,7 +122,6 @@ def fields_rows(typingctx, blk, lo_at, lo_shift, lo_mask, hi_at, hi_shift, hi_ma
                       acc), codegen
 
 
-V4_I8, V8_I32, V8_F32 = ir.VectorType(I8, 4), ir.VectorType(I32, 8), ir.VectorType(ir.FloatType(), 8)
 
 
 @intrinsic

@@ -51,7 +51,29 @@ from ...quants.legacy import Q4_0, Q5_0
 from ...quants.q8_0 import Q8_0_BYTES
 from ...quants.q8_act import Q8_ACT_BLOCK
 from ...quants.q8k_act import BSUM, QK_K
-from .base import F16_TABLE, F32, F32_1D, FEATURES, I32, MADDUBS, Declared, compiled, f16_at, splat, stack_f32
+from .base import (
+    F16_TABLE,
+    F32_1D,
+    F32_2D,
+    F32_2D_C,
+    FEATURES,
+    I8_2D_W,
+    I16_2D_W,
+    I32,
+    I32_2D_W,
+    I64,
+    MADDUBS,
+    U8_2D,
+    V8_F32,
+    V8_I32,
+    V16_I16,
+    V32_I8,
+    Declared,
+    compiled,
+    f16_at,
+    splat,
+    stack_f32,
+)
 from .lattice import load_le
 
 AVAILABLE = "avx2" in FEATURES
@@ -66,15 +88,6 @@ Q6_BIAS_SHIFT = 5  # Q6_K's q - 32: 32 = 1 << 5
 Q4_K_BYTES, Q6_K_BYTES = Q4_K().type_size, Q6_K().type_size
 Q4_0_BYTES, Q5_0_BYTES = Q4_0().type_size, Q5_0().type_size
 IQ4_XS_BYTES = IQ4_XS().type_size
-I8, I16, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
-V32_I8, V16_I16, V8_I32, V8_F32 = (ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8),
-                                    ir.VectorType(F32, 8))
-U8_2D = types.Array(types.uint8, 2, "C", readonly=True)
-I8_2D = types.Array(types.int8, 2, "C")
-F32_2D = types.Array(types.float32, 2, "C")
-F32_OUT = types.Array(types.float32, 2, "A")
-I16_2D = types.Array(types.int16, 2, "C")
-I32_2D = types.Array(types.int32, 2, "C")
 Q4_K_KIND, Q6_K_KIND = 4, 6
 
 
@@ -512,7 +525,7 @@ def _store_tile(tile, m, n, x0, p0, c0, out):
 
 
 if AVAILABLE:
-    @compiled(types.void(U8_2D, I8_2D, F32_2D, F32_2D, F32_1D, F32_OUT), contract=False)
+    @compiled(types.void(U8_2D, I8_2D_W, F32_2D_C, F32_2D_C, F32_1D, F32_2D), contract=False)
     def q4_k_prompts(raw, q, d, sums, table, out):
         """``out`` [M, R] = the q8_K product of Q4_K rows ``raw`` [R, nb * 144] and activations ``q``, ``d``,
         ``sums`` (per 32, float32) whose first M rows are real (the rest padding of a multiple of :data:`ROWS`)."""
@@ -534,7 +547,7 @@ if AVAILABLE:
                     k_tile(Q4_K_KIND, wbytes, s, mins, dw, dm, g0, q, d, sums, x0, nb, buffer)
                     _store_tile(tile, m, n, x0, g0 * PANEL, c0, out)
 
-    @compiled(types.void(U8_2D, I16_2D, F32_2D, F32_1D, F32_OUT), contract=False)
+    @compiled(types.void(U8_2D, I16_2D_W, F32_2D_C, F32_1D, F32_2D), contract=False)
     def q8_0_prompts(raw, x, d, table, out):
         """``out`` [M, R] = the q8_0 product of Q8_0 rows ``raw`` [R, nb * 34] and int16 activations ``x``, ``d``
         (blocks of 32) whose first M rows are real."""
@@ -553,7 +566,7 @@ if AVAILABLE:
                     int16_tile(Q8_ACT_BLOCK, w, dw, g0, x, d, x0, nb, buffer)
                     _store_tile(tile, m, n, x0, g0 * PANEL, c0, out)
 
-    @compiled(types.void(U8_2D, I16_2D, F32_2D, types.Array(types.int8, 1, "C", readonly=True), F32_1D, F32_OUT),
+    @compiled(types.void(U8_2D, I16_2D_W, F32_2D_C, types.Array(types.int8, 1, "C", readonly=True), F32_1D, F32_2D),
               contract=False)
     def iq4_xs_prompts(raw, x, d, levels, table, out):
         """``out`` [M, R] = the q8_K product of IQ4_XS rows ``raw`` [R, nb * 136] and int16 activations ``x``,
@@ -591,15 +604,15 @@ if AVAILABLE:
                     nibble_tile(bias, wbytes, dw, g0, q, d, sums, x0, nb, buffer)
                     _store_tile(tile, m, n, x0, g0 * PANEL, c0, out)
 
-    @compiled(types.void(U8_2D, I8_2D, F32_2D, I32_2D, F32_1D, F32_OUT), contract=False)
+    @compiled(types.void(U8_2D, I8_2D_W, F32_2D_C, I32_2D_W, F32_1D, F32_2D), contract=False)
     def q4_0_prompts(raw, q, d, sums, table, out):
         nibble_prompts(raw, q, d, sums, table, out, Q4_0_BYTES, 8)
 
-    @compiled(types.void(U8_2D, I8_2D, F32_2D, I32_2D, F32_1D, F32_OUT), contract=False)
+    @compiled(types.void(U8_2D, I8_2D_W, F32_2D_C, I32_2D_W, F32_1D, F32_2D), contract=False)
     def q5_0_prompts(raw, q, d, sums, table, out):
         nibble_prompts(raw, q, d, sums, table, out, Q5_0_BYTES, 16)
 
-    @compiled(types.void(U8_2D, I8_2D, F32_2D, I16_2D, F32_1D, F32_OUT), contract=False)
+    @compiled(types.void(U8_2D, I8_2D_W, F32_2D_C, I16_2D_W, F32_1D, F32_2D), contract=False)
     def q6_k_prompts(raw, q, d, sums, table, out):
         """:func:`q4_k_prompts` of Q6_K rows [R, nb * 210]; ``sums`` the activations' int16 sums per 16."""
         m, rows = out.shape

@@ -35,10 +35,14 @@ from ...quants.lattice import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_X
 from ...quants.ternary import TQ2_0
 from .base import (
     HALF,
-    LANES,
+    I32,
+    I64,
     PAIR,
     SUMS_GEMV,
     TABLE_DECODE,
+    V4_I64,
+    V16_F32,
+    V32_I8,
     BlockSumsKernel,
     compiled,
     f16_at,
@@ -52,9 +56,6 @@ from .base import (
     sums_product,
 )
 from .legacy import decode_loop
-
-I8, I32, I64, F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
-V16_F32, V32_I8, V4_I64 = ir.VectorType(F32, HALF), ir.VectorType(I8, LANES), ir.VectorType(I64, 4)
 
 W_IQ2_XXS, W_IQ2_XS, W_IQ2_S = words(GRID_IQ2_XXS), words(GRID_IQ2_XS), words(GRID_IQ2_S)
 W_IQ3_XXS, W_IQ3_S = words(GRID_IQ3_XXS).astype(np.uint64), words(GRID_IQ3_S).astype(np.uint64)
@@ -674,5 +675,3 @@ class TQ2_0JitKernel(BlockSumsKernel):
     row_product = tq2_0_rows
 
 
-KERNELS = (IQ2_XXSJitKernel, IQ2_XSJitKernel, IQ2_SJitKernel, IQ3_XXSJitKernel, IQ3_SJitKernel, IQ1_SJitKernel,
-           IQ1_MJitKernel, TQ2_0JitKernel)

@@ -32,10 +32,9 @@ from ...quants.grids import GRID_IQ3_S, GRID_IQ3_XXS, SIGNS_EVEN, words
 from ...quants.lattice import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
 from ...quants.q8_act import Q8_ACT_BLOCK
 from ...quants.ternary import TQ2_0
-from .base import ACC_FLOATS, GEMV_ROWS, compiled, splat, stack_f32
+from .base import ACC_FLOATS, GEMV_ROWS, I8, I16, I32, V16_I16, V32_I8, compiled, splat, stack_f32
 from .int8 import (
     LEGACY_GEMV,
-    PAIRS,
     Int8Kernel,
     _literal,
     halves16,
@@ -85,11 +84,8 @@ from .lattice import (
 )
 from .q8_act import D, Q, form_arrays, product_arrays, slots
 
-I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 SUPER = IQ2_XXS().block_size  # values of a super-block: 256 for every type here
 SUBS = SUPER // Q8_ACT_BLOCK  # its sub-blocks, each one activation block of 32
-V4_I64, V32_I8 = ir.VectorType(I64, 4), ir.VectorType(I8, Q8_ACT_BLOCK)
-V16_I16 = ir.VectorType(I16, PAIRS)
 W4_IQ3_XXS, W4_IQ3_S = words(GRID_IQ3_XXS), words(GRID_IQ3_S)  # uint32: 4 values a point
 U32_2, U32_3, U32_9, U32_14, U32_16, U32_21, U32_24, U32_28, U32_511 = (
     np.uint32(v) for v in (2, 3, 9, 14, 16, 21, 24, 28, 511))

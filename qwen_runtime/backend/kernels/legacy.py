@@ -45,12 +45,18 @@ from ...quants.base import QType
 from ...quants.iq4 import IQ4_LEVELS
 from ...quants.legacy import Q4_0, Q4_1, Q5_0, Q5_1
 from .base import (
+    HALF,
+    I8,
+    I32,
     LANES,
     PAIR,
     PERMUTE,
     SUMS_GEMV,
     TABLE_DECODE,
     TABLE_ROWS,
+    V16_F32,
+    V16_I8,
+    V16_I32,
     BlockSumsKernel,
     block_at,
     compiled,
@@ -68,12 +74,9 @@ from .base import (
     sums_product,
 )
 
-HALF = LANES // 2
 NEGATIVE_ZERO = np.float32(-0.0)
 X86 = llvm.get_process_triple().startswith(("x86_64", "i386", "i686"))  # pshufb for the IQ4 levels
 
-I8, I32, F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-V16_I8, V16_I32, V16_F32 = ir.VectorType(I8, HALF), ir.VectorType(I32, HALF), ir.VectorType(F32, HALF)
 
 
 def _data(context: object, builder: ir.IRBuilder, array_type: types.Array, array: ir.Value) -> ir.Value:
@@ -373,4 +376,3 @@ class Q5_1JitKernel(BlockSumsKernel):
     row_product = q5_1_rows
 
 
-KERNELS = (Q4_0JitKernel, Q4_1JitKernel, Q5_0JitKernel, Q5_1JitKernel)

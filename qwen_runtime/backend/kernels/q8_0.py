@@ -19,12 +19,12 @@ from numba.extending import intrinsic
 
 from ...quants.q8_0 import Q8_0_BYTES
 from .base import (
-    HALF,
     LANES,
     PAIR,
     SUMS_GEMV,
     TABLE_DECODE,
     V16_F32,
+    V16_I8,
     BlockSumsKernel,
     block_at,
     compiled,
@@ -37,8 +37,6 @@ from .base import (
     splat,
     sums_product,
 )
-
-V16_I8 = ir.VectorType(ir.IntType(8), HALF)
 
 
 @intrinsic

@@ -28,16 +28,26 @@ from numba.extending import intrinsic
 
 from ...quants.q8_act import Q8_ACT_BLOCK, Q8_ACT_MAX
 from ...quants.q8k_act import BSUM, Q8K_MAX, QK_K
-from .base import F16_TABLE, F32_2D_C, address_as, call_at, compiled, f32_at, i64_at, inline, u8_at
+from .base import (
+    F16_TABLE,
+    F32_2D_C,
+    I8_2D_W,
+    I16_2D_W,
+    I32_2D_W,
+    address_as,
+    call_at,
+    compiled,
+    f32_at,
+    i64_at,
+    inline,
+    u8_at,
+)
 
 Q, XU, Q16, D, D8, B32, KQ, KD, KB = range(9)  # the slots of a forms table
 SLOTS = 9
 TABLE_SIZE = F16_TABLE.size
 # Bytes of a slot's row per column of the input (D: 4 bytes per 32 columns, given as 1/8).
 ROW_BYTES = {Q: 1, XU: 1, Q16: 2, D: 1 / 8, D8: 1, B32: 1, KQ: 1, KD: 4 / QK_K, KB: 2 / BSUM}
-I8_2D_W = types.int8[:, ::1]
-I16_2D_W = types.int16[:, ::1]
-I32_2D_C = types.int32[:, ::1]
 i8_at, i16_at, i32_at = (address_as(t) for t in (types.int8, types.int16, types.int32))
 
 # The C signature of a type's row product with 8-bit activations (``<type>_q8_rows``), called by address from the
@@ -72,7 +82,7 @@ def quantize_rows(x, q, d):
                 q[i, b * 32 + k] = np.int8(np.rint(xs[k] * inverse))
 
 
-@compiled(types.void(F32_2D_C, I32_2D_C, I8_2D_W, F32_2D_C), contract=False, shared=True)
+@compiled(types.void(F32_2D_C, I32_2D_W, I8_2D_W, F32_2D_C), contract=False, shared=True)
 def quantize_k_rows(x, bits, q, d):
     """``q``, ``d`` = ``quants.q8k_act.quantize_q8_k`` of ``x`` [N, nb * 256] (the same float32 operations).
     ``bits`` is ``x`` viewed as int32: the largest magnitude is found as the largest of the bits without the sign,

@@ -34,17 +34,13 @@ from numba.extending import intrinsic
 
 from ...quants.kquants import Q4_K, Q6_K
 from ...quants.q8k_act import BSUM, QK_K
-from .base import F32, FEATURES, I32
+from .base import F32, FEATURES, I8, I16, I32, I64, V4_I32, V8_I32, V16_I8, V16_I16, V32_I8
 from .int8 import _literal
 
 AVAILABLE = "avx2" in FEATURES
 binding.initialize_native_asmparser()  # numba does not, and LLVM needs it to emit inline assembly
 Q4_K_BYTES, Q6_K_BYTES = Q4_K().type_size, Q6_K().type_size
 SUMS = QK_K // BSUM  # activation sums per super-block
-I8, I16, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
-V32_I8, V16_I8 = ir.VectorType(I8, 32), ir.VectorType(I8, 16)
-V16_I16, V8_I16, V8_I32 = ir.VectorType(I16, 16), ir.VectorType(I16, 8), ir.VectorType(I32, 8)
-V4_I32 = ir.VectorType(I32, 4)
 
 
 def _x86(builder: ir.IRBuilder, name: str, result: ir.Type, argument: ir.Type) -> ir.Function:
