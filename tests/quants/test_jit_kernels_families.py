@@ -46,6 +46,37 @@ def test_every_type_of_this_file_is_registered() -> None:
     assert set(TYPES) <= set(kernel_table()["float"])
 
 
+def test_the_kernel_table_holds_each_family_once() -> None:
+    """Each family module lists its kernels once (``KERNELS``), so the table holds every kernel class under its own
+    type (no family's list overwrote another's), and each reads the bytes of that type's blocks."""
+    from qwen_runtime.backend.kernels import (
+        amx,
+        amx_blocks,
+        amx_k,
+        dense,
+        int8,
+        int8_k,
+        iq4,
+        kquants,
+        lattice,
+        lattice_int8,
+        legacy,
+        q8_0,
+    )
+
+    families = {"float": (dense, q8_0, legacy, kquants, iq4, lattice), "q8": (int8, int8_k, lattice_int8),
+                "q8-prompts": (amx, amx_blocks, amx_k)}
+    table = kernel_table()
+    for form, modules in families.items():
+        listed = [kernel for module in modules for kernel in module.KERNELS]
+        assert len(table[form]) == len(listed) and set(table[form].values()) == set(listed), form
+        for qtype, kernel in table[form].items():
+            assert kernel.qtype == qtype
+            if qtype not in (QType.F32, QType.F16, QType.BF16):
+                assert kernel.type_size == codec(qtype).type_size, (form, qtype)
+    assert len(table["float"]) == 23 and set(table["q8-prompts"]) <= set(table["q8"]) <= set(table["float"])
+
+
 def columns(qtype: QType) -> int:
     """A row length of several blocks (IQ4_XS: 256 per block); dense rows not a multiple of 32."""
     return {QType.F32: 301, QType.F16: 301, QType.BF16: 301, QType.IQ4_XS: 768}.get(qtype, 320)

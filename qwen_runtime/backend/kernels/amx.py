@@ -597,3 +597,7 @@ class Q8_0AmxPrompts(AmxPrompts):
 
 class Q8_0AmxPromptKernel(Q8_0AmxPrompts, Q8_0JitKernel):
     """Q8_0 with 8-bit activations in prompts on AMX tiles only (``activations="q8-prompts"``), else exact."""
+
+
+# This family's AMX prompt kernels (:func:`.kernel_table`).
+KERNELS = (Q8_0AmxPromptKernel,)

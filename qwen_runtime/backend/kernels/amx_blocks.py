@@ -123,3 +123,7 @@ class Q5_1AmxPromptKernel(Q5_1AmxPrompts, Q5_1JitKernel):
 
 class IQ4_NLAmxPromptKernel(IQ4_NLAmxPrompts, IQ4_NLJitKernel):
     """IQ4_NL with 8-bit activations in prompts on AMX tiles only (``activations="q8-prompts"``), else exact."""
+
+
+# This family's AMX prompt kernels (:func:`.kernel_table`).
+KERNELS = (Q4_0AmxPromptKernel, Q4_1AmxPromptKernel, Q5_0AmxPromptKernel, Q5_1AmxPromptKernel, IQ4_NLAmxPromptKernel)

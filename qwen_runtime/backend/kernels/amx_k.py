@@ -559,3 +559,8 @@ class Q6_KAmxPromptKernel(KQuantAmxPrompts, Q6_KJitKernel):
 
 class IQ4_XSAmxPromptKernel(KQuantAmxPrompts, IQ4_XSJitKernel):
     """IQ4_XS with 8-bit activations in prompts on AMX tiles only (``activations="q8-prompts"``), else exact."""
+
+
+# This family's AMX prompt kernels (:func:`.kernel_table`).
+KERNELS = (Q2_KAmxPromptKernel, Q3_KAmxPromptKernel, Q4_KAmxPromptKernel, Q5_KAmxPromptKernel, Q6_KAmxPromptKernel,
+           IQ4_XSAmxPromptKernel)

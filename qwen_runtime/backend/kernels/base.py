@@ -58,7 +58,8 @@ from numba.extending import intrinsic
 from ...errors import FormatError
 from ..jit_setup import prepare_numba
 
-if TYPE_CHECKING:  # an annotation only, kept out of the cache stamp of the kernels (jit_setup.import_closure)
+if TYPE_CHECKING:  # annotations only, kept out of the cache stamp of the kernels (jit_setup.import_closure)
+    from ...quants.base import QType
     from ...quants.scratch import Scratch
 
 prepare_numba()  # before this package's first compile or cache load (the shared helpers load at import)
@@ -781,6 +782,7 @@ class JitKernel:
     Compiled code runs without bounds checks: every shape it sees is checked here first.
     """
 
+    qtype: QType  # the stored type (its key in :func:`..kernel_table`)
     block: int
     type_size: int
     constants: tuple = ()

@@ -266,6 +266,7 @@ class DenseJitKernel(JitKernel):
 
 class F32JitKernel(DenseJitKernel):
     """Float32 rows: the row kernels read them in place, and BLAS multiplies the mapped rows themselves (no tile)."""
+    qtype = QType.F32
 
     qtype, type_size, dtype = QType.F32, 4, np.float32
     gemv1, gemv = staticmethod(f32_gemv1), staticmethod(f32_gemv)
@@ -276,14 +277,18 @@ class F32JitKernel(DenseJitKernel):
 
 
 class F16JitKernel(DenseJitKernel):
+    qtype = QType.F16
     qtype, type_size = QType.F16, 2
     gemv1, gemv, decode = staticmethod(f16_gemv1), staticmethod(f16_gemv), staticmethod(f16_decode)
     row_product = f16_rows
 
 
 class BF16JitKernel(DenseJitKernel):
+    qtype = QType.BF16
     qtype, type_size = QType.BF16, 2
     gemv1, gemv, decode = staticmethod(bf16_gemv1), staticmethod(bf16_gemv), staticmethod(bf16_decode)
     row_product = bf16_rows
 
 
+# This family's float kernels (:func:`.kernel_table`).
+KERNELS = (F32JitKernel, F16JitKernel, BF16JitKernel)

@@ -1135,6 +1135,11 @@ class Int8Kernel(JitKernel):
     q8_row_product: object = None
     q8_slots = PAIRS_SLOTS
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "exact" in vars(cls):  # the stored type is its float kernel's
+            cls.qtype = cls.exact.qtype
+
     def __init__(self, raw: np.ndarray) -> None:
         super().__init__(raw)
         self.exact_kernel = self.exact(raw)
@@ -1317,3 +1322,7 @@ class Q5_1AmxKernel(Q5_1AmxPrompts, Q5_1Int8Kernel):
 class IQ4_NLAmxKernel(IQ4_NLAmxPrompts, IQ4_NLInt8Kernel):
     """IQ4_NL with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles
     (:mod:`.amx_blocks`)."""
+
+
+# This family's 8-bit kernels (:func:`.kernel_table`).
+KERNELS = (Q8_0AmxKernel, Q4_0AmxKernel, Q4_1AmxKernel, Q5_0AmxKernel, Q5_1AmxKernel, IQ4_NLAmxKernel, IQ4_XSAmxKernel)

@@ -738,3 +738,7 @@ class Q5_KAmxKernel(KQuantAmxPrompts, Q5_KInt8Kernel):
 
 class Q6_KAmxKernel(KQuantAmxPrompts, Q6_KInt8Kernel):
     """Q6_K with 8-bit activations in every product (``activations="q8"``); prompts on AMX tiles (:mod:`.amx_k`)."""
+
+
+# This family's 8-bit kernels (:func:`.kernel_table`).
+KERNELS = (Q2_KAmxKernel, Q3_KAmxKernel, Q4_KAmxKernel, Q5_KAmxKernel, Q6_KAmxKernel)

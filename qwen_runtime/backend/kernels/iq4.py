@@ -119,14 +119,18 @@ def iq4_xs_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, o
 
 
 class IQ4_NLJitKernel(BlockSumsKernel):
+    qtype = QType.IQ4_NL
     qtype, type_size = QType.IQ4_NL, IQ4_NL_GEO[0]
     gemv1, gemv, decode = staticmethod(iq4_nl_gemv1), staticmethod(iq4_nl_gemv), staticmethod(iq4_nl_decode)
     row_product = iq4_nl_rows
 
 
 class IQ4_XSJitKernel(BlockSumsKernel):
+    qtype = QType.IQ4_XS
     qtype, block, type_size = QType.IQ4_XS, IQ4_XS().block_size, XS_BYTES
     gemv1, gemv, decode = staticmethod(iq4_xs_gemv1), staticmethod(iq4_xs_gemv), staticmethod(iq4_xs_decode)
     row_product = iq4_xs_rows
 
 
+# This family's float kernels (:func:`.kernel_table`).
+KERNELS = (IQ4_NLJitKernel, IQ4_XSJitKernel)

@@ -35,6 +35,7 @@ from numba import carray, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ...quants.base import QType
 from .base import (
     CHUNK_COLS,
     F16_TABLE,
@@ -599,6 +600,7 @@ def q6_k_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out
 
 
 class Q4_KJitKernel(JitKernel):
+    qtype = QType.Q4_K
     block, type_size = QK_K, Q4_K_BYTES
     constants = (F16_TABLE,)
     gemv1 = staticmethod(q4_k_gemv1)
@@ -612,6 +614,7 @@ class Q4_KJitKernel(JitKernel):
 
 
 class Q5_KJitKernel(Q4_KJitKernel):
+    qtype = QType.Q5_K
     type_size = Q5_K_BYTES
     gemv1 = staticmethod(q5_k_gemv1)
     gemv = staticmethod(q5_k_gemv)
@@ -620,6 +623,7 @@ class Q5_KJitKernel(Q4_KJitKernel):
 
 
 class Q2_KJitKernel(JitKernel):
+    qtype = QType.Q2_K
     block, type_size = QK_K, 84
     constants = (F16_TABLE,)
     gemv1, gemv, decode = staticmethod(q2_k_gemv1), staticmethod(q2_k_gemv), staticmethod(q2_k_decode)
@@ -631,6 +635,7 @@ class Q2_KJitKernel(JitKernel):
 
 
 class Q3_KJitKernel(Q2_KJitKernel):
+    qtype = QType.Q3_K
     type_size = 110
     gemv1, gemv, decode = staticmethod(q3_k_gemv1), staticmethod(q3_k_gemv), staticmethod(q3_k_decode)
     row_product = q3_k_rows
@@ -641,9 +646,14 @@ class Q3_KJitKernel(Q2_KJitKernel):
 
 
 class Q6_KJitKernel(JitKernel):
+    qtype = QType.Q6_K
     block, type_size = QK_K, Q6_K_BYTES
     constants = (F16_TABLE,)
     gemv1 = staticmethod(q6_k_gemv1)
     gemv = staticmethod(q6_k_gemv)
     row_product = q6_k_rows
     decode = staticmethod(q6_k_decode)
+
+
+# This family's float kernels (:func:`.kernel_table`).
+KERNELS = (Q4_KJitKernel, Q5_KJitKernel, Q2_KJitKernel, Q3_KJitKernel, Q6_KJitKernel)

@@ -369,6 +369,7 @@ def iq2_xxs_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, 
 
 
 class IQ2_XXSJitKernel(BlockSumsKernel):
+    qtype = QType.IQ2_XXS
     qtype, block, type_size = QType.IQ2_XXS, IQ2_XXS().block_size, IQ2_XXS_GEO[0]
     gemv1, gemv, decode = staticmethod(iq2_xxs_gemv1), staticmethod(iq2_xxs_gemv), staticmethod(iq2_xxs_decode)
     row_product = iq2_xxs_rows
@@ -412,6 +413,7 @@ def iq2_xs_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, o
 
 
 class IQ2_XSJitKernel(BlockSumsKernel):
+    qtype = QType.IQ2_XS
     qtype, block, type_size = QType.IQ2_XS, IQ2_XS().block_size, IQ2_XS_GEO[0]
     gemv1, gemv, decode = staticmethod(iq2_xs_gemv1), staticmethod(iq2_xs_gemv), staticmethod(iq2_xs_decode)
     row_product = iq2_xs_rows
@@ -455,6 +457,7 @@ def iq2_s_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, ou
 
 
 class IQ2_SJitKernel(BlockSumsKernel):
+    qtype = QType.IQ2_S
     qtype, block, type_size = QType.IQ2_S, IQ2_S().block_size, IQ2_S_GEO[0]
     gemv1, gemv, decode = staticmethod(iq2_s_gemv1), staticmethod(iq2_s_gemv), staticmethod(iq2_s_decode)
     row_product = iq2_s_rows
@@ -498,6 +501,7 @@ def iq3_xxs_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, 
 
 
 class IQ3_XXSJitKernel(BlockSumsKernel):
+    qtype = QType.IQ3_XXS
     qtype, block, type_size = QType.IQ3_XXS, IQ3_XXS().block_size, IQ3_XXS_GEO[0]
     gemv1, gemv, decode = staticmethod(iq3_xxs_gemv1), staticmethod(iq3_xxs_gemv), staticmethod(iq3_xxs_decode)
     row_product = iq3_xxs_rows
@@ -541,6 +545,7 @@ def iq3_s_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, ou
 
 
 class IQ3_SJitKernel(BlockSumsKernel):
+    qtype = QType.IQ3_S
     qtype, block, type_size = QType.IQ3_S, IQ3_S().block_size, IQ3_S_GEO[0]
     gemv1, gemv, decode = staticmethod(iq3_s_gemv1), staticmethod(iq3_s_gemv), staticmethod(iq3_s_decode)
     row_product = iq3_s_rows
@@ -584,6 +589,7 @@ def iq1_s_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, ou
 
 
 class IQ1_SJitKernel(BlockSumsKernel):
+    qtype = QType.IQ1_S
     qtype, block, type_size = QType.IQ1_S, IQ1_S().block_size, IQ1_S_GEO[0]
     gemv1, gemv, decode = staticmethod(iq1_s_gemv1), staticmethod(iq1_s_gemv), staticmethod(iq1_s_decode)
     row_product = iq1_s_rows
@@ -627,6 +633,7 @@ def iq1_m_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, ou
 
 
 class IQ1_MJitKernel(BlockSumsKernel):
+    qtype = QType.IQ1_M
     qtype, block, type_size = QType.IQ1_M, IQ1_M().block_size, IQ1_M_GEO[0]
     gemv1, gemv, decode = staticmethod(iq1_m_gemv1), staticmethod(iq1_m_gemv), staticmethod(iq1_m_decode)
     row_product = iq1_m_rows
@@ -670,8 +677,12 @@ def tq2_0_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, ou
 
 
 class TQ2_0JitKernel(BlockSumsKernel):
+    qtype = QType.TQ2_0
     qtype, block, type_size = QType.TQ2_0, TQ2_0().block_size, TQ2_0_GEO[0]
     gemv1, gemv, decode = staticmethod(tq2_0_gemv1), staticmethod(tq2_0_gemv), staticmethod(tq2_0_decode)
     row_product = tq2_0_rows
 
 
+# This family's float kernels (:func:`.kernel_table`).
+KERNELS = (IQ2_XXSJitKernel, IQ2_XSJitKernel, IQ2_SJitKernel, IQ3_XXSJitKernel, IQ3_SJitKernel, IQ1_SJitKernel,
+           IQ1_MJitKernel, TQ2_0JitKernel)

@@ -548,3 +548,8 @@ class TQ2_0Int8Kernel(GridKernel):
     block, type_size, exact = TQ2_0().block_size, TQ2_0_GEO[0], TQ2_0JitKernel
     gemv1_q8, gemv_q8 = staticmethod(tq2_0_gemv1_q8), staticmethod(tq2_0_gemv_q8)
     q8_row_product = tq2_0_q8_rows
+
+
+# This family's 8-bit kernels (:func:`.kernel_table`).
+KERNELS = (IQ2_XXSInt8Kernel, IQ2_XSInt8Kernel, IQ2_SInt8Kernel, IQ3_XXSInt8Kernel, IQ3_SInt8Kernel, IQ1_SInt8Kernel,
+           IQ1_MInt8Kernel, TQ2_0Int8Kernel)

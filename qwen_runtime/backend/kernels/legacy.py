@@ -353,26 +353,32 @@ def q5_1_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out
 
 
 class Q4_0JitKernel(BlockSumsKernel):
+    qtype = QType.Q4_0
     qtype, type_size = QType.Q4_0, Q4_0_GEO[0]
     gemv1, gemv, decode = staticmethod(q4_0_gemv1), staticmethod(q4_0_gemv), staticmethod(q4_0_decode)
     row_product = q4_0_rows
 
 
 class Q4_1JitKernel(BlockSumsKernel):
+    qtype = QType.Q4_1
     qtype, type_size, sums_width = QType.Q4_1, Q4_1_GEO[0], LANES
     gemv1, gemv, decode = staticmethod(q4_1_gemv1), staticmethod(q4_1_gemv), staticmethod(q4_1_decode)
     row_product = q4_1_rows
 
 
 class Q5_0JitKernel(BlockSumsKernel):
+    qtype = QType.Q5_0
     qtype, type_size = QType.Q5_0, Q5_0_GEO[0]
     gemv1, gemv, decode = staticmethod(q5_0_gemv1), staticmethod(q5_0_gemv), staticmethod(q5_0_decode)
     row_product = q5_0_rows
 
 
 class Q5_1JitKernel(BlockSumsKernel):
+    qtype = QType.Q5_1
     qtype, type_size, sums_width = QType.Q5_1, Q5_1_GEO[0], LANES
     gemv1, gemv, decode = staticmethod(q5_1_gemv1), staticmethod(q5_1_gemv), staticmethod(q5_1_decode)
     row_product = q5_1_rows
 
 
+# This family's float kernels (:func:`.kernel_table`).
+KERNELS = (Q4_0JitKernel, Q4_1JitKernel, Q5_0JitKernel, Q5_1JitKernel)

@@ -17,6 +17,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from ...quants.base import QType
 from ...quants.q8_0 import Q8_0_BYTES
 from .base import (
     LANES,
@@ -105,6 +106,11 @@ def q8_0_rows(raw, rows, row_bytes, x, n, cols, sums, sums_cols, table, out, out
 
 
 class Q8_0JitKernel(BlockSumsKernel):
+    qtype = QType.Q8_0
     type_size = Q8_0_BYTES
     gemv1, gemv, decode = staticmethod(q8_0_gemv1), staticmethod(q8_0_gemv), staticmethod(q8_0_decode)
     row_product = q8_0_rows
+
+
+# This family's float kernels (:func:`.kernel_table`).
+KERNELS = (Q8_0JitKernel,)
