@@ -3,8 +3,8 @@
     python scripts/warm_kernels.py [--jobs N] [--other-forms]
 
 Each kernel compiles (explicit signature) when a weight that uses it is built, and the compiled decode step when a
-model first runs; a process does that one function after another (about 4 minutes of CPU on this machine from a
-cold cache, for every kernel).  Here every kernel of each module is compiled, independent groups of modules in
+model first runs; a process does that one function after another (minutes of CPU from a cold cache, for
+every kernel: docs/performance.md).  Here every kernel of each module is compiled, independent groups of modules in
 parallel processes, so that no two processes compile the same function; a model fixture of each decode-step
 kind (attention; Gated DeltaNet) then runs a few tokens.  ``--other-forms`` also compiles every kernel module for
 the kernels' other instruction forms this CPU runs (``jit_setup.other_instruction_forms``: AVX2, AVX-512 without

@@ -517,7 +517,7 @@ def test_a_kernel_compiles_when_a_weight_calls_it() -> None:
     code = """
 import numpy as np
 from qwen_runtime.backend.kernels import jit_kernel, kernel_table
-from qwen_runtime.backend.kernels.base import Declared, DeclaredCFunc, _class_functions
+from qwen_runtime.backend.kernels.base import Declared, DeclaredCFunc
 from qwen_runtime.quants import QType
 
 def readied():

@@ -16,18 +16,14 @@ import numpy as np
 
 from ...quants.base import QType, TileKernel
 
-# The activation forms (``Workspace.activations`` once resolved): "float", the exact float kernels; "q8", every
-# product of a quantized type with 8-bit activations as llama.cpp multiplies (integer dot products, prompts on AMX
-# tiles where the CPU has them); "q8-prompts", 8-bit activations only in prompts on AMX tiles, the exact float
-# kernel in every other product.  A type without a kernel of its own in a form takes its float kernel.
-FORMS = ("float", "q8", "q8-prompts")
-
 
 @functools.cache
 def kernel_table() -> dict[str, dict[QType, type[TileKernel]]]:
-    """The compiled kernel class of each activation form and stored type, from each family module's ``KERNELS``
-    (the i-quants below IQ4 and TQ2_0 have no AMX prompt kernel: with ``"q8"`` they prefill with their float
-    kernels)."""
+    """The compiled kernel class of each activation form (``pool.ACTIVATION_FORMS``: "float", the exact float
+    kernels; "q8", every product of a quantized type with 8-bit activations as llama.cpp multiplies; "q8-prompts",
+    8-bit activations only in prompts on AMX tiles) and stored type, from each family module's ``KERNELS``.  A type
+    without a kernel of its own in a form takes its float kernel (:func:`kernel_class`; the i-quants below IQ4 and
+    TQ2_0 have no AMX prompt kernel: with ``"q8"`` they prefill with their float kernels)."""
     from . import amx, amx_blocks, amx_k, dense, int8, int8_k, iq4, kquants, lattice, lattice_int8, legacy, q8_0
 
     families = {"float": (dense, q8_0, legacy, kquants, iq4, lattice), "q8": (int8, int8_k, lattice_int8),
@@ -46,6 +42,6 @@ def kernel_class(qtype: QType, activations: str = "float") -> type[TileKernel] |
 def jit_kernel(qtype: QType, raw: np.ndarray, activations: str = "float") -> TileKernel | None:
     """The compiled tile kernel of a matrix stored as ``raw`` (None for a type without one, and for rows that are
     not one contiguous array, e.g. a Fortran-ordered npy file: the numpy kernels handle any strides), in the
-    activation form ``activations`` (:data:`FORMS`)."""
+    activation form ``activations`` (:func:`kernel_table`)."""
     kernel = kernel_class(qtype, activations)
     return kernel(raw) if kernel is not None and np.asarray(raw).flags.c_contiguous else None

@@ -583,7 +583,7 @@ class Q8_0AmxPrompts(AmxPrompts):
     amx_product = staticmethod(lambda raw, xk, out: q8_0_amx_product(raw, xk[0], xk[1], out))
 
     def lane_quantize(self, x: np.ndarray) -> lanes.LaneActivations | None:
-        if not lanes.takes_q8_0():
+        if self.lane_kernel() is None:
             return None
         q, d = quantized_padded(x)
         return lanes.q8_0_lane_activations(q, d, len(x), self.in_features)

@@ -523,7 +523,7 @@ class KQuantAmxPrompts(AmxPrompts):
         kquant_amx_product(raw, xk, out)
 
     def lane_quantize(self, x: np.ndarray) -> lanes.LaneActivations | None:
-        if not lanes.takes(self.type_size):
+        if self.lane_kernel() is None:
             return None
         per, dtype = lanes.LANE_SUMS[self.type_size]
         q, d, sums = q8_k_padded(x, per)

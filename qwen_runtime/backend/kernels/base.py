@@ -189,7 +189,7 @@ ERROR_MODEL = "numpy"
 
 class Declared(CPUDispatcher):
     """A kernel of one declared signature, compiled (or loaded from numba's cache) on first use rather than at
-    import: by :func:`ready` (a weight's kernel readies the functions it calls while the model loads, see
+    import: by :meth:`ready` (a weight's kernel readies the functions it calls while the model loads, see
     :meth:`JitKernel.compiled_functions`), by a compiled caller being typed, or by a first call from Python.
 
     Then, as ``numba.njit(signature)``, it holds exactly that one specialisation: a call whose arguments differ
@@ -265,11 +265,6 @@ class DeclaredCFunc:
 def declared_cfunc(signature: object):  # -> a decorator
     """:class:`DeclaredCFunc` of ``signature``."""
     return lambda function: DeclaredCFunc(function, signature)
-
-
-def ready(function: object) -> object:
-    """``function`` (a :class:`Declared` or :class:`DeclaredCFunc`) compiled or loaded now."""
-    return function.ready()
 
 
 def ready_module(module: ModuleType) -> list[str]:

@@ -663,7 +663,7 @@ def lane_activations(q: np.ndarray, d: np.ndarray, sums: np.ndarray, rows: int) 
 def prompt_kernel(type_size: int) -> Declared | None:
     """The compiled prompt product of a type (by its bytes per block or super-block) where this CPU takes it
     (:func:`takes_q8_0`, :func:`takes`), else None: what a weight of the type readies while the model loads."""
-    if not (MADDUBS and AVAILABLE):
+    if not takes_q8_0():  # the lanes run on this CPU
         return None
     return {Q8_0_BYTES: q8_0_prompts, Q4_0_BYTES: q4_0_prompts, Q5_0_BYTES: q5_0_prompts, Q4_K_BYTES: q4_k_prompts,
             Q6_K_BYTES: q6_k_prompts, IQ4_XS_BYTES: iq4_xs_prompts}.get(type_size)
